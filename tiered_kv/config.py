@@ -1,0 +1,169 @@
+"""The validated configuration object.
+
+:class:`TieredKVConfig` is a frozen dataclass; every field is checked in
+``__post_init__`` and a bad value raises :class:`~tiered_kv.errors.ConfigError`
+naming the field and the value.  One field table drives construction from
+keyword arguments, from a mapping (``from_dict``, e.g. vLLM's
+``kv_connector_extra_config``) and from environment variables (``from_env``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+from .errors import ConfigError
+
+__all__ = ["TieredKVConfig", "Durability", "WriteMode"]
+
+Durability = Literal["sync", "batch", "none"]
+WriteMode = Literal["through", "back"]
+
+_DURABILITY = ("sync", "batch", "none")
+_WRITE_MODES = ("through", "back")
+_MAX_NAMESPACE = 512
+
+
+def _check_int(name: str, value: Any, lo: int, hi: Optional[int] = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < lo or (hi is not None and value > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ConfigError(f"{name} must be {rng}, got {value!r}")
+
+
+def _check_float(name: str, value: Any, lo: float, hi: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if not (lo <= float(value) <= hi):
+        raise ConfigError(f"{name} must be in [{lo}, {hi}], got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TieredKVConfig:
+    """Settings of one :class:`~tiered_kv.TierManager`.  Units are in the names.
+
+    namespace: scopes every key (model, dtype, block shape, rank).  A block
+        stored under one namespace is never served under another.
+    host_capacity_bytes: size of the pinned host slab, preallocated at start.
+    disk_path: directory of the LMDB disk tier, or ``None`` for no disk tier.
+    disk_capacity_bytes: bytes of block data the disk tier may hold (LRU beyond).
+    durability: ``"sync"`` | ``"batch"`` | ``"none"`` (see docs/architecture.md).
+    write_mode: ``"through"`` spills on store; ``"back"`` spills on host eviction.
+    max_inflight_jobs: bound on store/load jobs in flight; beyond it calls shed.
+    num_copy_workers: worker threads of the CPU mover (ignored with CUDA).
+    num_copy_streams: CUDA copy streams of the GPU mover.
+    pin_host_memory: ``None`` pins when CUDA is available.
+    max_key_bytes: longest accepted key.
+    writer_queue_blocks: bound of the disk writer's queue (spills shed beyond).
+    writer_batch_blocks / writer_batch_bytes / writer_batch_seconds: a disk
+        write transaction commits when any of these is reached.
+    disk_map_size_bytes: initial LMDB map size (``0``: derived from capacity).
+    """
+
+    namespace: str
+    host_capacity_bytes: int
+    disk_path: Optional[Union[str, "os.PathLike[str]"]] = None
+    disk_capacity_bytes: int = 0
+    durability: Durability = "batch"
+    write_mode: WriteMode = "through"
+    max_inflight_jobs: int = 4096
+    num_copy_workers: int = 2
+    num_copy_streams: int = 2
+    pin_host_memory: Optional[bool] = None
+    max_key_bytes: int = 1024
+    writer_queue_blocks: int = 256
+    writer_batch_blocks: int = 64
+    writer_batch_bytes: int = 64 << 20
+    writer_batch_seconds: float = 0.005
+    disk_map_size_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.namespace, str) or not self.namespace:
+            raise ConfigError(f"namespace must be a non-empty str, got {self.namespace!r}")
+        if len(self.namespace.encode()) > _MAX_NAMESPACE:
+            raise ConfigError(f"namespace must be at most {_MAX_NAMESPACE} bytes, got {len(self.namespace.encode())}")
+        _check_int("host_capacity_bytes", self.host_capacity_bytes, 1)
+        if self.disk_path is not None and not isinstance(self.disk_path, (str, os.PathLike)):
+            raise ConfigError(f"disk_path must be a path or None, got {self.disk_path!r}")
+        if self.disk_path is not None and not str(os.fspath(self.disk_path)):
+            raise ConfigError("disk_path must not be empty")
+        _check_int("disk_capacity_bytes", self.disk_capacity_bytes, 0)
+        if self.disk_path is not None and self.disk_capacity_bytes == 0:
+            raise ConfigError(f"disk_capacity_bytes must be > 0 when disk_path is set, got {self.disk_capacity_bytes!r}")
+        if self.durability not in _DURABILITY:
+            raise ConfigError(f"durability must be one of {_DURABILITY}, got {self.durability!r}")
+        if self.write_mode not in _WRITE_MODES:
+            raise ConfigError(f"write_mode must be one of {_WRITE_MODES}, got {self.write_mode!r}")
+        _check_int("max_inflight_jobs", self.max_inflight_jobs, 1, 1 << 24)
+        _check_int("num_copy_workers", self.num_copy_workers, 1, 64)
+        _check_int("num_copy_streams", self.num_copy_streams, 1, 64)
+        if self.pin_host_memory is not None and not isinstance(self.pin_host_memory, bool):
+            raise ConfigError(f"pin_host_memory must be a bool or None, got {self.pin_host_memory!r}")
+        _check_int("max_key_bytes", self.max_key_bytes, 1, 65536)
+        _check_int("writer_queue_blocks", self.writer_queue_blocks, 1, 1 << 20)
+        _check_int("writer_batch_blocks", self.writer_batch_blocks, 1, 1 << 16)
+        _check_int("writer_batch_bytes", self.writer_batch_bytes, 1)
+        _check_float("writer_batch_seconds", self.writer_batch_seconds, 0.0, 60.0)
+        _check_int("disk_map_size_bytes", self.disk_map_size_bytes, 0)
+
+    @property
+    def disk_dir(self) -> Optional[Path]:
+        """``disk_path`` as a :class:`~pathlib.Path`, or ``None``."""
+        return None if self.disk_path is None else Path(os.fspath(self.disk_path))
+
+    def replace(self, **changes: Any) -> "TieredKVConfig":
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "TieredKVConfig":
+        """Build from a mapping; an unknown key raises :class:`ConfigError`."""
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"config must be a mapping, got {type(values).__name__}")
+        unknown = sorted(set(values) - set(cls.field_names()))
+        if unknown:
+            raise ConfigError(f"unknown config keys {unknown}; known: {list(cls.field_names())}")
+        return cls(**dict(values))
+
+    @classmethod
+    def from_env(cls, prefix: str = "TIERED_KV_", environ: Optional[Mapping[str, str]] = None, **overrides: Any) -> "TieredKVConfig":
+        """Build from ``{prefix}{FIELD}`` environment variables, then ``overrides``."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get(prefix + f.name.upper())
+            if raw is None:
+                continue
+            values[f.name] = _parse_env(f.name, raw, f.default)
+        values.update(overrides)
+        return cls.from_dict(values)
+
+
+def _parse_env(name: str, raw: str, default: Any) -> Any:
+    try:
+        if name in ("namespace", "durability", "write_mode"):
+            return raw
+        if name == "disk_path":
+            return raw or None
+        if name == "pin_host_memory":
+            low = raw.strip().lower()
+            if low in ("", "auto", "none"):
+                return None
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if isinstance(default, float):
+            return float(raw)
+        return int(raw, 0)
+    except ValueError:
+        raise ConfigError(f"environment value for {name} is not valid: {raw!r}") from None

@@ -1,0 +1,167 @@
+"""The host tier's bookkeeping: slots, entries, leases and LRU eviction.
+
+Pure Python, no tensors and no I/O, so the same policy serves the standalone
+manager and a scheduler-side adapter that runs in another process than the
+copies.  Invariants (tested in tests/test_host_index.py and the state machine):
+
+* a slot belongs to at most one :class:`HostEntry`; it returns to the free
+  list only when its entry is out of the index *and* no worker may still
+  write it (``writing``) *and* no load reads it (``readers == 0``);
+* only READY entries with no readers are evictable, and never a key the
+  evicting call protects;
+* entries are objects that jobs hold directly: nothing keyed by a slot number
+  outlives the job that leased it.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterator
+from typing import Optional
+
+__all__ = ["HostIndex", "HostEntry", "EntryState"]
+
+
+class EntryState(enum.Enum):
+    WRITING = "writing"  # a store/promote is filling the slot
+    READY = "ready"      # the slot holds the key's verified bytes
+
+
+class HostEntry:
+    __slots__ = ("key", "slot", "state", "writer", "readers", "live", "writing", "on_disk")
+
+    def __init__(self, key: bytes, slot: int, writer: uuid.UUID) -> None:
+        self.key = key
+        self.slot = slot
+        self.state = EntryState.WRITING
+        self.writer = writer      # token of the job that fills the slot
+        self.readers = 0          # loads/spills reading the slot right now
+        self.live = True          # present in the index
+        self.writing = True       # a worker may still write the slot
+        self.on_disk = False      # a durable copy exists in the disk tier
+
+    def __repr__(self) -> str:
+        return (f"HostEntry(key={self.key!r}, slot={self.slot}, {self.state.value}, "
+                f"readers={self.readers}, live={self.live}, writing={self.writing})")
+
+
+class HostIndex:
+    """Key -> slot map of the host slab with leases and LRU eviction."""
+
+    def __init__(self, num_slots: int, on_evict: Optional[Callable[[HostEntry], None]] = None) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.num_slots = num_slots
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._entries: dict[bytes, HostEntry] = {}
+        self._lru: OrderedDict[bytes, HostEntry] = OrderedDict()  # READY, readers == 0
+        self._on_evict = on_evict
+        self.evictions = 0
+
+    # -- queries -------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def get(self, key: bytes) -> Optional[HostEntry]:
+        return self._entries.get(key)
+
+    def ready(self, key: bytes) -> Optional[HostEntry]:
+        e = self._entries.get(key)
+        return e if e is not None and e.state is EntryState.READY else None
+
+    @property
+    def used_slots(self) -> int:
+        return self.num_slots - len(self._free)
+
+    @property
+    def ready_count(self) -> int:
+        return sum(1 for e in self._entries.values() if e.state is EntryState.READY)
+
+    def entries(self) -> Iterator[HostEntry]:
+        return iter(list(self._entries.values()))
+
+    # -- moves -------------------------------------------------------------
+    def touch(self, entry: HostEntry) -> None:
+        """Mark recently used."""
+        if entry.key in self._lru and self._lru[entry.key] is entry:
+            self._lru.move_to_end(entry.key)
+
+    def reserve(self, key: bytes, writer: uuid.UUID, protect: Collection[bytes] = ()) -> Optional[HostEntry]:
+        """A new WRITING entry for ``key`` in a free or evicted slot; None when full of leased slots."""
+        if key in self._entries:
+            raise AssertionError(f"reserve of present key {key!r}")  # internal bug: callers check first
+        if not self._free and not self._evict_one(protect, key):
+            return None
+        entry = HostEntry(key, self._free.pop(), writer)
+        self._entries[key] = entry
+        return entry
+
+    def publish(self, entry: HostEntry) -> bool:
+        """The writer's copy landed: WRITING -> READY, if the entry is still in the index."""
+        entry.writing = False
+        if not entry.live:
+            self._maybe_free(entry)
+            return False
+        entry.state = EntryState.READY
+        if entry.readers == 0:
+            self._lru[entry.key] = entry
+        return True
+
+    def abort(self, entry: HostEntry) -> None:
+        """The writer's copy failed or will be discarded: drop the entry (slot kept while writing)."""
+        self.remove(entry)
+
+    def writer_done(self, entry: HostEntry) -> None:
+        """A worker that may have written the slot has reported."""
+        entry.writing = False
+        self._maybe_free(entry)
+
+    def acquire(self, entry: HostEntry) -> None:
+        """Lease a READY entry's slot to a reader (load or spill)."""
+        if entry.state is not EntryState.READY or not entry.live:
+            raise AssertionError(f"acquire of {entry!r}")  # internal bug
+        entry.readers += 1
+        self._lru.pop(entry.key, None)
+
+    def release(self, entry: HostEntry) -> None:
+        """A reader finished; the slot becomes evictable (MRU) or is freed if removed."""
+        if entry.readers <= 0:
+            raise AssertionError(f"release without acquire: {entry!r}")  # internal bug
+        entry.readers -= 1
+        if entry.readers == 0:
+            if entry.live and entry.state is EntryState.READY:
+                self._lru[entry.key] = entry
+            else:
+                self._maybe_free(entry)
+
+    def remove(self, entry: HostEntry) -> None:
+        """Take the entry out of the index; its slot is freed once no lease holds it."""
+        if entry.live:
+            entry.live = False
+            if self._entries.get(entry.key) is entry:
+                del self._entries[entry.key]
+            if self._lru.get(entry.key) is entry:
+                del self._lru[entry.key]
+        self._maybe_free(entry)
+
+    # -- internals -------------------------------------------------------
+    def _maybe_free(self, entry: HostEntry) -> None:
+        if not entry.live and not entry.writing and entry.readers == 0 and entry.slot >= 0:
+            self._free.append(entry.slot)
+            entry.slot = -1
+
+    def _evict_one(self, protect: Collection[bytes], key: bytes) -> bool:
+        for k, entry in self._lru.items():
+            if k == key or k in protect:
+                continue
+            if self._on_evict is not None:
+                self._on_evict(entry)
+            self.remove(entry)
+            self.evictions += 1
+            return True
+        return False

@@ -1,0 +1,138 @@
+"""Jobs, their tokens, and the job state machine.
+
+A job is one movement of one block between two tiers.  It is created on the
+owner (engine) thread with a fresh UUID token; workers only ever see
+``(token, what to move)`` and answer ``(token, outcome)``.  The owner matches
+the answer by token, so a late, duplicate or foreign answer can never touch
+another job's state.
+
+State table (the only allowed moves; ``Job._move`` enforces it)::
+
+    PENDING     --report ok-------------> DONE        (reported ok)
+    PENDING     --report failed---------> FAILED      (reported not ok)
+    PENDING     --cancel/free/invalidate-> CANCELLING  (not yet reported)
+    CANCELLING  --delivered--------------> CANCELLED   (reported not ok)
+
+A store in CANCELLING is delivered at the next ``poll()`` (its result is
+discarded anyway); a load in CANCELLING is delivered only when its worker has
+reported, because until then its copy may still land in the device row.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional
+
+__all__ = ["Job", "JobKind", "JobState", "Completion", "StaleReason", "TokenFactory"]
+
+
+class JobKind(str, enum.Enum):
+    STORE = "store"      # device row -> host slot
+    LOAD = "load"        # host slot -> device row
+    SPILL = "spill"      # host slot -> disk
+    PROMOTE = "promote"  # disk -> host slot
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class JobState(str, enum.Enum):
+    PENDING = "pending"
+    CANCELLING = "cancelling"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def terminal(self) -> bool:
+        return self in _TERMINAL
+
+
+_TERMINAL = frozenset({JobState.DONE, JobState.FAILED, JobState.CANCELLED})
+
+ALLOWED_MOVES: dict[JobState, frozenset[JobState]] = {
+    JobState.PENDING: frozenset({JobState.DONE, JobState.FAILED, JobState.CANCELLING}),
+    JobState.CANCELLING: frozenset({JobState.CANCELLED}),
+    JobState.DONE: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.CANCELLED: frozenset(),
+}
+
+
+class StaleReason(str, enum.Enum):
+    """Why a worker report was discarded (label ``reason`` of the stale counter)."""
+
+    UNKNOWN_TOKEN = "unknown_token"    # no live job has that token (never issued, or already applied)
+    CANCELLED = "cancelled"            # the job was cancelled by cancel()
+    SUPERSEDED = "superseded"          # the key was invalidated (and maybe stored again) meanwhile
+    SOURCE_REUSED = "source_reused"    # the source row was freed / rewritten while the copy ran
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class TokenFactory:
+    """Issues UUID tokens: a random 80-bit prefix per factory plus a 48-bit counter.
+
+    Unique within a factory by construction and, across factories, processes
+    and restarts, with the collision odds of 80 random bits -- at a quarter of
+    the cost of ``uuid.uuid4()`` per job, which matters on the engine thread.
+    """
+
+    def __init__(self) -> None:
+        self._prefix = int.from_bytes(os.urandom(10), "big") << 48
+        self._counter = itertools.count(1)
+
+    def __call__(self) -> uuid.UUID:
+        n = next(self._counter)
+        if n >= 1 << 48:  # pragma: no cover - 2.8e14 jobs
+            self.__init__()  # type: ignore[misc]
+            n = next(self._counter)
+        return uuid.UUID(int=self._prefix | n, version=4)
+
+
+@dataclass(eq=False)
+class Job:
+    """One movement of one block.  Read-only for callers.
+
+    ``token`` identifies the job everywhere (workers, logs, disk headers).
+    ``block`` is the device row for STORE/LOAD and ``-1`` for SPILL/PROMOTE.
+    """
+
+    token: uuid.UUID
+    kind: JobKind
+    key: bytes
+    block: int
+    state: JobState = JobState.PENDING
+    cancel_reason: Optional[StaleReason] = None
+    error: Optional[str] = None
+    _owner: object = field(default=None, repr=False)
+
+    def _move(self, new: JobState) -> None:
+        if new not in ALLOWED_MOVES[self.state]:
+            raise AssertionError(f"job {self.token} illegal move {self.state} -> {new}")  # internal bug
+        self.state = new
+
+    @property
+    def done(self) -> bool:
+        """True once the job has been reported by ``poll()``/``wait()``."""
+        return self.state.terminal
+
+    def __hash__(self) -> int:
+        return hash(self.token)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What ``poll()``/``wait()`` report for a job: exactly once per job."""
+
+    job: Job
+    ok: bool
+    error: Optional[str] = None

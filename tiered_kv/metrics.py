@@ -1,0 +1,71 @@
+"""Prometheus metrics of one manager, on a registry the host process passes in.
+
+Names carry the ``tiered_kv_`` prefix and base units; labels are bounded
+(tier, kind, reason, outcome, src, dst, error).  A fresh private
+:class:`~prometheus_client.CollectorRegistry` is used when none is given, so
+no global state is created at import time and tests never collide.
+
+Children for the label values used on the engine thread's hot path are bound
+once here, so an update is one ``inc()``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from .jobs import JobKind, StaleReason
+
+__all__ = ["Metrics", "TIERS", "OUTCOMES"]
+
+TIERS = ("device", "host", "disk")
+OUTCOMES = ("ok", "failed", "cancelled", "shed")
+_LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5)
+_LINKS = (("device", "host"), ("host", "device"), ("host", "disk"), ("disk", "host"))
+
+
+class Metrics:
+    """Every tiered_kv metric, registered on ``registry``."""
+
+    def __init__(self, registry: Optional[CollectorRegistry] = None, namespace: str = "") -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.stale_callbacks = Counter(
+            "tiered_kv_stale_callbacks_total",
+            "Worker reports discarded because their job was unknown, cancelled, superseded or its source reused.",
+            ["kind", "reason"], registry=r)
+        self.jobs = Counter("tiered_kv_jobs_total", "Jobs finished, by kind and outcome.", ["kind", "outcome"], registry=r)
+        self.jobs_in_flight = Gauge("tiered_kv_jobs_in_flight", "Jobs whose worker report has not been applied.", ["kind"], registry=r)
+        self.transfer_bytes = Counter("tiered_kv_transfer_bytes_total", "Bytes moved per link.", ["src", "dst"], registry=r)
+        self.transfer_seconds = Histogram("tiered_kv_transfer_seconds", "Duration of one block copy per link.", ["src", "dst"],
+                                          buckets=_LATENCY_BUCKETS, registry=r)
+        self.tier_used_bytes = Gauge("tiered_kv_tier_used_bytes", "Bytes of blocks held per tier.", ["tier"], registry=r)
+        self.tier_capacity_bytes = Gauge("tiered_kv_tier_capacity_bytes", "Capacity per tier.", ["tier"], registry=r)
+        self.tier_blocks = Gauge("tiered_kv_tier_blocks", "Blocks held per tier (ready or being written).", ["tier"], registry=r)
+        self.lookups = Counter("tiered_kv_lookup_keys_total", "Keys asked for by lookup().", registry=r)
+        self.lookup_hits = Counter("tiered_kv_lookup_hits_total", "Keys found ready by lookup(), by tier.", ["tier"], registry=r)
+        self.evictions = Counter("tiered_kv_evictions_total", "Blocks evicted by LRU, by tier.", ["tier"], registry=r)
+        self.errors = Counter("tiered_kv_errors_total", "Faults absorbed (never raised to the engine), by tier and error.",
+                              ["tier", "error"], registry=r)
+        self.healthy = Gauge("tiered_kv_healthy", "1 when the tier serves normally, 0 when degraded.", ["tier"], registry=r)
+        self.info = Gauge("tiered_kv_info", "Constant 1, labelled with the manager's namespace.", ["namespace"], registry=r)
+        self.info.labels(namespace=namespace).set(1)
+
+        # bound children for the hot path
+        self.stale = {(k, s): self.stale_callbacks.labels(kind=k.value, reason=s.value) for k in JobKind for s in StaleReason}
+        self.job_outcome = {(k, o): self.jobs.labels(kind=k.value, outcome=o) for k in JobKind for o in OUTCOMES}
+        self.in_flight = {k: self.jobs_in_flight.labels(kind=k.value) for k in JobKind}
+        self.link_bytes = {l: self.transfer_bytes.labels(src=l[0], dst=l[1]) for l in _LINKS}
+        self.link_seconds = {l: self.transfer_seconds.labels(src=l[0], dst=l[1]) for l in _LINKS}
+        self.used = {t: self.tier_used_bytes.labels(tier=t) for t in TIERS}
+        self.capacity = {t: self.tier_capacity_bytes.labels(tier=t) for t in TIERS}
+        self.blocks = {t: self.tier_blocks.labels(tier=t) for t in TIERS}
+        self.hits = {t: self.lookup_hits.labels(tier=t) for t in TIERS}
+        self.evicted = {t: self.evictions.labels(tier=t) for t in TIERS}
+        self.health = {t: self.healthy.labels(tier=t) for t in TIERS}
+        for t in ("device", "host"):
+            self.health[t].set(1)
+
+    def error(self, tier: str, error: str) -> None:
+        self.errors.labels(tier=tier, error=error).inc()

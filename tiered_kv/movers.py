@@ -1,0 +1,230 @@
+"""Movers: the parts that copy bytes.  They never touch the manager's maps.
+
+A mover receives :class:`Transfer` messages ``(token, what to move)`` from the
+owner thread and answers each with exactly one :class:`Report`
+``(token, outcome)`` on the shared :class:`CompletionQueue`.  The owner applies
+reports in ``poll()``.
+
+* :class:`ThreadMover` -- worker threads doing ``Tensor.copy_`` (which releases
+  the GIL).  Used without CUDA.  A worker that dies is replaced and its
+  in-hand transfer is reported failed, so every transfer is answered.
+* :class:`CudaMover` -- a pool of CUDA copy streams with start/end events.  A
+  store is ordered after the work already queued on the engine's compute
+  stream; finished transfers are found by querying events in ``harvest()``,
+  never by a blocking synchronize on the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+
+from .jobs import JobKind
+
+__all__ = ["Transfer", "Report", "CompletionQueue", "Mover", "ThreadMover", "CudaMover", "make_mover"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Transfer:
+    """One copy between a device row and a host slot.  ``cancelled`` is a hint
+    the owner may set so that a worker that has not started skips the copy."""
+
+    token: uuid.UUID
+    kind: JobKind  # STORE: device row -> host slot; LOAD: host slot -> device row
+    row: int
+    slot: int
+    cancelled: bool = False
+
+
+@dataclass
+class Report:
+    """A worker's answer for one token."""
+
+    token: uuid.UUID
+    kind: JobKind
+    ok: bool
+    error: Optional[str] = None
+    nbytes: int = 0
+    seconds: float = 0.0
+    copied: bool = True  # False when the worker skipped the copy
+
+
+class CompletionQueue:
+    """Multi-producer, single-consumer queue of reports (movers -> owner)."""
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def put(self, item: Any) -> None:
+        self._q.put(item)
+
+    def drain(self) -> list[Any]:
+        out = []
+        get = self._q.get_nowait
+        try:
+            while True:
+                out.append(get())
+        except queue.Empty:
+            return out
+
+    def get(self, timeout: Optional[float]) -> Optional[Any]:
+        try:
+            return self._q.get(timeout=timeout) if timeout is None or timeout > 0 else self._q.get_nowait()
+        except queue.Empty:
+            return None
+
+
+class Mover(Protocol):
+    polled: bool  # True when reports appear only through harvest()
+
+    def submit(self, t: Transfer) -> None: ...
+    def harvest(self) -> None: ...
+    def close(self) -> None: ...
+
+
+CopyFn = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
+
+
+class ThreadMover:
+    """Copies on worker threads; reports through ``completions``."""
+
+    polled = False
+
+    def __init__(self, device_rows: torch.Tensor, host_rows: torch.Tensor, completions: CompletionQueue,
+                 num_workers: int = 2, copy_fn: CopyFn = _copy, on_worker_death: Optional[Callable[[], None]] = None) -> None:
+        self._dev = device_rows
+        self._host = host_rows
+        self._row_bytes = int(host_rows.shape[1])
+        self._out = completions
+        self._q: queue.SimpleQueue[Optional[Transfer]] = queue.SimpleQueue()
+        self._copy = copy_fn
+        self._on_death = on_worker_death
+        self._closed = False
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        for _ in range(num_workers):
+            self._spawn()
+
+    def _spawn(self) -> None:
+        t = threading.Thread(target=self._run, name="tiered-kv-copy", daemon=True)
+        with self._lock:
+            self._threads = [x for x in self._threads if x.is_alive()] + [t]
+        t.start()
+
+    def submit(self, t: Transfer) -> None:
+        self._q.put(t)
+
+    def harvest(self) -> None:
+        return None
+
+    def _run(self) -> None:
+        current: Optional[Transfer] = None
+        try:
+            while True:
+                current = self._q.get()
+                if current is None:
+                    return
+                self._out.put(self._do(current))
+                current = None
+        except BaseException as exc:  # the thread is dying: answer for what it held, then replace it
+            log.error("copy worker died: %r", exc)
+            if current is not None:
+                self._out.put(Report(current.token, current.kind, False, f"worker died: {exc!r}", copied=True))
+            if self._on_death is not None:
+                self._on_death()
+            if not self._closed:
+                self._spawn()
+            if not isinstance(exc, Exception):
+                raise
+
+    def _do(self, t: Transfer) -> Report:
+        if t.cancelled:
+            return Report(t.token, t.kind, False, "cancelled before copy", copied=False)
+        t0 = time.perf_counter()
+        try:
+            if t.kind is JobKind.STORE:
+                self._copy(self._host[t.slot], self._dev[t.row])
+            else:
+                self._copy(self._dev[t.row], self._host[t.slot])
+        except Exception as exc:
+            return Report(t.token, t.kind, False, f"copy failed: {exc!r}", seconds=time.perf_counter() - t0)
+        return Report(t.token, t.kind, True, None, self._row_bytes, time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            threads = list(self._threads)
+        for _ in threads:
+            self._q.put(None)
+        for t in threads:
+            t.join()
+
+
+class CudaMover:  # pragma: no cover - exercised only where CUDA exists
+    """Copies on a pool of CUDA streams; ``harvest()`` queries end events in order."""
+
+    polled = True
+
+    def __init__(self, device_rows: torch.Tensor, host_rows: torch.Tensor, completions: CompletionQueue,
+                 num_streams: int = 2) -> None:
+        self._dev = device_rows
+        self._host = host_rows
+        self._row_bytes = int(host_rows.shape[1])
+        self._out = completions
+        self._device = device_rows.device
+        self._streams = [torch.cuda.Stream(device=self._device) for _ in range(num_streams)]
+        self._pending: list[deque[tuple[Transfer, Any, Any]]] = [deque() for _ in self._streams]
+        self._next = 0
+
+    def submit(self, t: Transfer) -> None:
+        if t.cancelled:
+            self._out.put(Report(t.token, t.kind, False, "cancelled before copy", copied=False))
+            return
+        i = self._next
+        self._next = (i + 1) % len(self._streams)
+        stream = self._streams[i]
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        if t.kind is JobKind.STORE:
+            # read the row only after the kernels already queued that write it
+            stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            if t.kind is JobKind.STORE:
+                self._host[t.slot].copy_(self._dev[t.row], non_blocking=True)
+            else:
+                self._dev[t.row].copy_(self._host[t.slot], non_blocking=True)
+            end.record(stream)
+        self._pending[i].append((t, start, end))
+
+    def harvest(self) -> None:
+        for pend in self._pending:
+            while pend and pend[0][2].query():
+                t, start, end = pend.popleft()
+                self._out.put(Report(t.token, t.kind, True, None, self._row_bytes, start.elapsed_time(end) / 1e3))
+
+    def close(self) -> None:
+        for s in self._streams:
+            s.synchronize()
+        self.harvest()
+
+
+def make_mover(device_rows: torch.Tensor, host_rows: torch.Tensor, completions: CompletionQueue,
+               num_workers: int, num_streams: int) -> Mover:
+    if device_rows.is_cuda:  # pragma: no cover - needs CUDA
+        return CudaMover(device_rows, host_rows, completions, num_streams)
+    return ThreadMover(device_rows, host_rows, completions, num_workers)
