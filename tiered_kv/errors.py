@@ -21,6 +21,7 @@ __all__ = [
     "InvalidJobError",
     "ManagerClosedError",
     "DiskTierError",
+    "DiskInUseError",
 ]
 
 
@@ -58,3 +59,7 @@ class ManagerClosedError(TieredKVError, RuntimeError):
 
 class DiskTierError(TieredKVError, RuntimeError):
     """The disk tier cannot be opened (wrong namespace, format version, path in use...)."""
+
+
+class DiskInUseError(DiskTierError):
+    """Another TierManager (in this or another process) holds the disk path."""

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator
 from typing import Optional
 
-__all__ = ["HostIndex", "HostEntry", "EntryState"]
+__all__ = ["TierIndex", "HostIndex", "HostEntry", "EntryState"]
 
 
 class EntryState(enum.Enum):
@@ -84,6 +84,15 @@ class HostIndex:
 
     def entries(self) -> Iterator[HostEntry]:
         return iter(list(self._entries.values()))
+
+    def coldest(self, n: int) -> list[HostEntry]:
+        """Up to ``n`` evictable entries, least recently used first."""
+        out = []
+        for entry in self._lru.values():
+            if len(out) >= n:
+                break
+            out.append(entry)
+        return out
 
     # -- moves -------------------------------------------------------------
     def touch(self, entry: HostEntry) -> None:
@@ -165,3 +174,7 @@ class HostIndex:
             self.evictions += 1
             return True
         return False
+
+
+TierIndex = HostIndex
+"""The same policy serves the disk tier, where a "slot" is a unit of capacity."""

@@ -33,16 +33,19 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from .config import TieredKVConfig
+from .disk import DiskOptions, DiskStore, FlushDone, writable_view
 from .errors import (
     BlockBusyError,
     ConfigError,
+    DiskInUseError,
+    DiskTierError,
     DeviceTensorError,
     InvalidBlockError,
     InvalidJobError,
     InvalidKeyError,
     ManagerClosedError,
 )
-from .host import EntryState, HostEntry, HostIndex
+from .host import EntryState, HostEntry, HostIndex, TierIndex
 from .jobs import Completion, Job, JobKind, JobState, StaleReason, TokenFactory
 from .metrics import Metrics
 from .movers import CompletionQueue, Mover, Report, Transfer, make_mover
@@ -58,24 +61,29 @@ SUPPORTED_DTYPES = frozenset(
 
 MoverFactory = Callable[[torch.Tensor, torch.Tensor, CompletionQueue], Mover]
 
-_STORE, _LOAD = JobKind.STORE, JobKind.LOAD
-_D2H, _H2D = ("device", "host"), ("host", "device")
+_STORE, _LOAD, _SPILL, _PROMOTE = JobKind.STORE, JobKind.LOAD, JobKind.SPILL, JobKind.PROMOTE
+_D2H, _H2D, _H2DISK, _DISK2H = ("device", "host"), ("host", "device"), ("host", "disk"), ("disk", "host")
+_INTERNAL = frozenset({_SPILL, _PROMOTE})  # jobs the manager starts itself; never returned to the engine
 
 
 class _Flight:
     """A job whose worker report has not been applied yet, with its leases."""
 
-    __slots__ = ("job", "entry", "gen", "transfer")
+    __slots__ = ("job", "entry", "gen", "transfer", "dentry", "waiters", "promote")
 
-    def __init__(self, job: Job, entry: HostEntry, gen: int, transfer: Transfer) -> None:
+    def __init__(self, job: Job, entry: HostEntry, gen: int, transfer: Optional[Transfer],
+                 dentry: Optional[HostEntry] = None) -> None:
         self.job = job
-        self.entry = entry        # the host entry written (store) or read (load)
+        self.entry = entry        # the host entry written (store/promote) or read (load/spill)
         self.gen = gen            # the device row's generation when the job started
-        self.transfer = transfer
+        self.transfer = transfer  # None for a load still waiting for its promote
+        self.dentry = dentry      # the disk entry written (spill) or read (promote)
+        self.waiters: list[_Flight] = []        # promote: loads waiting for it
+        self.promote: Optional[_Flight] = None  # load: the promote it waits for
 
 
 class TierManager:
-    """Moves KV blocks between the engine's device rows and a pinned host slab.
+    """Moves KV blocks between the engine's device rows, a pinned host slab and LMDB.
 
     Not thread-safe by design: one owner thread (the engine's) calls every
     method; workers talk to it only through the completion queue.
@@ -94,6 +102,10 @@ class TierManager:
         if num_slots < 1:
             raise ConfigError(f"host_capacity_bytes={config.host_capacity_bytes} holds no block of "
                               f"{self.row_bytes} bytes")
+        disk_blocks = config.disk_capacity_bytes // self.row_bytes
+        if config.disk_path is not None and disk_blocks < 1:
+            raise ConfigError(f"disk_capacity_bytes={config.disk_capacity_bytes} holds no block of "
+                              f"{self.row_bytes} bytes")
         self.num_host_slots = num_slots
         self._device_blocks = device_blocks
         self._dev_rows = device_blocks.view(torch.uint8).view(self.num_blocks, self.row_bytes)
@@ -104,34 +116,83 @@ class TierManager:
         self.metrics = Metrics(registry, config.namespace)
         self._index = HostIndex(num_slots, on_evict=self._on_host_evict)
         self._completions = CompletionQueue()
+        self._tokens = TokenFactory()
+        self._owner_tag = object()
+        self._jobs: dict[uuid.UUID, _Flight] = {}           # token -> job awaiting its worker report
+        self._deliver: list[Job] = []                        # cancelled jobs to report at the next poll
+        self._outbox: list[Completion] = []                  # applied, not yet returned by poll()/wait()
+        self._row_gen = [0] * self.num_blocks                # bumped whenever a row's content is given up
+        self._row_stores: dict[int, list[_Flight]] = {}      # row -> stores reading it (live jobs only)
+        self._row_load: dict[int, _Flight] = {}              # row -> the load writing it (live jobs only)
+        self._key_loads: dict[bytes, list[_Flight]] = {}     # key -> loads of that key (live jobs only)
+        self._n_in_flight = {k: 0 for k in JobKind}
+        self._flushes: dict[uuid.UUID, Optional[FlushDone]] = {}
+        self._errors_logged: set[str] = set()
+        self._closed = self._closing = False
+        self._disk: Optional[DiskStore] = None
+        self._dindex: Optional[TierIndex] = None
+        self._disk_usable = False
         if mover_factory is None:
             self._mover: Mover = make_mover(self._dev_rows, self._host_rows, self._completions,
                                             config.num_copy_workers, config.num_copy_streams)
         else:
             self._mover = mover_factory(self._dev_rows, self._host_rows, self._completions)
-        self._tokens = TokenFactory()
-        self._owner_tag = object()
-        self._jobs: dict[uuid.UUID, _Flight] = {}           # token -> job awaiting its worker report
-        self._deliver: list[Job] = []                        # cancelled stores to report at next poll
-        self._row_gen = [0] * self.num_blocks                # bumped whenever a row's content is given up
-        self._row_stores: dict[int, list[_Flight]] = {}      # row -> stores reading it (live jobs only)
-        self._row_load: dict[int, _Flight] = {}              # row -> the load writing it (live jobs only)
-        self._key_loads: dict[bytes, list[_Flight]] = {}     # key -> loads reading its slot (live jobs only)
-        self._n_in_flight = {_STORE: 0, _LOAD: 0}
-        self._closed = False
+        self._slot_views: list[Optional[memoryview]] = [None] * num_slots
         m = self.metrics
         m.capacity["host"].set(num_slots * self.row_bytes)
         m.capacity["device"].set(self.num_blocks * self.row_bytes)
+        if config.disk_path is not None:
+            try:
+                self._open_disk(disk_blocks)
+            except BaseException:
+                self._mover.close()
+                raise
         self._refresh_gauges()
-        log.info("tiered_kv manager: namespace=%s rows=%d row_bytes=%d host_slots=%d pinned=%s mover=%s",
-                 config.namespace, self.num_blocks, self.row_bytes, num_slots, pin, type(self._mover).__name__)
+        log.info("tiered_kv manager: namespace=%s rows=%d row_bytes=%d host_slots=%d pinned=%s mover=%s disk=%s",
+                 config.namespace, self.num_blocks, self.row_bytes, num_slots, pin, type(self._mover).__name__,
+                 config.disk_path if self._disk is not None else None)
+
+    def _open_disk(self, disk_blocks: int) -> None:
+        cfg, m = self.config, self.metrics
+        opts = DiskOptions(path=cfg.disk_dir, namespace=cfg.namespace, block_bytes=self.row_bytes,  # type: ignore[arg-type]
+                           capacity_bytes=disk_blocks * self.row_bytes, durability=cfg.durability,
+                           map_size_bytes=cfg.disk_map_size_bytes, queue_blocks=cfg.writer_queue_blocks,
+                           batch_blocks=cfg.writer_batch_blocks, batch_bytes=cfg.writer_batch_bytes,
+                           batch_seconds=cfg.writer_batch_seconds)
+        m.capacity["disk"].set(disk_blocks * self.row_bytes)
+        try:
+            disk = DiskStore(opts, self._completions, on_error=self._on_disk_error,
+                             on_prevented=m.orphaned_prevented.inc,
+                             on_corrupt=lambda reason: m.corrupt_blocks.labels(reason=reason).inc())
+        except DiskInUseError:
+            raise
+        except DiskTierError as exc:
+            # the host tier keeps serving; the fault is counted, logged and visible
+            self._on_disk_error("open_failed", str(exc))
+            m.enable_disk_health(False)
+            return
+        self._disk = disk
+        self._disk_usable = True
+        self._dindex = TierIndex(disk_blocks, on_evict=self._on_disk_evict)
+        rep = disk.recovery
+        m.recovery_seconds.set(rep.seconds)
+        m.recovery_purged.set(rep.purged)
+        m.orphaned_purged.inc(rep.purged)
+        if rep.corrupt:
+            m.corrupt_blocks.labels(reason="recovery").inc(rep.corrupt)
+        for e in disk.entries:  # oldest first, so LRU order survives the restart
+            d = self._dindex.get(e.key) or self._dindex.reserve(e.key, e.token)
+            if d is not None and d.writing:
+                self._dindex.publish(d)
+        m.enable_disk_health(True)
 
     # ------------------------------------------------------------------ API
     def store(self, key: bytes, block: int) -> Optional[Job]:
-        """Copy device row ``block`` to the host tier under ``key``.
+        """Copy device row ``block`` to the host tier under ``key`` (and on to disk).
 
-        Returns None when the key is already stored or being stored, or when
-        the store is shed (no unleased host slot, too many jobs in flight).
+        Returns None when the key is already stored or being stored in any
+        tier, or when the store is shed (no unleased host slot, too many jobs
+        in flight).
         """
         self._check_open()
         key = self._check_key(key)
@@ -141,6 +202,8 @@ class TierManager:
         entry = self._index.get(key)
         if entry is not None:
             self._index.touch(entry)
+            return None
+        if self._dindex is not None and key in self._dindex:
             return None
         if len(self._jobs) >= self.config.max_inflight_jobs:
             return self._shed(_STORE, "inflight_limit")
@@ -153,32 +216,40 @@ class TierManager:
         self._jobs[token] = fl
         self._row_stores.setdefault(block, []).append(fl)
         self._n_in_flight[_STORE] += 1
-        self._mover.submit(fl.transfer)
+        self._mover.submit(fl.transfer)  # type: ignore[arg-type]
         return job
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` are ready in a lower tier (host)."""
+        """How many leading ``keys`` are ready in a lower tier (host or disk)."""
         self._check_open()
         if isinstance(keys, (bytes, str)) or not isinstance(keys, Iterable):
             raise InvalidKeyError(f"keys must be a sequence of bytes, got {type(keys).__name__}")
         keys = list(keys)
         for k in keys:
             self._check_key(k)
-        n = 0
+        n = host = 0
         ready = self._index.ready
+        dindex = self._dindex
         for k in keys:
             entry = ready(k)
-            if entry is None:
-                break
-            self._index.touch(entry)
+            if entry is not None:
+                self._index.touch(entry)
+                host += 1
+            else:
+                d = dindex.ready(k) if dindex is not None else None
+                if d is None:
+                    break
+                dindex.touch(d)  # type: ignore[union-attr]
             n += 1
         self.metrics.lookups.inc(min(n + 1, len(keys)))
-        if n:
-            self.metrics.hits["host"].inc(n)
+        if host:
+            self.metrics.hits["host"].inc(host)
+        if n > host:
+            self.metrics.hits["disk"].inc(n - host)
         return n
 
     def load(self, key: bytes, block: int) -> Optional[Job]:
-        """Copy ``key``'s bytes into device row ``block``.
+        """Copy ``key``'s bytes into device row ``block`` (via the host tier).
 
         Returns None when the key is not ready in a lower tier (or the load is
         shed).  Until the returned job is reported, the row is fenced.
@@ -188,28 +259,44 @@ class TierManager:
         block = self._check_block(block)
         if block in self._row_load:
             raise BlockBusyError(f"block {block} already has a load in flight")
-        entry = self._index.ready(key)
-        if entry is None:
+        entry = self._index.get(key)
+        promote: Optional[_Flight] = None
+        if entry is not None and entry.state is not EntryState.READY:
+            promote = self._jobs.get(entry.writer)
+            if promote is None or promote.job.kind is not _PROMOTE:
+                return None  # being stored from a device row: not in a lower tier yet
+        elif entry is None and (self._dindex is None or self._dindex.ready(key) is None):
             return None
         if len(self._jobs) >= self.config.max_inflight_jobs:
             return self._shed(_LOAD, "inflight_limit")
+        if promote is None and entry is None:
+            promote = self._start_promote(key)
+            if promote is None:
+                return None
         # the load overwrites the row: stores still reading it lose their source
         self._give_up_row(block)
         token = self._tokens()
-        self._index.acquire(entry)
         job = Job(token, _LOAD, key, block, _owner=self._owner_tag)
-        fl = _Flight(job, entry, self._row_gen[block], Transfer(token, _LOAD, block, entry.slot))
+        if promote is not None:
+            fl = _Flight(job, promote.entry, self._row_gen[block], None)
+            fl.promote = promote
+            promote.waiters.append(fl)
+        else:
+            assert entry is not None
+            self._index.acquire(entry)
+            fl = _Flight(job, entry, self._row_gen[block], Transfer(token, _LOAD, block, entry.slot))
         self._jobs[token] = fl
         self._row_load[block] = fl
         self._key_loads.setdefault(key, []).append(fl)
         self._n_in_flight[_LOAD] += 1
-        self._mover.submit(fl.transfer)
+        if fl.transfer is not None:
+            self._mover.submit(fl.transfer)
         return job
 
     def cancel(self, job: Job) -> None:
         """Cancel ``job``: idempotent, valid in any state at any time."""
         self._check_open()
-        if not isinstance(job, Job) or job._owner is not self._owner_tag:
+        if not isinstance(job, Job) or job._owner is not self._owner_tag or job.kind in _INTERNAL:
             raise InvalidJobError(f"not a job of this manager: {job!r}")
         self._cancel(job, StaleReason.CANCELLED)
 
@@ -224,10 +311,9 @@ class TierManager:
         block = self._check_block(block)
         self._give_up_row(block)
         fl = self._row_load.get(block)
-        if fl is None:
-            return True
-        self._cancel(fl.job, StaleReason.CANCELLED)
-        return False
+        if fl is not None:
+            self._cancel(fl.job, StaleReason.CANCELLED)
+        return block not in self._row_load
 
     def invalidate(self, key: bytes) -> None:
         """Remove ``key`` from every tier; it is never served again until stored again."""
@@ -242,11 +328,22 @@ class TierManager:
             self._index.remove(entry)
         for fl in list(self._key_loads.get(key, ())):
             self._cancel(fl.job, StaleReason.SUPERSEDED)
+        if self._dindex is not None:
+            d = self._dindex.get(key)
+            if d is not None:
+                spill = self._jobs.get(d.writer) if d.state is EntryState.WRITING else None
+                if spill is not None:
+                    self._cancel(spill.job, StaleReason.SUPERSEDED)
+                else:
+                    self._dindex.remove(d)
+                    self._disk.cancel(d.writer, key)  # type: ignore[union-attr]
 
     def poll(self) -> list[Completion]:
         """Apply every worker report that has arrived; return the jobs now reported."""
         self._check_open()
-        return self._poll([])
+        self._poll()
+        out, self._outbox = self._outbox, []
+        return out
 
     def wait(self, jobs: Optional[Iterable[Job]] = None, timeout: Optional[float] = None) -> list[Completion]:
         """Block until ``jobs`` (None: every job in flight) are reported.
@@ -256,38 +353,50 @@ class TierManager:
         """
         self._check_open()
         if jobs is None:
-            targets = [fl.job for fl in self._jobs.values()] + list(self._deliver)
+            targets = [fl.job for fl in self._jobs.values() if fl.job.kind not in _INTERNAL] + list(self._deliver)
         else:
             targets = list(jobs)
             for j in targets:
                 if not isinstance(j, Job) or j._owner is not self._owner_tag:
                     raise InvalidJobError(f"not a job of this manager: {j!r}")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
-            raise ConfigError(f"timeout must be None or a number >= 0, got {timeout!r}")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        out = self._poll([])
-        slice_s = 0.0005 if self._mover.polled else None
-        while not all(j.state.terminal for j in targets):
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                break
-            step = remaining if slice_s is None else (slice_s if remaining is None else min(slice_s, remaining))
-            report = self._completions.get(step)
-            if report is not None:
-                self._apply(report, out)
-            self._poll(out)
+        self._block_until(lambda: all(j.state.terminal for j in targets), _check_timeout(timeout))
+        out, self._outbox = self._outbox, []
         return out
 
-    def flush(self, timeout: Optional[float] = None) -> None:
-        """Return when every spill submitted so far is durable or discarded (no disk tier: at once)."""
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Block until every spill submitted so far is durable (at the configured level) or discarded.
+
+        Returns True at once without a disk tier; False on timeout or when the
+        disk tier failed to commit (the fault is counted).  Completions applied
+        meanwhile are returned by the next ``poll()``.
+        """
         self._check_open()
+        timeout = _check_timeout(timeout)
+        if self._disk is None:
+            return True
+        if not self._disk.writer_alive():
+            self._poll()
+            return False
+        token = self._tokens()
+        self._flushes[token] = None
+        self._disk.submit_flush(token)
+        self._block_until(lambda: self._flushes[token] is not None, timeout)
+        done = self._flushes.pop(token)
+        return bool(done is not None and done.ok)
 
     def close(self) -> None:
-        """Let in-flight copies finish, apply their reports, stop the workers.  Idempotent."""
+        """Let in-flight copies and writes finish, apply their reports, stop the workers.  Idempotent."""
         if self._closed:
             return
+        self._closing = True
+        if self._disk is not None:  # promotes may still hand loads to the mover
+            self._block_until(lambda: self._n_in_flight[_PROMOTE] == 0, 30.0)
         self._mover.close()
-        self._poll([])
+        self._poll()
+        if self._disk is not None:
+            self._block_until(lambda: self._n_in_flight[_SPILL] == 0, 30.0)
+            self._disk.close()
+            self._poll()
         self._closed = True
         log.info("tiered_kv manager closed: namespace=%s", self.config.namespace)
 
@@ -300,7 +409,7 @@ class TierManager:
     # ------------------------------------------------------------ read-only views
     @property
     def jobs_in_flight(self) -> int:
-        """Jobs whose worker report has not been applied (including cancelled ones)."""
+        """Jobs whose worker report has not been applied (including cancelled and internal ones)."""
         return len(self._jobs)
 
     @property
@@ -311,16 +420,33 @@ class TierManager:
     def host_blocks(self) -> int:
         return len(self._index)
 
+    @property
+    def disk_blocks(self) -> int:
+        return 0 if self._dindex is None else len(self._dindex)
+
+    @property
+    def disk(self) -> Optional[DiskStore]:
+        """The disk tier's store (None without one or when it failed to open)."""
+        return self._disk
+
+    @property
+    def disk_healthy(self) -> bool:
+        return self._disk is not None and self._disk.healthy and self._disk.writer_alive()
+
     def debug_sizes(self) -> dict[str, int]:
         """Sizes of every internal table: all must stay bounded over a long run."""
         return {
             "jobs": len(self._jobs),
             "deliver": len(self._deliver),
+            "outbox": len(self._outbox),
             "row_stores": len(self._row_stores),
             "row_load": len(self._row_load),
             "key_loads": len(self._key_loads),
+            "flushes": len(self._flushes),
             "host_entries": len(self._index),
             "host_used_slots": self._index.used_slots,
+            "disk_entries": self.disk_blocks,
+            "disk_tombstones": self._disk.tombstones if self._disk is not None else 0,
         }
 
     def host_bytes(self, key: bytes) -> Optional[torch.Tensor]:
@@ -328,19 +454,47 @@ class TierManager:
         entry = self._index.ready(self._check_key(key))
         return None if entry is None else self._host_rows[entry.slot].clone()
 
-    # ------------------------------------------------------------ internals
-    def _poll(self, out: list[Completion]) -> list[Completion]:
+    # ------------------------------------------------------------ internals: reports
+    def _poll(self) -> None:
         self._mover.harvest()
         for report in self._completions.drain():
-            self._apply(report, out)
+            self._apply(report)
+        self._deliver_cancelled()
+        if self._disk is not None:
+            self._check_disk()
+            if self.config.write_mode == "back":
+                self._writeback_tick()
+        self._refresh_gauges()
+
+    def _deliver_cancelled(self) -> None:
         if self._deliver:
             pending, self._deliver = self._deliver, []
             for job in pending:
-                self._finish_cancelled(job, out)
-        self._refresh_gauges()
-        return out
+                self._finish_cancelled(job)
 
-    def _apply(self, r: Report, out: list[Completion]) -> None:
+    def _block_until(self, done: Callable[[], bool], timeout: Optional[float]) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._poll()
+        slice_s = 0.0005 if self._mover.polled else None
+        while not done():
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return
+            step = remaining if slice_s is None else (slice_s if remaining is None else min(slice_s, remaining))
+            if step is None or step > 0.5:
+                step = 0.5  # wake up now and then to notice a dead disk writer
+            report = self._completions.get(step)
+            if report is not None:
+                self._apply(report)
+            self._poll()
+
+    def _apply(self, r: Any) -> None:
+        if isinstance(r, FlushDone):
+            if r.token in self._flushes:
+                self._flushes[r.token] = r
+            if not r.ok:
+                self.metrics.error("disk", "flush_failed")
+            return
         fl = self._jobs.pop(r.token, None)
         if fl is None:
             self._stale(r.kind, StaleReason.UNKNOWN_TOKEN, r.token)
@@ -348,11 +502,15 @@ class TierManager:
         job = fl.job
         self._n_in_flight[job.kind] -= 1
         if job.kind is _STORE:
-            self._apply_store(fl, r, out)
+            self._apply_store(fl, r)
+        elif job.kind is _LOAD:
+            self._apply_load(fl, r)
+        elif job.kind is _SPILL:
+            self._apply_spill(fl, r)
         else:
-            self._apply_load(fl, r, out)
+            self._apply_promote(fl, r)
 
-    def _apply_store(self, fl: _Flight, r: Report, out: list[Completion]) -> None:
+    def _apply_store(self, fl: _Flight, r: Report) -> None:
         job, entry = fl.job, fl.entry
         self._drop_row_store(fl)
         if job.state is not JobState.PENDING:  # cancelled: delivered or queued for delivery
@@ -362,7 +520,7 @@ class TierManager:
         if not r.ok:
             self._index.writer_done(entry)
             self._index.abort(entry)
-            self._fail(job, r, "host", out)
+            self._fail(job, r, "host")
             return
         if fl.gen != self._row_gen[job.block]:  # defence in depth: free_block already cancels
             self._index.writer_done(entry)
@@ -370,67 +528,170 @@ class TierManager:
             self._stale(_STORE, StaleReason.SOURCE_REUSED, job.token)
             job._move(JobState.CANCELLING)
             job.cancel_reason = StaleReason.SOURCE_REUSED
-            self._finish_cancelled(job, out)
+            self._finish_cancelled(job)
             return
         self._index.publish(entry)
-        self._ok(job, r, _D2H, out)
+        self._ok(job, r, _D2H)
+        if self._disk_usable and self.config.write_mode == "through":
+            self._start_spill(entry)
 
-    def _apply_load(self, fl: _Flight, r: Report, out: list[Completion]) -> None:
+    def _apply_load(self, fl: _Flight, r: Report) -> None:
         job = fl.job
-        if self._row_load.get(job.block) is fl:
-            del self._row_load[job.block]
-        loads = self._key_loads.get(job.key)
-        if loads is not None:
-            loads.remove(fl)
-            if not loads:
-                del self._key_loads[job.key]
+        self._unfence_load(fl)
         self._index.release(fl.entry)
         if job.state is not JobState.PENDING:
             self._stale(_LOAD, job.cancel_reason or StaleReason.CANCELLED, job.token)
-            self._finish_cancelled(job, out)
+            self._finish_cancelled(job)
         elif not r.ok:
-            self._fail(job, r, "device", out)
+            self._fail(job, r, "device")
         else:
-            self._ok(job, r, _H2D, out)
+            self._ok(job, r, _H2D)
 
-    def _ok(self, job: Job, r: Report, link: tuple[str, str], out: list[Completion]) -> None:
+    def _apply_spill(self, fl: _Flight, r: Report) -> None:
+        job, d = fl.job, fl.dentry
+        assert d is not None and self._dindex is not None
+        self._index.release(fl.entry)
+        if job.state is not JobState.PENDING:
+            self._stale(_SPILL, job.cancel_reason or StaleReason.CANCELLED, job.token)
+            self._dindex.writer_done(d)
+            job._move(JobState.CANCELLED)
+            self.metrics.job_outcome[(_SPILL, "cancelled")].inc()
+            return
+        if not r.ok:
+            self._dindex.writer_done(d)
+            self._dindex.abort(d)
+            job._move(JobState.FAILED)
+            self.metrics.job_outcome[(_SPILL, "failed")].inc()
+            return
+        self._dindex.publish(d)
+        fl.entry.on_disk = True
+        job._move(JobState.DONE)
+        m = self.metrics
+        m.job_outcome[(_SPILL, "ok")].inc()
+        m.link_bytes[_H2DISK].inc(r.nbytes)
+        m.link_seconds[_H2DISK].observe(r.seconds)
+
+    def _apply_promote(self, fl: _Flight, r: Report) -> None:
+        job, entry, d = fl.job, fl.entry, fl.dentry
+        assert d is not None and self._dindex is not None and self._disk is not None
+        self._dindex.release(d)
+        m = self.metrics
+        if job.state is not JobState.PENDING:  # invalidated meanwhile
+            self._stale(_PROMOTE, job.cancel_reason or StaleReason.SUPERSEDED, job.token)
+            self._index.writer_done(entry)
+            job._move(JobState.CANCELLED)
+            m.job_outcome[(_PROMOTE, "cancelled")].inc()
+            for w in fl.waiters:
+                self._cancel(w.job, job.cancel_reason or StaleReason.SUPERSEDED)
+            return
+        if not r.ok:
+            self._index.writer_done(entry)
+            self._index.abort(entry)
+            job._move(JobState.FAILED)
+            m.job_outcome[(_PROMOTE, "failed")].inc()
+            error = r.error or "miss"
+            if d.live:  # the entry is gone or bad on disk: forget it
+                self._dindex.remove(d)
+                if "corrupt" in error:
+                    self._disk.submit_delete_corrupt(job.key)
+            for w in list(fl.waiters):
+                self._fail_waiter(w, error)
+            return
+        self._index.publish(entry)
+        job._move(JobState.DONE)
+        m.job_outcome[(_PROMOTE, "ok")].inc()
+        m.link_bytes[_DISK2H].inc(r.nbytes)
+        m.link_seconds[_DISK2H].observe(r.seconds)
+        self._disk.submit_touch(job.key)
+        entry.on_disk = True
+        for w in fl.waiters:
+            w.promote = None
+            if w.job.state is JobState.PENDING and entry.live:
+                self._index.acquire(entry)
+                w.transfer = Transfer(w.job.token, _LOAD, w.job.block, entry.slot)
+                self._mover.submit(w.transfer)
+            elif w.job.state is JobState.PENDING:  # invalidated between: cancel() already handled it
+                self._fail_waiter(w, "superseded")
+        fl.waiters = []
+
+    def _fail_waiter(self, w: _Flight, error: str) -> None:
+        """A load whose promote failed: nothing will reach its row, report it now."""
+        w.promote = None
+        if self._jobs.pop(w.job.token, None) is not None:
+            self._n_in_flight[_LOAD] -= 1
+        self._unfence_load(w)
+        if w.job.state is JobState.PENDING:
+            self._fail(w.job, Report(w.job.token, _LOAD, False, error), "disk")
+
+    def _ok(self, job: Job, r: Report, link: tuple[str, str]) -> None:
         job._move(JobState.DONE)
         m = self.metrics
         m.job_outcome[(job.kind, "ok")].inc()
         m.link_bytes[link].inc(r.nbytes)
         m.link_seconds[link].observe(r.seconds)
-        out.append(Completion(job, True, None))
+        self._outbox.append(Completion(job, True, None))
 
-    def _fail(self, job: Job, r: Report, tier: str, out: list[Completion]) -> None:
+    def _fail(self, job: Job, r: Report, tier: str) -> None:
         job._move(JobState.FAILED)
         job.error = r.error or "failed"
         self.metrics.job_outcome[(job.kind, "failed")].inc()
-        self.metrics.error(tier, "copy_failed")
-        log.warning("%s job %s for key %r failed: %s", job.kind, job.token, job.key, job.error)
-        out.append(Completion(job, False, f"failed: {job.error}"))
+        if not job.error.startswith("miss"):
+            self.metrics.error(tier, "copy_failed")
+            log.warning("%s job %s for key %r failed: %s", job.kind, job.token, job.key, job.error)
+        self._outbox.append(Completion(job, False, f"failed: {job.error}"))
 
-    def _finish_cancelled(self, job: Job, out: list[Completion]) -> None:
+    def _finish_cancelled(self, job: Job) -> None:
         job._move(JobState.CANCELLED)
         reason = job.cancel_reason or StaleReason.CANCELLED
         job.error = f"cancelled ({reason.value})"
         self.metrics.job_outcome[(job.kind, "cancelled")].inc()
-        out.append(Completion(job, False, job.error))
+        self._outbox.append(Completion(job, False, job.error))
 
+    # ------------------------------------------------------------ internals: cancellation
     def _cancel(self, job: Job, reason: StaleReason) -> None:
         if job.state is not JobState.PENDING:
             return
         fl = self._jobs.get(job.token)
-        job._move(JobState.CANCELLING)
-        job.cancel_reason = reason
         if fl is None:  # pragma: no cover - a PENDING job always has a record
             raise AssertionError(f"pending job without record: {job!r}")
-        fl.transfer.cancelled = True
-        if job.kind is _STORE:
+        job._move(JobState.CANCELLING)
+        job.cancel_reason = reason
+        if fl.transfer is not None:
+            fl.transfer.cancelled = True
+        kind = job.kind
+        if kind is _STORE:
             # its result will be discarded: forget the key now, keep the slot leased until the report
             self._drop_row_store(fl)
             self._index.abort(fl.entry)
             self._deliver.append(job)
-        # a load stays fenced in _row_load until its worker has reported
+        elif kind is _LOAD:
+            if fl.promote is not None:
+                # still waiting for its promote: nothing can reach the row, so report it now
+                fl.promote.waiters.remove(fl)
+                fl.promote = None
+                del self._jobs[job.token]
+                self._n_in_flight[_LOAD] -= 1
+                self._unfence_load(fl)
+                self._deliver.append(job)
+            # else: stays fenced in _row_load until its worker has reported
+        elif kind is _SPILL:
+            assert fl.dentry is not None and self._dindex is not None and self._disk is not None
+            self._dindex.abort(fl.dentry)
+            self._disk.cancel(job.token, job.key)
+        else:  # promote: the key was invalidated; the host entry is dropped by the caller
+            self._index.abort(fl.entry)
+            for w in list(fl.waiters):
+                self._cancel(w.job, reason)
+
+    def _unfence_load(self, fl: _Flight) -> None:
+        job = fl.job
+        if self._row_load.get(job.block) is fl:
+            del self._row_load[job.block]
+        loads = self._key_loads.get(job.key)
+        if loads is not None and fl in loads:
+            loads.remove(fl)
+            if not loads:
+                del self._key_loads[job.key]
 
     def _give_up_row(self, block: int) -> None:
         self._row_gen[block] += 1
@@ -446,12 +707,93 @@ class TierManager:
             if not stores:
                 del self._row_stores[fl.job.block]
 
+    # ------------------------------------------------------------ internals: disk
+    def _slot_view(self, slot: int) -> memoryview:
+        v = self._slot_views[slot]
+        if v is None:
+            v = self._slot_views[slot] = writable_view(self._host_rows[slot])
+        return v
+
+    def _start_spill(self, entry: HostEntry) -> None:
+        """Write a READY host entry to disk (internal SPILL job); shed and count when it cannot."""
+        assert self._dindex is not None and self._disk is not None
+        if entry.key in self._dindex:
+            entry.on_disk = True
+            return
+        token = self._tokens()
+        d = self._dindex.reserve(entry.key, token, protect=())
+        if d is None:
+            self._shed(_SPILL, "disk_full")
+            return
+        self._index.acquire(entry)
+        if not self._disk.submit_spill(token, entry.key, self._slot_view(entry.slot)):
+            self._index.release(entry)
+            self._dindex.writer_done(d)
+            self._dindex.abort(d)
+            self._shed(_SPILL, "backpressure")
+            return
+        job = Job(token, _SPILL, entry.key, -1, _owner=self._owner_tag)
+        self._jobs[token] = _Flight(job, entry, 0, None, d)
+        self._n_in_flight[_SPILL] += 1
+
+    def _start_promote(self, key: bytes) -> Optional[_Flight]:
+        """Read ``key`` from disk into a new host slot (internal PROMOTE job)."""
+        assert self._dindex is not None and self._disk is not None
+        d = self._dindex.ready(key)
+        assert d is not None
+        token = self._tokens()
+        entry = self._index.reserve(key, token)
+        if entry is None:
+            self._shed(_LOAD, "host_full")
+            return None
+        self._dindex.acquire(d)
+        job = Job(token, _PROMOTE, key, -1, _owner=self._owner_tag)
+        fl = _Flight(job, entry, 0, None, d)
+        self._jobs[token] = fl
+        self._n_in_flight[_PROMOTE] += 1
+        self._disk.submit_promote(token, key, d.writer, self._slot_view(entry.slot))
+        return fl
+
+    def _writeback_tick(self) -> None:
+        """Write-back mode: spill the coldest host entries not yet on disk once the host is 3/4 full."""
+        if not self._disk_usable or self._index.used_slots * 4 < self._index.num_slots * 3:
+            return
+        budget = 8
+        for entry in self._index.coldest(64):
+            if budget == 0 or self._disk.queue_depth >= self.config.writer_queue_blocks:  # type: ignore[union-attr]
+                break
+            if not entry.on_disk and entry.key not in self._dindex:  # type: ignore[operator]
+                self._start_spill(entry)
+                budget -= 1
+
+    def _check_disk(self) -> None:
+        disk = self._disk
+        assert disk is not None
+        if self._disk_usable and not disk.writer_alive() and not self._closing:
+            self._disk_usable = False  # spills are shed from now on; reads still work
+            log.error("disk writer is gone; the disk tier no longer accepts spills")
+        healthy = disk.healthy and self._disk_usable
+        self.metrics.health["disk"].set(1 if healthy else 0)
+
+    def _on_disk_error(self, kind: str, msg: str) -> None:
+        """Called from any thread: count always, log once per error kind."""
+        self.metrics.error("disk", kind)
+        if kind not in self._errors_logged:
+            self._errors_logged.add(kind)
+            log.error("disk tier error (%s): %s; further %s errors are counted, not logged", kind, msg, kind)
+
+    def _on_disk_evict(self, d: HostEntry) -> None:
+        self.metrics.evicted["disk"].inc()
+        self._disk.submit_delete(d.writer, d.key)  # type: ignore[union-attr]
+
+    # ------------------------------------------------------------ internals: misc
     def _stale(self, kind: JobKind, reason: StaleReason, token: uuid.UUID) -> None:
         self.metrics.stale[(kind, reason)].inc()
         log.debug("discarded stale %s report for token %s: %s", kind, token, reason)
 
     def _shed(self, kind: JobKind, why: str) -> None:
         self.metrics.job_outcome[(kind, "shed")].inc()
+        self.metrics.shed[(kind, why)].inc()
         log.debug("%s shed: %s", kind, why)
         return None
 
@@ -460,11 +802,16 @@ class TierManager:
 
     def _refresh_gauges(self) -> None:
         m = self.metrics
-        used = self._index.used_slots
-        m.used["host"].set(used * self.row_bytes)
+        m.used["host"].set(self._index.used_slots * self.row_bytes)
         m.blocks["host"].set(len(self._index))
-        m.in_flight[_STORE].set(self._n_in_flight[_STORE])
-        m.in_flight[_LOAD].set(self._n_in_flight[_LOAD])
+        for k, n in self._n_in_flight.items():
+            m.in_flight[k].set(n)
+        if self._dindex is not None and self._disk is not None:
+            m.used["disk"].set(self._dindex.used_slots * self.row_bytes)
+            m.blocks["disk"].set(len(self._dindex))
+            m.writer_queue.set(self._disk.queue_depth)
+            m.tombstones.set(self._disk.tombstones)
+            m.disk_map_bytes.set(self._disk.map_size)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -489,6 +836,14 @@ class TierManager:
         if not 0 <= b < self.num_blocks:
             raise InvalidBlockError(f"block {b} out of range [0, {self.num_blocks})")
         return b
+
+
+def _check_timeout(timeout: Any) -> Optional[float]:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise ConfigError(f"timeout must be None or a number >= 0, got {timeout!r}")
+    return float(timeout)
 
 
 def _check_device_blocks(t: Any) -> None:

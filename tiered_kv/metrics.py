@@ -17,10 +17,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .jobs import JobKind, StaleReason
 
-__all__ = ["Metrics", "TIERS", "OUTCOMES"]
+__all__ = ["Metrics", "TIERS", "OUTCOMES", "SHED_REASONS"]
 
 TIERS = ("device", "host", "disk")
 OUTCOMES = ("ok", "failed", "cancelled", "shed")
+SHED_REASONS = ("inflight_limit", "host_full", "disk_full", "backpressure")
 _LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5)
 _LINKS = (("device", "host"), ("host", "device"), ("host", "disk"), ("disk", "host"))
 
@@ -49,6 +50,24 @@ class Metrics:
         self.errors = Counter("tiered_kv_errors_total", "Faults absorbed (never raised to the engine), by tier and error.",
                               ["tier", "error"], registry=r)
         self.healthy = Gauge("tiered_kv_healthy", "1 when the tier serves normally, 0 when degraded.", ["tier"], registry=r)
+        self.shed_total = Counter("tiered_kv_shed_total", "Jobs not started under overload, by kind and reason.",
+                                  ["kind", "reason"], registry=r)
+        self.orphaned_prevented = Counter("tiered_kv_orphaned_writes_prevented_total",
+                                          "Disk writes of cancelled or invalidated blocks stopped before publication.",
+                                          registry=r)
+        self.orphaned_purged = Counter("tiered_kv_orphaned_writes_purged_total",
+                                       "Entries written under a tombstoned token removed by recovery on open.",
+                                       registry=r)
+        self.corrupt_blocks = Counter("tiered_kv_corrupt_blocks_total",
+                                      "Disk entries that failed verification (served as misses and removed).",
+                                      ["reason"], registry=r)
+        self.recovery_seconds = Gauge("tiered_kv_recovery_seconds", "Duration of the last disk recovery on open.",
+                                      registry=r)
+        self.recovery_purged = Gauge("tiered_kv_recovery_purged_entries",
+                                     "Entries purged under tombstones by the last disk recovery.", registry=r)
+        self.writer_queue = Gauge("tiered_kv_writer_queue_blocks", "Spills queued for the disk writer.", registry=r)
+        self.tombstones = Gauge("tiered_kv_disk_tombstones", "Durable tombstones in the disk tier.", registry=r)
+        self.disk_map_bytes = Gauge("tiered_kv_disk_map_bytes", "Size of the LMDB map.", registry=r)
         self.info = Gauge("tiered_kv_info", "Constant 1, labelled with the manager's namespace.", ["namespace"], registry=r)
         self.info.labels(namespace=namespace).set(1)
 
@@ -63,9 +82,16 @@ class Metrics:
         self.blocks = {t: self.tier_blocks.labels(tier=t) for t in TIERS}
         self.hits = {t: self.lookup_hits.labels(tier=t) for t in TIERS}
         self.evicted = {t: self.evictions.labels(tier=t) for t in TIERS}
-        self.health = {t: self.healthy.labels(tier=t) for t in TIERS}
+        self.health = {t: self.healthy.labels(tier=t) for t in ("device", "host")}
         for t in ("device", "host"):
             self.health[t].set(1)
+        self.shed = {(k, why): self.shed_total.labels(kind=k.value, reason=why)
+                     for k in JobKind for why in SHED_REASONS}
+
+    def enable_disk_health(self, healthy: bool) -> None:
+        """Export the disk tier's health (only managers configured with one)."""
+        self.health["disk"] = self.healthy.labels(tier="disk")
+        self.health["disk"].set(1 if healthy else 0)
 
     def error(self, tier: str, error: str) -> None:
         self.errors.labels(tier=tier, error=error).inc()

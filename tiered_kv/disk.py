@@ -1,0 +1,737 @@
+"""The disk tier's I/O side: one LMDB environment, one writer thread, reader threads.
+
+:class:`DiskStore` owns every LMDB transaction of its path; the manager owns
+the policy (which keys live on disk, leases, LRU, capacity) and talks to the
+store only through messages, exactly like the copy movers:
+
+* ``submit_spill`` / ``submit_tomb`` / ``submit_delete`` / ``submit_touch`` /
+  ``submit_flush`` queue an op for the writer thread and never block.  Spill
+  ops are bounded (``writer_queue_blocks``): a full queue sheds the spill.
+* ``submit_promote`` queues a read for a reader thread.
+* Each op is answered by one :class:`~tiered_kv.movers.Report` (spills,
+  promotes) or :class:`FlushDone` on the manager's completion queue.
+
+Writer invariants:
+
+* Before each ``put`` the writer checks, inside the same write transaction,
+  that the spill's token is neither cancelled in memory nor tombstoned in the
+  ``tombs`` sub-database; a cancelled write is never published.
+* A tomb op deletes the committed entry of its key only if the stored writer
+  token matches (never a newer write of the same key); if the guarded write
+  has not been processed yet, the tomb is made durable in ``tombs`` and is
+  garbage-collected when that write is prevented.
+* On open, recovery purges every entry written under a tombstoned token and
+  drops tombs whose write can no longer arrive, before the first read.
+
+LMDB rules followed (py-lmdb): the map is grown only with no transaction
+active in this process (readers hold a shared lock, the writer an exclusive
+one); ``writemap`` is never used, so a full disk is an error and not SIGBUS;
+a data file shorter than the environment's last page is refused at open.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import errno
+import fcntl
+import json
+import logging
+import os
+import shutil
+import struct
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import lmdb
+
+from .diskformat import FORMAT_VERSION, HEADER_SIZE, CorruptEntry, lmdb_key, pack_header, parse_header, verify_entry
+from .errors import DiskInUseError, DiskTierError
+from .jobs import JobKind
+from .movers import CompletionQueue, Report
+
+__all__ = ["DiskStore", "DiskOptions", "FlushDone", "RecoveryReport", "StoredEntry", "writable_view",
+           "LOCK_NAME"]
+
+log = logging.getLogger(__name__)
+
+LOCK_NAME = "tiered_kv.lock"
+_U64 = struct.Struct("<Q")
+_MIN_MAP = 64 << 20
+
+
+@dataclass(frozen=True)
+class DiskOptions:
+    path: Path
+    namespace: str
+    block_bytes: int
+    capacity_bytes: int
+    durability: str = "batch"
+    map_size_bytes: int = 0
+    queue_blocks: int = 256
+    batch_blocks: int = 64
+    batch_bytes: int = 64 << 20
+    batch_seconds: float = 0.005
+    num_readers: int = 2
+
+
+@dataclass(frozen=True)
+class FlushDone:
+    token: uuid.UUID
+    ok: bool
+    error: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class StoredEntry:
+    key: bytes
+    token: uuid.UUID
+    length: int
+    seq: int
+
+
+@dataclass
+class RecoveryReport:
+    seconds: float = 0.0
+    entries: int = 0
+    purged: int = 0            # entries written under a tombstoned token
+    corrupt: int = 0           # entries whose header failed to parse (removed)
+    foreign: int = 0           # entries of another namespace/length (removed)
+    tombs_dropped: int = 0     # tombstones garbage-collected
+    at: float = field(default_factory=time.time)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def writable_view(t: Any) -> memoryview:
+    """A writable byte memoryview over a contiguous CPU tensor's storage (no numpy needed)."""
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+class _RWLock:
+    """Many readers or one exclusive holder (the writer growing the map)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._readers = 0
+        self._exclusive = False
+        self._waiting = 0
+
+    def acquire_shared(self) -> None:
+        with self._cond:
+            while self._exclusive or self._waiting:
+                self._cond.wait()
+            self._readers += 1
+
+    def release_shared(self) -> None:
+        with self._cond:
+            self._readers -= 1
+            if self._readers == 0:
+                self._cond.notify_all()
+
+    def acquire_exclusive(self) -> None:
+        with self._cond:
+            self._waiting += 1
+            while self._exclusive or self._readers:
+                self._cond.wait()
+            self._waiting -= 1
+            self._exclusive = True
+
+    def release_exclusive(self) -> None:
+        with self._cond:
+            self._exclusive = False
+            self._cond.notify_all()
+
+
+# ---- ops -------------------------------------------------------------------
+@dataclass
+class _Spill:
+    token: uuid.UUID
+    key: bytes
+    src: memoryview
+    nbytes: int
+
+
+@dataclass
+class _Tomb:
+    token: uuid.UUID
+    key: bytes
+
+
+@dataclass
+class _Delete:
+    token: uuid.UUID
+    key: bytes
+
+
+@dataclass
+class _DeleteCorrupt:
+    key: bytes
+
+
+@dataclass
+class _Touch:
+    key: bytes
+
+
+@dataclass
+class _Flush:
+    token: uuid.UUID
+
+
+@dataclass
+class _Promote:
+    token: uuid.UUID
+    key: bytes
+    expect: uuid.UUID
+    dst: memoryview
+
+
+class DiskStore:
+    """One LMDB environment per path, held exclusively by one store (file lock)."""
+
+    def __init__(self, opts: DiskOptions, completions: CompletionQueue,
+                 on_error: Callable[[str, str], None] = lambda kind, msg: None,
+                 on_prevented: Callable[[], None] = lambda: None,
+                 on_corrupt: Callable[[str], None] = lambda reason: None) -> None:
+        self.opts = opts
+        self._out = completions
+        self._on_error = on_error
+        self._on_prevented = on_prevented
+        self._on_corrupt = on_corrupt
+        self._ns = opts.namespace.encode()
+        self._lock_fd = -1
+        self._env: Optional[lmdb.Environment] = None
+        self._closed = False
+        self.healthy = True
+        self._rw = _RWLock()
+        self._cond = threading.Condition(threading.Lock())
+        self._ops: collections.deque[Any] = collections.deque()
+        self._spills_queued = 0
+        self._cancelled: set[uuid.UUID] = set()
+        self._cancel_lock = threading.Lock()
+        self._reads: collections.deque[_Promote] = collections.deque()
+        self._read_cond = threading.Condition(threading.Lock())
+        self._seq = 0
+        self.tombstones = 0
+        self.writes_prevented = 0
+        self.map_size = 0
+        self.recovery = RecoveryReport()
+        self.entries: list[StoredEntry] = []
+        self.writer_error: Optional[BaseException] = None
+        self._batch: list[Any] = []
+        self._dirty = False
+        self.fault_hook: Optional[Callable[[str], None]] = None  # tests: raise inside the writer at a named point
+        self._open()
+        self._writer = threading.Thread(target=self._writer_main, name="tiered-kv-disk-writer", daemon=True)
+        self._writer.start()
+        self._readers = [threading.Thread(target=self._reader_main, name="tiered-kv-disk-reader", daemon=True)
+                         for _ in range(opts.num_readers)]
+        for t in self._readers:
+            t.start()
+
+    # ------------------------------------------------------------ open
+    def _open(self) -> None:
+        o = self.opts
+        try:
+            o.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DiskTierError(f"disk_path {str(o.path)!r} cannot be created: {exc}") from exc
+        if not os.access(o.path, os.W_OK):
+            raise DiskTierError(f"disk_path {str(o.path)!r} is not writable")
+        try:
+            fd = os.open(o.path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise DiskTierError(f"disk_path {str(o.path)!r}: cannot open lock file: {exc}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise DiskInUseError(f"disk_path {str(o.path)!r} is in use by another TierManager (pid {holder}); "
+                                f"one manager per path") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd
+        try:
+            self._open_env()
+            self._recover()
+        except BaseException:
+            self._release_env()
+            raise
+
+    def _open_env(self) -> None:
+        o = self.opts
+        data = o.path / "data.mdb"
+        existing = data.exists()
+        want = o.map_size_bytes or max(_MIN_MAP, 2 * o.capacity_bytes + 16 * (o.block_bytes + 4096))
+        if existing:
+            want = max(want, data.stat().st_size)
+        sync = o.durability != "none"
+        metasync = o.durability == "sync"
+        try:
+            env = lmdb.open(str(o.path), map_size=want, subdir=True, max_dbs=4, sync=sync, metasync=metasync,
+                            writemap=False, map_async=False, readahead=False, meminit=False,
+                            max_readers=max(126, 4 * o.num_readers + 8), lock=True)
+        except lmdb.Error as exc:
+            raise DiskTierError(f"disk_path {str(o.path)!r} is not a usable LMDB environment: {exc}") from exc
+        self._env = env
+        info, stat = env.info(), env.stat()
+        need = (info["last_pgno"] + 1) * stat["psize"]
+        if existing and data.stat().st_size < need:
+            raise DiskTierError(f"disk_path {str(o.path)!r}: data.mdb is truncated "
+                                f"({data.stat().st_size} bytes < {need} in use)")
+        self.map_size = info["map_size"]
+        self._meta = env.open_db(b"meta")
+        self._blocks = env.open_db(b"blocks")
+        self._tombs = env.open_db(b"tombs")
+        self._touch = env.open_db(b"touch")
+        with env.begin(write=True) as txn:
+            ver = txn.get(b"format_version", db=self._meta)
+            if ver is None and txn.stat(self._blocks)["entries"] == 0:
+                txn.put(b"format_version", str(FORMAT_VERSION).encode(), db=self._meta)
+                txn.put(b"namespace", self._ns, db=self._meta)
+                txn.put(b"block_bytes", str(o.block_bytes).encode(), db=self._meta)
+                txn.put(b"created", str(time.time()).encode(), db=self._meta)
+                return
+            if ver != str(FORMAT_VERSION).encode():
+                raise DiskTierError(f"disk_path {str(o.path)!r} has format version {ver!r}, this is {FORMAT_VERSION}")
+            ns = txn.get(b"namespace", db=self._meta)
+            if ns != self._ns:
+                raise DiskTierError(f"disk_path {str(o.path)!r} belongs to namespace {ns!r}, not {self._ns!r}")
+            bb = txn.get(b"block_bytes", db=self._meta)
+            if bb != str(o.block_bytes).encode():
+                raise DiskTierError(f"disk_path {str(o.path)!r} holds blocks of {bb!r} bytes, not {o.block_bytes}")
+
+    def _recover(self) -> None:
+        """Purge writes under tombstoned tokens, drop dead tombs, index what remains."""
+        t0 = time.perf_counter()
+        rep = RecoveryReport()
+        env = self._env
+        assert env is not None
+        entries: dict[bytes, StoredEntry] = {}
+        with env.begin(write=True, buffers=True) as txn:
+            tombs = {bytes(k): bytes(v) for k, v in txn.cursor(db=self._tombs)}
+            dead: list[bytes] = []
+            cur = txn.cursor(db=self._blocks)
+            for lk, v in cur:
+                lk = bytes(lk)
+                try:
+                    h = parse_header(v)
+                except CorruptEntry:
+                    rep.corrupt += 1
+                    dead.append(lk)
+                    continue
+                if h.namespace != self._ns or h.length != self.opts.block_bytes or lmdb_key(h.key) != lk:
+                    rep.foreign += 1
+                    dead.append(lk)
+                    continue
+                if h.token.bytes in tombs:
+                    rep.purged += 1
+                    dead.append(lk)
+                    continue
+                entries[lk] = StoredEntry(h.key, h.token, h.length, h.seq)
+                self._seq = max(self._seq, h.seq)
+            for lk in dead:
+                txn.delete(lk, db=self._blocks)
+            for tk in tombs:
+                txn.delete(tk, db=self._tombs)
+            rep.tombs_dropped = len(tombs)
+            # recency: a promote's touch may be newer than the write
+            touched = {}
+            for k, v in txn.cursor(db=self._touch):
+                k = bytes(k)
+                touched[k] = _U64.unpack(bytes(v))[0]
+            for k, seq in touched.items():
+                e = entries.get(k)
+                if e is None:
+                    txn.delete(k, db=self._touch)
+                elif seq > e.seq:
+                    entries[k] = StoredEntry(e.key, e.token, e.length, seq)
+                self._seq = max(self._seq, seq)
+            rep.entries = len(entries)
+            rep.seconds = time.perf_counter() - t0
+            txn.put(b"last_recovery", json.dumps(rep.as_dict()).encode(), db=self._meta)
+        if self.opts.durability != "none":
+            env.sync(True)
+        self.entries = sorted(entries.values(), key=lambda e: e.seq)
+        self.recovery = rep
+        log.info("disk tier %s recovered in %.3f s: %d entries, %d purged under tombstones, %d corrupt, "
+                 "%d foreign, %d tombstones dropped", self.opts.path, rep.seconds, rep.entries, rep.purged,
+                 rep.corrupt, rep.foreign, rep.tombs_dropped)
+
+    # ------------------------------------------------------------ owner-side API (never blocks on I/O)
+    def submit_spill(self, token: uuid.UUID, key: bytes, src: memoryview) -> bool:
+        """Queue a write of ``src`` (a leased host slot) under ``key``; False when the queue is full."""
+        with self._cond:
+            if self._closed or self._spills_queued >= self.opts.queue_blocks:
+                return False
+            self._ops.append(_Spill(token, key, src, len(src)))
+            self._spills_queued += 1
+            self._cond.notify()
+        return True
+
+    def cancel(self, token: uuid.UUID, key: bytes) -> None:
+        """Cancel the spill ``token``: never published; removed if it already was (token must match)."""
+        with self._cancel_lock:
+            self._cancelled.add(token)
+        self._push(_Tomb(token, key), front=True)
+
+    def submit_delete(self, token: uuid.UUID, key: bytes) -> None:
+        """Remove ``key``'s committed entry if it was written by ``token`` (eviction, invalidation)."""
+        self._push(_Delete(token, key), front=True)
+
+    def submit_delete_corrupt(self, key: bytes) -> None:
+        self._push(_DeleteCorrupt(key))
+
+    def submit_touch(self, key: bytes) -> None:
+        self._push(_Touch(key))
+
+    def submit_flush(self, token: uuid.UUID) -> None:
+        self._push(_Flush(token))
+
+    def submit_promote(self, token: uuid.UUID, key: bytes, expect: uuid.UUID, dst: memoryview) -> None:
+        with self._read_cond:
+            self._reads.append(_Promote(token, key, expect, dst))
+            self._read_cond.notify()
+
+    @property
+    def queue_depth(self) -> int:
+        return self._spills_queued
+
+    def writer_alive(self) -> bool:
+        return self._writer.is_alive()
+
+    def file_bytes(self) -> int:
+        try:
+            return (self.opts.path / "data.mdb").stat().st_size
+        except OSError:
+            return 0
+
+    def write_tombstone(self, token: uuid.UUID, key: bytes) -> bool:
+        """Durably tombstone ``token`` from any thread or process (its own write transaction).
+
+        Removes the committed entry if ``token`` wrote it, otherwise records the
+        tomb so that a pending write under ``token`` is never published.
+        Returns True if an entry was removed.
+        """
+        assert self._env is not None
+        self._rw.acquire_shared()
+        try:
+            with self._env.begin(write=True) as txn:
+                return self._apply_tomb(txn, token, key)
+        finally:
+            self._rw.release_shared()
+
+    def close(self) -> None:
+        """Finish queued ops, sync, stop threads, release the path.  Idempotent."""
+        if self._closed:
+            return
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        with self._read_cond:
+            self._read_cond.notify_all()
+        self._writer.join()
+        for t in self._readers:
+            t.join()
+        self._release_env()
+
+    def _release_env(self) -> None:
+        if self._env is not None:
+            try:
+                if self.opts.durability != "none":
+                    self._env.sync(True)
+            except lmdb.Error:
+                pass
+            self._env.close()
+            self._env = None
+        if self._lock_fd >= 0:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    # ------------------------------------------------------------ writer thread
+    def _push(self, op: Any, front: bool = False) -> None:
+        with self._cond:
+            if self._closed and not isinstance(op, _Flush):
+                return
+            (self._ops.appendleft if front else self._ops.append)(op)
+            self._cond.notify()
+
+    def _take_batch(self) -> Optional[list[Any]]:
+        o = self.opts
+        with self._cond:
+            while not self._ops:
+                if self._closed:
+                    return None
+                self._cond.wait(timeout=0.5 if self._dirty else None)
+                if not self._ops and self._dirty:
+                    return []  # idle: time to sync a batch-mode commit
+            batch: list[Any] = []
+            nbytes = 0
+            deadline = time.monotonic() + o.batch_seconds
+            while True:
+                while self._ops and len(batch) < o.batch_blocks and nbytes < o.batch_bytes:
+                    op = self._ops.popleft()
+                    if isinstance(op, _Spill):
+                        self._spills_queued -= 1
+                        nbytes += op.nbytes
+                    batch.append(op)
+                    if isinstance(op, _Flush):
+                        return batch
+                if len(batch) >= o.batch_blocks or nbytes >= o.batch_bytes or self._closed:
+                    return batch
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return batch
+                self._cond.wait(timeout=left)
+
+    def _writer_main(self) -> None:
+        try:
+            while True:
+                batch = self._take_batch()
+                if batch is None:
+                    break
+                if not batch:
+                    self._sync()
+                    continue
+                self._batch = batch
+                self._run_batch(batch)
+                self._batch = []
+            self._sync()
+        except BaseException as exc:  # the writer is dying: answer everything queued
+            self.writer_error = exc
+            self.healthy = False
+            log.exception("disk writer thread died")
+            self._on_error("writer_died", repr(exc))
+            with self._cond:
+                rest = self._batch + list(self._ops)
+                self._batch = []
+                self._ops.clear()
+                self._spills_queued = 0
+                self._closed = True  # no further ops are accepted: they could never be answered
+            self._fail_ops(rest, f"disk writer died: {exc!r}")
+            if not isinstance(exc, Exception):
+                raise
+
+    def _run_batch(self, batch: list[Any]) -> None:
+        for attempt in (1, 2):
+            try:
+                results = self._commit(batch)
+            except lmdb.MapFullError:
+                if attempt == 1 and self._grow():
+                    continue
+                self._degrade("map_full", "LMDB map full and cannot grow")
+                self._fail_ops(batch, "map full")
+                return
+            except (lmdb.Error, OSError) as exc:
+                kind = _error_kind(exc)
+                self._degrade(kind, repr(exc))
+                self._fail_ops(batch, f"disk write failed: {exc}")
+                return
+            self._set_healthy()
+            self._dirty = self.opts.durability == "batch"
+            flushes = [op for op in batch if isinstance(op, _Flush)]
+            if flushes:
+                self._sync()
+            for r in results:
+                self._out.put(r)
+            for f in flushes:
+                self._out.put(FlushDone(f.token, True))
+            return
+
+    def _commit(self, batch: list[Any]) -> list[Report]:
+        """One write transaction for the whole batch; returns the reports to send after commit."""
+        env = self._env
+        assert env is not None
+        results: list[Report] = []
+        t0 = time.perf_counter()
+        if self.fault_hook is not None:
+            self.fault_hook("commit")
+        staging: Optional[bytearray] = None
+        self._rw.acquire_shared()
+        try:
+            with env.begin(write=True) as txn:
+                for op in batch:
+                    if isinstance(op, _Spill):
+                        if self._is_cancelled(op.token) or txn.get(op.token.bytes, db=self._tombs) is not None:
+                            txn.delete(op.token.bytes, db=self._tombs)
+                            with self._cancel_lock:
+                                self._cancelled.discard(op.token)
+                            self.writes_prevented += 1
+                            self._on_prevented()
+                            results.append(Report(op.token, JobKind.SPILL, False, "cancelled before publish", copied=False))
+                            continue
+                        self._seq += 1
+                        head = pack_header(self._ns, op.key, op.token, op.src, self._seq)
+                        total = len(head) + op.nbytes
+                        if staging is None or len(staging) < total:
+                            staging = bytearray(total)
+                        staging[:len(head)] = head
+                        staging[len(head):total] = op.src
+                        txn.put(lmdb_key(op.key), memoryview(staging)[:total], db=self._blocks)
+                        txn.delete(lmdb_key(op.key), db=self._touch)
+                        results.append(Report(op.token, JobKind.SPILL, True, None, op.nbytes, 0.0))
+                    elif isinstance(op, _Tomb):
+                        self._apply_tomb(txn, op.token, op.key, spill_pending=True)
+                    elif isinstance(op, _Delete):
+                        self._delete_if_token(txn, op.key, op.token)
+                    elif isinstance(op, _DeleteCorrupt):
+                        self._delete_if_corrupt(txn, op.key)
+                    elif isinstance(op, _Touch):
+                        self._seq += 1
+                        txn.put(lmdb_key(op.key), _U64.pack(self._seq), db=self._touch)
+                self.tombstones = txn.stat(self._tombs)["entries"]
+        finally:
+            self._rw.release_shared()
+        dt = time.perf_counter() - t0
+        n = sum(1 for r in results if r.ok)
+        for r in results:
+            if r.ok:
+                r.seconds = dt / n
+        return results
+
+    def _apply_tomb(self, txn: Any, token: uuid.UUID, key: bytes, spill_pending: bool = False) -> bool:
+        if self._delete_if_token(txn, key, token):
+            with self._cancel_lock:
+                self._cancelled.discard(token)
+            return True
+        with self._cancel_lock:
+            known = token in self._cancelled
+        if spill_pending and not known:
+            return False  # the spill was already prevented and its tomb collected
+        # the guarded write may still come (queued here or in another process): make the tomb durable
+        txn.put(token.bytes, key, db=self._tombs)
+        return False
+
+    def _delete_if_token(self, txn: Any, key: bytes, token: uuid.UUID) -> bool:
+        lk = lmdb_key(key)
+        v = txn.get(lk, db=self._blocks)
+        if v is None:
+            return False
+        try:
+            h = parse_header(v)
+        except CorruptEntry:
+            return False
+        if h.token != token:
+            return False
+        txn.delete(lk, db=self._blocks)
+        txn.delete(lk, db=self._touch)
+        return True
+
+    def _delete_if_corrupt(self, txn: Any, key: bytes) -> None:
+        lk = lmdb_key(key)
+        v = txn.get(lk, db=self._blocks)
+        if v is None:
+            return
+        try:
+            verify_entry(v, self._ns, key, self.opts.block_bytes)
+        except CorruptEntry:
+            txn.delete(lk, db=self._blocks)
+            txn.delete(lk, db=self._touch)
+
+    def _is_cancelled(self, token: uuid.UUID) -> bool:
+        with self._cancel_lock:
+            return token in self._cancelled
+
+    def _grow(self) -> bool:
+        """Grow the map by half (no transaction may be active); False if the disk lacks room."""
+        env = self._env
+        assert env is not None
+        new = int(self.map_size * 1.5) + (self.opts.block_bytes * 4)
+        free = shutil.disk_usage(self.opts.path).free
+        if free < (new - self.map_size):
+            log.error("disk tier: cannot grow LMDB map to %d bytes, only %d free", new, free)
+            return False
+        self._rw.acquire_exclusive()
+        try:
+            env.set_mapsize(new)
+            self.map_size = env.info()["map_size"]
+        finally:
+            self._rw.release_exclusive()
+        log.info("disk tier: LMDB map grown to %d bytes", self.map_size)
+        return True
+
+    def _sync(self) -> None:
+        if self._env is None or self.opts.durability == "none" or not (self._dirty or self.opts.durability == "batch"):
+            return
+        try:
+            self._env.sync(True)
+            self._dirty = False
+        except lmdb.Error as exc:
+            self._degrade("sync_failed", repr(exc))
+
+    def _fail_ops(self, ops: list[Any], error: str) -> None:
+        for op in ops:
+            if isinstance(op, _Spill):
+                with self._cancel_lock:
+                    self._cancelled.discard(op.token)
+                self._out.put(Report(op.token, JobKind.SPILL, False, error, copied=False))
+            elif isinstance(op, _Flush):
+                self._out.put(FlushDone(op.token, False, error))
+
+    def _degrade(self, kind: str, msg: str) -> None:
+        self.healthy = False
+        self._on_error(kind, msg)
+
+    def _set_healthy(self) -> None:
+        self.healthy = True
+
+    # ------------------------------------------------------------ reader threads
+    def _reader_main(self) -> None:
+        while True:
+            with self._read_cond:
+                while not self._reads and not self._closed:
+                    self._read_cond.wait()
+                if not self._reads:
+                    return
+                op = self._reads.popleft()
+            self._out.put(self._read(op))
+
+    def _read(self, op: _Promote) -> Report:
+        env = self._env
+        t0 = time.perf_counter()
+        n = self.opts.block_bytes
+        if env is None:
+            return Report(op.token, JobKind.PROMOTE, False, "miss: disk tier closed", copied=False)
+        self._rw.acquire_shared()
+        try:
+            with env.begin(db=self._blocks, buffers=True) as txn:
+                v = txn.get(lmdb_key(op.key))
+                if v is None:
+                    return Report(op.token, JobKind.PROMOTE, False, "miss: absent", copied=False)
+                try:
+                    h = verify_entry(v, self._ns, op.key, n)
+                except CorruptEntry as exc:
+                    self._on_corrupt(exc.reason)
+                    return Report(op.token, JobKind.PROMOTE, False, f"miss: corrupt ({exc})", copied=False)
+                if h.token != op.expect:
+                    return Report(op.token, JobKind.PROMOTE, False, "miss: superseded on disk", copied=False)
+                op.dst[:] = v[h.payload_offset:h.payload_offset + n]
+        except (lmdb.Error, OSError) as exc:
+            self._on_error(_error_kind(exc), repr(exc))
+            return Report(op.token, JobKind.PROMOTE, False, f"miss: read failed ({exc})", copied=False)
+        finally:
+            self._rw.release_shared()
+        return Report(op.token, JobKind.PROMOTE, True, None, n, time.perf_counter() - t0)
+
+
+def _error_kind(exc: BaseException) -> str:
+    if isinstance(exc, lmdb.MapFullError):
+        return "map_full"
+    err = getattr(exc, "errno", None)
+    text = str(exc)
+    if err == errno.ENOSPC or "No space left" in text:
+        return "disk_full"
+    if err in (errno.EROFS, errno.EACCES, errno.EPERM) or "Read-only" in text or "Permission denied" in text:
+        return "read_only"
+    if err == errno.EIO or "Input/output" in text:
+        return "io_error"
+    return "lmdb_error"
