@@ -6,46 +6,139 @@ import argparse
 import json
 import logging
 import sys
-from typing import Optional, Sequence
+import time
+from dataclasses import replace
+from typing import Any, Optional, Sequence
 
 __all__ = ["main"]
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from .workload import WorkloadConfig, run_workload
+def _workload_config(args: argparse.Namespace, offload: str) -> Any:
+    from .workload import WorkloadConfig
 
-    cfg = WorkloadConfig(steps=args.steps, seed=args.seed, abort_rate=args.abort_rate,
-                         device_blocks=args.device_blocks, host_blocks=args.host_blocks)
-    summary = run_workload(cfg)
+    return WorkloadConfig(seconds=args.seconds, steps=args.steps, seed=args.seed, offload=offload,
+                          abort_rate=args.abort_rate, preempt_rate=args.preempt_rate,
+                          device_blocks=args.device_blocks, host_blocks=args.host_blocks,
+                          disk_blocks=args.disk_blocks, disk_path=args.disk_path)
+
+
+def _run_one(args: argparse.Namespace, offload: str, label: str) -> dict[str, Any]:
+    from prometheus_client import CollectorRegistry
+    from tqdm import tqdm
+
+    from .workload import run_workload
+
+    cfg = _workload_config(args, offload)
+    registry = CollectorRegistry()
+    server = None
+
+    def on_manager(mgr: Any) -> None:
+        nonlocal server
+        if args.metrics_port is not None:
+            from .exposition import serve_metrics
+
+            server = serve_metrics(args.metrics_port, addr=args.metrics_addr, registry=registry)
+            print(f"serving /metrics on http://{args.metrics_addr}:{server.port}/metrics", file=sys.stderr, flush=True)
+
+    bar = tqdm(total=100, desc=label, unit="%", disable=args.no_progress, file=sys.stderr,
+               bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}<{remaining}")
+    last = [0]
+
+    def progress(frac: float) -> None:
+        n = int(frac * 100)
+        if n > last[0]:
+            bar.update(n - last[0])
+            last[0] = n
+
+    try:
+        summary = run_workload(cfg, registry=registry, progress=progress, on_manager=on_manager)
+        bar.update(100 - last[0])
+    finally:
+        bar.close()
+        if server is not None and args.linger > 0:
+            print(f"keeping /metrics up for {args.linger:g} s", file=sys.stderr, flush=True)
+            time.sleep(args.linger)
+        if server is not None:
+            server.close()
+    return summary
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / 1e9:.3f} GB"
+
+
+_ROWS = [
+    ("requests finished", lambda s: f"{s['requests_finished']:,}"),
+    ("requests aborted", lambda s: f"{s['requests_aborted']:,}"),
+    ("preemptions", lambda s: f"{s['preemptions']:,}"),
+    ("prefix hit rate", lambda s: f"{s['prefix_hit_rate']:.1%}"),
+    ("  hits in host", lambda s: f"{s['hits_by_tier']['host']:,}"),
+    ("  hits on disk", lambda s: f"{s['hits_by_tier']['disk']:,}"),
+    ("recompute avoided (tokens)", lambda s: f"{s['recompute_avoided_tokens']:,}"),
+    ("recomputed (tokens)", lambda s: f"{s['recompute_tokens']:,}"),
+    ("loads verified", lambda s: f"{s['loads_ok']:,}"),
+    ("corrupt loads", lambda s: f"{s['corrupt_loads']}"),
+    ("device->host", lambda s: _fmt_bytes(s["bytes_by_link"]["device->host"])),
+    ("host->device", lambda s: _fmt_bytes(s["bytes_by_link"]["host->device"])),
+    ("host->disk", lambda s: _fmt_bytes(s["bytes_by_link"]["host->disk"])),
+    ("disk->host", lambda s: _fmt_bytes(s["bytes_by_link"]["disk->host"])),
+    ("stale callbacks discarded", lambda s: ", ".join(f"{k}={v}" for k, v in s["stale_callbacks"].items() if v) or "0"),
+    ("orphaned writes prevented", lambda s: f"{s['orphaned_writes_prevented']:,}"),
+    ("spills shed", lambda s: f"{sum(s['shed'].values()):,}"),
+    ("errors", lambda s: f"{s['errors'] + s['tier_errors']}"),
+    ("engine steps", lambda s: f"{s['steps']:,}"),
+    ("wall time", lambda s: f"{s['seconds']:.1f} s"),
+]
+
+
+def _print_table(summaries: dict[str, dict[str, Any]]) -> None:
+    names = list(summaries)
+    w0 = max(len(r[0]) for r in _ROWS)
+    cells = {n: [fn(summaries[n]) for _, fn in _ROWS] for n in names}
+    widths = {n: max(len(n), *(len(c) for c in cells[n])) for n in names}
+    print("  ".join([" " * w0] + [n.rjust(widths[n]) for n in names]))
+    for i, (label, _) in enumerate(_ROWS):
+        print("  ".join([label.ljust(w0)] + [cells[n][i].rjust(widths[n]) for n in names]))
+
+
+def _demo(args: argparse.Namespace) -> int:
+    modes = [("no offload", "none"), ("host", "host"), ("host+disk", "disk")] if args.compare else [("tiered-kv demo", "disk")]
+    summaries: dict[str, dict[str, Any]] = {}
+    for label, mode in modes:
+        summaries[label] = _run_one(args, mode, label)
+    print()
+    _print_table(summaries)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=2, sort_keys=True)
-    print(f"tiered-kv demo: {summary['steps']} engine steps, seed {summary['seed']}")
-    print(f"  requests served          {summary['requests_finished']} (aborted {summary['requests_aborted']})")
-    print(f"  prefix blocks looked up  {summary['lookup_keys']}, hits in host tier {summary['host_hits']} "
-          f"({summary['host_hit_rate']:.1%})")
-    print(f"  blocks loaded            {summary['loads_ok']} verified, corrupt {summary['corrupt_loads']}")
-    print(f"  blocks stored            {summary['stores_ok']} (cancelled {summary['stores_cancelled']}, "
-          f"shed {summary['stores_shed']})")
-    print(f"  bytes moved              device->host {summary['bytes_device_to_host']:,}  "
-          f"host->device {summary['bytes_host_to_device']:,}")
-    stale = ", ".join(f"{k}={v}" for k, v in sorted(summary["stale_callbacks"].items())) or "none"
-    print(f"  stale callbacks          {stale}")
-    print(f"  wall time                {summary['seconds']:.2f} s")
-    return 1 if summary["corrupt_loads"] or summary["errors"] else 0
+            json.dump(summaries if args.compare else summaries[modes[0][0]], f, indent=2, sort_keys=True)
+    bad = [n for n, s in summaries.items() if s["corrupt_loads"] or s["errors"]]
+    if bad:
+        print(f"FAILED: corrupt loads or engine errors in {bad}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tiered-kv", description="KV-cache tiering for LLM serving.")
     p.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="run a seeded serving workload through the public API")
-    d.add_argument("--steps", type=int, default=400, help="engine steps (default 400)")
+    d = sub.add_parser("demo", help="run a seeded serving simulation through tiered_kv (CPU, no server)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    d.add_argument("--seconds", type=float, default=20.0, help="wall-clock length of the run")
+    d.add_argument("--steps", type=int, default=None, help="stop after this many engine steps instead")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--abort-rate", type=float, default=0.15, help="chance a running request is aborted per step")
+    d.add_argument("--abort-rate", type=float, default=0.12, help="chance per step that a running request is aborted")
+    d.add_argument("--preempt-rate", type=float, default=0.05, help="chance per step that a running request is preempted")
     d.add_argument("--device-blocks", type=int, default=96, help="rows in the device KV pool")
-    d.add_argument("--host-blocks", type=int, default=256, help="slots in the host tier")
+    d.add_argument("--host-blocks", type=int, default=160, help="slots in the host tier")
+    d.add_argument("--disk-blocks", type=int, default=4096, help="blocks the disk tier may hold")
+    d.add_argument("--disk-path", default=None, help="LMDB directory (default: a temporary one, removed at exit)")
+    d.add_argument("--metrics-port", type=int, default=None, help="serve /metrics on this port while running")
+    d.add_argument("--metrics-addr", default="127.0.0.1", help="address for --metrics-port")
+    d.add_argument("--linger", type=float, default=0.0, help="keep /metrics up this long after the run")
+    d.add_argument("--compare", action="store_true", help="run no offload, host only and host+disk side by side")
     d.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
+    d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(func=_demo)
     return p
 

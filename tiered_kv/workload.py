@@ -1,53 +1,83 @@
-"""A small simulated serving engine that drives a TierManager as a real one would.
+"""A simulated serving engine that drives a TierManager as a real one would.
 
-Requests share system prompts (prefix reuse across users and rounds); each
-block's KV content is a deterministic function of its prefix key, so every
-load is verified byte for byte.  The engine admits requests, looks up their
-prefix, loads hits, "computes" misses, stores new blocks, aborts some
-requests mid-flight and preempts when the device pool runs out.  It never
-sleeps: it calls ``poll()`` once per step like an engine loop.
+Multi-round chat: users share a few system prompts and come back for more
+rounds, so prefixes repeat across users and rounds.  Requests arrive as a
+Poisson process; each needs one device row per block.  The engine looks up
+the prefix, loads hits, "computes" misses, stores new blocks, aborts some
+requests mid-flight (client aborts), and preempts running requests when the
+pool runs out (or at random, at ``preempt_rate``).  Each block's KV content
+is a deterministic function of its prefix key, so every completed load is
+verified byte for byte.  The loop never sleeps: it calls ``poll()`` once per
+step like an engine.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import random
+import shutil
+import tempfile
 import time
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional
 
 import torch
 import xxhash
+from prometheus_client import CollectorRegistry
 
 from .config import TieredKVConfig
 from .jobs import Job, JobKind
 from .manager import TierManager
 
-__all__ = ["WorkloadConfig", "run_workload", "block_content", "chain_keys"]
+__all__ = ["WorkloadConfig", "run_workload", "block_content", "chain_keys", "summary_from_registry",
+           "OFFLOAD_MODES"]
 
 log = logging.getLogger(__name__)
 
-ROW_SHAPE = (2, 16, 64)  # K/V x tokens-per-block x head-dim slice: 4 KiB of fp16 per row
+OFFLOAD_MODES = ("none", "host", "disk")
 
 
 @dataclass(frozen=True)
 class WorkloadConfig:
-    steps: int = 400
+    """The simulated workload.  Sizes are in blocks; ``row_shape`` is one block's KV."""
+
+    seconds: Optional[float] = 20.0    # wall-clock budget (None: run ``steps`` steps)
+    steps: Optional[int] = None
     seed: int = 0
-    abort_rate: float = 0.15        # chance per step that one running request is aborted
+    offload: str = "disk"              # none | host | disk
+    abort_rate: float = 0.12           # chance per step that one running request is aborted
+    preempt_rate: float = 0.05         # chance per step that one running request is preempted
+    invalidate_rate: float = 0.05      # chance per step that a recently stored key is invalidated
     device_blocks: int = 96
-    host_blocks: int = 256
+    host_blocks: int = 160
+    disk_blocks: int = 4096
+    disk_path: Optional[str] = None    # None: a temporary directory removed at the end
     system_prompts: int = 4
     system_prompt_blocks: int = 6
-    users: int = 24
-    arrivals_per_step: float = 0.8
-    max_new_blocks: int = 6
+    users: int = 48
+    arrivals_per_step: float = 0.6
+    max_new_blocks: int = 5
+    tokens_per_block: int = 16
+    row_shape: tuple[int, ...] = (2, 16, 8, 64)  # K/V x tokens x heads x head_dim: 32 KiB of fp16
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.device_blocks < 8 or self.host_blocks < 1:
-            raise ValueError(f"bad workload config: {self}")
-        if not 0.0 <= self.abort_rate <= 1.0:
-            raise ValueError(f"abort_rate must be in [0, 1], got {self.abort_rate}")
+        if self.seconds is None and self.steps is None:
+            raise ValueError("give seconds or steps")
+        if self.seconds is not None and not self.seconds > 0:
+            raise ValueError(f"seconds must be > 0, got {self.seconds}")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.offload not in OFFLOAD_MODES:
+            raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {self.offload!r}")
+        for name in ("abort_rate", "preempt_rate", "invalidate_rate"):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {v}")
+        if self.device_blocks < 2 * (self.system_prompt_blocks + self.max_new_blocks):
+            raise ValueError(f"device_blocks={self.device_blocks} too small for one request")
+        if self.host_blocks < 1 or self.disk_blocks < 1 or self.users < 1 or self.system_prompts < 1:
+            raise ValueError(f"sizes must be >= 1: {self}")
 
 
 def chain_keys(parent: bytes, parts: list[bytes]) -> list[bytes]:
@@ -71,119 +101,157 @@ class _Request:
     keys: list[bytes]
     rows: list[int] = field(default_factory=list)
     jobs: list[Job] = field(default_factory=list)
-    done_blocks: int = 0
+    decode_steps: int = 0
 
 
 class _Engine:
-    def __init__(self, cfg: WorkloadConfig, mgr: TierManager, kv: torch.Tensor) -> None:
+    def __init__(self, cfg: WorkloadConfig, mgr: Optional[TierManager], kv: torch.Tensor) -> None:
         self.cfg, self.mgr, self.kv = cfg, mgr, kv
         self.rng = random.Random(cfg.seed)
         self.free_rows = list(range(cfg.device_blocks))
         self.fenced: list[int] = []
         self.running: dict[int, _Request] = {}
-        self.stats: dict[str, Any] = dict(requests_started=0, requests_finished=0, requests_aborted=0,
-                                          preemptions=0, lookup_keys=0, host_hits=0, loads_ok=0,
-                                          loads_cancelled=0, corrupt_loads=0, stores_ok=0,
-                                          stores_cancelled=0, stores_shed=0, recomputed_blocks=0, errors=0)
+        self.stats: dict[str, int] = dict(
+            steps=0, requests_started=0, requests_finished=0, requests_aborted=0, requests_rejected=0,
+            preemptions=0, lookup_keys=0, lookup_hits=0, loads_ok=0, loads_failed=0, loads_cancelled=0,
+            corrupt_loads=0, stores_ok=0, stores_failed=0, stores_cancelled=0, blocks_computed=0,
+            blocks_needed=0, invalidations=0, errors=0)
+        self.recent: list[bytes] = []  # keys stored lately (candidates for invalidation)
         self.next_rid = 0
         self.rounds: dict[int, int] = {}
 
-    # -- request lifecycle ----------------------------------------------------
+    # -- requests -------------------------------------------------------------
     def _new_request(self) -> _Request:
         cfg, rng = self.cfg, self.rng
         user = rng.randrange(cfg.users)
-        sp = user % cfg.system_prompts
         rounds = self.rounds.get(user, 0)
         self.rounds[user] = rounds + 1
-        system = chain_keys(b"sys%d" % sp, [b"s%d" % i for i in range(cfg.system_prompt_blocks)])
-        history = chain_keys(system[-1], [b"u%d.r%d" % (user, r) for r in range(rounds)])
-        new = chain_keys(history[-1] if history else system[-1],
-                         [b"u%d.r%d.n%d" % (user, rounds, i) for i in range(rng.randint(1, cfg.max_new_blocks))])
+        system = chain_keys(b"sys%d" % (user % cfg.system_prompts),
+                            [b"s%d" % i for i in range(cfg.system_prompt_blocks)])
+        # keep the history a bounded window so requests fit the pool
+        first = max(0, rounds - 3)
+        parent = system[-1] if first == 0 else chain_keys(system[-1], [b"u%d.r%d" % (user, r) for r in range(first)])[-1]
+        history = chain_keys(parent, [b"u%d.r%d" % (user, r) for r in range(first, rounds)])
+        base = history[-1] if history else parent
+        new = chain_keys(base, [b"u%d.r%d.n%d" % (user, rounds, i)
+                                for i in range(rng.randint(1, cfg.max_new_blocks))])
         self.next_rid += 1
         return _Request(self.next_rid, system + history + new)
 
     def _alloc(self, n: int) -> Optional[list[int]]:
         while len(self.free_rows) < n and self.running:
-            victim = self.rng.choice(list(self.running))  # preemption
-            self.stats["preemptions"] += 1
-            self._release(self.running.pop(victim))
+            self._preempt()
         if len(self.free_rows) < n:
             return None
         rows, self.free_rows = self.free_rows[:n], self.free_rows[n:]
         return rows
 
-    def _release(self, req: _Request) -> None:
+    def _preempt(self) -> None:
+        victim = self.rng.choice(sorted(self.running))
+        self.stats["preemptions"] += 1
+        # like vLLM's scheduler: free the rows without cancelling; free_block cancels the stores
+        self._release(self.running.pop(victim), cancel=False)
+
+    def _release(self, req: _Request, cancel: bool = True) -> None:
+        mgr = self.mgr
         for job in req.jobs:
-            if not job.done:
-                self.mgr.cancel(job)
+            if mgr is not None and cancel and not job.done:
+                mgr.cancel(job)
         for row in req.rows:
-            (self.free_rows if self.mgr.free_block(row) else self.fenced).append(row)
+            if mgr is None or mgr.free_block(row):
+                self.free_rows.append(row)
+            else:
+                self.fenced.append(row)  # a load is still landing in it
         req.rows, req.jobs = [], []
 
     def admit(self) -> None:
         req = self._new_request()
         rows = self._alloc(len(req.keys))
         if rows is None:
+            self.stats["requests_rejected"] += 1
             return
+        mgr = self.mgr
         req.rows = rows
         self.stats["requests_started"] += 1
-        hit = self.mgr.lookup(req.keys)
+        self.stats["blocks_needed"] += len(req.keys)
+        hit = mgr.lookup(req.keys) if mgr is not None else 0
         self.stats["lookup_keys"] += len(req.keys)
-        self.stats["host_hits"] += hit
+        self.stats["lookup_hits"] += hit
         for i, (key, row) in enumerate(zip(req.keys, rows)):
-            job = self.mgr.load(key, row) if i < hit else None
+            job = mgr.load(key, row) if (mgr is not None and i < hit) else None
             if job is not None:
                 req.jobs.append(job)
-            else:
-                self.kv[row].copy_(block_content(key, self.kv[row]))  # "compute" the block
-                self.stats["recomputed_blocks"] += 1
-                sj = self.mgr.store(key, row)
+                continue
+            self.kv[row].copy_(block_content(key, self.kv[row]))  # "compute" the block
+            self.stats["blocks_computed"] += 1
+            if mgr is not None:
+                sj = mgr.store(key, row)
                 if sj is not None:
                     req.jobs.append(sj)
+                    self.recent.append(key)
+        del self.recent[:-64]
+        req.decode_steps = self.rng.randint(2, 12)
         self.running[req.rid] = req
 
     def step(self) -> None:
-        cfg, rng = self.cfg, self.rng
-        arrivals = _poisson(rng, cfg.arrivals_per_step)
-        for _ in range(arrivals):
+        cfg, rng, mgr = self.cfg, self.rng, self.mgr
+        self.stats["steps"] += 1
+        for _ in range(_poisson(rng, cfg.arrivals_per_step)):
             self.admit()
         if self.running and rng.random() < cfg.abort_rate:
-            rid = rng.choice(list(self.running))
+            rid = rng.choice(sorted(self.running))
             self.stats["requests_aborted"] += 1
             self._release(self.running.pop(rid))
-        for c in self.mgr.poll():
-            self._on_completion(c.job, c.ok)
-        still = []
-        for row in self.fenced:
-            (self.free_rows if self.mgr.free_block(row) else still).append(row)
-        self.fenced = still
-        for rid in [r for r, req in self.running.items() if all(j.done for j in req.jobs) and rng.random() < 0.5]:
-            self.stats["requests_finished"] += 1
-            self._release(self.running.pop(rid))
+        if self.running and rng.random() < cfg.preempt_rate:
+            self._preempt()
+        if mgr is not None and self.recent and rng.random() < cfg.invalidate_rate:
+            # e.g. a user edited a message: its KV must never be served again
+            mgr.invalidate(self.recent[rng.randrange(len(self.recent))])
+            self.stats["invalidations"] += 1
+        if mgr is not None:
+            for c in mgr.poll():
+                self._on_completion(c.job, c.ok)
+            still = []
+            for row in self.fenced:
+                (self.free_rows if mgr.free_block(row) else still).append(row)
+            self.fenced = still
+        for rid in sorted(self.running):
+            req = self.running[rid]
+            if all(j.done for j in req.jobs):
+                req.decode_steps -= 1
+                if req.decode_steps <= 0:
+                    self.stats["requests_finished"] += 1
+                    self._release(self.running.pop(rid))
 
     def _on_completion(self, job: Job, ok: bool) -> None:
+        s = self.stats
         if job.kind is JobKind.LOAD:
             if ok:
-                self.stats["loads_ok"] += 1
+                s["loads_ok"] += 1
                 if not torch.equal(self.kv[job.block], block_content(job.key, self.kv[job.block])):
-                    self.stats["corrupt_loads"] += 1
+                    s["corrupt_loads"] += 1
                     log.error("corrupt load of key %r into row %d", job.key, job.block)
+            elif job.error and job.error.startswith("cancelled"):
+                s["loads_cancelled"] += 1
             else:
-                self.stats["loads_cancelled"] += 1
+                s["loads_failed"] += 1
         elif job.kind is JobKind.STORE:
-            self.stats["stores_ok" if ok else "stores_cancelled"] += 1
+            if ok:
+                s["stores_ok"] += 1
+            elif job.error and job.error.startswith("cancelled"):
+                s["stores_cancelled"] += 1
+            else:
+                s["stores_failed"] += 1
 
     def drain(self) -> None:
-        for req in list(self.running.values()):
-            self._release(req)
-        self.running.clear()
-        for c in self.mgr.wait(timeout=30):
-            self._on_completion(c.job, c.ok)
+        for rid in sorted(self.running):
+            self._release(self.running.pop(rid))
+        if self.mgr is not None:
+            for c in self.mgr.wait(timeout=60):
+                self._on_completion(c.job, c.ok)
 
 
 def _poisson(rng: random.Random, lam: float) -> int:
-    # Knuth's method; lam is small
-    import math
     limit, k, p = math.exp(-lam), 0, 1.0
     while True:
         p *= rng.random()
@@ -192,38 +260,89 @@ def _poisson(rng: random.Random, lam: float) -> int:
         k += 1
 
 
-def run_workload(cfg: WorkloadConfig, manager_config: Optional[TieredKVConfig] = None) -> dict[str, Any]:
-    """Run the simulated engine; return a summary (also computed from the manager's metrics)."""
-    kv = torch.zeros((cfg.device_blocks, *ROW_SHAPE), dtype=torch.float16)
+def run_workload(cfg: WorkloadConfig, registry: Optional[CollectorRegistry] = None,
+                 progress: Optional[Callable[[float], None]] = None,
+                 on_manager: Optional[Callable[[TierManager], None]] = None) -> dict[str, Any]:
+    """Run the simulated engine; return its summary.
+
+    ``progress(fraction_done)`` is called now and then; ``on_manager(mgr)`` once
+    the manager exists (e.g. to start a metrics endpoint on its registry).
+    """
+    kv = torch.zeros((cfg.device_blocks, *cfg.row_shape), dtype=torch.float16)
     row_bytes = kv[0].numel() * kv.element_size()
-    mcfg = manager_config or TieredKVConfig(namespace="demo|fp16|tp0", host_capacity_bytes=cfg.host_blocks * row_bytes)
+    registry = registry if registry is not None else CollectorRegistry()
+    tmpdir = None
+    mgr: Optional[TierManager] = None
+    if cfg.offload != "none":
+        disk_path = None
+        if cfg.offload == "disk":
+            disk_path = cfg.disk_path or (tmpdir := tempfile.mkdtemp(prefix="tiered-kv-demo-"))
+        mcfg = TieredKVConfig(namespace=f"demo|fp16|{'x'.join(map(str, cfg.row_shape))}|tp0",
+                              host_capacity_bytes=cfg.host_blocks * row_bytes,
+                              disk_path=disk_path, disk_capacity_bytes=cfg.disk_blocks * row_bytes if disk_path else 0)
+        mgr = TierManager(mcfg, kv, registry=registry)
+        if on_manager is not None:
+            on_manager(mgr)
     t0 = time.perf_counter()
-    with TierManager(mcfg, kv) as mgr:
-        eng = _Engine(cfg, mgr, kv)
+    eng = _Engine(cfg, mgr, kv)
+    try:
         try:
-            for _ in range(cfg.steps):
+            n = 0
+            while True:
+                if cfg.steps is not None and n >= cfg.steps:
+                    break
+                elapsed = time.perf_counter() - t0
+                if cfg.seconds is not None and elapsed >= cfg.seconds:
+                    break
                 eng.step()
+                n += 1
+                if progress is not None and n % 50 == 0:
+                    progress(min(1.0, elapsed / cfg.seconds) if cfg.seconds else n / cfg.steps)  # type: ignore[operator]
             eng.drain()
         except Exception:
             log.exception("engine loop raised")
             eng.stats["errors"] += 1
-        summary = dict(eng.stats)
-        summary["stores_shed"] = int(_sample(mgr, "tiered_kv_jobs_total", kind="store", outcome="shed"))
-        summary["stale_callbacks"] = {
-            reason: int(_sample(mgr, "tiered_kv_stale_callbacks_total", reason=reason))
-            for reason in ("unknown_token", "cancelled", "superseded", "source_reused")
-        }
-        summary["bytes_device_to_host"] = int(_sample(mgr, "tiered_kv_transfer_bytes_total", src="device", dst="host"))
-        summary["bytes_host_to_device"] = int(_sample(mgr, "tiered_kv_transfer_bytes_total", src="host", dst="device"))
-    summary.update(steps=cfg.steps, seed=cfg.seed, seconds=time.perf_counter() - t0,
-                   host_hit_rate=summary["host_hits"] / max(1, summary["lookup_keys"]))
+        if mgr is not None:
+            mgr.flush(timeout=30)
+            mgr.poll()
+    finally:
+        if mgr is not None:
+            mgr.close()
+        if tmpdir is not None:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+    summary: dict[str, Any] = dict(eng.stats)
+    summary.update(summary_from_registry(registry))
+    summary.update(
+        offload=cfg.offload, seed=cfg.seed, seconds=time.perf_counter() - t0,
+        tokens_per_block=cfg.tokens_per_block, block_bytes=row_bytes,
+        prefix_hit_rate=eng.stats["lookup_hits"] / max(1, eng.stats["lookup_keys"]),
+        recompute_avoided_tokens=eng.stats["loads_ok"] * cfg.tokens_per_block,
+        recompute_tokens=eng.stats["blocks_computed"] * cfg.tokens_per_block,
+    )
     return summary
 
 
-def _sample(mgr: TierManager, name: str, **labels: str) -> float:
-    total = 0.0
-    for metric in mgr.metrics.registry.collect():
-        for s in metric.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
+def summary_from_registry(registry: CollectorRegistry) -> dict[str, Any]:
+    """The summary figures that come from tiered_kv's metrics."""
+    def total(name: str, **labels: str) -> float:
+        v = 0.0
+        for metric in registry.collect():
+            for s in metric.samples:
+                if s.name == name and all(s.labels.get(k) == val for k, val in labels.items()):
+                    v += s.value
+        return v
+
+    out: dict[str, Any] = {
+        "hits_by_tier": {t: int(total("tiered_kv_lookup_hits_total", tier=t)) for t in ("host", "disk")},
+        "bytes_by_link": {f"{a}->{b}": int(total("tiered_kv_transfer_bytes_total", src=a, dst=b))
+                          for a, b in (("device", "host"), ("host", "device"), ("host", "disk"), ("disk", "host"))},
+        "stale_callbacks": {r: int(total("tiered_kv_stale_callbacks_total", reason=r))
+                            for r in ("unknown_token", "cancelled", "superseded", "source_reused")},
+        "orphaned_writes_prevented": int(total("tiered_kv_orphaned_writes_prevented_total")),
+        "orphaned_writes_purged": int(total("tiered_kv_orphaned_writes_purged_total")),
+        "shed": {r: int(total("tiered_kv_shed_total", reason=r))
+                 for r in ("inflight_limit", "host_full", "disk_full", "backpressure")},
+        "corrupt_blocks": int(total("tiered_kv_corrupt_blocks_total")),
+        "tier_errors": int(total("tiered_kv_errors_total")),
+    }
+    return out
