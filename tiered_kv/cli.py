@@ -140,6 +140,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(func=_demo)
+    from .cli_ops import add_operator_commands
+
+    add_operator_commands(sub)
     return p
 
 

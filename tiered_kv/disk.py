@@ -209,6 +209,7 @@ class DiskStore:
         self._lock_fd = -1
         self._env: Optional[lmdb.Environment] = None
         self._closed = False
+        self._accepting = True
         self.healthy = True
         self._rw = _RWLock()
         self._cond = threading.Condition(threading.Lock())
@@ -370,7 +371,7 @@ class DiskStore:
     def submit_spill(self, token: uuid.UUID, key: bytes, src: memoryview) -> bool:
         """Queue a write of ``src`` (a leased host slot) under ``key``; False when the queue is full."""
         with self._cond:
-            if self._closed or self._spills_queued >= self.opts.queue_blocks:
+            if not self._accepting or self._spills_queued >= self.opts.queue_blocks:
                 return False
             self._ops.append(_Spill(token, key, src, len(src)))
             self._spills_queued += 1
@@ -436,9 +437,11 @@ class DiskStore:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        # the writer drains what is queued, then stops; ops pushed after this are refused
         with self._read_cond:
             self._read_cond.notify_all()
         self._writer.join()
+        self._accepting = False
         for t in self._readers:
             t.join()
         self._release_env()
@@ -460,7 +463,9 @@ class DiskStore:
     # ------------------------------------------------------------ writer thread
     def _push(self, op: Any, front: bool = False) -> None:
         with self._cond:
-            if self._closed and not isinstance(op, _Flush):
+            if not self._accepting:
+                if isinstance(op, _Flush):  # answer at once: nothing will commit any more
+                    self._out.put(FlushDone(op.token, False, "disk writer is gone"))
                 return
             (self._ops.appendleft if front else self._ops.append)(op)
             self._cond.notify()
@@ -516,7 +521,7 @@ class DiskStore:
                 self._batch = []
                 self._ops.clear()
                 self._spills_queued = 0
-                self._closed = True  # no further ops are accepted: they could never be answered
+                self._accepting = False  # no further ops: they could never be answered
             self._fail_ops(rest, f"disk writer died: {exc!r}")
             if not isinstance(exc, Exception):
                 raise
