@@ -17,11 +17,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .jobs import JobKind, StaleReason
 
-__all__ = ["Metrics", "TIERS", "OUTCOMES", "SHED_REASONS"]
+__all__ = ["Metrics", "TIERS", "OUTCOMES", "SHED_REASONS", "CORRUPT_REASONS", "ERROR_KINDS"]
 
 TIERS = ("device", "host", "disk")
 OUTCOMES = ("ok", "failed", "cancelled", "shed")
 SHED_REASONS = ("inflight_limit", "host_full", "disk_full", "backpressure")
+# label values known in advance, exported at 0 from the start (dashboards and alerts see a series)
+CORRUPT_REASONS = ("truncated", "bad_magic", "bad_version", "wrong_namespace", "wrong_key", "wrong_length",
+                   "checksum", "recovery")
+ERROR_KINDS = (("device", "copy_failed"), ("host", "copy_failed"), ("disk", "copy_failed"),
+               ("disk", "open_failed"), ("disk", "flush_failed"), ("disk", "writer_died"), ("disk", "sync_failed"),
+               ("disk", "map_full"), ("disk", "disk_full"), ("disk", "read_only"), ("disk", "io_error"),
+               ("disk", "lmdb_error"))
 _LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5)
 _LINKS = (("device", "host"), ("host", "device"), ("host", "disk"), ("disk", "host"))
 
@@ -37,19 +44,19 @@ class Metrics:
             "Worker reports discarded because their job was unknown, cancelled, superseded or its source reused.",
             ["kind", "reason"], registry=r)
         self.jobs = Counter("tiered_kv_jobs_total", "Jobs finished, by kind and outcome.", ["kind", "outcome"], registry=r)
-        self.jobs_in_flight = Gauge("tiered_kv_jobs_in_flight", "Jobs whose worker report has not been applied.", ["kind"], registry=r)
+        self.jobs_in_flight = Gauge("tiered_kv_jobs_in_flight", "Jobs whose worker report has not been applied.", ["kind"], multiprocess_mode="livesum", registry=r)
         self.transfer_bytes = Counter("tiered_kv_transfer_bytes_total", "Bytes moved per link.", ["src", "dst"], registry=r)
         self.transfer_seconds = Histogram("tiered_kv_transfer_seconds", "Duration of one block copy per link.", ["src", "dst"],
                                           buckets=_LATENCY_BUCKETS, registry=r)
-        self.tier_used_bytes = Gauge("tiered_kv_tier_used_bytes", "Bytes of blocks held per tier.", ["tier"], registry=r)
-        self.tier_capacity_bytes = Gauge("tiered_kv_tier_capacity_bytes", "Capacity per tier.", ["tier"], registry=r)
-        self.tier_blocks = Gauge("tiered_kv_tier_blocks", "Blocks held per tier (ready or being written).", ["tier"], registry=r)
+        self.tier_used_bytes = Gauge("tiered_kv_tier_used_bytes", "Bytes of blocks held per tier.", ["tier"], multiprocess_mode="livesum", registry=r)
+        self.tier_capacity_bytes = Gauge("tiered_kv_tier_capacity_bytes", "Capacity per tier.", ["tier"], multiprocess_mode="livesum", registry=r)
+        self.tier_blocks = Gauge("tiered_kv_tier_blocks", "Blocks held per tier (ready or being written).", ["tier"], multiprocess_mode="livesum", registry=r)
         self.lookups = Counter("tiered_kv_lookup_keys_total", "Keys asked for by lookup().", registry=r)
         self.lookup_hits = Counter("tiered_kv_lookup_hits_total", "Keys found ready by lookup(), by tier.", ["tier"], registry=r)
         self.evictions = Counter("tiered_kv_evictions_total", "Blocks evicted by LRU, by tier.", ["tier"], registry=r)
         self.errors = Counter("tiered_kv_errors_total", "Faults absorbed (never raised to the engine), by tier and error.",
                               ["tier", "error"], registry=r)
-        self.healthy = Gauge("tiered_kv_healthy", "1 when the tier serves normally, 0 when degraded.", ["tier"], registry=r)
+        self.healthy = Gauge("tiered_kv_healthy", "1 when the tier serves normally, 0 when degraded.", ["tier"], multiprocess_mode="livemin", registry=r)
         self.shed_total = Counter("tiered_kv_shed_total", "Jobs not started under overload, by kind and reason.",
                                   ["kind", "reason"], registry=r)
         self.orphaned_prevented = Counter("tiered_kv_orphaned_writes_prevented_total",
@@ -62,13 +69,13 @@ class Metrics:
                                       "Disk entries that failed verification (served as misses and removed).",
                                       ["reason"], registry=r)
         self.recovery_seconds = Gauge("tiered_kv_recovery_seconds", "Duration of the last disk recovery on open.",
-                                      registry=r)
+                                      multiprocess_mode="livemax", registry=r)
         self.recovery_purged = Gauge("tiered_kv_recovery_purged_entries",
-                                     "Entries purged under tombstones by the last disk recovery.", registry=r)
-        self.writer_queue = Gauge("tiered_kv_writer_queue_blocks", "Spills queued for the disk writer.", registry=r)
-        self.tombstones = Gauge("tiered_kv_disk_tombstones", "Durable tombstones in the disk tier.", registry=r)
-        self.disk_map_bytes = Gauge("tiered_kv_disk_map_bytes", "Size of the LMDB map.", registry=r)
-        self.info = Gauge("tiered_kv_info", "Constant 1, labelled with the manager's namespace.", ["namespace"], registry=r)
+                                     "Entries purged under tombstones by the last disk recovery.", multiprocess_mode="livesum", registry=r)
+        self.writer_queue = Gauge("tiered_kv_writer_queue_blocks", "Spills queued for the disk writer.", multiprocess_mode="livesum", registry=r)
+        self.tombstones = Gauge("tiered_kv_disk_tombstones", "Durable tombstones in the disk tier.", multiprocess_mode="livesum", registry=r)
+        self.disk_map_bytes = Gauge("tiered_kv_disk_map_bytes", "Size of the LMDB map.", multiprocess_mode="livesum", registry=r)
+        self.info = Gauge("tiered_kv_info", "Constant 1, labelled with the manager's namespace.", ["namespace"], multiprocess_mode="livemax", registry=r)
         self.info.labels(namespace=namespace).set(1)
 
         # bound children for the hot path
@@ -87,6 +94,10 @@ class Metrics:
             self.health[t].set(1)
         self.shed = {(k, why): self.shed_total.labels(kind=k.value, reason=why)
                      for k in JobKind for why in SHED_REASONS}
+        for reason in CORRUPT_REASONS:
+            self.corrupt_blocks.labels(reason=reason)
+        for tier, error in ERROR_KINDS:
+            self.errors.labels(tier=tier, error=error)
 
     def enable_disk_health(self, healthy: bool) -> None:
         """Export the disk tier's health (only managers configured with one)."""
@@ -95,3 +106,8 @@ class Metrics:
 
     def error(self, tier: str, error: str) -> None:
         self.errors.labels(tier=tier, error=error).inc()
+
+
+from .exposition import make_asgi_app, make_wsgi_app, serve_metrics  # noqa: E402  (re-exported API)
+
+__all__ += ["make_asgi_app", "make_wsgi_app", "serve_metrics"]
