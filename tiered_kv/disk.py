@@ -183,6 +183,7 @@ class _Touch:
 @dataclass
 class _Flush:
     token: uuid.UUID
+    failures_before: int = 0
 
 
 @dataclass
@@ -228,6 +229,9 @@ class DiskStore:
         self.writer_error: Optional[BaseException] = None
         self._batch: list[Any] = []
         self._dirty = False
+        self._failures = 0        # failed batches so far (a flush after one answers False)
+        self._sync_failed = False
+        self._backoff = 0.0
         self.fault_hook: Optional[Callable[[str], None]] = None  # tests: raise inside the writer at a named point
         self._open()
         self._writer = threading.Thread(target=self._writer_main, name="tiered-kv-disk-writer", daemon=True)
@@ -263,6 +267,9 @@ class DiskStore:
         try:
             self._open_env()
             self._recover()
+        except lmdb.Error as exc:
+            self._release_env()
+            raise DiskTierError(f"disk_path {str(o.path)!r} is damaged: {exc}") from exc
         except BaseException:
             self._release_env()
             raise
@@ -273,7 +280,11 @@ class DiskStore:
         existing = data.exists()
         want = o.map_size_bytes or max(_MIN_MAP, 2 * o.capacity_bytes + 16 * (o.block_bytes + 4096))
         if existing:
-            want = max(want, data.stat().st_size)
+            size = data.stat().st_size
+            if size == 0:
+                raise DiskTierError(f"disk_path {str(o.path)!r}: data.mdb is empty (truncated); "
+                                    f"remove the directory to start afresh")
+            want = max(want, size)
         sync = o.durability != "none"
         metasync = o.durability == "sync"
         try:
@@ -395,7 +406,7 @@ class DiskStore:
         self._push(_Touch(key))
 
     def submit_flush(self, token: uuid.UUID) -> None:
-        self._push(_Flush(token))
+        self._push(_Flush(token, self._failures))
 
     def submit_promote(self, token: uuid.UUID, key: bytes, expect: uuid.UUID, dst: memoryview) -> None:
         with self._read_cond:
@@ -527,21 +538,21 @@ class DiskStore:
                 raise
 
     def _run_batch(self, batch: list[Any]) -> None:
-        for attempt in (1, 2):
+        """Commit ``batch`` in one transaction; on failure fail its spills and keep its control ops."""
+        for _attempt in range(4):
             try:
+                self._grow_ahead(batch)
                 results = self._commit(batch)
             except lmdb.MapFullError:
-                if attempt == 1 and self._grow():
+                if self._grow(self._batch_bytes(batch)):
                     continue
-                self._degrade("map_full", "LMDB map full and cannot grow")
-                self._fail_ops(batch, "map full")
+                self._batch_failed(batch, "map_full", "LMDB map full and the disk has no room to grow it")
                 return
-            except (lmdb.Error, OSError) as exc:
-                kind = _error_kind(exc)
-                self._degrade(kind, repr(exc))
-                self._fail_ops(batch, f"disk write failed: {exc}")
+            except Exception as exc:  # an I/O error, or a bug: the batch fails, the writer carries on
+                self._batch_failed(batch, self._classify(exc), repr(exc))
                 return
             self._set_healthy()
+            self._backoff = 0.0
             self._dirty = self.opts.durability == "batch"
             flushes = [op for op in batch if isinstance(op, _Flush)]
             if flushes:
@@ -549,8 +560,44 @@ class DiskStore:
             for r in results:
                 self._out.put(r)
             for f in flushes:
-                self._out.put(FlushDone(f.token, True))
+                ok = self._failures == f.failures_before and not self._sync_failed
+                self._out.put(FlushDone(f.token, ok, None if ok else "a write covered by this flush failed"))
             return
+        self._batch_failed(batch, "map_full", "LMDB map still full after growing")
+
+    def _batch_failed(self, batch: list[Any], kind: str, msg: str) -> None:
+        """Spills fail (they can be stored again); tombs, deletes and touches stay queued, in order.
+
+        Flushes in the batch answer False.  The next attempt waits a little
+        longer each time (up to 1 s) so a persistent fault does not spin.
+        """
+        self._degrade(kind, msg)
+        self._failures += 1
+        keep = [op for op in batch if isinstance(op, (_Tomb, _Delete, _DeleteCorrupt, _Touch))]
+        self._fail_ops([op for op in batch if not isinstance(op, (_Tomb, _Delete, _DeleteCorrupt, _Touch))],
+                       f"disk write failed ({kind}): {msg}")
+        self._backoff = min(1.0, max(0.01, self._backoff * 2))
+        with self._cond:
+            self._ops.extendleft(reversed(keep))
+            if not self._closed:
+                self._cond.wait(timeout=self._backoff)
+
+    @staticmethod
+    def _batch_bytes(batch: list[Any]) -> int:
+        return sum(op.nbytes + HEADER_SIZE + 1024 for op in batch if isinstance(op, _Spill))
+
+    def _classify(self, exc: BaseException) -> str:
+        kind = _error_kind(exc)
+        if kind == "io_error":
+            # LMDB reports a short write on a full disk as EIO: look at the free space
+            try:
+                if shutil.disk_usage(self.opts.path).free < 2 * self.opts.batch_bytes:
+                    return "disk_full"
+            except OSError:
+                pass
+        if kind == "lmdb_error" and not isinstance(exc, lmdb.Error):
+            return "writer_error"
+        return kind
 
     def _commit(self, batch: list[Any]) -> list[Report]:
         """One write transaction for the whole batch; returns the reports to send after commit."""
@@ -646,14 +693,27 @@ class DiskStore:
         with self._cancel_lock:
             return token in self._cancelled
 
-    def _grow(self) -> bool:
-        """Grow the map by half (no transaction may be active); False if the disk lacks room."""
+    def _used_map_bytes(self) -> int:
+        assert self._env is not None
+        return (self._env.info()["last_pgno"] + 1) * self._env.stat()["psize"]
+
+    def _grow_ahead(self, batch: list[Any]) -> None:
+        """Grow before MapFullError when the free map space is below twice what this batch writes."""
+        need = self._batch_bytes(batch)
+        if need and self.map_size - self._used_map_bytes() < 2 * need:
+            self._grow(need)
+
+    def _grow(self, need: int = 0) -> bool:
+        """Grow the map (no transaction may be active); False if the disk lacks room."""
         env = self._env
         assert env is not None
-        new = int(self.map_size * 1.5) + (self.opts.block_bytes * 4)
+        used = self._used_map_bytes()
+        new = max(int(self.map_size * 1.5), used + 4 * need + 16 * (self.opts.block_bytes + 4096))
         free = shutil.disk_usage(self.opts.path).free
-        if free < (new - self.map_size):
-            log.error("disk tier: cannot grow LMDB map to %d bytes, only %d free", new, free)
+        file_bytes = self.file_bytes()
+        if free < (new - file_bytes) // 4:
+            # the file grows only as pages are written: ask for a quarter of the new room to be free now
+            log.error("disk tier: cannot grow LMDB map to %d bytes, only %d free on the device", new, free)
             return False
         self._rw.acquire_exclusive()
         try:
@@ -670,7 +730,9 @@ class DiskStore:
         try:
             self._env.sync(True)
             self._dirty = False
+            self._sync_failed = False
         except lmdb.Error as exc:
+            self._sync_failed = True
             self._degrade("sync_failed", repr(exc))
 
     def _fail_ops(self, ops: list[Any], error: str) -> None:

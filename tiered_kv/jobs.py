@@ -25,7 +25,7 @@ import itertools
 import os
 import uuid
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 __all__ = ["Job", "JobKind", "JobState", "Completion", "StaleReason", "TokenFactory"]
 
@@ -87,7 +87,10 @@ class TokenFactory:
     """
 
     def __init__(self) -> None:
-        self._prefix = int.from_bytes(os.urandom(10), "big") << 48
+        # version 4 and the RFC 4122 variant are set in the prefix once; the counter
+        # occupies the low 48 bits, which neither touches
+        prefix = uuid.UUID(int=int.from_bytes(os.urandom(16), "big"), version=4).int
+        self._prefix = prefix & ~((1 << 48) - 1)
         self._counter = itertools.count(1)
 
     def __call__(self) -> uuid.UUID:
@@ -95,10 +98,18 @@ class TokenFactory:
         if n >= 1 << 48:  # pragma: no cover - 2.8e14 jobs
             self.__init__()  # type: ignore[misc]
             n = next(self._counter)
-        return uuid.UUID(int=self._prefix | n, version=4)
+        # uuid.UUID(int=...) validates and re-masks on every call; build it directly
+        u = _new_uuid(uuid.UUID)
+        _set(u, "int", self._prefix | n)
+        _set(u, "is_safe", uuid.SafeUUID.unknown)
+        return u
 
 
-@dataclass(eq=False)
+_new_uuid = object.__new__
+_set = object.__setattr__
+
+
+@dataclass(eq=False, slots=True)
 class Job:
     """One movement of one block.  Read-only for callers.
 
@@ -129,8 +140,7 @@ class Job:
         return hash(self.token)
 
 
-@dataclass(frozen=True)
-class Completion:
+class Completion(NamedTuple):
     """What ``poll()``/``wait()`` report for a job: exactly once per job."""
 
     job: Job

@@ -128,6 +128,7 @@ class TierManager:
         self._n_in_flight = {k: 0 for k in JobKind}
         self._flushes: dict[uuid.UUID, Optional[FlushDone]] = {}
         self._errors_logged: set[str] = set()
+        self._gauge_values: list[int] = []
         self._closed = self._closing = False
         self._disk: Optional[DiskStore] = None
         self._dindex: Optional[TierIndex] = None
@@ -180,6 +181,8 @@ class TierManager:
         m.orphaned_purged.inc(rep.purged)
         if rep.corrupt:
             m.corrupt_blocks.labels(reason="recovery").inc(rep.corrupt)
+        if rep.foreign:
+            m.corrupt_blocks.labels(reason="foreign").inc(rep.foreign)
         for e in disk.entries:  # oldest first, so LRU order survives the restart
             d = self._dindex.get(e.key) or self._dindex.reserve(e.key, e.token)
             if d is not None and d.writing:
@@ -359,7 +362,16 @@ class TierManager:
             for j in targets:
                 if not isinstance(j, Job) or j._owner is not self._owner_tag:
                     raise InvalidJobError(f"not a job of this manager: {j!r}")
-        self._block_until(lambda: all(j.state.terminal for j in targets), _check_timeout(timeout))
+        first = [0]  # targets before this index are known to be reported
+
+        def all_reported() -> bool:
+            i = first[0]
+            while i < len(targets) and targets[i].state.terminal:
+                i += 1
+            first[0] = i
+            return i == len(targets)
+
+        self._block_until(all_reported, _check_timeout(timeout))
         out, self._outbox = self._outbox, []
         return out
 
@@ -377,6 +389,7 @@ class TierManager:
         if not self._disk.writer_alive():
             self._poll()
             return False
+        self._poll()  # stores already copied get their spills queued ahead of the flush marker
         token = self._tokens()
         self._flushes[token] = None
         self._disk.submit_flush(token)
@@ -532,8 +545,11 @@ class TierManager:
             return
         self._index.publish(entry)
         self._ok(job, r, _D2H)
-        if self._disk_usable and self.config.write_mode == "through":
-            self._start_spill(entry)
+        if self._disk is not None and self.config.write_mode == "through":
+            if self._disk_usable:
+                self._start_spill(entry)
+            else:
+                self._shed(_SPILL, "disk_down")
 
     def _apply_load(self, fl: _Flight, r: Report) -> None:
         job = fl.job
@@ -555,21 +571,21 @@ class TierManager:
             self._stale(_SPILL, job.cancel_reason or StaleReason.CANCELLED, job.token)
             self._dindex.writer_done(d)
             job._move(JobState.CANCELLED)
-            self.metrics.job_outcome[(_SPILL, "cancelled")].inc()
+            self.metrics.count(self.metrics.job_outcome[(_SPILL, "cancelled")])
             return
         if not r.ok:
             self._dindex.writer_done(d)
             self._dindex.abort(d)
             job._move(JobState.FAILED)
-            self.metrics.job_outcome[(_SPILL, "failed")].inc()
+            self.metrics.count(self.metrics.job_outcome[(_SPILL, "failed")])
             return
         self._dindex.publish(d)
         fl.entry.on_disk = True
         job._move(JobState.DONE)
         m = self.metrics
-        m.job_outcome[(_SPILL, "ok")].inc()
-        m.link_bytes[_H2DISK].inc(r.nbytes)
-        m.link_seconds[_H2DISK].observe(r.seconds)
+        m.count(m.job_outcome[(_SPILL, "ok")])
+        m.count(m.link_bytes[_H2DISK], r.nbytes)
+        m.observe(m.link_seconds[_H2DISK], r.seconds)
 
     def _apply_promote(self, fl: _Flight, r: Report) -> None:
         job, entry, d = fl.job, fl.entry, fl.dentry
@@ -580,7 +596,7 @@ class TierManager:
             self._stale(_PROMOTE, job.cancel_reason or StaleReason.SUPERSEDED, job.token)
             self._index.writer_done(entry)
             job._move(JobState.CANCELLED)
-            m.job_outcome[(_PROMOTE, "cancelled")].inc()
+            m.count(m.job_outcome[(_PROMOTE, "cancelled")])
             for w in fl.waiters:
                 self._cancel(w.job, job.cancel_reason or StaleReason.SUPERSEDED)
             return
@@ -588,7 +604,7 @@ class TierManager:
             self._index.writer_done(entry)
             self._index.abort(entry)
             job._move(JobState.FAILED)
-            m.job_outcome[(_PROMOTE, "failed")].inc()
+            m.count(m.job_outcome[(_PROMOTE, "failed")])
             error = r.error or "miss"
             if d.live:  # the entry is gone or bad on disk: forget it
                 self._dindex.remove(d)
@@ -599,9 +615,9 @@ class TierManager:
             return
         self._index.publish(entry)
         job._move(JobState.DONE)
-        m.job_outcome[(_PROMOTE, "ok")].inc()
-        m.link_bytes[_DISK2H].inc(r.nbytes)
-        m.link_seconds[_DISK2H].observe(r.seconds)
+        m.count(m.job_outcome[(_PROMOTE, "ok")])
+        m.count(m.link_bytes[_DISK2H], r.nbytes)
+        m.observe(m.link_seconds[_DISK2H], r.seconds)
         self._disk.submit_touch(job.key)
         entry.on_disk = True
         for w in fl.waiters:
@@ -626,15 +642,15 @@ class TierManager:
     def _ok(self, job: Job, r: Report, link: tuple[str, str]) -> None:
         job._move(JobState.DONE)
         m = self.metrics
-        m.job_outcome[(job.kind, "ok")].inc()
-        m.link_bytes[link].inc(r.nbytes)
-        m.link_seconds[link].observe(r.seconds)
+        m.count(m.job_outcome[(job.kind, "ok")])
+        m.count(m.link_bytes[link], r.nbytes)
+        m.observe(m.link_seconds[link], r.seconds)
         self._outbox.append(Completion(job, True, None))
 
     def _fail(self, job: Job, r: Report, tier: str) -> None:
         job._move(JobState.FAILED)
         job.error = r.error or "failed"
-        self.metrics.job_outcome[(job.kind, "failed")].inc()
+        self.metrics.count(self.metrics.job_outcome[(job.kind, "failed")])
         if not job.error.startswith("miss"):
             self.metrics.error(tier, "copy_failed")
             log.warning("%s job %s for key %r failed: %s", job.kind, job.token, job.key, job.error)
@@ -644,7 +660,7 @@ class TierManager:
         job._move(JobState.CANCELLED)
         reason = job.cancel_reason or StaleReason.CANCELLED
         job.error = f"cancelled ({reason.value})"
-        self.metrics.job_outcome[(job.kind, "cancelled")].inc()
+        self.metrics.count(self.metrics.job_outcome[(job.kind, "cancelled")])
         self._outbox.append(Completion(job, False, job.error))
 
     # ------------------------------------------------------------ internals: cancellation
@@ -788,7 +804,7 @@ class TierManager:
 
     # ------------------------------------------------------------ internals: misc
     def _stale(self, kind: JobKind, reason: StaleReason, token: uuid.UUID) -> None:
-        self.metrics.stale[(kind, reason)].inc()
+        self.metrics.count(self.metrics.stale[(kind, reason)])
         log.debug("discarded stale %s report for token %s: %s", kind, token, reason)
 
     def _shed(self, kind: JobKind, why: str) -> None:
@@ -801,17 +817,26 @@ class TierManager:
         self.metrics.evicted["host"].inc()
 
     def _refresh_gauges(self) -> None:
+        """Push batched counters and changed gauge values (once per poll, not per job)."""
         m = self.metrics
-        m.used["host"].set(self._index.used_slots * self.row_bytes)
-        m.blocks["host"].set(len(self._index))
-        for k, n in self._n_in_flight.items():
-            m.in_flight[k].set(n)
+        m.flush()
+        values = [self._index.used_slots * self.row_bytes, len(self._index), *self._n_in_flight.values()]
         if self._dindex is not None and self._disk is not None:
-            m.used["disk"].set(self._dindex.used_slots * self.row_bytes)
-            m.blocks["disk"].set(len(self._dindex))
-            m.writer_queue.set(self._disk.queue_depth)
-            m.tombstones.set(self._disk.tombstones)
-            m.disk_map_bytes.set(self._disk.map_size)
+            values += [self._dindex.used_slots * self.row_bytes, len(self._dindex), self._disk.queue_depth,
+                       self._disk.tombstones, self._disk.map_size]
+        if values == self._gauge_values:
+            return
+        self._gauge_values = values
+        m.used["host"].set(values[0])
+        m.blocks["host"].set(values[1])
+        for k, n in zip(self._n_in_flight, values[2:]):
+            m.in_flight[k].set(n)
+        if len(values) > 6:
+            m.used["disk"].set(values[6])
+            m.blocks["disk"].set(values[7])
+            m.writer_queue.set(values[8])
+            m.tombstones.set(values[9])
+            m.disk_map_bytes.set(values[10])
 
     def _check_open(self) -> None:
         if self._closed:

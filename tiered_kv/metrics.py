@@ -11,7 +11,7 @@ once here, so an update is one ``inc()``.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -21,14 +21,14 @@ __all__ = ["Metrics", "TIERS", "OUTCOMES", "SHED_REASONS", "CORRUPT_REASONS", "E
 
 TIERS = ("device", "host", "disk")
 OUTCOMES = ("ok", "failed", "cancelled", "shed")
-SHED_REASONS = ("inflight_limit", "host_full", "disk_full", "backpressure")
+SHED_REASONS = ("inflight_limit", "host_full", "disk_full", "backpressure", "disk_down")
 # label values known in advance, exported at 0 from the start (dashboards and alerts see a series)
 CORRUPT_REASONS = ("truncated", "bad_magic", "bad_version", "wrong_namespace", "wrong_key", "wrong_length",
-                   "checksum", "recovery")
+                   "checksum", "recovery", "foreign")
 ERROR_KINDS = (("device", "copy_failed"), ("host", "copy_failed"), ("disk", "copy_failed"),
                ("disk", "open_failed"), ("disk", "flush_failed"), ("disk", "writer_died"), ("disk", "sync_failed"),
                ("disk", "map_full"), ("disk", "disk_full"), ("disk", "read_only"), ("disk", "io_error"),
-               ("disk", "lmdb_error"))
+               ("disk", "lmdb_error"), ("disk", "writer_error"))
 _LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5)
 _LINKS = (("device", "host"), ("host", "device"), ("host", "disk"), ("disk", "host"))
 
@@ -38,6 +38,8 @@ class Metrics:
 
     def __init__(self, registry: Optional[CollectorRegistry] = None, namespace: str = "") -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self._pending: dict[Any, float] = {}
+        self._observations: list[tuple[Any, float]] = []
         r = self.registry
         self.stale_callbacks = Counter(
             "tiered_kv_stale_callbacks_total",
@@ -98,6 +100,26 @@ class Metrics:
             self.corrupt_blocks.labels(reason=reason)
         for tier, error in ERROR_KINDS:
             self.errors.labels(tier=tier, error=error)
+
+    def count(self, child: Any, n: float = 1) -> None:
+        """Add to a bound counter child; applied by :meth:`flush` (the owner thread's per-job path)."""
+        p = self._pending
+        p[child] = p.get(child, 0) + n
+
+    def observe(self, child: Any, value: float) -> None:
+        """Observe into a bound histogram child; applied by :meth:`flush`."""
+        self._observations.append((child, value))
+
+    def flush(self) -> None:
+        """Apply batched counts and observations (called at the end of every ``poll()``)."""
+        if self._pending:
+            pending, self._pending = self._pending, {}
+            for child, n in pending.items():
+                child.inc(n)
+        if self._observations:
+            obs, self._observations = self._observations, []
+            for child, v in obs:
+                child.observe(v)
 
     def enable_disk_health(self, healthy: bool) -> None:
         """Export the disk tier's health (only managers configured with one)."""

@@ -34,7 +34,7 @@ __all__ = ["Transfer", "Report", "CompletionQueue", "Mover", "ThreadMover", "Cud
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class Transfer:
     """One copy between a device row and a host slot.  ``cancelled`` is a hint
     the owner may set so that a worker that has not started skips the copy."""
@@ -46,7 +46,7 @@ class Transfer:
     cancelled: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
 class Report:
     """A worker's answer for one token."""
 

@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry
 from .config import TieredKVConfig
 from .jobs import Job, JobKind
 from .manager import TierManager
+from .metrics import SHED_REASONS
 
 __all__ = ["WorkloadConfig", "run_workload", "block_content", "chain_keys", "summary_from_registry",
            "OFFLOAD_MODES"]
@@ -341,7 +342,7 @@ def summary_from_registry(registry: CollectorRegistry) -> dict[str, Any]:
         "orphaned_writes_prevented": int(total("tiered_kv_orphaned_writes_prevented_total")),
         "orphaned_writes_purged": int(total("tiered_kv_orphaned_writes_purged_total")),
         "shed": {r: int(total("tiered_kv_shed_total", reason=r))
-                 for r in ("inflight_limit", "host_full", "disk_full", "backpressure")},
+                 for r in SHED_REASONS},
         "corrupt_blocks": int(total("tiered_kv_corrupt_blocks_total")),
         "tier_errors": int(total("tiered_kv_errors_total")),
     }
