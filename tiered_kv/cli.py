@@ -7,7 +7,6 @@ import json
 import logging
 import sys
 import time
-from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 __all__ = ["main"]

@@ -55,13 +55,15 @@ from .jobs import JobKind
 from .movers import CompletionQueue, Report
 
 __all__ = ["DiskStore", "DiskOptions", "FlushDone", "RecoveryReport", "StoredEntry", "writable_view",
-           "LOCK_NAME"]
+           "init_meta", "LOCK_NAME", "SUBDBS", "MAX_DBS", "MIN_MAP"]
 
 log = logging.getLogger(__name__)
 
 LOCK_NAME = "tiered_kv.lock"
+SUBDBS = ("meta", "blocks", "tombs", "touch")  # the named sub-databases of an environment
+MAX_DBS = len(SUBDBS)
+MIN_MAP = 64 << 20
 _U64 = struct.Struct("<Q")
-_MIN_MAP = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,14 @@ def writable_view(t: Any) -> memoryview:
     """A writable byte memoryview over a contiguous CPU tensor's storage (no numpy needed)."""
     n = t.numel() * t.element_size()
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+def init_meta(txn: Any, meta_db: Any, namespace: bytes, block_bytes: int) -> None:
+    """The meta records of a fresh environment (DiskStore and ``tiered-kv import`` alike)."""
+    txn.put(b"format_version", str(FORMAT_VERSION).encode(), db=meta_db)
+    txn.put(b"namespace", namespace, db=meta_db)
+    txn.put(b"block_bytes", str(block_bytes).encode(), db=meta_db)
+    txn.put(b"created", str(time.time()).encode(), db=meta_db)
 
 
 class _RWLock:
@@ -278,7 +288,7 @@ class DiskStore:
         o = self.opts
         data = o.path / "data.mdb"
         existing = data.exists()
-        want = o.map_size_bytes or max(_MIN_MAP, 2 * o.capacity_bytes + 16 * (o.block_bytes + 4096))
+        want = o.map_size_bytes or max(MIN_MAP, 2 * o.capacity_bytes + 16 * (o.block_bytes + 4096))
         if existing:
             size = data.stat().st_size
             if size == 0:
@@ -288,7 +298,7 @@ class DiskStore:
         sync = o.durability != "none"
         metasync = o.durability == "sync"
         try:
-            env = lmdb.open(str(o.path), map_size=want, subdir=True, max_dbs=4, sync=sync, metasync=metasync,
+            env = lmdb.open(str(o.path), map_size=want, subdir=True, max_dbs=MAX_DBS, sync=sync, metasync=metasync,
                             writemap=False, map_async=False, readahead=False, meminit=False,
                             max_readers=max(126, 4 * o.num_readers + 8), lock=True)
         except lmdb.Error as exc:
@@ -307,10 +317,7 @@ class DiskStore:
         with env.begin(write=True) as txn:
             ver = txn.get(b"format_version", db=self._meta)
             if ver is None and txn.stat(self._blocks)["entries"] == 0:
-                txn.put(b"format_version", str(FORMAT_VERSION).encode(), db=self._meta)
-                txn.put(b"namespace", self._ns, db=self._meta)
-                txn.put(b"block_bytes", str(o.block_bytes).encode(), db=self._meta)
-                txn.put(b"created", str(time.time()).encode(), db=self._meta)
+                init_meta(txn, self._meta, self._ns, o.block_bytes)
                 return
             if ver != str(FORMAT_VERSION).encode():
                 raise DiskTierError(f"disk_path {str(o.path)!r} has format version {ver!r}, this is {FORMAT_VERSION}")

@@ -27,12 +27,13 @@ from typing import Optional, Union
 
 import xxhash
 
-__all__ = ["FORMAT_VERSION", "HEADER_SIZE", "EntryHeader", "pack_header", "verify_entry",
+__all__ = ["FORMAT_VERSION", "HEADER_SIZE", "HEADER_STRUCT", "EntryHeader", "pack_header", "verify_entry",
            "lmdb_key", "CorruptEntry"]
 
 FORMAT_VERSION = 1
 MAGIC = b"TKVB"
 _HDR = struct.Struct("<4sHHHHQQ16s")  # 44 bytes
+HEADER_STRUCT = _HDR                  # the fixed fields, for tools that read damaged headers
 _SUM = struct.Struct("<Q")
 HEADER_SIZE = _HDR.size + _SUM.size   # 52
 MAX_LMDB_KEY = 480                    # below LMDB's default 511-byte key limit
