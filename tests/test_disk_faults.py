@@ -217,7 +217,9 @@ def test_full_writer_queue_sheds_spills_and_never_blocks_the_engine(rig):
     assert mgr.disk_blocks == 1 + q
     assert mgr.debug_sizes()["flushes"] == 0
     rig.close(mgr)
-    assert raw_keys(rig.path) == {b"held", *ks[:q]}
+    # which q of the 10 got queued depends on the order the two copy workers finished in
+    on_disk = raw_keys(rig.path)
+    assert b"held" in on_disk and len(on_disk) == 1 + q and on_disk <= {b"held", *ks}
 
 
 def test_completions_applied_during_flush_are_returned_by_the_next_poll(rig):

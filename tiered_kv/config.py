@@ -131,6 +131,10 @@ class TieredKVConfig:
         unknown = sorted(set(values) - set(cls.field_names()))
         if unknown:
             raise ConfigError(f"unknown config keys {unknown}; known: {list(cls.field_names())}")
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.default is dataclasses.MISSING and f.name not in values]
+        if missing:
+            raise ConfigError(f"missing required config keys {missing}")
         return cls(**dict(values))
 
     @classmethod

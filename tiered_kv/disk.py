@@ -38,6 +38,7 @@ import fcntl
 import json
 import logging
 import os
+import queue
 import shutil
 import struct
 import threading
@@ -116,6 +117,11 @@ def writable_view(t: Any) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
+def _address(view: memoryview) -> int:
+    """The address of a writable contiguous buffer."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
 def init_meta(txn: Any, meta_db: Any, namespace: bytes, block_bytes: int) -> None:
     """The meta records of a fresh environment (DiskStore and ``tiered-kv import`` alike)."""
     txn.put(b"format_version", str(FORMAT_VERSION).encode(), db=meta_db)
@@ -166,6 +172,7 @@ class _Spill:
     key: bytes
     src: memoryview
     nbytes: int
+    src_addr: int
 
 
 @dataclass
@@ -228,8 +235,7 @@ class DiskStore:
         self._spills_queued = 0
         self._cancelled: set[uuid.UUID] = set()
         self._cancel_lock = threading.Lock()
-        self._reads: collections.deque[_Promote] = collections.deque()
-        self._read_cond = threading.Condition(threading.Lock())
+        self._reads: "queue.SimpleQueue[Optional[_Promote]]" = queue.SimpleQueue()
         self._seq = 0
         self.tombstones = 0
         self.writes_prevented = 0
@@ -239,6 +245,8 @@ class DiskStore:
         self.writer_error: Optional[BaseException] = None
         self._batch: list[Any] = []
         self._dirty = False
+        self._staging: Optional[memoryview] = None
+        self._staging_addr = 0
         self._failures = 0        # failed batches so far (a flush after one answers False)
         self._sync_failed = False
         self._backoff = 0.0
@@ -299,7 +307,7 @@ class DiskStore:
         metasync = o.durability == "sync"
         try:
             env = lmdb.open(str(o.path), map_size=want, subdir=True, max_dbs=MAX_DBS, sync=sync, metasync=metasync,
-                            writemap=False, map_async=False, readahead=False, meminit=False,
+                            writemap=False, map_async=False, readahead=True, meminit=False,
                             max_readers=max(126, 4 * o.num_readers + 8), lock=True)
         except lmdb.Error as exc:
             raise DiskTierError(f"disk_path {str(o.path)!r} is not a usable LMDB environment: {exc}") from exc
@@ -391,7 +399,7 @@ class DiskStore:
         with self._cond:
             if not self._accepting or self._spills_queued >= self.opts.queue_blocks:
                 return False
-            self._ops.append(_Spill(token, key, src, len(src)))
+            self._ops.append(_Spill(token, key, src, len(src), _address(src)))
             self._spills_queued += 1
             self._cond.notify()
         return True
@@ -416,9 +424,7 @@ class DiskStore:
         self._push(_Flush(token, self._failures))
 
     def submit_promote(self, token: uuid.UUID, key: bytes, expect: uuid.UUID, dst: memoryview) -> None:
-        with self._read_cond:
-            self._reads.append(_Promote(token, key, expect, dst))
-            self._read_cond.notify()
+        self._reads.put(_Promote(token, key, expect, dst))
 
     @property
     def queue_depth(self) -> int:
@@ -455,9 +461,10 @@ class DiskStore:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        # the writer drains what is queued, then stops; ops pushed after this are refused
-        with self._read_cond:
-            self._read_cond.notify_all()
+        # the writer drains what is queued, then stops; ops pushed after this are refused;
+        # readers finish the reads queued before their stop sentinel
+        for _ in self._readers:
+            self._reads.put(None)
         self._writer.join()
         self._accepting = False
         for t in self._readers:
@@ -614,10 +621,9 @@ class DiskStore:
         t0 = time.perf_counter()
         if self.fault_hook is not None:
             self.fault_hook("commit")
-        staging: Optional[bytearray] = None
         self._rw.acquire_shared()
         try:
-            with env.begin(write=True) as txn:
+            with env.begin(write=True, buffers=True) as txn:
                 for op in batch:
                     if isinstance(op, _Spill):
                         if self._is_cancelled(op.token) or txn.get(op.token.bytes, db=self._tombs) is not None:
@@ -631,11 +637,11 @@ class DiskStore:
                         self._seq += 1
                         head = pack_header(self._ns, op.key, op.token, op.src, self._seq)
                         total = len(head) + op.nbytes
-                        if staging is None or len(staging) < total:
-                            staging = bytearray(total)
+                        staging = self._staging_for(total)
                         staging[:len(head)] = head
-                        staging[len(head):total] = op.src
-                        txn.put(lmdb_key(op.key), memoryview(staging)[:total], db=self._blocks)
+                        # the payload copy runs in C without the GIL, so the engine thread is not stalled
+                        ctypes.memmove(self._staging_addr + len(head), op.src_addr, op.nbytes)
+                        txn.put(lmdb_key(op.key), staging[:total], db=self._blocks)
                         txn.delete(lmdb_key(op.key), db=self._touch)
                         results.append(Report(op.token, JobKind.SPILL, True, None, op.nbytes, 0.0))
                     elif isinstance(op, _Tomb):
@@ -695,6 +701,14 @@ class DiskStore:
         except CorruptEntry:
             txn.delete(lk, db=self._blocks)
             txn.delete(lk, db=self._touch)
+
+    def _staging_for(self, total: int) -> memoryview:
+        """A reused write buffer of at least ``total`` bytes (writer thread only)."""
+        if self._staging is None or len(self._staging) < total:
+            buf = (ctypes.c_char * total)()
+            self._staging = memoryview(buf).cast("B")
+            self._staging_addr = ctypes.addressof(buf)
+        return self._staging
 
     def _is_cancelled(self, token: uuid.UUID) -> bool:
         with self._cancel_lock:
@@ -761,12 +775,9 @@ class DiskStore:
     # ------------------------------------------------------------ reader threads
     def _reader_main(self) -> None:
         while True:
-            with self._read_cond:
-                while not self._reads and not self._closed:
-                    self._read_cond.wait()
-                if not self._reads:
-                    return
-                op = self._reads.popleft()
+            op = self._reads.get()
+            if op is None:
+                return
             self._out.put(self._read(op))
 
     def _read(self, op: _Promote) -> Report:

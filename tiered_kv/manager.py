@@ -112,6 +112,8 @@ class TierManager:
         pin = config.pin_host_memory
         if pin is None:
             pin = bool(device_blocks.is_cuda and torch.cuda.is_available())
+        elif pin and not torch.cuda.is_available():
+            raise ConfigError("pin_host_memory=True needs CUDA, and torch.cuda.is_available() is False")
         self._host_rows = torch.empty((num_slots, self.row_bytes), dtype=torch.uint8, pin_memory=pin)
         self.metrics = Metrics(registry, config.namespace)
         self._index = HostIndex(num_slots, on_evict=self._on_host_evict)
@@ -155,11 +157,18 @@ class TierManager:
 
     def _open_disk(self, disk_blocks: int) -> None:
         cfg, m = self.config, self.metrics
+        # LMDB reuses the pages a transaction frees only two transactions later, so the file
+        # holds the data plus about two batches: keep batches small against the capacity
+        # (at most 1/16 of it) and count that headroom inside disk_capacity_bytes.
+        batch_blocks = max(1, min(cfg.writer_batch_blocks, cfg.writer_batch_bytes // self.row_bytes, disk_blocks // 16))
+        # (a tier of fewer than 32 blocks is a test or toy: no headroom, every block counts)
+        index_blocks = disk_blocks - 2 * batch_blocks if disk_blocks >= 32 else disk_blocks
         opts = DiskOptions(path=cfg.disk_dir, namespace=cfg.namespace, block_bytes=self.row_bytes,  # type: ignore[arg-type]
                            capacity_bytes=disk_blocks * self.row_bytes, durability=cfg.durability,
                            map_size_bytes=cfg.disk_map_size_bytes, queue_blocks=cfg.writer_queue_blocks,
-                           batch_blocks=cfg.writer_batch_blocks, batch_bytes=cfg.writer_batch_bytes,
+                           batch_blocks=batch_blocks, batch_bytes=batch_blocks * self.row_bytes,
                            batch_seconds=cfg.writer_batch_seconds)
+        disk_blocks = index_blocks
         m.capacity["disk"].set(disk_blocks * self.row_bytes)
         try:
             disk = DiskStore(opts, self._completions, on_error=self._on_disk_error,
@@ -244,7 +253,7 @@ class TierManager:
                     break
                 dindex.touch(d)  # type: ignore[union-attr]
             n += 1
-        self.metrics.lookups.inc(min(n + 1, len(keys)))
+        self.metrics.lookups.inc(len(keys))
         if host:
             self.metrics.hits["host"].inc(host)
         if n > host:
@@ -355,13 +364,20 @@ class TierManager:
         timeout returns what was applied so far; check ``job.done``.
         """
         self._check_open()
+        timeout = _check_timeout(timeout)
         if jobs is None:
-            targets = [fl.job for fl in self._jobs.values() if fl.job.kind not in _INTERNAL] + list(self._deliver)
-        else:
-            targets = list(jobs)
-            for j in targets:
-                if not isinstance(j, Job) or j._owner is not self._owner_tag:
-                    raise InvalidJobError(f"not a job of this manager: {j!r}")
+            # quiescence: every store/load reported *and* every worker report in, so no
+            # slot or row is still leased to a copy (spills are flush()'s business)
+            self._block_until(lambda: self._n_in_flight[_STORE] == 0 and self._n_in_flight[_LOAD] == 0
+                              and not self._deliver, timeout)
+            out, self._outbox = self._outbox, []
+            return out
+        if isinstance(jobs, Job) or not isinstance(jobs, Iterable):
+            raise InvalidJobError(f"jobs must be an iterable of Job or None, got {type(jobs).__name__}: {jobs!r:.120}")
+        targets = list(jobs)
+        for j in targets:
+            if not isinstance(j, Job) or j._owner is not self._owner_tag:
+                raise InvalidJobError(f"not a job of this manager: {j!r:.120}")
         first = [0]  # targets before this index are known to be reported
 
         def all_reported() -> bool:
@@ -371,7 +387,7 @@ class TierManager:
             first[0] = i
             return i == len(targets)
 
-        self._block_until(all_reported, _check_timeout(timeout))
+        self._block_until(all_reported, timeout)
         out, self._outbox = self._outbox, []
         return out
 
