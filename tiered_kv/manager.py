@@ -358,7 +358,8 @@ class TierManager:
         return out
 
     def wait(self, jobs: Optional[Iterable[Job]] = None, timeout: Optional[float] = None) -> list[Completion]:
-        """Block until ``jobs`` (None: every job in flight) are reported.
+        """Block until ``jobs`` are reported; with None, until every store and load is
+        reported and every worker report applied (no slot or row leased to a copy).
 
         Returns every completion applied meanwhile (also of other jobs).  On
         timeout returns what was applied so far; check ``job.done``.
