@@ -1,0 +1,70 @@
+"""Fixtures of the core test-suite (helpers live in tests/fakes.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any, Callable
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import fakes  # noqa: E402
+from fakes import FakeMover, make_config, make_fake_manager  # noqa: E402
+from tiered_kv import TieredKVConfig, TierManager  # noqa: E402
+
+
+@pytest.fixture
+def kv() -> torch.Tensor:
+    """A seeded device tensor: 256 rows of shape (2, 4, 8) float16 (128 bytes per row)."""
+    return fakes.make_kv(256, seed=1234)
+
+
+@pytest.fixture
+def row_bytes(kv: torch.Tensor) -> int:
+    return int(kv[0].numel() * kv.element_size())
+
+
+@pytest.fixture
+def cfg(row_bytes: int) -> TieredKVConfig:
+    """64 host slots."""
+    return make_config(host_slots=64, row_bytes=row_bytes)
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+@pytest.fixture
+def fake(cfg: TieredKVConfig, kv: torch.Tensor, registry: CollectorRegistry) -> Iterator[tuple[TierManager, FakeMover]]:
+    """A manager driven by a FakeMover, on a fresh registry: ``mgr, mover = fake``."""
+    mgr, mover = make_fake_manager(cfg, kv, registry)
+    yield mgr, mover
+    mgr.close()
+
+
+@pytest.fixture
+def manager(cfg: TieredKVConfig, kv: torch.Tensor, registry: CollectorRegistry) -> Iterator[TierManager]:
+    """A manager with the real ThreadMover, on a fresh registry."""
+    mgr = TierManager(cfg, kv, registry=registry)
+    yield mgr
+    mgr.close()
+
+
+@pytest.fixture
+def metric(registry: CollectorRegistry) -> Callable[..., float]:
+    """``metric(name, **labels)``: a sample's value on the test's registry (0.0 if absent)."""
+    def read(name: str, labels: Any = None, **kw: str) -> float:
+        return fakes.sample(registry, name, labels, **kw)
+    return read
+
+
+@pytest.fixture
+def fill_row() -> Callable[[torch.Tensor, int, bytes], None]:
+    """``fill_row(kv, row, key)``: write the bytes derived from ``key`` into the row."""
+    return fakes.fill_row

@@ -1,0 +1,553 @@
+"""A hypothesis state machine over the whole core API, checked against a plain model.
+
+The manager runs on a :class:`~fakes.FakeMover`: every transfer is answered
+only when a rule says so, in any order, after cancels, frees and invalidations,
+with failures, skipped (cancel-hinted) copies, duplicate and unknown reports.
+The copy happens when the transfer is answered, so a stale worker really
+copies whatever the row/slot holds at that moment.
+
+The model is plain Python (no tensors, no tokens): host entries with an LRU,
+slot leases, row fences, job states and the metric counters.  Checked after
+every step:
+
+* no exception escapes except ``BlockBusyError``, exactly when the model says;
+* store/load/lookup/free_block results equal the model's;
+* poll()/wait() report exactly the jobs the model says, each exactly once,
+  with the right ok/error; an ok load's row holds the key's bytes;
+* every key READY in the host tier holds that key's bytes (never wrong bytes);
+* after every poll()/wait(): jobs_total{kind,outcome},
+  stale_callbacks_total{kind,reason}, evictions, lookup keys and hits equal
+  the model's counters;
+* debug_sizes() equal the model's tables and stay bounded;
+  host_used_slots <= capacity.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Optional
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from prometheus_client import CollectorRegistry
+
+from fakes import fill_row, host_matches, make_config, make_fake_manager, make_kv, metric_samples, row_matches
+from tiered_kv import Job, JobKind
+from tiered_kv.errors import BlockBusyError
+
+ROWS = 6
+KEYS = [b"key-%d" % i for i in range(6)]
+CAPACITY = 4          # host slots: eviction and host_full shedding happen often
+MAX_INFLIGHT = 7      # inflight_limit shedding happens too
+OUTCOMES = ("ok", "failed", "cancelled", "shed")
+REASONS = ("unknown_token", "cancelled", "superseded", "source_reused")
+
+
+# ============================================================================ the model
+@dataclass(eq=False)
+class MEntry:
+    key: bytes
+    ready: bool = False
+    readers: int = 0
+    live: bool = True
+    writing: bool = True
+    holds_slot: bool = True
+    writer: Optional["MJob"] = None
+
+
+@dataclass(eq=False)
+class MJob:
+    job: Job
+    kind: str            # "store" | "load"
+    key: bytes
+    row: int
+    entry: MEntry
+    state: str = "pending"   # pending | cancelling | done | failed | cancelled
+    reason: Optional[str] = None
+    reported: int = 0
+
+
+@dataclass
+class Model:
+    rows: int
+    capacity: int
+    max_inflight: int
+    entries: dict = field(default_factory=dict)          # key -> MEntry (live)
+    lru: OrderedDict = field(default_factory=OrderedDict)  # key -> MEntry, READY and unread
+    used: int = 0
+    records: dict = field(default_factory=dict)          # token -> MJob, worker report not applied
+    deliver: list = field(default_factory=list)          # cancelled stores to report at next poll
+    row_stores: dict = field(default_factory=dict)       # row -> [MJob]
+    row_load: dict = field(default_factory=dict)         # row -> MJob
+    key_loads: dict = field(default_factory=dict)        # key -> [MJob]
+    queue: list = field(default_factory=list)            # reports put, not yet applied: (token, kind, ok)
+    jobs_total: Counter = field(default_factory=Counter)  # (kind, outcome)
+    stale: Counter = field(default_factory=Counter)      # (kind, reason)
+    evictions: int = 0
+    hits: int = 0
+    asked: int = 0                                        # keys asked for by lookup()
+    row_content: list = field(default_factory=list)      # row -> key whose bytes it holds, or None
+
+    # -- host index ----------------------------------------------------------
+    def ready(self, key: bytes) -> Optional[MEntry]:
+        e = self.entries.get(key)
+        return e if e is not None and e.ready else None
+
+    def touch(self, e: MEntry) -> None:
+        if self.lru.get(e.key) is e:
+            self.lru.move_to_end(e.key)
+
+    def _maybe_free(self, e: MEntry) -> None:
+        if not e.live and not e.writing and e.readers == 0 and e.holds_slot:
+            e.holds_slot = False
+            self.used -= 1
+
+    def remove(self, e: MEntry) -> None:
+        if e.live:
+            e.live = False
+            if self.entries.get(e.key) is e:
+                del self.entries[e.key]
+            if self.lru.get(e.key) is e:
+                del self.lru[e.key]
+        self._maybe_free(e)
+
+    def reserve(self, key: bytes) -> Optional[MEntry]:
+        if self.used >= self.capacity:
+            victim = next((e for k, e in self.lru.items() if k != key), None)
+            if victim is None:
+                return None
+            self.evictions += 1
+            self.remove(victim)
+        e = MEntry(key)
+        self.entries[key] = e
+        self.used += 1
+        return e
+
+    def publish(self, e: MEntry) -> None:
+        e.writing = False
+        if not e.live:
+            self._maybe_free(e)
+            return
+        e.ready = True
+        if e.readers == 0:
+            self.lru[e.key] = e
+
+    def writer_done(self, e: MEntry) -> None:
+        e.writing = False
+        self._maybe_free(e)
+
+    def acquire(self, e: MEntry) -> None:
+        e.readers += 1
+        self.lru.pop(e.key, None)
+
+    def release(self, e: MEntry) -> None:
+        e.readers -= 1
+        assert e.readers >= 0
+        if e.readers == 0:
+            if e.live and e.ready:
+                self.lru[e.key] = e
+            else:
+                self._maybe_free(e)
+
+    # -- manager -------------------------------------------------------------
+    def cancel(self, mj: MJob, reason: str) -> None:
+        if mj.state != "pending":
+            return
+        mj.state, mj.reason = "cancelling", reason
+        if mj.kind == "store":
+            self._drop_row_store(mj)
+            self.remove(mj.entry)
+            self.deliver.append(mj)
+
+    def _drop_row_store(self, mj: MJob) -> None:
+        lst = self.row_stores.get(mj.row)
+        if lst is not None and mj in lst:
+            lst.remove(mj)
+            if not lst:
+                del self.row_stores[mj.row]
+
+    def give_up_row(self, row: int) -> None:
+        for mj in list(self.row_stores.pop(row, ())):
+            self.cancel(mj, "source_reused")
+
+    def store(self, key: bytes, row: int):
+        """'busy' | 'none' | MEntry (a job is expected)."""
+        if row in self.row_load:
+            return "busy"
+        e = self.entries.get(key)
+        if e is not None:
+            self.touch(e)
+            return "none"
+        if len(self.records) >= self.max_inflight:
+            self.jobs_total[("store", "shed")] += 1
+            return "none"
+        e = self.reserve(key)
+        if e is None:
+            self.jobs_total[("store", "shed")] += 1
+            return "none"
+        return e
+
+    def add_store(self, job: Job, key: bytes, row: int, e: MEntry) -> MJob:
+        mj = MJob(job, "store", key, row, e)
+        e.writer = mj
+        self.records[job.token] = mj
+        self.row_stores.setdefault(row, []).append(mj)
+        return mj
+
+    def load(self, key: bytes, row: int):
+        if row in self.row_load:
+            return "busy"
+        e = self.ready(key)
+        if e is None:
+            return "none"
+        if len(self.records) >= self.max_inflight:
+            self.jobs_total[("load", "shed")] += 1
+            return "none"
+        self.give_up_row(row)
+        self.acquire(e)
+        return e
+
+    def add_load(self, job: Job, key: bytes, row: int, e: MEntry) -> MJob:
+        mj = MJob(job, "load", key, row, e)
+        self.records[job.token] = mj
+        self.row_load[row] = mj
+        self.key_loads.setdefault(key, []).append(mj)
+        self.row_content[row] = None
+        return mj
+
+    def free_block(self, row: int) -> bool:
+        self.give_up_row(row)
+        mj = self.row_load.get(row)
+        if mj is None:
+            return True
+        self.cancel(mj, "cancelled")
+        return False
+
+    def invalidate(self, key: bytes) -> None:
+        e = self.entries.get(key)
+        if e is not None:
+            if not e.ready and e.writer is not None:
+                self.cancel(e.writer, "superseded")
+            self.remove(e)
+        for mj in list(self.key_loads.get(key, ())):
+            self.cancel(mj, "superseded")
+
+    def lookup(self, keys: list[bytes]) -> int:
+        n = 0
+        for k in keys:
+            e = self.ready(k)
+            if e is None:
+                break
+            self.touch(e)
+            n += 1
+        self.hits += n
+        self.asked += len(keys)
+        return n
+
+    def poll(self) -> list[tuple[MJob, bool, str]]:
+        out: list[tuple[MJob, bool, str]] = []
+        queue, self.queue = self.queue, []
+        for token, kind, ok in queue:
+            self._apply(token, kind, ok, out)
+        deliver, self.deliver = self.deliver, []
+        for mj in deliver:
+            self._finish_cancelled(mj, out)
+        return out
+
+    def _finish_cancelled(self, mj: MJob, out: list) -> None:
+        mj.state = "cancelled"
+        self.jobs_total[(mj.kind, "cancelled")] += 1
+        out.append((mj, False, f"cancelled ({mj.reason})"))
+
+    def _apply(self, token: uuid.UUID, kind: str, ok: bool, out: list) -> None:
+        mj = self.records.pop(token, None)
+        if mj is None:
+            self.stale[(kind, "unknown_token")] += 1
+            return
+        e = mj.entry
+        if mj.kind == "store":
+            self._drop_row_store(mj)
+            if mj.state != "pending":
+                self.stale[("store", mj.reason)] += 1
+                self.writer_done(e)
+                return
+            if not ok:
+                self.writer_done(e)
+                self.remove(e)
+                mj.state = "failed"
+                self.jobs_total[("store", "failed")] += 1
+                out.append((mj, False, "failed: "))
+                return
+            self.publish(e)
+            mj.state = "done"
+            self.jobs_total[("store", "ok")] += 1
+            out.append((mj, True, None))
+            return
+        if self.row_load.get(mj.row) is mj:
+            del self.row_load[mj.row]
+        loads = self.key_loads[mj.key]
+        loads.remove(mj)
+        if not loads:
+            del self.key_loads[mj.key]
+        self.release(e)
+        if mj.state != "pending":
+            self.stale[("load", mj.reason)] += 1
+            self._finish_cancelled(mj, out)
+            self.row_content[mj.row] = None
+        elif not ok:
+            mj.state = "failed"
+            self.jobs_total[("load", "failed")] += 1
+            out.append((mj, False, "failed: "))
+            self.row_content[mj.row] = None
+        else:
+            mj.state = "done"
+            self.jobs_total[("load", "ok")] += 1
+            out.append((mj, True, None))
+            self.row_content[mj.row] = mj.key
+
+
+# ============================================================================ the machine
+rows = st.integers(0, ROWS - 1)
+keys = st.sampled_from(KEYS)
+
+
+class TierMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = make_kv(ROWS, seed=99)
+        self.registry = CollectorRegistry()
+        self.mgr, self.mover = make_fake_manager(
+            make_config(host_slots=CAPACITY, max_inflight_jobs=MAX_INFLIGHT), self.kv, self.registry)
+        self.model = Model(ROWS, CAPACITY, MAX_INFLIGHT, row_content=[None] * ROWS)
+        self.mjobs: dict[uuid.UUID, MJob] = {}
+        self.issued: list[Job] = []
+        self.reported: Counter = Counter()
+        self.broken = False  # set while a step runs; left set if it raised
+
+    # -- helpers -------------------------------------------------------------
+    def _check_completions(self, got, expected) -> None:
+        assert [(c.job.token, c.ok) for c in got] == [(mj.job.token, ok) for mj, ok, _ in expected], \
+            (f"reported {[(c.job.kind.value, c.job.key, c.ok, c.error) for c in got]}, model expected "
+             f"{[(mj.kind, mj.key, ok, err) for mj, ok, err in expected]}")
+        for c, (mj, ok, err) in zip(got, expected):
+            assert c.job is mj.job
+            self.reported[c.job.token] += 1
+            assert self.reported[c.job.token] == 1, f"job {c.job!r} reported twice"
+            assert c.job.done and c.job.state.value == mj.state
+            if ok:
+                assert c.error is None
+                if mj.kind == "load":
+                    assert row_matches(self.kv, mj.row, mj.key), \
+                        f"ok load of {mj.key!r} into row {mj.row}: wrong bytes"
+            else:
+                assert c.error is not None and c.error.startswith(err), (c.error, err)
+
+    def _answer(self, t, ok: bool, honor_cancel: bool, copy_on_fail: bool) -> None:
+        if ok:
+            r = self.mover.complete(t, honor_cancel=honor_cancel)
+        else:
+            r = self.mover.fail(t, copy=copy_on_fail)
+        self.model.queue.append((r.token, r.kind.value, r.ok))
+
+    # -- rules ---------------------------------------------------------------
+    @initialize(n=st.integers(0, CAPACITY), fail_one=st.booleans())
+    def warm_host_tier(self, n: int, fail_one: bool) -> None:
+        """Start with ``n`` keys READY in the host tier (so loads, hits and evictions happen early)."""
+        self.broken = True
+        for i in range(n):
+            key, row = KEYS[i], i
+            assert self.model.free_block(row) is True and self.mgr.free_block(row) is True
+            fill_row(self.kv, row, key)
+            self.model.row_content[row] = key
+            e = self.model.store(key, row)
+            job = self.mgr.store(key, row)
+            assert isinstance(e, MEntry) and job is not None
+            self.mjobs[job.token] = self.model.add_store(job, key, row, e)
+            self.issued.append(job)
+        for t in list(self.mover.outstanding)[::-1]:
+            self._answer(t, not (fail_one and t is self.mover.outstanding[0]), False, False)
+        self._check_completions(self.mgr.poll(), self.model.poll())
+        self.metrics_agree()
+        self.broken = False
+
+    @rule(row=rows, key=keys, write=st.booleans())
+    def engine_reuses_row(self, row: int, key: bytes, write: bool) -> None:
+        """The engine reuses a row: free_block, and only when it returns True, compute ``key`` into it."""
+        self.broken = True
+        expected = self.model.free_block(row)
+        assert self.mgr.free_block(row) is expected
+        if expected and write:
+            fill_row(self.kv, row, key)
+            self.model.row_content[row] = key
+        self.broken = False
+
+    @rule(row=rows, key=keys, answer_now=st.booleans())
+    def store(self, row: int, key: bytes, answer_now: bool) -> None:
+        self.broken = True
+        if row not in self.model.row_load:
+            if self.model.row_content[row] is None:
+                # the engine computes a block before storing it
+                assert self.model.free_block(row) is True and self.mgr.free_block(row) is True
+                fill_row(self.kv, row, key)
+                self.model.row_content[row] = key
+            key = self.model.row_content[row]  # the engine stores what the row holds
+        expected = self.model.store(key, row)
+        if expected == "busy":
+            with pytest.raises(BlockBusyError):
+                self.mgr.store(key, row)
+        else:
+            job = self.mgr.store(key, row)
+            if expected == "none":
+                assert job is None
+            else:
+                assert job is not None and job.kind is JobKind.STORE and job.key == key and job.block == row
+                self.mjobs[job.token] = self.model.add_store(job, key, row, expected)
+                self.issued.append(job)
+                if answer_now:
+                    self._answer(self.mover.transfer_of(job), True, False, False)
+        self.broken = False
+
+    @rule(row=rows, key=keys, answer_now=st.booleans())
+    def load(self, row: int, key: bytes, answer_now: bool) -> None:
+        self.broken = True
+        expected = self.model.load(key, row)
+        if expected == "busy":
+            with pytest.raises(BlockBusyError):
+                self.mgr.load(key, row)
+        else:
+            job = self.mgr.load(key, row)
+            if expected == "none":
+                assert job is None
+            else:
+                assert job is not None and job.kind is JobKind.LOAD and job.key == key and job.block == row
+                self.mjobs[job.token] = self.model.add_load(job, key, row, expected)
+                self.issued.append(job)
+                if answer_now:
+                    self._answer(self.mover.transfer_of(job), True, False, False)
+        self.broken = False
+
+    @precondition(lambda self: self.issued)
+    @rule(data=st.data())
+    def cancel(self, data) -> None:
+        self.broken = True
+        job = data.draw(st.sampled_from(self.issued), label="job")
+        self.model.cancel(self.mjobs[job.token], "cancelled")
+        self.mgr.cancel(job)
+        self.broken = False
+
+    @rule(key=keys)
+    def invalidate(self, key: bytes) -> None:
+        self.broken = True
+        self.model.invalidate(key)
+        self.mgr.invalidate(key)
+        self.broken = False
+
+    @rule(ks=st.lists(keys, max_size=4))
+    def lookup(self, ks: list[bytes]) -> None:
+        self.broken = True
+        assert self.mgr.lookup(ks) == self.model.lookup(ks)
+        self.broken = False
+
+    @rule(use_wait=st.booleans())
+    def poll(self, use_wait: bool) -> None:
+        self.broken = True
+        got = self.mgr.wait(timeout=0) if use_wait else self.mgr.poll()
+        self._check_completions(got, self.model.poll())
+        self.metrics_agree()
+        self.broken = False
+
+    @precondition(lambda self: self.mover.outstanding)
+    @rule(data=st.data(), honor_cancel=st.booleans(), copy_on_fail=st.booleans())
+    def workers_answer(self, data, honor_cancel: bool, copy_on_fail: bool) -> None:
+        """1-3 outstanding transfers answered, any of them (out of order), mostly ok."""
+        self.broken = True
+        n = data.draw(st.integers(1, 3), label="n")
+        for _ in range(min(n, len(self.mover.outstanding))):
+            i = data.draw(st.integers(0, len(self.mover.outstanding) - 1), label="transfer")
+            ok = data.draw(st.integers(0, 5), label="fail-if-0") > 0
+            self._answer(self.mover.outstanding[i], ok, honor_cancel, copy_on_fail)
+        self.broken = False
+
+    @rule(data=st.data(), kind=st.sampled_from([JobKind.STORE, JobKind.LOAD]), ok=st.booleans())
+    def bogus_report(self, data, kind: JobKind, ok: bool) -> None:
+        """A report for a token never issued, or a duplicate of one already put."""
+        self.broken = True
+        if self.mover.reports and data.draw(st.booleans(), label="duplicate"):
+            r = data.draw(st.sampled_from(self.mover.reports), label="report")
+            d = self.mover.duplicate(r)
+        else:
+            d = self.mover.inject(uuid.uuid4(), kind, ok=ok)
+        self.model.queue.append((d.token, d.kind.value, d.ok))
+        self.broken = False
+
+    # -- invariants ------------------------------------------------------------
+    @invariant()
+    def tables_agree_and_are_bounded(self) -> None:
+        m, s = self.model, self.mgr.debug_sizes()
+        assert s["jobs"] == len(m.records) == self.mgr.jobs_in_flight <= MAX_INFLIGHT
+        assert s["deliver"] == len(m.deliver)
+        assert s["host_entries"] == len(m.entries) == self.mgr.host_blocks <= CAPACITY
+        assert s["host_used_slots"] == m.used == self.mgr.host_used_slots <= CAPACITY
+        assert s["row_load"] == len(m.row_load) <= ROWS
+        assert s["row_stores"] == len(m.row_stores) <= ROWS
+        assert s["key_loads"] == len(m.key_loads) <= len(KEYS)
+
+    @invariant()
+    def never_wrong_bytes_in_host_tier(self) -> None:
+        for k in KEYS:
+            hm = host_matches(self.mgr, k, self.kv)
+            assert (hm is not None) == (self.model.ready(k) is not None), k
+            assert hm in (None, True), f"host tier holds wrong bytes for {k!r}"
+
+    def metrics_agree(self, full: bool = False) -> None:
+        """Counters equal the model's (checked right after poll()/wait(): counters may be batched until then)."""
+        if full:
+            samples = metric_samples(self.registry)
+        else:  # the same samples, collected from the four families only (the histograms are slow to collect)
+            mx = self.mgr.metrics
+            samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                       for fam in (mx.jobs, mx.stale_callbacks, mx.evictions, mx.lookup_hits, mx.lookups)
+                       for metric in fam.collect() for s in metric.samples}
+        m = self.model
+        for kind in ("store", "load"):
+            for outcome in OUTCOMES:
+                got = samples.get(("tiered_kv_jobs_total", (("kind", kind), ("outcome", outcome))), 0.0)
+                assert got == m.jobs_total[(kind, outcome)], (kind, outcome, got, m.jobs_total)
+            for reason in REASONS:
+                got = samples.get(("tiered_kv_stale_callbacks_total", (("kind", kind), ("reason", reason))), 0.0)
+                assert got == m.stale[(kind, reason)], (kind, reason, got, m.stale)
+        assert samples.get(("tiered_kv_evictions_total", (("tier", "host"),)), 0.0) == m.evictions
+        assert samples.get(("tiered_kv_lookup_hits_total", (("tier", "host"),)), 0.0) == m.hits
+        assert samples.get(("tiered_kv_lookup_keys_total", ()), 0.0) == m.asked
+
+    def teardown(self) -> None:
+        try:
+            if self.broken:
+                return
+            # every worker answers at last; then every job is reported exactly once
+            for t in list(self.mover.outstanding):
+                self._answer(t, True, False, False)
+            self._check_completions(self.mgr.poll(), self.model.poll())
+            missing = [j for j in self.issued if self.reported[j.token] != 1]
+            assert not missing, f"jobs never reported: {missing}"
+            s = self.mgr.debug_sizes()
+            assert s["jobs"] == s["deliver"] == s["row_stores"] == s["row_load"] == s["key_loads"] == 0
+            assert s["host_used_slots"] == s["host_entries"]
+            self.metrics_agree(full=True)
+        finally:
+            self.mgr.close()
+
+
+TierMachine.TestCase.settings = settings(
+    max_examples=400,
+    stateful_step_count=80,
+    derandomize=True,          # deterministic in CI
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+test_tier_manager_state_machine = TierMachine.TestCase
