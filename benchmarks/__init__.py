@@ -1,7 +1,10 @@
 """Benchmarks of tiered_kv (not timed tests: nothing here asserts a timing).
 
-``benchmarks.bench_core`` measures the core (control path, ``store()`` latency,
-host-tier throughput), each figure beside a baseline measured in the same run.
-Every ``bench_*`` function returns a JSON-ready dict so that a ``tiered-kv
-bench`` command can import and aggregate them.
+The measurement code lives in the package, :mod:`tiered_kv.benchmarking`, so
+that the installed ``tiered-kv bench`` command can run it.  The scripts here
+are thin entry points kept for ``make bench`` and for running one part alone:
+``benchmarks/bench_core.py`` (control path, ``store()`` latency, host tier,
+CUDA links) and ``benchmarks/bench_disk.py`` (spill, promote, full and
+evicting, engine-thread latency).  Raw results are committed under
+``benchmarks/results/``; the report is docs/benchmarks.md.
 """

@@ -128,6 +128,9 @@ class TieredKVConfig:
         """Build from a mapping; an unknown key raises :class:`ConfigError`."""
         if not isinstance(values, Mapping):
             raise ConfigError(f"config must be a mapping, got {type(values).__name__}")
+        bad = [k for k in values if not isinstance(k, str)]
+        if bad:
+            raise ConfigError(f"config keys must be str, got {bad!r:.200}")
         unknown = sorted(set(values) - set(cls.field_names()))
         if unknown:
             raise ConfigError(f"unknown config keys {unknown}; known: {list(cls.field_names())}")
