@@ -25,7 +25,8 @@ test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
 
 bench: $(VENV)/.installed
-	$(BIN)/python benchmarks/bench_core.py
+	$(BIN)/pip install -q -e ".[bench]"
+	$(BIN)/tiered-kv bench --json benchmarks/results/bench-$$(date +%F).json --plot docs/img
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,163 @@
+"""``tiered-kv bench``: the command runs, its JSON has the schema, --plot writes PNGs.
+
+One in-process run with the hidden ``--smoke`` configuration (tiny sets, one
+repeat, no page-cache drop: a few seconds) is shared by the tests.  Nothing
+here asserts a timing or whether a target was met: the figures of a smoke run
+on a shared machine mean nothing, only their shape does.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tiered_kv.benchmarking.core as bench_core
+import tiered_kv.benchmarking.disk as bench_disk
+import tiered_kv.benchmarking.plots as bench_plots
+from tiered_kv.cli import main
+
+FIGURE_KEYS = {"id", "section", "name", "unit", "better", "value", "baseline", "baseline_name", "vs", "ratio",
+               "target", "target_on", "target_op", "target_threshold", "met", "stats", "source", "note", "skipped"}
+
+
+def _has_matplotlib() -> bool:
+    return bench_plots.matplotlib_missing() is None
+
+
+def _strict_load(path: Path) -> Any:
+    def no_constant(name: str) -> Any:
+        raise AssertionError(f"non-standard JSON constant {name} in {path}")
+    return json.loads(path.read_text(encoding="utf-8"), parse_constant=no_constant)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("bench")
+    argv = ["bench", "--smoke", "--seed", "3", "--dir", str(tmp / "scratch"), "--json", str(tmp / "out" / "r.json"),
+            "--no-details"]
+    if _has_matplotlib():
+        argv += ["--plot", str(tmp / "img")]
+    rc = main(argv)
+    return {"rc": rc, "tmp": tmp, "json": tmp / "out" / "r.json", "img": tmp / "img"}
+
+
+def test_smoke_run_exits_zero_and_writes_strict_json(smoke: dict[str, Any]) -> None:
+    assert smoke["rc"] == 0
+    r = _strict_load(smoke["json"])
+    assert r["benchmark"] == "tiered-kv bench" and r["mode"] == "smoke" and r["seed"] == 3
+    assert set(r["sections"]) == {"core", "disk", "e2e"}
+    assert r["problems"]["wrong_bytes"] == []
+    # the scratch directory is removed afterwards
+    assert not any((smoke["tmp"] / "scratch").glob("tkv-bench-disk-*"))
+
+
+def test_machine_facts(smoke: dict[str, Any]) -> None:
+    m = _strict_load(smoke["json"])["machine"]
+    assert m["cores"] >= 1
+    assert m["torch"]
+    assert isinstance(m["cuda"], bool)
+    assert m["filesystem"]["type"]
+    assert m["filesystem"]["statvfs"]["total_bytes"] > 0
+
+
+def test_every_figure_has_value_baseline_ratio_target_met(smoke: dict[str, Any]) -> None:
+    figs = _strict_load(smoke["json"])["figures"]
+    assert figs
+    for f in figs:
+        assert FIGURE_KEYS <= set(f), f
+        for k in ("value", "baseline", "ratio", "target_threshold"):
+            assert f[k] is None or isinstance(f[k], (int, float)), (f["id"], k)
+        assert f["met"] in (True, False, None)
+        if f["skipped"]:
+            assert f["met"] is None
+        elif f["target"] is not None and f["value"] is not None and \
+                (f["target_on"] == "value" or f["ratio"] is not None):
+            assert isinstance(f["met"], bool), f["id"]
+        if f["target"] is None:
+            assert f["met"] is None
+        if f["ratio"] is not None and f["value"] is not None and f["baseline"]:
+            assert math.isclose(f["ratio"], f["value"] / f["baseline"], rel_tol=1e-9), f["id"]
+        if not f["skipped"]:
+            assert f["baseline_name"] and f["vs"], f["id"]  # never a figure without its baseline
+    ids = {f["id"] for f in figs}
+    expected = {"control.store_p99", "disk.evicting.spill", "disk.evicting.file_vs_capacity",
+                "latency.store", "latency.lookup", "latency.load", "e2e.hit_rate.host", "e2e.hit_rate.disk",
+                "e2e.recompute_avoided.host", "e2e.recompute_avoided.disk"}
+    assert expected <= ids, expected - ids
+    assert {f"host.{d}.{b}" for d in ("store", "load") for b in (256 << 10, 2 << 20, 8 << 20)} <= ids
+    assert any(i.startswith("control.lifecycles.") for i in ids)
+    assert any(i.startswith("disk.spill.") for i in ids) and any(i.startswith("disk.promote.") for i in ids)
+    assert any(i.startswith("disk.spill_vs_diskcache.") for i in ids)
+    assert any(i.startswith("cuda.") for i in ids)
+
+
+def test_cuda_row_is_skipped_without_cuda(smoke: dict[str, Any]) -> None:
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the CUDA figures are measured")
+    figs = {f["id"]: f for f in _strict_load(smoke["json"])["figures"]}
+    assert "no CUDA" in figs["cuda.copy"]["skipped"]
+
+
+def test_plot_writes_pngs(smoke: dict[str, Any]) -> None:
+    if not _has_matplotlib():
+        pytest.skip("matplotlib not installed")
+    names = {p.name for p in smoke["img"].glob("*.png")}
+    assert {"throughput-host.png", "throughput-disk.png", "latency-under-load.png", "end-to-end.png"} <= names
+    for p in smoke["img"].glob("*.png"):
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert p.stat().st_size > 10_000
+
+
+def test_missed_targets_do_not_fail_the_command(smoke: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    # re-render the smoke result with an unreachable target: the exit status does not depend on timings
+    monkeypatch.setattr(bench_core, "TARGET_LIFECYCLES_PER_S", float("inf"))
+    capsys.readouterr()
+    assert main(["bench", "--from-json", str(smoke["json"])]) == 0
+    out = capsys.readouterr().out
+    assert "MISSED" in out and "targets met:" in out
+
+
+def test_plot_without_matplotlib_is_a_clear_error(smoke: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    monkeypatch.setattr(bench_plots, "matplotlib_missing", lambda: "ModuleNotFoundError: No module named 'matplotlib'")
+    rc = main(["bench", "--from-json", str(smoke["json"]), "--plot", str(tmp_path / "img")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "--plot needs matplotlib" in err and "tiered-kv[bench]" in err
+    assert not (tmp_path / "img").exists()
+
+
+def test_without_diskcache_the_peer_rows_say_not_installed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(bench_disk, "_diskcache", None)  # as if the import had failed
+    out = tmp_path / "r.json"
+    assert main(["bench", "--smoke", "--sections", "spill", "--dir", str(tmp_path), "--json", str(out),
+                 "--no-details"]) == 0
+    r = _strict_load(out)
+    peer = [f for f in r["figures"] if f["id"].startswith("disk.spill_vs_diskcache.")]
+    assert peer and all("not installed" in f["skipped"] for f in peer)
+    assert all(f["met"] is None for f in peer)
+    assert "not installed" in r["machine"]["diskcache"]
+    assert "not installed" in capsys.readouterr().out
+
+
+def test_unknown_section_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--smoke", "--sections", "spill,nope"]) == 2
+    assert "unknown sections ['nope']" in capsys.readouterr().err
+
+
+def test_benchmark_scripts_are_thin_entry_points() -> None:
+    root = Path(__file__).resolve().parents[1]
+    for name, mod in (("bench_core", bench_core), ("bench_disk", bench_disk)):
+        spec = importlib.util.spec_from_file_location(f"_entry_{name}", root / "benchmarks" / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        m = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(m)
+        assert m.run_all is mod.run_all and m.main is mod.main

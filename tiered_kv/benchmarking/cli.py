@@ -1,0 +1,188 @@
+"""``tiered-kv bench``: every tier beside its baseline, in one process, as a table, JSON and plots.
+
+``run_bench`` runs the sections (core, CUDA links, disk tier, end to end) and
+returns one JSON-ready dict: ``machine`` facts, ``figures`` (see
+:mod:`tiered_kv.benchmarking.report` for their schema), ``problems`` and each
+section's raw result under ``sections``.  ``add_bench_command`` registers the
+subcommand on the ``tiered-kv`` parser.  Exit status: 0, also when targets are
+missed (they are figures, not failures); 1 when a measurement saw wrong bytes;
+2 on bad arguments or when ``--plot`` is asked for without matplotlib.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+__all__ = ["add_bench_command", "run_bench", "SECTIONS", "DEFAULT_SECTIONS"]
+
+# section name -> (part, name inside the part)
+_PARTS: dict[str, tuple[str, str]] = {
+    "lifecycles": ("core", "lifecycles"),
+    "store_latency": ("core", "store_latency"),
+    "host": ("core", "host_throughput"),
+    "cuda": ("core", "cuda_copy"),
+    "spill": ("disk", "spill"),
+    "promote": ("disk", "promote"),
+    "evicting": ("disk", "evicting"),
+    "latency": ("disk", "latency"),
+    "diag": ("disk", "diag"),
+    "e2e": ("e2e", "e2e"),
+}
+SECTIONS = tuple(_PARTS)
+DEFAULT_SECTIONS = {"full": SECTIONS, "quick": tuple(s for s in SECTIONS if s != "diag"),
+                    "smoke": tuple(s for s in SECTIONS if s != "diag")}
+_FORMAT_VERSION = 1
+
+
+def run_bench(mode: str = "full", seed: int = 0, bench_dir: Optional[str] = None,
+              sections: Optional[Sequence[str]] = None,
+              log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Run the sections named (default: those of the mode) and return the whole result.
+
+    The result may hold NaN where a figure could not be computed; ``report.clean`` makes it strict JSON.
+    """
+    import gc
+
+    from . import core, disk, e2e, report
+    from .common import LoadMonitor, as_mode, machine_facts
+
+    mode = as_mode(mode)
+    chosen = list(sections if sections is not None else DEFAULT_SECTIONS[mode])
+    bad = set(chosen) - set(SECTIONS)
+    if bad:
+        raise ValueError(f"unknown sections {sorted(bad)}; known: {', '.join(SECTIONS)}")
+    parent = Path(bench_dir) if bench_dir else Path(tempfile.gettempdir())
+    parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    result: dict[str, Any] = {
+        "benchmark": "tiered-kv bench", "format_version": _FORMAT_VERSION, "mode": mode, "seed": seed,
+        "sections_run": chosen, "started_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_facts(parent), "section_seconds": {}, "sections": {},
+    }
+    dc = disk.diskcache_module()  # optional: the peer's rows say "not installed" without it
+    result["machine"]["diskcache"] = getattr(dc, "__version__", "installed") if dc is not None else disk.DISKCACHE_MISSING
+
+    def part(name: str) -> list[str]:
+        return [_PARTS[s][1] for s in chosen if _PARTS[s][0] == name]
+
+    # objects alive after imports (torch's ~170k) go to the permanent generation, as serving engines do after
+    # start-up: gc.collect() before each timed repeat is then cheap and gen-2 passes do not scan them
+    gc.collect()
+    gc.freeze()
+    try:
+        with LoadMonitor() as whole:
+            if part("core"):
+                t = time.perf_counter()
+                result["sections"]["core"] = core.run_all(mode, seed, log=log, sections=part("core"))
+                result["section_seconds"]["core"] = time.perf_counter() - t
+            if part("disk"):
+                t = time.perf_counter()
+                result["sections"]["disk"] = disk.run_all(mode, seed, base_dir=str(parent), sections=part("disk"),
+                                                          log=lambda s: log(f"disk: {s}"))
+                result["section_seconds"]["disk"] = time.perf_counter() - t
+            if part("e2e"):
+                t = time.perf_counter()
+                gc.collect()
+                with LoadMonitor() as lm:
+                    result["sections"]["e2e"] = e2e.bench_e2e(mode, seed, log=log)
+                result["sections"]["e2e"]["background_load"] = lm.result
+                result["section_seconds"]["e2e"] = time.perf_counter() - t
+    finally:
+        gc.unfreeze()
+    result["background_load"] = whole.result
+    result["wall_seconds"] = time.perf_counter() - t0
+    result["figures"] = report.collect_figures(result)
+    with_target = [f for f in result["figures"] if f["met"] is not None]
+    result["targets_met"] = sum(1 for f in with_target if f["met"])
+    result["targets_total"] = len(with_target)
+    result["problems"] = report.problems(result)
+    return result
+
+
+def add_bench_command(sub: Any) -> None:
+    """Register ``bench`` on the ``tiered-kv`` parser's subparsers."""
+    p = sub.add_parser(
+        "bench", help="measure every tier beside its baseline (table, --json, --plot)",
+        description="Runs, in one process, each figure beside its baseline measured in the same run "
+                    "(seeded, warm-up discarded, interleaved, median/p90/p99/max): control-path lifecycles vs "
+                    "the unsafe plain-dict original; host tier GB/s vs raw torch copy_; disk spill/promote vs "
+                    "raw write+fsync/read and python-diskcache, also full and evicting; engine-thread latency "
+                    "with the disk writer saturated; the demo workload with no offload, host, host+disk; and, "
+                    "with CUDA, device<->host GB/s vs torch's copy.  Missed targets do not fail the command.",
+    )
+    p.add_argument("--quick", action="store_true", help="smaller sets and fewer repeats (about a minute)")
+    p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # seconds: the tests' configuration
+    p.add_argument("--json", metavar="PATH", help="write every figure, baseline, ratio, target and machine facts")
+    p.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR (needs matplotlib: the 'bench' extra)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dir", metavar="DIR", default=None,
+                   help="parent of the disk benchmarks' scratch directory; its filesystem is the one measured "
+                        "(default: the system temp dir)")
+    p.add_argument("--sections", metavar="LIST", default=None,
+                   help=f"comma-separated subset of {','.join(SECTIONS)} (default: all; --quick skips diag)")
+    p.add_argument("--from-json", metavar="PATH", default=None,
+                   help="measure nothing: print the table of a result written by --json (and --plot it)")
+    p.add_argument("--no-details", action="store_true", help="print only the summary table")
+    p.set_defaults(func=_bench)
+
+
+def _err(msg: str) -> int:
+    print(f"tiered-kv bench: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from . import report
+
+    if args.plot:
+        from .plots import matplotlib_missing
+
+        why = matplotlib_missing()
+        if why:
+            return _err(f"--plot needs matplotlib, which is not importable ({why}); "
+                        "pip install 'tiered-kv[bench]' or drop --plot")
+    if args.quick and args.smoke:
+        return _err("--quick and --smoke exclude each other")
+    if args.from_json:
+        try:
+            with open(args.from_json, encoding="utf-8") as f:
+                result = json.load(f)
+        except (OSError, ValueError) as exc:
+            return _err(f"cannot read {args.from_json}: {exc}")
+        if result.get("benchmark") != "tiered-kv bench":
+            return _err(f"{args.from_json} is not a 'tiered-kv bench' result")
+        result["figures"] = report.collect_figures(result)  # figures follow the current report code
+    else:
+        sections = None
+        if args.sections is not None:
+            sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+            unknown = sorted(set(sections) - set(SECTIONS))
+            if unknown:
+                return _err(f"unknown sections {unknown}; known: {', '.join(SECTIONS)}")
+        mode = "smoke" if args.smoke else ("quick" if args.quick else "full")
+        result = run_bench(mode, args.seed, args.dir, sections,
+                           log=lambda s: print(f"[bench] {s}", file=sys.stderr, flush=True))
+    print(report.format_table(result))
+    if not args.no_details and not args.from_json:
+        print("\n\n==== details (median / p90 / p99 / max; each section's own report) ====\n")
+        print(report.format_details(result))
+    if args.json and not args.from_json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(report.clean(result), f, indent=1, allow_nan=False)
+            f.write("\n")
+        print(f"\nwrote {path}", file=sys.stderr)
+    if args.plot:
+        from .plots import write_plots
+
+        for png in write_plots(result, args.plot):
+            print(f"wrote {png}", file=sys.stderr)
+    return 1 if (result.get("problems") or {}).get("wrong_bytes") else 0

@@ -1,0 +1,231 @@
+"""Shared pieces of the benchmarks: run modes, statistics, machine facts, background-load monitor.
+
+Owns no measurement.  Invariants: every distribution is summarized the same way
+(median/p90/p99/max, plus n/min/mean) and every ratio is ``a / b`` of two
+figures measured in the same process, ``nan`` when the baseline is zero.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+import tiered_kv
+
+__all__ = [
+    "KiB", "MiB", "GiB", "MODES", "as_mode", "percentile", "summarize", "ratio", "gbs",
+    "machine_facts", "filesystem_of", "LoadMonitor", "git",
+]
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+MODES = ("full", "quick", "smoke")
+"""full: the committed report (<= 10 min here); quick: <= 60 s here; smoke: seconds, for the tests."""
+
+
+def as_mode(quick: Union[bool, str, None]) -> str:
+    """Map the historical ``quick: bool`` argument, or a mode name, to a mode name."""
+    if isinstance(quick, str):
+        if quick not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {quick!r}")
+        return quick
+    return "quick" if quick else "full"
+
+
+# ----------------------------------------------------------------------------- statistics
+def percentile(sorted_vals: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]) of already sorted values."""
+    if not sorted_vals:
+        return float("nan")
+    if len(sorted_vals) == 1:
+        return float(sorted_vals[0])
+    pos = (len(sorted_vals) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_vals) - 1)
+    return float(sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo))
+
+
+def summarize(samples: Sequence[float], unit: str) -> dict[str, Any]:
+    """median/p90/p99/max (plus n, min, mean) of ``samples``."""
+    s = sorted(samples)
+    return {
+        "unit": unit,
+        "n": len(s),
+        "min": float(s[0]) if s else float("nan"),
+        "median": percentile(s, 50),
+        "p90": percentile(s, 90),
+        "p99": percentile(s, 99),
+        "max": float(s[-1]) if s else float("nan"),
+        "mean": float(sum(s) / len(s)) if s else float("nan"),
+    }
+
+
+def ratio(a: Optional[float], b: Optional[float]) -> float:
+    if a is None or b is None or not b:
+        return float("nan")
+    return float(a / b)
+
+
+def gbs(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("nan")
+
+
+# ----------------------------------------------------------------------------- machine facts
+def git(*args: str) -> Optional[str]:
+    """``git ARGS`` in the checkout that holds the imported tiered_kv (None when not a checkout)."""
+    try:
+        out = subprocess.run(["git", *args], cwd=Path(tiered_kv.__file__).resolve().parents[1],
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _cpu_model() -> Optional[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _mem_total_bytes() -> Optional[int]:
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def filesystem_of(path: Path) -> dict[str, Any]:
+    """Filesystem type, device and options of ``path`` from /proc/mounts (longest matching mount), plus statvfs."""
+    best: dict[str, Any] = {}
+    try:
+        real = str(Path(path).resolve())
+        with open("/proc/mounts", encoding="utf-8") as f:
+            for line in f:
+                dev, mnt, fstype, opts = line.split()[:4]
+                mnt = mnt.replace("\\040", " ")
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best.get("mount", "")):
+                    best = {"device": dev, "mount": mnt, "type": fstype, "options": opts}
+    except OSError:
+        pass
+    dev = best.get("device", "")
+    if dev.startswith("/dev/"):
+        rot = Path(f"/sys/block/{dev[5:]}/queue/rotational")
+        if rot.exists():
+            best["rotational"] = rot.read_text().strip() == "1"
+    try:
+        st = os.statvfs(path)
+        best["statvfs"] = {"block_size": st.f_frsize, "total_bytes": st.f_blocks * st.f_frsize,
+                           "free_bytes": st.f_bavail * st.f_frsize, "name_max": st.f_namemax}
+        best["free_bytes"] = st.f_bavail * st.f_frsize
+    except OSError:
+        pass
+    best.setdefault("type", "unknown (no /proc/mounts)")
+    return best
+
+
+def _version(mod: str) -> Optional[str]:
+    """Version of an optional module without importing it when it is absent."""
+    try:
+        from importlib import metadata
+        return metadata.version(mod)
+    except Exception:
+        return None
+
+
+def machine_facts(bench_dir: Optional[Path] = None) -> dict[str, Any]:
+    """Cores, CPU, memory, Python, torch, CUDA, libraries and the bench directory's filesystem."""
+    cuda = bool(torch.cuda.is_available())
+    try:
+        import lmdb
+        lmdb_v: Optional[str] = f"py-lmdb {lmdb.__version__}, liblmdb {'.'.join(map(str, lmdb.version()))}"
+    except Exception:  # pragma: no cover
+        lmdb_v = None
+    try:
+        load: Optional[tuple[float, float, float]] = os.getloadavg()
+    except (OSError, AttributeError):
+        load = None
+    return {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "cores": os.cpu_count(),
+        "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu_model": _cpu_model(),
+        "mem_total_bytes": _mem_total_bytes(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_num_threads": torch.get_num_threads(),
+        "cuda": cuda,
+        "cuda_device": torch.cuda.get_device_name(0) if cuda else None,
+        "cuda_runtime": torch.version.cuda,
+        "tiered_kv": tiered_kv.__version__,
+        "lmdb": lmdb_v,
+        "xxhash": _version("xxhash"),
+        "diskcache": _version("diskcache"),
+        "matplotlib": _version("matplotlib"),
+        "bench_dir": str(bench_dir) if bench_dir is not None else None,
+        "filesystem": filesystem_of(bench_dir) if bench_dir is not None else None,
+        "loadavg_at_start": load,
+        "git_commit": git("rev-parse", "HEAD"),
+        "git_tiered_kv_dirty": bool(git("status", "--porcelain", "--", "tiered_kv")),
+        "gc_thresholds": list(gc.get_threshold()),
+        "switch_interval_s": sys.getswitchinterval(),
+    }
+
+
+# ----------------------------------------------------------------------------- background load
+def _proc_stat_cpu() -> Optional[tuple[float, float]]:
+    """(busy seconds, steal seconds) of the whole machine since boot, from /proc/stat."""
+    try:
+        with open("/proc/stat", encoding="utf-8") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq) / hz, steal / hz
+
+
+class LoadMonitor:
+    """CPU used by *other* processes while a section ran (the machine may be shared).
+
+    ``foreign_cpu_s`` = machine busy CPU seconds - this process's CPU seconds;
+    ``foreign_share`` = that over (wall seconds x cores).  A figure measured
+    with a large foreign share is noisier than its repeats suggest.
+    """
+
+    def __enter__(self) -> "LoadMonitor":
+        self.t0 = time.perf_counter()
+        self.own0 = sum(os.times()[:2])
+        self.stat0 = _proc_stat_cpu()
+        self.load0 = os.getloadavg() if hasattr(os, "getloadavg") else None
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        wall = time.perf_counter() - self.t0
+        own = sum(os.times()[:2]) - self.own0
+        stat1 = _proc_stat_cpu()
+        self.result: dict[str, Any] = {"wall_s": wall, "own_cpu_s": own,
+                                       "loadavg_start": self.load0,
+                                       "loadavg_end": os.getloadavg() if hasattr(os, "getloadavg") else None}
+        if self.stat0 is not None and stat1 is not None:
+            foreign = max(0.0, (stat1[0] - self.stat0[0]) - own)
+            self.result.update({"foreign_cpu_s": foreign, "steal_s": stat1[1] - self.stat0[1],
+                                "foreign_share": foreign / (wall * (os.cpu_count() or 1)) if wall else 0.0})

@@ -1,0 +1,1197 @@
+"""Benchmark of the tiered_kv core, each figure beside a baseline measured in the same run.
+
+    tiered-kv bench [--quick]                 # every section, with the disk tier and end to end
+    python benchmarks/bench_core.py [--quick] [--json PATH] [--seed N] [--profile]
+
+Sections (each a function returning a JSON-ready dict):
+
+1. ``bench_lifecycles`` -- job lifecycles per second of the control path on one
+   core: (a) store -> worker report -> poll applied, (b) store -> cancel -> late
+   report -> poll.  The mover is an in-process stub that answers each Transfer
+   at once without copying, so only bookkeeping is timed.  Baseline: a
+   plain-dict version of the unsafe original (vLLM 0.21 style, no tokens,
+   generations, leases, tombstones or metrics) doing the same operations.
+   Each variant runs with a poll after every store (``poll/N = 1``) and with
+   a poll after every 32 stores, as an engine step would (``poll/N = 32``).
+   The engine thread is pinned to one CPU; rates are lifecycles per CPU second
+   of that thread (``time.thread_time``), so other processes on a shared
+   machine do not inflate them; wall-clock rates are reported beside.
+2. ``bench_store_latency`` -- the wall time of each ``store()`` call with the
+   real default mover (ThreadMover without CUDA, 2 workers copying 2 MiB rows
+   meanwhile), the engine calling ``poll()`` every 16 stores and then
+   "computing" for 10 ms.  Baseline: the unsafe original's store() feeding
+   its own ThreadMover with the same rows, same pacing.
+3. ``bench_host_throughput`` -- host tier store and load GB/s for 256 KiB,
+   2 MiB and 8 MiB blocks (default mover, num_copy_workers=2): store a pass
+   of blocks then wait(); load them into other rows then wait().  Baseline: a
+   raw per-block ``Tensor.copy_`` of the same rows into preallocated memory on
+   one thread (``torch.set_num_threads(1)``); the same raw copy with torch's
+   default intra-op threads is reported as a note.
+4. ``bench_cuda_copy`` -- only with CUDA: device->host (store) and host->device
+   (load) GB/s through the CudaMover beside torch's own ``copy_`` of the same
+   bytes between the same device rows and the same pinned host slab, on one
+   side stream.  Without CUDA it returns a "skipped: no CUDA" record.
+
+Method: seeded; warm-up repeats discarded; tiered_kv and baseline alternate
+repeat by repeat (their order flips each repeat) so drift hits both; objects
+alive after start-up are moved to the permanent GC generation (``gc.freeze()``,
+as serving engines do), the collector stays on while timing (its cost is part
+of the per-job cost) and is run before each timed repeat.  Distributions are over repeats (throughput) or over
+calls (latency) and report median/p90/p99/max.  Each section records how much
+CPU other processes used while it ran (``background_load``).  Nothing here
+asserts a timing; ``targets`` in the output say whether each issue-2 target
+was met.  ``--profile`` prints cProfile tables and an ablation (which per-job
+cost removes how many microseconds) instead of running the benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import gc
+import io
+import json
+import os
+import pstats
+import random
+import sys
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import torch
+
+import tiered_kv
+from tiered_kv import TieredKVConfig, TierManager
+from tiered_kv.jobs import JobKind
+from tiered_kv.movers import CompletionQueue, Report, ThreadMover, Transfer
+
+from .common import GiB, KiB, LoadMonitor, MiB, as_mode, summarize
+from .common import machine_facts as _common_facts
+from .common import ratio as _ratio
+
+__all__ = [
+    "UnsafeDictOffloader", "ImmediateMover", "DeferredMover", "summarize", "machine_facts", "LoadMonitor",
+    "bench_lifecycles", "bench_store_latency", "bench_host_throughput", "bench_cuda_copy",
+    "run_all", "format_report", "profile_lifecycle", "ablate_lifecycle", "format_ablation", "main",
+    "SECTIONS", "PLANS",
+]
+
+TARGET_LIFECYCLES_PER_S = 100_000
+TARGET_STORE_P99_US = 50.0
+TARGET_HOST_RATIO = 0.9
+TARGET_CUDA_RATIO = TARGET_HOST_RATIO  # issue 2: "host tier >= 0.9x raw copy", applied to the CUDA links
+_STORE = JobKind.STORE
+
+SECTIONS = ("lifecycles", "store_latency", "host_throughput", "cuda_copy")
+
+PLANS: dict[str, dict[str, Any]] = {
+    # lifecycles: (lifecycles per repeat, repeats, warm-up repeats)
+    # store_latency: (timed stores per side, segments, warm-up stores, device rows, row bytes)
+    # host_throughput: (bytes per pass, passes, warm-up passes, min blocks per pass)
+    # cuda_copy: (bytes per pass, passes, warm-up passes)
+    "full": {"lifecycles": (10000, 21, 2), "store_latency": (24000, 4, 480, 512, 2 * MiB),
+             "host_throughput": (512 * MiB, 7, 1, 8), "cuda_copy": (1 * GiB, 9, 2)},
+    "quick": {"lifecycles": (3000, 5, 1), "store_latency": (2400, 2, 160, 256, 2 * MiB),
+              "host_throughput": (128 * MiB, 3, 1, 8), "cuda_copy": (256 * MiB, 3, 1)},
+    "smoke": {"lifecycles": (300, 2, 1), "store_latency": (192, 2, 32, 32, 256 * KiB),
+              "host_throughput": (4 * MiB, 1, 1, 2), "cuda_copy": (16 * MiB, 1, 1)},
+}
+
+
+# ----------------------------------------------------------------------------- machine facts
+def _cache_sizes() -> dict[str, str]:
+    out: dict[str, str] = {}
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    try:
+        for idx in sorted(base.glob("index*")):
+            level = (idx / "level").read_text().strip()
+            kind = (idx / "type").read_text().strip()
+            size = (idx / "size").read_text().strip()
+            out[f"L{level}{'' if kind == 'Unified' else kind[0].lower()}"] = size
+    except OSError:
+        pass
+    return out
+
+
+def _sources_hash() -> str:
+    """sha256 over tiered_kv/*.py as imported: names the exact code measured (it changes often)."""
+    import hashlib
+    h = hashlib.sha256()
+    pkg = Path(tiered_kv.__file__).resolve().parent
+    for f in sorted(pkg.glob("*.py")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def machine_facts() -> dict[str, Any]:
+    """The common facts under the names this section's report uses, plus caches and the sources hash."""
+    c = _common_facts()
+    return {
+        "date_utc": c["date_utc"],
+        "cpu_count": c["cores"],
+        "cpu_affinity": c["cpu_affinity"],
+        "cpu_model": c["cpu_model"],
+        "cpu_caches_cpu0": _cache_sizes(),
+        "mem_total_bytes": c["mem_total_bytes"],
+        "platform": c["platform"],
+        "python": c["python"],
+        "torch": c["torch"],
+        "torch_num_threads": c["torch_num_threads"],
+        "torch_parallel_info": torch.__config__.parallel_info().splitlines()[:6],
+        "cuda_available": c["cuda"],
+        "cuda_device": c["cuda_device"],
+        "tiered_kv_version": c["tiered_kv"],
+        "git_commit": c["git_commit"],
+        "git_tiered_kv_dirty": c["git_tiered_kv_dirty"],
+        "tiered_kv_sources_sha256": _sources_hash(),
+        "gc_thresholds": c["gc_thresholds"],
+        "switch_interval_s": c["switch_interval_s"],
+    }
+
+
+@contextlib.contextmanager
+def _one_core() -> Iterator[Optional[int]]:
+    """Pin the calling thread to one CPU for the duration (Linux), restoring afterwards."""
+    if not hasattr(os, "sched_setaffinity"):
+        yield None
+        return
+    old = os.sched_getaffinity(0)
+    cpu = max(old)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        yield cpu
+    finally:
+        os.sched_setaffinity(0, old)
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _keys(rng: random.Random, n: int) -> list[bytes]:
+    """n distinct 16-byte keys (the size of an xxh3-128 prefix-chain hash)."""
+    getrandbits = rng.getrandbits
+    return [getrandbits(128).to_bytes(16, "little") for _ in range(n)]
+
+
+# ----------------------------------------------------------------------------- baseline
+class UnsafeDictOffloader:
+    """The unsafe original, vLLM 0.21 style, as plain dicts -- the baseline.
+
+    ``pending[block_id] = job_id`` (keyed by a *location*), ``jobs[job_id] =
+    (key, block, slot)``, an LRU ``OrderedDict`` key -> host slot with a free
+    list, and a set of finished job ids that ``poll()`` hands to the engine.
+    No tokens, no row generations, no leases, no tombstones, no state machine,
+    no metrics, no input validation.  ``cancel`` forgets the pending record
+    and reports the job finished at once; the late report then publishes the
+    block anyway.  The original did ``del pending[bid]`` on completion, which
+    raises KeyError after a cancel; ``pending.pop(bid, None)`` is the minimal
+    patch that lets it run -- and it still drops a newer job's record when the
+    block was reused (the ABA bug tiered_kv fixes).
+    """
+
+    def __init__(self, num_slots: int, submit: Optional[Callable[[int, int, int], None]] = None) -> None:
+        self.pending: dict[int, int] = {}
+        self.jobs: dict[int, tuple[bytes, int, int]] = {}
+        self.storing: dict[bytes, int] = {}
+        self.host: OrderedDict[bytes, int] = OrderedDict()
+        self.free = list(range(num_slots))
+        self.finished: set[int] = set()
+        self.queue = CompletionQueue()
+        self._next = 0
+        put = self.queue.put
+        # default mover: answers at once, (job_id, success) as the original's workers did
+        self._submit = submit if submit is not None else (lambda job_id, block, slot: put((job_id, True)))
+
+    def store(self, key: bytes, block: int) -> Optional[int]:
+        host = self.host
+        if key in host:
+            host.move_to_end(key)
+            return None
+        if key in self.storing:
+            return None
+        if self.free:
+            slot = self.free.pop()
+        elif host:
+            slot = host.popitem(last=False)[1]
+        else:
+            return None  # every slot is being written: shed
+        job_id = self._next
+        self._next = job_id + 1
+        self.pending[block] = job_id
+        self.jobs[job_id] = (key, block, slot)
+        self.storing[key] = job_id
+        self._submit(job_id, block, slot)
+        return job_id
+
+    def cancel(self, job_id: int) -> None:
+        block = self.jobs[job_id][1]
+        del self.pending[block]
+        self.finished.add(job_id)
+
+    def _complete(self, job_id: int, ok: bool) -> None:
+        key, block, slot = self.jobs.pop(job_id)
+        self.pending.pop(block, None)  # original: del self.pending[block]
+        del self.storing[key]
+        if ok:
+            self.host[key] = slot
+        else:
+            self.free.append(slot)
+        self.finished.add(job_id)
+
+    def poll(self) -> set[int]:
+        """Apply ``(job_id, ok)`` tuples; return the job ids finished since the last poll."""
+        complete = self._complete
+        for job_id, ok in self.queue.drain():
+            complete(job_id, ok)
+        done, self.finished = self.finished, set()
+        return done
+
+    def poll_reports(self) -> set[int]:
+        """Same, for tiered_kv ``Report`` objects (when driving a real ThreadMover)."""
+        complete = self._complete
+        for r in self.queue.drain():
+            complete(r.token, r.ok)
+        done, self.finished = self.finished, set()
+        return done
+
+
+class ImmediateMover:
+    """Trivial in-process mover: answers each Transfer at once, ok, without copying."""
+
+    polled = False
+
+    def __init__(self, device_rows: torch.Tensor, host_rows: torch.Tensor, completions: CompletionQueue) -> None:
+        self._put = completions.put
+        self._nbytes = int(host_rows.shape[1])
+
+    def submit(self, t: Transfer) -> None:
+        self._put(Report(t.token, t.kind, True, None, self._nbytes, 0.0))
+
+    def harvest(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class DeferredMover:
+    """No-copy mover that answers at the next ``harvest()`` (i.e. inside ``poll()``): submit is a list append."""
+
+    polled = True
+
+    def __init__(self, device_rows: torch.Tensor, host_rows: torch.Tensor, completions: CompletionQueue) -> None:
+        self._put = completions.put
+        self._nbytes = int(host_rows.shape[1])
+        self._held: list[Transfer] = []
+
+    def submit(self, t: Transfer) -> None:
+        self._held.append(t)
+
+    def harvest(self) -> None:
+        held, self._held = self._held, []
+        for t in held:
+            self._put(Report(t.token, t.kind, True, None, self._nbytes, 0.0))
+
+    def close(self) -> None:
+        self.harvest()
+
+
+# ----------------------------------------------------------------------------- 1. lifecycles
+_LC_ROW_BYTES = 64        # rows are never copied here; small keeps the slab tiny
+_LC_ROWS = 1024
+_LC_SLOTS = 4096          # < lifecycles per repeat: the host tier is full and evicts (steady state)
+
+
+def _tkv_lifecycle_manager() -> TierManager:
+    cfg = TieredKVConfig(namespace="bench|u8|lifecycle", host_capacity_bytes=_LC_SLOTS * _LC_ROW_BYTES)
+    kv = torch.zeros((_LC_ROWS, _LC_ROW_BYTES), dtype=torch.uint8)
+    return TierManager(cfg, kv, mover_factory=ImmediateMover)
+
+
+def _run_tkv(mgr: TierManager, keys: list[bytes], blocks: list[int], batch: int,
+             cancel: bool) -> tuple[float, float, int, int]:
+    """(wall s, this thread's CPU s, completions, stores that returned None)."""
+    store, poll, cancel_job = mgr.store, mgr.poll, mgr.cancel
+    n = len(keys)
+    done = shed = 0
+    c0 = time.thread_time()
+    t0 = time.perf_counter()
+    if cancel:
+        for i in range(0, n, batch):
+            for j in range(i, min(i + batch, n)):
+                job = store(keys[j], blocks[j])
+                if job is None:
+                    shed += 1
+                else:
+                    cancel_job(job)
+            done += len(poll())
+    else:
+        for i in range(0, n, batch):
+            for j in range(i, min(i + batch, n)):
+                if store(keys[j], blocks[j]) is None:
+                    shed += 1
+            done += len(poll())
+    return time.perf_counter() - t0, time.thread_time() - c0, done, shed
+
+
+def _run_base(base: UnsafeDictOffloader, keys: list[bytes], blocks: list[int], batch: int,
+              cancel: bool) -> tuple[float, float, int, int]:
+    store, poll, cancel_job = base.store, base.poll, base.cancel
+    n = len(keys)
+    done = shed = 0
+    c0 = time.thread_time()
+    t0 = time.perf_counter()
+    if cancel:
+        for i in range(0, n, batch):
+            for j in range(i, min(i + batch, n)):
+                job = store(keys[j], blocks[j])
+                if job is None:
+                    shed += 1
+                else:
+                    cancel_job(job)
+            done += len(poll())
+    else:
+        for i in range(0, n, batch):
+            for j in range(i, min(i + batch, n)):
+                if store(keys[j], blocks[j]) is None:
+                    shed += 1
+            done += len(poll())
+    return time.perf_counter() - t0, time.thread_time() - c0, done, shed
+
+
+def _lifecycle_variant(name: str, cancel: bool, batch: int, n: int, repeats: int, warmup: int,
+                       rng: random.Random) -> dict[str, Any]:
+    mgr = _tkv_lifecycle_manager()
+    base = UnsafeDictOffloader(_LC_SLOTS)
+    blocks = [i % _LC_ROWS for i in range(n)]
+    wall: dict[str, list[float]] = {"tkv": [], "base": []}
+    cpu: dict[str, list[float]] = {"tkv": [], "base": []}
+    problems: list[str] = []
+    for rep in range(warmup + repeats):
+        keys = _keys(rng, n)
+        order = ("tkv", "base") if rep % 2 == 0 else ("base", "tkv")
+        for side in order:
+            gc.collect()
+            if side == "tkv":
+                dt, ct, done, shed = _run_tkv(mgr, keys, blocks, batch, cancel)
+            else:
+                dt, ct, done, shed = _run_base(base, keys, blocks, batch, cancel)
+            if done != n or shed:
+                problems.append(f"{side} repeat {rep}: {done} completions for {n} stores, {shed} shed")
+            if rep >= warmup:
+                wall[side].append(dt / n * 1e6)
+                cpu[side].append(ct / n * 1e6)
+    sizes = mgr.debug_sizes() if hasattr(mgr, "debug_sizes") else None
+    mgr.close()
+
+    def side(k: str) -> dict[str, Any]:
+        c, w = summarize(cpu[k], "cpu us/lifecycle"), summarize(wall[k], "wall us/lifecycle")
+        return {"lifecycles_per_cpu_s": 1e6 / c["median"], "lifecycles_per_wall_s": 1e6 / w["median"],
+                "lifecycles_per_cpu_s_best": 1e6 / c["min"], "cpu_us_per_lifecycle": c, "wall_us_per_lifecycle": w}
+
+    t, b = side("tkv"), side("base")
+    if sizes is not None:
+        t["internal_sizes_after"] = sizes
+    rate_t, rate_b = t["lifecycles_per_cpu_s"], b["lifecycles_per_cpu_s"]
+    return {
+        "name": name,
+        "sequence": ("store -> cancel -> late report -> poll" if cancel else "store -> worker report -> poll applied"),
+        "poll_every_n_stores": batch,
+        "lifecycles_per_repeat": n,
+        "repeats": repeats,
+        "warmup_repeats_discarded": warmup,
+        "tiered_kv": t,
+        "baseline": b,
+        "ratio_tiered_kv_over_baseline": _ratio(rate_t, rate_b),
+        "ratio_wall_tiered_kv_over_baseline": _ratio(t["lifecycles_per_wall_s"], b["lifecycles_per_wall_s"]),
+        "target_lifecycles_per_s": TARGET_LIFECYCLES_PER_S,
+        "target_met": rate_t >= TARGET_LIFECYCLES_PER_S,
+        "problems": problems,
+    }
+
+
+def bench_lifecycles(quick: Union[bool, str] = False, seed: int = 0) -> dict[str, Any]:
+    """Section 1: job lifecycles/s on one core, tiered_kv vs the unsafe plain-dict original.
+
+    ``quick``: False/"full", True/"quick" or "smoke" (see ``PLANS``).
+    """
+    n, repeats, warmup = PLANS[as_mode(quick)]["lifecycles"]
+    rng = random.Random(seed * 1000 + 1)
+    variants = []
+    with _one_core() as cpu:
+        for cancel in (False, True):
+            for batch in (1, 32):
+                name = f"{'store_cancel_late_report' if cancel else 'store_report_poll'}_poll_every_{batch}"
+                variants.append(_lifecycle_variant(name, cancel, batch, n, repeats, warmup, rng))
+    return {
+        "section": "lifecycles",
+        "pinned_cpu": cpu,
+        "mover": "ImmediateMover: Report(token, kind, True, None, nbytes, 0.0) on the CompletionQueue at submit, no copy",
+        "rate_basis": ("lifecycles per CPU second of the one (pinned) engine thread, median over repeats "
+                       "(time.thread_time: immune to other processes on a shared machine); wall-clock rates beside"),
+        "baseline": "UnsafeDictOffloader: plain-dict vLLM-0.21-style bookkeeping, same queue class, same operations",
+        "host_slots": _LC_SLOTS,
+        "device_rows": _LC_ROWS,
+        "variants": variants,
+    }
+
+
+def profile_lifecycle(cancel: bool = False, batch: int = 1, n: int = 20000, top: int = 30, seed: int = 0) -> str:
+    """cProfile of one tiered_kv lifecycle variant (after a warm-up); pstats text sorted by tottime."""
+    mgr = _tkv_lifecycle_manager()
+    rng = random.Random(seed)
+    blocks = [i % _LC_ROWS for i in range(n)]
+    _run_tkv(mgr, _keys(rng, n), blocks, batch, cancel)  # warm-up, fills the host tier
+    keys = _keys(rng, n)
+    prof = cProfile.Profile()
+    prof.enable()
+    _run_tkv(mgr, keys, blocks, batch, cancel)
+    prof.disable()
+    mgr.close()
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    st.sort_stats("tottime").print_stats(top)
+    return f"cProfile: {'store->cancel->late report->poll' if cancel else 'store->report->poll'}, " \
+           f"poll every {batch}, {n} lifecycles (per-lifecycle us = tottime / {n} * 1e6)\n" + buf.getvalue()
+
+
+class _Null:
+    """Stands in for every prometheus child/metric in ``ablate_lifecycle``: all calls are no-ops."""
+
+    def inc(self, *a: Any, **k: Any) -> None:
+        return None
+
+    set = dec = observe = inc
+
+    def labels(self, *a: Any, **k: Any) -> "_Null":
+        return self
+
+    def __call__(self, *a: Any, **k: Any) -> "_Null":
+        return self
+
+    def __getattr__(self, name: str) -> "_Null":
+        return self
+
+
+def _fast_token_factory() -> Callable[[], Any]:
+    """UUIDs built without ``UUID.__init__`` (what a cheaper TokenFactory could do)."""
+    import itertools
+    import uuid as _uuid
+    prefix = (random.getrandbits(80) << 48) | (4 << 76) | (2 << 62)  # version 4, RFC variant bits
+    counter = itertools.count(1)
+    new, setattr_, UUID, unknown = object.__new__, object.__setattr__, _uuid.UUID, _uuid.SafeUUID.unknown
+
+    def make() -> Any:
+        u = new(UUID)
+        setattr_(u, "int", prefix | next(counter))
+        setattr_(u, "is_safe", unknown)
+        return u
+    return make
+
+
+def ablate_lifecycle(n: int = 1000, repeats: int = 41, seed: int = 0) -> dict[str, Any]:
+    """Diagnostic: us/lifecycle with one per-job cost removed at a time (patches *private* attributes).
+
+    Variants: ``as_is``; ``no_metrics`` (every prometheus call a no-op);
+    ``no_gauge_refresh`` (``_refresh_gauges`` a no-op); ``fast_token`` (UUID
+    built without ``UUID.__init__``); ``no_move_check`` (``Job._move`` a plain
+    assignment); ``all`` (every one of those).  What is left in ``all`` is the
+    bookkeeping itself.  Raises AttributeError if the internals have moved.
+    """
+    from tiered_kv.jobs import Job
+    orig_move = Job._move
+
+    def plain_move(self: Any, new: Any) -> None:
+        self.state = new
+
+    def make(variant: str) -> TierManager:
+        mgr = _tkv_lifecycle_manager()
+        if variant in ("no_metrics", "all"):
+            m = mgr.metrics
+            for name, val in list(vars(m).items()):
+                if name == "registry":
+                    continue
+                if isinstance(val, dict):
+                    setattr(m, name, {k: _Null() for k in val})
+                elif any(hasattr(val, a) for a in ("inc", "set", "observe", "labels")):
+                    setattr(m, name, _Null())
+            if hasattr(m, "error"):
+                m.error = _Null()  # type: ignore[method-assign]
+        if variant in ("no_gauge_refresh", "all"):
+            mgr._refresh_gauges = lambda *a, **k: None  # type: ignore[method-assign]
+        if variant in ("fast_token", "all"):
+            mgr._tokens = _fast_token_factory()  # type: ignore[assignment]
+        return mgr
+
+    variants = ["as_is", "no_metrics", "no_gauge_refresh", "fast_token", "no_move_check", "all"]
+    rng = random.Random(seed * 1000 + 9)
+    blocks = [i % _LC_ROWS for i in range(n)]
+    out: dict[str, Any] = {"n": n, "repeats": repeats, "variants": {}}
+    with _one_core():
+        for cancel in (False, True):
+            for batch in (1, 32):
+                mgrs = {v: make(v) for v in variants}
+                samples: dict[str, list[float]] = {v: [] for v in variants}
+                for rep in range(repeats + 1):
+                    keys = _keys(rng, n)
+                    order = variants if rep % 2 == 0 else variants[::-1]
+                    for v in order:
+                        gc.collect()
+                        if v in ("no_move_check", "all"):
+                            Job._move = plain_move  # type: ignore[method-assign]
+                        try:
+                            _, dt, done, _ = _run_tkv(mgrs[v], keys, blocks, batch, cancel)
+                        finally:
+                            Job._move = orig_move  # type: ignore[method-assign]
+                        if rep:
+                            samples[v].append(dt / n * 1e6)
+                for m_ in mgrs.values():
+                    m_.close()
+                med = {v: summarize(samples[v], "us/lifecycle")["median"] for v in variants}
+                best = {v: min(samples[v]) for v in variants}
+                # paired: as_is and the variant measured in the same repeat, median of the differences
+                paired = {v: summarize([a - b for a, b in zip(samples["as_is"], samples[v])], "us")["median"]
+                          for v in variants}
+                out["variants"][f"{'cancel' if cancel else 'complete'}_poll_every_{batch}"] = {
+                    v: {"us_per_lifecycle_median": med[v], "us_per_lifecycle_best": best[v],
+                        "saved_us_paired_median": paired[v], "saved_us_best": best["as_is"] - best[v],
+                        "lifecycles_per_s_best": 1e6 / best[v]} for v in variants}
+    return out
+
+
+def format_ablation(a: dict[str, Any]) -> str:
+    lines = [f"ablation: CPU us/lifecycle on one core over {a['repeats']} interleaved repeats of {a['n']} lifecycles; "
+             "saved = as_is - variant (median of per-repeat paired differences; difference of the bests)"]
+    for name, vs in a["variants"].items():
+        lines.append(f"  {name}:")
+        for v, x in vs.items():
+            lines.append(f"    {v:<18}best {x['us_per_lifecycle_best']:>6.2f} us  median {x['us_per_lifecycle_median']:6.2f} us"
+                         f"  saved {x['saved_us_paired_median']:>6.2f} us (bests: {x['saved_us_best']:6.2f})")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- 2. store() latency
+def _latency_loop(store: Callable[[bytes, int], Any], poll: Callable[[], Any], keys: list[bytes], start: int,
+                  n_rows: int, per_step: int, step_s: float, lat_ok: list[int], lat_none: list[int],
+                  poll_ns: list[int]) -> None:
+    """The engine loop: ``per_step`` store() calls (each timed), one poll() (timed), a "forward pass"."""
+    clock = time.perf_counter_ns
+    sleep = time.sleep
+    n = len(keys)
+    for i in range(0, n, per_step):
+        for j in range(i, min(i + per_step, n)):
+            k = keys[j]
+            b = (start + j) % n_rows
+            t0 = clock()
+            r = store(k, b)
+            t1 = clock()
+            (lat_none if r is None else lat_ok).append(t1 - t0)
+        t0 = clock()
+        poll()
+        poll_ns.append(clock() - t0)
+        sleep(step_s)  # the engine's forward pass: the copy workers run meanwhile
+
+
+def bench_store_latency(quick: Union[bool, str] = False, seed: int = 0, row_bytes: Optional[int] = None,
+                        n_rows: Optional[int] = None, per_step: int = 16, step_s: float = 0.010) -> dict[str, Any]:
+    """Section 2: store() wall time per call with the real default mover, poll() every ``per_step`` stores.
+
+    Defaults: 2 MiB rows (one vLLM block of a Llama-3-8B-class model, all
+    layers), 16 stores per engine step, a 10 ms step: ~3.4 GB/s of copies
+    requested, below what the two copy workers sustain, so the workers are busy
+    most of the time while store() is called.  Host tier = device rows, so
+    after the warm-up every store evicts.
+    """
+    n_stores, segments, warmup_stores, plan_rows, plan_bytes = PLANS[as_mode(quick)]["store_latency"]
+    n_rows = n_rows or plan_rows
+    row_bytes = row_bytes or plan_bytes
+    rng = random.Random(seed * 1000 + 2)
+    kv = torch.empty((n_rows, row_bytes), dtype=torch.uint8)
+    kv.copy_((torch.arange(n_rows) % 251).to(torch.uint8).unsqueeze(1).expand(n_rows, row_bytes))
+    cfg = TieredKVConfig(namespace="bench|u8|latency", host_capacity_bytes=n_rows * row_bytes)
+    mgr = TierManager(cfg, kv)  # default mover: ThreadMover (no CUDA), num_copy_workers=2
+    mover_name = type(getattr(mgr, "_mover", None)).__name__
+    base = UnsafeDictOffloader(n_rows)
+    host_b = torch.empty((n_rows, row_bytes), dtype=torch.uint8)  # faulted in by the warm-up, like the tier's slab
+    base_mover = ThreadMover(kv, host_b, base.queue, cfg.num_copy_workers)
+    base._submit = lambda job_id, block, slot: base_mover.submit(Transfer(job_id, _STORE, block, slot))
+    sides: dict[str, dict[str, Any]] = {
+        "tkv": {"store": mgr.store, "poll": mgr.poll, "ok": [], "none": [], "poll_ns": [], "at": 0},
+        "base": {"store": base.store, "poll": base.poll_reports, "ok": [], "none": [], "poll_ns": [], "at": 0},
+    }
+    # warm-up (discarded): one store per row then wait, so the host slab is faulted in and full (the
+    # timed stores evict like a long-running engine), then some engine steps
+    mgr.wait([j for j in (mgr.store(k, i) for i, k in enumerate(_keys(rng, n_rows))) if j is not None], timeout=120)
+    for i, k in enumerate(_keys(rng, n_rows)):
+        base.store(k, i)
+    deadline = time.monotonic() + 120
+    while base.jobs and time.monotonic() < deadline:
+        base.poll_reports()
+        time.sleep(0.001)
+    for s in sides.values():
+        _latency_loop(s["store"], s["poll"], _keys(rng, warmup_stores), 0, n_rows, per_step, step_s, [], [], [])
+        s["at"] = warmup_stores
+    seg_n = n_stores // segments
+    t_run = {"tkv": 0.0, "base": 0.0}
+    for seg in range(segments):
+        keys = _keys(rng, seg_n)
+        for name in (("tkv", "base") if seg % 2 == 0 else ("base", "tkv")):
+            s = sides[name]
+            gc.collect()
+            t0 = time.perf_counter()
+            _latency_loop(s["store"], s["poll"], keys, s["at"], n_rows, per_step, step_s,
+                          s["ok"], s["none"], s["poll_ns"])
+            t_run[name] += time.perf_counter() - t0
+            s["at"] += seg_n
+    mgr.wait(timeout=60)
+    base_mover.close()
+    base.poll_reports()
+    stale: dict[str, float] = {}
+    for (k, r), c in getattr(mgr.metrics, "stale", {}).items():
+        v = c._value.get() if hasattr(c, "_value") else 0
+        if v:
+            stale[f"{k.value}/{r.value}"] = v
+    mgr.close()
+    del kv, host_b
+    gc.collect()
+    # note: the same loop with no copies running anywhere (DeferredMover / immediate tuples), no step sleep:
+    # the intrinsic cost of the call, without GIL or CPU contention from copy workers
+    kv_s = torch.zeros((n_rows, 64), dtype=torch.uint8)
+    mgr_q = TierManager(TieredKVConfig(namespace="bench|u8|latency-nocopy", host_capacity_bytes=n_rows * 64), kv_s,
+                        mover_factory=DeferredMover)
+    base_q = UnsafeDictOffloader(n_rows)
+    quiet = {"tkv": ([], [], [], mgr_q.store, mgr_q.poll), "base": ([], [], [], base_q.store, base_q.poll)}
+    for name, (ok_, none_, poll_, st_, po_) in quiet.items():
+        _latency_loop(st_, po_, _keys(rng, 2 * n_rows), 0, n_rows, per_step, 0.0, [], [], [])  # warm-up, fills
+    for seg in range(segments):
+        keys = _keys(rng, seg_n)
+        for name in (("tkv", "base") if seg % 2 == 0 else ("base", "tkv")):
+            ok_, none_, poll_, st_, po_ = quiet[name]
+            gc.collect()
+            _latency_loop(st_, po_, keys, 2 * n_rows + seg * seg_n, n_rows, per_step, 0.0, ok_, none_, poll_)
+    mgr_q.close()
+    # the floor: two clock reads around a no-op call with the same arguments
+    floor: list[int] = []
+    clock = time.perf_counter_ns
+
+    def noop(k: bytes, b: int) -> None:
+        return None
+
+    for i in range(20000):
+        t0 = clock()
+        noop(b"k", i)
+        floor.append(clock() - t0)
+
+    def us(xs: list[int]) -> list[float]:
+        return [x / 1e3 for x in xs]
+
+    def side(s: dict[str, Any], name: str) -> dict[str, Any]:
+        n_ok = len(s["ok"])
+        return {"store_all_calls": summarize(us(s["ok"] + s["none"]), "us/call"),
+                "store_accepted": summarize(us(s["ok"]), "us/call"),
+                "store_returned_none": summarize(us(s["none"]), "us/call") if s["none"] else None,
+                "calls": n_ok + len(s["none"]), "accepted": n_ok, "returned_none": len(s["none"]),
+                "poll": summarize(us(s["poll_ns"]), "us/call"),
+                "copy_gb_per_s_requested": n_ok * row_bytes / t_run[name] / 1e9 if t_run[name] else None}
+
+    t, b = side(sides["tkv"], "tkv"), side(sides["base"], "base")
+    t["stale_callbacks"] = stale
+    st, sb = t["store_all_calls"], b["store_all_calls"]
+    return {
+        "section": "store_latency",
+        "mover": mover_name,
+        "num_copy_workers": cfg.num_copy_workers,
+        "row_bytes": row_bytes,
+        "device_rows": n_rows,
+        "host_slots": n_rows,
+        "stores_per_poll": per_step,
+        "engine_step_sleep_s": step_s,
+        "timed_stores_per_side": n_stores,
+        "warmup_stores_discarded": warmup_stores,
+        "baseline": "UnsafeDictOffloader.store() with its own ThreadMover (same worker count) copying the same rows",
+        "tiered_kv": t,
+        "baseline_figures": b,
+        "timer_floor": summarize(us(floor), "us/call"),
+        "note_no_copy_running": {
+            "what": "same loop, no copies anywhere (tiered_kv with DeferredMover, baseline with immediate tuples), "
+                    "no step sleep: the call's own cost without GIL/CPU contention from copy workers",
+            "tiered_kv_store": summarize(us(quiet["tkv"][0] + quiet["tkv"][1]), "us/call"),
+            "baseline_store": summarize(us(quiet["base"][0] + quiet["base"][1]), "us/call"),
+            "tiered_kv_returned_none": len(quiet["tkv"][1]), "baseline_returned_none": len(quiet["base"][1]),
+        },
+        "ratio_p50_tiered_kv_over_baseline": _ratio(st["median"], sb["median"]),
+        "ratio_p99_tiered_kv_over_baseline": _ratio(st["p99"], sb["p99"]),
+        "ratio_max_tiered_kv_over_baseline": _ratio(st["max"], sb["max"]),
+        "target_p99_us": TARGET_STORE_P99_US,
+        "target_met": st["p99"] <= TARGET_STORE_P99_US,
+    }
+
+
+# ----------------------------------------------------------------------------- 3. host tier GB/s
+def _host_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random,
+               min_blocks: int = 8) -> dict[str, Any]:
+    n = max(ws // block, min_blocks)
+    nbytes = n * block
+    kv = torch.empty((2 * n, block), dtype=torch.uint8)
+    kv[:n].copy_((torch.arange(n) % 251).to(torch.uint8).unsqueeze(1).expand(n, block))
+    kv[n:].fill_(255)
+    raw_dst = torch.zeros((n, block), dtype=torch.uint8)  # preallocated and faulted in
+    cfg = TieredKVConfig(namespace=f"bench|u8|host{block}", host_capacity_bytes=nbytes)
+    mgr = TierManager(cfg, kv)  # default mover, default num_copy_workers
+    mover_name = type(mgr._mover).__name__
+    store, load, wait = mgr.store, mgr.load, mgr.wait
+    secs: dict[str, list[float]] = {k: [] for k in ("tkv_store", "tkv_load", "raw1_store", "raw1_load",
+                                                    "rawN_store", "rawN_load")}
+    problems: list[str] = []
+    check_rows = sorted(rng.sample(range(n), min(8, n)))
+
+    def tkv_pass(keys: list[bytes]) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        jobs = [store(keys[i], i) for i in range(n)]
+        done = wait()
+        t1 = time.perf_counter()
+        if any(j is None for j in jobs) or len(done) != n or not all(c.ok for c in done):
+            problems.append(f"store pass: {sum(j is None for j in jobs)} None, {len(done)} completions")
+        t2 = time.perf_counter()
+        jobs = [load(keys[i], n + i) for i in range(n)]
+        done = wait()
+        t3 = time.perf_counter()
+        if any(j is None for j in jobs) or len(done) != n or not all(c.ok for c in done):
+            problems.append(f"load pass: {sum(j is None for j in jobs)} None, {len(done)} completions")
+        for r in check_rows:  # untimed: the bytes really landed
+            if not torch.equal(kv[n + r], kv[r]):
+                problems.append(f"row {n + r} != row {r} after load")
+        return t1 - t0, t3 - t2
+
+    def raw_pass() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        for i in range(n):
+            raw_dst[i].copy_(kv[i])
+        t1 = time.perf_counter()
+        for i in range(n):
+            kv[n + i].copy_(raw_dst[i])
+        t2 = time.perf_counter()
+        return t1 - t0, t2 - t1
+
+    for p in range(warmup + passes):
+        keys = _keys(rng, n)
+        order = ("tkv", "raw1", "rawN") if p % 2 == 0 else ("rawN", "raw1", "tkv")
+        for side in order:
+            gc.collect()
+            if side == "tkv":
+                st, ld = tkv_pass(keys)
+            elif side == "raw1":
+                with _torch_threads(1):
+                    st, ld = raw_pass()
+            else:
+                st, ld = raw_pass()
+            if p >= warmup:
+                secs[f"{side}_store"].append(st)
+                secs[f"{side}_load"].append(ld)
+    evictions = mgr._index.evictions
+    mgr.close()
+    del kv, raw_dst, mgr
+    gc.collect()
+
+    def gbps(key: str) -> dict[str, Any]:
+        s = summarize(secs[key], "s/pass")
+        return {"seconds_per_pass": s, "gb_per_s": nbytes / s["median"] / 1e9,
+                "gb_per_s_best": nbytes / s["min"] / 1e9, "gb_per_s_worst": nbytes / s["max"] / 1e9}
+
+    out: dict[str, Any] = {"block_bytes": block, "blocks_per_pass": n, "bytes_per_pass": nbytes,
+                           "passes": passes, "warmup_passes_discarded": warmup, "mover": mover_name,
+                           "num_copy_workers": cfg.num_copy_workers, "host_evictions": evictions,
+                           "problems": problems}
+    for d in ("store", "load"):
+        t, r1, rn = gbps(f"tkv_{d}"), gbps(f"raw1_{d}"), gbps(f"rawN_{d}")
+        out[d] = {
+            "tiered_kv": t,
+            "baseline_raw_copy_1_thread": r1,
+            "note_raw_copy_default_threads": rn,
+            "ratio_tiered_kv_over_baseline": _ratio(t["gb_per_s"], r1["gb_per_s"]),
+            "ratio_tiered_kv_over_raw_default_threads": _ratio(t["gb_per_s"], rn["gb_per_s"]),
+            "target_ratio": TARGET_HOST_RATIO,
+            "target_met": _ratio(t["gb_per_s"], r1["gb_per_s"]) >= TARGET_HOST_RATIO,
+        }
+    return out
+
+
+def bench_host_throughput(quick: Union[bool, str] = False, seed: int = 0,
+                          block_sizes: Sequence[int] = (256 * KiB, 2 * MiB, 8 * MiB)) -> dict[str, Any]:
+    """Section 3: host tier store/load GB/s vs a raw single-thread ``copy_`` of the same bytes."""
+    ws, passes, warmup, min_blocks = PLANS[as_mode(quick)]["host_throughput"]
+    rng = random.Random(seed * 1000 + 3)
+    return {
+        "section": "host_throughput",
+        "working_set_bytes_per_pass": ws,
+        "method": ("tiered_kv: store() every block then wait(); load() each into another row then wait(). "
+                   "baseline: per-block Tensor.copy_ of the same rows into a preallocated buffer and back, "
+                   "one thread (torch.set_num_threads(1)); note: the same with torch's default threads. "
+                   "GB = 1e9 bytes; GB/s from the median pass."),
+        "torch_default_threads": torch.get_num_threads(),
+        "sizes": [_host_size(b, ws, passes, warmup, rng, min_blocks) for b in block_sizes],
+    }
+
+
+# ----------------------------------------------------------------------------- 4. CUDA links
+NO_CUDA = "skipped: no CUDA (torch.cuda.is_available() is False)"
+
+
+def _cuda_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random) -> dict[str, Any]:  # pragma: no cover
+    """One block size: tiered_kv store/load through the CudaMover vs torch ``copy_`` on the same buffers."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    n = max(ws // block, 8)
+    nbytes = n * block
+    kv = torch.empty((2 * n, block), dtype=torch.uint8, device=dev)
+    kv[:n].copy_((torch.arange(n, device=dev) % 251).to(torch.uint8).unsqueeze(1).expand(n, block))
+    kv[n:].fill_(255)
+    cfg = TieredKVConfig(namespace=f"bench|u8|cuda{block}", host_capacity_bytes=nbytes)
+    mgr = TierManager(cfg, kv)  # CudaMover; the host slab is pinned because kv is on a CUDA device
+    host = getattr(mgr, "_host_rows", None)
+    same_slab = isinstance(host, torch.Tensor) and host.shape[0] >= n and host.is_pinned()
+    if not same_slab:  # the slab is private: copy between a pinned buffer of the same shape instead
+        host = torch.empty((n, block), dtype=torch.uint8, pin_memory=True)
+    assert host is not None
+    host[:n].fill_(0)  # faulted in, like the tier's slab
+    side = torch.cuda.Stream(device=dev)
+    secs: dict[str, list[float]] = {k: [] for k in ("tkv_store", "tkv_load", "raw_store", "raw_load")}
+    problems: list[str] = []
+    check = sorted(rng.sample(range(n), min(8, n)))
+
+    def tkv_pass(keys: list[bytes]) -> tuple[float, float]:
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        jobs = [mgr.store(keys[i], i) for i in range(n)]
+        done = mgr.wait()
+        t1 = time.perf_counter()
+        if any(j is None for j in jobs) or len(done) != n or not all(c.ok for c in done):
+            problems.append(f"store pass: {sum(j is None for j in jobs)} None, {len(done)} completions")
+        t2 = time.perf_counter()
+        jobs = [mgr.load(keys[i], n + i) for i in range(n)]
+        done = mgr.wait()
+        t3 = time.perf_counter()
+        if any(j is None for j in jobs) or len(done) != n or not all(c.ok for c in done):
+            problems.append(f"load pass: {sum(j is None for j in jobs)} None, {len(done)} completions")
+        for r in check:  # untimed: the bytes really landed
+            if not torch.equal(kv[n + r], kv[r]):
+                problems.append(f"row {n + r} != row {r} after load")
+        kv[n:].fill_(255)
+        torch.cuda.synchronize(dev)
+        return t1 - t0, t3 - t2
+
+    def raw_pass() -> tuple[float, float]:
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        with torch.cuda.stream(side):
+            for i in range(n):
+                host[i].copy_(kv[i], non_blocking=True)
+        side.synchronize()
+        t1 = time.perf_counter()
+        with torch.cuda.stream(side):
+            for i in range(n):
+                kv[n + i].copy_(host[i], non_blocking=True)
+        side.synchronize()
+        t2 = time.perf_counter()
+        kv[n:].fill_(255)
+        torch.cuda.synchronize(dev)
+        return t1 - t0, t2 - t1
+
+    for p in range(warmup + passes):
+        keys = _keys(rng, n)
+        for which in (("tkv", "raw") if p % 2 == 0 else ("raw", "tkv")):
+            gc.collect()
+            st, ld = tkv_pass(keys) if which == "tkv" else raw_pass()
+            if p >= warmup:
+                secs[f"{which}_store"].append(st)
+                secs[f"{which}_load"].append(ld)
+    mover = type(getattr(mgr, "_mover", None)).__name__
+    mgr.close()
+    del kv, host, mgr
+    torch.cuda.empty_cache()
+
+    def gbps(key: str) -> dict[str, Any]:
+        s_ = summarize(secs[key], "s/pass")
+        return {"seconds_per_pass": s_, "gb_per_s": nbytes / s_["median"] / 1e9,
+                "gb_per_s_best": nbytes / s_["min"] / 1e9, "gb_per_s_worst": nbytes / s_["max"] / 1e9}
+
+    out: dict[str, Any] = {"block_bytes": block, "blocks_per_pass": n, "bytes_per_pass": nbytes, "passes": passes,
+                           "warmup_passes_discarded": warmup, "mover": mover, "baseline_on_tier_slab": same_slab,
+                           "problems": problems}
+    for d, link in (("store", "device->host"), ("load", "host->device")):
+        t, r = gbps(f"tkv_{d}"), gbps(f"raw_{d}")
+        rt = _ratio(t["gb_per_s"], r["gb_per_s"])
+        out[d] = {"link": link, "tiered_kv": t, "baseline_torch_copy": r, "ratio_tiered_kv_over_baseline": rt,
+                  "target_ratio": TARGET_CUDA_RATIO, "target_met": rt >= TARGET_CUDA_RATIO}
+    return out
+
+
+def bench_cuda_copy(quick: Union[bool, str] = False, seed: int = 0,
+                    block_sizes: Sequence[int] = (256 * KiB, 2 * MiB, 8 * MiB)) -> dict[str, Any]:
+    """Section 4: device->host and host->device GB/s through tiered_kv vs torch ``copy_`` (CUDA only)."""
+    if not torch.cuda.is_available():
+        return {"section": "cuda_copy", "skipped": NO_CUDA, "sizes": []}
+    ws, passes, warmup = PLANS[as_mode(quick)]["cuda_copy"]  # pragma: no cover - needs CUDA
+    rng = random.Random(seed * 1000 + 4)  # pragma: no cover
+    return {  # pragma: no cover
+        "section": "cuda_copy",
+        "skipped": None,
+        "device": torch.cuda.get_device_name(),
+        "working_set_bytes_per_pass": ws,
+        "method": ("tiered_kv: store() every row of a CUDA KV tensor then wait() (device->host), load() each into "
+                   "another row then wait() (host->device), CudaMover streams and events, pinned host slab. "
+                   "baseline: torch Tensor.copy_(non_blocking=True) of the same rows between the same device "
+                   "tensor and the same pinned slab, one side stream, then synchronize. GB = 1e9 bytes."),
+        "sizes": [_cuda_size(b, ws, passes, warmup, rng) for b in block_sizes],
+    }
+
+
+# ----------------------------------------------------------------------------- driver and report
+def run_all(quick: Union[bool, str] = False, seed: int = 0, log: Callable[[str], None] = lambda s: None,
+            sections: Sequence[str] = SECTIONS) -> dict[str, Any]:
+    """The sections named (default: all); the dict that ``--json`` writes.  ``quick``: bool or a mode name."""
+    mode = as_mode(quick)
+    bad = set(sections) - set(SECTIONS)
+    if bad:
+        raise ValueError(f"unknown core sections {sorted(bad)}; known: {SECTIONS}")
+    t0 = time.perf_counter()
+    # objects alive after imports (torch's ~170k) go to the permanent generation, as serving engines do
+    # after start-up: gc.collect() before each repeat is then cheap and gen-2 passes do not scan them
+    was_frozen = gc.get_freeze_count() > 0
+    gc.collect()
+    gc.freeze()
+    out: dict[str, Any] = {"benchmark": "tiered_kv core", "mode": mode, "seed": seed,
+                           "machine": machine_facts(), "gc": "gc.freeze() after imports; gc enabled while timing"}
+    table: list[tuple[str, str, Callable[[Union[bool, str], int], dict[str, Any]]]] = [
+        ("lifecycles", "job lifecycles (one core)", bench_lifecycles),
+        ("store_latency", "store() latency with the default mover", bench_store_latency),
+        ("host_throughput", "host tier throughput", bench_host_throughput),
+        ("cuda_copy", "device<->host copies (CUDA only)", bench_cuda_copy),
+    ]
+    chosen = [row for row in table if row[0] in sections]
+    for i, (key, title, fn) in enumerate(chosen, 1):
+        log(f"core {i}/{len(chosen)} {title} ...")
+        with LoadMonitor() as lm:
+            out[key] = fn(mode, seed)
+        out[key]["background_load"] = lm.result
+        log(f"    {lm.result['wall_s']:.1f} s, other processes used {lm.result.get('foreign_cpu_s', float('nan')):.1f} "
+            f"CPU s ({lm.result.get('foreign_share', float('nan')):.0%} of the machine)")
+    out["targets"] = _targets(out)
+    out["wall_seconds"] = time.perf_counter() - t0
+    if not was_frozen:  # a caller that froze first (tiered-kv bench) unfreezes itself
+        gc.unfreeze()
+    return out
+
+
+def _targets(r: dict[str, Any]) -> list[dict[str, Any]]:
+    t: list[dict[str, Any]] = []
+    for v in (r.get("lifecycles") or {}).get("variants", []):
+        t.append({"target": f">= {TARGET_LIFECYCLES_PER_S:,} lifecycles/s on one core ({v['name']})",
+                  "value": v["tiered_kv"]["lifecycles_per_cpu_s"], "baseline": v["baseline"]["lifecycles_per_cpu_s"],
+                  "ratio": v["ratio_tiered_kv_over_baseline"], "met": v["target_met"]})
+    sl = r.get("store_latency")
+    if sl:
+        t.append({"target": f"store() p99 <= {TARGET_STORE_P99_US:g} us", "value": sl["tiered_kv"]["store_all_calls"]["p99"],
+                  "baseline": sl["baseline_figures"]["store_all_calls"]["p99"],
+                  "ratio": sl["ratio_p99_tiered_kv_over_baseline"], "met": sl["target_met"]})
+    for s in (r.get("host_throughput") or {}).get("sizes", []):
+        for d in ("store", "load"):
+            x = s[d]
+            t.append({"target": f"host {d} {_size(s['block_bytes'])} >= {TARGET_HOST_RATIO}x raw copy_ (GB/s)",
+                      "value": x["tiered_kv"]["gb_per_s"], "baseline": x["baseline_raw_copy_1_thread"]["gb_per_s"],
+                      "ratio": x["ratio_tiered_kv_over_baseline"], "met": x["target_met"]})
+    for s in (r.get("cuda_copy") or {}).get("sizes", []):
+        for d in ("store", "load"):
+            x = s[d]
+            t.append({"target": f"CUDA {x['link']} {_size(s['block_bytes'])} >= {TARGET_CUDA_RATIO}x torch copy_ (GB/s)",
+                      "value": x["tiered_kv"]["gb_per_s"], "baseline": x["baseline_torch_copy"]["gb_per_s"],
+                      "ratio": x["ratio_tiered_kv_over_baseline"], "met": x["target_met"]})
+    return t
+
+
+def _size(b: int) -> str:
+    return f"{b // MiB} MiB" if b >= MiB else f"{b // KiB} KiB"
+
+
+def _yn(ok: bool) -> str:
+    return "yes" if ok else "NO"
+
+
+def _load_line(sec: dict[str, Any]) -> str:
+    bl = sec.get("background_load") or {}
+    if "foreign_cpu_s" not in bl:
+        return ""
+    warn = "  (machine shared: figures noisier than usual)" if bl["foreign_share"] > 0.05 else ""
+    return (f"   [{bl['wall_s']:.1f} s; other processes used {bl['foreign_cpu_s']:.1f} CPU s = "
+            f"{bl['foreign_share']:.0%} of the machine; steal {bl['steal_s']:.1f} s]{warn}")
+
+
+def format_report(r: dict[str, Any]) -> str:
+    """The human table printed on stdout."""
+    m = r["machine"]
+    lines = [
+        f"tiered_kv core benchmark ({r['mode']}, seed {r['seed']}) -- {m['date_utc']}",
+        f"machine: {m['cpu_count']} cores ({m['cpu_model']}), caches {m['cpu_caches_cpu0']}, "
+        f"RAM {(m['mem_total_bytes'] or 0) / GiB:.1f} GiB, Python {m['python']}, torch {m['torch']} "
+        f"(intra-op threads {m['torch_num_threads']}), CUDA available: {m['cuda_available']}",
+        f"tiered_kv commit {m['git_commit']}{' + uncommitted changes' if m['git_tiered_kv_dirty'] else ''}, "
+        f"sources sha256 {m['tiered_kv_sources_sha256'][:12]}",
+        "",
+    ]
+    for key, fmt in (("lifecycles", _fmt_lifecycles), ("store_latency", _fmt_store_latency),
+                     ("host_throughput", _fmt_host), ("cuda_copy", _fmt_cuda)):
+        if r.get(key):
+            lines += fmt(r[key])
+    lines += ["", "targets (value | baseline | ratio):"]
+    for t_ in r["targets"]:
+        lines.append(f"   {'met   ' if t_['met'] else 'MISSED'} {t_['target']}: {t_['value']:,.2f} | "
+                     f"{t_['baseline']:,.2f} | {t_['ratio']:.3f}")
+    lines.append(f"\nwall time {r['wall_seconds']:.1f} s")
+    return "\n".join(x for x in lines if x is not None)
+
+
+def _fmt_lifecycles(lc: dict[str, Any]) -> list[str]:
+    lines = [
+        "1. job lifecycles per second on one core (ImmediateMover: no copy; baseline: unsafe plain-dict original)",
+        "   rates per CPU second of the pinned engine thread (median of repeats); wall-clock rates in brackets",
+        f"   {'sequence':<40}{'poll/N':>7}{'tiered_kv /s':>14}{'baseline /s':>13}{'ratio':>8}"
+        f"   {'tkv CPU us/lifecycle p50/p90/p99/max':<38}{'>=100k':>6}",
+    ]
+    for v in lc["variants"]:
+        t_, b_ = v["tiered_kv"], v["baseline"]
+        s = t_["cpu_us_per_lifecycle"]
+        lines.append(f"   {v['sequence']:<40}{v['poll_every_n_stores']:>7}{t_['lifecycles_per_cpu_s']:>14,.0f}"
+                     f"{b_['lifecycles_per_cpu_s']:>13,.0f}{v['ratio_tiered_kv_over_baseline']:>8.3f}"
+                     f"   {s['median']:.2f}/{s['p90']:.2f}/{s['p99']:.2f}/{s['max']:.2f}".ljust(38 + 85)
+                     + f"{_yn(v['target_met']):>6}")
+        lines.append(f"   {'':<47}{'[' + format(t_['lifecycles_per_wall_s'], ',.0f') + ']':>14}"
+                     f"{'[' + format(b_['lifecycles_per_wall_s'], ',.0f') + ']':>13}"
+                     f"{'[' + format(v['ratio_wall_tiered_kv_over_baseline'], '.3f') + ']':>8}")
+        if v["problems"]:
+            lines.append(f"     problems: {v['problems'][:3]}")
+    lines.append(_load_line(lc))
+    return lines
+
+
+def _fmt_store_latency(sl: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    tk, bs, fl = sl["tiered_kv"], sl["baseline_figures"], sl["timer_floor"]
+
+    def row(label: str, s: Optional[dict[str, Any]], extra: str = "") -> str:
+        if not s:
+            return f"   {label:<30}{'-':>9}"
+        return (f"   {label:<30}{s['median']:>9.2f}{s['p90']:>9.2f}{s['p99']:>9.2f}{s['max']:>10.1f}{s['n']:>8}{extra}")
+
+    lines += [
+        "",
+        f"2. store() latency in us ({sl['mover']}, {sl['num_copy_workers']} workers copying {_size(sl['row_bytes'])} rows; "
+        f"poll() every {sl['stores_per_poll']} stores, then a {sl['engine_step_sleep_s'] * 1e3:g} ms step; "
+        f"host tier full, every store evicts)",
+        f"   {'':<30}{'p50':>9}{'p90':>9}{'p99':>9}{'max':>10}{'calls':>8}",
+        row("tiered_kv store(), all calls", tk["store_all_calls"]),
+        row("  returned a Job", tk["store_accepted"]),
+        row("  returned None (shed)", tk["store_returned_none"]),
+        row("baseline store(), all calls", bs["store_all_calls"]),
+        row("  returned a job id", bs["store_accepted"]),
+        row("  returned None (shed)", bs["store_returned_none"]),
+        f"   {'ratio tiered_kv / baseline':<30}{sl['ratio_p50_tiered_kv_over_baseline']:>9.2f}{'':>9}"
+        f"{sl['ratio_p99_tiered_kv_over_baseline']:>9.2f}{sl['ratio_max_tiered_kv_over_baseline']:>10.2f}",
+        row("tiered_kv poll()", tk["poll"]),
+        row("baseline poll()", bs["poll"]),
+        row("timer floor (no-op call)", fl),
+        row("note, no copies running: tkv", sl["note_no_copy_running"]["tiered_kv_store"]),
+        row("note, no copies running: base", sl["note_no_copy_running"]["baseline_store"]),
+        f"   copies requested: tiered_kv {tk['copy_gb_per_s_requested'] or 0:.2f} GB/s, baseline "
+        f"{bs['copy_gb_per_s_requested'] or 0:.2f} GB/s; target p99 <= {TARGET_STORE_P99_US:g} us: {_yn(sl['target_met'])}",
+        _load_line(sl),
+    ]
+    return lines
+
+
+def _fmt_host(h: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    s0 = h["sizes"][0]
+    lines += [
+        "",
+        f"3. host tier GB/s ({s0['mover']}, {s0['num_copy_workers']} copy workers; "
+        f"{h['working_set_bytes_per_pass'] / MiB:.0f} MiB per pass, {s0['passes']} passes; "
+        "baseline: raw per-block copy_ on one thread)",
+        f"   {'block':<9}{'dir':<7}{'tiered_kv':>10}{'raw 1 thr':>11}{'ratio':>8}{'note: raw dflt thr':>20}"
+        f"{'ratio':>8}   {'tkv GB/s worst..best':<22}{'>=0.9x':>6}",
+    ]
+    for s in h["sizes"]:
+        for d in ("store", "load"):
+            x = s[d]
+            lines.append(f"   {_size(s['block_bytes']):<9}{d:<7}{x['tiered_kv']['gb_per_s']:>10.2f}"
+                         f"{x['baseline_raw_copy_1_thread']['gb_per_s']:>11.2f}{x['ratio_tiered_kv_over_baseline']:>8.3f}"
+                         f"{x['note_raw_copy_default_threads']['gb_per_s']:>20.2f}"
+                         f"{x['ratio_tiered_kv_over_raw_default_threads']:>8.3f}   "
+                         f"{x['tiered_kv']['gb_per_s_worst']:.2f}..{x['tiered_kv']['gb_per_s_best']:.2f}".ljust(22 + 76)
+                         + f"{_yn(x['target_met']):>6}")
+        if s["problems"]:
+            lines.append(f"     problems: {s['problems'][:3]}")
+    lines.append(_load_line(h))
+    return lines
+
+
+def _fmt_cuda(c: dict[str, Any]) -> list[str]:
+    if c.get("skipped"):
+        return ["", f"4. device<->host GB/s: {c['skipped']}"]
+    lines = ["", f"4. device<->host GB/s on {c['device']} (CudaMover, pinned slab; baseline: torch copy_ between the same "
+                 "buffers on one side stream)",
+             f"   {'block':<9}{'link':<14}{'tiered_kv':>10}{'torch copy_':>13}{'ratio':>8}   {'tkv GB/s worst..best':<22}"]
+    for s in c["sizes"]:
+        for d in ("store", "load"):
+            x = s[d]
+            lines.append(f"   {_size(s['block_bytes']):<9}{x['link']:<14}{x['tiered_kv']['gb_per_s']:>10.2f}"
+                         f"{x['baseline_torch_copy']['gb_per_s']:>13.2f}{x['ratio_tiered_kv_over_baseline']:>8.3f}   "
+                         f"{x['tiered_kv']['gb_per_s_worst']:.2f}..{x['tiered_kv']['gb_per_s_best']:.2f}")
+        if s["problems"]:
+            lines.append(f"     problems: {s['problems'][:3]}")
+    return lines
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bench_core.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="short run (<= 30 s)")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    p.add_argument("--json", metavar="PATH", help="write every figure, baseline, ratio and machine facts as JSON")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true",
+                   help="instead of the benchmark, print cProfile tables of the lifecycle control path")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.profile:
+        for cancel in (False, True):
+            for batch in (1, 32):
+                print(profile_lifecycle(cancel, batch, seed=args.seed))
+        print(format_ablation(ablate_lifecycle(seed=args.seed)))
+        return 0
+    sections = [x.strip() for x in args.sections.split(",") if x.strip()]
+    bad = set(sections) - set(SECTIONS)
+    if bad:
+        raise SystemExit(f"unknown sections {sorted(bad)}; known: {SECTIONS}")
+    res = run_all(args.quick, args.seed, log=lambda s: print(s, file=sys.stderr, flush=True), sections=sections)
+    print(format_report(res))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(res, f, indent=2, sort_keys=False)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

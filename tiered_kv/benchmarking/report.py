@@ -1,0 +1,476 @@
+"""Turns the sections' raw results into figures (value, baseline, ratio, target, met) and tables.
+
+A *figure* is one comparison, a flat dict with at least these keys (the JSON
+schema the tests check)::
+
+    id, section, name, unit, better ("higher" | "lower"),
+    value, baseline, baseline_name, vs (short baseline label), ratio (value / baseline),
+    target (text, or None), target_on ("ratio" | "value" | None), target_op (">=" | "<="),
+    target_threshold, met (True | False | None when there is no target or it was skipped),
+    stats ({"value": summary, "baseline": summary} as median/p90/p99/max, where the section has them),
+    source (issue and section the target comes from), note, skipped (None, or why it did not run)
+
+Non-finite numbers become None (strict JSON).  No absolute figure is reported
+without its baseline: each figure carries both.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+from . import core as _core
+from . import disk as _disk
+from .common import GiB, KiB, MiB
+
+__all__ = ["collect_figures", "format_table", "format_markdown", "format_details", "clean", "problems"]
+
+_ISSUE2 = "issue 2 section 8"
+_ISSUE3 = "issue 3 section 9"
+
+
+def clean(x: Any) -> Any:
+    """A copy of ``x`` with NaN/inf replaced by None and tuples made lists (strict JSON)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [clean(v) for v in x]
+    return x
+
+
+def _num(x: Any) -> Optional[float]:
+    if x is None:
+        return None
+    try:
+        f = float(x)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _size(b: int) -> str:
+    return f"{b // MiB} MiB" if b >= MiB else f"{b // KiB} KiB"
+
+
+def _fig(section: str, fid: str, name: str, unit: str, value: Any, baseline: Any, baseline_name: str, vs: str, *,
+         better: str = "higher", target_on: Optional[str] = None, op: str = ">=", threshold: Optional[float] = None,
+         ratio: Any = "auto", stats: Optional[dict[str, Any]] = None, source: Optional[str] = None, note: str = "",
+         skipped: Optional[str] = None) -> dict[str, Any]:
+    v, b = _num(value), _num(baseline)
+    r = _num(v / b) if ratio == "auto" and v is not None and b else (None if ratio == "auto" else _num(ratio))
+    target = None
+    met: Optional[bool] = None
+    if target_on is not None and threshold is not None:
+        if target_on == "ratio":
+            target = f"{op} {threshold:g}x {vs}"
+        else:
+            target = f"{op} {threshold:,.6g} {unit}"
+        x = r if target_on == "ratio" else v
+        if skipped is None and x is not None:
+            met = bool(x >= threshold) if op == ">=" else bool(x <= threshold)
+    return {"id": fid, "section": section, "name": name, "unit": unit, "better": better,
+            "value": v, "baseline": b, "baseline_name": baseline_name, "vs": vs, "ratio": r,
+            "target": target, "target_on": target_on, "target_op": op if target else None,
+            "target_threshold": threshold if target else None, "met": met,
+            "stats": clean(stats) if stats else None, "source": source, "note": note, "skipped": skipped}
+
+
+# ----------------------------------------------------------------------------- core sections
+def _core_figures(c: dict[str, Any]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    lc = c.get("lifecycles")
+    if lc:
+        for v in lc["variants"]:
+            t, b = v["tiered_kv"], v["baseline"]
+            seq = "store->cancel->late report" if "cancel" in v["name"] else "store->report->poll"
+            out.append(_fig(
+                "control path", f"control.lifecycles.{v['name']}",
+                f"lifecycles, {seq}, poll every {v['poll_every_n_stores']}", "lifecycles/s",
+                t["lifecycles_per_cpu_s"], b["lifecycles_per_cpu_s"],
+                "UnsafeDictOffloader: the unsafe original as plain dicts, same operations", "dict original",
+                target_on="value", threshold=_core.TARGET_LIFECYCLES_PER_S,
+                stats={"value": t["cpu_us_per_lifecycle"], "baseline": b["cpu_us_per_lifecycle"]},
+                source=_ISSUE2, note=f"per CPU second of the one pinned engine thread; wall-clock ratio "
+                                     f"{v['ratio_wall_tiered_kv_over_baseline']:.3f}"))
+    sl = c.get("store_latency")
+    if sl:
+        t, b = sl["tiered_kv"]["store_all_calls"], sl["baseline_figures"]["store_all_calls"]
+        q = sl["note_no_copy_running"]["tiered_kv_store"]
+        out.append(_fig(
+            "control path", "control.store_p99", f"store() p99, {sl['num_copy_workers']} copy workers busy", "us",
+            t["p99"], b["p99"], "the unsafe original's store() feeding its own ThreadMover, same rows and pacing",
+            "dict original", better="lower", target_on="value", op="<=", threshold=_core.TARGET_STORE_P99_US,
+            stats={"value": t, "baseline": b}, source=_ISSUE2,
+            note=f"p50 {t['median']:.1f} / max {t['max']:.0f} us; with no copies running p99 {q['p99']:.1f} us"))
+    h = c.get("host_throughput")
+    if h:
+        for s in h["sizes"]:
+            for d in ("store", "load"):
+                x = s[d]
+                t, b = x["tiered_kv"], x["baseline_raw_copy_1_thread"]
+                out.append(_fig(
+                    "host tier", f"host.{d}.{s['block_bytes']}", f"host {d}, {_size(s['block_bytes'])} blocks", "GB/s",
+                    t["gb_per_s"], b["gb_per_s"], "raw per-block torch copy_ into preallocated memory, one thread",
+                    "raw copy_", target_on="ratio", threshold=_core.TARGET_HOST_RATIO,
+                    stats={"value": t["seconds_per_pass"], "baseline": b["seconds_per_pass"]}, source=_ISSUE2,
+                    note=f"GB/s worst..best {t['gb_per_s_worst']:.2f}..{t['gb_per_s_best']:.2f}; vs raw copy_ "
+                         f"with torch's default threads {x['ratio_tiered_kv_over_raw_default_threads']:.2f}x"))
+    cu = c.get("cuda_copy")
+    if cu is not None:
+        if cu.get("skipped"):
+            out.append(_fig("CUDA links", "cuda.copy", "device->host and host->device GB/s", "GB/s", None, None,
+                            "torch copy_ between the same device rows and pinned slab", "torch copy_",
+                            target_on="ratio", threshold=_core.TARGET_CUDA_RATIO, source=_ISSUE2,
+                            skipped=cu["skipped"]))
+        for s in cu.get("sizes", []):
+            for d in ("store", "load"):
+                x = s[d]
+                t, b = x["tiered_kv"], x["baseline_torch_copy"]
+                out.append(_fig(
+                    "CUDA links", f"cuda.{d}.{s['block_bytes']}", f"{x['link']}, {_size(s['block_bytes'])} blocks",
+                    "GB/s", t["gb_per_s"], b["gb_per_s"], "torch copy_ between the same device rows and pinned slab",
+                    "torch copy_", target_on="ratio", threshold=_core.TARGET_CUDA_RATIO,
+                    stats={"value": t["seconds_per_pass"], "baseline": b["seconds_per_pass"]}, source=_ISSUE2))
+    return out
+
+
+# ----------------------------------------------------------------------------- disk sections
+def _dc_missing(d: dict[str, Any]) -> Optional[str]:
+    return _disk.DISKCACHE_MISSING if d.get("diskcache", "installed") != "installed" else None
+
+
+def _disk_figures(d: dict[str, Any]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    missing = _dc_missing(d)
+    for s in d.get("spill", []):
+        f, bb, dur = s["figures"], s["block_bytes"], s["durability"]
+        tag = f"{_size(bb)}, durability={dur}"
+        out.append(_fig(
+            "disk tier", f"disk.spill.{bb}.{dur}", f"spill until flush(), {tag}", "GB/s",
+            f["tkv"]["median"], f["raw_fresh"]["median"],
+            f"os.write into a fresh file + fsync every {s['raw_fsync_every_blocks']} blocks", "raw write+fsync",
+            target_on="ratio", threshold=_disk.TARGET_SPILL_VS_RAW,
+            stats={"value": f["tkv"], "baseline": f["raw_fresh"]}, source=_ISSUE3,
+            note=f"vs in-place pwrite of a pre-written file {s['ratios']['tkv_vs_raw_overwrite']:.2f}x; "
+                 f"spills shed {s['spills_shed_total']}"))
+        tgt = _disk.TARGET_SPILL_VS_DISKCACHE if bb == 2 * MiB else None
+        if "diskcache" in f:
+            out.append(_fig(
+                "disk tier", f"disk.spill_vs_diskcache.{bb}.{dur}", f"spill vs diskcache, {tag}", "GB/s",
+                f["tkv"]["median"], f["diskcache"]["median"], "diskcache.Cache.set() per block, then syncfs()",
+                "diskcache", target_on="ratio" if tgt else None, threshold=tgt,
+                stats={"value": f["tkv"], "baseline": f["diskcache"]}, source=_ISSUE3 if tgt else None,
+                note=f"vs set() without syncfs (not durable) {s['ratios']['tkv_vs_diskcache_set']:.2f}x"))
+        elif missing and bb == 2 * MiB:
+            out.append(_fig("disk tier", f"disk.spill_vs_diskcache.{bb}.{dur}", f"spill vs diskcache, {tag}", "GB/s",
+                            f["tkv"]["median"], None, "diskcache.Cache.set() per block, then syncfs()", "diskcache",
+                            target_on="ratio", threshold=tgt, source=_ISSUE3, skipped=missing))
+    for p in d.get("promote", []):
+        bb = p["block_bytes"]
+        for st in ("cold", "warm"):
+            f = p["figures"].get(st) or {}
+            if "tkv" not in f:
+                continue
+            dropped = p.get("drop_caches_worked")
+            state = ("page cache dropped" if dropped else "page cache NOT dropped") if st == "cold" else "page cache warm"
+            out.append(_fig(
+                "disk tier", f"disk.promote.{bb}.{st}", f"promote (load from disk), {_size(bb)}, {state}", "GB/s",
+                f["tkv"]["median"], f["raw"]["median"], "readinto() of the same bytes from one file, block by block",
+                "raw read", target_on="ratio", threshold=_disk.TARGET_PROMOTE_VS_RAW,
+                stats={"value": f["tkv"], "baseline": f["raw"]}, source=_ISSUE3,
+                note=f"misses {p['tkv_misses']}, failed {p['tkv_failed']}, wrong rows {p['tkv_bad_rows']}"))
+            tgt = _disk.TARGET_PROMOTE_VS_DISKCACHE if bb == 2 * MiB else None
+            if "diskcache" in f:
+                out.append(_fig(
+                    "disk tier", f"disk.promote_vs_diskcache.{bb}.{st}", f"promote vs diskcache, {_size(bb)}, {state}",
+                    "GB/s", f["tkv"]["median"], f["diskcache"]["median"], "diskcache.Cache.get() of every key",
+                    "diskcache", target_on="ratio" if tgt else None, threshold=tgt,
+                    stats={"value": f["tkv"], "baseline": f["diskcache"]}, source=_ISSUE3 if tgt else None))
+            elif missing and bb == 2 * MiB:
+                out.append(_fig("disk tier", f"disk.promote_vs_diskcache.{bb}.{st}",
+                                f"promote vs diskcache, {_size(bb)}, {state}", "GB/s", f["tkv"]["median"], None,
+                                "diskcache.Cache.get() of every key", "diskcache", target_on="ratio", threshold=tgt,
+                                source=_ISSUE3, skipped=missing))
+    e = d.get("evicting")
+    if e:
+        t, cap = e["tkv"], e["capacity_bytes"]
+        tag = _size(e["block_bytes"])
+        sizes = f"capacity {cap // MiB} MiB, {e['bytes_written'] // MiB} MiB written"
+        out.append(_fig(
+            "disk tier", "disk.evicting.spill", f"spill, tier full and evicting, {tag}", "GB/s",
+            t["steady_gbps_median"], e["raw_circular"]["gbps"],
+            "pwrite in place, round robin over a pre-written file of the capacity, fsync per batch", "raw circular",
+            target_on="ratio", threshold=_disk.TARGET_SPILL_VS_RAW,
+            stats={"value": t["window_gbps"]}, source=_ISSUE3,
+            note=f"{sizes}; median of steady-state windows (first fill discarded); overall {t['gbps']:.3f} GB/s = "
+                 f"{e['ratios']['tkv_overall_vs_raw_circular']:.2f}x; evictions {t['evictions']}, shed {t['spills_shed']}"))
+        out.append(_fig(
+            "disk tier", "disk.evicting.file_vs_capacity", "data.mdb size / capacity, full and evicting", "x capacity",
+            t["file_vs_capacity_end"], 1.0, "the raw circular file: exactly the capacity", "raw circular",
+            better="lower", target_on="value", op="<=", threshold=_disk.TARGET_FILE_VS_CAPACITY, source=_ISSUE3,
+            note=f"peak {t['file_vs_capacity_peak']:.2f}x"
+                 + (f"; diskcache dir {e['diskcache']['dir_vs_capacity_end']:.2f}x" if "diskcache" in e else "")))
+        if "diskcache" in e:
+            out.append(_fig(
+                "disk tier", "disk.evicting.vs_diskcache", f"spill vs diskcache, full and evicting, {tag}", "GB/s",
+                t["gbps"], e["diskcache"]["gbps"], "diskcache.Cache(size_limit=capacity).set(), then syncfs()",
+                "diskcache", target_on="ratio", threshold=_disk.TARGET_SPILL_VS_DISKCACHE, source=_ISSUE3,
+                note=f"{sizes}; overall rates, first fill included, for both"))
+        elif missing:
+            out.append(_fig("disk tier", "disk.evicting.vs_diskcache", f"spill vs diskcache, full and evicting, {tag}",
+                            "GB/s", t["gbps"], None, "diskcache.Cache(size_limit=capacity).set(), then syncfs()",
+                            "diskcache", target_on="ratio", threshold=_disk.TARGET_SPILL_VS_DISKCACHE,
+                            source=_ISSUE3, skipped=missing))
+    lat = d.get("latency")
+    if lat:
+        sat, idle = lat["saturated"], lat["no_disk_tier"]
+        w = sat.get("writer") or {}
+        for call in ("store", "lookup", "load", "poll"):
+            a, b = sat["calls_us"].get(call), idle["calls_us"].get(call)
+            if not a:
+                continue
+            tgt = _disk.TARGET_CALL_P99_US if call != "poll" else None
+            out.append(_fig(
+                "engine thread, writer saturated", f"latency.{call}", f"{call}() p99, disk writer saturated", "us",
+                a["p99"], (b or {}).get("p99"), "the same engine loop on a manager without a disk tier",
+                "no disk tier", better="lower", target_on="value" if tgt else None, op="<=", threshold=tgt,
+                stats={"value": a, "baseline": b}, source=_ISSUE3 if tgt else None,
+                note=f"p50 {a['median']:.1f} / max {a['max']:.0f} us (no disk tier: p50 "
+                     f"{(b or {}).get('median', float('nan')):.1f} / max {(b or {}).get('max', float('nan')):.0f}); "
+                     f"writer busy {w.get('writer_busy_fraction', float('nan')):.2f}, "
+                     f"spills shed {sat.get('spills_shed_backpressure')}"))
+    return out
+
+
+# ----------------------------------------------------------------------------- end to end
+def _e2e_figures(e: dict[str, Any]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    m = e["modes"]
+    base = m["none"]
+    for mode in ("host", "disk"):
+        x, lab = m[mode], m[mode]["label"]
+        out.append(_fig("end to end", f"e2e.hit_rate.{mode}", f"prefix hit rate, {lab}", "fraction",
+                        x["prefix_hit_rate"]["median"], base["prefix_hit_rate"]["median"],
+                        "the same workload and seed with no offload", "no offload", ratio=None,
+                        stats={"value": x["prefix_hit_rate"], "baseline": base["prefix_hit_rate"]},
+                        note="ratio undefined: the baseline hits nothing"))
+        out.append(_fig("end to end", f"e2e.recompute_avoided.{mode}", f"recompute avoided, {lab}", "tokens",
+                        x["recompute_avoided_tokens"]["median"], base["recompute_avoided_tokens"]["median"],
+                        "the same workload and seed with no offload", "no offload", ratio=None,
+                        stats={"value": x["recompute_avoided_tokens"]}, note=f"{e['steps_per_run']} engine steps"))
+        out.append(_fig("end to end", f"e2e.recomputed_fraction.{mode}", f"tokens recomputed / needed, {lab}",
+                        "fraction", x["recomputed_fraction"]["median"], base["recomputed_fraction"]["median"],
+                        "the same workload and seed with no offload", "no offload", better="lower",
+                        stats={"value": x["recomputed_fraction"], "baseline": base["recomputed_fraction"]}))
+        out.append(_fig("end to end", f"e2e.steps_per_s.{mode}", f"engine steps/s, {lab}", "steps/s",
+                        x["steps_per_s"]["median"], base["steps_per_s"]["median"],
+                        "the same workload and seed with no offload", "no offload",
+                        stats={"value": x["steps_per_s"], "baseline": base["steps_per_s"]},
+                        note="a CPU simulation: copies and the disk writer share the cores with the engine loop"))
+    out.append(_fig("end to end", "e2e.hit_rate.disk_vs_host", "prefix hit rate, host+disk vs host only", "fraction",
+                    m["disk"]["prefix_hit_rate"]["median"], m["host"]["prefix_hit_rate"]["median"],
+                    "the same workload and seed, host tier only", "host only",
+                    note=f"hits on disk (median run): {_median_run(m['disk'], 'disk')}"))
+    return out
+
+
+def _median_run(mode: dict[str, Any], tier: str) -> Any:
+    runs = sorted(r["hits_by_tier"][tier] for r in mode["runs"])
+    return runs[len(runs) // 2] if runs else None
+
+
+def collect_figures(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every figure of a ``tiered-kv bench`` result, in report order."""
+    s = result.get("sections", {})
+    out: list[dict[str, Any]] = []
+    if s.get("core"):
+        out += _core_figures(s["core"])
+    if s.get("disk"):
+        out += _disk_figures(s["disk"])
+    if s.get("e2e"):
+        out += _e2e_figures(s["e2e"])
+    return out
+
+
+def problems(result: dict[str, Any]) -> dict[str, list[str]]:
+    """Correctness problems seen while measuring: ``wrong_bytes`` (fatal) and ``other`` (a figure is suspect)."""
+    wrong: list[str] = []
+    other: list[str] = []
+    s = result.get("sections", {})
+    c = s.get("core") or {}
+    for v in (c.get("lifecycles") or {}).get("variants", []):
+        other += [f"lifecycles {v['name']}: {p}" for p in v["problems"]]
+    for key in ("host_throughput", "cuda_copy"):
+        for z in (c.get(key) or {}).get("sizes", []):
+            for p in z["problems"]:
+                (wrong if "!=" in p else other).append(f"{key} {_size(z['block_bytes'])}: {p}")
+    d = s.get("disk") or {}
+    for p in d.get("promote", []):
+        if p["tkv_bad_rows"]:
+            wrong.append(f"promote {_size(p['block_bytes'])}: {p['tkv_bad_rows']} rows with wrong bytes")
+        if p["tkv_misses"] or p["tkv_failed"]:
+            other.append(f"promote {_size(p['block_bytes'])}: {p['tkv_misses']} misses, {p['tkv_failed']} failed")
+    for sp in d.get("spill", []):
+        if sp["spills_shed_total"]:
+            other.append(f"spill {_size(sp['block_bytes'])} {sp['durability']}: {sp['spills_shed_total']} spills shed")
+    e = s.get("e2e") or {}
+    for mode, x in (e.get("modes") or {}).items():
+        if x["corrupt_loads"]:
+            wrong.append(f"e2e {x['label']}: {x['corrupt_loads']} corrupt loads")
+        if x["errors"]:
+            other.append(f"e2e {x['label']}: {x['errors']} engine/tier errors")
+    return {"wrong_bytes": wrong, "other": other}
+
+
+# ----------------------------------------------------------------------------- text
+def _fmt(x: Optional[float], unit: str = "") -> str:
+    if x is None:
+        return "-"
+    a = abs(x)
+    if unit == "fraction":
+        return f"{x:.3f}"
+    if a >= 1000:
+        return f"{x:,.0f}"
+    if a >= 100:
+        return f"{x:.0f}"
+    if a >= 10:
+        return f"{x:.1f}"
+    return f"{x:.2f}" if a >= 0.1 or a == 0 else f"{x:.3f}"
+
+
+def _met(f: dict[str, Any]) -> str:
+    if f["skipped"]:
+        return "skip"
+    return "-" if f["met"] is None else ("met" if f["met"] else "MISSED")
+
+
+def _header(result: dict[str, Any]) -> list[str]:
+    m = result["machine"]
+    fs = m.get("filesystem") or {}
+    bl = result.get("background_load") or {}
+    share = bl.get("foreign_share")
+    lines = [
+        f"tiered-kv bench ({result['mode']}, seed {result['seed']}) -- {m['date_utc']}, "
+        f"{result.get('wall_seconds', 0):.0f} s",
+        f"machine: {m['cores']} cores ({m['cpu_model']}), RAM {(m['mem_total_bytes'] or 0) / GiB:.1f} GiB, "
+        f"Python {m['python']}, torch {m['torch']}, CUDA: {m['cuda_device'] if m['cuda'] else 'no'}, "
+        f"diskcache: {m['diskcache'] or _disk.DISKCACHE_MISSING}",
+        f"bench dir {m.get('bench_dir')}: {fs.get('type')} on {fs.get('device')}"
+        + (f" (rotational={fs['rotational']})" if "rotational" in fs else "")
+        + f"; tiered_kv {m['git_commit'] or '?'}{' + uncommitted changes' if m.get('git_tiered_kv_dirty') else ''}",
+    ]
+    if share is not None:
+        lines.append(f"other processes used {share:.0%} of the machine's CPU while it ran "
+                     f"({bl.get('foreign_cpu_s', 0):.0f} CPU s): figures are noisier than their repeats suggest"
+                     if share > 0.05 else f"other processes used {share:.0%} of the machine's CPU while it ran")
+    return lines
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The summary table: one line per figure, grouped by section, then what the baselines are."""
+    figs = result.get("figures") or collect_figures(result)
+    lines = _header(result) + [""]
+    w = max([20] + [len(f["name"]) for f in figs]) + 4
+    wu = max([6] + [len(f["unit"]) for f in figs]) + 2
+    wv = max([16] + [len(f["vs"]) for f in figs]) + 1
+    wt = max([8] + [len(f["target"] or "") for f in figs]) + 2
+    head = (f"{'figure':<{w}}{'unit':<{wu}}{'tiered_kv':>11}{'baseline':>11}  {'vs':<{wv}}{'ratio':>7}  "
+            f"{'target':<{wt}}{'met':<6}")
+    lines += [head, "-" * len(head)]
+    section = None
+    legend: dict[str, str] = {}
+    for f in figs:
+        if f["section"] != section:
+            section = f["section"]
+            lines.append(section)
+        legend.setdefault(f["vs"], f["baseline_name"])
+        if f["skipped"]:
+            lines.append(f"  {f['name']:<{w - 2}}{f['unit']:<{wu}}{'-':>11}{'-':>11}  {f['vs']:<{wv}}{'-':>7}  "
+                         f"{(f['target'] or '-'):<{wt}}{_met(f):<6}{f['skipped']}")
+            continue
+        r = f"{f['ratio']:.2f}x" if f["ratio"] is not None else "-"
+        lines.append(f"  {f['name']:<{w - 2}}{f['unit']:<{wu}}{_fmt(f['value'], f['unit']):>11}"
+                     f"{_fmt(f['baseline'], f['unit']):>11}  {f['vs']:<{wv}}{r:>7}  {(f['target'] or '-'):<{wt}}"
+                     f"{_met(f)}".rstrip())
+    with_t = [f for f in figs if f["met"] is not None]
+    lines += ["", f"targets met: {sum(f['met'] for f in with_t)} of {len(with_t)} "
+                  f"(targets from issue 2 section 8 and issue 3 section 9; ratio = tiered_kv / baseline)",
+              "", "baselines (measured in the same process, interleaved with tiered_kv):"]
+    lines += [f"  {k:<{wv}}{v}" for k, v in legend.items()]
+    notes = [f for f in figs if f["note"]]
+    if notes:
+        lines += ["", "notes:"]
+        lines += [f"  {f['id']}: {f['note']}" for f in notes]
+    pr = result.get("problems") or {}
+    if pr.get("wrong_bytes") or pr.get("other"):
+        lines += ["", "problems:"] + [f"  WRONG BYTES {p}" for p in pr.get("wrong_bytes", [])] + \
+                 [f"  {p}" for p in pr.get("other", [])]
+    return "\n".join(lines)
+
+
+def format_markdown(result: dict[str, Any], second: Optional[dict[str, Any]] = None) -> str:
+    """The summary table as Markdown (for docs/benchmarks.md); ``second``: another run, whose ratios are added."""
+    figs = result.get("figures") or collect_figures(result)
+    other = {f["id"]: f for f in ((second.get("figures") or collect_figures(second)) if second else [])}
+    extra = " Ratio, 2nd run |" if second else ""
+    lines = ["| Figure | Unit | tiered_kv | Baseline | vs | Ratio | Target | Met |" + extra,
+             "|---|---|---:|---:|---|---:|---|---|" + ("---:|" if second else "")]
+    section = None
+    for f in figs:
+        if f["section"] != section:
+            section = f["section"]
+            lines.append(f"| **{section}** | | | | | | | |" + (" |" if second else ""))
+        tgt = (f["target"] or "-").replace("<=", "≤").replace(">=", "≥")
+        if f["skipped"]:
+            lines.append(f"| {f['name']} | {f['unit']} | - | - | {f['vs']} | - | {tgt} | "
+                         f"skipped: {f['skipped'].removeprefix('skipped: ')} |" + (" - |" if second else ""))
+            continue
+        r = f"{f['ratio']:.2f}x" if f["ratio"] is not None else "-"
+        met = _met(f)
+        met = "**MISSED**" if met == "MISSED" else met
+        row = (f"| {f['name']} | {f['unit']} | {_fmt(f['value'], f['unit'])} | {_fmt(f['baseline'], f['unit'])} "
+               f"| {f['vs']} | {r} | {tgt} | {met} |")
+        if second:
+            g = other.get(f["id"])
+            r2 = f"{g['ratio']:.2f}x" if g and g["ratio"] is not None else "-"
+            if g and g["met"] is not None and g["met"] != f["met"]:
+                r2 += " (met)" if g["met"] else " (**MISSED**)"
+            row += f" {r2} |"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def format_details(result: dict[str, Any]) -> str:
+    """Each section's own report (distributions as median/p90/p99/max, diagnostics)."""
+    s = result.get("sections", {})
+    parts = []
+    if s.get("core"):
+        parts.append(_core.format_report(s["core"]))
+    if s.get("disk"):
+        parts.append(_disk.format_report(s["disk"]))
+    if s.get("e2e"):
+        parts.append(_format_e2e(s["e2e"]))
+    return "\n\n".join(parts)
+
+
+def _format_e2e(e: dict[str, Any]) -> str:
+    m = e["modes"]
+    cols = [m[k]["label"] for k in ("none", "host", "disk")]
+    rows = [("prefix hit rate", "prefix_hit_rate", ".3f"), ("recompute avoided (tokens)", "recompute_avoided_tokens", ",.0f"),
+            ("recomputed (tokens)", "recompute_tokens", ",.0f"), ("recomputed / needed", "recomputed_fraction", ".3f"),
+            ("engine steps/s", "steps_per_s", ",.0f")]
+    lines = [f"end to end: the demo workload, {e['steps_per_run']} engine steps per run, {e['repeats']} repeat(s), "
+             f"seeds {e['seeds']}; median (min..max) over repeats",
+             f"  {'':<28}" + "".join(f"{c:>30}" for c in cols)]
+    for label, key, spec in rows:
+        cells = []
+        for k in ("none", "host", "disk"):
+            x = m[k][key]
+            cells.append(f"{format(x['median'], spec)} ({format(x['min'], spec)}..{format(x['max'], spec)})"
+                         if x["n"] > 1 else format(x["median"], spec))
+        lines.append(f"  {label:<28}" + "".join(f"{c:>30}" for c in cells))
+    lines.append(f"  {'corrupt loads / errors':<28}" + "".join(f"{str(m[k]['corrupt_loads']) + ' / ' + str(m[k]['errors']):>30}"
+                                                             for k in ("none", "host", "disk")))
+    return "\n".join(lines)
