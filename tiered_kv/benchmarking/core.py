@@ -318,9 +318,12 @@ def _tkv_lifecycle_manager() -> TierManager:
     return TierManager(cfg, kv, mover_factory=ImmediateMover)
 
 
-def _run_tkv(mgr: TierManager, keys: list[bytes], blocks: list[int], batch: int,
-             cancel: bool) -> tuple[float, float, int, int]:
-    """(wall s, this thread's CPU s, completions, stores that returned None)."""
+def _run_lifecycles(mgr: Any, keys: list[bytes], blocks: list[int], batch: int,
+                    cancel: bool) -> tuple[float, float, int, int]:
+    """The same loop for tiered_kv and the unsafe baseline (both have store/poll/cancel).
+
+    Returns (wall s, this thread's CPU s, completions, stores that returned None).
+    """
     store, poll, cancel_job = mgr.store, mgr.poll, mgr.cancel
     n = len(keys)
     done = shed = 0
@@ -344,29 +347,8 @@ def _run_tkv(mgr: TierManager, keys: list[bytes], blocks: list[int], batch: int,
     return time.perf_counter() - t0, time.thread_time() - c0, done, shed
 
 
-def _run_base(base: UnsafeDictOffloader, keys: list[bytes], blocks: list[int], batch: int,
-              cancel: bool) -> tuple[float, float, int, int]:
-    store, poll, cancel_job = base.store, base.poll, base.cancel
-    n = len(keys)
-    done = shed = 0
-    c0 = time.thread_time()
-    t0 = time.perf_counter()
-    if cancel:
-        for i in range(0, n, batch):
-            for j in range(i, min(i + batch, n)):
-                job = store(keys[j], blocks[j])
-                if job is None:
-                    shed += 1
-                else:
-                    cancel_job(job)
-            done += len(poll())
-    else:
-        for i in range(0, n, batch):
-            for j in range(i, min(i + batch, n)):
-                if store(keys[j], blocks[j]) is None:
-                    shed += 1
-            done += len(poll())
-    return time.perf_counter() - t0, time.thread_time() - c0, done, shed
+
+_run_tkv = _run_base = _run_lifecycles
 
 
 def _lifecycle_variant(name: str, cancel: bool, batch: int, n: int, repeats: int, warmup: int,
