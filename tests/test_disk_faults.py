@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 import time
 
 import lmdb
@@ -120,6 +121,43 @@ def test_failed_write_transaction_does_not_drop_an_invalidation(rig):
     rig.close(mgr)
     mgr = rig.open(kv, host_slots=8)
     assert mgr.lookup([b"k"]) == 0, "an invalidated block is readable again after a restart"
+
+
+def test_invalidate_after_a_failed_spill_leaves_no_tombstone_behind(rig):
+    """Interleaving: the spill's batch fails in the writer, and before the engine polls
+    that failure the key is invalidated (the spill is still PENDING for the manager).
+    The tomb then guards a write that can never come: it must be neither made durable
+    nor kept in memory (before the fix it stayed in both for the life of the store)."""
+    kv = make_kv(8)
+    mgr = rig.open(kv, host_slots=8, writer_batch_blocks=1)
+    failed = threading.Event()
+    disk = mgr.disk
+    calls = {"n": 0}
+
+    def hook(point: str) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError(errno.EIO, "Input/output error")
+
+    orig_fail = disk._fail_ops
+
+    def fail_ops(ops, error):  # observe the failure report leaving the writer
+        orig_fail(ops, error)
+        failed.set()
+
+    disk._fail_ops = fail_ops
+    disk.fault_hook = hook
+    fill(kv, 0, b"k")
+    job = mgr.store(b"k", 0)
+    done = mgr.wait([job], timeout=30)        # store applied -> spill queued -> its batch fails
+    assert [c.ok for c in done] == [True]
+    assert failed.wait(30)
+    mgr.invalidate(b"k")                       # the failure report is not applied yet
+    assert mgr.flush(timeout=30) is True       # the tomb's own batch commits
+    assert disk._cancelled == set() and disk._unsettled == set()
+    assert mgr.debug_sizes()["disk_tombstones"] == 0
+    assert mgr.lookup([b"k"]) == 0
+    assert metric(mgr, "tiered_kv_stale_callbacks_total", kind="spill", reason="superseded") == 1
 
 
 # ============================================================================ writer dying

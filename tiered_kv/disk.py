@@ -234,11 +234,11 @@ class DiskStore:
         self._ops: collections.deque[Any] = collections.deque()
         self._spills_queued = 0
         self._cancelled: set[uuid.UUID] = set()
+        self._unsettled: set[uuid.UUID] = set()  # spills queued and not yet committed, prevented or failed
         self._cancel_lock = threading.Lock()
         self._reads: "queue.SimpleQueue[Optional[_Promote]]" = queue.SimpleQueue()
         self._seq = 0
         self.tombstones = 0
-        self.writes_prevented = 0
         self.map_size = 0
         self.recovery = RecoveryReport()
         self.entries: list[StoredEntry] = []
@@ -401,6 +401,8 @@ class DiskStore:
                 return False
             self._ops.append(_Spill(token, key, src, len(src), _address(src)))
             self._spills_queued += 1
+            with self._cancel_lock:
+                self._unsettled.add(token)
             self._cond.notify()
         return True
 
@@ -626,11 +628,14 @@ class DiskStore:
             with env.begin(write=True, buffers=True) as txn:
                 for op in batch:
                     if isinstance(op, _Spill):
+                        # settled from here on: a tomb later in this transaction finds the entry
+                        # (and deletes it) or, if prevented, has nothing left to guard
+                        with self._cancel_lock:
+                            self._unsettled.discard(op.token)
                         if self._is_cancelled(op.token) or txn.get(op.token.bytes, db=self._tombs) is not None:
                             txn.delete(op.token.bytes, db=self._tombs)
                             with self._cancel_lock:
                                 self._cancelled.discard(op.token)
-                            self.writes_prevented += 1
                             self._on_prevented()
                             results.append(Report(op.token, JobKind.SPILL, False, "cancelled before publish", copied=False))
                             continue
@@ -645,7 +650,7 @@ class DiskStore:
                         txn.delete(lmdb_key(op.key), db=self._touch)
                         results.append(Report(op.token, JobKind.SPILL, True, None, op.nbytes, 0.0))
                     elif isinstance(op, _Tomb):
-                        self._apply_tomb(txn, op.token, op.key, spill_pending=True)
+                        self._apply_tomb(txn, op.token, op.key, from_queue=True)
                     elif isinstance(op, _Delete):
                         self._delete_if_token(txn, op.key, op.token)
                     elif isinstance(op, _DeleteCorrupt):
@@ -663,16 +668,18 @@ class DiskStore:
                 r.seconds = dt / n
         return results
 
-    def _apply_tomb(self, txn: Any, token: uuid.UUID, key: bytes, spill_pending: bool = False) -> bool:
+    def _apply_tomb(self, txn: Any, token: uuid.UUID, key: bytes, from_queue: bool = False) -> bool:
         if self._delete_if_token(txn, key, token):
             with self._cancel_lock:
                 self._cancelled.discard(token)
             return True
         with self._cancel_lock:
-            known = token in self._cancelled
-        if spill_pending and not known:
-            return False  # the spill was already prevented and its tomb collected
-        # the guarded write may still come (queued here or in another process): make the tomb durable
+            if from_queue and token not in self._unsettled:
+                # this process's write under the token was committed and removed, prevented, or
+                # failed: nothing it guards can still be published, so nothing is kept
+                self._cancelled.discard(token)
+                return False
+        # the guarded write may still come (queued here, or in another process): make the tomb durable
         txn.put(token.bytes, key, db=self._tombs)
         return False
 
@@ -756,7 +763,17 @@ class DiskStore:
             self._sync_failed = True
             self._degrade("sync_failed", repr(exc))
 
+    def _settle(self, ops: list[Any]) -> None:
+        """These spills failed: no write under their tokens can come any more."""
+        with self._cancel_lock:
+            for op in ops:
+                if isinstance(op, _Spill):
+                    self._unsettled.discard(op.token)
+
     def _fail_ops(self, ops: list[Any], error: str) -> None:
+        # a cancelled spill's durable tomb committed before this failure stays until the next
+        # recovery drops it (bounded by failed batches; it guards a write that never comes)
+        self._settle(ops)
         for op in ops:
             if isinstance(op, _Spill):
                 with self._cancel_lock:
