@@ -30,7 +30,7 @@ class EntryState(enum.Enum):
 
 
 class HostEntry:
-    __slots__ = ("key", "slot", "state", "writer", "readers", "live", "writing", "on_disk")
+    __slots__ = ("key", "slot", "state", "writer", "readers", "live", "writing")
 
     def __init__(self, key: bytes, slot: int, writer: uuid.UUID) -> None:
         self.key = key
@@ -40,7 +40,6 @@ class HostEntry:
         self.readers = 0          # loads/spills reading the slot right now
         self.live = True          # present in the index
         self.writing = True       # a worker may still write the slot
-        self.on_disk = False      # a durable copy exists in the disk tier
 
     def __repr__(self) -> str:
         return (f"HostEntry(key={self.key!r}, slot={self.slot}, {self.state.value}, "

@@ -597,7 +597,6 @@ class TierManager:
             self.metrics.count(self.metrics.job_outcome[(_SPILL, "failed")])
             return
         self._dindex.publish(d)
-        fl.entry.on_disk = True
         job._move(JobState.DONE)
         m = self.metrics
         m.count(m.job_outcome[(_SPILL, "ok")])
@@ -636,7 +635,6 @@ class TierManager:
         m.count(m.link_bytes[_DISK2H], r.nbytes)
         m.observe(m.link_seconds[_DISK2H], r.seconds)
         self._disk.submit_touch(job.key)
-        entry.on_disk = True
         for w in fl.waiters:
             w.promote = None
             if w.job.state is JobState.PENDING and entry.live:
@@ -751,7 +749,6 @@ class TierManager:
         """Write a READY host entry to disk (internal SPILL job); shed and count when it cannot."""
         assert self._dindex is not None and self._disk is not None
         if entry.key in self._dindex:
-            entry.on_disk = True
             return
         token = self._tokens()
         d = self._dindex.reserve(entry.key, token, protect=())
@@ -795,7 +792,7 @@ class TierManager:
         for entry in self._index.coldest(64):
             if budget == 0 or self._disk.queue_depth >= self.config.writer_queue_blocks:  # type: ignore[union-attr]
                 break
-            if not entry.on_disk and entry.key not in self._dindex:  # type: ignore[operator]
+            if entry.key not in self._dindex:  # type: ignore[operator]
                 self._start_spill(entry)
                 budget -= 1
 
