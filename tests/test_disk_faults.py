@@ -291,6 +291,48 @@ def test_map_full_grows_the_map_and_retries_without_losing_a_block(rig):
     assert load_ok(mgr, kv, ks[0], 0)
 
 
+def test_map_growth_waits_for_a_read_transaction_in_flight(rig):
+    """LMDB forbids set_mapsize with a transaction open in the process.  Pin the
+    interleaving: a reader is inside its read transaction (the test holds the
+    readers' shared lock, as _read does around its txn) when the writer needs to
+    grow the map; the growth must wait for it, then go on, losing nothing."""
+    kv = make_kv(8, row_bytes=16384)
+    mgr = rig.open(kv, host_slots=8, disk_slots=64, disk_map_size_bytes=256 * 1024, writer_batch_blocks=1)
+    disk = mgr.disk
+    first = disk.map_size
+    wants_exclusive = threading.Event()
+    orig = disk._rw.acquire_exclusive
+
+    def acquire_exclusive() -> None:
+        wants_exclusive.set()
+        orig()
+
+    disk._rw.acquire_exclusive = acquire_exclusive
+    disk._rw.acquire_shared()                  # "a read transaction is open"
+    ks = keys(40)
+    stored = []
+    try:
+        for i, k in enumerate(ks):             # spill until the writer has to grow the map
+            if wants_exclusive.is_set():
+                break
+            fill(kv, i % 8, k)
+            if mgr.store(k, i % 8) is not None:
+                stored.append(k)
+            mgr.wait(timeout=30)               # the store is applied and its spill queued
+        assert wants_exclusive.wait(30), "the writer never needed to grow the map"
+        assert disk.map_size == first          # ... and it has not grown under the open read
+    finally:
+        disk._rw.release_shared()
+    assert mgr.flush(timeout=30) is True
+    assert disk.map_size > first
+    rest = [k for k in ks if k not in stored]
+    store_seq(mgr, kv, rest)
+    drain(mgr)
+    assert mgr.disk_blocks == 40
+    assert metric_sum(mgr, "tiered_kv_errors_total", tier="disk") == 0
+    assert load_ok(mgr, kv, ks[0], 0)
+
+
 def test_map_full_on_a_batch_larger_than_one_growth_step_loses_nothing(rig):
     kv = make_kv(48, row_bytes=16384)
     mgr = rig.open(kv, host_slots=48, disk_slots=64, disk_map_size_bytes=128 * 1024)
