@@ -22,6 +22,7 @@ __all__ = [
     "ManagerClosedError",
     "DiskTierError",
     "DiskInUseError",
+    "UnsupportedVersionError",
 ]
 
 
@@ -63,3 +64,7 @@ class DiskTierError(TieredKVError, RuntimeError):
 
 class DiskInUseError(DiskTierError):
     """Another TierManager (in this or another process) holds the disk path."""
+
+
+class UnsupportedVersionError(TieredKVError, ImportError):
+    """An integration found a version of its host framework outside the range it supports."""

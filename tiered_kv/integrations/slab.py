@@ -1,0 +1,189 @@
+"""A host slab shared by the processes of one serving engine (no vLLM import).
+
+vLLM splits an engine into an EngineCore process (the scheduler, where the
+offloading *manager* answers lookups) and one process per worker (where the
+KV caches and the copies live).  A load that vLLM has been promised can never
+fail (vLLM 0.32's worker asserts ``success``), so a block that is only on
+disk must be read back into host memory *before* lookup says HIT.  That read
+has to be driven by the process that answers lookup, while the copy to the
+device runs in the worker: both need the same host memory.  This module
+provides it: one file in ``/dev/shm`` mapped by every process of the engine.
+
+Layout (all offsets page aligned)::
+
+    header  (4 KiB)  magic, version, num_slots, row_bytes, world_size, ring_size
+    rings   world_size x ring_size int64   -- per worker rank: ring[seq % ring_size] = seq
+                                              once that rank has finished the job numbered seq
+    rows    num_slots x row_bytes          -- slot s of rank r at s * row_bytes + r * rank_bytes
+
+The rings are the cross-process half of the token protocol: the scheduler
+side hands each job a sequence number (the counter half of its token) and
+never lets a slot go to another job until every rank's ring shows that the
+job which last used the slot has finished, even when vLLM no longer reports
+that job (after ``reset_cache``).  A ring entry is an aligned 8-byte store
+made after the copy completed, so on x86-64 a reader sees either the old or
+the new value, never a torn one, and sees it only after the copied bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import mmap
+import os
+import struct
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..errors import ConfigError
+
+__all__ = ["SharedSlab", "slab_path", "RING_SIZE"]
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"TKVSLAB1"
+VERSION = 1
+RING_SIZE = 1 << 16
+_HEADER = struct.Struct("<8sIQQII")  # magic, version, num_slots, row_bytes, world_size, ring_size
+_PAGE = mmap.PAGESIZE
+
+
+def slab_path(engine_id: str, shm_dir: str = "/dev/shm") -> Path:
+    """Where the slab of the engine ``engine_id`` lives."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in engine_id)
+    return Path(shm_dir) / f"tiered_kv_{safe}.slab"
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+class SharedSlab:
+    """One mapping of the engine's shared slab (create or attach, see :meth:`open`)."""
+
+    def __init__(self, path: Path, mm: mmap.mmap, num_slots: int, row_bytes: int, world_size: int,
+                 ring_size: int, created: bool) -> None:
+        self.path = path
+        self.num_slots = num_slots
+        self.row_bytes = row_bytes
+        self.world_size = world_size
+        self.rank_bytes = row_bytes // world_size
+        self.ring_size = ring_size
+        self.created = created
+        self._mm: Optional[mmap.mmap] = mm
+        rings_off = _PAGE
+        rows_off = _round_up(rings_off + world_size * ring_size * 8, _PAGE)
+        self._rings = [(ctypes.c_int64 * ring_size).from_buffer(mm, rings_off + r * ring_size * 8)
+                       for r in range(world_size)]
+        #: the rows as one uint8 tensor, shape (num_slots, row_bytes), sharing the mapping
+        self.rows = torch.frombuffer(mm, dtype=torch.uint8, count=num_slots * row_bytes,
+                                     offset=rows_off).view(num_slots, row_bytes)
+        self._rows_addr = ctypes.addressof(ctypes.c_char.from_buffer(mm, rows_off))
+        self.unlinked = False
+
+    # ------------------------------------------------------------ open / close
+    @classmethod
+    def total_bytes(cls, num_slots: int, row_bytes: int, world_size: int, ring_size: int = RING_SIZE) -> int:
+        return _round_up(_PAGE + world_size * ring_size * 8, _PAGE) + num_slots * row_bytes
+
+    @classmethod
+    def open(cls, path: Path, num_slots: int, row_bytes: int, world_size: int, *,
+             ring_size: int = RING_SIZE, timeout: float = 120.0) -> "SharedSlab":
+        """Create the slab at ``path``, or attach to it if another process of the engine did.
+
+        Whichever process comes first creates and sizes the file (``O_EXCL``);
+        the others wait (up to ``timeout`` seconds, at start-up only) for its
+        header and check that it describes the same slab.
+        """
+        for name, v in (("num_slots", num_slots), ("row_bytes", row_bytes), ("world_size", world_size)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be a positive int, got {v!r}")
+        if row_bytes % world_size:
+            raise ConfigError(f"row_bytes={row_bytes} is not divisible by world_size={world_size}")
+        total = cls.total_bytes(num_slots, row_bytes, world_size, ring_size)
+        header = _HEADER.pack(MAGIC, VERSION, num_slots, row_bytes, world_size, ring_size)
+        created = False
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            created = True
+        except FileExistsError:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise ConfigError(f"cannot create the shared host slab {str(path)!r}: {exc}") from exc
+        try:
+            if created:
+                try:
+                    os.posix_fallocate(fd, 0, total)  # fail now, not with SIGBUS on first touch
+                except OSError as exc:
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        os.unlink(path)
+                        raise ConfigError(f"shared host slab {str(path)!r}: cannot reserve {total} bytes: {exc} "
+                                          f"(is /dev/shm large enough?)") from exc
+                    os.ftruncate(fd, total)
+                os.pwrite(fd, header, 0)  # written last: attachers wait for it
+            else:
+                deadline = time.monotonic() + timeout
+                while os.pread(fd, _HEADER.size, 0) != header:
+                    got = os.pread(fd, _HEADER.size, 0)
+                    if len(got) == _HEADER.size and got[:8] == MAGIC:
+                        raise ConfigError(f"shared host slab {str(path)!r} describes another slab "
+                                          f"{_HEADER.unpack(got)[2:]} than (num_slots, row_bytes, world_size, "
+                                          f"ring_size)={(num_slots, row_bytes, world_size, ring_size)}")
+                    if os.fstat(fd).st_nlink == 0 or time.monotonic() > deadline:
+                        raise ConfigError(f"shared host slab {str(path)!r} was not initialised by its creator "
+                                          f"within {timeout} s")
+                    time.sleep(0.01)  # start-up only: waiting for another process to size the file
+            mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        slab = cls(path, mm, num_slots, row_bytes, world_size, ring_size, created)
+        log.info("tiered_kv shared slab %s: %s, %d slots x %d bytes, %d ranks",
+                 path, "created" if created else "attached", num_slots, row_bytes, world_size)
+        return slab
+
+    def unlink(self) -> None:
+        """Remove the file name; the memory lives until the last process unmaps it.  Idempotent."""
+        if not self.unlinked:
+            self.unlinked = True
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        """Drop this process's mapping (tensors made from :attr:`rows` must be gone)."""
+        mm, self._mm = self._mm, None
+        if mm is None:
+            return
+        self._rings = []
+        self.rows = torch.empty(0, dtype=torch.uint8)
+        try:
+            mm.close()
+        except BufferError:  # a view is still alive somewhere: the OS unmaps at exit
+            log.debug("shared slab %s still has views; left mapped until exit", self.path)
+
+    # ------------------------------------------------------------ rings
+    def mark_done(self, rank: int, seq: int) -> None:
+        """Worker side: the job numbered ``seq`` has finished on ``rank`` (after its copies completed)."""
+        self._rings[rank][seq % self.ring_size] = seq
+
+    def done(self, seq: int) -> bool:
+        """Scheduler side: has every rank finished the job numbered ``seq``?
+
+        A larger value in the ring entry means a job ``ring_size`` numbers
+        later finished there; jobs are submitted in sequence and the engine
+        flushes old jobs long before 65,536 newer ones exist, so that counts
+        as finished too.
+        """
+        i = seq % self.ring_size
+        for ring in self._rings:
+            if ring[i] < seq:
+                return False
+        return True
+
+    def row_address(self, slot: int) -> int:
+        return self._rows_addr + slot * self.row_bytes

