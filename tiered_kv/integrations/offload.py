@@ -46,7 +46,7 @@ from ..errors import ConfigError, DiskInUseError, DiskTierError, InvalidKeyError
 from ..host import EntryState, HostEntry, HostIndex, TierIndex
 from ..jobs import JobKind, StaleReason, TokenFactory
 from ..metrics import Metrics
-from ..movers import CompletionQueue, Report
+from ..movers import CompletionQueue
 from .slab import SharedSlab
 
 __all__ = ["SlabTiers", "SlabCopier", "Lookup", "PreparedStore", "PreparedLoad", "CopyResult"]
