@@ -243,9 +243,8 @@ class SlabTiers:
     def _finish_load(self, job: _Job) -> None:
         for e in job.entries:
             self._index.release(e)
-        m = self.metrics
-        m.count(m.job_outcome[(_LOAD, "ok")])
-        m.count(m.link_bytes[("host", "device")], len(job.entries) * self.row_bytes)
+        # job outcomes are counted here, bytes and copy times by the worker that copied them
+        self.metrics.count(self.metrics.job_outcome[(_LOAD, "ok")])
 
     # ------------------------------------------------------------ stores
     def prepare_store(self, keys: Sequence[bytes]) -> PreparedStore:
@@ -300,7 +299,6 @@ class SlabTiers:
             if self._index.publish(e):
                 published.append(e)
         m.count(m.job_outcome[(_STORE, "ok")])
-        m.count(m.link_bytes[("device", "host")], len(job.entries) * self.row_bytes)
         if self._disk is not None and self.config.write_mode == "through":
             for e in published:
                 if self._disk_usable:
@@ -744,10 +742,11 @@ class SlabCopier:
         if job is None:
             m.count(m.stale[(_STORE, StaleReason.UNKNOWN_TOKEN)])
             return
-        kind = _STORE if job.store else _LOAD
         n = len(job.blocks) * self.block_bytes
-        m.count(m.job_outcome[(kind, "ok" if ok else "failed")])
-        if ok:
+        # bytes and copy times are counted here, job outcomes by the scheduler side (once per job)
+        if not ok:
+            m.error("host", "copy_failed")
+        else:
             link = ("device", "host") if job.store else ("host", "device")
             m.count(m.link_bytes[link], n)
             m.observe(m.link_seconds[link], secs / max(1, len(job.blocks)))
