@@ -86,12 +86,13 @@ class TokenFactory:
     the cost of ``uuid.uuid4()`` per job, which matters on the engine thread.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, start: int = 1) -> None:
+        """``start``: the first counter value (a sequence shared with another process may need to skip)."""
         # version 4 and the RFC 4122 variant are set in the prefix once; the counter
         # occupies the low 48 bits, which neither touches
         prefix = uuid.UUID(int=int.from_bytes(os.urandom(16), "big"), version=4).int
         self._prefix = prefix & ~((1 << 48) - 1)
-        self._counter = itertools.count(1)
+        self._counter = itertools.count(max(1, int(start)))
 
     def __call__(self) -> uuid.UUID:
         n = next(self._counter)

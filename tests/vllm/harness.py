@@ -88,6 +88,15 @@ os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
 
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 512
+# --model-size: "tiny" for the tests; "medium" (8 layers, hidden 1024, 1 MiB of KV per block)
+# for benchmarks/bench_vllm.py, where a 1.5k-token prefill costs seconds on a CPU and the
+# time offloading saves is visible.
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=2, head_dim=64, max_model_len=512),
+    "medium": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
+                   num_key_value_heads=8, head_dim=128, max_model_len=2048),
+}
 VOCAB = 512
 MODEL_SEED = 1234
 
@@ -101,7 +110,7 @@ RELOAD_MAX_TOKENS = 16
 
 # ----------------------------------------------------------------------------- model
 
-def build_model(model_dir: str) -> bool:
+def build_model(model_dir: str, size: str = "tiny") -> bool:
     """Save the tiny random Llama into ``model_dir`` unless it is already there.
 
     Returns True when it was built now. Weights depend only on MODEL_SEED; the
@@ -114,15 +123,12 @@ def build_model(model_dir: str) -> bool:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    dims = dict(MODEL_SIZES[size])
+    max_len = dims.pop("max_model_len")
     cfg = LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=MAX_MODEL_LEN,
+        **dims,
+        max_position_embeddings=max_len,
         initializer_range=0.2,
         tie_word_embeddings=False,
         bos_token_id=1,
@@ -159,7 +165,7 @@ def make_llm(model_dir: str, extra_config: dict[str, Any] | None, **overrides: A
         block_size=BLOCK_SIZE,
         enable_prefix_caching=True,
         enforce_eager=True,
-        max_model_len=MAX_MODEL_LEN,
+        max_model_len=overrides.pop("max_model_len", MAX_MODEL_LEN),
         dtype="bfloat16",
         seed=0,
         disable_log_stats=False,  # LLM defaults to True; needed for get_metrics()/preemptions
@@ -263,8 +269,9 @@ def scenario_reload(llm, args) -> dict[str, Any]:
     tokens must equal ``a_first``'s. Without offload it is 0. ``a_warm`` is a
     control: a hit in vLLM's own cache must also give identical tokens.
     """
-    a = random_tokens(PROMPT_A_SEED, PROMPT_A_LEN)
-    others = [random_tokens(100 + i, PROMPT_A_LEN) for i in range(args.num_others)]
+    n = args.prompt_blocks * BLOCK_SIZE + 8
+    a = random_tokens(PROMPT_A_SEED, n)
+    others = [random_tokens(100 + i, n) for i in range(args.num_others)]
 
     (a_first,), t_first = generate(llm, [a], RELOAD_MAX_TOKENS)
     (a_warm,), t_warm = generate(llm, [a], RELOAD_MAX_TOKENS)
@@ -289,7 +296,7 @@ def scenario_reload(llm, args) -> dict[str, Any]:
 def scenario_restart(llm, args) -> dict[str, Any]:
     """A once. Run after a 'reload' with the same --disk-path: a fresh engine whose
     ``a.num_cached_tokens`` > 0 read A's blocks back from disk."""
-    a = random_tokens(PROMPT_A_SEED, PROMPT_A_LEN)
+    a = random_tokens(PROMPT_A_SEED, args.prompt_blocks * BLOCK_SIZE + 8)
     (rec,), t = generate(llm, [a], RELOAD_MAX_TOKENS)
     return {"prompt_a": a, "a": rec, "wall_s": {"a": t}}
 
@@ -382,6 +389,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", required=True, help="where to write the report")
     p.add_argument("--offload", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--disk-path", default=None)
+    p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny")
+    p.add_argument("--prompt-blocks", type=int, default=6, help="reload/restart: full blocks in prompt A")
     p.add_argument("--host-bytes", type=int, default=64 << 20)
     p.add_argument("--disk-bytes", type=int, default=256 << 20)
     p.add_argument("--shutdown-timeout-s", type=float, default=40.0,
@@ -399,16 +408,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace, report: dict[str, Any]) -> None:
     t_start = time.perf_counter()
-    model_dir = os.path.join(args.workdir, "model")
+    model_dir = os.path.join(args.workdir, "model" if args.model_size == "tiny" else f"model-{args.model_size}")
     os.makedirs(args.workdir, exist_ok=True)
     t0 = time.perf_counter()
-    report["model_built"] = build_model(model_dir)
+    report["model_built"] = build_model(model_dir, args.model_size)
     timings = report["timings"]
     timings["model_build_s"] = time.perf_counter() - t0
 
     extra = offload_extra_config(args.host_bytes, args.disk_path, args.disk_bytes) if args.offload else None
     report["extra_config"] = extra
-    overrides: dict[str, Any] = {}
+    overrides: dict[str, Any] = {"max_model_len": MODEL_SIZES[args.model_size]["max_model_len"]}
     if args.scenario == "chaos":
         # Tiny pool -> preemption. Must stay >= max_model_len / block_size (16) or
         # vLLM refuses to start (one max-length request must fit).

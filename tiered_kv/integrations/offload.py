@@ -34,7 +34,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -110,12 +110,15 @@ class _DiskJob:
 class SlabTiers:
     """Scheduler-side owner of the host index, the disk tier and the job records."""
 
-    def __init__(self, config: TieredKVConfig, slab: SharedSlab, *, metrics: Metrics) -> None:
+    def __init__(self, config: TieredKVConfig, slab: SharedSlab, *, metrics: Metrics,
+                 collect_published: bool = False) -> None:
         self.config = config
         self.slab = slab
         self.row_bytes = slab.row_bytes
         self.metrics = metrics
-        self._tokens = TokenFactory()
+        # number jobs above anything already in the rings (a restarted scheduler on a used slab),
+        # or an old mark would pass for one of ours
+        self._tokens = TokenFactory(start=slab.max_seq() + 1)
         self._index = HostIndex(slab.num_slots, on_evict=self._on_host_evict)
         self._live: dict[JobKind, dict[frozenset[bytes], collections.deque[_Job]]] = {_STORE: {}, _LOAD: {}}
         self._quarantine: list[_Job] = []       # cancelled jobs whose copies may still touch their slots
@@ -123,6 +126,8 @@ class SlabTiers:
         self._disk_jobs: dict[uuid.UUID, _DiskJob] = {}
         self._completions = CompletionQueue()
         self._evicted: list[bytes] = []
+        self._collect_published = collect_published
+        self._published: list[bytes] = []       # keys made READY by a store (for KV events), if collected
         self._slot_views: dict[int, memoryview] = {}
         self._errors_logged: set[str] = set()
         self._disk: Optional[DiskStore] = None
@@ -178,8 +183,13 @@ class SlabTiers:
                  rep.seconds * 1e3)
 
     # ------------------------------------------------------------ lookups
-    def lookup(self, key: bytes) -> str:
-        """HIT when ``key`` is READY in the host slab; PENDING while it is read back from disk."""
+    def lookup(self, key: bytes, protect: Collection[bytes] = ()) -> str:
+        """HIT when ``key`` is READY in the host slab; PENDING while it is read back from disk.
+
+        A read-back needs a host slot; it never evicts a key in ``protect``
+        (the keys the same request was just told are hits), so a prefix longer
+        than the slab gets the part that fits instead of evicting itself forever.
+        """
         self._check_key(key)
         m = self.metrics
         m.count(m.lookups)
@@ -200,7 +210,7 @@ class SlabTiers:
         d = self._dindex.ready(key) if self._dindex is not None else None
         if d is None:
             return Lookup.MISS
-        if not self._start_promote(key, d):
+        if not self._start_promote(key, d, protect):
             return Lookup.MISS
         m.count(m.hits["disk"])
         return Lookup.PENDING
@@ -269,6 +279,8 @@ class SlabTiers:
             todo.append(k)
             entries.append(e)
         evicted, self._evicted = self._evicted, []
+        if evicted:  # evicted since the last call but stored again meanwhile (or by this call): not gone
+            evicted = [k for k in evicted if k not in self._index and (self._dindex is None or k not in self._dindex)]
         if not todo:  # everything offloaded already, or shed (counted): nothing for the engine to copy
             return PreparedStore([], token.bytes, token_seq(token), [], evicted)
         job = self._register(_STORE, todo, entries, token)
@@ -288,7 +300,11 @@ class SlabTiers:
 
     def _finish_store(self, job: _Job, success: bool) -> None:
         m = self.metrics
-        if not success:
+        # publish only what every rank's ring records as copied: a success report matched by key
+        # set may be a late one of an older job with the same keys.  The engine's own failure is
+        # honoured too (so a late *failure* of an older job can cost this store: a miss, never
+        # wrong bytes; vLLM 0.32 never reports failures)
+        if not success or not self.slab.ok(job.seq):
             for e in job.entries:
                 self._index.writer_done(e)
                 self._index.abort(e)
@@ -298,6 +314,8 @@ class SlabTiers:
         for e in job.entries:
             if self._index.publish(e):
                 published.append(e)
+        if self._collect_published:
+            self._published.extend(e.key for e in published)
         m.count(m.job_outcome[(_STORE, "ok")])
         if self._disk is not None and self.config.write_mode == "through":
             for e in published:
@@ -459,6 +477,11 @@ class SlabTiers:
         self._slot_views.clear()
         self._refresh()
 
+    def take_published(self) -> list[bytes]:
+        """Keys published by stores since the last call (``collect_published=True`` only)."""
+        out, self._published = self._published, []
+        return out
+
     # ------------------------------------------------------------ views (tests, tools)
     @property
     def host_blocks(self) -> int:
@@ -515,10 +538,10 @@ class SlabTiers:
             return
         self._disk_jobs[token] = _DiskJob(token, _SPILL, entry, d)
 
-    def _start_promote(self, key: bytes, d: HostEntry) -> bool:
+    def _start_promote(self, key: bytes, d: HostEntry, protect: Collection[bytes] = ()) -> bool:
         assert self._dindex is not None and self._disk is not None
         token = self._tokens()
-        entry = self._index.reserve(key, token)
+        entry = self._index.reserve(key, token, protect=protect)
         if entry is None:
             self._shed(_LOAD, "host_full")
             return False
@@ -721,7 +744,11 @@ class SlabCopier:
             except Exception:  # noqa: BLE001 - reported as a failed job, never kills the thread
                 log.exception("slab copy of job %d failed", job.job_id)
                 ok = False
-            self.slab.mark_done(self.rank, job.seq)  # after the copies: the scheduler may reuse the slots
+            try:
+                self.slab.mark_done(self.rank, job.seq, ok)  # after the copies: the scheduler may reuse the slots
+            except Exception:  # noqa: BLE001 - unmarked, the job's slots stay quarantined: safe, counted
+                log.exception("marking job %d done in the slab failed", job.job_id)
+                ok = False
             self._done.put((job.token, ok, time.perf_counter() - t0))
 
     def finished(self) -> list[CopyResult]:

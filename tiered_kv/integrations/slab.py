@@ -20,7 +20,9 @@ The rings are the cross-process half of the token protocol: the scheduler
 side hands each job a sequence number (the counter half of its token) and
 never lets a slot go to another job until every rank's ring shows that the
 job which last used the slot has finished, even when vLLM no longer reports
-that job (after ``reset_cache``).  A ring entry is an aligned 8-byte store
+that job (after ``reset_cache``).  An entry holds ``2 * seq + failed``, so
+the rings also say whether every rank's copy succeeded: that, not the
+engine's report, decides whether a store is published.  A ring entry is an aligned 8-byte store
 made after the copy completed, so on x86-64 a reader sees either the old or
 the new value, never a torn one, and sees it only after the copied bytes.
 """
@@ -99,7 +101,8 @@ class SharedSlab:
         the others wait (up to ``timeout`` seconds, at start-up only) for its
         header and check that it describes the same slab.
         """
-        for name, v in (("num_slots", num_slots), ("row_bytes", row_bytes), ("world_size", world_size)):
+        for name, v in (("num_slots", num_slots), ("row_bytes", row_bytes), ("world_size", world_size),
+                        ("ring_size", ring_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be a positive int, got {v!r}")
         if row_bytes % world_size:
@@ -167,9 +170,9 @@ class SharedSlab:
             log.debug("shared slab %s still has views; left mapped until exit", self.path)
 
     # ------------------------------------------------------------ rings
-    def mark_done(self, rank: int, seq: int) -> None:
+    def mark_done(self, rank: int, seq: int, ok: bool = True) -> None:
         """Worker side: the job numbered ``seq`` has finished on ``rank`` (after its copies completed)."""
-        self._rings[rank][seq % self.ring_size] = seq
+        self._rings[rank][seq % self.ring_size] = 2 * seq + (0 if ok else 1)
 
     def done(self, seq: int) -> bool:
         """Scheduler side: has every rank finished the job numbered ``seq``?
@@ -179,11 +182,20 @@ class SharedSlab:
         flushes old jobs long before 65,536 newer ones exist, so that counts
         as finished too.
         """
-        i = seq % self.ring_size
+        i, want = seq % self.ring_size, 2 * seq
         for ring in self._rings:
-            if ring[i] < seq:
+            if ring[i] < want:
                 return False
         return True
+
+    def ok(self, seq: int) -> bool:
+        """Scheduler side, once :meth:`done`: did no rank record a failed copy for job ``seq``?"""
+        i, failed = seq % self.ring_size, 2 * seq + 1
+        return all(ring[i] != failed for ring in self._rings)
+
+    def max_seq(self) -> int:
+        """The highest job number any rank has marked (a new scheduler numbers its jobs above it)."""
+        return max((max(ring) for ring in self._rings), default=0) // 2
 
     def row_address(self, slot: int) -> int:
         return self._rows_addr + slot * self.row_bytes

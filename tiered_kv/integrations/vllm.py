@@ -105,6 +105,8 @@ OPTIONS: dict[str, Any] = {
     "writer_batch_seconds": 0.005,  # how long the writer gathers a batch
     "shm_dir": "/dev/shm",          # where the shared slab file lives
 }
+# what the spec reads of vLLM's OffloadingConfig (0.30-0.33 all have them)
+_CONFIG_FIELDS = ("groups", "worker_kv_bytes_per_block", "parallel", "engine_id", "model", "extra_config")
 _RESULT = {Lookup.HIT: LookupResult.HIT, Lookup.MISS: LookupResult.MISS, Lookup.PENDING: LookupResult.HIT_PENDING}
 
 
@@ -140,6 +142,10 @@ class TieredKVOffloadingSpec(OffloadingSpec):
     """vLLM's entry point: ``spec_name="TieredKVOffloadingSpec"``, ``spec_module_path="tiered_kv.integrations.vllm"``."""
 
     def __init__(self, config: Any) -> None:
+        missing = [a for a in _CONFIG_FIELDS if not hasattr(config, a)]
+        if missing:
+            raise UnsupportedVersionError(f"vLLM {getattr(_vllm, '__version__', '?')} hands the offloading spec a "
+                                          f"{type(config).__name__} without {missing}; tiered_kv supports {_RANGE_TEXT}")
         super().__init__(config)
         extra = dict(self.extra_config)
         if len(config.groups) != 1:
@@ -213,17 +219,31 @@ class TieredKVOffloadingManager(OffloadingManager):
     def __init__(self, spec: TieredKVOffloadingSpec) -> None:
         self.spec = spec
         self.slab = spec._open_slab()
+        try:
+            self.metrics = Metrics(namespace=spec.tkv_config.namespace)
+            self._events_on = bool(spec.kv_events_config.enable_kv_cache_events)
+            self.tiers = SlabTiers(spec.tkv_config, self.slab, metrics=self.metrics,
+                                   collect_published=self._events_on)
+        except BaseException:
+            self.slab.unlink()
+            self.slab.close()
+            raise
         if not self.slab.created:
             # the workers mapped it before the scheduler exists: drop the name now, so the memory
             # goes away with the last process even after a crash
             self.slab.unlink()
-        self.metrics = Metrics(namespace=spec.tkv_config.namespace)
-        self.tiers = SlabTiers(spec.tkv_config, self.slab, metrics=self.metrics)
         self._events: list[OffloadingEvent] = []
-        self._events_on = bool(spec.kv_events_config.enable_kv_cache_events)
+        # keys reported as hits (or pending) in this scheduler step, per request: a read-back
+        # from disk must not evict them (see SlabTiers.lookup)
+        self._step_hits: dict[str, set[bytes]] = {}
 
     def lookup(self, key: Any, req_context: ReqContext) -> LookupResult:
-        return _RESULT[self.tiers.lookup(bytes(key))]
+        k = bytes(key)
+        seen = self._step_hits.setdefault(req_context.req_id, set())
+        result = self.tiers.lookup(k, protect=seen)
+        if result != Lookup.MISS:
+            seen.add(k)
+        return _RESULT[result]
 
     def prepare_load(self, keys: Collection[Any], req_context: ReqContext) -> LoadStoreSpec:
         p = self.tiers.prepare_load([bytes(k) for k in keys])
@@ -238,7 +258,6 @@ class TieredKVOffloadingManager(OffloadingManager):
     def prepare_store(self, keys: Collection[Any], req_context: ReqContext) -> Optional[PrepareStoreOutput]:
         p = self.tiers.prepare_store([bytes(k) for k in keys])
         if self._events_on:
-            self._record(p.keys, removed=False)
             self._record(p.evicted, removed=True)
         return PrepareStoreOutput(keys_to_store=list(p.keys), store_spec=TieredKVLoadStoreSpec(p.token, p.seq, p.slots),
                                   evicted_keys=list(p.evicted))
@@ -250,6 +269,7 @@ class TieredKVOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._step_hits.clear()
         self.tiers.tick()
 
     def has_pending_work(self) -> bool:
@@ -259,6 +279,8 @@ class TieredKVOffloadingManager(OffloadingManager):
         self.tiers.reset()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
+        # "stored" once a store was published (never for one cancelled before it completed)
+        self._record(self.tiers.take_published(), removed=False)
         events, self._events = self._events, []
         return events
 
@@ -278,9 +300,14 @@ class TieredKVOffloadingWorker(OffloadingWorker):
     def __init__(self, spec: TieredKVOffloadingSpec, kv_caches: CanonicalKVCaches) -> None:
         self.spec = spec
         self.slab = spec._open_slab()
-        self.metrics = Metrics(namespace=spec.tkv_config.namespace)
-        tensors = [t.tensor for t in kv_caches.tensors]
-        self.copier = SlabCopier(self.slab, spec.rank, tensors, metrics=self.metrics)
+        try:
+            self.metrics = Metrics(namespace=spec.tkv_config.namespace)
+            tensors = [t.tensor for t in kv_caches.tensors]
+            self.copier = SlabCopier(self.slab, spec.rank, tensors, metrics=self.metrics)
+        except BaseException:
+            self.slab.unlink()
+            self.slab.close()
+            raise
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, TieredKVLoadStoreSpec), f"store into {type(dst_spec).__name__}"
