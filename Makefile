@@ -36,7 +36,7 @@ $(VVENV)/.installed: pyproject.toml
 
 test: $(VENV)/.installed $(VVENV)/.installed
 	$(BIN)/python -m pytest -q
-	$(VBIN)/python -m pytest -q tests/vllm
+	$(VBIN)/python -m pytest -q tests/vllm_adapter
 
 bench: $(VENV)/.installed
 	$(BIN)/pip install -q -e ".[bench]"

@@ -657,7 +657,7 @@ class CopyResult:
 
 
 class _CopyJob:
-    __slots__ = ("job_id", "token", "seq", "store", "blocks", "slots")
+    __slots__ = ("job_id", "token", "seq", "store", "blocks", "slots", "ready")
 
     def __init__(self, job_id: int, token: bytes, seq: int, store: bool, blocks: torch.Tensor, slots: torch.Tensor):
         self.job_id = job_id
@@ -666,6 +666,7 @@ class _CopyJob:
         self.store = store
         self.blocks = blocks
         self.slots = slots
+        self.ready: Any = None  # CUDA: an event on the engine's stream the copy must wait for
 
 
 class SlabCopier:
@@ -702,6 +703,12 @@ class SlabCopier:
             self._pairs.append((t.view(torch.uint8), slab.rows[:, off:off + w]))
             off += w
         self.block_bytes = off - base
+        # CUDA KV caches (untested on a GPU in this repository): copies run on a side stream that
+        # first waits for the engine's stream as it was at submit time, and the job is marked
+        # done only after that stream has finished
+        self._cuda = bool(tensors) and tensors[0].is_cuda
+        self._device = tensors[0].device if tensors else torch.device("cpu")
+        self._stream: Any = torch.cuda.Stream(self._device) if self._cuda else None
         self._jobs: dict[bytes, _CopyJob] = {}          # token -> job, owner thread only
         self._todo: "queue.SimpleQueue[Optional[_CopyJob]]" = queue.SimpleQueue()
         self._done: "queue.SimpleQueue[tuple[bytes, bool, float]]" = queue.SimpleQueue()
@@ -723,6 +730,10 @@ class SlabCopier:
             return True
         job = _CopyJob(job_id, token, seq, store, torch.as_tensor(list(blocks), dtype=torch.long),
                        torch.as_tensor(list(slots), dtype=torch.long))
+        if self._cuda:
+            job.blocks = job.blocks.to(self._device)
+            job.ready = torch.cuda.Event()
+            job.ready.record(torch.cuda.current_stream(self._device))
         self._jobs[token] = job
         self._todo.put(job)
         return True
@@ -736,11 +747,14 @@ class SlabCopier:
             ok = True
             try:
                 if len(job.blocks):
-                    for dev, region in self._pairs:
-                        if job.store:
-                            region.index_copy_(0, job.slots, dev.index_select(0, job.blocks))
-                        else:
-                            dev.index_copy_(0, job.blocks, region.index_select(0, job.slots))
+                    if self._cuda:
+                        self._copy_cuda(job)
+                    else:
+                        for dev, region in self._pairs:
+                            if job.store:
+                                region.index_copy_(0, job.slots, dev.index_select(0, job.blocks))
+                            else:
+                                dev.index_copy_(0, job.blocks, region.index_select(0, job.slots))
             except Exception:  # noqa: BLE001 - reported as a failed job, never kills the thread
                 log.exception("slab copy of job %d failed", job.job_id)
                 ok = False
@@ -750,6 +764,17 @@ class SlabCopier:
                 log.exception("marking job %d done in the slab failed", job.job_id)
                 ok = False
             self._done.put((job.token, ok, time.perf_counter() - t0))
+
+    def _copy_cuda(self, job: _CopyJob) -> None:
+        stream = self._stream
+        with torch.cuda.stream(stream):
+            stream.wait_event(job.ready)
+            for dev, region in self._pairs:
+                if job.store:
+                    region.index_copy_(0, job.slots, dev.index_select(0, job.blocks).to("cpu"))
+                else:
+                    dev.index_copy_(0, job.blocks, region.index_select(0, job.slots).to(self._device))
+        stream.synchronize()
 
     def finished(self) -> list[CopyResult]:
         """Owner thread: the jobs finished since the last call."""

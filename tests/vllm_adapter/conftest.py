@@ -2,14 +2,14 @@
 
 The main venv (``.venv``) has no vLLM; these tests run in the vLLM venv::
 
-    .venv-vllm/bin/python -m pytest tests/vllm
+    .venv-vllm/bin/python -m pytest tests/vllm_adapter
 
 (``make test`` does both).  ``harness.py`` here is an end-to-end driver run as a
 subprocess, not a test module.
 
-Careful: ``tests/`` is on ``sys.path`` (tests/conftest.py puts it there), so
-without vLLM installed ``import vllm`` *succeeds* and returns this directory as
-an empty namespace package.  Hence the check on a real vLLM module below.
+The directory is not called ``vllm``: ``tests/`` is on ``sys.path``, and a
+directory of that name would pass for an (empty, namespace) vLLM package where
+none is installed.  The check below still insists on a real vLLM module.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def _vllm_problem() -> str | None:
     try:
         import vllm
 
-        if getattr(vllm, "__file__", None) is None:  # this directory, seen as a namespace package
+        if getattr(vllm, "__file__", None) is None:  # some directory named vllm, seen as a namespace package
             sys.modules.pop("vllm", None)
             return "ModuleNotFoundError: no vLLM installed"
         from vllm.v1.kv_offload.base import OffloadingSpec  # noqa: F401  (the adapter's plug-in surface)
@@ -36,7 +36,7 @@ _problem = _vllm_problem()
 
 if _problem is not None:
     _REASON = (f"vLLM is not importable here ({_problem}); the vLLM adapter tests run in the vLLM venv: "
-               f".venv-vllm/bin/python -m pytest tests/vllm")
+               f".venv-vllm/bin/python -m pytest tests/vllm_adapter")
 
     class _SkippedModule(pytest.Module):
         """A test module of this directory, reported as skipped instead of imported."""

@@ -2,7 +2,7 @@
 
 Usage (the harness sets VLLM_CPU_KVCACHE_SPACE=1 itself unless already set)::
 
-    .venv-vllm/bin/python tests/vllm/harness.py \\
+    .venv-vllm/bin/python tests/vllm_adapter/harness.py \\
         --scenario {reload,restart,chaos} --workdir DIR \\
         [--offload | --no-offload] [--disk-path P] [--host-bytes N] [--disk-bytes N] \\
         --json OUT
