@@ -298,6 +298,19 @@ def test_namespace_is_stable_across_engines_and_differs_by_geometry(model_dir: s
     assert other.tkv_config.namespace != a.tkv_config.namespace
 
 
+def test_offloading_spec_pickles_without_its_live_halves(model_dir: str, tmp_path: Path) -> None:
+    spec = make_spec(offloading_config(model_dir, tkv_extra(tmp_path)))
+    mgr = spec.get_manager()
+    try:
+        back = pickle.loads(pickle.dumps(spec))         # a spec in use still pickles ...
+        assert back._manager is None and back._worker is None
+        assert back.tkv_config == spec.tkv_config and back.engine_id == spec.engine_id
+        assert (back.num_slots, back.row_bytes) == (spec.num_slots, spec.row_bytes)
+        assert spec._manager is mgr                      # ... and the original keeps its manager
+    finally:
+        mgr.shutdown()
+
+
 def test_load_store_spec_pickles(pair: Pair) -> None:
     out = pair.mgr.prepare_store(keys(3), ReqContext(req_id="r"))
     spec = out.store_spec

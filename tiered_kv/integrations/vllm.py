@@ -196,6 +196,12 @@ class TieredKVOffloadingSpec(OffloadingSpec):
         self._manager: Optional[TieredKVOffloadingManager] = None
         self._worker: Optional[TieredKVOffloadingWorker] = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # pickle-safe: the configuration travels, the live manager/worker (threads, mappings) do not
+        state = dict(self.__dict__)
+        state["_manager"] = state["_worker"] = None
+        return state
+
     def _open_slab(self) -> SharedSlab:
         if self.num_slots < 1:
             raise ConfigError("vLLM reported 0 KV bytes per block; tiered_kv has nothing to size its slab by")
