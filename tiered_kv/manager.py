@@ -33,12 +33,11 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from .config import TieredKVConfig
-from .disk import DiskOptions, DiskStore, FlushDone, writable_view
+from .disk import DiskStore, FlushDone, writable_view
+from .disktier import open_disk_tier, replay_recovered
 from .errors import (
     BlockBusyError,
     ConfigError,
-    DiskInUseError,
-    DiskTierError,
     DeviceTensorError,
     InvalidBlockError,
     InvalidJobError,
@@ -156,47 +155,11 @@ class TierManager:
                  config.disk_path if self._disk is not None else None)
 
     def _open_disk(self, disk_blocks: int) -> None:
-        cfg, m = self.config, self.metrics
-        # LMDB reuses the pages a transaction frees only two transactions later, so the file
-        # holds the data plus about two batches: keep batches small against the capacity
-        # (at most 1/16 of it) and count that headroom inside disk_capacity_bytes.
-        batch_blocks = max(1, min(cfg.writer_batch_blocks, cfg.writer_batch_bytes // self.row_bytes, disk_blocks // 16))
-        # (a tier of fewer than 32 blocks is a test or toy: no headroom, every block counts)
-        index_blocks = disk_blocks - 2 * batch_blocks if disk_blocks >= 32 else disk_blocks
-        opts = DiskOptions(path=cfg.disk_dir, namespace=cfg.namespace, block_bytes=self.row_bytes,  # type: ignore[arg-type]
-                           capacity_bytes=disk_blocks * self.row_bytes, durability=cfg.durability,
-                           map_size_bytes=cfg.disk_map_size_bytes, queue_blocks=cfg.writer_queue_blocks,
-                           batch_blocks=batch_blocks, batch_bytes=batch_blocks * self.row_bytes,
-                           batch_seconds=cfg.writer_batch_seconds)
-        disk_blocks = index_blocks
-        m.capacity["disk"].set(disk_blocks * self.row_bytes)
-        try:
-            disk = DiskStore(opts, self._completions, on_error=self._on_disk_error,
-                             on_prevented=m.orphaned_prevented.inc,
-                             on_corrupt=lambda reason: m.corrupt_blocks.labels(reason=reason).inc())
-        except DiskInUseError:
-            raise
-        except DiskTierError as exc:
-            # the host tier keeps serving; the fault is counted, logged and visible
-            self._on_disk_error("open_failed", str(exc))
-            m.enable_disk_health(False)
-            return
-        self._disk = disk
-        self._disk_usable = True
-        self._dindex = TierIndex(disk_blocks, on_evict=self._on_disk_evict)
-        rep = disk.recovery
-        m.recovery_seconds.set(rep.seconds)
-        m.recovery_purged.set(rep.purged)
-        m.orphaned_purged.inc(rep.purged)
-        if rep.corrupt:
-            m.corrupt_blocks.labels(reason="recovery").inc(rep.corrupt)
-        if rep.foreign:
-            m.corrupt_blocks.labels(reason="foreign").inc(rep.foreign)
-        for e in disk.entries:  # oldest first, so LRU order survives the restart
-            d = self._dindex.get(e.key) or self._dindex.reserve(e.key, e.token)
-            if d is not None and d.writing:
-                self._dindex.publish(d)
-        m.enable_disk_health(True)
+        self._disk, self._dindex = open_disk_tier(self.config, self.row_bytes, disk_blocks, self._completions,
+                                                  self.metrics, self._on_disk_error, self._on_disk_evict)
+        self._disk_usable = self._disk is not None
+        if self._disk is not None and self._dindex is not None:
+            replay_recovered(self._disk, self._dindex, self.metrics)
 
     # ------------------------------------------------------------------ API
     def store(self, key: bytes, block: int) -> Optional[Job]:

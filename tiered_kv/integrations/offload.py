@@ -41,8 +41,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..config import TieredKVConfig
-from ..disk import DiskOptions, DiskStore, FlushDone, writable_view
-from ..errors import ConfigError, DiskInUseError, DiskTierError, InvalidKeyError
+from ..disk import DiskStore, FlushDone, writable_view
+from ..disktier import open_disk_tier, replay_recovered
+from ..errors import ConfigError, InvalidKeyError
 from ..host import EntryState, HostEntry, HostIndex, TierIndex
 from ..jobs import JobKind, StaleReason, TokenFactory
 from ..metrics import Metrics
@@ -142,45 +143,17 @@ class SlabTiers:
 
     # ------------------------------------------------------------ disk open
     def _open_disk(self) -> None:
-        cfg, m = self.config, self.metrics
+        cfg = self.config
         disk_blocks = cfg.disk_capacity_bytes // self.row_bytes
         if disk_blocks < 1:
             raise ConfigError(f"disk_capacity_bytes={cfg.disk_capacity_bytes} holds no block of {self.row_bytes} bytes")
-        batch_blocks = max(1, min(cfg.writer_batch_blocks, cfg.writer_batch_bytes // self.row_bytes, disk_blocks // 16))
-        index_blocks = disk_blocks - 2 * batch_blocks if disk_blocks >= 32 else disk_blocks
-        opts = DiskOptions(path=cfg.disk_dir, namespace=cfg.namespace, block_bytes=self.row_bytes,  # type: ignore[arg-type]
-                           capacity_bytes=disk_blocks * self.row_bytes, durability=cfg.durability,
-                           map_size_bytes=cfg.disk_map_size_bytes, queue_blocks=cfg.writer_queue_blocks,
-                           batch_blocks=batch_blocks, batch_bytes=batch_blocks * self.row_bytes,
-                           batch_seconds=cfg.writer_batch_seconds)
-        m.capacity["disk"].set(index_blocks * self.row_bytes)
-        try:
-            disk = DiskStore(opts, self._completions, on_error=self._on_disk_error,
-                             on_prevented=m.orphaned_prevented.inc,
-                             on_corrupt=lambda reason: m.corrupt_blocks.labels(reason=reason).inc())
-        except DiskInUseError:
-            raise
-        except DiskTierError as exc:
-            self._on_disk_error("open_failed", str(exc))
-            m.enable_disk_health(False)
-            return
-        self._disk, self._disk_usable = disk, True
-        self._dindex = TierIndex(index_blocks, on_evict=self._on_disk_evict)
-        rep = disk.recovery
-        m.recovery_seconds.set(rep.seconds)
-        m.recovery_purged.set(rep.purged)
-        m.orphaned_purged.inc(rep.purged)
-        if rep.corrupt:
-            m.corrupt_blocks.labels(reason="recovery").inc(rep.corrupt)
-        if rep.foreign:
-            m.corrupt_blocks.labels(reason="foreign").inc(rep.foreign)
-        for e in disk.entries:  # oldest first: recency survives the restart
-            d = self._dindex.get(e.key) or self._dindex.reserve(e.key, e.token)
-            if d is not None and d.writing:
-                self._dindex.publish(d)
-        m.enable_disk_health(True)
-        log.info("tiered_kv disk tier at %s: %d blocks recovered in %.1f ms", cfg.disk_dir, len(self._dindex),
-                 rep.seconds * 1e3)
+        self._disk, self._dindex = open_disk_tier(cfg, self.row_bytes, disk_blocks, self._completions, self.metrics,
+                                                  self._on_disk_error, self._on_disk_evict)
+        self._disk_usable = self._disk is not None
+        if self._disk is not None and self._dindex is not None:
+            replay_recovered(self._disk, self._dindex, self.metrics)
+            log.info("tiered_kv disk tier at %s: %d blocks recovered in %.1f ms", cfg.disk_dir, len(self._dindex),
+                     self._disk.recovery.seconds * 1e3)
 
     # ------------------------------------------------------------ lookups
     def lookup(self, key: bytes, protect: Collection[bytes] = ()) -> str:

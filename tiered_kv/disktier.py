@@ -1,0 +1,76 @@
+"""Opening a disk tier for an owner of bookkeeping (no engine, no tensors).
+
+Both owners -- :class:`~tiered_kv.manager.TierManager` (one process) and the
+vLLM adapter's :class:`~tiered_kv.integrations.offload.SlabTiers` (scheduler
+process) -- open their LMDB tier the same way: size the writer's batches
+against the capacity, open (and recover) the store, export what recovery found,
+and rebuild the LRU index from the entries that survived.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Optional
+
+from .config import TieredKVConfig
+from .disk import DiskOptions, DiskStore
+from .errors import DiskInUseError, DiskTierError
+from .host import HostEntry, TierIndex
+from .metrics import Metrics
+from .movers import CompletionQueue
+
+__all__ = ["open_disk_tier", "replay_recovered"]
+
+
+def open_disk_tier(cfg: TieredKVConfig, row_bytes: int, disk_blocks: int, completions: CompletionQueue,
+                   metrics: Metrics, on_error: Callable[[str, str], None],
+                   on_evict: Callable[[HostEntry], None]) -> tuple[Optional[DiskStore], Optional[TierIndex]]:
+    """The store and an empty index, or ``(None, None)`` when the tier could not open (counted, logged).
+
+    The owner keeps both, then calls :func:`replay_recovered` (which may
+    already evict, through ``on_evict``, when the capacity shrank since the
+    last run).  :class:`DiskInUseError` (another owner holds the path) is
+    raised: that is a configuration mistake, not a fault to serve around.
+    """
+    m = metrics
+    # LMDB reuses the pages a transaction frees only two transactions later, so the file
+    # holds the data plus about two batches: keep batches small against the capacity
+    # (at most 1/16 of it) and count that headroom inside disk_capacity_bytes.
+    batch_blocks = max(1, min(cfg.writer_batch_blocks, cfg.writer_batch_bytes // row_bytes, disk_blocks // 16))
+    # (a tier of fewer than 32 blocks is a test or toy: no headroom, every block counts)
+    index_blocks = disk_blocks - 2 * batch_blocks if disk_blocks >= 32 else disk_blocks
+    opts = DiskOptions(path=cfg.disk_dir, namespace=cfg.namespace, block_bytes=row_bytes,  # type: ignore[arg-type]
+                       capacity_bytes=disk_blocks * row_bytes, durability=cfg.durability,
+                       map_size_bytes=cfg.disk_map_size_bytes, queue_blocks=cfg.writer_queue_blocks,
+                       batch_blocks=batch_blocks, batch_bytes=batch_blocks * row_bytes,
+                       batch_seconds=cfg.writer_batch_seconds)
+    m.capacity["disk"].set(index_blocks * row_bytes)
+    try:
+        disk = DiskStore(opts, completions, on_error=on_error, on_prevented=m.orphaned_prevented.inc,
+                         on_corrupt=lambda reason: m.corrupt_blocks.labels(reason=reason).inc())
+    except DiskInUseError:
+        raise
+    except DiskTierError as exc:
+        # the host tier keeps serving; the fault is counted, logged and visible
+        on_error("open_failed", str(exc))
+        m.enable_disk_health(False)
+        return None, None
+    return disk, TierIndex(index_blocks, on_evict=on_evict)
+
+
+def replay_recovered(disk: DiskStore, index: TierIndex, metrics: Metrics) -> None:
+    """Export what recovery found and rebuild the LRU index from the surviving entries."""
+    m = metrics
+    rep = disk.recovery
+    m.recovery_seconds.set(rep.seconds)
+    m.recovery_purged.set(rep.purged)
+    m.orphaned_purged.inc(rep.purged)
+    if rep.corrupt:
+        m.corrupt_blocks.labels(reason="recovery").inc(rep.corrupt)
+    if rep.foreign:
+        m.corrupt_blocks.labels(reason="foreign").inc(rep.foreign)
+    for e in disk.entries:  # oldest first, so LRU order survives the restart
+        d = index.get(e.key) or index.reserve(e.key, e.token)
+        if d is not None and d.writing:
+            index.publish(d)
+    m.enable_disk_health(True)
