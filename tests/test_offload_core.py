@@ -1099,6 +1099,10 @@ class SlabTiersMachine(RuleBasedStateMachine):
     def tick(self) -> None:
         self.tiers.tick()
         s = self.tiers.debug_sizes()
+        # the in-flight gauges come from counters kept alongside the job tables: they must agree
+        assert metric(self.metrics, "tiered_kv_jobs_in_flight", kind="store") == s["live_stores"], s
+        assert metric(self.metrics, "tiered_kv_jobs_in_flight", kind="load") == s["live_loads"], s
+        assert metric(self.metrics, "tiered_kv_tier_blocks", tier="host") == s["host_entries"], s
         unfinished = [j for j in self.jobs if not j.copied]
         assert s["quarantine"] + s["awaiting"] <= len(unfinished), (s, unfinished)
 

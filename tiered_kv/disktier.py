@@ -19,7 +19,7 @@ from .host import HostEntry, TierIndex
 from .metrics import Metrics
 from .movers import CompletionQueue
 
-__all__ = ["open_disk_tier", "replay_recovered"]
+__all__ = ["open_disk_tier", "replay_recovered", "disk_levels"]
 
 
 def open_disk_tier(cfg: TieredKVConfig, row_bytes: int, disk_blocks: int, completions: CompletionQueue,
@@ -74,3 +74,11 @@ def replay_recovered(disk: DiskStore, index: TierIndex, metrics: Metrics) -> Non
         if d is not None and d.writing:
             index.publish(d)
     m.enable_disk_health(True)
+
+
+def disk_levels(disk: Optional[DiskStore], index: Optional[TierIndex],
+                row_bytes: int) -> Optional[tuple[int, int, int, int, int]]:
+    """The disk tier's gauge values for :meth:`Metrics.publish_levels` (None without a tier)."""
+    if disk is None or index is None:
+        return None
+    return (index.used_slots * row_bytes, len(index), disk.queue_depth, disk.tombstones, disk.map_size)

@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry
 
 from .config import TieredKVConfig
 from .disk import DiskStore, FlushDone, writable_view
-from .disktier import open_disk_tier, replay_recovered
+from .disktier import disk_levels, open_disk_tier, replay_recovered
 from .errors import (
     BlockBusyError,
     ConfigError,
@@ -129,7 +129,6 @@ class TierManager:
         self._n_in_flight = {k: 0 for k in JobKind}
         self._flushes: dict[uuid.UUID, Optional[FlushDone]] = {}
         self._errors_logged: set[str] = set()
-        self._gauge_values: list[int] = []
         self._closed = self._closing = False
         self._disk: Optional[DiskStore] = None
         self._dindex: Optional[TierIndex] = None
@@ -795,25 +794,8 @@ class TierManager:
 
     def _refresh_gauges(self) -> None:
         """Push batched counters and changed gauge values (once per poll, not per job)."""
-        m = self.metrics
-        m.flush()
-        values = [self._index.used_slots * self.row_bytes, len(self._index), *self._n_in_flight.values()]
-        if self._dindex is not None and self._disk is not None:
-            values += [self._dindex.used_slots * self.row_bytes, len(self._dindex), self._disk.queue_depth,
-                       self._disk.tombstones, self._disk.map_size]
-        if values == self._gauge_values:
-            return
-        self._gauge_values = values
-        m.used["host"].set(values[0])
-        m.blocks["host"].set(values[1])
-        for k, n in zip(self._n_in_flight, values[2:]):
-            m.in_flight[k].set(n)
-        if len(values) > 6:
-            m.used["disk"].set(values[6])
-            m.blocks["disk"].set(values[7])
-            m.writer_queue.set(values[8])
-            m.tombstones.set(values[9])
-            m.disk_map_bytes.set(values[10])
+        self.metrics.publish_levels(self._index.used_slots * self.row_bytes, len(self._index), self._n_in_flight,
+                                    disk_levels(self._disk, self._dindex, self.row_bytes))
 
     def _check_open(self) -> None:
         if self._closed:

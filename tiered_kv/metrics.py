@@ -11,6 +11,7 @@ once here, so an update is one ``inc()``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -40,6 +41,7 @@ class Metrics:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self._pending: dict[Any, float] = {}
         self._observations: list[tuple[Any, float]] = []
+        self._levels: tuple[int, ...] = ()  # the values publish_levels() set last
         r = self.registry
         self.stale_callbacks = Counter(
             "tiered_kv_stale_callbacks_total",
@@ -120,6 +122,27 @@ class Metrics:
             obs, self._observations = self._observations, []
             for child, v in obs:
                 child.observe(v)
+
+    def publish_levels(self, host_used_bytes: int, host_blocks: int, in_flight: Mapping[JobKind, int],
+                       disk: Optional[tuple[int, int, int, int, int]] = None) -> None:
+        """Once per poll/step: flush batched counts, then set the level gauges whose value changed.
+
+        ``disk`` is (used bytes, blocks, writer queue, tombstones, map bytes)
+        for an owner with a disk tier.  Unchanged values cost one tuple
+        comparison, not a locked ``set`` per gauge.
+        """
+        self.flush()
+        values = (host_used_bytes, host_blocks, *(in_flight.get(k, 0) for k in JobKind), *(disk or ()))
+        old = self._levels
+        if values == old:
+            return
+        self._levels = values
+        gauges = [self.used["host"], self.blocks["host"], *(self.in_flight[k] for k in JobKind)]
+        if disk is not None:
+            gauges += [self.used["disk"], self.blocks["disk"], self.writer_queue, self.tombstones, self.disk_map_bytes]
+        for i, (g, v) in enumerate(zip(gauges, values)):
+            if i >= len(old) or old[i] != v:
+                g.set(v)
 
     def enable_disk_health(self, healthy: bool) -> None:
         """Export the disk tier's health (only managers configured with one)."""

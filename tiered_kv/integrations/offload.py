@@ -42,7 +42,7 @@ import torch
 
 from ..config import TieredKVConfig
 from ..disk import DiskStore, FlushDone, writable_view
-from ..disktier import open_disk_tier, replay_recovered
+from ..disktier import disk_levels, open_disk_tier, replay_recovered
 from ..errors import ConfigError, InvalidKeyError
 from ..host import EntryState, HostEntry, HostIndex, TierIndex
 from ..jobs import JobKind, StaleReason, TokenFactory
@@ -125,6 +125,7 @@ class SlabTiers:
         self._quarantine: list[_Job] = []       # cancelled jobs whose copies may still touch their slots
         self._awaiting: list[_Job] = []         # completed by the engine, rings not yet showing it
         self._disk_jobs: dict[uuid.UUID, _DiskJob] = {}
+        self._n_in_flight = {k: 0 for k in JobKind}  # live engine jobs and disk jobs, by kind
         self._completions = CompletionQueue()
         self._evicted: list[bytes] = []
         self._collect_published = collect_published
@@ -302,6 +303,7 @@ class SlabTiers:
                   token: Optional[uuid.UUID] = None) -> _Job:
         job = _Job(token or self._tokens(), kind, frozenset(keys), entries)
         self._live[kind].setdefault(job.keys, collections.deque()).append(job)
+        self._n_in_flight[kind] += 1
         return job
 
     def _match(self, kind: JobKind, keys: Iterable[bytes]) -> Optional[_Job]:
@@ -316,6 +318,7 @@ class SlabTiers:
             if not jobs:
                 del self._live[kind][ks]
             pick.live = False
+            self._n_in_flight[kind] -= 1
             return pick
         reason = StaleReason.UNKNOWN_TOKEN
         for j in self._quarantine:
@@ -333,6 +336,7 @@ class SlabTiers:
             jobs.remove(job)
             if not jobs:
                 del self._live[job.kind][job.keys]
+            self._n_in_flight[job.kind] -= 1
         job.live = False
         if job.kind is _STORE:
             for e in job.entries:
@@ -414,7 +418,7 @@ class SlabTiers:
         step whatever happens, and asking for steps on their behalf could spin
         an idle engine if the engine never ran one of them.
         """
-        return any(j.kind is _PROMOTE for j in self._disk_jobs.values())
+        return self._n_in_flight[_PROMOTE] > 0
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until every spill queued so far is durable (tests and shutdown)."""
@@ -510,6 +514,7 @@ class SlabTiers:
             self._shed(_SPILL, "backpressure")
             return
         self._disk_jobs[token] = _DiskJob(token, _SPILL, entry, d)
+        self._n_in_flight[_SPILL] += 1
 
     def _start_promote(self, key: bytes, d: HostEntry, protect: Collection[bytes] = ()) -> bool:
         assert self._dindex is not None and self._disk is not None
@@ -520,6 +525,7 @@ class SlabTiers:
             return False
         self._dindex.acquire(d)
         self._disk_jobs[token] = _DiskJob(token, _PROMOTE, entry, d)
+        self._n_in_flight[_PROMOTE] += 1
         self._disk.submit_promote(token, key, d.writer, self._slot_view(entry.slot))
         return True
 
@@ -537,6 +543,7 @@ class SlabTiers:
         if dj is None:
             m.count(m.stale[(r.kind, StaleReason.UNKNOWN_TOKEN)])
             return
+        self._n_in_flight[dj.kind] -= 1
         assert self._dindex is not None and self._disk is not None
         if dj.kind is _SPILL:
             self._index.release(dj.entry)
@@ -604,20 +611,8 @@ class SlabTiers:
             raise InvalidKeyError(f"key of {len(key)} bytes exceeds max_key_bytes={self.config.max_key_bytes}")
 
     def _refresh(self) -> None:
-        m = self.metrics
-        m.flush()
-        m.used["host"].set(self._index.used_slots * self.row_bytes)
-        m.blocks["host"].set(len(self._index))
-        m.in_flight[_STORE].set(sum(len(v) for v in self._live[_STORE].values()))
-        m.in_flight[_LOAD].set(sum(len(v) for v in self._live[_LOAD].values()))
-        m.in_flight[_SPILL].set(sum(1 for j in self._disk_jobs.values() if j.kind is _SPILL))
-        m.in_flight[_PROMOTE].set(sum(1 for j in self._disk_jobs.values() if j.kind is _PROMOTE))
-        if self._dindex is not None and self._disk is not None:
-            m.used["disk"].set(self._dindex.used_slots * self.row_bytes)
-            m.blocks["disk"].set(len(self._dindex))
-            m.writer_queue.set(self._disk.queue_depth)
-            m.tombstones.set(self._disk.tombstones)
-            m.disk_map_bytes.set(self._disk.map_size)
+        self.metrics.publish_levels(self._index.used_slots * self.row_bytes, len(self._index), self._n_in_flight,
+                                    disk_levels(self._disk, self._dindex, self.row_bytes))
 
 
 # ====================================================================== worker side
