@@ -9,6 +9,8 @@ and rebuild the LRU index from the entries that survived.
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable
 from typing import Optional
 
@@ -19,11 +21,30 @@ from .host import HostEntry, TierIndex
 from .metrics import Metrics
 from .movers import CompletionQueue
 
-__all__ = ["open_disk_tier", "replay_recovered", "disk_levels"]
+__all__ = ["open_disk_tier", "replay_recovered", "disk_levels", "check_writer", "DiskErrors"]
+
+log = logging.getLogger(__name__)
+
+
+class DiskErrors:
+    """The disk store's error callback: counts every fault, logs each kind once (any thread)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+        self._logged: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, kind: str, msg: str) -> None:
+        self._metrics.error("disk", kind)
+        with self._lock:
+            first = kind not in self._logged
+            self._logged.add(kind)
+        if first:
+            log.error("disk tier error (%s): %s; further %s errors are counted, not logged", kind, msg, kind)
 
 
 def open_disk_tier(cfg: TieredKVConfig, row_bytes: int, disk_blocks: int, completions: CompletionQueue,
-                   metrics: Metrics, on_error: Callable[[str, str], None],
+                   metrics: Metrics,
                    on_evict: Callable[[HostEntry], None]) -> tuple[Optional[DiskStore], Optional[TierIndex]]:
     """The store and an empty index, or ``(None, None)`` when the tier could not open (counted, logged).
 
@@ -33,6 +54,7 @@ def open_disk_tier(cfg: TieredKVConfig, row_bytes: int, disk_blocks: int, comple
     raised: that is a configuration mistake, not a fault to serve around.
     """
     m = metrics
+    on_error = DiskErrors(metrics)
     # LMDB reuses the pages a transaction frees only two transactions later, so the file
     # holds the data plus about two batches: keep batches small against the capacity
     # (at most 1/16 of it) and count that headroom inside disk_capacity_bytes.
@@ -76,9 +98,18 @@ def replay_recovered(disk: DiskStore, index: TierIndex, metrics: Metrics) -> Non
     m.enable_disk_health(True)
 
 
-def disk_levels(disk: Optional[DiskStore], index: Optional[TierIndex],
-                row_bytes: int) -> Optional[tuple[int, int, int, int, int]]:
+def check_writer(disk: DiskStore, usable: bool, closing: bool = False) -> bool:
+    """Whether the tier still accepts spills: not once its writer thread is gone (reads still work)."""
+    if usable and not closing and not disk.writer_alive():
+        log.error("disk writer is gone; the disk tier no longer accepts spills")
+        return False
+    return usable
+
+
+def disk_levels(disk: Optional[DiskStore], index: Optional[TierIndex], row_bytes: int,
+                usable: bool) -> Optional[tuple[int, int, int, int, int, int]]:
     """The disk tier's gauge values for :meth:`Metrics.publish_levels` (None without a tier)."""
     if disk is None or index is None:
         return None
-    return (index.used_slots * row_bytes, len(index), disk.queue_depth, disk.tombstones, disk.map_size)
+    return (index.used_slots * row_bytes, len(index), disk.queue_depth, disk.tombstones, disk.map_size,
+            1 if disk.healthy and usable else 0)

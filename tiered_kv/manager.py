@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry
 
 from .config import TieredKVConfig
 from .disk import DiskStore, FlushDone, writable_view
-from .disktier import disk_levels, open_disk_tier, replay_recovered
+from .disktier import check_writer, disk_levels, open_disk_tier, replay_recovered
 from .errors import (
     BlockBusyError,
     ConfigError,
@@ -128,7 +128,6 @@ class TierManager:
         self._key_loads: dict[bytes, list[_Flight]] = {}     # key -> loads of that key (live jobs only)
         self._n_in_flight = {k: 0 for k in JobKind}
         self._flushes: dict[uuid.UUID, Optional[FlushDone]] = {}
-        self._errors_logged: set[str] = set()
         self._closed = self._closing = False
         self._disk: Optional[DiskStore] = None
         self._dindex: Optional[TierIndex] = None
@@ -155,7 +154,7 @@ class TierManager:
 
     def _open_disk(self, disk_blocks: int) -> None:
         self._disk, self._dindex = open_disk_tier(self.config, self.row_bytes, disk_blocks, self._completions,
-                                                  self.metrics, self._on_disk_error, self._on_disk_evict)
+                                                  self.metrics, self._on_disk_evict)
         self._disk_usable = self._disk is not None
         if self._disk is not None and self._dindex is not None:
             replay_recovered(self._disk, self._dindex, self.metrics)
@@ -453,7 +452,7 @@ class TierManager:
             self._apply(report)
         self._deliver_cancelled()
         if self._disk is not None:
-            self._check_disk()
+            self._disk_usable = check_writer(self._disk, self._disk_usable, self._closing)
             if self.config.write_mode == "back":
                 self._writeback_tick()
         self._refresh_gauges()
@@ -758,22 +757,6 @@ class TierManager:
                 self._start_spill(entry)
                 budget -= 1
 
-    def _check_disk(self) -> None:
-        disk = self._disk
-        assert disk is not None
-        if self._disk_usable and not disk.writer_alive() and not self._closing:
-            self._disk_usable = False  # spills are shed from now on; reads still work
-            log.error("disk writer is gone; the disk tier no longer accepts spills")
-        healthy = disk.healthy and self._disk_usable
-        self.metrics.health["disk"].set(1 if healthy else 0)
-
-    def _on_disk_error(self, kind: str, msg: str) -> None:
-        """Called from any thread: count always, log once per error kind."""
-        self.metrics.error("disk", kind)
-        if kind not in self._errors_logged:
-            self._errors_logged.add(kind)
-            log.error("disk tier error (%s): %s; further %s errors are counted, not logged", kind, msg, kind)
-
     def _on_disk_evict(self, d: HostEntry) -> None:
         self.metrics.evicted["disk"].inc()
         self._disk.submit_delete(d.writer, d.key)  # type: ignore[union-attr]
@@ -795,7 +778,7 @@ class TierManager:
     def _refresh_gauges(self) -> None:
         """Push batched counters and changed gauge values (once per poll, not per job)."""
         self.metrics.publish_levels(self._index.used_slots * self.row_bytes, len(self._index), self._n_in_flight,
-                                    disk_levels(self._disk, self._dindex, self.row_bytes))
+                                    disk_levels(self._disk, self._dindex, self.row_bytes, self._disk_usable))
 
     def _check_open(self) -> None:
         if self._closed:

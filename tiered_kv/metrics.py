@@ -124,11 +124,11 @@ class Metrics:
                 child.observe(v)
 
     def publish_levels(self, host_used_bytes: int, host_blocks: int, in_flight: Mapping[JobKind, int],
-                       disk: Optional[tuple[int, int, int, int, int]] = None) -> None:
+                       disk: Optional[tuple[int, int, int, int, int, int]] = None) -> None:
         """Once per poll/step: flush batched counts, then set the level gauges whose value changed.
 
-        ``disk`` is (used bytes, blocks, writer queue, tombstones, map bytes)
-        for an owner with a disk tier.  Unchanged values cost one tuple
+        ``disk`` is (used bytes, blocks, writer queue, tombstones, map bytes,
+        healthy) for an owner with a disk tier.  Unchanged values cost one tuple
         comparison, not a locked ``set`` per gauge.
         """
         self.flush()
@@ -139,7 +139,8 @@ class Metrics:
         self._levels = values
         gauges = [self.used["host"], self.blocks["host"], *(self.in_flight[k] for k in JobKind)]
         if disk is not None:
-            gauges += [self.used["disk"], self.blocks["disk"], self.writer_queue, self.tombstones, self.disk_map_bytes]
+            gauges += [self.used["disk"], self.blocks["disk"], self.writer_queue, self.tombstones, self.disk_map_bytes,
+                       self.health["disk"]]
         for i, (g, v) in enumerate(zip(gauges, values)):
             if i >= len(old) or old[i] != v:
                 g.set(v)

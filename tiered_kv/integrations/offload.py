@@ -42,7 +42,7 @@ import torch
 
 from ..config import TieredKVConfig
 from ..disk import DiskStore, FlushDone, writable_view
-from ..disktier import disk_levels, open_disk_tier, replay_recovered
+from ..disktier import check_writer, disk_levels, open_disk_tier, replay_recovered
 from ..errors import ConfigError, InvalidKeyError
 from ..host import EntryState, HostEntry, HostIndex, TierIndex
 from ..jobs import JobKind, StaleReason, TokenFactory
@@ -131,7 +131,6 @@ class SlabTiers:
         self._collect_published = collect_published
         self._published: list[bytes] = []       # keys made READY by a store (for KV events), if collected
         self._slot_views: dict[int, memoryview] = {}
-        self._errors_logged: set[str] = set()
         self._disk: Optional[DiskStore] = None
         self._dindex: Optional[TierIndex] = None
         self._disk_usable = False
@@ -149,7 +148,7 @@ class SlabTiers:
         if disk_blocks < 1:
             raise ConfigError(f"disk_capacity_bytes={cfg.disk_capacity_bytes} holds no block of {self.row_bytes} bytes")
         self._disk, self._dindex = open_disk_tier(cfg, self.row_bytes, disk_blocks, self._completions, self.metrics,
-                                                  self._on_disk_error, self._on_disk_evict)
+                                                  self._on_disk_evict)
         self._disk_usable = self._disk is not None
         if self._disk is not None and self._dindex is not None:
             replay_recovered(self._disk, self._dindex, self.metrics)
@@ -403,11 +402,8 @@ class SlabTiers:
                     else:
                         self._index.release(e)
             self._quarantine = keep
-        if self._disk is not None and self._disk_usable and not self._disk.writer_alive():
-            self._disk_usable = False
-            log.error("disk writer is gone; the disk tier no longer accepts spills")
         if self._disk is not None:
-            self.metrics.health["disk"].set(1 if self._disk.healthy and self._disk_usable else 0)
+            self._disk_usable = check_writer(self._disk, self._disk_usable)
         self._refresh()
 
     @property
@@ -582,12 +578,6 @@ class SlabTiers:
             m.observe(m.link_seconds[("disk", "host")], r.seconds)
             self._disk.submit_touch(entry.key)
 
-    def _on_disk_error(self, kind: str, msg: str) -> None:
-        self.metrics.error("disk", kind)
-        if kind not in self._errors_logged:
-            self._errors_logged.add(kind)
-            log.error("disk tier error (%s): %s; further %s errors are counted, not logged", kind, msg, kind)
-
     def _on_disk_evict(self, d: HostEntry) -> None:
         self.metrics.evicted["disk"].inc()
         self._disk.submit_delete(d.writer, d.key)  # type: ignore[union-attr]
@@ -612,7 +602,7 @@ class SlabTiers:
 
     def _refresh(self) -> None:
         self.metrics.publish_levels(self._index.used_slots * self.row_bytes, len(self._index), self._n_in_flight,
-                                    disk_levels(self._disk, self._dindex, self.row_bytes))
+                                    disk_levels(self._disk, self._dindex, self.row_bytes, self._disk_usable))
 
 
 # ====================================================================== worker side
