@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .jobs import JobKind, StaleReason
 
-__all__ = ["Metrics", "TIERS", "OUTCOMES", "SHED_REASONS", "CORRUPT_REASONS", "ERROR_KINDS"]
+__all__ = ["Metrics", "sample_total", "TIERS", "OUTCOMES", "SHED_REASONS", "CORRUPT_REASONS", "ERROR_KINDS"]
 
 TIERS = ("device", "host", "disk")
 OUTCOMES = ("ok", "failed", "cancelled", "shed")
@@ -32,6 +32,16 @@ ERROR_KINDS = (("device", "copy_failed"), ("host", "copy_failed"), ("disk", "cop
                ("disk", "lmdb_error"), ("disk", "writer_error"))
 _LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5)
 _LINKS = (("device", "host"), ("host", "device"), ("host", "disk"), ("disk", "host"))
+
+
+def sample_total(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    """The sum of every sample ``name`` in ``registry`` whose labels include ``labels``."""
+    total = 0.0
+    for metric in registry.collect():
+        for s in metric.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
 
 
 class Metrics:

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry
 from .config import TieredKVConfig
 from .jobs import Job, JobKind
 from .manager import TierManager
-from .metrics import SHED_REASONS
+from .metrics import SHED_REASONS, sample_total
 
 __all__ = ["WorkloadConfig", "run_workload", "block_content", "chain_keys", "summary_from_registry",
            "OFFLOAD_MODES"]
@@ -326,12 +326,7 @@ def run_workload(cfg: WorkloadConfig, registry: Optional[CollectorRegistry] = No
 def summary_from_registry(registry: CollectorRegistry) -> dict[str, Any]:
     """The summary figures that come from tiered_kv's metrics."""
     def total(name: str, **labels: str) -> float:
-        v = 0.0
-        for metric in registry.collect():
-            for s in metric.samples:
-                if s.name == name and all(s.labels.get(k) == val for k, val in labels.items()):
-                    v += s.value
-        return v
+        return sample_total(registry, name, **labels)
 
     out: dict[str, Any] = {
         "hits_by_tier": {t: int(total("tiered_kv_lookup_hits_total", tier=t)) for t in ("host", "disk")},

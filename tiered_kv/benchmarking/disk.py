@@ -99,6 +99,7 @@ from prometheus_client import CollectorRegistry
 
 import tiered_kv
 from tiered_kv import TieredKVConfig, TierManager
+from tiered_kv.metrics import sample_total
 
 from .common import GiB, KiB, MiB, as_mode, filesystem_of, git, summarize
 from .common import gbs as _gbs
@@ -328,13 +329,6 @@ def _nominal_batch(block_bytes: int) -> int:
     return max(1, min(d.writer_batch_blocks, -(-d.writer_batch_bytes // block_bytes)))
 
 
-def _counter_sum(reg: CollectorRegistry, name: str, **labels: str) -> float:
-    total = 0.0
-    for metric in reg.collect():
-        for s in metric.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
 
 
 class _WriterProbe:
@@ -416,8 +410,8 @@ def _tkv_spill(path: Path, blocks: _Blocks, keys: Sequence[bytes], *, durability
         t0, ok, waits = _spill_loop(mgr, keys, rows, lim)
         t1 = time.perf_counter()
         nbytes = len(keys) * blocks.block_bytes
-        shed = _counter_sum(reg, "tiered_kv_shed_total", kind="spill")
-        spilled = _counter_sum(reg, "tiered_kv_jobs_total", kind="spill", outcome="ok")
+        shed = sample_total(reg, "tiered_kv_shed_total", kind="spill")
+        spilled = sample_total(reg, "tiered_kv_jobs_total", kind="spill", outcome="ok")
         return {
             "seconds": t1 - t0, "gbps": _gbs(nbytes, t1 - t0), "bytes": nbytes, "flush_ok": ok,
             "spills_ok": int(spilled), "spills_shed": int(shed), "pacing_waits": waits,
@@ -811,9 +805,9 @@ def bench_evicting(base: Path, blocks: _Blocks, *, capacity: int, total: int, se
         pages = _lmdb_pages(disk)
         tkv = {
             "seconds": t1 - t0, "gbps": _gbs(n * bb, t1 - t0), "flush_ok": ok, "pacing_waits": waits,
-            "spills_ok": int(_counter_sum(reg, "tiered_kv_jobs_total", kind="spill", outcome="ok")),
-            "spills_shed": int(_counter_sum(reg, "tiered_kv_shed_total", kind="spill")),
-            "evictions": int(_counter_sum(reg, "tiered_kv_evictions_total", tier="disk")),
+            "spills_ok": int(sample_total(reg, "tiered_kv_jobs_total", kind="spill", outcome="ok")),
+            "spills_shed": int(sample_total(reg, "tiered_kv_shed_total", kind="spill")),
+            "evictions": int(sample_total(reg, "tiered_kv_evictions_total", tier="disk")),
             "disk_blocks_end": mgr.disk_blocks, "file_bytes_end": file_end,
             "file_bytes_peak": max([s for _, s in sizes] + [file_end]),
             "map_size_end": disk.map_size, "lmdb_last_pgno": info.get("last_pgno"), "lmdb_psize": stat.get("psize"),
@@ -1013,12 +1007,12 @@ def bench_engine_latency(base: Path, blocks: _Blocks, *, seconds: float = 8.0, w
         probe = _WriterProbe(mgr)
         sat = _latency_run(mgr, blocks, rng, disk_keys, seconds, warmup_s, stores_per_step, step_sleep_s,
                            load_every, probe)
-        sat["spills_shed_backpressure"] = int(_counter_sum(reg, "tiered_kv_shed_total", kind="spill",
+        sat["spills_shed_backpressure"] = int(sample_total(reg, "tiered_kv_shed_total", kind="spill",
                                                            reason="backpressure"))
-        sat["spills_ok"] = int(_counter_sum(reg, "tiered_kv_jobs_total", kind="spill", outcome="ok"))
-        sat["promotes_ok"] = int(_counter_sum(reg, "tiered_kv_jobs_total", kind="promote", outcome="ok"))
-        sat["stores_shed"] = int(_counter_sum(reg, "tiered_kv_shed_total", kind="store"))
-        sat["loads_shed"] = int(_counter_sum(reg, "tiered_kv_shed_total", kind="load"))
+        sat["spills_ok"] = int(sample_total(reg, "tiered_kv_jobs_total", kind="spill", outcome="ok"))
+        sat["promotes_ok"] = int(sample_total(reg, "tiered_kv_jobs_total", kind="promote", outcome="ok"))
+        sat["stores_shed"] = int(sample_total(reg, "tiered_kv_shed_total", kind="store"))
+        sat["loads_shed"] = int(sample_total(reg, "tiered_kv_shed_total", kind="load"))
     finally:
         mgr.close()
     _rmtree(d)
