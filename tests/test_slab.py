@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -157,6 +158,81 @@ def test_attach_to_a_file_never_initialised_times_out_with_config_error(tmp_path
     p.write_bytes(b"NOTASLAB" + bytes(4096))  # some other file at that name
     with pytest.raises(ConfigError, match="not initialised"):
         SharedSlab.open(p, 4, 64, 1, timeout=0.05)
+
+
+def _creator_mid_initialisation(path: Path, num_slots: int, row_bytes: int, world: int) -> int:
+    """What a creator has done just before it writes its header: the file exists, sized, headerless."""
+    from tiered_kv.integrations import slab as slab_mod
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.ftruncate(fd, SharedSlab.total_bytes(num_slots, row_bytes, world))
+    assert slab_mod.MAGIC  # the header is written last, below, by the test
+    return fd
+
+
+def _attacher_waiting(monkeypatch, path: Path, geometry: tuple[int, int, int], timeout: float = 30):
+    """Start SharedSlab.open(path) on a thread; return (thread, result box) once it waits for a header."""
+    from tiered_kv.integrations import slab as slab_mod
+    waiting = threading.Event()
+    real_sleep = slab_mod.time.sleep
+
+    def sleep(s: float) -> None:  # the attacher's start-up wait loop: signal the first time it waits
+        waiting.set()
+        real_sleep(s)
+
+    monkeypatch.setattr(slab_mod.time, "sleep", sleep)
+    box: dict = {}
+
+    def attach() -> None:
+        try:
+            box["slab"] = SharedSlab.open(path, *geometry, timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - handed to the test thread
+            box["error"] = exc
+
+    t = threading.Thread(target=attach)
+    t.start()
+    assert waiting.wait(30), "the attacher never waited for the header"
+    return t, box
+
+
+def test_attacher_waits_for_a_creator_mid_initialisation_then_shares_its_memory(tmp_path, monkeypatch):
+    """Forced interleaving: the creator has made and sized the file but not written its header when
+    another process attaches; the attacher waits, and once the header lands both map the same bytes."""
+    from tiered_kv.integrations import slab as slab_mod
+    p, geometry = tmp_path / "x.slab", (4, 64, 2)
+    fd = _creator_mid_initialisation(p, *geometry)
+    t, box = _attacher_waiting(monkeypatch, p, geometry)
+    os.pwrite(fd, slab_mod._HEADER.pack(slab_mod.MAGIC, slab_mod.VERSION, 4, 64, 2, RING_SIZE), 0)
+    os.close(fd)
+    t.join(30)
+    assert "error" not in box, box.get("error")
+    attached = box["slab"]
+    creator = SharedSlab.open(p, *geometry)       # a third mapping, attaching normally
+    try:
+        assert not attached.created and not creator.created
+        attached.rows[3].copy_(_rand((64,), 7))
+        attached.mark_done(1, 5)
+        assert torch.equal(creator.rows[3], attached.rows[3])
+        assert not creator.done(5)                # rank 0 has not marked it
+        attached.mark_done(0, 5)
+        assert creator.done(5) and creator.ok(5)
+    finally:
+        attached.close()
+        creator.close()
+
+
+def test_attacher_gives_up_when_the_creator_dies_mid_initialisation(tmp_path, monkeypatch):
+    """Forced interleaving: the creator removes its half-made file (its start failed) while another
+    process waits for the header: the waiter raises ConfigError instead of waiting out its timeout."""
+    p, geometry = tmp_path / "x.slab", (4, 64, 1)
+    fd = _creator_mid_initialisation(p, *geometry)
+    # an hour-long timeout: only noticing the removed file can end the wait within the join below
+    t, box = _attacher_waiting(monkeypatch, p, geometry, timeout=3600)
+    os.unlink(p)
+    os.close(fd)
+    t.join(30)
+    assert not t.is_alive()
+    assert isinstance(box.get("error"), ConfigError), box
+    assert "not initialised" in str(box["error"])
 
 
 def test_layout_is_page_aligned_and_sized(tmp_path, opened):
