@@ -482,6 +482,14 @@ def test_d3_store_reported_before_ring_then_reset_is_never_published(rig):
     assert tiers.prepare_store([B]).slots == [0]
 
 
+def test_prepare_store_takes_a_repeated_key_once(rig):
+    slab = rig.slab(num_slots=4, row_bytes=32)
+    tiers = rig.open(slab)
+    p = tiers.prepare_store([A, A, B, A])
+    assert p.keys == [A, B] and len(set(p.slots)) == 2
+    assert tiers.debug_sizes()["host_used_slots"] == 2
+
+
 @pytest.mark.parametrize("ring_first", [True, False])
 def test_e_failed_store_aborts_its_keys(rig, ring_first):
     slab = rig.slab(num_slots=2, row_bytes=32)

@@ -240,10 +240,12 @@ class SlabTiers:
         for k in keys:
             self._check_key(k)
         protect = frozenset(keys)
-        todo, entries = [], []
+        todo: list[bytes] = []
+        entries = []
         token = self._tokens()
         for k in keys:
-            if k in self._index or (self._dindex is not None and k in self._dindex) or k in todo:
+            # (a key repeated in ``keys`` is in the index after its first reserve)
+            if k in self._index or (self._dindex is not None and k in self._dindex):
                 continue
             e = self._index.reserve(k, token, protect=protect)
             if e is None:
@@ -686,8 +688,9 @@ class SlabCopier:
             self.metrics.count(self.metrics.stale[(_STORE if store else _LOAD, StaleReason.UNKNOWN_TOKEN)])
             log.warning("job %d reuses the token of a job in flight; ignored", job_id)
             return True
-        job = _CopyJob(job_id, token, seq, store, torch.as_tensor(list(blocks), dtype=torch.long),
-                       torch.as_tensor(list(slots), dtype=torch.long))
+        # (a sequence or a numpy array: vLLM's block ids arrive as int32 arrays, converted once here)
+        job = _CopyJob(job_id, token, seq, store, torch.as_tensor(blocks, dtype=torch.long),
+                       torch.as_tensor(slots, dtype=torch.long))
         if self._cuda:
             job.blocks = job.blocks.to(self._device)
             job.ready = torch.cuda.Event()

@@ -317,13 +317,13 @@ class TieredKVOffloadingWorker(OffloadingWorker):
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, TieredKVLoadStoreSpec), f"store into {type(dst_spec).__name__}"
-        return self.copier.submit(job_id, dst_spec.token, dst_spec.seq, True, src_spec.block_ids.tolist(),
+        return self.copier.submit(job_id, dst_spec.token, dst_spec.seq, True, src_spec.block_ids,
                                   dst_spec.slots)
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
                     expedited: bool = False) -> bool:
         assert isinstance(src_spec, TieredKVLoadStoreSpec), f"load from {type(src_spec).__name__}"
-        return self.copier.submit(job_id, src_spec.token, src_spec.seq, False, dst_spec.block_ids.tolist(),
+        return self.copier.submit(job_id, src_spec.token, src_spec.seq, False, dst_spec.block_ids,
                                   src_spec.slots)
 
     def get_finished(self) -> list[TransferResult]:
