@@ -395,40 +395,32 @@ class TierMachine(RuleBasedStateMachine):
                 fill_row(self.kv, row, key)
                 self.model.row_content[row] = key
             key = self.model.row_content[row]  # the engine stores what the row holds
-        expected = self.model.store(key, row)
-        if expected == "busy":
-            with pytest.raises(BlockBusyError):
-                self.mgr.store(key, row)
-        else:
-            job = self.mgr.store(key, row)
-            if expected == "none":
-                assert job is None
-            else:
-                assert job is not None and job.kind is JobKind.STORE and job.key == key and job.block == row
-                self.mjobs[job.token] = self.model.add_store(job, key, row, expected)
-                self.issued.append(job)
-                if answer_now:
-                    self._answer(self.mover.transfer_of(job), True, False, False)
+        self._issue(self.mgr.store, JobKind.STORE, self.model.store(key, row), self.model.add_store,
+                    key, row, answer_now)
         self.broken = False
 
     @rule(row=rows, key=keys, answer_now=st.booleans())
     def load(self, row: int, key: bytes, answer_now: bool) -> None:
         self.broken = True
-        expected = self.model.load(key, row)
+        self._issue(self.mgr.load, JobKind.LOAD, self.model.load(key, row), self.model.add_load,
+                    key, row, answer_now)
+        self.broken = False
+
+    def _issue(self, call, kind: JobKind, expected: str, add, key: bytes, row: int, answer_now: bool) -> None:
+        """Call ``mgr.store``/``mgr.load`` and check its answer against the model's ``expected``."""
         if expected == "busy":
             with pytest.raises(BlockBusyError):
-                self.mgr.load(key, row)
-        else:
-            job = self.mgr.load(key, row)
-            if expected == "none":
-                assert job is None
-            else:
-                assert job is not None and job.kind is JobKind.LOAD and job.key == key and job.block == row
-                self.mjobs[job.token] = self.model.add_load(job, key, row, expected)
-                self.issued.append(job)
-                if answer_now:
-                    self._answer(self.mover.transfer_of(job), True, False, False)
-        self.broken = False
+                call(key, row)
+            return
+        job = call(key, row)
+        if expected == "none":
+            assert job is None
+            return
+        assert job is not None and job.kind is kind and job.key == key and job.block == row
+        self.mjobs[job.token] = add(job, key, row, expected)
+        self.issued.append(job)
+        if answer_now:
+            self._answer(self.mover.transfer_of(job), True, False, False)
 
     @precondition(lambda self: self.issued)
     @rule(data=st.data())
