@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Optional
+import uuid
+from typing import Optional, Union
 
 from .config import TieredKVConfig
 from .disk import DiskOptions, DiskStore
@@ -21,7 +22,8 @@ from .host import HostEntry, TierIndex
 from .metrics import Metrics
 from .movers import CompletionQueue
 
-__all__ = ["open_disk_tier", "replay_recovered", "disk_levels", "check_writer", "DiskErrors"]
+__all__ = ["open_disk_tier", "replay_recovered", "disk_levels", "check_writer", "DiskErrors", "start_spill",
+           "forget_failed_read"]
 
 log = logging.getLogger(__name__)
 
@@ -113,3 +115,35 @@ def disk_levels(disk: Optional[DiskStore], index: Optional[TierIndex], row_bytes
         return None
     return (index.used_slots * row_bytes, len(index), disk.queue_depth, disk.tombstones, disk.map_size,
             1 if disk.healthy and usable else 0)
+
+
+def start_spill(disk: DiskStore, dindex: TierIndex, hindex: TierIndex, entry: HostEntry, token: uuid.UUID,
+                src: memoryview) -> Union[HostEntry, str, None]:
+    """Queue the write of READY host ``entry`` (its slot's bytes ``src``) under ``token``.
+
+    Returns the new disk entry, with ``entry``'s slot leased to the write
+    until the owner applies its report; ``None`` when the key is on disk
+    already; or the shed reason (``"disk_full"``, ``"backpressure"``), with
+    nothing left held.
+    """
+    if entry.key in dindex:
+        return None
+    d = dindex.reserve(entry.key, token)
+    if d is None:
+        return "disk_full"
+    hindex.acquire(entry)
+    if not disk.submit_spill(token, entry.key, src):
+        hindex.release(entry)
+        dindex.writer_done(d)
+        dindex.abort(d)
+        return "backpressure"
+    return d
+
+
+def forget_failed_read(disk: DiskStore, dindex: TierIndex, d: HostEntry, key: bytes, error: str) -> None:
+    """A read-back of ``d`` failed: the entry is gone or bad on disk, so the index forgets it
+    (and the writer removes it if it was corrupt)."""
+    if d.live:
+        dindex.remove(d)
+        if "corrupt" in error:
+            disk.submit_delete_corrupt(key)

@@ -34,7 +34,8 @@ from prometheus_client import CollectorRegistry
 
 from .config import TieredKVConfig
 from .disk import DiskStore, FlushDone, writable_view
-from .disktier import check_writer, disk_levels, open_disk_tier, replay_recovered
+from .disktier import (check_writer, disk_levels, forget_failed_read, open_disk_tier, replay_recovered,
+                       start_spill)
 from .errors import (
     BlockBusyError,
     ConfigError,
@@ -583,10 +584,7 @@ class TierManager:
             job._move(JobState.FAILED)
             m.count(m.job_outcome[(_PROMOTE, "failed")])
             error = r.error or "miss"
-            if d.live:  # the entry is gone or bad on disk: forget it
-                self._dindex.remove(d)
-                if "corrupt" in error:
-                    self._disk.submit_delete_corrupt(job.key)
+            forget_failed_read(self._disk, self._dindex, d, job.key, error)
             for w in list(fl.waiters):
                 self._fail_waiter(w, error)
             return
@@ -709,23 +707,14 @@ class TierManager:
     def _start_spill(self, entry: HostEntry) -> None:
         """Write a READY host entry to disk (internal SPILL job); shed and count when it cannot."""
         assert self._dindex is not None and self._disk is not None
-        if entry.key in self._dindex:
-            return
         token = self._tokens()
-        d = self._dindex.reserve(entry.key, token, protect=())
-        if d is None:
-            self._shed(_SPILL, "disk_full")
-            return
-        self._index.acquire(entry)
-        if not self._disk.submit_spill(token, entry.key, self._slot_view(entry.slot)):
-            self._index.release(entry)
-            self._dindex.writer_done(d)
-            self._dindex.abort(d)
-            self._shed(_SPILL, "backpressure")
-            return
-        job = Job(token, _SPILL, entry.key, -1, _owner=self._owner_tag)
-        self._jobs[token] = _Flight(job, entry, 0, None, d)
-        self._n_in_flight[_SPILL] += 1
+        d = start_spill(self._disk, self._dindex, self._index, entry, token, self._slot_view(entry.slot))
+        if isinstance(d, str):
+            self._shed(_SPILL, d)
+        elif d is not None:
+            job = Job(token, _SPILL, entry.key, -1, _owner=self._owner_tag)
+            self._jobs[token] = _Flight(job, entry, 0, None, d)
+            self._n_in_flight[_SPILL] += 1
 
     def _start_promote(self, key: bytes) -> Optional[_Flight]:
         """Read ``key`` from disk into a new host slot (internal PROMOTE job)."""

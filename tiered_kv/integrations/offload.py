@@ -42,7 +42,8 @@ import torch
 
 from ..config import TieredKVConfig
 from ..disk import DiskStore, FlushDone, writable_view
-from ..disktier import check_writer, disk_levels, open_disk_tier, replay_recovered
+from ..disktier import (check_writer, disk_levels, forget_failed_read, open_disk_tier, replay_recovered,
+                        start_spill)
 from ..errors import ConfigError, InvalidKeyError
 from ..host import EntryState, HostEntry, HostIndex, TierIndex
 from ..jobs import JobKind, StaleReason, TokenFactory
@@ -497,22 +498,13 @@ class SlabTiers:
 
     def _start_spill(self, entry: HostEntry) -> None:
         assert self._dindex is not None and self._disk is not None
-        if entry.key in self._dindex:
-            return
         token = self._tokens()
-        d = self._dindex.reserve(entry.key, token)
-        if d is None:
-            self._shed(_SPILL, "disk_full")
-            return
-        self._index.acquire(entry)
-        if not self._disk.submit_spill(token, entry.key, self._slot_view(entry.slot)):
-            self._index.release(entry)
-            self._dindex.writer_done(d)
-            self._dindex.abort(d)
-            self._shed(_SPILL, "backpressure")
-            return
-        self._disk_jobs[token] = _DiskJob(token, _SPILL, entry, d)
-        self._n_in_flight[_SPILL] += 1
+        d = start_spill(self._disk, self._dindex, self._index, entry, token, self._slot_view(entry.slot))
+        if isinstance(d, str):
+            self._shed(_SPILL, d)
+        elif d is not None:
+            self._disk_jobs[token] = _DiskJob(token, _SPILL, entry, d)
+            self._n_in_flight[_SPILL] += 1
 
     def _start_promote(self, key: bytes, d: HostEntry, protect: Collection[bytes] = ()) -> bool:
         assert self._dindex is not None and self._disk is not None
@@ -569,10 +561,7 @@ class SlabTiers:
             self._index.writer_done(entry)
             self._index.abort(entry)
             m.count(m.job_outcome[(_PROMOTE, "failed")])
-            if dj.dentry.live:
-                self._dindex.remove(dj.dentry)
-                if "corrupt" in (r.error or ""):
-                    self._disk.submit_delete_corrupt(entry.key)
+            forget_failed_read(self._disk, self._dindex, dj.dentry, entry.key, r.error or "")
         else:
             self._index.publish(entry)
             m.count(m.job_outcome[(_PROMOTE, "ok")])
