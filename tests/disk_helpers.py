@@ -10,7 +10,11 @@
   of every write transaction in the writer thread, so a gate holds the writer
   deterministically (no sleeps) and can make a chosen commit raise.
 * :func:`raw_env` and friends open the LMDB environment directly (with the
-  manager closed) to inspect or damage what is stored.
+  manager closed) to inspect or damage what is stored.  :func:`raw_blocks`
+  hands out every entry in its self-contained inline form (the payload read
+  from its slot), and :func:`rewrite_value` stores the damaged result back
+  inline, which the tier reads like any entry; :func:`flip_slot_byte` and
+  friends damage the slot file itself.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from tiered_kv import Completion, Job, TieredKVConfig, TierManager
-from tiered_kv.diskformat import lmdb_key, parse_header
+from tiered_kv.diskformat import SLOTS_NAME, inline_value, lmdb_key, parse_header, slot_bytes_for
 
 ROW = 4096                  # bytes per block in most disk tests
 NS = "disk-test|u8|tp0"
@@ -290,11 +294,46 @@ def raw_env(path: Any, write: bool = False) -> Iterator[tuple[Any, dict[str, Any
         env.close()
 
 
-def raw_blocks(path: Any) -> dict[bytes, bytes]:
-    """LMDB key -> stored value of every entry of the ``blocks`` sub-database."""
+def raw_index(path: Any) -> dict[bytes, bytes]:
+    """LMDB key -> stored value (index record or inline entry) of the ``blocks`` sub-database."""
     with raw_env(path) as (env, dbs):
         with env.begin(db=dbs["blocks"]) as txn:
             return {bytes(k): bytes(v) for k, v in txn.cursor()}
+
+
+def slot_file(path: Any) -> Path:
+    return Path(path) / SLOTS_NAME
+
+
+def raw_blocks(path: Any) -> dict[bytes, bytes]:
+    """LMDB key -> every entry in inline form (a slot entry's payload read from the slot file)."""
+    out = {}
+    data = slot_file(path).read_bytes() if slot_file(path).exists() else b""
+    for k, v in raw_index(path).items():
+        h = parse_header(v)
+        if h.in_slot:
+            off = h.slot * slot_bytes_for(h.length)
+            v = inline_value(v, data[off:off + h.length])
+        out[k] = v
+    return out
+
+
+def slot_of(path: Any, key: bytes) -> tuple[int, int]:
+    """(slot number, byte offset in the slot file) of ``key``'s payload."""
+    h = parse_header(raw_index(path)[lmdb_key(key)])
+    assert h.in_slot, f"{key!r} is stored inline"
+    return h.slot, h.slot * slot_bytes_for(h.length)
+
+
+def flip_slot_byte(path: Any, key: bytes, offset: int) -> None:
+    """Flip one payload byte of ``key`` in the slot file (works while a manager runs: plain pwrite)."""
+    _, base = slot_of(path, key)
+    fd = os.open(slot_file(path), os.O_RDWR)
+    try:
+        b = os.pread(fd, 1, base + offset)
+        os.pwrite(fd, bytes([b[0] ^ 0x5A]), base + offset)
+    finally:
+        os.close(fd)
 
 
 def raw_keys(path: Any) -> set[bytes]:
@@ -318,11 +357,11 @@ def payload_offset(value: bytes) -> int:
 
 
 def rewrite_value(path: Any, key: bytes, fn: Callable[[bytearray], bytes]) -> None:
-    """Replace the stored value of ``key`` by ``fn(bytearray(old value))``."""
+    """Replace ``key``'s entry by ``fn(bytearray(its inline form))``, stored inline."""
+    old = raw_blocks(path).get(lmdb_key(key))
+    assert old is not None, f"{key!r} is not stored"
     with raw_env(path, write=True) as (env, dbs):
         with env.begin(write=True, db=dbs["blocks"]) as txn:
-            old = txn.get(lmdb_key(key))
-            assert old is not None, f"{key!r} is not stored"
             txn.put(lmdb_key(key), bytes(fn(bytearray(old))))
 
 
@@ -405,15 +444,18 @@ def tombstones_in_child(path: str, namespace: str, block_bytes: int, capacity_by
         store.close()
 
 
-FLIP_IN_CHILD = """
-import sys, lmdb
+FLIP_SLOT_IN_CHILD = """
+import os, sys, lmdb
+from tiered_kv.diskformat import SLOTS_NAME, parse_header, slot_bytes_for
 path, key, off, mapsize = sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-env = lmdb.open(path, subdir=True, max_dbs=4, map_size=mapsize)
+env = lmdb.open(path, subdir=True, max_dbs=4, map_size=mapsize, readonly=True)
 db = env.open_db(b"blocks", create=False)
-with env.begin(write=True, db=db) as txn:
-    v = bytearray(txn.get(key))
-    v[off] ^= 0x5A
-    txn.put(key, bytes(v))
+with env.begin(db=db) as txn:
+    h = parse_header(txn.get(key))
 env.close()
+fd = os.open(os.path.join(path, SLOTS_NAME), os.O_RDWR)
+at = h.slot * slot_bytes_for(h.length) + off
+os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x5A]), at)
+os.close(fd)
 print("flipped", flush=True)
 """

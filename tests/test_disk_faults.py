@@ -272,11 +272,20 @@ def test_completions_applied_during_flush_are_returned_by_the_next_poll(rig):
 
 
 # ============================================================================ LMDB map
+# The map holds only index records (payloads live in the slot file), so these tests fill it
+# with long keys: each index record carries its full key (24 KiB here, in overflow pages).
+LONG = {"max_key_bytes": 32768}
+
+
+def long_keys(n: int) -> list[bytes]:
+    return [k + b"." * 24000 for k in keys(n)]
+
+
 def test_map_full_grows_the_map_and_retries_without_losing_a_block(rig):
     kv = make_kv(8, row_bytes=16384)
-    mgr = rig.open(kv, host_slots=8, disk_slots=64, disk_map_size_bytes=256 * 1024, writer_batch_blocks=1)
+    mgr = rig.open(kv, host_slots=8, disk_slots=64, disk_map_size_bytes=256 * 1024, writer_batch_blocks=1, **LONG)
     first = mgr.disk.map_size
-    ks = keys(40)
+    ks = long_keys(40)
     store_seq(mgr, kv, ks)
     drain(mgr)
     assert mgr.disk.map_size > first
@@ -286,7 +295,7 @@ def test_map_full_grows_the_map_and_retries_without_losing_a_block(rig):
     assert mgr.disk_blocks == 40
     rig.close(mgr)
     assert raw_keys(rig.path) == set(ks)
-    mgr = rig.open(kv, host_slots=8, disk_slots=64, disk_map_size_bytes=256 * 1024)
+    mgr = rig.open(kv, host_slots=8, disk_slots=64, disk_map_size_bytes=256 * 1024, **LONG)
     assert mgr.lookup(ks) == 40
     assert load_ok(mgr, kv, ks[0], 0)
 
@@ -297,7 +306,7 @@ def test_map_growth_waits_for_a_read_transaction_in_flight(rig):
     readers' shared lock, as _read does around its txn) when the writer needs to
     grow the map; the growth must wait for it, then go on, losing nothing."""
     kv = make_kv(8, row_bytes=16384)
-    mgr = rig.open(kv, host_slots=8, disk_slots=64, disk_map_size_bytes=256 * 1024, writer_batch_blocks=1)
+    mgr = rig.open(kv, host_slots=8, disk_slots=64, disk_map_size_bytes=256 * 1024, writer_batch_blocks=1, **LONG)
     disk = mgr.disk
     first = disk.map_size
     wants_exclusive = threading.Event()
@@ -309,7 +318,7 @@ def test_map_growth_waits_for_a_read_transaction_in_flight(rig):
 
     disk._rw.acquire_exclusive = acquire_exclusive
     disk._rw.acquire_shared()                  # "a read transaction is open"
-    ks = keys(40)
+    ks = long_keys(40)
     stored = []
     try:
         for i, k in enumerate(ks):             # spill until the writer has to grow the map
@@ -335,11 +344,11 @@ def test_map_growth_waits_for_a_read_transaction_in_flight(rig):
 
 def test_map_full_on_a_batch_larger_than_one_growth_step_loses_nothing(rig):
     kv = make_kv(48, row_bytes=16384)
-    mgr = rig.open(kv, host_slots=48, disk_slots=64, disk_map_size_bytes=128 * 1024)
+    mgr = rig.open(kv, host_slots=48, disk_slots=64, disk_map_size_bytes=128 * 1024, **LONG)
     gate = rig.gate(mgr)
     store_one(mgr, kv, b"first", 0, flush=False)
     gate.entered(1)
-    ks = keys(40)
+    ks = long_keys(40)
     jobs = []
     for i, k in enumerate(ks):
         fill(kv, 1 + i, k)
@@ -359,11 +368,11 @@ def test_map_full_without_room_to_grow_fails_the_batch_and_counts_it(rig, monkey
     import tiered_kv.disk as disk_mod
 
     kv = make_kv(8, row_bytes=16384)
-    mgr = rig.open(kv, host_slots=8, disk_slots=64, disk_map_size_bytes=128 * 1024, writer_batch_blocks=1)
+    mgr = rig.open(kv, host_slots=8, disk_slots=64, disk_map_size_bytes=128 * 1024, writer_batch_blocks=1, **LONG)
     real = shutil.disk_usage
     monkeypatch.setattr(disk_mod.shutil, "disk_usage",
                         lambda p: real(p)._replace(free=0))
-    ks = keys(20)
+    ks = long_keys(20)
     for i, k in enumerate(ks):
         store_one(mgr, kv, k, i % 8, flush=False)
         drain(mgr)

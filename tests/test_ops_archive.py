@@ -11,7 +11,7 @@ from test_ops_common import (NS, ROW, Template, build_env, cli, content, keys, l
                              not_lmdb_dir, open_manager, raw, raw_all, raw_put, set_meta, snapshot, stored_keys,
                              token_of)
 from tiered_kv.archive import FRAME_OVERHEAD, _FILE_HDR, pack_frame, read_header
-from tiered_kv.diskformat import HEADER_SIZE, lmdb_key
+from tiered_kv.diskformat import FORMAT_VERSION, HEADER_SIZE, lmdb_key
 
 __all__ = ["live_writer"]
 
@@ -65,7 +65,7 @@ def test_export_import_end_to_end_serves_the_same_bytes(tpl, tmp_path, capsys):
     assert "verify" in err and "import" in err               # progress bars
     meta = raw(dst, "meta")
     assert meta[b"namespace"] == NS.encode() and meta[b"block_bytes"] == str(ROW).encode()
-    assert meta[b"format_version"] == b"1"
+    assert meta[b"format_version"] == str(FORMAT_VERSION).encode()
     assert raw(dst) == raw(src)                              # the stored values travelled as is
     mgr, kv = open_manager(dst)                              # a TierManager opens it and serves the blocks
     try:
@@ -290,8 +290,8 @@ def test_import_bad_input(kind, archive, tpl, tmp_path, capsys):
         dst, msg = tmp_path / "f", "is not a directory"
         dst.write_bytes(b"x")
     else:
-        dst, msg = tpl.copy(tmp_path / "dst"), "format version '2'"
-        set_meta(dst, b"format_version", b"2")
+        dst, msg = tpl.copy(tmp_path / "dst"), "format version '1'"
+        set_meta(dst, b"format_version", b"1")
     before = snapshot(dst)
     rc, out, err = cli(capsys, "import", str(dst), str(arch))
     assert rc == 2, (out, err)
@@ -312,8 +312,8 @@ def test_export_bad_input(kind, tpl, tmp_path, capsys):
     elif kind == "not-lmdb":
         src, msg = not_lmdb_dir(tmp_path), "not an LMDB environment"
     else:
-        set_meta(src, b"format_version", b"2")
-        msg = "format version '2'"
+        set_meta(src, b"format_version", b"1")
+        msg = "format version '1'"
     before, before_out = snapshot(src), snapshot(out)
     rc, o, err = cli(capsys, "export", str(src), "--namespace", ns, str(out))
     assert rc == 2, (o, err)
@@ -325,7 +325,7 @@ def test_export_bad_input(kind, tpl, tmp_path, capsys):
 def test_archive_header_records_what_import_checks(archive):
     import asyncio
     hdr = asyncio.run(read_header(archive))
-    assert hdr.namespace == NS.encode() and hdr.block_bytes == ROW and hdr.entry_format == 1 and hdr.version == 1
+    assert hdr.namespace == NS.encode() and hdr.block_bytes == ROW and hdr.entry_format == FORMAT_VERSION and hdr.version == 1
     assert hdr.info["tiered_kv"] and hdr.created > 0
 
 

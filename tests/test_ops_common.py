@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry
 
 from tiered_kv import TieredKVConfig, TierManager
 from tiered_kv.cli import main
-from tiered_kv.diskformat import lmdb_key, parse_header
+from tiered_kv.diskformat import SLOTS_NAME, CorruptEntry, inline_value, lmdb_key, parse_header, slot_bytes_for
 
 ROW = 4096
 NS = "ops-test|u8|tp0"
@@ -117,14 +117,27 @@ def cli_subprocess(*argv: str, timeout: float = 120) -> subprocess.CompletedProc
 
 
 # --------------------------------------------------------------------------- raw LMDB (no manager open on the path)
-def raw(path: Path, db: str = "blocks") -> dict[bytes, bytes]:
+def raw(path: Path, db: str = "blocks", inline: bool = True) -> dict[bytes, bytes]:
+    """The sub-database ``db`` as stored; ``blocks`` entries in their inline form (payload read from its slot)
+    unless ``inline=False``."""
     env = lmdb.open(str(path), subdir=True, max_dbs=4, readonly=True, lock=True, map_size=0)
     try:
         h = env.open_db(db.encode(), create=False)
         with env.begin(db=h) as txn:
-            return {bytes(k): bytes(v) for k, v in txn.cursor()}
+            out = {bytes(k): bytes(v) for k, v in txn.cursor()}
     finally:
         env.close()
+    if db == "blocks" and inline:
+        data = (path / SLOTS_NAME).read_bytes() if (path / SLOTS_NAME).exists() else b""
+        for k, v in out.items():
+            try:
+                e = parse_header(v)
+            except CorruptEntry:
+                continue      # damaged on purpose: left as stored
+            if e.in_slot:
+                off = e.slot * slot_bytes_for(e.length)
+                out[k] = inline_value(v, data[off:off + e.length])
+    return out
 
 
 def raw_all(path: Path) -> dict[str, dict[bytes, bytes]]:

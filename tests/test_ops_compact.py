@@ -107,8 +107,8 @@ def test_compact_bad_input(kind, tpl, tmp_path, capsys):
     elif kind == "garbage-data":
         path, msg = garbage_lmdb_dir(tmp_path), "not an LMDB environment"
     else:
-        path, msg = tpl.copy(tmp_path / "disk"), "format version '2'"
-        set_meta(path, b"format_version", b"2")
+        path, msg = tpl.copy(tmp_path / "disk"), "format version '1'"
+        set_meta(path, b"format_version", b"1")
     before = snapshot(path)
     rc, out, err = cli(capsys, "compact", str(path))
     assert rc == 2, (out, err)

@@ -8,6 +8,8 @@ import uuid
 
 import pytest
 
+from tiered_kv.diskformat import FORMAT_VERSION, SLOTS_NAME
+
 from test_ops_common import (NS, ROW, Template, cli, cli_subprocess, garbage_lmdb_dir, keys, live_writer,
                              not_lmdb_dir, open_manager, plain_lmdb_dir, raw_put, set_meta, snapshot, token_of)
 
@@ -28,7 +30,9 @@ def test_inspect_text(tpl, tmp_path, capsys):
     lines = dict((ln.split("  ", 1)[0].strip(), ln.split("  ", 1)[1].strip()) for ln in out.splitlines() if "  " in ln)
     assert lines["entries"] == "6"
     assert lines["block bytes"] == f"{ROW:,}"
-    assert lines["format version"].startswith("1 ")
+    assert lines["format version"].startswith(f"{FORMAT_VERSION} ")
+    assert lines["stored bytes"].endswith("6 entries in the slot file, 0 inline)")
+    assert lines["slots.tkv"].startswith(f"{(path / SLOTS_NAME).stat().st_size:,} bytes")
     assert lines["tombstones"] == "0"
     assert lines["writer"].startswith("none")
     assert "entries" in lines["last recovery"]
@@ -40,9 +44,12 @@ def test_inspect_json(tpl, tmp_path, capsys):
     rc, out, err = cli(capsys, "inspect", str(path), "--json")
     assert rc == 0, err
     rep = json.loads(out)
-    assert rep["namespace"] == NS and rep["block_bytes"] == ROW and rep["format_version"] == "1"
+    assert rep["namespace"] == NS and rep["block_bytes"] == ROW and rep["format_version"] == str(FORMAT_VERSION)
     assert rep["entries"] == 6 and rep["entry_namespaces"] == {NS: 6}
-    assert rep["payload_bytes"] == 6 * ROW and rep["stored_bytes"] > 6 * ROW
+    # the payloads are in the slot file: LMDB holds the index records only
+    assert rep["payload_bytes"] == 6 * ROW and 0 < rep["stored_bytes"] < ROW
+    assert rep["slot_entries"] == 6 and rep["inline_entries"] == 0
+    assert rep["slot_file_bytes"] == (path / SLOTS_NAME).stat().st_size >= 6 * ROW
     assert rep["tombstones"] == 0 and rep["foreign_entries"] == 0 and rep["writer_pids"] == []
     lm = rep["lmdb"]
     assert lm["page_bytes"] > 0 and lm["pages_total"] >= lm["pages_used"] > 0
@@ -84,8 +91,8 @@ def _bad(kind, tmp_path, tpl):
         return plain_lmdb_dir(tmp_path), "not a tiered_kv disk tier"
     if kind == "format":
         p = tpl.copy(tmp_path / "disk")
-        set_meta(p, b"format_version", b"2")
-        return p, "format version '2'"
+        set_meta(p, b"format_version", b"1")
+        return p, "format version '1'"
     if kind == "truncated":
         p = tpl.copy(tmp_path / "disk")
         data = p / "data.mdb"
@@ -113,7 +120,7 @@ def test_inspect_wrong_format_still_shows_what_it_can_in_json(tpl, tmp_path, cap
     rc, out, err = cli(capsys, "inspect", str(path), "--json")
     assert rc == 2 and "format version" in err
     rep = json.loads(out)
-    assert rep["format_version"] == "2" and rep["namespace"] == NS and rep["entries"] == 6
+    assert rep["format_version"] == "1" and rep["namespace"] == NS and rep["entries"] == 6
 
 
 def test_inspect_beside_a_live_writer_in_another_process(live_writer, capsys):

@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from test_ops_common import (NS, Template, cli, content, garbage_lmdb_dir, keys, live_writer, load_bytes,
+from test_ops_common import (NS, ROW, Template, cli, content, garbage_lmdb_dir, keys, live_writer, load_bytes,
                              not_lmdb_dir, open_manager, raw, raw_all, raw_put, set_meta, snapshot, token_of)
-from tiered_kv.diskformat import HEADER_SIZE, lmdb_key
+from tiered_kv.diskformat import HEADER_SIZE, SLOTS_NAME, lmdb_key, parse_header, slot_bytes_for
 
 __all__ = ["live_writer"]
 
@@ -141,3 +141,36 @@ def test_verify_counts_entries_of_another_namespace_as_corrupt(tpl, tmp_path, ca
     rep = json.loads(out)
     assert rc == 1 and [p["reason"] for p in rep["corrupt"]] == ["wrong_namespace"]
     assert rep["namespace"] == NS and HEADER_SIZE > 0
+
+
+def test_verify_reads_payloads_from_the_slot_file(tpl, tmp_path, capsys):
+    """Bit rot in the slot file and a slot file cut short are found (the index records are intact),
+    --repair removes those entries only, and export skips them."""
+    path = tpl.copy(tmp_path / "disk")
+    index = raw(path, inline=False)
+    slot_bytes = slot_bytes_for(ROW)
+    at = {k: parse_header(index[lmdb_key(k)]).slot * slot_bytes for k in tpl.keys}
+    rotten = tpl.keys[2]
+    with open(path / SLOTS_NAME, "r+b") as f:
+        f.seek(at[rotten] + ROW // 3)
+        b = f.read(1)
+        f.seek(at[rotten] + ROW // 3)
+        f.write(bytes([b[0] ^ 0x01]))
+    last = max(tpl.keys, key=lambda k: at[k])                 # the entry in the highest slot loses its tail
+    os.truncate(path / SLOTS_NAME, at[last] + ROW - 5)
+    rc, out, err = cli(capsys, "verify", str(path), "--json")
+    assert rc == 1, err
+    rep = json.loads(out)
+    got = {bytes.fromhex(p["key"]): p["reason"] for p in rep["corrupt"]}
+    assert got == {rotten: "checksum", last: "truncated"}
+    assert rep["ok"] == len(tpl.keys) - 2
+    rc, out, err = cli(capsys, "export", str(path), "--namespace", NS, str(tmp_path / "a.tkv"))
+    assert rc == 0 and f"exported {len(tpl.keys) - 2} entries" in out, (out, err)
+    rc, out, err = cli(capsys, "verify", str(path), "--repair")
+    assert rc == 0 and "removed 2 entries" in out, (out, err)
+    mgr, kv = open_manager(path)
+    try:
+        for k in tpl.keys:
+            assert load_bytes(mgr, kv, k) == (None if k in (rotten, last) else content(k))
+    finally:
+        mgr.close()

@@ -63,9 +63,10 @@ import lmdb
 import xxhash
 
 from .disk import init_meta
-from .diskformat import FORMAT_VERSION, HEADER_SIZE, CorruptEntry, lmdb_key, pack_header, verify_entry
+from .diskformat import (FORMAT_VERSION, HEADER_SIZE, CorruptEntry, SlotReader, inline_value, lmdb_key, pack_header,
+                         verify_entry)
 from .ops import (LOCK_NAME, OpenEnv, OpsError, PathLike, fsync_path, check_env_dir, check_meta, grow_map,
-                  hold_path, open_readonly, open_writable)
+                  hold_path, open_readonly, open_writable, stored_payload)
 
 __all__ = ["ARCHIVE_MAGIC", "ARCHIVE_VERSION", "ArchiveError", "ArchiveHeader", "ExportReport", "ImportReport",
            "export_archive", "import_archive", "export_async", "import_async", "read_header", "scan_archive"]
@@ -382,12 +383,13 @@ async def export_async(path: PathLike, namespace: str, out: PathLike,
                     buf: list[bytes] = [pack_file_header(ns, bb, time.time(), info)]
                     nbuf = len(buf[0])
                     digest = xxhash.xxh3_64()
-                    with oe.begin(buffers=True) as txn:
+                    with oe.begin(buffers=True) as txn, SlotReader(oe.path, bb) as slots:
                         tombs = {bytes(k) for k, _ in txn.cursor(db=oe.dbs["tombs"])}
                         total = txn.stat(oe.dbs["blocks"])["entries"]
                         for lk, v in txn.cursor(db=oe.dbs["blocks"]):
+                            payload = stored_payload(v, bb, slots)
                             try:
-                                h = verify_entry(v, ns, None, bb)
+                                h = verify_entry(v, ns, None, bb, payload)
                             except CorruptEntry:
                                 rep.skipped_corrupt += 1
                                 continue
@@ -397,12 +399,14 @@ async def export_async(path: PathLike, namespace: str, out: PathLike,
                             if h.token.bytes in tombs:
                                 rep.skipped_orphaned += 1
                                 continue
-                            frame = pack_frame(rep.frames, bytes(v))
+                            # frames carry self-contained inline entries (the payload inside)
+                            value = bytes(v) if payload is None else inline_value(v, payload)
+                            frame = pack_frame(rep.frames, value)
                             digest.update(frame)
                             buf.append(frame)
                             nbuf += len(frame)
                             rep.frames += 1
-                            rep.value_bytes += len(v)
+                            rep.value_bytes += len(value)
                             if nbuf >= WRITE_CHUNK:
                                 if pending is not None:
                                     await pending
@@ -504,6 +508,7 @@ async def _import_pass(oe: OpenEnv, archive: Path, hdr0: ArchiveHeader, rep: Imp
     bb = hdr0.block_bytes
     async with _open_archive(archive) as f:
         r = _Reader(f, progress)
+        slots = SlotReader(oe.path, bb)   # to verify entries already there (imported ones stay inline)
         txn = oe.env.begin(write=True, buffers=True)
         try:
             hdr = await _read_header(r, name)
@@ -528,7 +533,7 @@ async def _import_pass(oe: OpenEnv, archive: Path, hdr0: ArchiveHeader, rep: Imp
                     old = txn.get(lk, db=dbs["blocks"])
                     if old is not None:
                         try:
-                            oh = verify_entry(old, target_ns, eh.key, bb)
+                            oh = verify_entry(old, target_ns, eh.key, bb, stored_payload(old, bb, slots))
                         except CorruptEntry:
                             oh = None
                         if oh is not None:
@@ -543,6 +548,7 @@ async def _import_pass(oe: OpenEnv, archive: Path, hdr0: ArchiveHeader, rep: Imp
             txn.abort()
             raise
         finally:
+            slots.close()
             await r.close()
     rep.frames = s.frames
     for k, v in counts.items():

@@ -173,11 +173,13 @@ def _inspect(args: argparse.Namespace) -> int:
                                              f"{rep['unparsable_entries']:,} unparsable)"
                                              if rep["foreign_entries"] or rep["unparsable_entries"] else "")),
         ("entry namespaces", ns_s),
-        ("stored bytes", f"{rep['stored_bytes']:,} (payload {rep['payload_bytes']:,})"),
+        ("stored bytes", f"{rep['stored_bytes']:,} in LMDB (payload {rep['payload_bytes']:,}: "
+                         f"{rep['slot_entries']:,} entries in the slot file, {rep['inline_entries']:,} inline)"),
         ("tombstones", f"{rep['tombstones']:,}"),
         ("touch records", f"{rep['touch_records']:,}"),
         ("capacity", "not recorded on disk (the TierManager's disk_capacity_bytes)"),
-        ("data.mdb", f"{rep['file_bytes']:,} bytes"),
+        ("data.mdb", f"{rep['file_bytes']:,} bytes (the index)"),
+        ("slots.tkv", f"{rep['slot_file_bytes']:,} bytes (payload slots, preallocated as the tier grows)"),
         ("map", f"{lm['map_size_bytes']:,} bytes, {lm['map_unused_bytes']:,} never used"),
         ("pages", f"{lm['pages_total']:,} of {lm['page_bytes']:,} B: {lm['pages_used']:,} in use, "
                   f"{lm['pages_free']:,} free ({lm['bytes_free']:,} bytes reusable; compact to return them)"),

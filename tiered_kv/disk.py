@@ -1,4 +1,4 @@
-"""The disk tier's I/O side: one LMDB environment, one writer thread, reader threads.
+"""The disk tier's I/O side: a slot file and its LMDB index, one writer thread, reader threads.
 
 :class:`DiskStore` owns every LMDB transaction of its path; the manager owns
 the policy (which keys live on disk, leases, LRU, capacity) and talks to the
@@ -10,6 +10,27 @@ store only through messages, exactly like the copy movers:
 * ``submit_promote`` queues a read for a reader thread.
 * Each op is answered by one :class:`~tiered_kv.movers.Report` (spills,
   promotes) or :class:`FlushDone` on the manager's completion queue.
+
+Layout: payloads live in fixed-size slots of one preallocated data file
+(``slots.tkv``, grown in chunks up to the capacity); LMDB holds, per key, the
+entry header (namespace, key, token, length, checksum) and the slot number
+(:mod:`tiered_kv.diskformat`).  A batch is written in three steps: payloads
+into free slots (``pwritev`` straight from the host slots, no staging copy),
+``fdatasync`` of the data file, then one LMDB transaction publishing the
+index records.  A crash before the commit leaves bytes in free slots that
+nothing references.
+
+Slot invariants:
+
+* a slot is referenced by at most one committed entry; it is handed to a new
+  write only after the transaction that dropped its old entry is durable
+  (``durability="batch"``: one commit later, like LMDB's own page reuse), so
+  after a crash no committed entry points at bytes of another write;
+* a slot whose write was cancelled or failed before publication is free at
+  once (nothing committed ever referenced it);
+* a reader that finds a slot's bytes changed under it (the entry was dropped
+  and the slot reused meanwhile) reports a miss, not corruption: it re-reads
+  the index before blaming the bytes.
 
 Writer invariants:
 
@@ -35,6 +56,7 @@ import collections
 import ctypes
 import errno
 import fcntl
+import heapq
 import json
 import logging
 import os
@@ -50,7 +72,8 @@ from typing import Any, Callable, Optional
 
 import lmdb
 
-from .diskformat import FORMAT_VERSION, HEADER_SIZE, CorruptEntry, lmdb_key, pack_header, parse_header, verify_entry
+from .diskformat import (FORMAT_VERSION, HEADER_SIZE, SLOTS_NAME, CorruptEntry, EntryHeader, lmdb_key,
+                         pack_slot_entry, parse_header, slot_bytes_for, verify_entry)
 from .errors import DiskInUseError, DiskTierError
 from .jobs import JobKind
 from .movers import CompletionQueue, Report
@@ -80,6 +103,7 @@ class DiskOptions:
     batch_bytes: int = 64 << 20
     batch_seconds: float = 0.005
     num_readers: int = 2
+    slots: int = 0             # slots in the data file (0: capacity_bytes // block_bytes)
 
 
 @dataclass(frozen=True)
@@ -104,6 +128,7 @@ class RecoveryReport:
     purged: int = 0            # entries written under a tombstoned token
     corrupt: int = 0           # entries whose header failed to parse (removed)
     foreign: int = 0           # entries of another namespace/length (removed)
+    slots_free: int = 0        # free slots of the data file after recovery
     tombs_dropped: int = 0     # tombstones garbage-collected
     at: float = field(default_factory=time.time)
 
@@ -117,9 +142,8 @@ def writable_view(t: Any) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
-def _address(view: memoryview) -> int:
-    """The address of a writable contiguous buffer."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+class SlotsExhausted(Exception):
+    """No free slot in the data file (the owner's accounting should make this impossible)."""
 
 
 def init_meta(txn: Any, meta_db: Any, namespace: bytes, block_bytes: int) -> None:
@@ -172,7 +196,8 @@ class _Spill:
     key: bytes
     src: memoryview
     nbytes: int
-    src_addr: int
+    slot: int = -1         # the data-file slot holding the payload (writer thread)
+    entry: bytes = b""     # the index record to publish
 
 
 @dataclass
@@ -245,8 +270,13 @@ class DiskStore:
         self.writer_error: Optional[BaseException] = None
         self._batch: list[Any] = []
         self._dirty = False
-        self._staging: Optional[memoryview] = None
-        self._staging_addr = 0
+        self._slot_bytes = slot_bytes_for(opts.block_bytes)
+        self._sfd = -1                             # the slot file
+        self._slot_lock = threading.Lock()
+        self._free_slots: list[int] = []           # heap: lowest first, so a fresh file fills front to back
+        self._slots_len = 0                        # slots the file holds (allocated on disk)
+        self._slots_max = 0                        # the file grows up to this many
+        self._freed_unsynced: list[tuple[int, int]] = []  # (txn id, slot) dropped by a commit not yet durable
         self._failures = 0        # failed batches so far (a flush after one answers False)
         self._sync_failed = False
         self._backoff = 0.0
@@ -284,6 +314,7 @@ class DiskStore:
         self._lock_fd = fd
         try:
             self._open_env()
+            self._open_slots()
             self._recover()
         except lmdb.Error as exc:
             self._release_env()
@@ -296,7 +327,8 @@ class DiskStore:
         o = self.opts
         data = o.path / "data.mdb"
         existing = data.exists()
-        want = o.map_size_bytes or max(MIN_MAP, 2 * o.capacity_bytes + 16 * (o.block_bytes + 4096))
+        # the map holds only index records (the payloads are in the slot file) and imported inline entries
+        want = o.map_size_bytes or max(MIN_MAP, 4096 * self._target_slots())
         if existing:
             size = data.stat().st_size
             if size == 0:
@@ -336,6 +368,19 @@ class DiskStore:
             if bb != str(o.block_bytes).encode():
                 raise DiskTierError(f"disk_path {str(o.path)!r} holds blocks of {bb!r} bytes, not {o.block_bytes}")
 
+    def _target_slots(self) -> int:
+        return max(1, self.opts.slots or self.opts.capacity_bytes // self.opts.block_bytes)
+
+    def _open_slots(self) -> None:
+        p = self.opts.path / SLOTS_NAME
+        try:
+            self._sfd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise DiskTierError(f"disk_path {str(self.opts.path)!r}: cannot open {SLOTS_NAME}: {exc}") from exc
+        self._slots_len = os.fstat(self._sfd).st_size // self._slot_bytes
+        # a file longer than the configured capacity (it shrank) keeps its slots until compacted
+        self._slots_max = max(self._target_slots(), self._slots_len)
+
     def _recover(self) -> None:
         """Purge writes under tombstoned tokens, drop dead tombs, index what remains."""
         t0 = time.perf_counter()
@@ -343,6 +388,8 @@ class DiskStore:
         env = self._env
         assert env is not None
         entries: dict[bytes, StoredEntry] = {}
+        owner: dict[int, tuple[bytes, int]] = {}  # slot -> (LMDB key, seq) of the entry using it
+        file_bytes = os.fstat(self._sfd).st_size
         with env.begin(write=True, buffers=True) as txn:
             tombs = {bytes(k): bytes(v) for k, v in txn.cursor(db=self._tombs)}
             dead: list[bytes] = []
@@ -363,6 +410,22 @@ class DiskStore:
                     rep.purged += 1
                     dead.append(lk)
                     continue
+                if h.in_slot:
+                    if h.slot * self._slot_bytes + h.length > file_bytes:
+                        rep.corrupt += 1   # the slot file was truncated under it
+                        dead.append(lk)
+                        continue
+                    prev = owner.get(h.slot)
+                    if prev is not None:
+                        # two entries on one slot (only a lost commit could do that): the older one's
+                        # bytes were overwritten, so it goes; the checksum still guards the newer one
+                        rep.corrupt += 1
+                        loser = prev[0] if prev[1] < h.seq else lk
+                        dead.append(loser)
+                        entries.pop(loser, None)
+                        if loser == lk:
+                            continue
+                    owner[h.slot] = (lk, h.seq)
                 entries[lk] = StoredEntry(h.key, h.token, h.length, h.seq)
                 self._seq = max(self._seq, h.seq)
             for lk in dead:
@@ -383,6 +446,9 @@ class DiskStore:
                     entries[k] = StoredEntry(e.key, e.token, e.length, seq)
                 self._seq = max(self._seq, seq)
             rep.entries = len(entries)
+            self._free_slots = [i for i in range(self._slots_len) if i not in owner]
+            heapq.heapify(self._free_slots)
+            rep.slots_free = len(self._free_slots) + self._slots_max - self._slots_len
             rep.seconds = time.perf_counter() - t0
             txn.put(b"last_recovery", json.dumps(rep.as_dict()).encode(), db=self._meta)
         if self.opts.durability != "none":
@@ -399,7 +465,7 @@ class DiskStore:
         with self._cond:
             if not self._accepting or self._spills_queued >= self.opts.queue_blocks:
                 return False
-            self._ops.append(_Spill(token, key, src, len(src), _address(src)))
+            self._ops.append(_Spill(token, key, src, len(src)))
             self._spills_queued += 1
             with self._cancel_lock:
                 self._unsettled.add(token)
@@ -436,10 +502,25 @@ class DiskStore:
         return self._writer.is_alive()
 
     def file_bytes(self) -> int:
+        """Size of LMDB's data.mdb (the index)."""
         try:
             return (self.opts.path / "data.mdb").stat().st_size
         except OSError:
             return 0
+
+    def slot_file_bytes(self) -> int:
+        try:
+            return os.fstat(self._sfd).st_size if self._sfd >= 0 else 0
+        except OSError:
+            return 0
+
+    def disk_bytes(self) -> int:
+        """What the tier takes on disk: the slot file and the index."""
+        return self.file_bytes() + self.slot_file_bytes()
+
+    @property
+    def slot_bytes(self) -> int:
+        return self._slot_bytes
 
     def write_tombstone(self, token: uuid.UUID, key: bytes) -> bool:
         """Durably tombstone ``token`` from any thread or process (its own write transaction).
@@ -449,12 +530,16 @@ class DiskStore:
         Returns True if an entry was removed.
         """
         assert self._env is not None
+        frees: list[int] = []
         self._rw.acquire_shared()
         try:
             with self._env.begin(write=True) as txn:
-                return self._apply_tomb(txn, token, key)
+                removed = self._apply_tomb(txn, token, key, frees)
+                txn_id = txn.id()
         finally:
             self._rw.release_shared()
+        self._slots_dropped(frees, txn_id)
+        return removed
 
     def close(self) -> None:
         """Finish queued ops, sync, stop threads, release the path.  Idempotent."""
@@ -482,6 +567,9 @@ class DiskStore:
                 pass
             self._env.close()
             self._env = None
+        if self._sfd >= 0:
+            os.close(self._sfd)
+            self._sfd = -1
         if self._lock_fd >= 0:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             os.close(self._lock_fd)
@@ -598,9 +686,9 @@ class DiskStore:
             if not self._closed:
                 self._cond.wait(timeout=self._backoff)
 
-    @staticmethod
-    def _batch_bytes(batch: list[Any]) -> int:
-        return sum(op.nbytes + HEADER_SIZE + 1024 for op in batch if isinstance(op, _Spill))
+    def _batch_bytes(self, batch: list[Any]) -> int:
+        """The LMDB map space a batch's index records may take (payloads go to the slot file)."""
+        return sum(HEADER_SIZE + len(self._ns) + len(op.key) + 1024 for op in batch if isinstance(op, _Spill))
 
     def _classify(self, exc: BaseException) -> str:
         kind = _error_kind(exc)
@@ -611,56 +699,83 @@ class DiskStore:
                     return "disk_full"
             except OSError:
                 pass
+        if isinstance(exc, SlotsExhausted):
+            return "slots_exhausted"
         if kind == "lmdb_error" and not isinstance(exc, lmdb.Error):
             return "writer_error"
         return kind
 
     def _commit(self, batch: list[Any]) -> list[Report]:
-        """One write transaction for the whole batch; returns the reports to send after commit."""
+        """Write ``batch``'s payloads into free slots, sync them, then publish in one transaction.
+
+        Returns the reports to send once the transaction is committed.
+        """
         env = self._env
         assert env is not None
         results: list[Report] = []
         t0 = time.perf_counter()
         if self.fault_hook is not None:
             self.fault_hook("commit")
-        self._rw.acquire_shared()
+        spills = [op for op in batch if isinstance(op, _Spill)]
+        placed: list[int] = []      # slots taken by this batch, given back if it fails
+        frees: list[int] = []       # slots of entries this transaction drops
         try:
-            with env.begin(write=True, buffers=True) as txn:
-                for op in batch:
-                    if isinstance(op, _Spill):
-                        # settled from here on: a tomb later in this transaction finds the entry
-                        # (and deletes it) or, if prevented, has nothing left to guard
-                        with self._cancel_lock:
-                            self._unsettled.discard(op.token)
-                        if self._is_cancelled(op.token) or txn.get(op.token.bytes, db=self._tombs) is not None:
-                            txn.delete(op.token.bytes, db=self._tombs)
+            for op in spills:
+                op.slot = -1
+                if self._is_cancelled(op.token):
+                    continue        # never written; the transaction below answers it
+                op.slot = self._alloc_slot()
+                placed.append(op.slot)
+                self._seq += 1
+                # checksum and write run in C without the GIL, straight from the leased host slot
+                op.entry = pack_slot_entry(self._ns, op.key, op.token, op.src, self._seq, op.slot)
+                self._pwrite(op.slot, op.src)
+            if placed and self.opts.durability != "none":
+                os.fdatasync(self._sfd)   # the bytes are durable before any index record points at them
+            unused: list[int] = []
+            self._rw.acquire_shared()
+            try:
+                with env.begin(write=True, buffers=True) as txn:
+                    for op in batch:
+                        if isinstance(op, _Spill):
+                            # settled from here on: a tomb later in this transaction finds the entry
+                            # (and deletes it) or, if prevented, has nothing left to guard
                             with self._cancel_lock:
-                                self._cancelled.discard(op.token)
-                            self._on_prevented()
-                            results.append(Report(op.token, JobKind.SPILL, False, "cancelled before publish", copied=False))
-                            continue
-                        self._seq += 1
-                        head = pack_header(self._ns, op.key, op.token, op.src, self._seq)
-                        total = len(head) + op.nbytes
-                        staging = self._staging_for(total)
-                        staging[:len(head)] = head
-                        # the payload copy runs in C without the GIL, so the engine thread is not stalled
-                        ctypes.memmove(self._staging_addr + len(head), op.src_addr, op.nbytes)
-                        txn.put(lmdb_key(op.key), staging[:total], db=self._blocks)
-                        txn.delete(lmdb_key(op.key), db=self._touch)
-                        results.append(Report(op.token, JobKind.SPILL, True, None, op.nbytes, 0.0))
-                    elif isinstance(op, _Tomb):
-                        self._apply_tomb(txn, op.token, op.key, from_queue=True)
-                    elif isinstance(op, _Delete):
-                        self._delete_if_token(txn, op.key, op.token)
-                    elif isinstance(op, _DeleteCorrupt):
-                        self._delete_if_corrupt(txn, op.key)
-                    elif isinstance(op, _Touch):
-                        self._seq += 1
-                        txn.put(lmdb_key(op.key), _U64.pack(self._seq), db=self._touch)
-                self.tombstones = txn.stat(self._tombs)["entries"]
-        finally:
-            self._rw.release_shared()
+                                self._unsettled.discard(op.token)
+                            if self._is_cancelled(op.token) or txn.get(op.token.bytes, db=self._tombs) is not None:
+                                txn.delete(op.token.bytes, db=self._tombs)
+                                with self._cancel_lock:
+                                    self._cancelled.discard(op.token)
+                                if op.slot >= 0:
+                                    unused.append(op.slot)
+                                self._on_prevented()
+                                results.append(Report(op.token, JobKind.SPILL, False, "cancelled before publish",
+                                                      copied=False))
+                                continue
+                            lk = lmdb_key(op.key)
+                            old = txn.replace(lk, op.entry, db=self._blocks)
+                            if old is not None:
+                                self._note_dropped(old, frees)
+                            txn.delete(lk, db=self._touch)
+                            results.append(Report(op.token, JobKind.SPILL, True, None, op.nbytes, 0.0))
+                        elif isinstance(op, _Tomb):
+                            self._apply_tomb(txn, op.token, op.key, frees, from_queue=True)
+                        elif isinstance(op, _Delete):
+                            self._delete_if_token(txn, op.key, op.token, frees)
+                        elif isinstance(op, _DeleteCorrupt):
+                            self._delete_if_corrupt(txn, op.key, frees)
+                        elif isinstance(op, _Touch):
+                            self._seq += 1
+                            txn.put(lmdb_key(op.key), _U64.pack(self._seq), db=self._touch)
+                    self.tombstones = txn.stat(self._tombs)["entries"]
+                    txn_id = txn.id()
+            finally:
+                self._rw.release_shared()
+        except BaseException:
+            self._give_back(placed)   # nothing committed references them
+            raise
+        self._give_back(unused)
+        self._slots_dropped(frees, txn_id)
         dt = time.perf_counter() - t0
         n = sum(1 for r in results if r.ok)
         for r in results:
@@ -668,8 +783,98 @@ class DiskStore:
                 r.seconds = dt / n
         return results
 
-    def _apply_tomb(self, txn: Any, token: uuid.UUID, key: bytes, from_queue: bool = False) -> bool:
-        if self._delete_if_token(txn, key, token):
+    # ------------------------------------------------------------ slots
+    def _alloc_slot(self) -> int:
+        """The lowest free slot, growing the file by a chunk when none is free (writer thread)."""
+        with self._slot_lock:
+            if self._free_slots:
+                return heapq.heappop(self._free_slots)
+        self._grow_slots()
+        with self._slot_lock:
+            return heapq.heappop(self._free_slots)
+
+    def _grow_slots(self) -> None:
+        if self._slots_len >= self._slots_max:
+            raise SlotsExhausted(f"all {self._slots_max} slots of {SLOTS_NAME} are in use")
+        # chunks of >= 64 MiB (or what is left): few allocations, and the file stays as large as used
+        chunk = min(self._slots_max - self._slots_len,
+                    max(self.opts.batch_blocks, -(-(64 << 20) // self._slot_bytes)))
+        start = self._slots_len
+        try:
+            os.posix_fallocate(self._sfd, start * self._slot_bytes, chunk * self._slot_bytes)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC or chunk == 1:
+                raise
+            # a nearly full disk: take the one slot needed now (ENOSPC again fails the batch)
+            chunk = 1
+            os.posix_fallocate(self._sfd, start * self._slot_bytes, self._slot_bytes)
+        with self._slot_lock:
+            self._slots_len = start + chunk
+            for i in range(start, start + chunk):
+                heapq.heappush(self._free_slots, i)
+        log.debug("disk tier: slot file grown to %d slots", self._slots_len)
+
+    def _pwrite(self, slot: int, src: memoryview) -> None:
+        off = slot * self._slot_bytes
+        view = src
+        while len(view):
+            n = os.pwritev(self._sfd, [view], off)
+            view = view[n:]
+            off += n
+
+    def _give_back(self, slots: list[int]) -> None:
+        """Slots no committed entry references: free at once."""
+        if slots:
+            with self._slot_lock:
+                for i in slots:
+                    heapq.heappush(self._free_slots, i)
+
+    def _slots_dropped(self, slots: list[int], txn_id: int) -> None:
+        """Transaction ``txn_id`` (committed) dropped the entries of ``slots``: free them once it is durable.
+
+        With ``durability="batch"`` a commit is durable once a later one is
+        (LMDB syncs the meta page lazily), so slots wait one commit; the other
+        modes free them at once ("sync": the commit is durable; "none": only a
+        process crash is covered, and the page cache outlives it).
+        """
+        with self._slot_lock:
+            if self.opts.durability == "batch":
+                ready = [i for t, i in self._freed_unsynced if t < txn_id]
+                self._freed_unsynced = [(t, i) for t, i in self._freed_unsynced if t >= txn_id]
+                self._freed_unsynced.extend((txn_id, i) for i in slots)
+            else:
+                ready = slots
+            for i in ready:
+                heapq.heappush(self._free_slots, i)
+
+    def _slots_synced(self, txn_id: int) -> None:
+        """Every commit up to ``txn_id`` is durable (an explicit sync)."""
+        with self._slot_lock:
+            ready = [i for t, i in self._freed_unsynced if t <= txn_id]
+            self._freed_unsynced = [(t, i) for t, i in self._freed_unsynced if t > txn_id]
+            for i in ready:
+                heapq.heappush(self._free_slots, i)
+
+    @staticmethod
+    def _note_dropped(value: Any, frees: list[int]) -> None:
+        """An entry is being deleted or replaced: remember its slot (if it had a readable one)."""
+        try:
+            h = parse_header(value)
+        except CorruptEntry:
+            return
+        if h.in_slot:
+            frees.append(h.slot)
+
+    def _read_slot(self, h: EntryHeader) -> bytes:
+        return os.pread(self._sfd, h.length, h.slot * self._slot_bytes)
+
+    @property
+    def slots_in_use(self) -> int:
+        with self._slot_lock:
+            return self._slots_len - len(self._free_slots)
+
+    def _apply_tomb(self, txn: Any, token: uuid.UUID, key: bytes, frees: list[int], from_queue: bool = False) -> bool:
+        if self._delete_if_token(txn, key, token, frees):
             with self._cancel_lock:
                 self._cancelled.discard(token)
             return True
@@ -683,7 +888,7 @@ class DiskStore:
         txn.put(token.bytes, key, db=self._tombs)
         return False
 
-    def _delete_if_token(self, txn: Any, key: bytes, token: uuid.UUID) -> bool:
+    def _delete_if_token(self, txn: Any, key: bytes, token: uuid.UUID, frees: list[int]) -> bool:
         lk = lmdb_key(key)
         v = txn.get(lk, db=self._blocks)
         if v is None:
@@ -694,28 +899,24 @@ class DiskStore:
             return False
         if h.token != token:
             return False
+        if h.in_slot:
+            frees.append(h.slot)
         txn.delete(lk, db=self._blocks)
         txn.delete(lk, db=self._touch)
         return True
 
-    def _delete_if_corrupt(self, txn: Any, key: bytes) -> None:
+    def _delete_if_corrupt(self, txn: Any, key: bytes, frees: list[int]) -> None:
         lk = lmdb_key(key)
         v = txn.get(lk, db=self._blocks)
         if v is None:
             return
         try:
-            verify_entry(v, self._ns, key, self.opts.block_bytes)
+            h = parse_header(v)
+            verify_entry(v, self._ns, key, self.opts.block_bytes, self._read_slot(h) if h.in_slot else None)
         except CorruptEntry:
+            self._note_dropped(v, frees)
             txn.delete(lk, db=self._blocks)
             txn.delete(lk, db=self._touch)
-
-    def _staging_for(self, total: int) -> memoryview:
-        """A reused write buffer of at least ``total`` bytes (writer thread only)."""
-        if self._staging is None or len(self._staging) < total:
-            buf = (ctypes.c_char * total)()
-            self._staging = memoryview(buf).cast("B")
-            self._staging_addr = ctypes.addressof(buf)
-        return self._staging
 
     def _is_cancelled(self, token: uuid.UUID) -> bool:
         with self._cancel_lock:
@@ -756,7 +957,9 @@ class DiskStore:
         if self._env is None or self.opts.durability == "none" or not (self._dirty or self.opts.durability == "batch"):
             return
         try:
+            txn_id = self._env.info()["last_txnid"]
             self._env.sync(True)
+            self._slots_synced(txn_id)
             self._dirty = False
             self._sync_failed = False
         except lmdb.Error as exc:
@@ -803,26 +1006,56 @@ class DiskStore:
         n = self.opts.block_bytes
         if env is None:
             return Report(op.token, JobKind.PROMOTE, False, "miss: disk tier closed", copied=False)
-        self._rw.acquire_shared()
+        lk = lmdb_key(op.key)
         try:
-            with env.begin(db=self._blocks, buffers=True) as txn:
-                v = txn.get(lmdb_key(op.key))
-                if v is None:
-                    return Report(op.token, JobKind.PROMOTE, False, "miss: absent", copied=False)
-                try:
-                    h = verify_entry(v, self._ns, op.key, n)
-                except CorruptEntry as exc:
-                    self._on_corrupt(exc.reason)
-                    return Report(op.token, JobKind.PROMOTE, False, f"miss: corrupt ({exc})", copied=False)
-                if h.token != op.expect:
+            self._rw.acquire_shared()
+            try:
+                with env.begin(db=self._blocks, buffers=True) as txn:
+                    v = txn.get(lk)
+                    if v is None:
+                        return Report(op.token, JobKind.PROMOTE, False, "miss: absent", copied=False)
+                    try:
+                        h = parse_header(v)
+                        if not h.in_slot:   # an inline entry (imported): verify and copy under the txn
+                            h = verify_entry(v, self._ns, op.key, n)
+                            if h.token != op.expect:
+                                return Report(op.token, JobKind.PROMOTE, False, "miss: superseded on disk",
+                                              copied=False)
+                            op.dst[:] = v[h.payload_offset:h.payload_offset + n]
+                            return Report(op.token, JobKind.PROMOTE, True, None, n, time.perf_counter() - t0)
+                    except CorruptEntry as exc:
+                        self._on_corrupt(exc.reason)
+                        return Report(op.token, JobKind.PROMOTE, False, f"miss: corrupt ({exc})", copied=False)
+                    value = bytes(v)   # the index record (small); the payload is read outside the txn
+            finally:
+                self._rw.release_shared()
+            if h.token != op.expect:
+                return Report(op.token, JobKind.PROMOTE, False, "miss: superseded on disk", copied=False)
+            # preadv straight into the host slot, without the GIL
+            got = os.preadv(self._sfd, [op.dst], h.slot * self._slot_bytes) if h.length == n else 0
+            try:
+                verify_entry(value, self._ns, op.key, n, op.dst if got == n else op.dst[:got])
+            except CorruptEntry as exc:
+                if self._index_changed(lk, value):
+                    # dropped and its slot reused while we read: the bytes are someone else's, not damaged
                     return Report(op.token, JobKind.PROMOTE, False, "miss: superseded on disk", copied=False)
-                op.dst[:] = v[h.payload_offset:h.payload_offset + n]
+                self._on_corrupt(exc.reason)
+                return Report(op.token, JobKind.PROMOTE, False, f"miss: corrupt ({exc})", copied=False)
         except (lmdb.Error, OSError) as exc:
             self._on_error(_error_kind(exc), repr(exc))
             return Report(op.token, JobKind.PROMOTE, False, f"miss: read failed ({exc})", copied=False)
+        return Report(op.token, JobKind.PROMOTE, True, None, n, time.perf_counter() - t0)
+
+    def _index_changed(self, lk: bytes, value: bytes) -> bool:
+        env = self._env
+        assert env is not None
+        self._rw.acquire_shared()
+        try:
+            with env.begin(db=self._blocks, buffers=True) as txn:
+                now = txn.get(lk)
+                return now is None or bytes(now) != value
         finally:
             self._rw.release_shared()
-        return Report(op.token, JobKind.PROMOTE, True, None, n, time.perf_counter() - t0)
 
 
 def _error_kind(exc: BaseException) -> str:

@@ -2,24 +2,34 @@
 
 A stored entry (sub-database ``blocks``, LMDB key = :func:`lmdb_key`) is::
 
-    header (48 bytes, little endian)        then namespace, key, payload
-      magic    4s  b"TKVB"
-      version  H   FORMAT_VERSION
-      flags    H   0
+    header (52 bytes, little endian)        then namespace, key, and either
+      magic    4s  b"TKVB"                    the payload     (flags 0: inline)
+      version  H   FORMAT_VERSION             or a slot number (flags FLAG_SLOT)
+      flags    H   0 or FLAG_SLOT
       ns_len   H
       key_len  H
       length   Q   payload bytes
       seq      Q   writer sequence number (recency across restarts)
       token    16s writer token (UUID bytes)
       -- then --
-      checksum Q   xxh3_64 over header[0:40] + namespace + key + payload
+      checksum Q   xxh3_64 over header[0:44] + namespace + key + payload
 
-Every read verifies magic, version, namespace, key, length and checksum; any
-failure is a miss (the entry is removed and counted as corrupt).
+The writer stores payloads in fixed-size slots of a preallocated data file
+(:data:`SLOTS_NAME`, slot ``i`` at byte ``i * slot_bytes``) and only the
+header and the slot number (``Q``) in LMDB: LMDB stays the transactional
+index, the payload never goes through LMDB's page allocator (whose freelist
+fragments under churn) and is written and read with ``pwritev``/``preadv``
+straight from and into a host slot.  Inline entries (payload inside the LMDB
+value) are still read: ``tiered-kv import`` writes them.
+
+Every read verifies magic, version, namespace, key, length and checksum (over
+the payload actually read); any failure is a miss (the entry is removed and
+counted as corrupt).
 """
 
 from __future__ import annotations
 
+import os
 import struct
 import uuid
 from dataclasses import dataclass
@@ -27,10 +37,15 @@ from typing import Optional, Union
 
 import xxhash
 
-__all__ = ["FORMAT_VERSION", "HEADER_SIZE", "HEADER_STRUCT", "EntryHeader", "pack_header", "verify_entry",
-           "lmdb_key", "CorruptEntry"]
+__all__ = ["FORMAT_VERSION", "HEADER_SIZE", "HEADER_STRUCT", "EntryHeader", "pack_header", "pack_slot_entry",
+           "parse_header", "verify_entry", "lmdb_key", "CorruptEntry", "FLAG_SLOT", "SLOTS_NAME", "slot_bytes_for",
+           "SlotReader", "inline_value"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2                    # 2: payloads in the slot file (1 kept them in LMDB)
+FLAG_SLOT = 1
+SLOTS_NAME = "slots.tkv"              # the data file beside data.mdb
+SLOT_ALIGN = 4096
+_SLOT = struct.Struct("<Q")
 MAGIC = b"TKVB"
 _HDR = struct.Struct("<4sHHHHQQ16s")  # 44 bytes
 HEADER_STRUCT = _HDR                  # the fixed fields, for tools that read damaged headers
@@ -56,7 +71,17 @@ class EntryHeader:
     token: uuid.UUID
     length: int
     seq: int
-    payload_offset: int
+    payload_offset: int     # inline entries: where the payload starts in the value; slot entries: -1
+    slot: int = -1          # slot entries: the slot number in the data file; inline entries: -1
+
+    @property
+    def in_slot(self) -> bool:
+        return self.slot >= 0
+
+
+def slot_bytes_for(block_bytes: int) -> int:
+    """A slot's size in the data file: the block rounded up to whole 4 KiB pages."""
+    return -(-block_bytes // SLOT_ALIGN) * SLOT_ALIGN
 
 
 def lmdb_key(key: bytes) -> bytes:
@@ -70,9 +95,9 @@ def lmdb_key(key: bytes) -> bytes:
     return b"\xff#" + xxhash.xxh3_128_digest(key)
 
 
-def pack_header(namespace: bytes, key: bytes, token: uuid.UUID, payload: Buffer, seq: int) -> bytes:
+def pack_header(namespace: bytes, key: bytes, token: uuid.UUID, payload: Buffer, seq: int, flags: int = 0) -> bytes:
     """Header + namespace + key for ``payload`` (the payload itself is appended by the caller)."""
-    head = _HDR.pack(MAGIC, FORMAT_VERSION, 0, len(namespace), len(key), len(payload), seq, token.bytes)
+    head = _HDR.pack(MAGIC, FORMAT_VERSION, flags, len(namespace), len(key), len(payload), seq, token.bytes)
     h = xxhash.xxh3_64()
     h.update(head)
     h.update(namespace)
@@ -81,26 +106,59 @@ def pack_header(namespace: bytes, key: bytes, token: uuid.UUID, payload: Buffer,
     return head + _SUM.pack(h.intdigest()) + namespace + key
 
 
+def pack_slot_entry(namespace: bytes, key: bytes, token: uuid.UUID, payload: Buffer, seq: int, slot: int) -> bytes:
+    """The whole LMDB value of an entry whose ``payload`` lies in data-file slot ``slot``."""
+    return pack_header(namespace, key, token, payload, seq, FLAG_SLOT) + _SLOT.pack(slot)
+
+
+def inline_value(value: Buffer, payload: Buffer) -> bytes:
+    """The inline form of a slot entry (same header fields and checksum input, payload inside).
+
+    For tools that must hand out self-contained entries (``tiered-kv
+    export``).  The checksum is recomputed over the flags change only after
+    the payload was verified against the stored one by the caller.
+    """
+    h = parse_header(value)
+    if not h.in_slot:
+        return bytes(value)
+    return pack_header(h.namespace, h.key, h.token, payload, h.seq) + bytes(payload)
+
+
 def parse_header(value: Buffer) -> EntryHeader:
     """Parse without verifying the checksum (for tools and recovery scans)."""
     if len(value) < HEADER_SIZE:
         raise CorruptEntry("truncated", f"{len(value)} bytes < header {HEADER_SIZE}")
-    magic, version, _flags, ns_len, key_len, length, seq, token = _HDR.unpack_from(value, 0)
+    magic, version, flags, ns_len, key_len, length, seq, token = _HDR.unpack_from(value, 0)
     if magic != MAGIC:
         raise CorruptEntry("bad_magic", repr(bytes(magic)))
     if version != FORMAT_VERSION:
         raise CorruptEntry("bad_version", str(version))
+    if flags & ~FLAG_SLOT:
+        raise CorruptEntry("bad_flags", f"{flags:#x}")
     off = HEADER_SIZE
     ns = bytes(value[off:off + ns_len])
     k = bytes(value[off + ns_len:off + ns_len + key_len])
-    payload_offset = off + ns_len + key_len
-    if len(value) != payload_offset + length:
-        raise CorruptEntry("truncated", f"{len(value)} bytes, header says {payload_offset + length}")
-    return EntryHeader(ns, k, uuid.UUID(bytes=bytes(token)), length, seq, payload_offset)
+    end = off + ns_len + key_len
+    tok = uuid.UUID(bytes=bytes(token))
+    if flags & FLAG_SLOT:
+        if len(value) != end + _SLOT.size:
+            raise CorruptEntry("truncated", f"{len(value)} bytes, a slot entry has {end + _SLOT.size}")
+        (slot,) = _SLOT.unpack_from(value, end)
+        if slot >= 1 << 48:
+            raise CorruptEntry("bad_slot", str(slot))
+        return EntryHeader(ns, k, tok, length, seq, -1, slot)
+    if len(value) != end + length:
+        raise CorruptEntry("truncated", f"{len(value)} bytes, header says {end + length}")
+    return EntryHeader(ns, k, tok, length, seq, end)
 
 
-def verify_entry(value: Buffer, namespace: bytes, key: Optional[bytes], length: Optional[int] = None) -> EntryHeader:
-    """Verify ``value`` completely; return its header or raise :class:`CorruptEntry`."""
+def verify_entry(value: Buffer, namespace: bytes, key: Optional[bytes], length: Optional[int] = None,
+                 payload: Optional[Buffer] = None) -> EntryHeader:
+    """Verify ``value`` completely; return its header or raise :class:`CorruptEntry`.
+
+    A slot entry needs its ``payload`` (the bytes read from its slot); an
+    inline entry's payload is inside ``value``.
+    """
     hdr = parse_header(value)
     if hdr.namespace != namespace:
         raise CorruptEntry("wrong_namespace", repr(hdr.namespace))
@@ -112,7 +170,46 @@ def verify_entry(value: Buffer, namespace: bytes, key: Optional[bytes], length: 
     mv = memoryview(value)
     h = xxhash.xxh3_64()
     h.update(mv[:_HDR.size])
-    h.update(mv[HEADER_SIZE:])
+    if hdr.in_slot:
+        if payload is None:   # e.g. a slot entry inside an archive, which must hold inline entries
+            raise CorruptEntry("slot_entry", f"slot {hdr.slot}: the payload is not here")
+        if len(payload) != hdr.length:
+            raise CorruptEntry("truncated", f"slot {hdr.slot}: read {len(payload)} of {hdr.length} bytes")
+        h.update(mv[HEADER_SIZE:len(mv) - _SLOT.size])
+        h.update(payload)
+    else:
+        h.update(mv[HEADER_SIZE:])
     if h.intdigest() != stored:
         raise CorruptEntry("checksum", f"stored {stored:#x}")
     return hdr
+
+
+class SlotReader:
+    """Read-only access to a disk tier's slot file, for the operator tools.
+
+    ``payload(h)`` returns a slot entry's bytes: short (empty without a slot
+    file) when the file is truncated, so that :func:`verify_entry` reports it.
+    """
+
+    def __init__(self, directory: Union[str, "os.PathLike[str]"], block_bytes: int) -> None:
+        self.slot_bytes = slot_bytes_for(block_bytes)
+        try:
+            self._fd = os.open(os.path.join(directory, SLOTS_NAME), os.O_RDONLY)
+        except FileNotFoundError:
+            self._fd = -1
+
+    def payload(self, h: EntryHeader) -> bytes:
+        if self._fd < 0:
+            return b""
+        return os.pread(self._fd, h.length, h.slot * self.slot_bytes)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "SlotReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -57,14 +57,16 @@ def open_disk_tier(cfg: TieredKVConfig, row_bytes: int, disk_blocks: int, comple
     """
     m = metrics
     on_error = DiskErrors(metrics)
-    # LMDB reuses the pages a transaction frees only two transactions later, so the file
-    # holds the data plus about two batches: keep batches small against the capacity
-    # (at most 1/16 of it) and count that headroom inside disk_capacity_bytes.
+    # A slot is reused only once the commit that dropped its entry is durable (one commit later
+    # with durability="batch"), and a batch's deletes and spills share a commit: the slot file
+    # needs the index's entries plus two batches.  Keep batches small against the capacity (at
+    # most 1/16 of it) and count that headroom inside disk_capacity_bytes.
     batch_blocks = max(1, min(cfg.writer_batch_blocks, cfg.writer_batch_bytes // row_bytes, disk_blocks // 16))
-    # (a tier of fewer than 32 blocks is a test or toy: no headroom, every block counts)
+    # (a tier of fewer than 32 blocks is a test or toy: its headroom comes on top)
     index_blocks = disk_blocks - 2 * batch_blocks if disk_blocks >= 32 else disk_blocks
+    slots = max(disk_blocks, index_blocks + 2 * batch_blocks)
     opts = DiskOptions(path=cfg.disk_dir, namespace=cfg.namespace, block_bytes=row_bytes,  # type: ignore[arg-type]
-                       capacity_bytes=disk_blocks * row_bytes, durability=cfg.durability,
+                       capacity_bytes=disk_blocks * row_bytes, durability=cfg.durability, slots=slots,
                        map_size_bytes=cfg.disk_map_size_bytes, queue_blocks=cfg.writer_queue_blocks,
                        batch_blocks=batch_blocks, batch_bytes=batch_blocks * row_bytes,
                        batch_seconds=cfg.writer_batch_seconds)

@@ -43,7 +43,8 @@ from typing import Any, Callable, Iterator, Optional, Union
 import lmdb
 
 from .disk import LOCK_NAME, MAX_DBS, MIN_MAP, SUBDBS
-from .diskformat import FORMAT_VERSION, HEADER_SIZE, HEADER_STRUCT, CorruptEntry, lmdb_key, parse_header, verify_entry
+from .diskformat import (FORMAT_VERSION, HEADER_SIZE, HEADER_STRUCT, SLOTS_NAME, CorruptEntry, SlotReader, lmdb_key,
+                         parse_header, verify_entry)
 
 __all__ = [
     "OpsError", "PathInUseError", "EXIT_OK", "EXIT_PROBLEMS", "EXIT_BAD_INPUT", "EXIT_IN_USE",
@@ -447,6 +448,7 @@ def inspect(path: PathLike) -> dict[str, Any]:
             "writer_pids": lock_holders(p),
             "env_user_pids": [pid for pid in env_users(p) if pid != os.getpid()],
             "file_bytes": (p / "data.mdb").stat().st_size,
+            "slot_file_bytes": (p / SLOTS_NAME).stat().st_size if (p / SLOTS_NAME).exists() else 0,
             "leftover_compact_dirs": sorted(d.name for d in p.glob(COMPACT_TMP_PREFIX + "*")),
         }
         with oe.begin(buffers=True) as txn:
@@ -460,7 +462,7 @@ def inspect(path: PathLike) -> dict[str, Any]:
             except OpsError as exc:
                 bad = exc
                 ns, bb = b"", 0
-            entries = stored = payload = foreign = unparsable = 0
+            entries = stored = payload = foreign = unparsable = in_slots = 0
             namespaces: dict[str, int] = {}
             if bad is None:
                 for _lk, v in txn.cursor(db=oe.dbs["blocks"]):
@@ -474,12 +476,14 @@ def inspect(path: PathLike) -> dict[str, Any]:
                     name = h.namespace.decode(errors="replace")
                     namespaces[name] = namespaces.get(name, 0) + 1
                     payload += h.length
+                    in_slots += h.in_slot
                     if h.namespace != ns or h.length != bb:
                         foreign += 1
             else:
                 entries = subs["blocks"]["entries"]
         rep.update(entries=entries, stored_bytes=stored, payload_bytes=payload, entry_namespaces=namespaces,
-                   foreign_entries=foreign, unparsable_entries=unparsable)
+                   foreign_entries=foreign, unparsable_entries=unparsable, slot_entries=in_slots,
+                   inline_entries=entries - unparsable - in_slots)
         if bad is not None:
             rep["error"] = str(bad)
             bad.report = rep  # type: ignore[attr-defined]
@@ -539,9 +543,20 @@ def _lenient_key_token(v: Any) -> tuple[Optional[str], Optional[str]]:
     return key, str(uuid.UUID(bytes=bytes(token)))
 
 
-def _scan(txn: Any, dbs: dict[str, Any], ns: bytes, bb: int, rep: VerifyReport,
+def stored_payload(v: Any, bb: int, slots: SlotReader) -> Optional[bytes]:
+    """The payload to verify ``v`` against: read from its slot for a slot entry, else None (inline)."""
+    try:
+        h = parse_header(v)
+    except CorruptEntry:
+        return None            # verify_entry raises the same error
+    if not h.in_slot:
+        return None
+    return slots.payload(h) if h.length == bb else b""
+
+
+def _scan(txn: Any, dbs: dict[str, Any], ns: bytes, bb: int, rep: VerifyReport, slots: SlotReader,
           progress: Optional[Callable[[int, int], None]] = None) -> list[bytes]:
-    """Check every entry; fill ``rep``; return the LMDB keys of the bad ones."""
+    """Check every entry (and the payload in its slot); fill ``rep``; return the LMDB keys of the bad ones."""
     tombs = {bytes(k) for k, _ in txn.cursor(db=dbs["tombs"])}
     rep.tombstones = len(tombs)
     bad: list[bytes] = []
@@ -554,7 +569,7 @@ def _scan(txn: Any, dbs: dict[str, Any], ns: bytes, bb: int, rep: VerifyReport,
         if progress is not None and i % 256 == 0:
             progress(rep.checked, total)
         try:
-            h = verify_entry(v, ns, None, bb)
+            h = verify_entry(v, ns, None, bb, stored_payload(v, bb, slots))
         except CorruptEntry as exc:
             key, tok = _lenient_key_token(v)
             rep.corrupt.append(Problem("corrupt", exc.reason, lk.hex(), key, tok, str(exc)))
@@ -592,23 +607,24 @@ def verify(path: PathLike, repair: bool = False,
         with open_readonly(p) as oe:
             ns, bb = check_meta(oe.meta, p)
             rep = VerifyReport(str(p), ns.decode(errors="replace"), bb, writer_pids=lock_holders(p))
-            with oe.begin(buffers=True) as txn:
-                _scan(txn, oe.dbs, ns, bb, rep, progress)
+            with oe.begin(buffers=True) as txn, SlotReader(p, bb) as slots:
+                _scan(txn, oe.dbs, ns, bb, rep, slots, progress)
         rep.seconds = time.perf_counter() - t0
         return rep
     with hold_path(p):
         with open_writable(p) as oe:
             ns, bb = check_meta(oe.meta, p)
             rep = VerifyReport(str(p), ns.decode(errors="replace"), bb, repaired=True)
-            with oe.env.begin(write=True, buffers=True) as txn:
-                bad = _scan(txn, oe.dbs, ns, bb, rep, progress)
+            # (a removed entry's slot is free at the next open: the free list is derived from the index)
+            with oe.env.begin(write=True, buffers=True) as txn, SlotReader(p, bb) as slots:
+                bad = _scan(txn, oe.dbs, ns, bb, rep, slots, progress)
                 for lk in bad:
                     if txn.delete(lk, db=oe.dbs["blocks"]):
                         rep.removed += 1
                     txn.delete(lk, db=oe.dbs["touch"])  # the entry's recency record goes with it
             again = VerifyReport(str(p), rep.namespace, bb)
-            with oe.env.begin(buffers=True) as txn:
-                _scan(txn, oe.dbs, ns, bb, again)
+            with oe.env.begin(buffers=True) as txn, SlotReader(p, bb) as slots:
+                _scan(txn, oe.dbs, ns, bb, again, slots)
             rep.after = {"checked": again.checked, "ok": again.ok, "corrupt": len(again.corrupt),
                          "orphaned": len(again.orphaned)}
     rep.seconds = time.perf_counter() - t0

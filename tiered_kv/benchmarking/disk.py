@@ -43,7 +43,7 @@ all):
 3. ``bench_evicting`` -- the spill measurement with the tier full and evicting
    continuously (capacity 256 MiB, 2 GiB written; quick: 64 MiB / 320 MiB):
    per-window GB/s from the writer's commit timeline (windows of the first
-   fill are warm-up, discarded), ``data.mdb`` size / capacity at the end and
+   fill are warm-up, discarded), slot file + ``data.mdb`` size / capacity at the end and
    its peak, LMDB's page accounting.  Baseline: ``raw_circular`` -- the same
    bytes written in place, round robin, into a pre-written file of the
    capacity's size (the raw analogue of a full tier), fsync per batch.  Peer:
@@ -58,10 +58,12 @@ all):
 
 Diagnostics (cheap, always run): ``diag_gil`` -- whether each building block
 of the writer/reader threads (xxh3 update, py-lmdb put/commit, the Python
-slice copies, ``Tensor.copy_``, ``ctypes.memmove``) holds the GIL, and the cost
-of the writer's staging copy as written vs alternatives; ``diag_writer_breakdown``
--- per-block cost of each writer step on one thread beside raw write+fsync,
-and a cold LMDB read with ``readahead`` off and on (the tier opens it with readahead on).
+slice copies, ``Tensor.copy_``, ``ctypes.memmove``) holds the GIL (the writer
+no longer copies payloads: it ``pwritev``s them from the host slot);
+``diag_writer_breakdown`` -- per-block cost of each writer step on one thread
+(xxh3 + index record, ``pwritev`` into the slot, ``fdatasync`` of the slot
+file, the LMDB commit of the index records) beside raw write+fsync, and a cold
+read the way the readers do it beside ``os.preadv``.
 
 Method: seeded; one warm-up repeat per figure, discarded; systems alternate
 (order rotated each repeat); before each timed repeat ``gc.collect()``,
@@ -99,6 +101,7 @@ from prometheus_client import CollectorRegistry
 
 import tiered_kv
 from tiered_kv import TieredKVConfig, TierManager
+from tiered_kv.diskformat import SLOTS_NAME
 from tiered_kv.metrics import sample_total
 
 from .common import GiB, KiB, MiB, as_mode, filesystem_of, git, summarize
@@ -415,7 +418,7 @@ def _tkv_spill(path: Path, blocks: _Blocks, keys: Sequence[bytes], *, durability
         return {
             "seconds": t1 - t0, "gbps": _gbs(nbytes, t1 - t0), "bytes": nbytes, "flush_ok": ok,
             "spills_ok": int(spilled), "spills_shed": int(shed), "pacing_waits": waits,
-            "disk_blocks": mgr.disk_blocks, "file_bytes": mgr.disk.file_bytes() if mgr.disk else 0,
+            "disk_blocks": mgr.disk_blocks, "file_bytes": mgr.disk.disk_bytes() if mgr.disk else 0,
             "writer": probe.summary(t0, t1), "_probe": probe, "_t0": t0,
         }
     finally:
@@ -781,10 +784,10 @@ def bench_evicting(base: Path, blocks: _Blocks, *, capacity: int, total: int, se
     stop = threading.Event()
 
     def sampler() -> None:
-        f = d / "data.mdb"
+        files = (d / "data.mdb", d / SLOTS_NAME)
         while not stop.wait(0.05):
             with contextlib.suppress(OSError):
-                sizes.append((time.perf_counter(), f.stat().st_size))
+                sizes.append((time.perf_counter(), sum(f.stat().st_size for f in files if f.exists())))
 
     mgr, reg = _manager(d, blocks, capacity=capacity, host_bytes=(limit + 64) * bb)
     th = threading.Thread(target=sampler, daemon=True)
@@ -799,7 +802,7 @@ def bench_evicting(base: Path, blocks: _Blocks, *, capacity: int, total: int, se
         th.join()
         disk = mgr.disk
         assert disk is not None
-        file_end = disk.file_bytes()
+        file_end = disk.disk_bytes()   # slot file + LMDB index
         info = disk._env.info() if disk._env is not None else {}  # type: ignore[union-attr]
         stat = disk._env.stat() if disk._env is not None else {}  # type: ignore[union-attr]
         pages = _lmdb_pages(disk)
@@ -1215,66 +1218,57 @@ def diag_gil(base: Path, nbytes: int = 64 * MiB, tries: int = 5) -> dict[str, An
 
 def diag_writer_breakdown(base: Path, blocks: _Blocks, n: int = 64, rounds: int = 2,
                           cold_bytes: int = 16 * MiB) -> dict[str, Any]:
-    """Per-block cost of each step of the disk writer, reproduced with tiered_kv's own format functions and the
-    writer's LMDB settings, beside a raw write+fsync of the same blocks in the same batches (round 1 discarded).
-    Then the cold read of a stored value: py-lmdb get() (which prefaults the whole value) with the
-    environment opened with ``readahead=False`` and with ``readahead=True`` (as DiskStore opens it now), beside
-    ``os.preadv`` of the same bytes."""
+    """Per-block cost of each step of the disk writer, reproduced with tiered_kv's own format functions, the
+    writer's LMDB settings and its slot file, beside a raw write+fsync of the same blocks in the same batches
+    (round 1 discarded): xxh3 + index record, ``pwritev`` of the payload into its slot, ``fdatasync`` of the
+    slot file, then one LMDB transaction with the index records.  Then a cold read of the stored blocks as the
+    readers do it (index get + ``preadv`` into a slot + verify) beside ``os.preadv`` of the raw file."""
     import lmdb
     import uuid
-    from tiered_kv.diskformat import lmdb_key, pack_header, verify_entry
+    from tiered_kv.diskformat import SLOTS_NAME, lmdb_key, pack_slot_entry, parse_header, slot_bytes_for, verify_entry
     bb = blocks.block_bytes
+    sb = slot_bytes_for(bb)
     batch = _nominal_batch(bb)
     n = max(batch, n // batch * batch)
     ns = b"bench"
-    steps = ("pack_header_xxh3", "staging_copy", "txn_put", "commit_fdatasync")
-    t = {k: 0.0 for k in steps + ("read_verify_xxh3", "read_copy_to_slot", "raw_write_fsync")}
-    # the staging buffer as DiskStore keeps it: ctypes memory, payload copied with ctypes.memmove
-    stg_buf = (ctypes.c_char * (bb + 4096))()
-    staging = memoryview(stg_buf).cast("B")
-    stg_addr = ctypes.addressof(stg_buf)
+    steps = ("pack_entry_xxh3", "pwritev_slot", "fdatasync_slots", "index_commit")
+    t = {k: 0.0 for k in steps + ("read_index_get", "read_preadv_to_slot", "read_verify_xxh3", "raw_write_fsync")}
     keys = [f"bd{i}".encode() for i in range(n)]
+    slot = bytearray(bb)
+    slot[:] = bytes(bb)
     for rnd in range(rounds):
         keep = rnd == rounds - 1
         d = base / f"diag-writer-{bb}-{rnd}"
         d.mkdir(parents=True, exist_ok=True)
-        env = lmdb.open(str(d), map_size=4 * n * bb + 64 * MiB, subdir=True, max_dbs=4, sync=True, metasync=False,
-                        writemap=False, map_async=False, readahead=False, meminit=False)
+        env = lmdb.open(str(d), map_size=64 * MiB, subdir=True, max_dbs=4, sync=True, metasync=False,
+                        writemap=False, map_async=False, readahead=True, meminit=False)
         db = env.open_db(b"blocks")
+        sfd = os.open(d / SLOTS_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        os.posix_fallocate(sfd, 0, n * sb)
         _quiesce(_hot_for(n * bb))
         for b0 in range(0, n, batch):
-            txn = env.begin(write=True, db=db)
+            entries = []
             for i in range(b0, b0 + batch):
                 src = blocks.views[i % blocks.n_rows]
                 a = time.perf_counter()
-                head = pack_header(ns, keys[i], uuid.uuid4(), src, i)
+                entries.append(pack_slot_entry(ns, keys[i], uuid.uuid4(), src, i, i))
                 b = time.perf_counter()
-                total = len(head) + bb
-                staging[:len(head)] = head
-                ctypes.memmove(stg_addr + len(head), blocks.rows[i % blocks.n_rows].data_ptr(), bb)
+                os.pwritev(sfd, [src], i * sb)
                 c = time.perf_counter()
-                txn.put(lmdb_key(keys[i]), staging[:total])
-                e = time.perf_counter()
                 if keep:
-                    t["pack_header_xxh3"] += b - a
-                    t["staging_copy"] += c - b
-                    t["txn_put"] += e - c
+                    t["pack_entry_xxh3"] += b - a
+                    t["pwritev_slot"] += c - b
             a = time.perf_counter()
-            txn.commit()
+            os.fdatasync(sfd)
+            b = time.perf_counter()
+            with env.begin(write=True, db=db) as txn:
+                for i, e in zip(range(b0, b0 + batch), entries):
+                    txn.put(lmdb_key(keys[i]), e)
+            c = time.perf_counter()
             if keep:
-                t["commit_fdatasync"] += time.perf_counter() - a
-        slot = bytearray(bb)
-        slot[:] = bytes(bb)
-        with env.begin(db=db, buffers=True) as txn:
-            for i in range(n):
-                v = txn.get(lmdb_key(keys[i]))
-                a = time.perf_counter()
-                h = verify_entry(v, ns, keys[i], bb)
-                b = time.perf_counter()
-                memoryview(slot)[:] = v[h.payload_offset:h.payload_offset + bb]
-                if keep:
-                    t["read_copy_to_slot"] += time.perf_counter() - b
-                    t["read_verify_xxh3"] += b - a
+                t["fdatasync_slots"] += b - a
+                t["index_commit"] += c - b
+        os.close(sfd)
         env.close()
         f = base / f"diag-raw-{bb}-{rnd}.bin"
         t["raw_write_fsync"] += _raw_write(f, blocks.views, [i % blocks.n_rows for i in range(n)], batch, "fresh") \
@@ -1284,19 +1278,30 @@ def diag_writer_breakdown(base: Path, blocks: _Blocks, n: int = 64, rounds: int 
             f.unlink(missing_ok=True)
     per = {k: v / n * 1e6 for k, v in t.items()}
     write_total = sum(per[k] for k in steps)
-    # cold reads of the last round's values: lmdb get() with readahead off/on, and os.preadv of the raw file
+    # cold reads of the last round's blocks: index get + preadv + verify (the reader), and os.preadv of the raw file
     cold: dict[str, float] = {}
     m = min(n, max(4, cold_bytes // bb))
-    for ra in (False, True):
-        env = lmdb.open(str(d), map_size=4 * n * bb + 64 * MiB, subdir=True, max_dbs=4, readahead=ra, lock=True)
-        db = env.open_db(b"blocks")
-        _drop()
+    env = lmdb.open(str(d), map_size=64 * MiB, subdir=True, max_dbs=4, readahead=True, lock=True)
+    db = env.open_db(b"blocks")
+    sfd = os.open(d / SLOTS_NAME, os.O_RDONLY)
+    _drop()
+    t0 = time.perf_counter()
+    for i in range(m):
         a = time.perf_counter()
-        with env.begin(db=db, buffers=True) as txn:
-            for i in range(m):
-                txn.get(lmdb_key(keys[i]))
-        cold[f"lmdb_get_readahead_{ra}"] = _gbs(m * bb, time.perf_counter() - a)
-        env.close()
+        with env.begin(db=db) as txn:
+            v = txn.get(lmdb_key(keys[i]))
+        b = time.perf_counter()
+        os.preadv(sfd, [slot], parse_header(v).slot * sb)
+        c = time.perf_counter()
+        verify_entry(v, ns, keys[i], bb, slot)
+        t["read_index_get"] += b - a
+        t["read_preadv_to_slot"] += c - b
+        t["read_verify_xxh3"] += time.perf_counter() - c
+    cold["tkv_read_path"] = _gbs(m * bb, time.perf_counter() - t0)
+    for k in ("read_index_get", "read_preadv_to_slot", "read_verify_xxh3"):
+        per[k] = t[k] / m * 1e6
+    os.close(sfd)
+    env.close()
     fd = os.open(f, os.O_RDONLY)
     _drop()
     a = time.perf_counter()
@@ -1312,9 +1317,9 @@ def diag_writer_breakdown(base: Path, blocks: _Blocks, n: int = 64, rounds: int 
             "raw_write_fsync_gbps": bb / (per["raw_write_fsync"] / 1e6) / 1e9 if per["raw_write_fsync"] else None,
             "share_of_write": {k: per[k] / write_total for k in steps},
             "cold_read_gbps": cold, "cold_read_blocks": m,
-            "note": "one thread, no manager, the writer's steps as DiskStore._commit does them (xxh3 header, "
-                    "memmove into a staging buffer, txn.put, commit + fdatasync); page cache warm for the "
-                    "verify/copy reads; cold reads after drop_caches"}
+            "note": "one thread, no manager, the writer's steps as DiskStore._commit does them (xxh3 + index "
+                    "record, pwritev into the slot, fdatasync of the slot file, LMDB commit of the index records); "
+                    "reads after drop_caches: index get, preadv into a slot, verify"}
 
 
 # ----------------------------------------------------------------------------- all
@@ -1474,7 +1479,7 @@ def _targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             note += f"; vs section 1 raw_fresh {_ratio(e['tkv']['steady_gbps_median'], raw_fresh['figures']['raw_fresh']['median']):.2f}x"
         add("spill, tier full and evicting / raw write+fsync (2 MiB)", e["ratios"]["tkv_steady_vs_raw_circular"],
             TARGET_SPILL_VS_RAW, note=note)
-        add("data.mdb / capacity, full and evicting (end)", e["tkv"]["file_vs_capacity_end"],
+        add("disk files (slots + data.mdb) / capacity, full and evicting (end)", e["tkv"]["file_vs_capacity_end"],
             TARGET_FILE_VS_CAPACITY, higher_better=False, note=f"peak {e['tkv']['file_vs_capacity_peak']:.2f}x")
     lat = r.get("latency")
     if lat:
@@ -1567,7 +1572,7 @@ def format_report(r: dict[str, Any]) -> str:
         if pg:
             lines.append(f"      LMDB pages at the end: {pg['used_pages']} in use, {pg['free_or_unused_pages']} free "
                          f"({100 * pg['free_fraction_of_file']:.0f}% of the {pg['file_pages']} pages in the file)")
-        lines.append(f"      data.mdb end {t['file_bytes_end'] / MiB:.0f} MiB = {_f(t['file_vs_capacity_end'])}x capacity, "
+        lines.append(f"      slots.tkv + data.mdb end {t['file_bytes_end'] / MiB:.0f} MiB = {_f(t['file_vs_capacity_end'])}x capacity, "
                      f"peak {_f(t['file_vs_capacity_peak'])}x; map {t['map_size_end'] / MiB:.0f} MiB; "
                      f"writer busy {_f(t['writer']['writer_busy_fraction'])}")
         ra = e["ratios"]
@@ -1620,7 +1625,7 @@ def format_report(r: dict[str, Any]) -> str:
     for bb, d in (r.get("diag_writer") or {}).items():
         per = d["us_per_block"]
         lines.append(f"      writer steps per {_size(int(bb))} block (us): " + ", ".join(f"{k} {v:.0f}" for k, v in per.items())
-                     + f"; LMDB write path alone {d['write_gbps_single_thread']:.2f} GB/s vs raw write+fsync "
+                     + f"; writer path alone {d['write_gbps_single_thread']:.2f} GB/s vs raw write+fsync "
                      f"{_f(d['raw_write_fsync_gbps'])} GB/s")
         lines.append(f"      cold read of {d['cold_read_blocks']} x {_size(int(bb))} (GB/s): "
                      + ", ".join(f"{k} {_f(v, '.3f')}" for k, v in d["cold_read_gbps"].items()))

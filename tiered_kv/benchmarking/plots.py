@@ -184,7 +184,7 @@ def _disk_plot(result: dict[str, Any], out: Path) -> Optional[Path]:
                ("raw circular pwrite + fsync", _BASE, [ev["raw_circular"]["gbps"]], [None], [None]),
                ("diskcache size_limit", _PEER, [dc.get("gbps")], [None], [None])],
               [ev["ratios"].get("tkv_steady_vs_raw_circular")], "tiered_kv / raw")
-        ax.set_title(f"tier full and evicting\n(data.mdb = {_n(t.get('file_vs_capacity_end')):.2f}x capacity)", fontsize=10)
+        ax.set_title(f"tier full and evicting\n(slot file + data.mdb = {_n(t.get('file_vs_capacity_end')):.2f}x capacity)", fontsize=10)
         ax.legend(fontsize=7, loc="upper left")
     fig.suptitle("Disk tier GB/s beside raw file I/O and python-diskcache on the same filesystem (same run)",
                  fontsize=11)

@@ -207,7 +207,7 @@ def _disk_figures(d: dict[str, Any]) -> list[dict[str, Any]]:
             note=f"{sizes}; median of steady-state windows (first fill discarded); overall {t['gbps']:.3f} GB/s = "
                  f"{e['ratios']['tkv_overall_vs_raw_circular']:.2f}x; evictions {t['evictions']}, shed {t['spills_shed']}"))
         out.append(_fig(
-            "disk tier", "disk.evicting.file_vs_capacity", "data.mdb size / capacity, full and evicting", "x capacity",
+            "disk tier", "disk.evicting.file_vs_capacity", "slot file + data.mdb size / capacity, full and evicting", "x capacity",
             t["file_vs_capacity_end"], 1.0, "the raw circular file: exactly the capacity", "raw circular",
             better="lower", target_on="value", op="<=", threshold=_disk.TARGET_FILE_VS_CAPACITY, source=_ISSUE3,
             note=f"peak {t['file_vs_capacity_peak']:.2f}x"
