@@ -1,0 +1,84 @@
+"""ThreadMover's default copy: memmove between row addresses computed from the tensors' strides."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+from tiered_kv.jobs import JobKind
+from tiered_kv.movers import CompletionQueue, ThreadMover, Transfer
+
+
+def _reports(q: CompletionQueue, n: int) -> list:
+    out = []
+    while len(out) < n:
+        r = q.get(timeout=30)
+        assert r is not None, "a transfer was never answered"
+        out.append(r)
+    return out
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "rows-with-gaps"])
+def test_rows_are_copied_byte_for_byte_both_ways(padded):
+    g = torch.Generator().manual_seed(3)
+    base = torch.randint(0, 256, (6, 96 if padded else 64), generator=g, dtype=torch.uint8)
+    dev = base[:, :64]                   # rows contiguous, 96 bytes apart when padded
+    host = torch.zeros((4, 64), dtype=torch.uint8)
+    q = CompletionQueue()
+    m = ThreadMover(dev, host, q, num_workers=2)
+    try:
+        assert m._fast
+        m.submit(Transfer(uuid.uuid4(), JobKind.STORE, 5, 2))
+        (r,) = _reports(q, 1)
+        assert r.ok and r.nbytes == 64 and torch.equal(host[2], dev[5])
+        keep = base.clone()
+        m.submit(Transfer(uuid.uuid4(), JobKind.LOAD, 1, 2))
+        (r,) = _reports(q, 1)
+        assert r.ok and torch.equal(dev[1], dev[5])
+        if padded:                       # the gap bytes between rows were not touched
+            assert torch.equal(base[:, 64:], keep[:, 64:])
+        others = [i for i in range(6) if i != 1]
+        assert torch.equal(base[others], keep[others])
+    finally:
+        m.close()
+
+
+def test_out_of_range_transfer_fails_its_report_and_writes_nothing():
+    dev = torch.arange(4 * 32, dtype=torch.uint8).view(4, 32)
+    host = torch.zeros((2, 32), dtype=torch.uint8)
+    before = dev.clone(), host.clone()
+    q = CompletionQueue()
+    m = ThreadMover(dev, host, q, num_workers=1)
+    try:
+        toks = [uuid.uuid4() for _ in range(3)]
+        m.submit(Transfer(toks[0], JobKind.STORE, 0, 2))     # slot past the slab
+        m.submit(Transfer(toks[1], JobKind.LOAD, 4, 0))      # row past the tensor
+        m.submit(Transfer(toks[2], JobKind.STORE, -1, 0))    # negative row
+        reps = _reports(q, 3)
+        assert [r.token for r in reps] == toks
+        assert all(not r.ok and "out of range" in (r.error or "") for r in reps), reps
+        assert torch.equal(dev, before[0]) and torch.equal(host, before[1])
+    finally:
+        m.close()
+
+
+def test_an_injected_copy_function_replaces_the_memmove():
+    calls = []
+
+    def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        calls.append(1)
+        dst.copy_(src)
+
+    dev = torch.ones((2, 16), dtype=torch.uint8)
+    host = torch.zeros((2, 16), dtype=torch.uint8)
+    q = CompletionQueue()
+    m = ThreadMover(dev, host, q, num_workers=1, copy_fn=copy)
+    try:
+        assert not m._fast
+        m.submit(Transfer(uuid.uuid4(), JobKind.STORE, 1, 0))
+        (r,) = _reports(q, 1)
+        assert r.ok and calls == [1] and torch.equal(host[0], dev[1])
+    finally:
+        m.close()
