@@ -102,7 +102,7 @@ class DiskOptions:
     batch_blocks: int = 64
     batch_bytes: int = 64 << 20
     batch_seconds: float = 0.005
-    num_readers: int = 4
+    num_readers: int = 2
     slots: int = 0             # slots in the data file (0: capacity_bytes // block_bytes)
 
 
