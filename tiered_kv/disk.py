@@ -87,6 +87,7 @@ LOCK_NAME = "tiered_kv.lock"
 SUBDBS = ("meta", "blocks", "tombs", "touch")  # the named sub-databases of an environment
 MAX_DBS = len(SUBDBS)
 MIN_MAP = 64 << 20
+_WRITEBACK_CHUNK = 4 << 20   # bytes written between two sync_file_range(WRITE) calls
 _U64 = struct.Struct("<Q")
 
 
@@ -278,6 +279,7 @@ class DiskStore:
         self._slots_max = 0                        # the file grows up to this many
         self._freed_unsynced: list[tuple[int, int]] = []  # (txn id, slot) dropped by a commit not yet durable
         self._start_writeback = _libc_sync_file_range() or (lambda fd, off, n: None)
+        self._wb_lo, self._wb_hi, self._wb_bytes = 1 << 62, 0, 0   # written, writeback not started yet
         self._failures = 0        # failed batches so far (a flush after one answers False)
         self._sync_failed = False
         self._backoff = 0.0
@@ -733,6 +735,7 @@ class DiskStore:
                 self._pwrite(op.slot, op.src)
             if placed and self.opts.durability != "none":
                 os.fdatasync(self._sfd)   # the bytes are durable before any index record points at them
+                self._wb_lo, self._wb_hi, self._wb_bytes = 1 << 62, 0, 0
             unused: list[int] = []
             self._rw.acquire_shared()
             try:
@@ -823,8 +826,15 @@ class DiskStore:
             view = view[n:]
             off += n
         if self.opts.durability != "none":
-            # start the writeback now, so the batch's fdatasync finds most of it done
-            self._start_writeback(self._sfd, slot * self._slot_bytes, len(src))
+            # start the writeback of what this batch wrote, every few MiB, so that the batch's
+            # fdatasync finds most of it done (one call per slot costs more than it saves on small blocks)
+            start = slot * self._slot_bytes
+            self._wb_lo = min(self._wb_lo, start)
+            self._wb_hi = max(self._wb_hi, start + len(src))
+            self._wb_bytes += len(src)
+            if self._wb_bytes >= _WRITEBACK_CHUNK:
+                self._start_writeback(self._sfd, self._wb_lo, self._wb_hi - self._wb_lo)
+                self._wb_lo, self._wb_hi, self._wb_bytes = 1 << 62, 0, 0
 
     def _give_back(self, slots: list[int]) -> None:
         """Slots no committed entry references: free at once."""
