@@ -21,7 +21,7 @@ import time
 import lmdb
 import pytest
 
-from disk_helpers import (disk_health, drain, fill, keys, load_ok, make_kv, metric, metric_sum,
+from disk_helpers import (ROW, disk_health, drain, fill, keys, load_ok, make_kv, metric, metric_sum,
                           raw_keys, remount, rig, store_one, store_seq, tmpfs)
 
 __all__ = ["rig"]
@@ -518,3 +518,47 @@ def test_missing_directory_is_created(rig, tmp_path):
     rig.close(mgr)
     assert raw_keys(path) == {b"a"}
     assert os.path.exists(path / "tiered_kv.lock")
+
+
+# ============================================================================ slot file allocation
+def test_filesystem_without_fallocate_gets_a_sparse_slot_file(rig, monkeypatch):
+    import tiered_kv.disk as disk_mod
+
+    def no_fallocate(fd, offset, length):
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(disk_mod.os, "posix_fallocate", no_fallocate)
+    kv = make_kv(8)
+    mgr = rig.open(kv, host_slots=4, disk_slots=32)
+    ks = keys(12)
+    store_seq(mgr, kv, ks)
+    drain(mgr)
+    assert metric_sum(mgr, "tiered_kv_errors_total", tier="disk") == 0
+    assert mgr.disk_blocks == 12 and mgr.disk.slot_file_bytes() >= 12 * ROW
+    for i, k in enumerate(ks):
+        assert load_ok(mgr, kv, k, i % 8)
+
+
+def test_nearly_full_disk_takes_one_slot_at_a_time(rig, monkeypatch):
+    import tiered_kv.disk as disk_mod
+
+    real = os.posix_fallocate
+    asked: list[int] = []
+
+    def tight(fd, offset, length):          # room for single slots only
+        asked.append(length)
+        if length > ROW:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, offset, length)
+
+    monkeypatch.setattr(disk_mod.os, "posix_fallocate", tight)
+    kv = make_kv(8)
+    mgr = rig.open(kv, host_slots=4, disk_slots=64)
+    ks = keys(6)
+    store_seq(mgr, kv, ks)
+    drain(mgr)
+    assert metric_sum(mgr, "tiered_kv_errors_total", tier="disk") == 0
+    assert mgr.disk.slot_file_bytes() == 6 * ROW           # grown slot by slot, no further
+    assert asked.count(ROW) == 6 and all(a == ROW or a > ROW for a in asked)
+    for i, k in enumerate(ks):
+        assert load_ok(mgr, kv, k, i % 8)

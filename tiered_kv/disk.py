@@ -807,11 +807,15 @@ class DiskStore:
         try:
             os.posix_fallocate(self._sfd, start * self._slot_bytes, chunk * self._slot_bytes)
         except OSError as exc:
-            if exc.errno != errno.ENOSPC or chunk == 1:
+            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                # a filesystem without fallocate: a sparse file (a full disk then shows up as a write error)
+                os.ftruncate(self._sfd, max(os.fstat(self._sfd).st_size, (start + chunk) * self._slot_bytes))
+            elif exc.errno != errno.ENOSPC or chunk == 1:
                 raise
-            # a nearly full disk: take the one slot needed now (ENOSPC again fails the batch)
-            chunk = 1
-            os.posix_fallocate(self._sfd, start * self._slot_bytes, self._slot_bytes)
+            else:
+                # a nearly full disk: take the one slot needed now (ENOSPC again fails the batch)
+                chunk = 1
+                os.posix_fallocate(self._sfd, start * self._slot_bytes, self._slot_bytes)
         with self._slot_lock:
             self._slots_len = start + chunk
             for i in range(start, start + chunk):
