@@ -380,7 +380,8 @@ class DiskStore:
             self._sfd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
             raise DiskTierError(f"disk_path {str(self.opts.path)!r}: cannot open {SLOTS_NAME}: {exc}") from exc
-        self._slots_len = os.fstat(self._sfd).st_size // self._slot_bytes
+        # a slot cut short (a truncated file) still counts: an entry in it may have survived recovery
+        self._slots_len = -(-os.fstat(self._sfd).st_size // self._slot_bytes)
         # a file longer than the configured capacity (it shrank) keeps its slots until compacted
         self._slots_max = max(self._target_slots(), self._slots_len)
 
@@ -538,7 +539,7 @@ class DiskStore:
         try:
             with self._env.begin(write=True) as txn:
                 removed = self._apply_tomb(txn, token, key, frees)
-                txn_id = txn.id()
+            txn_id = self._env.info()["last_txnid"]   # >= this commit's (another may have followed)
         finally:
             self._rw.release_shared()
         self._slots_dropped(frees, txn_id)
@@ -772,14 +773,15 @@ class DiskStore:
                             self._seq += 1
                             txn.put(lmdb_key(op.key), _U64.pack(self._seq), db=self._touch)
                     self.tombstones = txn.stat(self._tombs)["entries"]
-                    txn_id = txn.id()
             finally:
                 self._rw.release_shared()
         except BaseException:
             self._give_back(placed)   # nothing committed references them
             raise
         self._give_back(unused)
-        self._slots_dropped(frees, txn_id)
+        # the last committed transaction, not this one's id: a transaction that changed nothing
+        # commits nothing (no meta write, no sync), so it must not count as "a later commit"
+        self._slots_dropped(frees, env.info()["last_txnid"])
         dt = time.perf_counter() - t0
         n = sum(1 for r in results if r.ok)
         for r in results:
@@ -848,12 +850,14 @@ class DiskStore:
                     heapq.heappush(self._free_slots, i)
 
     def _slots_dropped(self, slots: list[int], txn_id: int) -> None:
-        """Transaction ``txn_id`` (committed) dropped the entries of ``slots``: free them once it is durable.
+        """A commit dropped the entries of ``slots``; ``txn_id`` is the last committed transaction
+        (that one or a later one).  Free the slots once it is durable.
 
         With ``durability="batch"`` a commit is durable once a later one is
-        (LMDB syncs the meta page lazily), so slots wait one commit; the other
-        modes free them at once ("sync": the commit is durable; "none": only a
-        process crash is covered, and the page cache outlives it).
+        (LMDB syncs the meta page lazily: commit ``L``'s fdatasync covers meta
+        page ``L-1``), so slots wait one real commit; the other modes free them
+        at once ("sync": the commit is durable; "none": only a process crash is
+        covered, and the page cache outlives it).
         """
         with self._slot_lock:
             if self.opts.durability == "batch":

@@ -143,9 +143,16 @@ def start_spill(disk: DiskStore, dindex: TierIndex, hindex: TierIndex, entry: Ho
 
 
 def forget_failed_read(disk: DiskStore, dindex: TierIndex, d: HostEntry, key: bytes, error: str) -> None:
-    """A read-back of ``d`` failed: the entry is gone or bad on disk, so the index forgets it
-    (and the writer removes it if it was corrupt)."""
+    """A read-back of ``d`` failed: the entry is gone or bad on disk, so the index forgets it.
+
+    The writer removes a corrupt entry, and one whose read failed (an I/O
+    error): forgotten by the index, it would otherwise hold a slot outside the
+    capacity count until the next open.  An absent or superseded entry is not
+    ``d``'s write: nothing to remove.
+    """
     if d.live:
         dindex.remove(d)
         if "corrupt" in error:
             disk.submit_delete_corrupt(key)
+        elif "read failed" in error:
+            disk.submit_delete(d.writer, key)   # only if the stored entry is still d's write
