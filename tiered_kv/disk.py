@@ -87,7 +87,7 @@ LOCK_NAME = "tiered_kv.lock"
 SUBDBS = ("meta", "blocks", "tombs", "touch")  # the named sub-databases of an environment
 MAX_DBS = len(SUBDBS)
 MIN_MAP = 64 << 20
-_WRITEBACK_CHUNK = 4 << 20   # bytes written between two sync_file_range(WRITE) calls
+_WRITEBACK_CHUNK = 2 << 20   # bytes written between two sync_file_range(WRITE) calls (2 MiB blocks: each)
 _U64 = struct.Struct("<Q")
 
 
