@@ -468,16 +468,31 @@ class TierManager:
         deadline = None if timeout is None else time.monotonic() + timeout
         self._poll()
         slice_s = 0.0005 if self._mover.polled else None
-        while not done():
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                return
-            step = remaining if slice_s is None else (slice_s if remaining is None else min(slice_s, remaining))
-            if step is None or step > 0.5:
-                step = 0.5  # wake up now and then to notice a dead disk writer
-            report = self._completions.get(step)
-            if report is not None:
-                self._apply(report)
+        last_full = time.monotonic()
+        try:
+            while not done():
+                now = time.monotonic()
+                remaining = None if deadline is None else deadline - now
+                if remaining is not None and remaining <= 0:
+                    return
+                step = remaining if slice_s is None else (slice_s if remaining is None else min(slice_s, remaining))
+                if step is None or step > 0.5:
+                    step = 0.5  # wake up now and then to notice a dead disk writer
+                report = self._completions.get(step)
+                if report is not None:
+                    self._apply(report)
+                if now - last_full >= 0.002:
+                    self._poll()
+                    last_full = now
+                else:
+                    # reports come one at a time while copies finish: apply them, but leave the
+                    # per-poll bookkeeping (gauges, writer check) to every few ms -- each wake-up
+                    # holds the GIL that the copy workers need between two copies
+                    self._mover.harvest()
+                    for r in self._completions.drain():
+                        self._apply(r)
+                    self._deliver_cancelled()
+        finally:
             self._poll()
 
     def _apply(self, r: Any) -> None:
