@@ -777,7 +777,7 @@ class TierManager:
         return None
 
     def _on_host_evict(self, entry: HostEntry) -> None:
-        self.metrics.evicted["host"].inc()
+        self.metrics.count(self.metrics.evicted["host"])  # batched: applied at the end of poll()
 
     def _refresh_gauges(self) -> None:
         """Push batched counters and changed gauge values (once per poll, not per job)."""
