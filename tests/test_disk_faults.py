@@ -529,14 +529,19 @@ def test_filesystem_without_fallocate_gets_a_sparse_slot_file(rig, monkeypatch):
 
     monkeypatch.setattr(disk_mod.os, "posix_fallocate", no_fallocate)
     kv = make_kv(8)
-    mgr = rig.open(kv, host_slots=4, disk_slots=32)
-    ks = keys(12)
+    mgr = _spill_without_errors_and_read_back(rig, kv, 12, disk_slots=32)
+    assert mgr.disk_blocks == 12 and mgr.disk.slot_file_bytes() >= 12 * ROW
+
+
+def _spill_without_errors_and_read_back(rig, kv, n: int, disk_slots: int):
+    mgr = rig.open(kv, host_slots=4, disk_slots=disk_slots)
+    ks = keys(n)
     store_seq(mgr, kv, ks)
     drain(mgr)
     assert metric_sum(mgr, "tiered_kv_errors_total", tier="disk") == 0
-    assert mgr.disk_blocks == 12 and mgr.disk.slot_file_bytes() >= 12 * ROW
     for i, k in enumerate(ks):
         assert load_ok(mgr, kv, k, i % 8)
+    return mgr
 
 
 def test_nearly_full_disk_takes_one_slot_at_a_time(rig, monkeypatch):
@@ -553,12 +558,6 @@ def test_nearly_full_disk_takes_one_slot_at_a_time(rig, monkeypatch):
 
     monkeypatch.setattr(disk_mod.os, "posix_fallocate", tight)
     kv = make_kv(8)
-    mgr = rig.open(kv, host_slots=4, disk_slots=64)
-    ks = keys(6)
-    store_seq(mgr, kv, ks)
-    drain(mgr)
-    assert metric_sum(mgr, "tiered_kv_errors_total", tier="disk") == 0
+    mgr = _spill_without_errors_and_read_back(rig, kv, 6, disk_slots=64)
     assert mgr.disk.slot_file_bytes() == 6 * ROW           # grown slot by slot, no further
     assert asked.count(ROW) == 6 and all(a == ROW or a > ROW for a in asked)
-    for i, k in enumerate(ks):
-        assert load_ok(mgr, kv, k, i % 8)

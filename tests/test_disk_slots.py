@@ -681,16 +681,23 @@ def _disk_only(rig, kv, durability="batch"):
     return mgr
 
 
-@pytest.mark.parametrize("durability", ["batch", "none"])
-def test_reader_whose_slot_was_reused_by_another_key_reports_superseded(rig, monkeypatch, durability):
-    kv = make_kv(8)
+def _reader_holding_a(rig, kv, monkeypatch, durability="batch"):
+    """A only on disk (slot 0) and a load of A whose reader is held after its index lookup, before
+    its pread.  Returns (manager, load job, the hold, the readers' reports)."""
     mgr = _disk_only(rig, kv, durability)
-    disk = mgr.disk
     hold = ReaderHold(monkeypatch)
-    reports = record_reads(disk)
+    reports = record_reads(mgr.disk)
     load = mgr.load(b"A", 5)
     assert load is not None
     assert hold.reading.wait(30)               # the reader has A's index record, not its bytes
+    return mgr, load, hold, reports
+
+
+@pytest.mark.parametrize("durability", ["batch", "none"])
+def test_reader_whose_slot_was_reused_by_another_key_reports_superseded(rig, monkeypatch, durability):
+    kv = make_kv(8)
+    mgr, load, hold, reports = _reader_holding_a(rig, kv, monkeypatch, durability)
+    disk = mgr.disk
     mgr.invalidate(b"A")                       # A's entry is dropped ...
     assert mgr.flush(timeout=30) is True       # ... durably, so slot 0 is free
     assert 0 in free_slots(disk)
@@ -709,12 +716,8 @@ def test_reader_whose_slot_was_reused_by_another_key_reports_superseded(rig, mon
 
 def test_reader_whose_slot_was_rewritten_for_the_same_key_reports_superseded(rig, monkeypatch):
     kv = make_kv(8)
-    mgr = _disk_only(rig, kv)
+    mgr, _load, hold, reports = _reader_holding_a(rig, kv, monkeypatch)
     disk = mgr.disk
-    hold = ReaderHold(monkeypatch)
-    reports = record_reads(disk)
-    assert mgr.load(b"A", 5) is not None
-    assert hold.reading.wait(30)
     mgr.invalidate(b"A")
     assert mgr.flush(timeout=30) is True
     job = store_nowait(mgr, kv, b"A", 0, tag=b"A-v2")      # A again, other bytes, into slot 0
@@ -735,12 +738,7 @@ def test_reader_whose_slot_was_rewritten_for_the_same_key_reports_superseded(rig
 def test_reader_whose_slot_bytes_changed_without_an_index_change_reports_corrupt(rig, monkeypatch):
     """The control of the two tests above: the same interleaving, but the index is unchanged."""
     kv = make_kv(8)
-    mgr = _disk_only(rig, kv)
-    disk = mgr.disk
-    hold = ReaderHold(monkeypatch)
-    reports = record_reads(disk)
-    load = mgr.load(b"A", 5)
-    assert hold.reading.wait(30)
+    mgr, load, hold, reports = _reader_holding_a(rig, kv, monkeypatch)
     fd = os.open(slot_file(rig.path), os.O_RDWR)
     try:
         os.pwrite(fd, content(b"D").numpy().tobytes(), 0)   # slot 0 overwritten behind the index's back
@@ -867,14 +865,7 @@ def test_reopen_serves_every_entry_and_frees_exactly_the_unreferenced_slots(rig,
     assert disk.slots_in_use == 12
     for i, k in enumerate(sorted(refs)):
         assert load_ok(mgr, kv, k, i % 8), k
-    new = keys(6, "re")
-    store_seq(mgr, kv, new)                    # evicts 6 old ones; must never overwrite a live slot
-    quiesce(mgr)
-    idx = check_slots(mgr)
-    assert set(new) <= set(idx)
-    for i, k in enumerate(sorted(idx)):
-        assert load_ok(mgr, kv, k, i % 8), k
-    assert corrupt_total(mgr) == 0
+    idx = _store_more_and_read_everything(mgr, kv, keys(6, "re"))   # evicts 6 old ones
     rig.close(mgr)
     again = raw_slots(rig.path)
     assert again == idx and len(set(again.values())) == len(again)
@@ -922,7 +913,11 @@ def test_reopen_after_a_process_kill_with_durability_none_serves_every_flushed_e
     assert rep.slots_free == disk.opts.slots - 12 and disk.slots_in_use == 12
     for i, k in enumerate(expect):
         assert load_ok(mgr, kv, k, i % 8), k
-    new = keys(5, "post")
+    _store_more_and_read_everything(mgr, kv, keys(5, "post"))
+
+
+def _store_more_and_read_everything(mgr, kv, new: list[bytes]) -> dict[bytes, int]:
+    """After a reopen: new spills never overwrite a live slot; every entry reads back byte for byte."""
     store_seq(mgr, kv, new)
     quiesce(mgr)
     idx = check_slots(mgr)
@@ -930,6 +925,7 @@ def test_reopen_after_a_process_kill_with_durability_none_serves_every_flushed_e
     for i, k in enumerate(sorted(idx)):
         assert load_ok(mgr, kv, k, i % 8), k
     assert corrupt_total(mgr) == 0
+    return idx
 
 
 # ============================================================================ state machine
