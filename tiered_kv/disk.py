@@ -127,7 +127,7 @@ class RecoveryReport:
     seconds: float = 0.0
     entries: int = 0
     purged: int = 0            # entries written under a tombstoned token
-    corrupt: int = 0           # entries whose header failed to parse (removed)
+    corrupt: int = 0           # unparsable headers, slots past the file's end, a slot claimed twice (removed)
     foreign: int = 0           # entries of another namespace/length (removed)
     slots_free: int = 0        # free slots of the data file after recovery
     tombs_dropped: int = 0     # tombstones garbage-collected
@@ -1093,7 +1093,6 @@ def _libc_sync_file_range() -> Optional[Callable[[int, int, int], None]]:
     def start(fd: int, offset: int, nbytes: int) -> None:
         fn(fd, offset, nbytes, write)   # advisory: an error here shows up in the fdatasync that follows
     return start
-
 
 
 def _error_kind(exc: BaseException) -> str:
