@@ -25,11 +25,11 @@ OUTCOMES = ("ok", "failed", "cancelled", "shed")
 SHED_REASONS = ("inflight_limit", "host_full", "disk_full", "backpressure", "disk_down")
 # label values known in advance, exported at 0 from the start (dashboards and alerts see a series)
 CORRUPT_REASONS = ("truncated", "bad_magic", "bad_version", "wrong_namespace", "wrong_key", "wrong_length",
-                   "checksum", "recovery", "foreign")
+                   "checksum", "recovery", "foreign", "bad_flags", "bad_slot", "slot_entry")
 ERROR_KINDS = (("device", "copy_failed"), ("host", "copy_failed"), ("disk", "copy_failed"),
                ("disk", "open_failed"), ("disk", "flush_failed"), ("disk", "writer_died"), ("disk", "sync_failed"),
                ("disk", "map_full"), ("disk", "disk_full"), ("disk", "read_only"), ("disk", "io_error"),
-               ("disk", "lmdb_error"), ("disk", "writer_error"))
+               ("disk", "lmdb_error"), ("disk", "writer_error"), ("disk", "slots_exhausted"))
 _LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5)
 _LINKS = (("device", "host"), ("host", "device"), ("host", "disk"), ("disk", "host"))
 
