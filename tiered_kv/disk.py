@@ -7,7 +7,10 @@ store only through messages, exactly like the copy movers:
 * ``submit_spill`` / ``submit_tomb`` / ``submit_delete`` / ``submit_touch`` /
   ``submit_flush`` queue an op for the writer thread and never block.  Spill
   ops are bounded (``writer_queue_blocks``): a full queue sheds the spill.
-* ``submit_promote`` queues a read for a reader thread.
+* ``submit_promote`` queues a read for a reader thread.  A read that finds
+  the entry corrupt, or fails with an I/O error, also queues its removal
+  (re-verified, resp. token-matched, by the writer): the owner only forgets
+  the key.
 * Each op is answered by one :class:`~tiered_kv.movers.Report` (spills,
   promotes) or :class:`FlushDone` on the manager's completion queue.
 
@@ -89,6 +92,7 @@ MAX_DBS = len(SUBDBS)
 MIN_MAP = 64 << 20
 _WRITEBACK_CHUNK = 2 << 20   # bytes written between two sync_file_range(WRITE) calls (2 MiB blocks: each)
 _U64 = struct.Struct("<Q")
+_CORRUPT, _READ_FAILED = "miss: corrupt", "miss: read failed"   # promote report errors the reader acts on
 
 
 @dataclass(frozen=True)
@@ -485,9 +489,6 @@ class DiskStore:
     def submit_delete(self, token: uuid.UUID, key: bytes) -> None:
         """Remove ``key``'s committed entry if it was written by ``token`` (eviction, invalidation)."""
         self._push(_Delete(token, key), front=True)
-
-    def submit_delete_corrupt(self, key: bytes) -> None:
-        self._push(_DeleteCorrupt(key))
 
     def submit_touch(self, key: bytes) -> None:
         self._push(_Touch(key))
@@ -1020,7 +1021,15 @@ class DiskStore:
             op = self._reads.get()
             if op is None:
                 return
-            self._out.put(self._read(op))
+            r = self._read(op)
+            if not r.ok and r.error is not None:
+                # a bad entry stays out of the owner's index from now on: remove it here, where the
+                # reason is known, so that it holds no slot outside the capacity count
+                if r.error.startswith(_CORRUPT):
+                    self._push(_DeleteCorrupt(op.key))          # only if still corrupt when the writer looks
+                elif r.error.startswith(_READ_FAILED):
+                    self._push(_Delete(op.expect, op.key))      # only if still the write that was read
+            self._out.put(r)
 
     def _read(self, op: _Promote) -> Report:
         env = self._env
@@ -1047,7 +1056,7 @@ class DiskStore:
                             return Report(op.token, JobKind.PROMOTE, True, None, n, time.perf_counter() - t0)
                     except CorruptEntry as exc:
                         self._on_corrupt(exc.reason)
-                        return Report(op.token, JobKind.PROMOTE, False, f"miss: corrupt ({exc})", copied=False)
+                        return Report(op.token, JobKind.PROMOTE, False, f"{_CORRUPT} ({exc})", copied=False)
                     value = bytes(v)   # the index record (small); the payload is read outside the txn
             finally:
                 self._rw.release_shared()
@@ -1062,10 +1071,10 @@ class DiskStore:
                     # dropped and its slot reused while we read: the bytes are someone else's, not damaged
                     return Report(op.token, JobKind.PROMOTE, False, "miss: superseded on disk", copied=False)
                 self._on_corrupt(exc.reason)
-                return Report(op.token, JobKind.PROMOTE, False, f"miss: corrupt ({exc})", copied=False)
+                return Report(op.token, JobKind.PROMOTE, False, f"{_CORRUPT} ({exc})", copied=False)
         except (lmdb.Error, OSError) as exc:
             self._on_error(_error_kind(exc), repr(exc))
-            return Report(op.token, JobKind.PROMOTE, False, f"miss: read failed ({exc})", copied=False)
+            return Report(op.token, JobKind.PROMOTE, False, f"{_READ_FAILED} ({exc})", copied=False)
         return Report(op.token, JobKind.PROMOTE, True, None, n, time.perf_counter() - t0)
 
     def _index_changed(self, lk: bytes, value: bytes) -> bool:

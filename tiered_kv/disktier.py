@@ -142,17 +142,8 @@ def start_spill(disk: DiskStore, dindex: TierIndex, hindex: TierIndex, entry: Ho
     return d
 
 
-def forget_failed_read(disk: DiskStore, dindex: TierIndex, d: HostEntry, key: bytes, error: str) -> None:
-    """A read-back of ``d`` failed: the entry is gone or bad on disk, so the index forgets it.
-
-    The writer removes a corrupt entry, and one whose read failed (an I/O
-    error): forgotten by the index, it would otherwise hold a slot outside the
-    capacity count until the next open.  An absent or superseded entry is not
-    ``d``'s write: nothing to remove.
-    """
+def forget_failed_read(dindex: TierIndex, d: HostEntry) -> None:
+    """A read-back of ``d`` failed: the entry is gone, superseded or bad on disk, so the index
+    forgets it (the store's reader already queued the removal of a corrupt or unreadable entry)."""
     if d.live:
         dindex.remove(d)
-        if "corrupt" in error:
-            disk.submit_delete_corrupt(key)
-        elif "read failed" in error:
-            disk.submit_delete(d.writer, key)   # only if the stored entry is still d's write

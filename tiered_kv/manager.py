@@ -599,7 +599,7 @@ class TierManager:
             job._move(JobState.FAILED)
             m.count(m.job_outcome[(_PROMOTE, "failed")])
             error = r.error or "miss"
-            forget_failed_read(self._disk, self._dindex, d, job.key, error)
+            forget_failed_read(self._dindex, d)
             for w in list(fl.waiters):
                 self._fail_waiter(w, error)
             return

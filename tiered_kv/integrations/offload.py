@@ -561,7 +561,7 @@ class SlabTiers:
             self._index.writer_done(entry)
             self._index.abort(entry)
             m.count(m.job_outcome[(_PROMOTE, "failed")])
-            forget_failed_read(self._disk, self._dindex, dj.dentry, entry.key, r.error or "")
+            forget_failed_read(self._dindex, dj.dentry)
         else:
             self._index.publish(entry)
             m.count(m.job_outcome[(_PROMOTE, "ok")])
