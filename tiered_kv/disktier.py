@@ -13,17 +13,18 @@ import logging
 import threading
 from collections.abc import Callable
 import uuid
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from .config import TieredKVConfig
-from .disk import DiskOptions, DiskStore
+from .disk import DiskOptions, DiskStore, writable_view
 from .errors import DiskInUseError, DiskTierError
 from .host import HostEntry, TierIndex
+from .jobs import JobKind
 from .metrics import Metrics
-from .movers import CompletionQueue
+from .movers import CompletionQueue, Report
 
 __all__ = ["open_disk_tier", "replay_recovered", "disk_levels", "check_writer", "DiskErrors", "start_spill",
-           "forget_failed_read"]
+           "forget_failed_read", "finish_spill", "finish_promote", "evict_from_disk", "SlotViews"]
 
 log = logging.getLogger(__name__)
 
@@ -147,3 +148,63 @@ def forget_failed_read(dindex: TierIndex, d: HostEntry) -> None:
     forgets it (the store's reader already queued the removal of a corrupt or unreadable entry)."""
     if d.live:
         dindex.remove(d)
+
+
+def finish_spill(dindex: TierIndex, metrics: Metrics, d: HostEntry, r: Report) -> None:
+    """A live spill's report: the disk entry is published, or dropped when the write failed; counted."""
+    m = metrics
+    if r.ok:
+        dindex.publish(d)
+        m.count(m.job_outcome[(JobKind.SPILL, "ok")])
+        m.count(m.link_bytes[("host", "disk")], r.nbytes)
+        m.observe(m.link_seconds[("host", "disk")], r.seconds)
+    else:
+        dindex.writer_done(d)
+        dindex.abort(d)
+        m.count(m.job_outcome[(JobKind.SPILL, "failed")])
+
+
+def finish_promote(disk: DiskStore, hindex: TierIndex, dindex: TierIndex, metrics: Metrics, entry: HostEntry,
+                   d: HostEntry, r: Report) -> None:
+    """A live promote's report: the host entry is published (and the disk entry's recency kept), or
+    dropped with the disk entry forgotten when the read failed; counted."""
+    m = metrics
+    if r.ok:
+        hindex.publish(entry)
+        m.count(m.job_outcome[(JobKind.PROMOTE, "ok")])
+        m.count(m.link_bytes[("disk", "host")], r.nbytes)
+        m.observe(m.link_seconds[("disk", "host")], r.seconds)
+        disk.submit_touch(entry.key)
+    else:
+        hindex.writer_done(entry)
+        hindex.abort(entry)
+        m.count(m.job_outcome[(JobKind.PROMOTE, "failed")])
+        forget_failed_read(dindex, d)
+
+
+def evict_from_disk(disk: DiskStore, metrics: Metrics, d: HostEntry) -> None:
+    """The disk index evicted ``d``: remove its write (token-matched, so never a newer one)."""
+    metrics.evicted["disk"].inc()
+    disk.submit_delete(d.writer, d.key)
+
+
+class SlotViews:
+    """Writable byte views of a host slab's slots, as the disk store reads and writes them.
+
+    One view over the whole (contiguous) slab, sliced per slot: nothing to
+    cache per slot.  ``release()`` before the slab's memory goes away.
+    """
+
+    def __init__(self, rows: Any) -> None:
+        if not rows.is_contiguous() or rows.dim() != 2:
+            raise ValueError(f"a slab must be a contiguous [slots, bytes] tensor, got {tuple(rows.shape)}")
+        self._bytes = int(rows.shape[1]) * rows.element_size()
+        self._all: Optional[memoryview] = writable_view(rows)
+
+    def __getitem__(self, slot: int) -> memoryview:
+        assert self._all is not None, "slot views used after release()"
+        return self._all[slot * self._bytes:(slot + 1) * self._bytes]
+
+    def release(self) -> None:
+        self._all = None
+

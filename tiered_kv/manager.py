@@ -33,9 +33,9 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from .config import TieredKVConfig
-from .disk import DiskStore, FlushDone, writable_view
-from .disktier import (check_writer, disk_levels, forget_failed_read, open_disk_tier, replay_recovered,
-                       start_spill)
+from .disk import DiskStore, FlushDone
+from .disktier import (SlotViews, check_writer, disk_levels, evict_from_disk, finish_promote, finish_spill,
+                       open_disk_tier, replay_recovered, start_spill)
 from .errors import (
     BlockBusyError,
     ConfigError,
@@ -62,7 +62,7 @@ SUPPORTED_DTYPES = frozenset(
 MoverFactory = Callable[[torch.Tensor, torch.Tensor, CompletionQueue], Mover]
 
 _STORE, _LOAD, _SPILL, _PROMOTE = JobKind.STORE, JobKind.LOAD, JobKind.SPILL, JobKind.PROMOTE
-_D2H, _H2D, _H2DISK, _DISK2H = ("device", "host"), ("host", "device"), ("host", "disk"), ("disk", "host")
+_D2H, _H2D = ("device", "host"), ("host", "device")
 _INTERNAL = frozenset({_SPILL, _PROMOTE})  # jobs the manager starts itself; never returned to the engine
 
 
@@ -138,7 +138,7 @@ class TierManager:
                                             config.num_copy_workers, config.num_copy_streams)
         else:
             self._mover = mover_factory(self._dev_rows, self._host_rows, self._completions)
-        self._slot_views: list[Optional[memoryview]] = [None] * num_slots
+        self._slot_views = SlotViews(self._host_rows)
         m = self.metrics
         m.capacity["host"].set(num_slots * self.row_bytes)
         m.capacity["device"].set(self.num_blocks * self.row_bytes)
@@ -567,18 +567,8 @@ class TierManager:
             job._move(JobState.CANCELLED)
             self.metrics.count(self.metrics.job_outcome[(_SPILL, "cancelled")])
             return
-        if not r.ok:
-            self._dindex.writer_done(d)
-            self._dindex.abort(d)
-            job._move(JobState.FAILED)
-            self.metrics.count(self.metrics.job_outcome[(_SPILL, "failed")])
-            return
-        self._dindex.publish(d)
-        job._move(JobState.DONE)
-        m = self.metrics
-        m.count(m.job_outcome[(_SPILL, "ok")])
-        m.count(m.link_bytes[_H2DISK], r.nbytes)
-        m.observe(m.link_seconds[_H2DISK], r.seconds)
+        job._move(JobState.DONE if r.ok else JobState.FAILED)
+        finish_spill(self._dindex, self.metrics, d, r)
 
     def _apply_promote(self, fl: _Flight, r: Report) -> None:
         job, entry, d = fl.job, fl.entry, fl.dentry
@@ -593,22 +583,12 @@ class TierManager:
             for w in fl.waiters:
                 self._cancel(w.job, job.cancel_reason or StaleReason.SUPERSEDED)
             return
+        job._move(JobState.DONE if r.ok else JobState.FAILED)
+        finish_promote(self._disk, self._index, self._dindex, m, entry, d, r)
         if not r.ok:
-            self._index.writer_done(entry)
-            self._index.abort(entry)
-            job._move(JobState.FAILED)
-            m.count(m.job_outcome[(_PROMOTE, "failed")])
-            error = r.error or "miss"
-            forget_failed_read(self._dindex, d)
             for w in list(fl.waiters):
-                self._fail_waiter(w, error)
+                self._fail_waiter(w, r.error or "miss")
             return
-        self._index.publish(entry)
-        job._move(JobState.DONE)
-        m.count(m.job_outcome[(_PROMOTE, "ok")])
-        m.count(m.link_bytes[_DISK2H], r.nbytes)
-        m.observe(m.link_seconds[_DISK2H], r.seconds)
-        self._disk.submit_touch(job.key)
         for w in fl.waiters:
             w.promote = None
             if w.job.state is JobState.PENDING and entry.live:
@@ -713,17 +693,11 @@ class TierManager:
                 del self._row_stores[fl.job.block]
 
     # ------------------------------------------------------------ internals: disk
-    def _slot_view(self, slot: int) -> memoryview:
-        v = self._slot_views[slot]
-        if v is None:
-            v = self._slot_views[slot] = writable_view(self._host_rows[slot])
-        return v
-
     def _start_spill(self, entry: HostEntry) -> None:
         """Write a READY host entry to disk (internal SPILL job); shed and count when it cannot."""
         assert self._dindex is not None and self._disk is not None
         token = self._tokens()
-        d = start_spill(self._disk, self._dindex, self._index, entry, token, self._slot_view(entry.slot))
+        d = start_spill(self._disk, self._dindex, self._index, entry, token, self._slot_views[entry.slot])
         if isinstance(d, str):
             self._shed(_SPILL, d)
         elif d is not None:
@@ -746,7 +720,7 @@ class TierManager:
         fl = _Flight(job, entry, 0, None, d)
         self._jobs[token] = fl
         self._n_in_flight[_PROMOTE] += 1
-        self._disk.submit_promote(token, key, d.writer, self._slot_view(entry.slot))
+        self._disk.submit_promote(token, key, d.writer, self._slot_views[entry.slot])
         return fl
 
     def _writeback_tick(self) -> None:
@@ -762,8 +736,7 @@ class TierManager:
                 budget -= 1
 
     def _on_disk_evict(self, d: HostEntry) -> None:
-        self.metrics.evicted["disk"].inc()
-        self._disk.submit_delete(d.writer, d.key)  # type: ignore[union-attr]
+        evict_from_disk(self._disk, self.metrics, d)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------ internals: misc
     def _stale(self, kind: JobKind, reason: StaleReason, token: uuid.UUID) -> None:

@@ -41,9 +41,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..config import TieredKVConfig
-from ..disk import DiskStore, FlushDone, writable_view
-from ..disktier import (check_writer, disk_levels, forget_failed_read, open_disk_tier, replay_recovered,
-                        start_spill)
+from ..disk import DiskStore, FlushDone
+from ..disktier import (SlotViews, check_writer, disk_levels, evict_from_disk, finish_promote, finish_spill,
+                        open_disk_tier, replay_recovered, start_spill)
 from ..errors import ConfigError, InvalidKeyError
 from ..host import EntryState, HostEntry, HostIndex, TierIndex
 from ..jobs import JobKind, StaleReason, TokenFactory
@@ -131,7 +131,7 @@ class SlabTiers:
         self._evicted: list[bytes] = []
         self._collect_published = collect_published
         self._published: list[bytes] = []       # keys made READY by a store (for KV events), if collected
-        self._slot_views: dict[int, memoryview] = {}
+        self._slot_views = SlotViews(slab.rows)
         self._disk: Optional[DiskStore] = None
         self._dindex: Optional[TierIndex] = None
         self._disk_usable = False
@@ -450,7 +450,7 @@ class SlabTiers:
                     self._apply_disk(r)
             self._disk.close()
             self._drain()
-        self._slot_views.clear()
+        self._slot_views.release()
         self._refresh()
 
     def take_published(self) -> list[bytes]:
@@ -490,16 +490,10 @@ class SlabTiers:
         }
 
     # ------------------------------------------------------------ internals: disk
-    def _slot_view(self, slot: int) -> memoryview:
-        v = self._slot_views.get(slot)
-        if v is None:
-            v = self._slot_views[slot] = writable_view(self.slab.rows[slot])
-        return v
-
     def _start_spill(self, entry: HostEntry) -> None:
         assert self._dindex is not None and self._disk is not None
         token = self._tokens()
-        d = start_spill(self._disk, self._dindex, self._index, entry, token, self._slot_view(entry.slot))
+        d = start_spill(self._disk, self._dindex, self._index, entry, token, self._slot_views[entry.slot])
         if isinstance(d, str):
             self._shed(_SPILL, d)
         elif d is not None:
@@ -516,7 +510,7 @@ class SlabTiers:
         self._dindex.acquire(d)
         self._disk_jobs[token] = _DiskJob(token, _PROMOTE, entry, d)
         self._n_in_flight[_PROMOTE] += 1
-        self._disk.submit_promote(token, key, d.writer, self._slot_view(entry.slot))
+        self._disk.submit_promote(token, key, d.writer, self._slot_views[entry.slot])
         return True
 
     def _drain(self) -> None:
@@ -540,15 +534,8 @@ class SlabTiers:
             if not dj.live:
                 m.count(m.stale[(_SPILL, StaleReason.SUPERSEDED)])
                 self._dindex.writer_done(dj.dentry)
-            elif not r.ok:
-                self._dindex.writer_done(dj.dentry)
-                self._dindex.abort(dj.dentry)
-                m.count(m.job_outcome[(_SPILL, "failed")])
             else:
-                self._dindex.publish(dj.dentry)
-                m.count(m.job_outcome[(_SPILL, "ok")])
-                m.count(m.link_bytes[("host", "disk")], r.nbytes)
-                m.observe(m.link_seconds[("host", "disk")], r.seconds)
+                finish_spill(self._dindex, m, dj.dentry, r)
             return
         entry = dj.entry
         self._dindex.release(dj.dentry)
@@ -557,26 +544,16 @@ class SlabTiers:
             self._index.writer_done(entry)
             if entry.live:
                 self._index.abort(entry)
-        elif not r.ok:
-            self._index.writer_done(entry)
-            self._index.abort(entry)
-            m.count(m.job_outcome[(_PROMOTE, "failed")])
-            forget_failed_read(self._dindex, dj.dentry)
         else:
-            self._index.publish(entry)
-            m.count(m.job_outcome[(_PROMOTE, "ok")])
-            m.count(m.link_bytes[("disk", "host")], r.nbytes)
-            m.observe(m.link_seconds[("disk", "host")], r.seconds)
-            self._disk.submit_touch(entry.key)
+            finish_promote(self._disk, self._index, self._dindex, m, entry, dj.dentry, r)
 
     def _on_disk_evict(self, d: HostEntry) -> None:
-        self.metrics.evicted["disk"].inc()
-        self._disk.submit_delete(d.writer, d.key)  # type: ignore[union-attr]
+        evict_from_disk(self._disk, self.metrics, d)  # type: ignore[arg-type]
         if d.key not in self._index:
             self._evicted.append(d.key)
 
     def _on_host_evict(self, entry: HostEntry) -> None:
-        self.metrics.evicted["host"].inc()
+        self.metrics.count(self.metrics.evicted["host"])  # batched: applied at the end of the step
         if self._dindex is None or self._dindex.ready(entry.key) is None:
             self._evicted.append(entry.key)
 
