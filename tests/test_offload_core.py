@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -805,19 +805,25 @@ def test_copier_wait_returns_only_after_the_jobs_are_done(rig):
     assert copier.in_flight == 0 and copier.finished() == []
 
 
+def _gate_marks(slab: SharedSlab, hold: Callable[[int], bool] = lambda seq: True) -> threading.Event:
+    """Hold the copy thread before it marks a held ``seq`` done (after its copies); returns the release."""
+    release = threading.Event()
+    real_mark = slab.mark_done
+
+    def gated_mark(rank: int, seq: int, ok: bool = True) -> None:     # runs on the copy thread
+        if hold(seq):
+            assert release.wait(30), "test never released the copy thread"
+        real_mark(rank, seq, ok)
+
+    slab.mark_done = gated_mark                        # type: ignore[method-assign]
+    return release
+
+
 def test_copier_wait_keeps_other_results_and_honours_timeout(rig):
     slab = rig.slab(num_slots=4, row_bytes=16)
     kv = _kv(8, 16, seed=6)
     copier = rig.copier(slab, 0, [kv])
-    release = threading.Event()
-    real_mark = slab.mark_done
-
-    def gated_mark(rank: int, seq: int, ok: bool = True) -> None:
-        if seq == 3:
-            assert release.wait(30)
-        real_mark(rank, seq, ok)
-
-    slab.mark_done = gated_mark                        # type: ignore[method-assign]
+    release = _gate_marks(slab, hold=lambda seq: seq == 3)
     copier.submit(10, b"a" * 16, 1, True, [0], [0])
     copier.submit(20, b"b" * 16, 2, True, [1], [1])
     copier.submit(30, b"c" * 16, 3, True, [2], [2])
@@ -858,14 +864,7 @@ def test_copier_duplicate_token_counted_and_close_is_clean(rig):
     slab = rig.slab(num_slots=2, row_bytes=16)
     kv = _kv(4, 16, seed=8)
     copier = rig.copier(slab, 0, [kv])
-    release = threading.Event()
-    real_mark = slab.mark_done
-
-    def gated_mark(rank: int, seq: int, ok: bool = True) -> None:
-        assert release.wait(30)
-        real_mark(rank, seq, ok)
-
-    slab.mark_done = gated_mark                        # type: ignore[method-assign]
+    release = _gate_marks(slab)
     assert copier.submit(1, b"x" * 16, 1, True, [0], [0])
     assert copier.submit(2, b"x" * 16, 2, True, [1], [1])   # same token while in flight: ignored, counted
     assert metric(copier.metrics, STALE, kind="store", reason="unknown_token") == 1

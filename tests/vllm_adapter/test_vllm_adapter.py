@@ -210,6 +210,22 @@ def tick(mgr: OffloadingManager) -> None:
     mgr.on_schedule_end(NO_CTX)
 
 
+def assert_no_job_left(mgr: TieredKVOffloadingManager) -> dict[str, int]:
+    """After a step: no live, quarantined or awaiting job and nothing stale; returns the sizes."""
+    tick(mgr)
+    assert stale(mgr) == 0
+    sizes = mgr.tiers.debug_sizes()
+    assert sizes["live_stores"] == sizes["live_loads"] == sizes["quarantine"] == sizes["awaiting"] == 0, sizes
+    return sizes
+
+
+def offload_and_forget_on_gpu(eng: Any, req_id: str, prompt: list[int]) -> None:
+    """Run ``prompt`` to completion (its full blocks are offloaded), then drop vLLM's GPU prefix cache."""
+    eng.add(req_id, prompt, max_tokens=2)
+    eng.run()
+    assert eng.sched.reset_prefix_cache()
+
+
 class Pair:
     """Scheduler-side manager and one worker, as two processes would build them from one config."""
 
@@ -432,12 +448,8 @@ def test_store_lookup_load_roundtrip(pair: Pair, expedited: Optional[bool]) -> N
     assert [block_bytes(pair.kv, b) for b in dst_blocks] == originals
     assert [pair.mgr.lookup(k, ctx) for k in ks] == [LookupResult.HIT] * 4
 
-    tick(pair.mgr)
+    assert assert_no_job_left(pair.mgr)["host_entries"] == 4
     assert jobs(pair.mgr, "store", "ok") == 1 and jobs(pair.mgr, "load", "ok") == 1
-    assert stale(pair.mgr) == 0
-    sizes = pair.mgr.tiers.debug_sizes()
-    assert sizes["live_stores"] == sizes["live_loads"] == sizes["quarantine"] == sizes["awaiting"] == 0
-    assert sizes["host_entries"] == 4
 
 
 def test_load_subset_in_another_order(pair: Pair) -> None:
@@ -935,11 +947,8 @@ def test_scheduler_stores_after_prefill_and_loads_after_gpu_cache_reset(model_di
     assert isinstance(load.src_spec, TieredKVLoadStoreSpec) and len(load.dst_spec.block_ids) == 4
     assert eng.load_checks == [("b", i, True) for i in range(4)]  # loaded bytes == recomputed bytes
     assert "b" in eng.finished
-    tick(eng.mgr)
+    assert_no_job_left(eng.mgr)
     assert jobs(eng.mgr, "store", "ok") == 1 and jobs(eng.mgr, "load", "ok") == 1
-    assert stale(eng.mgr) == 0
-    sizes = eng.mgr.tiers.debug_sizes()
-    assert sizes["live_stores"] == sizes["live_loads"] == sizes["quarantine"] == sizes["awaiting"] == 0
 
 
 def test_scheduler_new_request_with_a_shared_prefix_loads_only_what_gpu_lacks(model_dir: str, tmp_path: Path,
@@ -947,9 +956,7 @@ def test_scheduler_new_request_with_a_shared_prefix_loads_only_what_gpu_lacks(mo
     """A longer prompt sharing "a"'s prefix: offloaded blocks are loaded, the rest is computed and stored."""
     eng = engines(model_dir, tkv_extra(tmp_path))
     prompt = prompt_tokens(2, PROMPT_LEN)
-    eng.add("a", prompt, max_tokens=2)
-    eng.run()
-    assert eng.sched.reset_prefix_cache()
+    offload_and_forget_on_gpu(eng, "a", prompt)
     longer = prompt[:4 * BS] + prompt_tokens(3, 2 * BS + 5)
     eng.add("b", longer, max_tokens=2)
     eng.run()
@@ -964,9 +971,7 @@ def test_scheduler_two_requests_for_the_same_offloaded_prompt_load_it_once(model
                                                                           engines) -> None:
     eng = engines(model_dir, tkv_extra(tmp_path))
     prompt = prompt_tokens(11, PROMPT_LEN)
-    eng.add("a", prompt, max_tokens=2)
-    eng.run()
-    assert eng.sched.reset_prefix_cache()
+    offload_and_forget_on_gpu(eng, "a", prompt)
     eng.add("b", prompt, max_tokens=2)
     eng.add("c", prompt, max_tokens=2)
     eng.run()
@@ -995,12 +1000,9 @@ def test_scheduler_preemption_mid_store_flushes_the_store_then_resumes_from_it(m
     after = eng.matched_for("a")[1:]                          # the lookups after the preemption
     assert (0, 4 * BS, True) in after                         # resumed from the offloaded blocks
     assert eng.load_checks == [("a", i, True) for i in range(4)]
-    tick(eng.mgr)
-    assert stale(eng.mgr) == 0
+    assert_no_job_left(eng.mgr)
     assert jobs(eng.mgr, "store", "ok") == 1 and jobs(eng.mgr, "store", "cancelled") == 0
     assert jobs(eng.mgr, "load", "ok") == 1
-    sizes = eng.mgr.tiers.debug_sizes()
-    assert sizes["live_stores"] == sizes["live_loads"] == sizes["quarantine"] == sizes["awaiting"] == 0
 
 
 def test_scheduler_connector_reset_mid_store_never_serves_the_cancelled_store(model_dir: str, tmp_path: Path,
