@@ -780,6 +780,65 @@ def test_read_error_drops_the_entry_and_frees_its_slot(rig, monkeypatch):
     assert load_ok(mgr, kv, b"B", 6)
 
 
+def _flushed(store: DiskStore, q: CompletionQueue) -> list:
+    """Flush ``store`` and return every other report that arrived before the flush's answer."""
+    token = uuid.uuid4()
+    store.submit_flush(token)
+    seen = []
+    while True:
+        r = q.get(30)
+        assert r is not None, "the flush was never answered"
+        if getattr(r, "token", None) == token and not hasattr(r, "kind"):
+            assert r.ok
+            return seen
+        seen.append(r)
+
+
+def test_unreadable_entry_removal_never_removes_a_newer_write_of_the_key(tmp_path, monkeypatch):
+    """The reader queues the removal of an entry it could not read (token-matched).  Pin the
+    interleaving where a newer write of the same key commits while the failed read is in progress:
+    the removal must leave the newer write alone."""
+    q = CompletionQueue()
+    store = DiskStore(DiskOptions(path=tmp_path / "d", namespace=NS, block_bytes=ROW, capacity_bytes=64 * ROW), q)
+    try:
+        t1, t2 = uuid.uuid4(), uuid.uuid4()
+        v1 = memoryview(bytearray(content(b"A").numpy().tobytes()))
+        v2 = memoryview(bytearray(content(b"A-v2").numpy().tobytes()))
+        assert store.submit_spill(t1, b"A", v1)
+        assert [(r.token, r.ok) for r in _flushed(store, q)] == [(t1, True)]
+        entered, go = threading.Event(), threading.Event()
+        real = os.preadv
+
+        def failing(fd, buffers, offset, *a):
+            if threading.current_thread().name == "tiered-kv-disk-reader":
+                entered.set()
+                assert go.wait(30)
+                raise OSError(errno.EIO, "Input/output error")
+            return real(fd, buffers, offset, *a)
+
+        monkeypatch.setattr(disk_mod.os, "preadv", failing)
+        read1 = uuid.uuid4()
+        store.submit_promote(read1, b"A", t1, memoryview(bytearray(ROW)))
+        assert entered.wait(30)                      # the reader holds t1's index record, mid-read
+        assert store.submit_spill(t2, b"A", v2)      # ... and a newer write of A commits meanwhile
+        assert [(r.token, r.ok) for r in _flushed(store, q)] == [(t2, True)]
+        go.set()                                     # the read fails: the reader queues delete(t1, A) ...
+        rep = q.get(30)                              # ... before it reports
+        assert rep is not None and rep.token == read1 and not rep.ok and "read failed" in rep.error
+        assert _flushed(store, q) == []              # this flush is queued after that delete
+        monkeypatch.setattr(disk_mod.os, "preadv", real)
+        dst = memoryview(bytearray(ROW))
+        read2 = uuid.uuid4()
+        store.submit_promote(read2, b"A", t2, dst)
+        r = q.get(30)
+        assert r is not None and r.token == read2 and r.ok, r
+        assert bytes(dst) == bytes(v2)
+        assert store.slots_in_use == 1
+    finally:
+        store.close()
+    assert {k: parse_header(v).token for k, v in raw_index(tmp_path / "d").items()} == {b"A": t2}
+
+
 # ============================================================================ 8. cancelled spills
 def test_spill_cancelled_before_its_payload_is_written_takes_no_slot(rig):
     kv = make_kv(8)
