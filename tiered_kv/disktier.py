@@ -24,7 +24,7 @@ from .metrics import Metrics
 from .movers import CompletionQueue, Report
 
 __all__ = ["open_disk_tier", "replay_recovered", "disk_levels", "check_writer", "DiskErrors", "start_spill",
-           "forget_failed_read", "finish_spill", "finish_promote", "evict_from_disk", "SlotViews"]
+           "forget_failed_read", "finish_spill", "finish_promote", "evict_from_disk", "SlotViews", "TierViews"]
 
 log = logging.getLogger(__name__)
 
@@ -152,40 +152,61 @@ def forget_failed_read(dindex: TierIndex, d: HostEntry) -> None:
 
 def finish_spill(dindex: TierIndex, metrics: Metrics, d: HostEntry, r: Report) -> None:
     """A live spill's report: the disk entry is published, or dropped when the write failed; counted."""
-    m = metrics
     if r.ok:
         dindex.publish(d)
-        m.count(m.job_outcome[(JobKind.SPILL, "ok")])
-        m.count(m.link_bytes[("host", "disk")], r.nbytes)
-        m.observe(m.link_seconds[("host", "disk")], r.seconds)
+        _count_moved(metrics, JobKind.SPILL, ("host", "disk"), r)
     else:
         dindex.writer_done(d)
         dindex.abort(d)
-        m.count(m.job_outcome[(JobKind.SPILL, "failed")])
+        metrics.count(metrics.job_outcome[(JobKind.SPILL, "failed")])
 
 
 def finish_promote(disk: DiskStore, hindex: TierIndex, dindex: TierIndex, metrics: Metrics, entry: HostEntry,
                    d: HostEntry, r: Report) -> None:
     """A live promote's report: the host entry is published (and the disk entry's recency kept), or
     dropped with the disk entry forgotten when the read failed; counted."""
-    m = metrics
     if r.ok:
         hindex.publish(entry)
-        m.count(m.job_outcome[(JobKind.PROMOTE, "ok")])
-        m.count(m.link_bytes[("disk", "host")], r.nbytes)
-        m.observe(m.link_seconds[("disk", "host")], r.seconds)
+        _count_moved(metrics, JobKind.PROMOTE, ("disk", "host"), r)
         disk.submit_touch(entry.key)
     else:
         hindex.writer_done(entry)
         hindex.abort(entry)
-        m.count(m.job_outcome[(JobKind.PROMOTE, "failed")])
+        metrics.count(metrics.job_outcome[(JobKind.PROMOTE, "failed")])
         forget_failed_read(dindex, d)
+
+
+def _count_moved(m: Metrics, kind: JobKind, link: tuple[str, str], r: Report) -> None:
+    m.count(m.job_outcome[(kind, "ok")])
+    m.count(m.link_bytes[link], r.nbytes)
+    m.observe(m.link_seconds[link], r.seconds)
 
 
 def evict_from_disk(disk: DiskStore, metrics: Metrics, d: HostEntry) -> None:
     """The disk index evicted ``d``: remove its write (token-matched, so never a newer one)."""
     metrics.evicted["disk"].inc()
     disk.submit_delete(d.writer, d.key)
+
+
+class TierViews:
+    """Read-only sizes both owners expose (tests, tools); needs ``_index``, ``_dindex`` and ``_disk``."""
+
+    _index: TierIndex
+    _dindex: Optional[TierIndex]
+    _disk: Optional[DiskStore]
+
+    @property
+    def host_blocks(self) -> int:
+        return len(self._index)
+
+    @property
+    def disk_blocks(self) -> int:
+        return 0 if self._dindex is None else len(self._dindex)
+
+    @property
+    def disk(self) -> Optional[DiskStore]:
+        """The disk tier's store (None without one or when it failed to open)."""
+        return self._disk
 
 
 class SlotViews:

@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry
 
 from .config import TieredKVConfig
 from .disk import DiskStore, FlushDone
-from .disktier import (SlotViews, check_writer, disk_levels, evict_from_disk, finish_promote, finish_spill,
+from .disktier import (SlotViews, TierViews, check_writer, disk_levels, evict_from_disk, finish_promote, finish_spill,
                        open_disk_tier, replay_recovered, start_spill)
 from .errors import (
     BlockBusyError,
@@ -82,7 +82,7 @@ class _Flight:
         self.promote: Optional[_Flight] = None  # load: the promote it waits for
 
 
-class TierManager:
+class TierManager(TierViews):
     """Moves KV blocks between the engine's device rows, a pinned host slab and LMDB.
 
     Not thread-safe by design: one owner thread (the engine's) calls every
@@ -407,19 +407,6 @@ class TierManager:
     @property
     def host_used_slots(self) -> int:
         return self._index.used_slots
-
-    @property
-    def host_blocks(self) -> int:
-        return len(self._index)
-
-    @property
-    def disk_blocks(self) -> int:
-        return 0 if self._dindex is None else len(self._dindex)
-
-    @property
-    def disk(self) -> Optional[DiskStore]:
-        """The disk tier's store (None without one or when it failed to open)."""
-        return self._disk
 
     @property
     def disk_healthy(self) -> bool:

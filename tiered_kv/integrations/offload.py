@@ -42,7 +42,7 @@ import torch
 
 from ..config import TieredKVConfig
 from ..disk import DiskStore, FlushDone
-from ..disktier import (SlotViews, check_writer, disk_levels, evict_from_disk, finish_promote, finish_spill,
+from ..disktier import (SlotViews, TierViews, check_writer, disk_levels, evict_from_disk, finish_promote, finish_spill,
                         open_disk_tier, replay_recovered, start_spill)
 from ..errors import ConfigError, InvalidKeyError
 from ..host import EntryState, HostEntry, HostIndex, TierIndex
@@ -109,7 +109,7 @@ class _DiskJob:
         self.live = True
 
 
-class SlabTiers:
+class SlabTiers(TierViews):
     """Scheduler-side owner of the host index, the disk tier and the job records."""
 
     def __init__(self, config: TieredKVConfig, slab: SharedSlab, *, metrics: Metrics,
@@ -459,18 +459,6 @@ class SlabTiers:
         return out
 
     # ------------------------------------------------------------ views (tests, tools)
-    @property
-    def host_blocks(self) -> int:
-        return len(self._index)
-
-    @property
-    def disk_blocks(self) -> int:
-        return 0 if self._dindex is None else len(self._dindex)
-
-    @property
-    def disk(self) -> Optional[DiskStore]:
-        return self._disk
-
     def state_of(self, key: bytes) -> tuple[Optional[str], Optional[str]]:
         """(host state, disk state) of ``key``: 'ready', 'writing' or None."""
         e = self._index.get(key)
