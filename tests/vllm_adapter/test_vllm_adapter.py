@@ -226,6 +226,15 @@ def offload_and_forget_on_gpu(eng: Any, req_id: str, prompt: list[int]) -> None:
     assert eng.sched.reset_prefix_cache()
 
 
+def start_with_a_pending_store(eng: Any, seed: int) -> Any:
+    """Request "a" (a prompt of ``seed``) runs one step: its store is prepared, not yet copied."""
+    eng.add("a", prompt_tokens(seed, PROMPT_LEN), max_tokens=4)
+    eng.step()
+    (store_id,) = eng.store_jobs
+    assert eng.mgr.tiers.debug_sizes()["live_stores"] == 1   # deferred a step by vLLM
+    return store_id
+
+
 class Pair:
     """Scheduler-side manager and one worker, as two processes would build them from one config."""
 
@@ -987,11 +996,7 @@ def test_scheduler_two_requests_for_the_same_offloaded_prompt_load_it_once(model
 def test_scheduler_preemption_mid_store_flushes_the_store_then_resumes_from_it(model_dir: str, tmp_path: Path,
                                                                              engines) -> None:
     eng = engines(model_dir, tkv_extra(tmp_path))
-    prompt = prompt_tokens(4, PROMPT_LEN)
-    eng.add("a", prompt, max_tokens=4)
-    eng.step()
-    (store_id,) = eng.store_jobs
-    assert eng.mgr.tiers.debug_sizes()["live_stores"] == 1   # prepared, not yet copied (deferred a step)
+    store_id = start_with_a_pending_store(eng, seed=4)
     # preempt "a" while its store is pending (and drop the GPU prefix cache, so it must reload)
     assert eng.sched.reset_prefix_cache(reset_running_requests=True)
     eng.run()
@@ -1008,10 +1013,7 @@ def test_scheduler_preemption_mid_store_flushes_the_store_then_resumes_from_it(m
 def test_scheduler_connector_reset_mid_store_never_serves_the_cancelled_store(model_dir: str, tmp_path: Path,
                                                                              engines) -> None:
     eng = engines(model_dir, tkv_extra(tmp_path))
-    prompt = prompt_tokens(5, PROMPT_LEN)
-    eng.add("a", prompt, max_tokens=4)
-    eng.step()
-    (store_id,) = eng.store_jobs
+    store_id = start_with_a_pending_store(eng, seed=5)
     # reset everything (GPU prefix cache, running requests, the offload tiers) while the store is pending
     assert eng.sched.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
     assert eng.lookup("a") == [LookupResult.MISS] * 4
