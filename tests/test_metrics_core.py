@@ -249,3 +249,57 @@ def test_metrics_unchanged_by_read_only_views(fake, kv, registry):
     before = metric_samples(registry)
     mgr.debug_sizes(), mgr.jobs_in_flight, mgr.host_used_slots, mgr.host_blocks, mgr.host_bytes(b"a")
     assert metric_samples(registry) == before
+
+
+# --- batched histogram observations (Metrics.flush buckets them before adding) ----------------------
+
+_SECONDS = [0.0, 25e-6, 25e-6 + 1e-12, 7e-5, 1e-4, 3e-4, 3e-4, 0.0049, 0.005, 0.02, 0.7, 2.5, 2.6, 1e9, -1.0]
+
+
+def _histogram_samples(registry, name):
+    return sorted((s.name, tuple(sorted(s.labels.items())), s.value)
+                  for m in registry.collect() for s in m.samples
+                  if s.name.startswith(name) and not s.name.endswith("_created"))
+
+
+@pytest.mark.parametrize("per_flush", [1, 3, len(_SECONDS)])
+def test_batched_observations_expose_what_one_observe_each_would(per_flush):
+    """Bucketing in flush() (bisect, one add per bucket) exposes the same samples, edges included."""
+    from tiered_kv.metrics import Metrics
+    batched, direct = Metrics(CollectorRegistry()), Metrics(CollectorRegistry())
+    link = ("device", "host")
+    for i in range(0, len(_SECONDS), per_flush):
+        for v in _SECONDS[i:i + per_flush]:
+            batched.moved(JobKind.STORE, link, 100, v)
+            direct.link_seconds[link].observe(v)
+            direct.job_outcome[(JobKind.STORE, "ok")].inc()
+            direct.link_bytes[link].inc(100)
+        batched.flush()
+    for name in ("tiered_kv_transfer_seconds", "tiered_kv_jobs_total", "tiered_kv_transfer_bytes_total"):
+        got, want = _histogram_samples(batched.registry, name), _histogram_samples(direct.registry, name)
+        assert [g[:2] for g in got] == [w[:2] for w in want], name
+        for g, w in zip(got, want):  # counts exact; a _sum may differ in the last bit (added per batch)
+            assert g[2] == (pytest.approx(w[2], rel=1e-12) if g[0].endswith("_sum") else w[2]), g
+    assert sample(batched.registry, "tiered_kv_transfer_seconds_count", src="device", dst="host") == len(_SECONDS)
+
+
+def test_batched_observations_fall_back_to_observe_without_the_bucket_layout():
+    """A histogram child without prometheus_client's _buckets/_sum layout gets plain observe() calls."""
+    from tiered_kv.metrics import Metrics, _bucket_bounds
+
+    class Child:
+        def __init__(self):
+            self.seen = []
+
+        def observe(self, v):
+            self.seen.append(v)
+
+    m = Metrics(CollectorRegistry())
+    child = Child()
+    assert _bucket_bounds(child) is None
+    assert _bucket_bounds(m.transfer_seconds) is None           # the labelled parent is not observable
+    assert _bucket_bounds(m.link_seconds[("host", "disk")]) is not None
+    for v in (0.1, 0.2, 0.3):
+        m.observe(child, v)
+    m.flush()
+    assert child.seen == [0.1, 0.2, 0.3]

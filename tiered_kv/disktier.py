@@ -177,9 +177,7 @@ def finish_promote(disk: DiskStore, hindex: TierIndex, dindex: TierIndex, metric
 
 
 def _count_moved(m: Metrics, kind: JobKind, link: tuple[str, str], r: Report) -> None:
-    m.count(m.job_outcome[(kind, "ok")])
-    m.count(m.link_bytes[link], r.nbytes)
-    m.observe(m.link_seconds[link], r.seconds)
+    m.moved(kind, link, r.nbytes, r.seconds)
 
 
 def evict_from_disk(disk: DiskStore, metrics: Metrics, d: HostEntry) -> None:

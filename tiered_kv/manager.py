@@ -62,8 +62,11 @@ SUPPORTED_DTYPES = frozenset(
 MoverFactory = Callable[[torch.Tensor, torch.Tensor, CompletionQueue], Mover]
 
 _STORE, _LOAD, _SPILL, _PROMOTE = JobKind.STORE, JobKind.LOAD, JobKind.SPILL, JobKind.PROMOTE
+_PENDING = JobState.PENDING
 _D2H, _H2D = ("device", "host"), ("host", "device")
 _INTERNAL = frozenset({_SPILL, _PROMOTE})  # jobs the manager starts itself; never returned to the engine
+_CANCELLED_ERROR = {r: f"cancelled ({r.value})" for r in StaleReason}
+_tuple_new = tuple.__new__  # Completion(...) without the generated __new__: a Python frame less per job
 
 
 class _Flight:
@@ -116,10 +119,16 @@ class TierManager(TierViews):
             raise ConfigError("pin_host_memory=True needs CUDA, and torch.cuda.is_available() is False")
         self._host_rows = torch.empty((num_slots, self.row_bytes), dtype=torch.uint8, pin_memory=pin)
         self.metrics = Metrics(registry, config.namespace)
-        self._index = HostIndex(num_slots, on_evict=self._on_host_evict)
+        self._index = HostIndex(num_slots)  # evictions are counted from index.evictions once per poll
+        self._host_evictions_counted = 0
         self._completions = CompletionQueue()
         self._tokens = TokenFactory()
         self._owner_tag = object()
+        self._max_key_bytes = config.max_key_bytes
+        self._max_inflight = config.max_inflight_jobs
+        self._appliers = {_STORE: self._apply_store, _LOAD: self._apply_load, _SPILL: self._apply_spill,
+                          _PROMOTE: self._apply_promote}
+        self._log_debug = log.isEnabledFor(logging.DEBUG)  # refreshed once per poll
         self._jobs: dict[uuid.UUID, _Flight] = {}           # token -> job awaiting its worker report
         self._deliver: list[Job] = []                        # cancelled jobs to report at the next poll
         self._outbox: list[Completion] = []                  # applied, not yet returned by poll()/wait()
@@ -168,9 +177,13 @@ class TierManager(TierViews):
         tier, or when the store is shed (no unleased host slot, too many jobs
         in flight).
         """
-        self._check_open()
-        key = self._check_key(key)
-        block = self._check_block(block)
+        if self._closed:
+            raise ManagerClosedError("the TierManager is closed")
+        # the checks of _check_key/_check_block inline (the engine calls this per block); they raise
+        if type(key) is not bytes or not key or len(key) > self._max_key_bytes:
+            key = self._check_key(key)
+        if type(block) is not int or not 0 <= block < self.num_blocks:
+            block = self._check_block(block)
         if block in self._row_load:
             raise BlockBusyError(f"block {block} has a load in flight; its content is not there yet")
         entry = self._index.get(key)
@@ -179,14 +192,14 @@ class TierManager(TierViews):
             return None
         if self._dindex is not None and key in self._dindex:
             return None
-        if len(self._jobs) >= self.config.max_inflight_jobs:
+        if len(self._jobs) >= self._max_inflight:
             return self._shed(_STORE, "inflight_limit")
         token = self._tokens()
         entry = self._index.reserve(key, token)
         if entry is None:
             return self._shed(_STORE, "host_full")
-        job = Job(token, _STORE, key, block, _owner=self._owner_tag)
-        fl = _Flight(job, entry, self._row_gen[block], Transfer(token, _STORE, block, entry.slot))
+        job = Job(token, _STORE, key, block, _PENDING, None, None, self._owner_tag)
+        fl = _Flight(job, entry, self._row_gen[block], Transfer(token, _STORE, block, entry.slot, False))
         self._jobs[token] = fl
         self._row_stores.setdefault(block, []).append(fl)
         self._n_in_flight[_STORE] += 1
@@ -241,7 +254,7 @@ class TierManager(TierViews):
                 return None  # being stored from a device row: not in a lower tier yet
         elif entry is None and (self._dindex is None or self._dindex.ready(key) is None):
             return None
-        if len(self._jobs) >= self.config.max_inflight_jobs:
+        if len(self._jobs) >= self._max_inflight:
             return self._shed(_LOAD, "inflight_limit")
         if promote is None and entry is None:
             promote = self._start_promote(key)
@@ -314,7 +327,8 @@ class TierManager(TierViews):
 
     def poll(self) -> list[Completion]:
         """Apply every worker report that has arrived; return the jobs now reported."""
-        self._check_open()
+        if self._closed:
+            raise ManagerClosedError("the TierManager is closed")
         self._poll()
         out, self._outbox = self._outbox, []
         return out
@@ -435,10 +449,13 @@ class TierManager(TierViews):
 
     # ------------------------------------------------------------ internals: reports
     def _poll(self) -> None:
+        self._log_debug = log.isEnabledFor(logging.DEBUG)
         self._mover.harvest()
+        apply = self._apply
         for report in self._completions.drain():
-            self._apply(report)
-        self._deliver_cancelled()
+            apply(report)
+        if self._deliver:
+            self._deliver_cancelled()
         if self._disk is not None:
             self._disk_usable = check_writer(self._disk, self._disk_usable, self._closing)
             if self.config.write_mode == "back":
@@ -493,20 +510,17 @@ class TierManager(TierViews):
         if fl is None:
             self._stale(r.kind, StaleReason.UNKNOWN_TOKEN, r.token)
             return
-        job = fl.job
-        self._n_in_flight[job.kind] -= 1
-        if job.kind is _STORE:
-            self._apply_store(fl, r)
-        elif job.kind is _LOAD:
-            self._apply_load(fl, r)
-        elif job.kind is _SPILL:
-            self._apply_spill(fl, r)
-        else:
-            self._apply_promote(fl, r)
+        kind = fl.job.kind
+        self._n_in_flight[kind] -= 1
+        self._appliers[kind](fl, r)
 
     def _apply_store(self, fl: _Flight, r: Report) -> None:
         job, entry = fl.job, fl.entry
-        self._drop_row_store(fl)
+        stores = self._row_stores.get(job.block)  # _drop_row_store(fl), inline: once per store
+        if stores is not None and fl in stores:
+            stores.remove(fl)
+            if not stores:
+                del self._row_stores[job.block]
         if job.state is not JobState.PENDING:  # cancelled: delivered or queued for delivery
             self._stale(_STORE, job.cancel_reason or StaleReason.CANCELLED, job.token)
             self._index.writer_done(entry)
@@ -596,12 +610,10 @@ class TierManager(TierViews):
             self._fail(w.job, Report(w.job.token, _LOAD, False, error), "disk")
 
     def _ok(self, job: Job, r: Report, link: tuple[str, str]) -> None:
-        job._move(JobState.DONE)
-        m = self.metrics
-        m.count(m.job_outcome[(job.kind, "ok")])
-        m.count(m.link_bytes[link], r.nbytes)
-        m.observe(m.link_seconds[link], r.seconds)
-        self._outbox.append(Completion(job, True, None))
+        # callers apply only PENDING jobs, and PENDING -> DONE is always allowed (jobs.ALLOWED_MOVES)
+        job.state = JobState.DONE
+        self.metrics.moved(job.kind, link, r.nbytes, r.seconds)
+        self._outbox.append(_tuple_new(Completion, (job, True, None)))
 
     def _fail(self, job: Job, r: Report, tier: str) -> None:
         job._move(JobState.FAILED)
@@ -614,10 +626,9 @@ class TierManager(TierViews):
 
     def _finish_cancelled(self, job: Job) -> None:
         job._move(JobState.CANCELLED)
-        reason = job.cancel_reason or StaleReason.CANCELLED
-        job.error = f"cancelled ({reason.value})"
+        job.error = _CANCELLED_ERROR[job.cancel_reason or StaleReason.CANCELLED]
         self.metrics.count(self.metrics.job_outcome[(job.kind, "cancelled")])
-        self._outbox.append(Completion(job, False, job.error))
+        self._outbox.append(_tuple_new(Completion, (job, False, job.error)))
 
     # ------------------------------------------------------------ internals: cancellation
     def _cancel(self, job: Job, reason: StaleReason) -> None:
@@ -728,7 +739,8 @@ class TierManager(TierViews):
     # ------------------------------------------------------------ internals: misc
     def _stale(self, kind: JobKind, reason: StaleReason, token: uuid.UUID) -> None:
         self.metrics.count(self.metrics.stale[(kind, reason)])
-        log.debug("discarded stale %s report for token %s: %s", kind, token, reason)
+        if self._log_debug:
+            log.debug("discarded stale %s report for token %s: %s", kind, token, reason)
 
     def _shed(self, kind: JobKind, why: str) -> None:
         self.metrics.job_outcome[(kind, "shed")].inc()
@@ -736,11 +748,13 @@ class TierManager(TierViews):
         log.debug("%s shed: %s", kind, why)
         return None
 
-    def _on_host_evict(self, entry: HostEntry) -> None:
-        self.metrics.count(self.metrics.evicted["host"])  # batched: applied at the end of poll()
 
     def _refresh_gauges(self) -> None:
         """Push batched counters and changed gauge values (once per poll, not per job)."""
+        evicted = self._index.evictions - self._host_evictions_counted
+        if evicted:
+            self._host_evictions_counted += evicted
+            self.metrics.count(self.metrics.evicted["host"], evicted)
         self.metrics.publish_levels(self._index.used_slots * self.row_bytes, len(self._index), self._n_in_flight,
                                     disk_levels(self._disk, self._dindex, self.row_bytes, self._disk_usable))
 

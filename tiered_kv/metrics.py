@@ -11,6 +11,7 @@ once here, so an update is one ``inc()``.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -32,6 +33,19 @@ ERROR_KINDS = (("device", "copy_failed"), ("host", "copy_failed"), ("disk", "cop
                ("disk", "lmdb_error"), ("disk", "writer_error"), ("disk", "slots_exhausted"))
 _LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5)
 _LINKS = (("device", "host"), ("host", "device"), ("host", "disk"), ("disk", "host"))
+_KINDS = tuple(JobKind)
+
+
+def _bucket_bounds(child: Any) -> Optional[tuple[float, ...]]:
+    """A histogram child's upper bounds when its buckets can be added to directly, else None."""
+    bounds = getattr(child, "_upper_bounds", None)
+    buckets = getattr(child, "_buckets", None)
+    if (isinstance(bounds, (list, tuple)) and isinstance(buckets, list) and len(bounds) == len(buckets)
+            and bounds and bounds[-1] == float("inf") and all(hasattr(b, "inc") for b in buckets)
+            and hasattr(getattr(child, "_sum", None), "inc") and callable(getattr(child, "_is_observable", None))
+            and child._is_observable()):
+        return tuple(float(b) for b in bounds)
+    return None
 
 
 def sample_total(registry: CollectorRegistry, name: str, **labels: str) -> float:
@@ -51,6 +65,7 @@ class Metrics:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self._pending: dict[Any, float] = {}
         self._observations: list[tuple[Any, float]] = []
+        self._bucketing: dict[Any, Optional[tuple[float, ...]]] = {}  # histogram child -> its bounds (None: observe())
         self._levels: tuple[int, ...] = ()  # the values publish_levels() set last
         r = self.registry
         self.stale_callbacks = Counter(
@@ -122,6 +137,15 @@ class Metrics:
         """Observe into a bound histogram child; applied by :meth:`flush`."""
         self._observations.append((child, value))
 
+    def moved(self, kind: JobKind, link: tuple[str, str], nbytes: int, seconds: float) -> None:
+        """A job finished ok: count it, its bytes on ``link`` and its copy time (batched, as :meth:`count`)."""
+        p = self._pending
+        c = self.job_outcome[(kind, "ok")]
+        p[c] = p.get(c, 0) + 1
+        c = self.link_bytes[link]
+        p[c] = p.get(c, 0) + nbytes
+        self._observations.append((self.link_seconds[link], seconds))
+
     def flush(self) -> None:
         """Apply batched counts and observations (called at the end of every ``poll()``)."""
         if self._pending:
@@ -130,8 +154,40 @@ class Metrics:
                 child.inc(n)
         if self._observations:
             obs, self._observations = self._observations, []
-            for child, v in obs:
-                child.observe(v)
+            self._apply_observations(obs)
+
+    def _apply_observations(self, obs: list[tuple[Any, float]]) -> None:
+        """Bucket the observations per histogram child here, then add each bucket's count once.
+
+        The same samples as one ``observe()`` each, at a fraction of the cost:
+        ``observe()`` walks the bucket bounds in Python and takes two locks per
+        sample.  The per-bucket adds use the child's ``_buckets``/``_sum``
+        values (prometheus_client's layout since 0.0.x, mutex or mmap backed);
+        a child without that layout gets plain ``observe()`` calls, and
+        ``tests/test_metrics_core.py`` checks that both give the same exposition.
+        """
+        groups: dict[Any, list[Any]] = {}
+        bucketing = self._bucketing
+        for child, v in obs:
+            g = groups.get(child)
+            if g is None:
+                bounds = bucketing.get(child, False)
+                if bounds is False:
+                    bounds = bucketing[child] = _bucket_bounds(child)
+                if bounds is None:
+                    child.observe(v)
+                    continue
+                g = groups[child] = [bounds, {}, 0.0]
+            if v == v:  # a NaN lands in no bucket, as with observe()
+                counts = g[1]
+                i = bisect_left(g[0], v)
+                counts[i] = counts.get(i, 0) + 1
+            g[2] += v
+        for child, (_, counts, total) in groups.items():
+            child._sum.inc(total)
+            buckets = child._buckets
+            for i, c in counts.items():
+                buckets[i].inc(c)
 
     def publish_levels(self, host_used_bytes: int, host_blocks: int, in_flight: Mapping[JobKind, int],
                        disk: Optional[tuple[int, int, int, int, int, int]] = None) -> None:
@@ -142,12 +198,12 @@ class Metrics:
         comparison, not a locked ``set`` per gauge.
         """
         self.flush()
-        values = (host_used_bytes, host_blocks, *(in_flight.get(k, 0) for k in JobKind), *(disk or ()))
+        values = (host_used_bytes, host_blocks, *[in_flight.get(k, 0) for k in _KINDS], *(disk or ()))
         old = self._levels
         if values == old:
             return
         self._levels = values
-        gauges = [self.used["host"], self.blocks["host"], *(self.in_flight[k] for k in JobKind)]
+        gauges = [self.used["host"], self.blocks["host"], *[self.in_flight[k] for k in _KINDS]]
         if disk is not None:
             gauges += [self.used["disk"], self.blocks["disk"], self.writer_queue, self.tombstones, self.disk_map_bytes,
                        self.health["disk"]]
