@@ -47,6 +47,7 @@ cost removes how many microseconds) instead of running the benchmark.
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import cProfile
 import gc
@@ -565,8 +566,11 @@ def format_ablation(a: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------- 2. store() latency
 def _latency_loop(store: Callable[[bytes, int], Any], poll: Callable[[], Any], keys: list[bytes], start: int,
                   n_rows: int, per_step: int, step_s: float, lat_ok: list[int], lat_none: list[int],
-                  poll_ns: list[int]) -> None:
-    """The engine loop: ``per_step`` store() calls (each timed), one poll() (timed), a "forward pass"."""
+                  poll_ns: list[int], first_of_step: Optional[list[int]] = None) -> None:
+    """The engine loop: ``per_step`` store() calls (each timed), one poll() (timed), a "forward pass".
+
+    ``first_of_step`` (optional) also gets the latency of each step's first store().
+    """
     clock = time.perf_counter_ns
     sleep = time.sleep
     n = len(keys)
@@ -578,6 +582,8 @@ def _latency_loop(store: Callable[[bytes, int], Any], poll: Callable[[], Any], k
             r = store(k, b)
             t1 = clock()
             (lat_none if r is None else lat_ok).append(t1 - t0)
+            if j == i and first_of_step is not None:
+                first_of_step.append(t1 - t0)
         t0 = clock()
         poll()
         poll_ns.append(clock() - t0)
@@ -608,8 +614,9 @@ def bench_store_latency(quick: Union[bool, str] = False, seed: int = 0, row_byte
     base_mover = ThreadMover(kv, host_b, base.queue, cfg.num_copy_workers)
     base._submit = lambda job_id, block, slot: base_mover.submit(Transfer(job_id, _STORE, block, slot))
     sides: dict[str, dict[str, Any]] = {
-        "tkv": {"store": mgr.store, "poll": mgr.poll, "ok": [], "none": [], "poll_ns": [], "at": 0},
-        "base": {"store": base.store, "poll": base.poll_reports, "ok": [], "none": [], "poll_ns": [], "at": 0},
+        "tkv": {"store": mgr.store, "poll": mgr.poll, "ok": [], "none": [], "poll_ns": [], "first": [], "at": 0},
+        "base": {"store": base.store, "poll": base.poll_reports, "ok": [], "none": [], "poll_ns": [], "first": [],
+                 "at": 0},
     }
     # warm-up (discarded): one store per row then wait, so the host slab is faulted in and full (the
     # timed stores evict like a long-running engine), then some engine steps
@@ -632,7 +639,7 @@ def bench_store_latency(quick: Union[bool, str] = False, seed: int = 0, row_byte
             gc.collect()
             t0 = time.perf_counter()
             _latency_loop(s["store"], s["poll"], keys, s["at"], n_rows, per_step, step_s,
-                          s["ok"], s["none"], s["poll_ns"])
+                          s["ok"], s["none"], s["poll_ns"], s["first"])
             t_run[name] += time.perf_counter() - t0
             s["at"] += seg_n
     mgr.wait(timeout=60)
@@ -661,6 +668,16 @@ def bench_store_latency(quick: Union[bool, str] = False, seed: int = 0, row_byte
             ok_, none_, poll_, st_, po_ = quiet[name]
             gc.collect()
             _latency_loop(st_, po_, keys, 2 * n_rows + seg * seg_n, n_rows, per_step, 0.0, ok_, none_, poll_)
+    # the control: no copies anywhere, but the same idle step between bursts (a cold cache, no copy traffic)
+    idle: dict[str, dict[str, list[int]]] = {k: {"all": [], "first": []} for k in ("tkv", "base")}
+    idle_n = max(per_step, min(seg_n, 64 * per_step))
+    for seg in range(segments):
+        keys = _keys(rng, idle_n)
+        for name in (("tkv", "base") if seg % 2 == 0 else ("base", "tkv")):
+            _, _, _, st_, po_ = quiet[name]
+            gc.collect()
+            _latency_loop(st_, po_, keys, seg * idle_n, n_rows, per_step, step_s, idle[name]["all"],
+                          idle[name]["all"], [], idle[name]["first"])
     mgr_q.close()
     # the floor: two clock reads around a no-op call with the same arguments
     floor: list[int] = []
@@ -679,7 +696,12 @@ def bench_store_latency(quick: Union[bool, str] = False, seed: int = 0, row_byte
 
     def side(s: dict[str, Any], name: str) -> dict[str, Any]:
         n_ok = len(s["ok"])
+        rest = sorted(s["ok"] + s["none"])
+        for x in s["first"]:  # the same samples minus each step's first call
+            del rest[bisect.bisect_left(rest, x)]
         return {"store_all_calls": summarize(us(s["ok"] + s["none"]), "us/call"),
+                "store_first_of_step": summarize(us(s["first"]), "us/call"),
+                "store_rest_of_step": summarize(us(rest), "us/call"),
                 "store_accepted": summarize(us(s["ok"]), "us/call"),
                 "store_returned_none": summarize(us(s["none"]), "us/call") if s["none"] else None,
                 "calls": n_ok + len(s["none"]), "accepted": n_ok, "returned_none": len(s["none"]),
@@ -710,6 +732,14 @@ def bench_store_latency(quick: Union[bool, str] = False, seed: int = 0, row_byte
             "tiered_kv_store": summarize(us(quiet["tkv"][0] + quiet["tkv"][1]), "us/call"),
             "baseline_store": summarize(us(quiet["base"][0] + quiet["base"][1]), "us/call"),
             "tiered_kv_returned_none": len(quiet["tkv"][1]), "baseline_returned_none": len(quiet["base"][1]),
+        },
+        "note_idle_step_no_copy": {
+            "what": (f"no copies anywhere, but the same {step_s * 1e3:g} ms sleep between bursts: a step's first "
+                     "store() runs on caches the pause left cold, with no copy traffic involved"),
+            "tiered_kv_store": summarize(us(idle["tkv"]["all"]), "us/call"),
+            "tiered_kv_first_of_step": summarize(us(idle["tkv"]["first"]), "us/call"),
+            "baseline_store": summarize(us(idle["base"]["all"]), "us/call"),
+            "baseline_first_of_step": summarize(us(idle["base"]["first"]), "us/call"),
         },
         "ratio_p50_tiered_kv_over_baseline": _ratio(st["median"], sb["median"]),
         "ratio_p99_tiered_kv_over_baseline": _ratio(st["p99"], sb["p99"]),
@@ -1092,6 +1122,20 @@ def _fmt_store_latency(sl: dict[str, Any]) -> list[str]:
         row("timer floor (no-op call)", fl),
         row("note, no copies running: tkv", sl["note_no_copy_running"]["tiered_kv_store"]),
         row("note, no copies running: base", sl["note_no_copy_running"]["baseline_store"]),
+    ]
+    if "store_first_of_step" in tk:
+        idle = sl.get("note_idle_step_no_copy") or {}
+        lines += [
+            row("tiered_kv, 1st store of a step", tk["store_first_of_step"]),
+            row("tiered_kv, stores 2.. of a step", tk["store_rest_of_step"]),
+            row("baseline, 1st store of a step", bs["store_first_of_step"]),
+            row("baseline, stores 2.. of a step", bs["store_rest_of_step"]),
+            row("idle step, no copies: tkv 1st", idle.get("tiered_kv_first_of_step")),
+            row("idle step, no copies: tkv all", idle.get("tiered_kv_store")),
+            row("idle step, no copies: base 1st", idle.get("baseline_first_of_step")),
+            row("idle step, no copies: base all", idle.get("baseline_store")),
+        ]
+    lines += [
         f"   copies requested: tiered_kv {tk['copy_gb_per_s_requested'] or 0:.2f} GB/s, baseline "
         f"{bs['copy_gb_per_s_requested'] or 0:.2f} GB/s; target p99 <= {TARGET_STORE_P99_US:g} us: {_yn(sl['target_met'])}",
         _load_line(sl),
