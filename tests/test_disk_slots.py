@@ -31,6 +31,7 @@ manager is open, and with LMDB directly (``disk_helpers.raw_*``) once closed.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -136,6 +137,12 @@ def quiesce(mgr: TierManager) -> None:
     drain(mgr)
 
 
+def offload_checksums(mgr: TierManager) -> None:
+    """Every batch, however small, is checksummed on the disk tier's hash thread (as large batches are)."""
+    assert mgr.disk is not None
+    mgr.disk.opts = dataclasses.replace(mgr.disk.opts, hash_offload_bytes=0)  # type: ignore[misc]
+
+
 def corrupt_total(mgr: TierManager) -> float:
     return metric_sum(mgr, "tiered_kv_corrupt_blocks_total")
 
@@ -211,10 +218,13 @@ def spill(s: DiskStore, q: CompletionQueue, key: bytes, buf: bytearray):
 
 # ============================================================================ 1. accounting under churn
 @pytest.mark.parametrize("durability", ["batch", "sync", "none"])
-def test_slots_in_use_equals_committed_entries_after_seeded_churn(rig, durability):
+@pytest.mark.parametrize("hash_thread", [False, True], ids=["inline_checksums", "hash_thread"])
+def test_slots_in_use_equals_committed_entries_after_seeded_churn(rig, durability, hash_thread):
     rng = random.Random(f"churn-{durability}")
     kv = make_kv(8)
     mgr = rig.open(kv, host_slots=3, disk_slots=12, durability=durability)
+    if hash_thread:
+        offload_checksums(mgr)
     _, index_blocks, slots = expected_slots(12)
     assert mgr.disk.opts.slots == slots == 14
     pool = keys(30)
@@ -1169,3 +1179,104 @@ SlotMachineBatch.TestCase.settings = SlotMachineSync.TestCase.settings = SlotMac
 test_slot_state_machine_batch = SlotMachineBatch.TestCase
 test_slot_state_machine_sync = SlotMachineSync.TestCase
 test_slot_state_machine_none = SlotMachineNone.TestCase
+
+
+# ============================================================================ 11. checksums on the hash thread
+class HashHold:
+    """Wraps the disk tier's ``_pack_entries`` (run on the hash thread once offloaded): it signals
+    ``hashing`` with the keys of its batch, then waits for ``go`` (or raises ``fail``) first."""
+
+    def __init__(self, disk: DiskStore, fail: Optional[BaseException] = None) -> None:
+        self.hashing, self.go = threading.Event(), threading.Event()
+        self.keys: list[bytes] = []
+        self.threads: list[str] = []
+        orig = disk._pack_entries
+
+        def pack(ops):
+            self.keys = [op.key for op in ops]
+            self.threads.append(threading.current_thread().name)
+            self.hashing.set()
+            assert self.go.wait(30)
+            if fail is not None:
+                raise fail
+            orig(ops)
+
+        disk._pack_entries = pack  # type: ignore[method-assign]
+
+
+def test_offloaded_checksums_run_beside_the_payload_writes_and_gate_publication(rig):
+    kv = make_kv(8)
+    mgr = rig.open(kv, host_slots=4, durability="batch")
+    offload_checksums(mgr)
+    disk = mgr.disk
+    hold = HashHold(disk)
+    writes: list[int] = []
+    orig_pwrite = disk._pwrite
+    disk._pwrite = lambda slot, src: (orig_pwrite(slot, src), writes.append(slot))[0]  # type: ignore[method-assign]
+    store_one(mgr, kv, b"A", 0, flush=False)
+    assert hold.hashing.wait(30) and hold.keys == [b"A"]
+    assert hold.threads[0].startswith("tiered-kv-hash"), hold.threads
+    deadline = time.monotonic() + 30
+    while not writes and time.monotonic() < deadline:   # the writer goes on to the payload meanwhile
+        time.sleep(0.001)
+    assert writes == [0], "the payload write waited for its checksum"
+    with open(slot_file(rig.path), "rb") as f:
+        assert f.read(ROW) == content(b"A").numpy().tobytes()
+    assert index_slots(disk) == {}, "an index record was published before its checksum existed"
+    assert mgr.poll() == [] and mgr.lookup([b"A"]) == 1   # still served from the host tier
+    hold.go.set()
+    quiesce(mgr)
+    assert check_slots(mgr) == {b"A": 0}
+    mgr.invalidate(b"A")  # (drops the host copy too: the load below must come from disk)
+    store_one(mgr, kv, b"B", 1)
+    assert load_ok(mgr, kv, b"B", 5)
+    assert corrupt_total(mgr) == 0
+
+
+def test_checksum_failure_on_the_hash_thread_fails_the_batch_and_gives_its_slots_back(rig):
+    kv = make_kv(8)
+    mgr = rig.open(kv, host_slots=4, durability="batch")
+    offload_checksums(mgr)
+    disk = mgr.disk
+    hold = HashHold(disk, fail=MemoryError("hash thread out of memory"))
+    store_one(mgr, kv, b"A", 0, flush=False)
+    assert hold.hashing.wait(30)
+    hold.go.set()
+    drain(mgr)
+    assert metric(mgr, "tiered_kv_jobs_total", kind="spill", outcome="failed") == 1
+    assert metric_sum(mgr, "tiered_kv_errors_total", tier="disk") >= 1
+    assert index_slots(disk) == {} and disk.slots_in_use == 0 and free_slots(disk) >= {0}
+    assert mgr.lookup([b"A"]) == 1                # the host copy still serves
+    disk._pack_entries = DiskStore._pack_entries.__get__(disk)  # type: ignore[method-assign]
+    store_one(mgr, kv, b"B", 1)                   # the writer carries on
+    quiesce(mgr)
+    assert check_slots(mgr) == {b"B": 0}
+    assert mgr.disk_healthy
+
+
+def test_spill_cancelled_while_its_checksum_runs_is_never_published(rig):
+    kv = make_kv(8)
+    mgr = rig.open(kv, host_slots=4, durability="sync")
+    offload_checksums(mgr)
+    disk = mgr.disk
+    hold = HashHold(disk)
+    store_one(mgr, kv, b"A", 0, flush=False)
+    assert hold.hashing.wait(30)                  # A has a slot and its payload is being written
+    mgr.invalidate(b"A")
+    hold.go.set()
+    quiesce(mgr)
+    assert index_slots(disk) == {} and disk.slots_in_use == 0
+    assert metric(mgr, "tiered_kv_jobs_total", kind="spill", outcome="cancelled") == 1
+    assert metric(mgr, "tiered_kv_orphaned_writes_prevented_total") == 1
+    check_slots(mgr)
+    assert mgr.lookup([b"A"]) == 0
+
+
+def test_close_stops_the_hash_thread(rig):
+    kv = make_kv(8)
+    mgr = rig.open(kv, host_slots=4)
+    offload_checksums(mgr)
+    store_one(mgr, kv, b"A", 0)
+    assert any(t.name.startswith("tiered-kv-hash") for t in threading.enumerate())
+    rig.close(mgr)
+    assert not any(t.name.startswith("tiered-kv-hash") and t.is_alive() for t in threading.enumerate())

@@ -56,6 +56,7 @@ a data file shorter than the environment's last page is refused at open.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import ctypes
 import errno
 import fcntl
@@ -109,6 +110,7 @@ class DiskOptions:
     batch_seconds: float = 0.005
     num_readers: int = 2
     slots: int = 0             # slots in the data file (0: capacity_bytes // block_bytes)
+    hash_offload_bytes: int = 1 << 20  # a batch with this many payload bytes is checksummed on a helper thread
 
 
 @dataclass(frozen=True)
@@ -202,6 +204,7 @@ class _Spill:
     src: memoryview
     nbytes: int
     slot: int = -1         # the data-file slot holding the payload (writer thread)
+    seq: int = 0           # the entry's sequence number (writer thread)
     entry: bytes = b""     # the index record to publish
 
 
@@ -284,6 +287,7 @@ class DiskStore:
         self._freed_unsynced: list[tuple[int, int]] = []  # (txn id, slot) dropped by a commit not yet durable
         self._start_writeback = _libc_sync_file_range() or (lambda fd, off, n: None)
         self._wb_lo, self._wb_hi, self._wb_bytes = 1 << 62, 0, 0   # written, writeback not started yet
+        self._hash_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None  # see _hasher()
         self._failures = 0        # failed batches so far (a flush after one answers False)
         self._sync_failed = False
         self._backoff = 0.0
@@ -561,6 +565,9 @@ class DiskStore:
         self._accepting = False
         for t in self._readers:
             t.join()
+        if self._hash_pool is not None:
+            self._hash_pool.shutdown(wait=True)
+            self._hash_pool = None
         self._release_env()
 
     def _release_env(self) -> None:
@@ -724,7 +731,9 @@ class DiskStore:
         spills = [op for op in batch if isinstance(op, _Spill)]
         placed: list[int] = []      # slots taken by this batch, given back if it fails
         frees: list[int] = []       # slots of entries this transaction drops
+        hashing: Optional[concurrent.futures.Future[None]] = None
         try:
+            todo: list[_Spill] = []
             for op in spills:
                 op.slot = -1
                 if self._is_cancelled(op.token):
@@ -732,12 +741,23 @@ class DiskStore:
                 op.slot = self._alloc_slot()
                 placed.append(op.slot)
                 self._seq += 1
-                # checksum and write run in C without the GIL, straight from the leased host slot
-                op.entry = pack_slot_entry(self._ns, op.key, op.token, op.src, self._seq, op.slot)
+                op.seq = self._seq
+                todo.append(op)
+            # checksums and writes run in C without the GIL, straight from the leased host slots; a
+            # large batch is checksummed on the hash thread while this one writes the same bytes
+            # (the slots stay leased until the batch's reports, so both read what is published)
+            if sum(op.nbytes for op in todo) >= self.opts.hash_offload_bytes:
+                hashing = self._hasher().submit(self._pack_entries, todo)
+            else:
+                self._pack_entries(todo)
+            for op in todo:
                 self._pwrite(op.slot, op.src)
             if placed and self.opts.durability != "none":
                 os.fdatasync(self._sfd)   # the bytes are durable before any index record points at them
                 self._wb_lo, self._wb_hi, self._wb_bytes = 1 << 62, 0, 0
+            if hashing is not None:
+                h, hashing = hashing, None
+                h.result()            # the index records, needed from here on
             unused: list[int] = []
             self._rw.acquire_shared()
             try:
@@ -777,6 +797,8 @@ class DiskStore:
             finally:
                 self._rw.release_shared()
         except BaseException:
+            if hashing is not None:   # let it stop reading the host slots before they are given up
+                concurrent.futures.wait([hashing])
             self._give_back(placed)   # nothing committed references them
             raise
         self._give_back(unused)
@@ -789,6 +811,18 @@ class DiskStore:
             if r.ok:
                 r.seconds = dt / n
         return results
+
+    def _pack_entries(self, ops: list[_Spill]) -> None:
+        """The index record (header + xxh3 of the payload + slot) of each op."""
+        ns = self._ns
+        for op in ops:
+            op.entry = pack_slot_entry(ns, op.key, op.token, op.src, op.seq, op.slot)
+
+    def _hasher(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The hash thread (started on first use by the writer; stopped by close())."""
+        if self._hash_pool is None:
+            self._hash_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tiered-kv-hash")
+        return self._hash_pool
 
     # ------------------------------------------------------------ slots
     def _alloc_slot(self) -> int:
