@@ -748,7 +748,6 @@ class TierManager(TierViews):
         log.debug("%s shed: %s", kind, why)
         return None
 
-
     def _refresh_gauges(self) -> None:
         """Push batched counters and changed gauge values (once per poll, not per job)."""
         evicted = self._index.evictions - self._host_evictions_counted
