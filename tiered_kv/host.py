@@ -29,13 +29,16 @@ class EntryState(enum.Enum):
     READY = "ready"      # the slot holds the key's verified bytes
 
 
+_WRITING, _READY = EntryState.WRITING, EntryState.READY  # module constants: cheaper than class attributes
+
+
 class HostEntry:
     __slots__ = ("key", "slot", "state", "writer", "readers", "live", "writing")
 
     def __init__(self, key: bytes, slot: int, writer: uuid.UUID) -> None:
         self.key = key
         self.slot = slot
-        self.state = EntryState.WRITING
+        self.state = _WRITING
         self.writer = writer      # token of the job that fills the slot
         self.readers = 0          # loads/spills reading the slot right now
         self.live = True          # present in the index
@@ -71,7 +74,7 @@ class HostIndex:
 
     def ready(self, key: bytes) -> Optional[HostEntry]:
         e = self._entries.get(key)
-        return e if e is not None and e.state is EntryState.READY else None
+        return e if e is not None and e.state is _READY else None
 
     @property
     def used_slots(self) -> int:
@@ -79,7 +82,7 @@ class HostIndex:
 
     @property
     def ready_count(self) -> int:
-        return sum(1 for e in self._entries.values() if e.state is EntryState.READY)
+        return sum(1 for e in self._entries.values() if e.state is _READY)
 
     def entries(self) -> Iterator[HostEntry]:
         return iter(list(self._entries.values()))
@@ -115,7 +118,7 @@ class HostIndex:
         if not entry.live:
             self._maybe_free(entry)
             return False
-        entry.state = EntryState.READY
+        entry.state = _READY
         if entry.readers == 0:
             self._lru[entry.key] = entry
         return True
@@ -131,7 +134,7 @@ class HostIndex:
 
     def acquire(self, entry: HostEntry) -> None:
         """Lease a READY entry's slot to a reader (load or spill)."""
-        if entry.state is not EntryState.READY or not entry.live:
+        if entry.state is not _READY or not entry.live:
             raise AssertionError(f"acquire of {entry!r}")  # internal bug
         entry.readers += 1
         self._lru.pop(entry.key, None)
@@ -142,7 +145,7 @@ class HostIndex:
             raise AssertionError(f"release without acquire: {entry!r}")  # internal bug
         entry.readers -= 1
         if entry.readers == 0:
-            if entry.live and entry.state is EntryState.READY:
+            if entry.live and entry.state is _READY:
                 self._lru[entry.key] = entry
             else:
                 self._maybe_free(entry)
