@@ -161,3 +161,18 @@ def test_benchmark_scripts_are_thin_entry_points() -> None:
         m = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(m)
         assert m.run_all is mod.run_all and m.main is mod.main
+
+
+def test_ab_lifecycles_script_compares_a_revision_with_the_working_tree() -> None:
+    """benchmarks/ab_lifecycles.py: imports HEAD as tiered_kv_base beside the tree and prints each variant."""
+    import shutil
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("needs git and the repository's history")
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "ab_lifecycles.py"), "HEAD", "--repeats", "1",
+                          "-n", "64"], capture_output=True, text=True, timeout=120, cwd=root)
+    assert out.returncode == 0, out.stderr
+    lines = [ln for ln in out.stdout.splitlines() if "poll every" in ln]
+    assert len(lines) == 4 and all("paired saving" in ln for ln in lines), out.stdout
