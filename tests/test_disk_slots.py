@@ -1204,22 +1204,33 @@ class HashHold:
         disk._pack_entries = pack  # type: ignore[method-assign]
 
 
-def test_offloaded_checksums_run_beside_the_payload_writes_and_gate_publication(rig):
+def held_spill(rig, durability: str, fail: Optional[BaseException] = None, before_store=None):
+    """A manager whose spill of A (row 0) is held on the hash thread, its checksum not yet computed."""
     kv = make_kv(8)
-    mgr = rig.open(kv, host_slots=4, durability="batch")
+    mgr = rig.open(kv, host_slots=4, durability=durability)
     offload_checksums(mgr)
-    disk = mgr.disk
-    hold = HashHold(disk)
-    writes: list[int] = []
-    orig_pwrite = disk._pwrite
-    disk._pwrite = lambda slot, src: (orig_pwrite(slot, src), writes.append(slot))[0]  # type: ignore[method-assign]
+    hold = HashHold(mgr.disk, fail=fail)
+    if before_store is not None:
+        before_store(mgr.disk)
     store_one(mgr, kv, b"A", 0, flush=False)
     assert hold.hashing.wait(30) and hold.keys == [b"A"]
+    return kv, mgr, mgr.disk, hold
+
+
+def test_offloaded_checksums_run_beside_the_payload_writes_and_gate_publication(rig):
+    written = threading.Event()
+
+    def watch_writes(disk):
+        orig = disk._pwrite
+
+        def pwrite(slot, src):
+            orig(slot, src)
+            written.set()
+        disk._pwrite = pwrite  # type: ignore[method-assign]
+
+    kv, mgr, disk, hold = held_spill(rig, "batch", before_store=watch_writes)
     assert hold.threads[0].startswith("tiered-kv-hash"), hold.threads
-    deadline = time.monotonic() + 30
-    while not writes and time.monotonic() < deadline:   # the writer goes on to the payload meanwhile
-        time.sleep(0.001)
-    assert writes == [0], "the payload write waited for its checksum"
+    assert written.wait(30), "the payload write waited for its checksum"
     with open(slot_file(rig.path), "rb") as f:
         assert f.read(ROW) == content(b"A").numpy().tobytes()
     assert index_slots(disk) == {}, "an index record was published before its checksum existed"
@@ -1227,20 +1238,15 @@ def test_offloaded_checksums_run_beside_the_payload_writes_and_gate_publication(
     hold.go.set()
     quiesce(mgr)
     assert check_slots(mgr) == {b"A": 0}
-    mgr.invalidate(b"A")  # (drops the host copy too: the load below must come from disk)
-    store_one(mgr, kv, b"B", 1)
-    assert load_ok(mgr, kv, b"B", 5)
+    for i, k in enumerate([b"B", b"C", b"D", b"E"]):   # 4 host slots: A leaves the host tier
+        store_one(mgr, kv, k, 1 + i)
+    assert mgr.host_bytes(b"A") is None
+    assert load_ok(mgr, kv, b"A", 6)                     # from disk: its record and bytes verify
     assert corrupt_total(mgr) == 0
 
 
 def test_checksum_failure_on_the_hash_thread_fails_the_batch_and_gives_its_slots_back(rig):
-    kv = make_kv(8)
-    mgr = rig.open(kv, host_slots=4, durability="batch")
-    offload_checksums(mgr)
-    disk = mgr.disk
-    hold = HashHold(disk, fail=MemoryError("hash thread out of memory"))
-    store_one(mgr, kv, b"A", 0, flush=False)
-    assert hold.hashing.wait(30)
+    kv, mgr, disk, hold = held_spill(rig, "batch", fail=MemoryError("hash thread out of memory"))
     hold.go.set()
     drain(mgr)
     assert metric(mgr, "tiered_kv_jobs_total", kind="spill", outcome="failed") == 1
@@ -1255,13 +1261,7 @@ def test_checksum_failure_on_the_hash_thread_fails_the_batch_and_gives_its_slots
 
 
 def test_spill_cancelled_while_its_checksum_runs_is_never_published(rig):
-    kv = make_kv(8)
-    mgr = rig.open(kv, host_slots=4, durability="sync")
-    offload_checksums(mgr)
-    disk = mgr.disk
-    hold = HashHold(disk)
-    store_one(mgr, kv, b"A", 0, flush=False)
-    assert hold.hashing.wait(30)                  # A has a slot and its payload is being written
+    kv, mgr, disk, hold = held_spill(rig, "sync")   # A has a slot, and its payload is being written
     mgr.invalidate(b"A")
     hold.go.set()
     quiesce(mgr)
