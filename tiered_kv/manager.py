@@ -477,6 +477,9 @@ class TierManager(TierViews):
         deadline = None if timeout is None else time.monotonic() + timeout
         self._poll()
         slice_s = 0.0005 if self._mover.polled else None
+        # a mover whose copies wait in a queue for worker threads (ThreadMover) lets this thread run
+        # them while it would otherwise sleep: no thread wake-up per copy and per report
+        help_copy: Optional[Callable[[], bool]] = getattr(self._mover, "help_one", None)
         last_full = time.monotonic()
         try:
             while not done():
@@ -484,10 +487,17 @@ class TierManager(TierViews):
                 remaining = None if deadline is None else deadline - now
                 if remaining is not None and remaining <= 0:
                     return
-                step = remaining if slice_s is None else (slice_s if remaining is None else min(slice_s, remaining))
-                if step is None or step > 0.5:
-                    step = 0.5  # wake up now and then to notice a dead disk writer
-                report = self._completions.get(step)
+                if help_copy is not None and help_copy():
+                    # copy on while copies are queued; their reports wait in the queue and are applied
+                    # together below (applying each between two copies holds the GIL the workers need)
+                    while (deadline is None or time.monotonic() < deadline) and help_copy():
+                        pass
+                    report = None
+                else:
+                    step = remaining if slice_s is None else (slice_s if remaining is None else min(slice_s, remaining))
+                    if step is None or step > 0.5:
+                        step = 0.5  # wake up now and then to notice a dead disk writer
+                    report = self._completions.get(step)
                 if report is not None:
                     self._apply(report)
                 if now - last_full >= 0.002:
