@@ -119,3 +119,24 @@ def test_a_wait_that_has_timed_out_runs_no_copy(rig):
     jobs = _stores(mgr, 4, gate)
     assert mgr.wait(jobs[1:], timeout=0) == [] and mover.helped == 0
     assert gate.copies == []
+
+
+def test_wait_for_one_job_stops_copying_for_others_within_a_slice(rig, monkeypatch):
+    """The owner copies in slices of 2 ms and then checks its targets: waiting for one job does not
+    first run every copy queued behind it.  A fake clock advances 1 ms per copy the owner makes."""
+    import tiered_kv.manager as manager_mod
+    kv, mgr, gate, mover = rig
+    jobs = _stores(mgr, 8, gate)                       # the worker holds job 0; 1..7 are queued
+    clock = [1000.0]
+    monkeypatch.setattr(manager_mod.time, "monotonic", lambda: clock[0])
+    copy = mover._copy
+
+    def copy_and_tick(dst, src):
+        copy(dst, src)
+        if not threading.current_thread().name.startswith("tiered-kv-copy"):
+            clock[0] += 0.001
+    mover._copy = copy_and_tick
+    done = mgr.wait([jobs[1]], timeout=30)
+    assert jobs[1].done and jobs[1] in [c.job for c in done]
+    assert mover.helped == 2, f"the owner ran {mover.helped} copies to get one job done"
+    assert sum(j.done for j in jobs) == 2              # jobs 1 and 2; 3..7 still queued
