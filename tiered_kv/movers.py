@@ -91,6 +91,14 @@ class CompletionQueue:
 
 
 class Mover(Protocol):
+    """What the manager needs of a mover.
+
+    A mover may also define ``help_one() -> bool``: run one queued transfer on
+    the calling (owner) thread and answer it like any other, False when none
+    is queued.  The manager calls it while it blocks in ``wait()``/``flush()``/
+    ``close()`` (see :meth:`ThreadMover.help_one`).
+    """
+
     polled: bool  # True when reports appear only through harvest()
 
     def submit(self, t: Transfer) -> None: ...
