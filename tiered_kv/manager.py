@@ -123,8 +123,7 @@ class TierManager(TierViews):
             raise ConfigError("pin_host_memory=True needs CUDA, and torch.cuda.is_available() is False")
         self._host_rows = torch.empty((num_slots, self.row_bytes), dtype=torch.uint8, pin_memory=pin)
         self.metrics = Metrics(registry, config.namespace)
-        self._index = HostIndex(num_slots)  # evictions are counted from index.evictions once per poll
-        self._host_evictions_counted = 0
+        self._index = HostIndex(num_slots)  # its eviction total is published once per poll
         self._completions = CompletionQueue()
         self._tokens = TokenFactory()
         self._owner_tag = object()
@@ -767,12 +766,9 @@ class TierManager(TierViews):
 
     def _refresh_gauges(self) -> None:
         """Push batched counters and changed gauge values (once per poll, not per job)."""
-        evicted = self._index.evictions - self._host_evictions_counted
-        if evicted:
-            self._host_evictions_counted += evicted
-            self.metrics.count(self.metrics.evicted["host"], evicted)
         self.metrics.publish_levels(self._index.used_slots * self.row_bytes, len(self._index), self._n_in_flight,
-                                    disk_levels(self._disk, self._dindex, self.row_bytes, self._disk_usable))
+                                    disk_levels(self._disk, self._dindex, self.row_bytes, self._disk_usable),
+                                    self._index.evictions)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -67,6 +67,7 @@ class Metrics:
         self._observations: list[tuple[Any, float]] = []
         self._bucketing: dict[Any, Optional[tuple[float, ...]]] = {}  # histogram child -> its bounds (None: observe())
         self._levels: tuple[int, ...] = ()  # the values publish_levels() set last
+        self._host_evictions = 0            # the host index's eviction total counted so far
         r = self.registry
         self.stale_callbacks = Counter(
             "tiered_kv_stale_callbacks_total",
@@ -190,13 +191,19 @@ class Metrics:
                 buckets[i].inc(c)
 
     def publish_levels(self, host_used_bytes: int, host_blocks: int, in_flight: Mapping[JobKind, int],
-                       disk: Optional[tuple[int, int, int, int, int, int]] = None) -> None:
+                       disk: Optional[tuple[int, int, int, int, int, int]] = None, host_evictions: int = 0) -> None:
         """Once per poll/step: flush batched counts, then set the level gauges whose value changed.
 
         ``disk`` is (used bytes, blocks, writer queue, tombstones, map bytes,
-        healthy) for an owner with a disk tier.  Unchanged values cost one tuple
+        healthy) for an owner with a disk tier.  ``host_evictions`` is the host
+        index's running eviction total (``HostIndex.evictions``): what it grew
+        by since the last call is added to ``tiered_kv_evictions_total{tier="host"}``,
+        so no owner counts evictions one by one.  Unchanged values cost one tuple
         comparison, not a locked ``set`` per gauge.
         """
+        if host_evictions != self._host_evictions:
+            self.count(self.evicted["host"], host_evictions - self._host_evictions)
+            self._host_evictions = host_evictions
         self.flush()
         values = (host_used_bytes, host_blocks, *[in_flight.get(k, 0) for k in _KINDS], *(disk or ()))
         old = self._levels

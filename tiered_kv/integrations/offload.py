@@ -541,7 +541,6 @@ class SlabTiers(TierViews):
             self._evicted.append(d.key)
 
     def _on_host_evict(self, entry: HostEntry) -> None:
-        self.metrics.count(self.metrics.evicted["host"])  # batched: applied at the end of the step
         if self._dindex is None or self._dindex.ready(entry.key) is None:
             self._evicted.append(entry.key)
 
@@ -558,7 +557,8 @@ class SlabTiers(TierViews):
 
     def _refresh(self) -> None:
         self.metrics.publish_levels(self._index.used_slots * self.row_bytes, len(self._index), self._n_in_flight,
-                                    disk_levels(self._disk, self._dindex, self.row_bytes, self._disk_usable))
+                                    disk_levels(self._disk, self._dindex, self.row_bytes, self._disk_usable),
+                                    self._index.evictions)
 
 
 # ====================================================================== worker side
