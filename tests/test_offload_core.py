@@ -568,6 +568,7 @@ def test_full_slab_evicts_lru_ready_entries_never_leased_or_writing(rig):
     tiers.complete_load([B])                         # B becomes evictable again
     p4 = tiers.prepare_store([F])
     assert p4.keys == [F] and p4.evicted == [B] and p4.slots == [slots[B]]
+    tiers.tick()                                     # evictions are published with the step's gauges
     assert metric(tiers.metrics, "tiered_kv_evictions_total", tier="host") == 3
 
 
