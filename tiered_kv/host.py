@@ -167,19 +167,12 @@ class HostIndex:
             entry.slot = -1
 
     def _evict_one(self, protect: Collection[bytes], key: bytes) -> bool:
-        lru = self._lru
-        for k, entry in lru.items():
+        for k, entry in self._lru.items():
             if k == key or k in protect:
                 continue
             if self._on_evict is not None:
                 self._on_evict(entry)
-            # remove(entry) and _maybe_free(entry), inline (once per store on a full tier): an
-            # entry in the LRU is live, READY, not being written and has no readers
-            entry.live = False
-            del self._entries[k]
-            del lru[k]
-            self._free.append(entry.slot)
-            entry.slot = -1
+            self.remove(entry)
             self.evictions += 1
             return True
         return False

@@ -181,7 +181,7 @@ class TierManager(TierViews):
         in flight).
         """
         if self._closed:
-            raise ManagerClosedError("the TierManager is closed")
+            self._check_open()  # raises
         # the checks of _check_key/_check_block inline (the engine calls this per block); they raise
         if type(key) is not bytes or not key or len(key) > self._max_key_bytes:
             key = self._check_key(key)
@@ -286,7 +286,7 @@ class TierManager(TierViews):
     def cancel(self, job: Job) -> None:
         """Cancel ``job``: idempotent, valid in any state at any time."""
         if self._closed:
-            raise ManagerClosedError("the TierManager is closed")
+            self._check_open()  # raises
         if not isinstance(job, Job) or job._owner is not self._owner_tag or job.kind in _INTERNAL:
             raise InvalidJobError(f"not a job of this manager: {job!r}")
         self._cancel(job, _R_CANCELLED)
@@ -332,7 +332,7 @@ class TierManager(TierViews):
     def poll(self) -> list[Completion]:
         """Apply every worker report that has arrived; return the jobs now reported."""
         if self._closed:
-            raise ManagerClosedError("the TierManager is closed")
+            self._check_open()  # raises
         self._poll()
         out, self._outbox = self._outbox, []
         return out
@@ -532,11 +532,7 @@ class TierManager(TierViews):
 
     def _apply_store(self, fl: _Flight, r: Report) -> None:
         job, entry = fl.job, fl.entry
-        stores = self._row_stores.get(job.block)  # _drop_row_store(fl), inline: once per store
-        if stores is not None and fl in stores:
-            stores.remove(fl)
-            if not stores:
-                del self._row_stores[job.block]
+        self._drop_row_store(fl)
         if job.state is not _PENDING:  # cancelled: delivered or queued for delivery
             self._stale(_STORE, job.cancel_reason or _R_CANCELLED, job.token)
             self._index.writer_done(entry)
