@@ -855,8 +855,7 @@ class DiskStore:
                 os.posix_fallocate(self._sfd, start * self._slot_bytes, self._slot_bytes)
         with self._slot_lock:
             self._slots_len = start + chunk
-            for i in range(start, start + chunk):
-                heapq.heappush(self._free_slots, i)
+            self._free_locked(list(range(start, start + chunk)))
         log.debug("disk tier: slot file grown to %d slots", self._slots_len)
 
     def _pwrite(self, slot: int, src: memoryview) -> None:
@@ -881,8 +880,7 @@ class DiskStore:
         """Slots no committed entry references: free at once."""
         if slots:
             with self._slot_lock:
-                for i in slots:
-                    heapq.heappush(self._free_slots, i)
+                self._free_locked(slots)
 
     def _slots_dropped(self, slots: list[int], txn_id: int) -> None:
         """A commit dropped the entries of ``slots``; ``txn_id`` is the last committed transaction
@@ -895,22 +893,25 @@ class DiskStore:
         covered, and the page cache outlives it).
         """
         with self._slot_lock:
-            if self.opts.durability == "batch":
-                ready = [i for t, i in self._freed_unsynced if t < txn_id]
-                self._freed_unsynced = [(t, i) for t, i in self._freed_unsynced if t >= txn_id]
-                self._freed_unsynced.extend((txn_id, i) for i in slots)
-            else:
-                ready = slots
-            for i in ready:
-                heapq.heappush(self._free_slots, i)
+            if self.opts.durability != "batch":
+                self._free_locked(slots)
+                return
+            self._free_durable_locked(txn_id - 1)   # a commit after theirs: those are durable now
+            self._freed_unsynced.extend((txn_id, i) for i in slots)
 
     def _slots_synced(self, txn_id: int) -> None:
         """Every commit up to ``txn_id`` is durable (an explicit sync)."""
         with self._slot_lock:
-            ready = [i for t, i in self._freed_unsynced if t <= txn_id]
-            self._freed_unsynced = [(t, i) for t, i in self._freed_unsynced if t > txn_id]
-            for i in ready:
-                heapq.heappush(self._free_slots, i)
+            self._free_durable_locked(txn_id)
+
+    def _free_durable_locked(self, txn_id: int) -> None:
+        """Free the dropped slots whose commit is ``txn_id`` or older (``_slot_lock`` held)."""
+        self._free_locked([i for t, i in self._freed_unsynced if t <= txn_id])
+        self._freed_unsynced = [(t, i) for t, i in self._freed_unsynced if t > txn_id]
+
+    def _free_locked(self, slots: list[int]) -> None:
+        for i in slots:
+            heapq.heappush(self._free_slots, i)
 
     @staticmethod
     def _note_dropped(value: Any, frees: list[int]) -> None:

@@ -154,7 +154,7 @@ def finish_spill(dindex: TierIndex, metrics: Metrics, d: HostEntry, r: Report) -
     """A live spill's report: the disk entry is published, or dropped when the write failed; counted."""
     if r.ok:
         dindex.publish(d)
-        _count_moved(metrics, JobKind.SPILL, ("host", "disk"), r)
+        metrics.moved(JobKind.SPILL, ("host", "disk"), r.nbytes, r.seconds)
     else:
         dindex.writer_done(d)
         dindex.abort(d)
@@ -167,17 +167,13 @@ def finish_promote(disk: DiskStore, hindex: TierIndex, dindex: TierIndex, metric
     dropped with the disk entry forgotten when the read failed; counted."""
     if r.ok:
         hindex.publish(entry)
-        _count_moved(metrics, JobKind.PROMOTE, ("disk", "host"), r)
+        metrics.moved(JobKind.PROMOTE, ("disk", "host"), r.nbytes, r.seconds)
         disk.submit_touch(entry.key)
     else:
         hindex.writer_done(entry)
         hindex.abort(entry)
         metrics.count(metrics.job_outcome[(JobKind.PROMOTE, "failed")])
         forget_failed_read(dindex, d)
-
-
-def _count_moved(m: Metrics, kind: JobKind, link: tuple[str, str], r: Report) -> None:
-    m.moved(kind, link, r.nbytes, r.seconds)
 
 
 def evict_from_disk(disk: DiskStore, metrics: Metrics, d: HostEntry) -> None:
