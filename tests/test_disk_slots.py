@@ -1190,16 +1190,20 @@ class HashHold:
         self.hashing, self.go = threading.Event(), threading.Event()
         self.keys: list[bytes] = []
         self.threads: list[str] = []
+        self.finished = threading.Event()   # the hash thread no longer reads the batch's host slots
         orig = disk._pack_entries
 
         def pack(ops):
             self.keys = [op.key for op in ops]
             self.threads.append(threading.current_thread().name)
             self.hashing.set()
-            assert self.go.wait(30)
-            if fail is not None:
-                raise fail
-            orig(ops)
+            try:
+                assert self.go.wait(30)
+                if fail is not None:
+                    raise fail
+                orig(ops)
+            finally:
+                self.finished.set()
 
         disk._pack_entries = pack  # type: ignore[method-assign]
 
@@ -1258,6 +1262,51 @@ def test_checksum_failure_on_the_hash_thread_fails_the_batch_and_gives_its_slots
     quiesce(mgr)
     assert check_slots(mgr) == {b"B": 0}
     assert mgr.disk_healthy
+
+
+def test_a_batch_whose_write_fails_answers_only_once_the_hash_thread_let_go_of_its_host_slots(rig):
+    """The failure report releases the spill's lease on its host slot (which may then be reused), so the
+    writer must not send it while the hash thread still reads that slot."""
+    kv = make_kv(8)
+    mgr = rig.open(kv, host_slots=4, durability="batch")
+    offload_checksums(mgr)
+    disk = mgr.disk
+    hold = HashHold(disk)
+    failed = threading.Event()
+    reported: list[bool] = []                # per failed batch: had the hash thread finished?
+    orig_failed = disk._batch_failed
+
+    def pwrite(slot, src):
+        failed.set()
+        raise OSError(errno.EIO, "injected write error")
+
+    def batch_failed(batch, kind, msg):
+        reported.append(hold.finished.is_set())
+        orig_failed(batch, kind, msg)
+
+    disk._pwrite = pwrite  # type: ignore[method-assign]
+    disk._batch_failed = batch_failed  # type: ignore[method-assign]
+    store_one(mgr, kv, b"A", 0, flush=False)
+    assert hold.hashing.wait(30) and failed.wait(30)   # the write failed while A's checksum is held
+    # the writer now waits for the hash thread: no failure report within a generous window
+    assert not drain_for_spill(mgr, 1.0), "a spill was answered while its host slot was still being read"
+    assert reported == []
+    hold.go.set()
+    drain(mgr)
+    assert reported == [True]
+    assert metric(mgr, "tiered_kv_jobs_total", kind="spill", outcome="failed") == 1
+    assert index_slots(disk) == {} and disk.slots_in_use == 0
+
+
+def drain_for_spill(mgr: TierManager, seconds: float) -> bool:
+    """Poll for up to ``seconds``; True as soon as a spill outcome is counted (a negative check's window)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        mgr.poll()
+        if metric_sum(mgr, "tiered_kv_jobs_total", kind="spill") > 0:
+            return True
+        time.sleep(0.01)
+    return False
 
 
 def test_spill_cancelled_while_its_checksum_runs_is_never_published(rig):
