@@ -30,7 +30,7 @@ CORRUPT_REASONS = ("truncated", "bad_magic", "bad_version", "wrong_namespace", "
 ERROR_KINDS = (("device", "copy_failed"), ("host", "copy_failed"), ("disk", "copy_failed"),
                ("disk", "open_failed"), ("disk", "flush_failed"), ("disk", "writer_died"), ("disk", "sync_failed"),
                ("disk", "map_full"), ("disk", "disk_full"), ("disk", "read_only"), ("disk", "io_error"),
-               ("disk", "lmdb_error"), ("disk", "writer_error"), ("disk", "slots_exhausted"))
+               ("disk", "lmdb_error"), ("disk", "writer_error"), ("disk", "slots_exhausted"), ("disk", "reader_error"))
 _LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5)
 _LINKS = (("device", "host"), ("host", "device"), ("host", "disk"), ("disk", "host"))
 _KINDS = tuple(JobKind)

@@ -1,0 +1,493 @@
+"""Batched disk reads: a reader takes the reads queued, reads them in file order, runs in one preadv.
+
+``DiskStore._reader_main`` takes the first queued read and those behind it
+(``_take_queued``, up to ``read_batch_bytes``), looks them all up in one read
+transaction and reads them sorted by slot, neighbouring slots by one
+``preadv`` (``_read_many``).  Checked here:
+
+1. file order and one ``preadv`` per run of neighbouring slots (capped by
+   ``read_run_bytes``), padding between slots when a block is not a whole
+   number of pages; every read answered once with its own bytes;
+2. each read of a batch keeps its own outcome: absent, superseded, corrupt,
+   short (a truncated slot file) next to good reads in the same run;
+3. the batch answers exactly what single reads answer (hypothesis, against
+   ``_read`` as the model);
+4. faults: a run's ``preadv`` failing sends its reads one by one; an LMDB
+   error in the batch lookup likewise; an exception inside the reader answers
+   every read it had taken (``error="reader_error"``) and the reader goes on;
+5. the reader thread really batches (forced with a gate before it takes the
+   queue), and ``close()`` with reads and stop sentinels in one batch answers
+   every read;
+6. through a ``TierManager``: many disk-only keys loaded at once come back
+   byte for byte.
+
+Most tests build a ``DiskStore`` without reader threads and call the batch
+path on the test thread; ordering is forced with events, never sleeps.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+import lmdb
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tiered_kv.disk as disk_mod
+from disk_helpers import NS, ROW, content, keys, make_kv, metric, rig, row_is, store_seq  # noqa: F401
+from tiered_kv.disk import DiskOptions, DiskStore, _Promote
+from tiered_kv.diskformat import SLOTS_NAME, parse_header, slot_bytes_for
+from tiered_kv.movers import CompletionQueue, Report
+
+
+class Store:
+    """A DiskStore on ``path`` (``num_readers`` reader threads, 0 by default) holding ``ks`` in slots 0.."""
+
+    def __init__(self, path: Path, ks: list[bytes], *, block: int = ROW, num_readers: int = 0, **opts: Any) -> None:
+        self.block = block
+        self.q = CompletionQueue()
+        self.errors: list[str] = []
+        self.corrupt: list[str] = []
+        slots = max(8, 2 * len(ks) + 4)
+        self.s = DiskStore(DiskOptions(path=path, namespace=NS, block_bytes=block, capacity_bytes=slots * block,
+                                       durability="none", batch_blocks=1, batch_bytes=block, batch_seconds=0.0,
+                                       slots=slots, num_readers=num_readers, **opts),
+                           self.q, on_error=lambda kind, msg: self.errors.append(kind),
+                           on_corrupt=self.corrupt.append)
+        self.tokens: dict[bytes, uuid.UUID] = {}
+        self.early: dict[uuid.UUID, Any] = {}
+        for k in ks:   # one batch each, in turn: slot i holds ks[i]
+            self.write(k)
+        assert self.slots() == {k: i for i, k in enumerate(ks)}
+
+    def write(self, key: bytes, tag: Optional[bytes] = None) -> uuid.UUID:
+        tok = uuid.uuid4()
+        buf = bytearray(payload(tag or key, self.block))
+        assert self.s.submit_spill(tok, key, memoryview(buf))
+        r = self.answer(tok)
+        assert r.ok, r
+        self.tokens[key] = tok
+        return tok
+
+    def answer(self, token: uuid.UUID, timeout: float = 30.0) -> Any:
+        """The answer for ``token`` (answers for other tokens that come first are kept for later)."""
+        deadline = time.monotonic() + timeout
+        while token not in self.early:
+            item = self.q.get(max(0.0, deadline - time.monotonic()))
+            assert item is not None, f"no answer for {token} within {timeout} s"
+            assert item.token not in self.early, f"{item.token} answered twice"
+            self.early[item.token] = item
+        return self.early.pop(token)
+
+    def slots(self) -> dict[bytes, int]:
+        env = self.s._env
+        assert env is not None
+        with env.begin(db=self.s._blocks) as txn:
+            return {parse_header(v).key: parse_header(v).slot for _, v in txn.cursor()}
+
+    def op(self, key: bytes, expect: Optional[uuid.UUID] = None) -> _Promote:
+        return _Promote(uuid.uuid4(), key, expect or self.tokens.get(key, uuid.uuid4()),
+                        memoryview(bytearray(self.block)))
+
+    def flip(self, key: bytes, offset: int = 17) -> None:
+        sb = slot_bytes_for(self.block)
+        fd = os.open(self.s.opts.path / SLOTS_NAME, os.O_RDWR)
+        try:
+            at = self.slots()[key] * sb + offset
+            b = os.pread(fd, 1, at)
+            os.pwrite(fd, bytes([b[0] ^ 0x5A]), at)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        self.s.close()
+
+
+def payload(key: bytes, block: int) -> bytes:
+    return content(key, block).numpy().tobytes()
+
+
+class PreadvLog:
+    """Records every ``os.preadv`` the disk module makes: (offset, number of buffers, bytes asked)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail: Any = None) -> None:
+        self.calls: list[tuple[int, int, int]] = []
+        real = os.preadv
+
+        def preadv(fd: int, buffers: list, offset: int, *a: Any) -> int:
+            self.calls.append((offset, len(buffers), sum(len(b) for b in buffers)))
+            if fail is not None and fail(offset, buffers):
+                raise OSError(errno.EIO, "Input/output error")
+            return real(fd, buffers, offset, *a)
+
+        monkeypatch.setattr(disk_mod.os, "preadv", preadv)
+
+
+def answers(store: Store, ops: list[_Promote]) -> dict[bytes, Report]:
+    """Run the batch path on this thread; every read answered exactly once; key -> report."""
+    got = list(store.s._read_many(ops))
+    assert sorted(id(op) for op, _ in got) == sorted(id(op) for op in ops), "a read answered twice or not at all"
+    assert all(r.token == op.token for op, r in got)
+    return {op.key: r for op, r in got}
+
+
+def bytes_ok(op: _Promote, block: int) -> bool:
+    return bytes(op.dst) == payload(op.key, block)
+
+
+# ============================================================================ 1. file order, runs, padding
+def test_batch_reads_in_file_order_one_preadv_per_run(tmp_path, monkeypatch):
+    ks = keys(12)
+    st_ = Store(tmp_path / "d", ks)
+    try:
+        want = [ks[9], ks[2], ks[3], ks[1], ks[7], ks[8], ks[4]]     # slots 1-4 and 7-9, shuffled
+        ops = [st_.op(k) for k in want]
+        log = PreadvLog(monkeypatch)
+        t0 = time.perf_counter()
+        got = answers(st_, ops)
+        wall = time.perf_counter() - t0
+        sb = slot_bytes_for(ROW)
+        assert log.calls == [(1 * sb, 4, 4 * ROW), (7 * sb, 3, 3 * ROW)]
+        assert all(got[op.key].ok and got[op.key].nbytes == ROW and bytes_ok(op, ROW) for op in ops)
+        secs = [got[k].seconds for k in want]
+        assert all(s >= 0 for s in secs) and 0 < sum(secs) <= wall   # the batch's time, shared, not multiplied
+    finally:
+        st_.close()
+
+
+def test_runs_are_capped_by_read_run_bytes(tmp_path, monkeypatch):
+    ks = keys(6)
+    st_ = Store(tmp_path / "d", ks, read_run_bytes=2 * ROW)
+    try:
+        ops = [st_.op(k) for k in reversed(ks[:5])]
+        log = PreadvLog(monkeypatch)
+        got = answers(st_, ops)
+        assert [(off // ROW, n) for off, n, _ in log.calls] == [(0, 2), (2, 2), (4, 1)]
+        assert all(got[op.key].ok and bytes_ok(op, ROW) for op in ops)
+    finally:
+        st_.close()
+
+
+def test_blocks_smaller_than_their_slots_are_read_with_padding_between(tmp_path, monkeypatch):
+    block = 5000                                 # slots of 8192 bytes
+    ks = keys(4)
+    st_ = Store(tmp_path / "d", ks, block=block)
+    try:
+        ops = [st_.op(k, st_.tokens[k]) for k in (ks[2], ks[0], ks[1])]
+        for op in ops:
+            op.dst[:] = b"\xee" * block          # garbage a wrong offset would leave or copy
+        log = PreadvLog(monkeypatch)
+        got = answers(st_, ops)
+        sb = slot_bytes_for(block)
+        assert log.calls == [(0, 5, 3 * block + 2 * (sb - block))]   # block, pad, block, pad, block
+        assert all(got[op.key].ok and bytes_ok(op, block) for op in ops)
+    finally:
+        st_.close()
+
+
+# ============================================================================ 2. each read its own outcome
+def test_each_read_of_a_batch_keeps_its_own_outcome(tmp_path, monkeypatch):
+    ks = keys(8)
+    st_ = Store(tmp_path / "d", ks)
+    try:
+        st_.flip(ks[3])                                               # inside the run 1..5
+        ops = {
+            "ok1": st_.op(ks[1]), "ok2": st_.op(ks[2]), "corrupt": st_.op(ks[3]), "ok4": st_.op(ks[4]),
+            "superseded": st_.op(ks[5], expect=uuid.uuid4()),         # the index holds another write
+            "absent": st_.op(b"never-stored"),
+            "ok7": st_.op(ks[7]),
+        }
+        log = PreadvLog(monkeypatch)
+        got = answers(st_, list(ops.values()))
+        by = {name: got[op.key] for name, op in ops.items()}
+        assert [name for name, r in by.items() if r.ok] == ["ok1", "ok2", "ok4", "ok7"]
+        assert all(bytes_ok(ops[n], ROW) for n in ("ok1", "ok2", "ok4", "ok7"))
+        assert by["corrupt"].error.startswith("miss: corrupt (checksum")
+        assert by["superseded"].error == "miss: superseded on disk"
+        assert by["absent"].error == "miss: absent"
+        assert st_.corrupt == ["checksum"] and st_.errors == []
+        assert [(off // ROW, n) for off, n, _ in log.calls] == [(1, 4), (7, 1)]   # 5 superseded: never read
+    finally:
+        st_.close()
+
+
+@pytest.mark.parametrize("block", [ROW, 5000])
+def test_a_short_read_fails_only_the_reads_past_the_end_of_the_file(tmp_path, block):
+    ks = keys(4)
+    st_ = Store(tmp_path / "d", ks, block=block)
+    try:
+        os.truncate(tmp_path / "d" / SLOTS_NAME, 2 * slot_bytes_for(block) + 100)   # slot 2 cut short, 3 gone
+        ops = [st_.op(k) for k in ks]
+        got = answers(st_, ops)
+        assert [got[k].ok for k in ks] == [True, True, False, False]
+        assert all(bytes_ok(op, block) for op in ops[:2])
+        assert all(got[k].error.startswith("miss: corrupt (truncated") for k in ks[2:])
+        assert st_.corrupt == ["truncated", "truncated"]
+    finally:
+        st_.close()
+
+
+# ============================================================================ 3. batch == single reads
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_batch_answers_what_single_reads_answer(tmp_path_factory, data):
+    block = data.draw(st.sampled_from([ROW, 5000]), label="block")
+    n = data.draw(st.integers(2, 10), label="keys")
+    ks = keys(n)
+    st_ = Store(tmp_path_factory.mktemp("d"), ks, block=block,
+                read_run_bytes=data.draw(st.sampled_from([1, 2, 3, 64]), label="run_blocks") * block)
+    try:
+        picked = data.draw(st.lists(st.sampled_from(ks + [b"absent"]), min_size=2, max_size=12), label="reads")
+        damage = data.draw(st.dictionaries(st.sampled_from(ks), st.sampled_from(["flip", "stale"]), max_size=3),
+                           label="damage")
+        for k, how in damage.items():
+            if how == "flip":
+                st_.flip(k, offset=data.draw(st.integers(0, block - 1)))
+        def ops() -> list[_Promote]:
+            return [st_.op(k, uuid.uuid4() if damage.get(k) == "stale" else None) for k in picked]
+        single = [(op, st_.s._read(op)) for op in ops()]
+        batch_ops = ops()
+        got = list(st_.s._read_many(batch_ops))
+        assert sorted(id(op) for op, _ in got) == sorted(id(op) for op in batch_ops)
+        by_op = {id(op): r for op, r in got}
+        for (sop, sr), bop in zip(single, batch_ops):
+            br = by_op[id(bop)]
+            assert (br.ok, br.error) == (sr.ok, sr.error), (bop.key, br, sr)
+            if br.ok:
+                assert bytes(bop.dst) == bytes(sop.dst) == payload(bop.key, block)
+    finally:
+        st_.close()
+
+
+# ============================================================================ 4. faults
+def test_a_failing_run_read_sends_its_reads_one_by_one(tmp_path, monkeypatch):
+    ks = keys(5)
+    st_ = Store(tmp_path / "d", ks)
+    try:
+        ops = [st_.op(k) for k in ks[:4]]
+        log = PreadvLog(monkeypatch, fail=lambda off, bufs: len(bufs) > 1)   # only multi-block reads fail
+        got = answers(st_, ops)
+        assert all(got[op.key].ok and bytes_ok(op, ROW) for op in ops)
+        assert [n for _, n, _ in log.calls] == [4, 1, 1, 1, 1]
+        assert st_.errors == []
+    finally:
+        st_.close()
+
+
+def test_an_unreadable_slot_fails_only_its_own_read(tmp_path, monkeypatch):
+    ks = keys(4)
+    st_ = Store(tmp_path / "d", ks)
+    try:
+        bad = slot_bytes_for(ROW) * 2
+        PreadvLog(monkeypatch, fail=lambda off, bufs: len(bufs) > 1 or off == bad)
+        ops = [st_.op(k) for k in ks]
+        got = answers(st_, ops)
+        assert [got[k].ok for k in ks] == [True, True, False, True]
+        assert got[ks[2]].error.startswith("miss: read failed")
+        assert st_.errors == ["io_error"]
+    finally:
+        st_.close()
+
+
+def test_an_lmdb_error_in_the_batch_lookup_sends_the_reads_one_by_one(tmp_path, monkeypatch):
+    ks = keys(3)
+    st_ = Store(tmp_path / "d", ks)
+    try:
+        real = st_.s._lookup
+        calls = []
+
+        def lookup(txn: Any, op: _Promote, t0: float) -> Any:
+            calls.append(op.key)
+            if len(calls) == 1:
+                raise lmdb.ReadonlyError("injected")
+            return real(txn, op, t0)
+
+        monkeypatch.setattr(st_.s, "_lookup", lookup)
+        ops = [st_.op(k) for k in ks]
+        got = answers(st_, ops)
+        assert all(got[op.key].ok and bytes_ok(op, ROW) for op in ops)
+        assert calls == [ks[0]] + ks          # the batch gave up at once; each read looked itself up
+    finally:
+        st_.close()
+
+
+class Gate:
+    """Holds a reader thread before it takes the reads queued behind its first one."""
+
+    def __init__(self, store: DiskStore, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.entered = threading.Event()
+        self.go = threading.Event()
+        self.batches: list[int] = []
+        real = store._take_queued
+
+        def take(first: _Promote) -> Any:
+            if not self.entered.is_set():
+                self.entered.set()
+                assert self.go.wait(30)
+            ops, stop = real(first)
+            self.batches.append(len(ops))
+            return ops, stop
+
+        monkeypatch.setattr(store, "_take_queued", take)
+
+
+def test_an_exception_inside_a_reader_answers_every_read_it_took_and_the_reader_goes_on(tmp_path, monkeypatch):
+    ks = keys(6)
+    st_ = Store(tmp_path / "d", ks, num_readers=1)
+    try:
+        gate = Gate(st_.s, monkeypatch)
+        real_verify = st_.s._verify
+
+        def verify(op: _Promote, value: bytes, got: int, t0: float) -> Report:
+            if op.key == ks[3]:
+                raise RuntimeError("bug in the read path")
+            return real_verify(op, value, got, t0)
+
+        monkeypatch.setattr(st_.s, "_verify", verify)
+        ops = [st_.op(k) for k in ks]
+        st_.s.submit_promote(ops[0].token, ops[0].key, ops[0].expect, ops[0].dst)
+        assert gate.entered.wait(30)
+        for op in ops[1:]:
+            st_.s.submit_promote(op.token, op.key, op.expect, op.dst)
+        gate.go.set()
+        got = {op.key: st_.answer(op.token) for op in ops}
+        assert gate.batches == [6]
+        # slots 0..5 form one run: the exception came while its reports were being made
+        assert [got[k].ok for k in ks] == [False] * 6
+        assert all("bug in the read path" in r.error for r in got.values())
+        assert all(r.error.startswith("miss: read failed") for r in got.values())
+        assert st_.errors == ["reader_error"]
+        assert st_.q.get(0.0) is None and not st_.early, "a read was answered twice"
+        monkeypatch.setattr(st_.s, "_verify", real_verify)
+        # the reader is alive; the failed reads' entries were removed (token-matched), the others serve
+        flushed = uuid.uuid4()
+        st_.s.submit_flush(flushed)
+        assert st_.answer(flushed).ok
+        assert st_.slots() == {}
+        st_.write(b"again")
+        op = st_.op(b"again")
+        st_.s.submit_promote(op.token, op.key, op.expect, op.dst)
+        assert st_.answer(op.token).ok and bytes_ok(op, ROW)
+    finally:
+        st_.close()
+
+
+def test_an_exception_after_some_runs_fails_only_the_reads_not_yet_answered(tmp_path, monkeypatch):
+    ks = keys(6)
+    st_ = Store(tmp_path / "d", ks, num_readers=1, read_run_bytes=2 * ROW)
+    try:
+        gate = Gate(st_.s, monkeypatch)
+        real_verify = st_.s._verify
+
+        def verify(op: _Promote, value: bytes, got: int, t0: float) -> Report:
+            if op.key == ks[4]:
+                raise RuntimeError("bug in the read path")
+            return real_verify(op, value, got, t0)
+
+        monkeypatch.setattr(st_.s, "_verify", verify)
+        ops = [st_.op(k) for k in reversed(ks)]
+        for i, op in enumerate(ops):
+            st_.s.submit_promote(op.token, op.key, op.expect, op.dst)
+            if i == 0:
+                assert gate.entered.wait(30)
+        gate.go.set()
+        got = {op.key: st_.answer(op.token) for op in ops}
+        assert [got[k].ok for k in ks] == [True, True, True, True, False, False]   # runs 0-1, 2-3 went out
+        assert all(bytes_ok(op, ROW) for op in ops if got[op.key].ok)
+        assert st_.q.get(0.0) is None and not st_.early
+    finally:
+        st_.close()
+
+
+# ============================================================================ 5. the reader thread
+def test_take_queued_stops_at_the_batch_limit_and_at_a_stop_sentinel(tmp_path):
+    ks = keys(6)
+    st_ = Store(tmp_path / "d", ks, read_batch_bytes=3 * ROW)
+    try:
+        ops = [st_.op(k) for k in ks]
+        for op in ops[1:]:
+            st_.s._reads.put(op)
+        st_.s._reads.put(None)
+        got, stop = st_.s._take_queued(ops[0])
+        assert got == ops[:3] and not stop
+        got, stop = st_.s._take_queued(st_.s._reads.get_nowait())
+        assert got == ops[3:6] and not stop
+        first = st_.op(ks[0])
+        got, stop = st_.s._take_queued(first)
+        assert got == [first] and stop and st_.s._reads.empty()
+    finally:
+        st_.close()
+
+
+def test_the_reader_thread_reads_a_queued_batch_in_file_order(tmp_path, monkeypatch):
+    ks = keys(8)
+    st_ = Store(tmp_path / "d", ks, num_readers=1)
+    try:
+        gate = Gate(st_.s, monkeypatch)
+        log = PreadvLog(monkeypatch)
+        order = [5, 0, 7, 2, 1, 6, 3]                       # slot 4 not read: two runs
+        ops = [st_.op(ks[i]) for i in order]
+        for i, op in enumerate(ops):
+            st_.s.submit_promote(op.token, op.key, op.expect, op.dst)
+            if i == 0:
+                assert gate.entered.wait(30)
+        gate.go.set()
+        got = {op.key: st_.answer(op.token) for op in ops}
+        assert gate.batches == [7]
+        assert [(off // ROW, n) for off, n, _ in log.calls] == [(0, 4), (5, 3)]
+        assert all(got[op.key].ok and bytes_ok(op, ROW) for op in ops)
+    finally:
+        st_.close()
+
+
+def test_close_with_reads_and_stop_sentinels_in_one_batch_answers_every_read(tmp_path, monkeypatch):
+    ks = keys(5)
+    st_ = Store(tmp_path / "d", ks, num_readers=1)
+    closer: Optional[threading.Thread] = None
+    try:
+        gate = Gate(st_.s, monkeypatch)
+        ops = [st_.op(k) for k in ks]
+        for i, op in enumerate(ops):
+            st_.s.submit_promote(op.token, op.key, op.expect, op.dst)
+            if i == 0:
+                assert gate.entered.wait(30)
+        closer = threading.Thread(target=st_.close)
+        closer.start()
+        deadline = time.monotonic() + 30
+        while st_.s._reads.qsize() < len(ops):         # 4 reads + the reader's stop sentinel queued
+            assert time.monotonic() < deadline, "close() never queued the reader's stop sentinel"
+            time.sleep(0.001)
+        gate.go.set()
+        closer.join(30)
+        assert not closer.is_alive()
+        got = [st_.answer(op.token, timeout=1) for op in ops]
+        assert all(r.ok for r in got) and all(bytes_ok(op, ROW) for op in ops)
+        assert gate.batches == [len(ops)]
+    finally:
+        gate.go.set()
+        if closer is None:
+            st_.close()
+
+
+# ============================================================================ 6. through a manager
+def test_many_disk_only_keys_loaded_at_once_come_back_byte_for_byte(rig):
+    kv = make_kv(24)
+    mgr = rig.open(kv, host_slots=20, disk_slots=96)
+    ks = keys(40, "m")
+    store_seq(mgr, kv, ks)
+    on_disk = [k for k in ks if mgr.host_bytes(k) is None]
+    assert len(on_disk) >= 16
+    jobs = [(mgr.load(k, i), k, i) for i, k in enumerate(on_disk[:16])]
+    assert all(j is not None for j, _, _ in jobs)
+    comps = {c.job.token: c for c in mgr.wait([j for j, _, _ in jobs], timeout=30)}
+    for j, k, row in jobs:
+        assert comps[j.token].ok, comps[j.token]
+        assert row_is(kv, row, k)
+    assert metric(mgr, "tiered_kv_corrupt_blocks_total", reason="checksum") == 0
