@@ -407,6 +407,19 @@ def test_an_exception_after_some_runs_fails_only_the_reads_not_yet_answered(tmp_
 
 
 # ============================================================================ 5. the reader thread
+def test_take_queued_takes_at_most_a_bounded_number_of_reads(tmp_path):
+    st_ = Store(tmp_path / "d", [], read_batch_bytes=1 << 40)
+    try:
+        ops = [st_.op(b"k%d" % i) for i in range(disk_mod._READ_BATCH_MAX + 5)]
+        for op in ops[1:]:
+            st_.s._reads.put(op)
+        got, stop = st_.s._take_queued(ops[0])
+        assert got == ops[:disk_mod._READ_BATCH_MAX] and not stop
+        assert st_.s._reads.qsize() == 5
+    finally:
+        st_.close()
+
+
 def test_take_queued_stops_at_the_batch_limit_and_at_a_stop_sentinel(tmp_path):
     ks = keys(6)
     st_ = Store(tmp_path / "d", ks, read_batch_bytes=3 * ROW)

@@ -96,6 +96,7 @@ MAX_DBS = len(SUBDBS)
 MIN_MAP = 64 << 20
 _WRITEBACK_CHUNK = 2 << 20   # bytes written between two sync_file_range(WRITE) calls (2 MiB blocks: each)
 _U64 = struct.Struct("<Q")
+_READ_BATCH_MAX = 256   # reads a disk reader takes at once, at most
 _CORRUPT, _READ_FAILED = "miss: corrupt", "miss: read failed"   # promote report errors the reader acts on
 
 
@@ -1091,9 +1092,10 @@ class DiskStore:
         self._out.put(r)
 
     def _take_queued(self, first: _Promote) -> tuple[list[_Promote], bool]:
-        """``first`` and the reads queued behind it, up to ``read_batch_bytes``; True if a stop sentinel came."""
+        """``first`` and the reads queued behind it, up to ``read_batch_bytes`` and ``_READ_BATCH_MAX``
+        reads (small blocks: the batch's lookups come before its first read); True if a stop sentinel came."""
         ops = [first]
-        limit = max(1, self.opts.read_batch_bytes // self.opts.block_bytes)
+        limit = max(1, min(_READ_BATCH_MAX, self.opts.read_batch_bytes // self.opts.block_bytes))
         while len(ops) < limit:
             try:
                 nxt = self._reads.get_nowait()
