@@ -56,6 +56,16 @@ def test_smoke_run_exits_zero_and_writes_strict_json(smoke: dict[str, Any]) -> N
     assert not any((smoke["tmp"] / "scratch").glob("tkv-bench-disk-*"))
 
 
+def test_every_promote_load_is_a_promote(smoke: dict[str, Any]) -> None:
+    """Cold and warm promote loads all find their key only on disk: a key still in the host tier
+    would measure a host load (the warm rounds cycle over the sets the host tier no longer holds)."""
+    promotes = _strict_load(smoke["json"])["sections"]["disk"]["promote"]
+    assert promotes
+    for p in promotes:
+        assert p["tkv_loads_already_in_host"] == 0, p["block_bytes"]
+        assert p["tkv_misses"] == 0 and p["tkv_failed"] == 0
+
+
 def test_machine_facts(smoke: dict[str, Any]) -> None:
     m = _strict_load(smoke["json"])["machine"]
     assert m["cores"] >= 1

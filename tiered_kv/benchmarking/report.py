@@ -312,6 +312,9 @@ def problems(result: dict[str, Any]) -> dict[str, list[str]]:
             wrong.append(f"promote {_size(p['block_bytes'])}: {p['tkv_bad_rows']} rows with wrong bytes")
         if p["tkv_misses"] or p["tkv_failed"]:
             other.append(f"promote {_size(p['block_bytes'])}: {p['tkv_misses']} misses, {p['tkv_failed']} failed")
+        if p.get("tkv_loads_already_in_host"):
+            other.append(f"promote {_size(p['block_bytes'])}: {p['tkv_loads_already_in_host']} loads found their "
+                         f"key in the host tier (measured a host load, not a promote)")
     for sp in d.get("spill", []):
         if sp["spills_shed_total"]:
             other.append(f"spill {_size(sp['block_bytes'])} {sp['durability']}: {sp['spills_shed_total']} spills shed")
