@@ -9,7 +9,8 @@ transaction and reads them sorted by slot, neighbouring slots by one
    ``read_run_bytes``), padding between slots when a block is not a whole
    number of pages; every read answered once with its own bytes;
 2. each read of a batch keeps its own outcome: absent, superseded, corrupt,
-   short (a truncated slot file) next to good reads in the same run;
+   short (a truncated slot file) next to good reads in the same run; a slot
+   reused between the batch's lookup and its read is a superseded miss;
 3. the batch answers exactly what single reads answer (hypothesis, against
    ``_read`` as the model);
 4. faults: a run's ``preadv`` failing sends its reads one by one; an LMDB
@@ -262,6 +263,43 @@ def test_a_batch_answers_what_single_reads_answer(tmp_path_factory, data):
             assert (br.ok, br.error) == (sr.ok, sr.error), (bop.key, br, sr)
             if br.ok:
                 assert bytes(bop.dst) == bytes(sop.dst) == payload(bop.key, block)
+    finally:
+        st_.close()
+
+
+def test_a_slot_reused_between_the_batch_lookup_and_its_read_is_a_superseded_miss(tmp_path, monkeypatch):
+    """The batch looks every read up first; one read's entry is dropped and its slot rewritten for
+    another key before the run is read: that read is a miss ("superseded"), never corruption, never
+    the other key's bytes; its neighbours in the same run are served."""
+    ks = keys(3)
+    st_ = Store(tmp_path / "d", ks)
+    try:
+        held = threading.Event()
+        go = threading.Event()
+        real = os.preadv
+
+        def preadv(fd: int, buffers: list, offset: int, *a: Any) -> int:
+            if threading.current_thread().name == "batch" and not held.is_set():
+                held.set()
+                assert go.wait(30)
+            return real(fd, buffers, offset, *a)
+
+        monkeypatch.setattr(disk_mod.os, "preadv", preadv)
+        ops = [st_.op(k) for k in ks]
+        got: list = []
+        t = threading.Thread(target=lambda: got.extend(st_.s._read_many(ops)), name="batch")
+        t.start()
+        assert held.wait(30)                              # the records are looked up, no byte read yet
+        st_.s.submit_delete(st_.tokens[ks[1]], ks[1])     # durability "none": slot 1 is free at once
+        st_.write(b"intruder")                            # ... and takes slot 1
+        assert st_.slots()[b"intruder"] == 1
+        go.set()
+        t.join(30)
+        by = {op.key: r for op, r in got}
+        assert len(got) == 3
+        assert by[ks[1]].error == "miss: superseded on disk"
+        assert by[ks[0]].ok and by[ks[2]].ok and bytes_ok(ops[0], ROW) and bytes_ok(ops[2], ROW)
+        assert st_.corrupt == []
     finally:
         st_.close()
 
