@@ -111,6 +111,20 @@ class Store:
         self.s.close()
 
 
+@pytest.fixture
+def make_store(tmp_path: Path) -> Any:
+    """``make_store(keys, **options)``: a :class:`Store` in its own directory, closed after the test."""
+    made: list[Store] = []
+
+    def make(ks: list[bytes], **kw: Any) -> Store:
+        made.append(Store(tmp_path / f"d{len(made)}", ks, **kw))
+        return made[-1]
+
+    yield make
+    for st_ in made:
+        st_.close()   # idempotent
+
+
 def payload(key: bytes, block: int) -> bytes:
     return content(key, block).numpy().tobytes()
 
@@ -144,95 +158,80 @@ def bytes_ok(op: _Promote, block: int) -> bool:
 
 
 # ============================================================================ 1. file order, runs, padding
-def test_batch_reads_in_file_order_one_preadv_per_run(tmp_path, monkeypatch):
+def test_batch_reads_in_file_order_one_preadv_per_run(make_store, monkeypatch):
     ks = keys(12)
-    st_ = Store(tmp_path / "d", ks)
-    try:
-        want = [ks[9], ks[2], ks[3], ks[1], ks[7], ks[8], ks[4]]     # slots 1-4 and 7-9, shuffled
-        ops = [st_.op(k) for k in want]
-        log = PreadvLog(monkeypatch)
-        t0 = time.perf_counter()
-        got = answers(st_, ops)
-        wall = time.perf_counter() - t0
-        sb = slot_bytes_for(ROW)
-        assert log.calls == [(1 * sb, 4, 4 * ROW), (7 * sb, 3, 3 * ROW)]
-        assert all(got[op.key].ok and got[op.key].nbytes == ROW and bytes_ok(op, ROW) for op in ops)
-        secs = [got[k].seconds for k in want]
-        assert all(s >= 0 for s in secs) and 0 < sum(secs) <= wall   # the batch's time, shared, not multiplied
-    finally:
-        st_.close()
+    st_ = make_store(ks)
+    want = [ks[9], ks[2], ks[3], ks[1], ks[7], ks[8], ks[4]]     # slots 1-4 and 7-9, shuffled
+    ops = [st_.op(k) for k in want]
+    log = PreadvLog(monkeypatch)
+    t0 = time.perf_counter()
+    got = answers(st_, ops)
+    wall = time.perf_counter() - t0
+    sb = slot_bytes_for(ROW)
+    assert log.calls == [(1 * sb, 4, 4 * ROW), (7 * sb, 3, 3 * ROW)]
+    assert all(got[op.key].ok and got[op.key].nbytes == ROW and bytes_ok(op, ROW) for op in ops)
+    secs = [got[k].seconds for k in want]
+    assert all(s >= 0 for s in secs) and 0 < sum(secs) <= wall   # the batch's time, shared, not multiplied
 
 
-def test_runs_are_capped_by_read_run_bytes(tmp_path, monkeypatch):
+def test_runs_are_capped_by_read_run_bytes(make_store, monkeypatch):
     ks = keys(6)
-    st_ = Store(tmp_path / "d", ks, read_run_bytes=2 * ROW)
-    try:
-        ops = [st_.op(k) for k in reversed(ks[:5])]
-        log = PreadvLog(monkeypatch)
-        got = answers(st_, ops)
-        assert [(off // ROW, n) for off, n, _ in log.calls] == [(0, 2), (2, 2), (4, 1)]
-        assert all(got[op.key].ok and bytes_ok(op, ROW) for op in ops)
-    finally:
-        st_.close()
+    st_ = make_store(ks, read_run_bytes=2 * ROW)
+    ops = [st_.op(k) for k in reversed(ks[:5])]
+    log = PreadvLog(monkeypatch)
+    got = answers(st_, ops)
+    assert [(off // ROW, n) for off, n, _ in log.calls] == [(0, 2), (2, 2), (4, 1)]
+    assert all(got[op.key].ok and bytes_ok(op, ROW) for op in ops)
 
 
-def test_blocks_smaller_than_their_slots_are_read_with_padding_between(tmp_path, monkeypatch):
+def test_blocks_smaller_than_their_slots_are_read_with_padding_between(make_store, monkeypatch):
     block = 5000                                 # slots of 8192 bytes
     ks = keys(4)
-    st_ = Store(tmp_path / "d", ks, block=block)
-    try:
-        ops = [st_.op(k, st_.tokens[k]) for k in (ks[2], ks[0], ks[1])]
-        for op in ops:
-            op.dst[:] = b"\xee" * block          # garbage a wrong offset would leave or copy
-        log = PreadvLog(monkeypatch)
-        got = answers(st_, ops)
-        sb = slot_bytes_for(block)
-        assert log.calls == [(0, 5, 3 * block + 2 * (sb - block))]   # block, pad, block, pad, block
-        assert all(got[op.key].ok and bytes_ok(op, block) for op in ops)
-    finally:
-        st_.close()
+    st_ = make_store(ks, block=block)
+    ops = [st_.op(k, st_.tokens[k]) for k in (ks[2], ks[0], ks[1])]
+    for op in ops:
+        op.dst[:] = b"\xee" * block          # garbage a wrong offset would leave or copy
+    log = PreadvLog(monkeypatch)
+    got = answers(st_, ops)
+    sb = slot_bytes_for(block)
+    assert log.calls == [(0, 5, 3 * block + 2 * (sb - block))]   # block, pad, block, pad, block
+    assert all(got[op.key].ok and bytes_ok(op, block) for op in ops)
 
 
 # ============================================================================ 2. each read its own outcome
-def test_each_read_of_a_batch_keeps_its_own_outcome(tmp_path, monkeypatch):
+def test_each_read_of_a_batch_keeps_its_own_outcome(make_store, monkeypatch):
     ks = keys(8)
-    st_ = Store(tmp_path / "d", ks)
-    try:
-        st_.flip(ks[3])                                               # inside the run 1..5
-        ops = {
-            "ok1": st_.op(ks[1]), "ok2": st_.op(ks[2]), "corrupt": st_.op(ks[3]), "ok4": st_.op(ks[4]),
-            "superseded": st_.op(ks[5], expect=uuid.uuid4()),         # the index holds another write
-            "absent": st_.op(b"never-stored"),
-            "ok7": st_.op(ks[7]),
-        }
-        log = PreadvLog(monkeypatch)
-        got = answers(st_, list(ops.values()))
-        by = {name: got[op.key] for name, op in ops.items()}
-        assert [name for name, r in by.items() if r.ok] == ["ok1", "ok2", "ok4", "ok7"]
-        assert all(bytes_ok(ops[n], ROW) for n in ("ok1", "ok2", "ok4", "ok7"))
-        assert by["corrupt"].error.startswith("miss: corrupt (checksum")
-        assert by["superseded"].error == "miss: superseded on disk"
-        assert by["absent"].error == "miss: absent"
-        assert st_.corrupt == ["checksum"] and st_.errors == []
-        assert [(off // ROW, n) for off, n, _ in log.calls] == [(1, 4), (7, 1)]   # 5 superseded: never read
-    finally:
-        st_.close()
+    st_ = make_store(ks)
+    st_.flip(ks[3])                                               # inside the run 1..5
+    ops = {
+        "ok1": st_.op(ks[1]), "ok2": st_.op(ks[2]), "corrupt": st_.op(ks[3]), "ok4": st_.op(ks[4]),
+        "superseded": st_.op(ks[5], expect=uuid.uuid4()),         # the index holds another write
+        "absent": st_.op(b"never-stored"),
+        "ok7": st_.op(ks[7]),
+    }
+    log = PreadvLog(monkeypatch)
+    got = answers(st_, list(ops.values()))
+    by = {name: got[op.key] for name, op in ops.items()}
+    assert [name for name, r in by.items() if r.ok] == ["ok1", "ok2", "ok4", "ok7"]
+    assert all(bytes_ok(ops[n], ROW) for n in ("ok1", "ok2", "ok4", "ok7"))
+    assert by["corrupt"].error.startswith("miss: corrupt (checksum")
+    assert by["superseded"].error == "miss: superseded on disk"
+    assert by["absent"].error == "miss: absent"
+    assert st_.corrupt == ["checksum"] and st_.errors == []
+    assert [(off // ROW, n) for off, n, _ in log.calls] == [(1, 4), (7, 1)]   # 5 superseded: never read
 
 
 @pytest.mark.parametrize("block", [ROW, 5000])
-def test_a_short_read_fails_only_the_reads_past_the_end_of_the_file(tmp_path, block):
+def test_a_short_read_fails_only_the_reads_past_the_end_of_the_file(make_store, block):
     ks = keys(4)
-    st_ = Store(tmp_path / "d", ks, block=block)
-    try:
-        os.truncate(tmp_path / "d" / SLOTS_NAME, 2 * slot_bytes_for(block) + 100)   # slot 2 cut short, 3 gone
-        ops = [st_.op(k) for k in ks]
-        got = answers(st_, ops)
-        assert [got[k].ok for k in ks] == [True, True, False, False]
-        assert all(bytes_ok(op, block) for op in ops[:2])
-        assert all(got[k].error.startswith("miss: corrupt (truncated") for k in ks[2:])
-        assert st_.corrupt == ["truncated", "truncated"]
-    finally:
-        st_.close()
+    st_ = make_store(ks, block=block)
+    os.truncate(st_.s.opts.path / SLOTS_NAME, 2 * slot_bytes_for(block) + 100)   # slot 2 cut short, 3 gone
+    ops = [st_.op(k) for k in ks]
+    got = answers(st_, ops)
+    assert [got[k].ok for k in ks] == [True, True, False, False]
+    assert all(bytes_ok(op, block) for op in ops[:2])
+    assert all(got[k].error.startswith("miss: corrupt (truncated") for k in ks[2:])
+    assert st_.corrupt == ["truncated", "truncated"]
 
 
 # ============================================================================ 3. batch == single reads
@@ -267,93 +266,81 @@ def test_a_batch_answers_what_single_reads_answer(tmp_path_factory, data):
         st_.close()
 
 
-def test_a_slot_reused_between_the_batch_lookup_and_its_read_is_a_superseded_miss(tmp_path, monkeypatch):
+def test_a_slot_reused_between_the_batch_lookup_and_its_read_is_a_superseded_miss(make_store, monkeypatch):
     """The batch looks every read up first; one read's entry is dropped and its slot rewritten for
     another key before the run is read: that read is a miss ("superseded"), never corruption, never
     the other key's bytes; its neighbours in the same run are served."""
     ks = keys(3)
-    st_ = Store(tmp_path / "d", ks)
-    try:
-        held = threading.Event()
-        go = threading.Event()
-        real = os.preadv
+    st_ = make_store(ks)
+    held = threading.Event()
+    go = threading.Event()
+    real = os.preadv
 
-        def preadv(fd: int, buffers: list, offset: int, *a: Any) -> int:
-            if threading.current_thread().name == "batch" and not held.is_set():
-                held.set()
-                assert go.wait(30)
-            return real(fd, buffers, offset, *a)
+    def preadv(fd: int, buffers: list, offset: int, *a: Any) -> int:
+        if threading.current_thread().name == "batch" and not held.is_set():
+            held.set()
+            assert go.wait(30)
+        return real(fd, buffers, offset, *a)
 
-        monkeypatch.setattr(disk_mod.os, "preadv", preadv)
-        ops = [st_.op(k) for k in ks]
-        got: list = []
-        t = threading.Thread(target=lambda: got.extend(st_.s._read_many(ops)), name="batch")
-        t.start()
-        assert held.wait(30)                              # the records are looked up, no byte read yet
-        st_.s.submit_delete(st_.tokens[ks[1]], ks[1])     # durability "none": slot 1 is free at once
-        st_.write(b"intruder")                            # ... and takes slot 1
-        assert st_.slots()[b"intruder"] == 1
-        go.set()
-        t.join(30)
-        by = {op.key: r for op, r in got}
-        assert len(got) == 3
-        assert by[ks[1]].error == "miss: superseded on disk"
-        assert by[ks[0]].ok and by[ks[2]].ok and bytes_ok(ops[0], ROW) and bytes_ok(ops[2], ROW)
-        assert st_.corrupt == []
-    finally:
-        st_.close()
+    monkeypatch.setattr(disk_mod.os, "preadv", preadv)
+    ops = [st_.op(k) for k in ks]
+    got: list = []
+    t = threading.Thread(target=lambda: got.extend(st_.s._read_many(ops)), name="batch")
+    t.start()
+    assert held.wait(30)                              # the records are looked up, no byte read yet
+    st_.s.submit_delete(st_.tokens[ks[1]], ks[1])     # durability "none": slot 1 is free at once
+    st_.write(b"intruder")                            # ... and takes slot 1
+    assert st_.slots()[b"intruder"] == 1
+    go.set()
+    t.join(30)
+    by = {op.key: r for op, r in got}
+    assert len(got) == 3
+    assert by[ks[1]].error == "miss: superseded on disk"
+    assert by[ks[0]].ok and by[ks[2]].ok and bytes_ok(ops[0], ROW) and bytes_ok(ops[2], ROW)
+    assert st_.corrupt == []
 
 
 # ============================================================================ 4. faults
-def test_a_failing_run_read_sends_its_reads_one_by_one(tmp_path, monkeypatch):
+def test_a_failing_run_read_sends_its_reads_one_by_one(make_store, monkeypatch):
     ks = keys(5)
-    st_ = Store(tmp_path / "d", ks)
-    try:
-        ops = [st_.op(k) for k in ks[:4]]
-        log = PreadvLog(monkeypatch, fail=lambda off, bufs: len(bufs) > 1)   # only multi-block reads fail
-        got = answers(st_, ops)
-        assert all(got[op.key].ok and bytes_ok(op, ROW) for op in ops)
-        assert [n for _, n, _ in log.calls] == [4, 1, 1, 1, 1]
-        assert st_.errors == []
-    finally:
-        st_.close()
+    st_ = make_store(ks)
+    ops = [st_.op(k) for k in ks[:4]]
+    log = PreadvLog(monkeypatch, fail=lambda off, bufs: len(bufs) > 1)   # only multi-block reads fail
+    got = answers(st_, ops)
+    assert all(got[op.key].ok and bytes_ok(op, ROW) for op in ops)
+    assert [n for _, n, _ in log.calls] == [4, 1, 1, 1, 1]
+    assert st_.errors == []
 
 
-def test_an_unreadable_slot_fails_only_its_own_read(tmp_path, monkeypatch):
+def test_an_unreadable_slot_fails_only_its_own_read(make_store, monkeypatch):
     ks = keys(4)
-    st_ = Store(tmp_path / "d", ks)
-    try:
-        bad = slot_bytes_for(ROW) * 2
-        PreadvLog(monkeypatch, fail=lambda off, bufs: len(bufs) > 1 or off == bad)
-        ops = [st_.op(k) for k in ks]
-        got = answers(st_, ops)
-        assert [got[k].ok for k in ks] == [True, True, False, True]
-        assert got[ks[2]].error.startswith("miss: read failed")
-        assert st_.errors == ["io_error"]
-    finally:
-        st_.close()
+    st_ = make_store(ks)
+    bad = slot_bytes_for(ROW) * 2
+    PreadvLog(monkeypatch, fail=lambda off, bufs: len(bufs) > 1 or off == bad)
+    ops = [st_.op(k) for k in ks]
+    got = answers(st_, ops)
+    assert [got[k].ok for k in ks] == [True, True, False, True]
+    assert got[ks[2]].error.startswith("miss: read failed")
+    assert st_.errors == ["io_error"]
 
 
-def test_an_lmdb_error_in_the_batch_lookup_sends_the_reads_one_by_one(tmp_path, monkeypatch):
+def test_an_lmdb_error_in_the_batch_lookup_sends_the_reads_one_by_one(make_store, monkeypatch):
     ks = keys(3)
-    st_ = Store(tmp_path / "d", ks)
-    try:
-        real = st_.s._lookup
-        calls = []
+    st_ = make_store(ks)
+    real = st_.s._lookup
+    calls = []
 
-        def lookup(txn: Any, op: _Promote, t0: float) -> Any:
-            calls.append(op.key)
-            if len(calls) == 1:
-                raise lmdb.ReadonlyError("injected")
-            return real(txn, op, t0)
+    def lookup(txn: Any, op: _Promote, t0: float) -> Any:
+        calls.append(op.key)
+        if len(calls) == 1:
+            raise lmdb.ReadonlyError("injected")
+        return real(txn, op, t0)
 
-        monkeypatch.setattr(st_.s, "_lookup", lookup)
-        ops = [st_.op(k) for k in ks]
-        got = answers(st_, ops)
-        assert all(got[op.key].ok and bytes_ok(op, ROW) for op in ops)
-        assert calls == [ks[0]] + ks          # the batch gave up at once; each read looked itself up
-    finally:
-        st_.close()
+    monkeypatch.setattr(st_.s, "_lookup", lookup)
+    ops = [st_.op(k) for k in ks]
+    got = answers(st_, ops)
+    assert all(got[op.key].ok and bytes_ok(op, ROW) for op in ops)
+    assert calls == [ks[0]] + ks          # the batch gave up at once; each read looked itself up
 
 
 class Gate:
@@ -376,126 +363,111 @@ class Gate:
         monkeypatch.setattr(store, "_take_queued", take)
 
 
-def test_an_exception_inside_a_reader_answers_every_read_it_took_and_the_reader_goes_on(tmp_path, monkeypatch):
+def test_an_exception_inside_a_reader_answers_every_read_it_took_and_the_reader_goes_on(make_store, monkeypatch):
     ks = keys(6)
-    st_ = Store(tmp_path / "d", ks, num_readers=1)
-    try:
-        gate = Gate(st_.s, monkeypatch)
-        real_verify = st_.s._verify
+    st_ = make_store(ks, num_readers=1)
+    gate = Gate(st_.s, monkeypatch)
+    real_verify = st_.s._verify
 
-        def verify(op: _Promote, value: bytes, got: int, t0: float) -> Report:
-            if op.key == ks[3]:
-                raise RuntimeError("bug in the read path")
-            return real_verify(op, value, got, t0)
+    def verify(op: _Promote, value: bytes, got: int, t0: float) -> Report:
+        if op.key == ks[3]:
+            raise RuntimeError("bug in the read path")
+        return real_verify(op, value, got, t0)
 
-        monkeypatch.setattr(st_.s, "_verify", verify)
-        ops = [st_.op(k) for k in ks]
-        st_.s.submit_promote(ops[0].token, ops[0].key, ops[0].expect, ops[0].dst)
-        assert gate.entered.wait(30)
-        for op in ops[1:]:
-            st_.s.submit_promote(op.token, op.key, op.expect, op.dst)
-        gate.go.set()
-        got = {op.key: st_.answer(op.token) for op in ops}
-        assert gate.batches == [6]
-        # slots 0..5 form one run: the exception came while its reports were being made
-        assert [got[k].ok for k in ks] == [False] * 6
-        assert all("bug in the read path" in r.error for r in got.values())
-        assert all(r.error.startswith("miss: read failed") for r in got.values())
-        assert st_.errors == ["reader_error"]
-        assert st_.q.get(0.0) is None and not st_.early, "a read was answered twice"
-        monkeypatch.setattr(st_.s, "_verify", real_verify)
-        # the reader is alive; the failed reads' entries were removed (token-matched), the others serve
-        flushed = uuid.uuid4()
-        st_.s.submit_flush(flushed)
-        assert st_.answer(flushed).ok
-        assert st_.slots() == {}
-        st_.write(b"again")
-        op = st_.op(b"again")
+    monkeypatch.setattr(st_.s, "_verify", verify)
+    ops = [st_.op(k) for k in ks]
+    st_.s.submit_promote(ops[0].token, ops[0].key, ops[0].expect, ops[0].dst)
+    assert gate.entered.wait(30)
+    for op in ops[1:]:
         st_.s.submit_promote(op.token, op.key, op.expect, op.dst)
-        assert st_.answer(op.token).ok and bytes_ok(op, ROW)
-    finally:
-        st_.close()
+    gate.go.set()
+    got = {op.key: st_.answer(op.token) for op in ops}
+    assert gate.batches == [6]
+    # slots 0..5 form one run: the exception came while its reports were being made
+    assert [got[k].ok for k in ks] == [False] * 6
+    assert all("bug in the read path" in r.error for r in got.values())
+    assert all(r.error.startswith("miss: read failed") for r in got.values())
+    assert st_.errors == ["reader_error"]
+    assert st_.q.get(0.0) is None and not st_.early, "a read was answered twice"
+    monkeypatch.setattr(st_.s, "_verify", real_verify)
+    # the reader is alive; the failed reads' entries were removed (token-matched), the others serve
+    flushed = uuid.uuid4()
+    st_.s.submit_flush(flushed)
+    assert st_.answer(flushed).ok
+    assert st_.slots() == {}
+    st_.write(b"again")
+    op = st_.op(b"again")
+    st_.s.submit_promote(op.token, op.key, op.expect, op.dst)
+    assert st_.answer(op.token).ok and bytes_ok(op, ROW)
 
 
-def test_an_exception_after_some_runs_fails_only_the_reads_not_yet_answered(tmp_path, monkeypatch):
+def test_an_exception_after_some_runs_fails_only_the_reads_not_yet_answered(make_store, monkeypatch):
     ks = keys(6)
-    st_ = Store(tmp_path / "d", ks, num_readers=1, read_run_bytes=2 * ROW)
-    try:
-        gate = Gate(st_.s, monkeypatch)
-        real_verify = st_.s._verify
+    st_ = make_store(ks, num_readers=1, read_run_bytes=2 * ROW)
+    gate = Gate(st_.s, monkeypatch)
+    real_verify = st_.s._verify
 
-        def verify(op: _Promote, value: bytes, got: int, t0: float) -> Report:
-            if op.key == ks[4]:
-                raise RuntimeError("bug in the read path")
-            return real_verify(op, value, got, t0)
+    def verify(op: _Promote, value: bytes, got: int, t0: float) -> Report:
+        if op.key == ks[4]:
+            raise RuntimeError("bug in the read path")
+        return real_verify(op, value, got, t0)
 
-        monkeypatch.setattr(st_.s, "_verify", verify)
-        ops = [st_.op(k) for k in reversed(ks)]
-        for i, op in enumerate(ops):
-            st_.s.submit_promote(op.token, op.key, op.expect, op.dst)
-            if i == 0:
-                assert gate.entered.wait(30)
-        gate.go.set()
-        got = {op.key: st_.answer(op.token) for op in ops}
-        assert [got[k].ok for k in ks] == [True, True, True, True, False, False]   # runs 0-1, 2-3 went out
-        assert all(bytes_ok(op, ROW) for op in ops if got[op.key].ok)
-        assert st_.q.get(0.0) is None and not st_.early
-    finally:
-        st_.close()
+    monkeypatch.setattr(st_.s, "_verify", verify)
+    ops = [st_.op(k) for k in reversed(ks)]
+    for i, op in enumerate(ops):
+        st_.s.submit_promote(op.token, op.key, op.expect, op.dst)
+        if i == 0:
+            assert gate.entered.wait(30)
+    gate.go.set()
+    got = {op.key: st_.answer(op.token) for op in ops}
+    assert [got[k].ok for k in ks] == [True, True, True, True, False, False]   # runs 0-1, 2-3 went out
+    assert all(bytes_ok(op, ROW) for op in ops if got[op.key].ok)
+    assert st_.q.get(0.0) is None and not st_.early
 
 
 # ============================================================================ 5. the reader thread
-def test_take_queued_takes_at_most_a_bounded_number_of_reads(tmp_path):
-    st_ = Store(tmp_path / "d", [], read_batch_bytes=1 << 40)
-    try:
-        ops = [st_.op(b"k%d" % i) for i in range(disk_mod._READ_BATCH_MAX + 5)]
-        for op in ops[1:]:
-            st_.s._reads.put(op)
-        got, stop = st_.s._take_queued(ops[0])
-        assert got == ops[:disk_mod._READ_BATCH_MAX] and not stop
-        assert st_.s._reads.qsize() == 5
-    finally:
-        st_.close()
+def test_take_queued_takes_at_most_a_bounded_number_of_reads(make_store):
+    st_ = make_store([], read_batch_bytes=1 << 40)
+    ops = [st_.op(b"k%d" % i) for i in range(disk_mod._READ_BATCH_MAX + 5)]
+    for op in ops[1:]:
+        st_.s._reads.put(op)
+    got, stop = st_.s._take_queued(ops[0])
+    assert got == ops[:disk_mod._READ_BATCH_MAX] and not stop
+    assert st_.s._reads.qsize() == 5
 
 
-def test_take_queued_stops_at_the_batch_limit_and_at_a_stop_sentinel(tmp_path):
+def test_take_queued_stops_at_the_batch_limit_and_at_a_stop_sentinel(make_store):
     ks = keys(6)
-    st_ = Store(tmp_path / "d", ks, read_batch_bytes=3 * ROW)
-    try:
-        ops = [st_.op(k) for k in ks]
-        for op in ops[1:]:
-            st_.s._reads.put(op)
-        st_.s._reads.put(None)
-        got, stop = st_.s._take_queued(ops[0])
-        assert got == ops[:3] and not stop
-        got, stop = st_.s._take_queued(st_.s._reads.get_nowait())
-        assert got == ops[3:6] and not stop
-        first = st_.op(ks[0])
-        got, stop = st_.s._take_queued(first)
-        assert got == [first] and stop and st_.s._reads.empty()
-    finally:
-        st_.close()
+    st_ = make_store(ks, read_batch_bytes=3 * ROW)
+    ops = [st_.op(k) for k in ks]
+    for op in ops[1:]:
+        st_.s._reads.put(op)
+    st_.s._reads.put(None)
+    got, stop = st_.s._take_queued(ops[0])
+    assert got == ops[:3] and not stop
+    got, stop = st_.s._take_queued(st_.s._reads.get_nowait())
+    assert got == ops[3:6] and not stop
+    first = st_.op(ks[0])
+    got, stop = st_.s._take_queued(first)
+    assert got == [first] and stop and st_.s._reads.empty()
 
 
-def test_the_reader_thread_reads_a_queued_batch_in_file_order(tmp_path, monkeypatch):
+def test_the_reader_thread_reads_a_queued_batch_in_file_order(make_store, monkeypatch):
     ks = keys(8)
-    st_ = Store(tmp_path / "d", ks, num_readers=1)
-    try:
-        gate = Gate(st_.s, monkeypatch)
-        log = PreadvLog(monkeypatch)
-        order = [5, 0, 7, 2, 1, 6, 3]                       # slot 4 not read: two runs
-        ops = [st_.op(ks[i]) for i in order]
-        for i, op in enumerate(ops):
-            st_.s.submit_promote(op.token, op.key, op.expect, op.dst)
-            if i == 0:
-                assert gate.entered.wait(30)
-        gate.go.set()
-        got = {op.key: st_.answer(op.token) for op in ops}
-        assert gate.batches == [7]
-        assert [(off // ROW, n) for off, n, _ in log.calls] == [(0, 4), (5, 3)]
-        assert all(got[op.key].ok and bytes_ok(op, ROW) for op in ops)
-    finally:
-        st_.close()
+    st_ = make_store(ks, num_readers=1)
+    gate = Gate(st_.s, monkeypatch)
+    log = PreadvLog(monkeypatch)
+    order = [5, 0, 7, 2, 1, 6, 3]                       # slot 4 not read: two runs
+    ops = [st_.op(ks[i]) for i in order]
+    for i, op in enumerate(ops):
+        st_.s.submit_promote(op.token, op.key, op.expect, op.dst)
+        if i == 0:
+            assert gate.entered.wait(30)
+    gate.go.set()
+    got = {op.key: st_.answer(op.token) for op in ops}
+    assert gate.batches == [7]
+    assert [(off // ROW, n) for off, n, _ in log.calls] == [(0, 4), (5, 3)]
+    assert all(got[op.key].ok and bytes_ok(op, ROW) for op in ops)
 
 
 def test_close_with_reads_and_stop_sentinels_in_one_batch_answers_every_read(tmp_path, monkeypatch):
