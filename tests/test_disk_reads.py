@@ -363,24 +363,36 @@ class Gate:
         monkeypatch.setattr(store, "_take_queued", take)
 
 
+def submit_as_one_batch(st_: Store, gate: Gate, ops: list[_Promote], release: bool = True) -> None:
+    """Queue ``ops`` while the gate holds the reader after it took the first: it takes the rest at once."""
+    for i, op in enumerate(ops):
+        st_.s.submit_promote(op.token, op.key, op.expect, op.dst)
+        if i == 0:
+            assert gate.entered.wait(30)
+    if release:
+        gate.go.set()
+
+
+def break_verify(st_: Store, monkeypatch: pytest.MonkeyPatch, key: bytes) -> Any:
+    """Make the reader raise while verifying ``key``; returns the real ``_verify``."""
+    real = st_.s._verify
+
+    def verify(op: _Promote, value: bytes, got: int, t0: float) -> Report:
+        if op.key == key:
+            raise RuntimeError("bug in the read path")
+        return real(op, value, got, t0)
+
+    monkeypatch.setattr(st_.s, "_verify", verify)
+    return real
+
+
 def test_an_exception_inside_a_reader_answers_every_read_it_took_and_the_reader_goes_on(make_store, monkeypatch):
     ks = keys(6)
     st_ = make_store(ks, num_readers=1)
     gate = Gate(st_.s, monkeypatch)
-    real_verify = st_.s._verify
-
-    def verify(op: _Promote, value: bytes, got: int, t0: float) -> Report:
-        if op.key == ks[3]:
-            raise RuntimeError("bug in the read path")
-        return real_verify(op, value, got, t0)
-
-    monkeypatch.setattr(st_.s, "_verify", verify)
+    real_verify = break_verify(st_, monkeypatch, ks[3])
     ops = [st_.op(k) for k in ks]
-    st_.s.submit_promote(ops[0].token, ops[0].key, ops[0].expect, ops[0].dst)
-    assert gate.entered.wait(30)
-    for op in ops[1:]:
-        st_.s.submit_promote(op.token, op.key, op.expect, op.dst)
-    gate.go.set()
+    submit_as_one_batch(st_, gate, ops)
     got = {op.key: st_.answer(op.token) for op in ops}
     assert gate.batches == [6]
     # slots 0..5 form one run: the exception came while its reports were being made
@@ -405,20 +417,9 @@ def test_an_exception_after_some_runs_fails_only_the_reads_not_yet_answered(make
     ks = keys(6)
     st_ = make_store(ks, num_readers=1, read_run_bytes=2 * ROW)
     gate = Gate(st_.s, monkeypatch)
-    real_verify = st_.s._verify
-
-    def verify(op: _Promote, value: bytes, got: int, t0: float) -> Report:
-        if op.key == ks[4]:
-            raise RuntimeError("bug in the read path")
-        return real_verify(op, value, got, t0)
-
-    monkeypatch.setattr(st_.s, "_verify", verify)
+    break_verify(st_, monkeypatch, ks[4])
     ops = [st_.op(k) for k in reversed(ks)]
-    for i, op in enumerate(ops):
-        st_.s.submit_promote(op.token, op.key, op.expect, op.dst)
-        if i == 0:
-            assert gate.entered.wait(30)
-    gate.go.set()
+    submit_as_one_batch(st_, gate, ops)
     got = {op.key: st_.answer(op.token) for op in ops}
     assert [got[k].ok for k in ks] == [True, True, True, True, False, False]   # runs 0-1, 2-3 went out
     assert all(bytes_ok(op, ROW) for op in ops if got[op.key].ok)
@@ -459,11 +460,7 @@ def test_the_reader_thread_reads_a_queued_batch_in_file_order(make_store, monkey
     log = PreadvLog(monkeypatch)
     order = [5, 0, 7, 2, 1, 6, 3]                       # slot 4 not read: two runs
     ops = [st_.op(ks[i]) for i in order]
-    for i, op in enumerate(ops):
-        st_.s.submit_promote(op.token, op.key, op.expect, op.dst)
-        if i == 0:
-            assert gate.entered.wait(30)
-    gate.go.set()
+    submit_as_one_batch(st_, gate, ops)
     got = {op.key: st_.answer(op.token) for op in ops}
     assert gate.batches == [7]
     assert [(off // ROW, n) for off, n, _ in log.calls] == [(0, 4), (5, 3)]
@@ -477,10 +474,7 @@ def test_close_with_reads_and_stop_sentinels_in_one_batch_answers_every_read(tmp
     try:
         gate = Gate(st_.s, monkeypatch)
         ops = [st_.op(k) for k in ks]
-        for i, op in enumerate(ops):
-            st_.s.submit_promote(op.token, op.key, op.expect, op.dst)
-            if i == 0:
-                assert gate.entered.wait(30)
+        submit_as_one_batch(st_, gate, ops, release=False)
         closer = threading.Thread(target=st_.close)
         closer.start()
         deadline = time.monotonic() + 30
