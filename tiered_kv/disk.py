@@ -75,7 +75,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 import lmdb
 
@@ -115,7 +115,7 @@ class DiskOptions:
     num_readers: int = 2
     slots: int = 0             # slots in the data file (0: capacity_bytes // block_bytes)
     hash_offload_bytes: int = 1 << 20  # a batch with this many payload bytes is checksummed on a helper thread
-    read_batch_bytes: int = 64 << 20   # a reader takes queued reads up to this many bytes and reads them in file order
+    read_batch_bytes: int = 64 << 20   # a reader takes queued reads up to this many bytes (256 reads), in file order
     read_run_bytes: int = 4 << 20      # neighbouring slots read by one preadv, at most
 
 
@@ -1190,7 +1190,7 @@ class DiskStore:
             r.seconds = time.perf_counter() - since
         return r
 
-    def _lookup(self, txn: Any, op: _Promote, t0: float) -> Any:
+    def _lookup(self, txn: Any, op: _Promote, t0: float) -> Union[Report, tuple[bytes, EntryHeader]]:
         """Inside a read transaction: the read's answer (a Report), or its index record and header to read."""
         n = self.opts.block_bytes
         v = txn.get(lmdb_key(op.key))
