@@ -272,6 +272,8 @@ class DiskStore:
         self._cond = threading.Condition(threading.Lock())
         self._ops: collections.deque[Any] = collections.deque()
         self._spills_queued = 0
+        self._filling = False   # the writer holds a partial batch and sleeps until its deadline (under _cond)
+        self._fill = [0, 0]     # ... of this many ops and spill bytes
         self._cancelled: set[uuid.UUID] = set()
         self._unsettled: set[uuid.UUID] = set()  # spills queued and not yet committed, prevented or failed
         self._cancel_lock = threading.Lock()
@@ -487,7 +489,7 @@ class DiskStore:
             self._spills_queued += 1
             with self._cancel_lock:
                 self._unsettled.add(token)
-            self._cond.notify()
+            self._wake_writer(False)
         return True
 
     def cancel(self, token: uuid.UUID, key: bytes) -> None:
@@ -601,6 +603,16 @@ class DiskStore:
                     self._out.put(FlushDone(op.token, False, "disk writer is gone"))
                 return
             (self._ops.appendleft if front else self._ops.append)(op)
+            self._wake_writer(isinstance(op, _Flush))
+
+    def _wake_writer(self, urgent: bool) -> None:
+        """Under ``_cond``, after queueing an op: wake the writer if it waits for work, or if it is
+        filling a batch and this op completes one (or is a flush).  A writer filling a batch otherwise
+        sleeps on to the batch deadline: one wake-up per op (a thread switch and a GIL hand-off each,
+        on the engine's cores) bought nothing, since the batch would not leave before the deadline."""
+        o = self.opts
+        if not self._filling or urgent or self._fill[0] + len(self._ops) >= o.batch_blocks \
+                or self._fill[1] + self._spills_queued * o.block_bytes >= o.batch_bytes:
             self._cond.notify()
 
     def _take_batch(self) -> Optional[list[Any]]:
@@ -615,21 +627,26 @@ class DiskStore:
             batch: list[Any] = []
             nbytes = 0
             deadline = time.monotonic() + o.batch_seconds
-            while True:
-                while self._ops and len(batch) < o.batch_blocks and nbytes < o.batch_bytes:
-                    op = self._ops.popleft()
-                    if isinstance(op, _Spill):
-                        self._spills_queued -= 1
-                        nbytes += op.nbytes
-                    batch.append(op)
-                    if isinstance(op, _Flush):
+            self._filling = True
+            try:
+                while True:
+                    while self._ops and len(batch) < o.batch_blocks and nbytes < o.batch_bytes:
+                        op = self._ops.popleft()
+                        if isinstance(op, _Spill):
+                            self._spills_queued -= 1
+                            nbytes += op.nbytes
+                        batch.append(op)
+                        if isinstance(op, _Flush):
+                            return batch
+                    self._fill[0], self._fill[1] = len(batch), nbytes
+                    if len(batch) >= o.batch_blocks or nbytes >= o.batch_bytes or self._closed:
                         return batch
-                if len(batch) >= o.batch_blocks or nbytes >= o.batch_bytes or self._closed:
-                    return batch
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return batch
-                self._cond.wait(timeout=left)
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return batch
+                    self._cond.wait(timeout=left)
+            finally:
+                self._filling = False
 
     def _writer_main(self) -> None:
         try:
