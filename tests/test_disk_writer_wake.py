@@ -47,13 +47,19 @@ class Notifies:
         monkeypatch.setattr(store._cond, "notify", notify)
 
 
+def open_store(path: Path, batch_blocks: int = 4, batch_bytes: int = 4 * ROW) -> DiskStore:
+    """A store whose batches wait LONG for their deadline; its answers on ``store.q``."""
+    q = CompletionQueue()
+    s = DiskStore(DiskOptions(path=path, namespace=NS, block_bytes=ROW, capacity_bytes=64 * ROW,
+                              durability="none", batch_blocks=batch_blocks, batch_bytes=batch_bytes,
+                              batch_seconds=LONG, slots=64, num_readers=0), q)
+    s.q = q   # type: ignore[attr-defined]
+    return s
+
+
 @pytest.fixture
 def store(tmp_path: Path) -> Any:
-    q = CompletionQueue()
-    s = DiskStore(DiskOptions(path=tmp_path / "d", namespace=NS, block_bytes=ROW, capacity_bytes=64 * ROW,
-                              durability="none", batch_blocks=4, batch_bytes=4 * ROW, batch_seconds=LONG,
-                              slots=64, num_readers=0), q)
-    s.q = q   # type: ignore[attr-defined]
+    s = open_store(tmp_path / "d")
     yield s
     s.close()   # close() wakes the writer whatever it waits for
 
@@ -102,7 +108,7 @@ def test_ops_that_leave_the_batch_short_do_not_wake_a_filling_writer(store, monk
     filling(store, 1)
     n = Notifies(store, monkeypatch)
     store.submit_touch(b"a")
-    store.submit_touch(b"b")                  # 3 of 4: still short
+    store.submit_delete(uuid.uuid4(), b"zz")  # 3 of 4: still short
     assert n.count == 0
     with store._cond:
         assert len(store._ops) == 2 and store._fill[0] == 1   # queued; the writer sleeps on
@@ -122,11 +128,7 @@ def test_the_op_that_completes_a_batch_wakes_the_writer(store, monkeypatch):
 
 
 def test_a_batch_full_by_bytes_wakes_the_writer(tmp_path, monkeypatch):
-    q = CompletionQueue()
-    s = DiskStore(DiskOptions(path=tmp_path / "d", namespace=NS, block_bytes=ROW, capacity_bytes=64 * ROW,
-                              durability="none", batch_blocks=64, batch_bytes=2 * ROW, batch_seconds=LONG,
-                              slots=64, num_readers=0), q)
-    s.q = q   # type: ignore[attr-defined]
+    s = open_store(tmp_path / "d", batch_blocks=64, batch_bytes=2 * ROW)
     try:
         t1 = spill(s, b"a")
         filling(s, 1)
@@ -151,11 +153,8 @@ def test_a_flush_wakes_a_filling_writer(store, monkeypatch):
 
 
 def test_close_wakes_a_filling_writer_and_commits_what_it_held(tmp_path):
-    q = CompletionQueue()
-    s = DiskStore(DiskOptions(path=tmp_path / "d", namespace=NS, block_bytes=ROW, capacity_bytes=64 * ROW,
-                              durability="none", batch_blocks=4, batch_bytes=4 * ROW, batch_seconds=LONG,
-                              slots=64, num_readers=0), q)
-    s.q = q   # type: ignore[attr-defined]
+    s = open_store(tmp_path / "d")
+    q = s.q   # type: ignore[attr-defined]
     t1 = spill(s, b"a")
     filling(s, 1)
     closer = threading.Thread(target=s.close)
@@ -164,3 +163,4 @@ def test_close_wakes_a_filling_writer_and_commits_what_it_held(tmp_path):
     assert not closer.is_alive(), "close() waited for the batch deadline"
     r = q.get(1)
     assert r is not None and r.token == t1 and r.ok
+
