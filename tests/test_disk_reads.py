@@ -13,8 +13,9 @@ transaction and reads them sorted by slot, neighbouring slots by one
    reused between the batch's lookup and its read is a superseded miss;
 3. the batch answers exactly what single reads answer (hypothesis, against
    ``_read`` as the model);
-4. faults: a run's ``preadv`` failing sends its reads one by one; an LMDB
-   error in the batch lookup likewise; an exception inside the reader answers
+4. faults: a run's ``preadv`` failing sends its reads one by one (a lone
+   slot's failure is its answer, not read twice); an LMDB error in the batch
+   lookup sends them one by one too; an exception inside the reader answers
    every read it had taken (``error="reader_error"``) and the reader goes on;
 5. the reader thread really batches (forced with a gate before it takes the
    queue), and ``close()`` with reads and stop sentinels in one batch answers
@@ -320,6 +321,19 @@ def test_an_unreadable_slot_fails_only_its_own_read(make_store, monkeypatch):
     ops = [st_.op(k) for k in ks]
     got = answers(st_, ops)
     assert [got[k].ok for k in ks] == [True, True, False, True]
+    assert got[ks[2]].error.startswith("miss: read failed")
+    assert st_.errors == ["io_error"]
+
+
+def test_a_failing_read_of_a_lone_slot_is_reported_without_reading_it_again(make_store, monkeypatch):
+    ks = keys(4)
+    st_ = make_store(ks)
+    bad = slot_bytes_for(ROW) * 2
+    log = PreadvLog(monkeypatch, fail=lambda off, bufs: off == bad)
+    ops = [st_.op(ks[0]), st_.op(ks[2])]              # two runs of one slot each
+    got = answers(st_, ops)
+    assert [off for off, _, _ in log.calls] == [0, bad]   # one attempt each
+    assert got[ks[0]].ok and bytes_ok(ops[0], ROW)
     assert got[ks[2]].error.startswith("miss: read failed")
     assert st_.errors == ["io_error"]
 

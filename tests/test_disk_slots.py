@@ -180,14 +180,13 @@ class ReaderHold:
 def record_reads(disk: DiskStore) -> list:
     """Every Report a reader thread produces (the manager discards a cancelled promote's report)."""
     got: list = []
-    orig = disk._read
+    orig = disk._answer
 
-    def read(op):
-        r = orig(op)
+    def answer(op, r):
         got.append(r)
-        return r
+        orig(op, r)
 
-    disk._read = read  # type: ignore[method-assign]
+    disk._answer = answer  # type: ignore[method-assign]
     return got
 
 
