@@ -775,8 +775,8 @@ class TierManager(TierViews):
             raise InvalidKeyError(f"key must be bytes, got {type(key).__name__}: {key!r:.80}")
         if not key:
             raise InvalidKeyError("key must not be empty: b''")
-        if len(key) > self.config.max_key_bytes:
-            raise InvalidKeyError(f"key of {len(key)} bytes exceeds max_key_bytes={self.config.max_key_bytes}: {key!r:.80}")
+        if len(key) > self._max_key_bytes:   # the same bound store()'s inline check uses
+            raise InvalidKeyError(f"key of {len(key)} bytes exceeds max_key_bytes={self._max_key_bytes}: {key!r:.80}")
         return key
 
     def _check_block(self, block: Any) -> int:
