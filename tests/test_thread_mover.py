@@ -82,3 +82,24 @@ def test_an_injected_copy_function_replaces_the_memmove():
         assert r.ok and calls == [1] and torch.equal(host[0], dev[1])
     finally:
         m.close()
+
+
+def test_help_one_leaves_a_stop_sentinel_to_the_workers_and_copies_nothing_once_closed():
+    """help_one() runs on the owner thread; the two guards it has for close() are pinned here:
+    a worker's stop sentinel it finds goes back to the queue (a worker must still find it), and a
+    closed mover's help_one() takes nothing, however much is queued."""
+    dev = torch.arange(4 * 64, dtype=torch.int64).remainder(251).to(torch.uint8).view(4, 64)
+    host = torch.zeros((4, 64), dtype=torch.uint8)
+    q = CompletionQueue()
+    m = ThreadMover(dev, host, q, num_workers=0)       # no worker: the queue holds what is put in it
+    m._q.put(None)
+    assert m.help_one() is False
+    assert m._q.get_nowait() is None and m._q.empty()
+    t = Transfer(uuid.uuid4(), JobKind.STORE, 1, 1)
+    m.submit(t)
+    assert m.help_one() is True and m.helped == 1
+    (r,) = _reports(q, 1)
+    assert r.ok and r.token == t.token and torch.equal(host[1], dev[1])
+    m.close()
+    m.submit(Transfer(uuid.uuid4(), JobKind.STORE, 2, 2))
+    assert m.help_one() is False and m.helped == 1 and not torch.equal(host[2], dev[2])
