@@ -186,3 +186,16 @@ def test_ab_lifecycles_script_compares_a_revision_with_the_working_tree() -> Non
     assert out.returncode == 0, out.stderr
     lines = [ln for ln in out.stdout.splitlines() if "poll every" in ln]
     assert len(lines) == 4 and all("paired saving" in ln for ln in lines), out.stdout
+
+
+def test_ab_lone_read_script_reads_through_both_paths() -> None:
+    """benchmarks/ab_lone_read.py: a lone read through _read and through _read_many, every read ok."""
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "ab_lone_read.py"), "--repeats", "2", "--keys",
+                          "4", "--rounds", "2", "--blocks", "4096,5000"], capture_output=True, text=True, timeout=120,
+                         cwd=root)
+    assert out.returncode == 0, out.stderr
+    lines = [ln for ln in out.stdout.splitlines() if "_read_many([op])" in ln and " B: " in ln]
+    assert len(lines) == 2, out.stdout
