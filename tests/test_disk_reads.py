@@ -391,10 +391,10 @@ def break_verify(st_: Store, monkeypatch: pytest.MonkeyPatch, key: bytes) -> Any
     """Make the reader raise while verifying ``key``; returns the real ``_verify``."""
     real = st_.s._verify
 
-    def verify(op: _Promote, value: bytes, got: int, t0: float) -> Report:
+    def verify(op: _Promote, value: bytes, got: int, t0: float, h: Any) -> Report:
         if op.key == key:
             raise RuntimeError("bug in the read path")
-        return real(op, value, got, t0)
+        return real(op, value, got, t0, h)
 
     monkeypatch.setattr(st_.s, "_verify", verify)
     return real

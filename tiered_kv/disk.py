@@ -1199,8 +1199,8 @@ class DiskStore:
                     continue
             # the run's reports leave together: the owner wakes once per run, not once per block
             answers = []
-            for k, (_, op, value, _) in enumerate(run):
-                answers.append((op, self._verify(op, value, max(0, min(n, got - k * sb)), t_last)))
+            for k, (_, op, value, h) in enumerate(run):
+                answers.append((op, self._verify(op, value, max(0, min(n, got - k * sb)), t_last, h)))
                 t_last = time.perf_counter()
             yield from answers
 
@@ -1225,11 +1225,12 @@ class DiskStore:
             return Report(op.token, JobKind.PROMOTE, False, "miss: superseded on disk", copied=False)
         return bytes(v), h   # the index record (small); the payload is read outside the txn
 
-    def _verify(self, op: _Promote, value: bytes, got: int, t0: float) -> Report:
-        """The answer for a slot read of ``got`` bytes into ``op.dst``, checked against its index record."""
+    def _verify(self, op: _Promote, value: bytes, got: int, t0: float, h: EntryHeader) -> Report:
+        """The answer for a slot read of ``got`` bytes into ``op.dst``, checked against its index record
+        (``h``: the record's header, parsed by the lookup)."""
         n = self.opts.block_bytes
         try:
-            verify_entry(value, self._ns, op.key, n, op.dst if got == n else op.dst[:got])
+            verify_entry(value, self._ns, op.key, n, op.dst if got == n else op.dst[:got], h)
         except CorruptEntry as exc:
             try:
                 changed = self._index_changed(lmdb_key(op.key), value)
@@ -1263,7 +1264,7 @@ class DiskStore:
             got = os.preadv(self._sfd, [op.dst], h.slot * self._slot_bytes) if h.length == n else 0
         except (lmdb.Error, OSError) as exc:
             return self._read_failed(op, exc)
-        return self._verify(op, value, got, t0)
+        return self._verify(op, value, got, t0, h)
 
     def _read_failed(self, op: _Promote, exc: BaseException) -> Report:
         """An LMDB or I/O error reading ``op``: counted and logged (once per kind), a miss."""
