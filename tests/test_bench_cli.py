@@ -66,6 +66,20 @@ def test_every_promote_load_is_a_promote(smoke: dict[str, Any]) -> None:
         assert p["tkv_misses"] == 0 and p["tkv_failed"] == 0
 
 
+def test_evicting_runs_alternate_and_report_each_pair(smoke: dict[str, Any]) -> None:
+    e = _strict_load(smoke["json"])["sections"]["disk"]["evicting"]
+    assert e["repeats"] == 2 and len(e["tkv_runs"]) == 2 and len(e["raw_circular"]["runs"]) == 2
+    pairs = e["ratios"]["tkv_steady_vs_raw_circular_runs"]
+    assert len(pairs) == 2 and all(p > 0 for p in pairs)
+    # the file size figures are the worst run's, never a better one's
+    assert e["tkv"]["file_vs_capacity_peak"] == max(r["file_vs_capacity_peak"] for r in e["tkv_runs"])
+    assert e["tkv"]["file_vs_capacity_end"] == max(r["file_vs_capacity_end"] for r in e["tkv_runs"])
+    # the detailed run is one of the runs (the lower median of two)
+    steady = sorted(r["steady_gbps_median"] for r in e["tkv_runs"])
+    assert e["tkv"]["steady_gbps_median"] == steady[0]
+    assert all(r["spills_shed"] == 0 for r in e["tkv_runs"])
+
+
 def test_machine_facts(smoke: dict[str, Any]) -> None:
     m = _strict_load(smoke["json"])["machine"]
     assert m["cores"] >= 1
