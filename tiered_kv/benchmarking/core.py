@@ -668,13 +668,22 @@ def bench_store_latency(quick: Union[bool, str] = False, seed: int = 0, row_byte
             ok_, none_, poll_, st_, po_ = quiet[name]
             gc.collect()
             _latency_loop(st_, po_, keys, 2 * n_rows + seg * seg_n, n_rows, per_step, 0.0, ok_, none_, poll_)
-    # the control: no copies anywhere, but the same idle step between bursts (a cold cache, no copy traffic)
-    idle: dict[str, dict[str, list[int]]] = {k: {"all": [], "first": []} for k in ("tkv", "base")}
+    def noop(k: bytes, b: int) -> None:
+        return None
+
+    def noop_poll() -> None:
+        return None
+
+    # the control: no copies anywhere, but the same idle step between bursts (a cold cache, no copy traffic);
+    # "noop": a call that does nothing, timed the same way -- what the pause alone costs a step's first call
+    idle: dict[str, dict[str, list[int]]] = {k: {"all": [], "first": []} for k in ("tkv", "base", "noop")}
+    quiet_fns = {"tkv": (mgr_q.store, mgr_q.poll), "base": (base_q.store, base_q.poll), "noop": (noop, noop_poll)}
     idle_n = max(per_step, min(seg_n, 64 * per_step))
     for seg in range(segments):
         keys = _keys(rng, idle_n)
-        for name in (("tkv", "base") if seg % 2 == 0 else ("base", "tkv")):
-            _, _, _, st_, po_ = quiet[name]
+        order = ("tkv", "base", "noop")
+        for name in order[seg % 3:] + order[:seg % 3]:
+            st_, po_ = quiet_fns[name]
             gc.collect()
             _latency_loop(st_, po_, keys, seg * idle_n, n_rows, per_step, step_s, idle[name]["all"],
                           idle[name]["all"], [], idle[name]["first"])
@@ -682,9 +691,6 @@ def bench_store_latency(quick: Union[bool, str] = False, seed: int = 0, row_byte
     # the floor: two clock reads around a no-op call with the same arguments
     floor: list[int] = []
     clock = time.perf_counter_ns
-
-    def noop(k: bytes, b: int) -> None:
-        return None
 
     for i in range(20000):
         t0 = clock()
@@ -740,6 +746,7 @@ def bench_store_latency(quick: Union[bool, str] = False, seed: int = 0, row_byte
             "tiered_kv_first_of_step": summarize(us(idle["tkv"]["first"]), "us/call"),
             "baseline_store": summarize(us(idle["base"]["all"]), "us/call"),
             "baseline_first_of_step": summarize(us(idle["base"]["first"]), "us/call"),
+            "noop_first_of_step": summarize(us(idle["noop"]["first"]), "us/call"),
         },
         "ratio_p50_tiered_kv_over_baseline": _ratio(st["median"], sb["median"]),
         "ratio_p99_tiered_kv_over_baseline": _ratio(st["p99"], sb["p99"]),
@@ -1134,6 +1141,7 @@ def _fmt_store_latency(sl: dict[str, Any]) -> list[str]:
             row("idle step, no copies: tkv all", idle.get("tiered_kv_store")),
             row("idle step, no copies: base 1st", idle.get("baseline_first_of_step")),
             row("idle step, no copies: base all", idle.get("baseline_store")),
+            row("idle step: no-op call, 1st", idle.get("noop_first_of_step")),
         ]
     lines += [
         f"   copies requested: tiered_kv {tk['copy_gb_per_s_requested'] or 0:.2f} GB/s, baseline "

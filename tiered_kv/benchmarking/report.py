@@ -29,6 +29,15 @@ _ISSUE2 = "issue 2 section 8"
 _ISSUE3 = "issue 3 section 9"
 
 
+def _pause_floor(sl: dict[str, Any]) -> str:
+    """The store() note's tail: what the step's pause alone costs a first call (a no-op's)."""
+    f = (sl.get("note_idle_step_no_copy") or {}).get("noop_first_of_step")
+    if not f or not f.get("n"):
+        return ""
+    return (f"; a no-op call, first after the same {sl['engine_step_sleep_s'] * 1e3:g} ms pause: "
+            f"p50 {f['median']:.1f} / p99 {f['p99']:.1f} us")
+
+
 def _evict_runs(e: dict[str, Any]) -> str:
     """", median of N runs (pairs a-b)" for a repeated full-and-evicting section; "" for one run."""
     pairs = [x for x in (e.get("ratios") or {}).get("tkv_steady_vs_raw_circular_runs") or [] if x is not None]
@@ -111,7 +120,8 @@ def _core_figures(c: dict[str, Any]) -> list[dict[str, Any]]:
             t["p99"], b["p99"], "the unsafe original's store() feeding its own ThreadMover, same rows and pacing",
             "dict original", better="lower", target_on="value", op="<=", threshold=_core.TARGET_STORE_P99_US,
             stats={"value": t, "baseline": b}, source=_ISSUE2,
-            note=f"p50 {t['median']:.1f} / max {t['max']:.0f} us; with no copies running p99 {q['p99']:.1f} us"))
+            note=f"p50 {t['median']:.1f} / max {t['max']:.0f} us; with no copies running p99 {q['p99']:.1f} us"
+                 + _pause_floor(sl)))
     h = c.get("host_throughput")
     if h:
         for s in h["sizes"]:
