@@ -18,6 +18,7 @@ reports in ``poll()``.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import queue
@@ -96,7 +97,10 @@ class Mover(Protocol):
     A mover may also define ``help_one() -> bool``: run one queued transfer on
     the calling (owner) thread and answer it like any other, False when none
     is queued.  The manager calls it while it blocks in ``wait()``/``flush()``/
-    ``close()`` (see :meth:`ThreadMover.help_one`).
+    ``close()`` (see :meth:`ThreadMover.help_one`).  With it, ``hold(on)``:
+    while on, transfers submitted are left for ``help_one`` (no worker is
+    woken); off, the ones left go to the workers.  The manager turns it on for
+    as long as it blocks, and off in a ``finally``.
     """
 
     polled: bool  # True when reports appear only through harvest()
@@ -151,6 +155,8 @@ class ThreadMover:
         self._on_death = on_worker_death
         self._closed = False
         self.helped = 0  # transfers run by the owner in help_one()
+        self._holding = False
+        self._held: collections.deque[Transfer] = collections.deque()   # owner thread only, see hold()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         for _ in range(num_workers):
@@ -163,13 +169,26 @@ class ThreadMover:
         t.start()
 
     def submit(self, t: Transfer) -> None:
-        self._q.put(t)
+        if self._holding:
+            self._held.append(t)
+        else:
+            self._q.put(t)
+
+    def hold(self, on: bool) -> None:
+        """Owner thread only.  While on, transfers submitted stay with the owner for :meth:`help_one`
+        instead of waking a worker; turning it off hands what is left to the workers."""
+        self._holding = on
+        if not on and self._held:
+            held, self._held = self._held, collections.deque()
+            for t in held:
+                self._q.put(t)
 
     def harvest(self) -> None:
         return None
 
     def help_one(self) -> bool:
-        """Run one queued transfer on the calling thread; False when none is queued.
+        """Run one transfer on the calling thread, a held one (see :meth:`hold`) before one queued for the
+        workers; False when there is none.
 
         The owner calls it while it blocks in ``wait()``: instead of sleeping
         until a worker wakes up for the copy (and then waking up itself for the
@@ -180,10 +199,13 @@ class ThreadMover:
         """
         if self._closed:
             return False
-        try:
-            t = self._q.get_nowait()
-        except queue.Empty:
-            return False
+        if self._held:
+            t: Optional[Transfer] = self._held.popleft()
+        else:
+            try:
+                t = self._q.get_nowait()
+            except queue.Empty:
+                return False
         if t is None:  # a worker's stop sentinel: close() is under way, leave it to the workers
             self._q.put(None)
             return False
