@@ -9,7 +9,10 @@ changes what it does next:
    (touches, a spill short of ``batch_blocks``), so it sleeps on to the
    deadline instead of switching in once per op;
 3. it is woken by the op that completes the batch (by count or by bytes) and
-   by a flush, which therefore never wait for the deadline.
+   by a flush, which therefore never wait for the deadline;
+4. a recency touch wakes no one, not even a writer waiting for work: it
+   leaves with the next op's batch, or the writer finds it on its idle
+   wake-up (``_IDLE_WAKE_S``).
 
 The deadline is set to minutes, so a missing wake-up shows as a test that does
 not finish (bounded waits of 30 s), not as a timing.  Ordering is observed
@@ -26,6 +29,7 @@ from typing import Any
 
 import pytest
 
+import tiered_kv.disk as disk_mod
 from disk_helpers import NS, ROW, content
 from tiered_kv.disk import DiskOptions, DiskStore, FlushDone
 from tiered_kv.movers import CompletionQueue
@@ -164,3 +168,33 @@ def test_close_wakes_a_filling_writer_and_commits_what_it_held(tmp_path):
     r = q.get(1)
     assert r is not None and r.token == t1 and r.ok
 
+
+
+def test_a_touch_does_not_wake_a_writer_waiting_for_work_the_next_op_takes_it_along(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_mod, "_IDLE_WAKE_S", LONG)   # no idle wake-up within the test
+    s = open_store(tmp_path / "d")
+    try:
+        wait_until(lambda: not s._filling and not s._ops, "writer never idle", s)
+        n = Notifies(s, monkeypatch)
+        s.submit_touch(b"a")
+        assert n.count == 0
+        with s._cond:
+            assert len(s._ops) == 1 and not s._filling   # queued; the writer sleeps on
+        spill(s, b"b")
+        assert n.count == 1
+        filling(s, 2)                                    # the touch left with the spill's batch
+    finally:
+        s.close()
+
+
+def test_an_idle_writer_finds_a_queued_touch_on_its_idle_wake_up(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_mod, "_IDLE_WAKE_S", 0.01)
+    s = open_store(tmp_path / "d")
+    try:
+        wait_until(lambda: not s._filling and not s._ops, "writer never idle", s)
+        n = Notifies(s, monkeypatch)
+        s.submit_touch(b"a")
+        filling(s, 1)                                    # taken without being woken
+        assert n.count == 0
+    finally:
+        s.close()
