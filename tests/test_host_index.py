@@ -229,6 +229,24 @@ def test_eviction_counter_and_callback_count_only_evictions():
     assert ix.evictions == 8 and len(seen) == 8
 
 
+@pytest.mark.parametrize("callback", [False, True])
+def test_an_evicted_entry_leaves_the_index_as_remove_would_with_or_without_a_callback(callback):
+    """Without an on_evict callback (the manager's host tier) eviction takes a written-out fast path."""
+    seen: list = []
+    ix = HostIndex(2, on_evict=seen.append if callback else None)
+    a, b = ready_entry(ix, b"a"), ready_entry(ix, b"b")
+    slot_a = a.slot
+    c = ix.reserve(b"c", tok())
+    assert c is not None and c.slot == slot_a
+    assert not a.live and a.slot == -1 and b"a" not in ix and ix.get(b"a") is None
+    assert ix.evictions == 1 and ix.used_slots == 2 and len(ix) == 2
+    assert ix.coldest(5) == [b]                  # c is still writing: not evictable
+    assert seen == ([a] if callback else [])
+    ix.remove(a)                                 # a stale reference: harmless, nothing freed twice
+    assert ix.used_slots == 2 and ix.reserve(b"d", tok()) is not None and ix.used_slots == 2
+    assert b"b" not in ix and ix.reserve(b"e", tok()) is None   # c and d write: nothing to evict
+
+
 def test_used_slots_never_exceed_capacity_under_churn():
     import random
     rng = random.Random(5)

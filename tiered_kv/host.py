@@ -104,12 +104,14 @@ class HostIndex:
 
     def reserve(self, key: bytes, writer: uuid.UUID, protect: Collection[bytes] = ()) -> Optional[HostEntry]:
         """A new WRITING entry for ``key`` in a free or evicted slot; None when full of leased slots."""
-        if key in self._entries:
+        entries = self._entries
+        if key in entries:
             raise AssertionError(f"reserve of present key {key!r}")  # internal bug: callers check first
-        if not self._free and not self._evict_one(protect, key):
+        free = self._free
+        if not free and not self._evict_one(protect, key):
             return None
-        entry = HostEntry(key, self._free.pop(), writer)
-        self._entries[key] = entry
+        entry = HostEntry(key, free.pop(), writer)
+        entries[key] = entry
         return entry
 
     def publish(self, entry: HostEntry) -> bool:
@@ -167,12 +169,21 @@ class HostIndex:
             entry.slot = -1
 
     def _evict_one(self, protect: Collection[bytes], key: bytes) -> bool:
-        for k, entry in self._lru.items():
+        lru = self._lru
+        for k, entry in lru.items():
             if k == key or k in protect:
                 continue
             if self._on_evict is not None:
                 self._on_evict(entry)
-            self.remove(entry)
+                self.remove(entry)
+            else:
+                # remove() written out: the LRU holds live READY entries with no reader and no writer,
+                # so the slot is free at once (a full tier evicts once per store: the engine's path)
+                entry.live = False
+                del self._entries[k]
+                del lru[k]
+                self._free.append(entry.slot)
+                entry.slot = -1
             self.evictions += 1
             return True
         return False
