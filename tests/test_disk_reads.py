@@ -50,9 +50,14 @@ from tiered_kv.movers import CompletionQueue, Report
 
 
 class Store:
-    """A DiskStore on ``path`` (``num_readers`` reader threads, 0 by default) holding ``ks`` in slots 0.."""
+    """A DiskStore on ``path`` (``num_readers`` reader threads, 0 by default) holding ``ks`` in slots 0..
 
-    def __init__(self, path: Path, ks: list[bytes], *, block: int = ROW, num_readers: int = 0, **opts: Any) -> None:
+    ``read_first_run_slots`` is 0 here unless a test asks: the run layouts below are written for runs
+    that all merge up to ``read_run_bytes``; the short first run of the default has tests of its own.
+    """
+
+    def __init__(self, path: Path, ks: list[bytes], *, block: int = ROW, num_readers: int = 0,
+                 read_first_run_slots: int = 0, **opts: Any) -> None:
         self.block = block
         self.q = CompletionQueue()
         self.errors: list[str] = []
@@ -60,7 +65,8 @@ class Store:
         slots = max(8, 2 * len(ks) + 4)
         self.s = DiskStore(DiskOptions(path=path, namespace=NS, block_bytes=block, capacity_bytes=slots * block,
                                        durability="none", batch_blocks=1, batch_bytes=block, batch_seconds=0.0,
-                                       slots=slots, num_readers=num_readers, **opts),
+                                       slots=slots, num_readers=num_readers,
+                                       read_first_run_slots=read_first_run_slots, **opts),
                            self.q, on_error=lambda kind, msg: self.errors.append(kind),
                            on_corrupt=self.corrupt.append)
         self.tokens: dict[bytes, uuid.UUID] = {}
@@ -175,6 +181,23 @@ def test_batch_reads_in_file_order_one_preadv_per_run(make_store, monkeypatch):
     assert all(s >= 0 for s in secs) and 0 < sum(secs) <= wall   # the batch's time, shared, not multiplied
 
 
+@pytest.mark.parametrize("first, layout", [(DiskOptions.read_first_run_slots, [(1, 1), (2, 3), (7, 3)]),
+                                           (2, [(1, 2), (3, 2), (7, 3)]), (0, [(1, 4), (7, 3)])])
+def test_the_first_run_of_a_batch_is_short_then_runs_merge_as_before(make_store, monkeypatch, first, layout):
+    """The default reads the batch's first slot alone: the kernel serves a first request at a new offset
+    without readahead; the next, sequential one opens the readahead window."""
+    assert DiskOptions.read_first_run_slots == 1
+    ks = keys(12)
+    st_ = make_store(ks, read_first_run_slots=first)
+    want = [ks[9], ks[2], ks[3], ks[1], ks[7], ks[8], ks[4]]     # slots 1-4 and 7-9, shuffled
+    ops = [st_.op(k) for k in want]
+    log = PreadvLog(monkeypatch)
+    got = answers(st_, ops)
+    sb = slot_bytes_for(ROW)
+    assert [(off // sb, nbuf) for off, nbuf, _ in log.calls] == layout
+    assert all(got[op.key].ok and bytes_ok(op, ROW) for op in ops)
+
+
 def test_runs_are_capped_by_read_run_bytes(make_store, monkeypatch):
     ks = keys(6)
     st_ = make_store(ks, read_run_bytes=2 * ROW)
@@ -243,7 +266,8 @@ def test_a_batch_answers_what_single_reads_answer(tmp_path_factory, data):
     n = data.draw(st.integers(2, 10), label="keys")
     ks = keys(n)
     st_ = Store(tmp_path_factory.mktemp("d"), ks, block=block,
-                read_run_bytes=data.draw(st.sampled_from([1, 2, 3, 64]), label="run_blocks") * block)
+                read_run_bytes=data.draw(st.sampled_from([1, 2, 3, 64]), label="run_blocks") * block,
+                read_first_run_slots=data.draw(st.sampled_from([0, 1, 2]), label="first_run_slots"))
     try:
         picked = data.draw(st.lists(st.sampled_from(ks + [b"absent"]), min_size=2, max_size=12), label="reads")
         damage = data.draw(st.dictionaries(st.sampled_from(ks), st.sampled_from(["flip", "stale"]), max_size=3),

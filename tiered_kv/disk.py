@@ -118,6 +118,7 @@ class DiskOptions:
     hash_offload_bytes: int = 1 << 20  # a batch with this many payload bytes is checksummed on a helper thread
     read_batch_bytes: int = 64 << 20   # a reader takes queued reads up to this many bytes (256 reads), in file order
     read_run_bytes: int = 4 << 20      # neighbouring slots read by one preadv, at most
+    read_first_run_slots: int = 1      # a batch's first run, in slots (0: as long as any run); see _read_many
 
 
 @dataclass(frozen=True)
@@ -1179,10 +1180,16 @@ class DiskStore:
         todo.sort(key=lambda x: x[0])
         pad = memoryview(bytearray(sb - n)) if sb > n else None
         most = max(1, min(1024 // 2, self.opts.read_run_bytes // sb))
+        # The batch's first run is short (one slot by default).  The kernel serves a first request at a
+        # new offset as a standalone read (what was asked, no readahead); only the request after it,
+        # found sequential, opens the readahead window.  A short first read returns soonest and gets
+        # that second request out (cold promote, 8 alternated pairs per round: 256 KiB +13/+20/+28%
+        # GB/s in three rounds, 2 MiB +9/+17% in two).
+        first = min(most, self.opts.read_first_run_slots) or most
         runs: list[list[tuple[int, _Promote, bytes, EntryHeader]]] = []
         for x in todo:
             last = runs[-1] if runs else None
-            if (last is not None and len(last) < most and x[0] == last[-1][0] + 1
+            if (last is not None and len(last) < (first if len(runs) == 1 else most) and x[0] == last[-1][0] + 1
                     and x[3].length == n and last[0][3].length == n):
                 last.append(x)
             else:
