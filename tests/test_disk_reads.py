@@ -6,7 +6,8 @@ transaction and reads them sorted by slot, neighbouring slots by one
 ``preadv`` (``_read_many``).  Checked here:
 
 1. file order and one ``preadv`` per run of neighbouring slots (capped by
-   ``read_run_bytes``), padding between slots when a block is not a whole
+   ``read_run_bytes``; a batch's first run by ``read_first_run_slots``, one
+   slot by default), padding between slots when a block is not a whole
    number of pages; every read answered once with its own bytes;
 2. each read of a batch keeps its own outcome: absent, superseded, corrupt,
    short (a truncated slot file) next to good reads in the same run; a slot
