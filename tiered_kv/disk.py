@@ -1184,7 +1184,8 @@ class DiskStore:
         # new offset as a standalone read (what was asked, no readahead); only the request after it,
         # found sequential, opens the readahead window.  A short first read returns soonest and gets
         # that second request out (cold promote, 8 alternated pairs per round: 256 KiB +13/+20/+28%
-        # GB/s in three rounds, 2 MiB +9/+17% in two).
+        # GB/s in three rounds, 2 MiB +9/+17% in two).  The price, once per batch: when the first
+        # stretch of neighbouring slots is short, that window reads up to ~4x a small request past it.
         first = min(most, self.opts.read_first_run_slots) or most
         runs: list[list[tuple[int, _Promote, bytes, EntryHeader]]] = []
         for x in todo:
