@@ -231,9 +231,10 @@ def test_eviction_counter_and_callback_count_only_evictions():
 
 @pytest.mark.parametrize("callback", [False, True])
 def test_an_evicted_entry_leaves_the_index_as_remove_would_with_or_without_a_callback(callback):
-    """Without an on_evict callback (the manager's host tier) eviction takes a written-out fast path."""
+    """Eviction removes the entry without remove() (a written-out path, with or without a callback);
+    the callback sees the entry while it is still in the index."""
     seen: list = []
-    ix = HostIndex(2, on_evict=seen.append if callback else None)
+    ix = HostIndex(2, on_evict=(lambda e: seen.append((e, e.live, ix.get(e.key) is e))) if callback else None)
     a, b = ready_entry(ix, b"a"), ready_entry(ix, b"b")
     slot_a = a.slot
     c = ix.reserve(b"c", tok())
@@ -241,7 +242,7 @@ def test_an_evicted_entry_leaves_the_index_as_remove_would_with_or_without_a_cal
     assert not a.live and a.slot == -1 and b"a" not in ix and ix.get(b"a") is None
     assert ix.evictions == 1 and ix.used_slots == 2 and len(ix) == 2
     assert ix.coldest(5) == [b]                  # c is still writing: not evictable
-    assert seen == ([a] if callback else [])
+    assert seen == ([(a, True, True)] if callback else [])
     ix.remove(a)                                 # a stale reference: harmless, nothing freed twice
     assert ix.used_slots == 2 and ix.reserve(b"d", tok()) is not None and ix.used_slots == 2
     assert b"b" not in ix and ix.reserve(b"e", tok()) is None   # c and d write: nothing to evict

@@ -50,7 +50,11 @@ class HostEntry:
 
 
 class HostIndex:
-    """Key -> slot map of the host slab with leases and LRU eviction."""
+    """Key -> slot map of the host slab with leases and LRU eviction.
+
+    ``on_evict(entry)`` is called before an evicted entry leaves the index; it must not change this
+    index (the owners' callbacks queue a disk delete or note the key).
+    """
 
     def __init__(self, num_slots: int, on_evict: Optional[Callable[[HostEntry], None]] = None) -> None:
         if num_slots < 1:
@@ -175,15 +179,13 @@ class HostIndex:
                 continue
             if self._on_evict is not None:
                 self._on_evict(entry)
-                self.remove(entry)
-            else:
-                # remove() written out: the LRU holds live READY entries with no reader and no writer,
-                # so the slot is free at once (a full tier evicts once per store: the engine's path)
-                entry.live = False
-                del self._entries[k]
-                del lru[k]
-                self._free.append(entry.slot)
-                entry.slot = -1
+            # remove() written out: the LRU holds live READY entries with no reader and no writer, so
+            # the slot is free at once (a full tier evicts once per store: the engine's path)
+            entry.live = False
+            del self._entries[k]
+            del lru[k]
+            self._free.append(entry.slot)
+            entry.slot = -1
             self.evictions += 1
             return True
         return False
