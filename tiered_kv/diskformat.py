@@ -36,6 +36,8 @@ from typing import NamedTuple, Optional, Union
 
 import xxhash
 
+from .jobs import uuid_from_int
+
 __all__ = ["FORMAT_VERSION", "HEADER_SIZE", "HEADER_STRUCT", "EntryHeader", "pack_header", "pack_slot_entry",
            "parse_header", "verify_entry", "lmdb_key", "CorruptEntry", "FLAG_SLOT", "SLOTS_NAME", "slot_bytes_for",
            "SlotReader", "inline_value"]
@@ -124,22 +126,6 @@ def inline_value(value: Buffer, payload: Buffer) -> bytes:
     return pack_header(h.namespace, h.key, h.token, payload, h.seq) + bytes(payload)
 
 
-_new_object = object.__new__
-_set_attr = object.__setattr__
-_UUID = uuid.UUID
-_UNKNOWN = uuid.SafeUUID.unknown
-_from_bytes = int.from_bytes
-
-
-def _uuid_from_bytes(b: Buffer) -> uuid.UUID:
-    """``uuid.UUID(bytes=b)`` for 16 bytes from the header struct, at under half the cost (every read
-    parses a header; the struct guarantees the length that ``UUID.__init__`` would check)."""
-    u = _new_object(_UUID)
-    _set_attr(u, "int", _from_bytes(b, "big"))
-    _set_attr(u, "is_safe", _UNKNOWN)
-    return u
-
-
 def parse_header(value: Buffer) -> EntryHeader:
     """Parse without verifying the checksum (for tools and recovery scans)."""
     if len(value) < HEADER_SIZE:
@@ -155,7 +141,7 @@ def parse_header(value: Buffer) -> EntryHeader:
     ns = bytes(value[off:off + ns_len])
     k = bytes(value[off + ns_len:off + ns_len + key_len])
     end = off + ns_len + key_len
-    tok = _uuid_from_bytes(token)
+    tok = uuid_from_int(int.from_bytes(token, "big"))   # the struct guarantees its 16 bytes
     if flags & FLAG_SLOT:
         if len(value) != end + _SLOT.size:
             raise CorruptEntry("truncated", f"{len(value)} bytes, a slot entry has {end + _SLOT.size}")
