@@ -487,11 +487,12 @@ class DiskStore:
         with self._cond:
             if not self._accepting or self._spills_queued >= self.opts.queue_blocks:
                 return False
-            self._ops.append(_Spill(token, key, src, len(src)))
+            op = _Spill(token, key, src, len(src))
+            self._ops.append(op)
             self._spills_queued += 1
             with self._cancel_lock:
                 self._unsettled.add(token)
-            self._wake_writer(False)
+            self._wake_writer(op)
         return True
 
     def cancel(self, token: uuid.UUID, key: bytes) -> None:
@@ -605,11 +606,10 @@ class DiskStore:
                     self._out.put(FlushDone(op.token, False, "disk writer is gone"))
                 return
             (self._ops.appendleft if front else self._ops.append)(op)
-            if type(op) is not _Touch:   # a touch waits for the next op or the idle wake-up: see _wake_writer
-                self._wake_writer(isinstance(op, _Flush))
+            self._wake_writer(op)
 
-    def _wake_writer(self, urgent: bool) -> None:
-        """Under ``_cond``, after queueing an op: wake the writer if it waits for work, or if it is
+    def _wake_writer(self, op: Any) -> None:
+        """Under ``_cond``, after queueing ``op``: wake the writer if it waits for work, or if it is
         filling a batch and this op completes one (or is a flush).  A writer filling a batch otherwise
         sleeps on to the batch deadline: one wake-up per op (a thread switch and a GIL hand-off each,
         on the engine's cores) bought nothing, since the batch would not leave before the deadline.
@@ -620,8 +620,11 @@ class DiskStore:
         256 KiB: 7-19% GB/s).  A touch is recency for the next restart: a crash loses the touches
         still queued (about a second's worth at most) on top of what the durability level loses,
         and those entries then rank by their write sequence."""
+        kind = type(op)
+        if kind is _Touch:
+            return
         o = self.opts
-        if not self._filling or urgent or self._fill[0] + len(self._ops) >= o.batch_blocks \
+        if not self._filling or kind is _Flush or self._fill[0] + len(self._ops) >= o.batch_blocks \
                 or self._fill[1] + self._spills_queued * o.block_bytes >= o.batch_bytes:
             self._cond.notify()
 
