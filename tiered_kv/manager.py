@@ -251,16 +251,19 @@ class TierManager(TierViews):
             raise BlockBusyError(f"block {block} already has a load in flight")
         entry = self._index.get(key)
         promote: Optional[_Flight] = None
+        d: Optional[HostEntry] = None   # the disk entry to promote, when the key is only on disk
         if entry is not None and entry.state is not EntryState.READY:
             promote = self._jobs.get(entry.writer)
             if promote is None or promote.job.kind is not _PROMOTE:
                 return None  # being stored from a device row: not in a lower tier yet
-        elif entry is None and (self._dindex is None or self._dindex.ready(key) is None):
-            return None
+        elif entry is None:
+            d = self._dindex.ready(key) if self._dindex is not None else None
+            if d is None:
+                return None
         if len(self._jobs) >= self._max_inflight:
             return self._shed(_LOAD, "inflight_limit")
-        if promote is None and entry is None:
-            promote = self._start_promote(key)
+        if d is not None:
+            promote = self._start_promote(key, d)
             if promote is None:
                 return None
         # the load overwrites the row: stores still reading it lose their source
@@ -723,11 +726,9 @@ class TierManager(TierViews):
             self._jobs[token] = _Flight(job, entry, 0, None, d)
             self._n_in_flight[_SPILL] += 1
 
-    def _start_promote(self, key: bytes) -> Optional[_Flight]:
-        """Read ``key`` from disk into a new host slot (internal PROMOTE job)."""
+    def _start_promote(self, key: bytes, d: HostEntry) -> Optional[_Flight]:
+        """Read ``key`` (its READY disk entry ``d``) from disk into a new host slot (internal PROMOTE job)."""
         assert self._dindex is not None and self._disk is not None
-        d = self._dindex.ready(key)
-        assert d is not None
         token = self._tokens()
         entry = self._index.reserve(key, token)
         if entry is None:
