@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -216,3 +217,32 @@ def test_an_exception_escaping_wait_hands_the_held_copies_to_the_workers(disk_ri
     for j, k, row in jobs:
         assert j.done and done.get(j.token) is not None and done[j.token].ok, done.get(j.token)
         assert torch.equal(kv[row], content(k, ROW))
+
+
+def test_a_wait_that_times_out_hands_the_held_copies_to_the_workers(disk_rig):
+    """The timeout path out of wait() (not an exception): copies held for the owner go to the workers."""
+    kv, mgr, mover, copies = disk_rig
+    ks = _disk_only(mgr, kv, 4)
+    rq: RecordingQueue = mover._q  # type: ignore[assignment]
+    rq.puts.clear()
+    copies.made.clear()
+    real_help = mover.help_one
+
+    def help_one() -> bool:
+        return False if mover._held else real_help()   # the owner never runs a held copy itself
+
+    mover.help_one = help_one  # type: ignore[method-assign]
+    jobs = _loads(mgr, ks)
+    deadline = time.monotonic() + 30
+    while not any(t is not None and t.kind is JobKind.LOAD for t in rq.puts):
+        assert time.monotonic() < deadline, "no promote was applied inside a wait within 30 s"
+        mgr.wait([j for j, _, _ in jobs], timeout=0.05)      # each ends by its timeout while copies are held
+        assert not mover._holding and not mover._held        # ... and hands them over on the way out
+    mover.help_one = real_help  # type: ignore[method-assign]
+    mgr.wait([j for j, _, _ in jobs], timeout=30)
+    for j, k, row in jobs:
+        assert j.done and row_is(kv, row, k)
+    # every handed copy is one of these loads, handed once (who ran it -- a worker, or the owner in
+    # the last wait -- is a race this test leaves open)
+    handed = [t.token for t in rq.puts if t is not None and t.kind is JobKind.LOAD]
+    assert handed and len(set(handed)) == len(handed) and set(handed) <= {j.token for j, _, _ in jobs}
