@@ -74,6 +74,9 @@ def test_evicting_runs_alternate_and_report_each_pair(smoke: dict[str, Any]) -> 
     # the file size figures are the worst run's, never a better one's
     assert e["tkv"]["file_vs_capacity_peak"] == max(r["file_vs_capacity_peak"] for r in e["tkv_runs"])
     assert e["tkv"]["file_vs_capacity_end"] == max(r["file_vs_capacity_end"] for r in e["tkv_runs"])
+    # ... each ratio beside the byte count it came from
+    for which in ("end", "peak"):
+        assert e["tkv"][f"file_bytes_{which}"] == pytest.approx(e["tkv"][f"file_vs_capacity_{which}"] * e["capacity_bytes"])
     # the detailed run is one of the runs (the lower median of two)
     steady = sorted(r["steady_gbps_median"] for r in e["tkv_runs"])
     assert e["tkv"]["steady_gbps_median"] == steady[0]
@@ -213,3 +216,34 @@ def test_ab_lone_read_script_reads_through_both_paths() -> None:
     assert out.returncode == 0, out.stderr
     lines = [ln for ln in out.stdout.splitlines() if "_read_many([op])" in ln and " B: " in ln]
     assert len(lines) == 2, out.stdout
+
+
+def test_evicting_aggregates_pairs_and_keeps_each_file_ratio_with_its_bytes(monkeypatch, tmp_path):
+    """bench_evicting's summary over runs, on made-up runs (no disk I/O): the median run's rates, the
+    worst run's file figures (each ratio with its byte count), one pair per repeat."""
+    cap = 100
+    fake = iter([
+        {"gbps": 1.0, "steady_gbps_median": 2.0, "file_bytes_end": 100, "file_bytes_peak": 130,
+         "file_vs_capacity_end": 1.00, "file_vs_capacity_peak": 1.30, "evictions": 1, "spills_shed": 0},
+        {"gbps": 3.0, "steady_gbps_median": 1.0, "file_bytes_end": 110, "file_bytes_peak": 110,
+         "file_vs_capacity_end": 1.10, "file_vs_capacity_peak": 1.10, "evictions": 1, "spills_shed": 0},
+        {"gbps": 2.0, "steady_gbps_median": 3.0, "file_bytes_end": 105, "file_bytes_peak": 120,
+         "file_vs_capacity_end": 1.05, "file_vs_capacity_peak": 1.20, "evictions": 1, "spills_shed": 0},
+    ])
+    monkeypatch.setattr(bench_disk, "_tkv_evicting", lambda *a, **k: dict(next(fake)))
+    raw_seconds = iter([1.0, 2.0, 4.0])
+    monkeypatch.setattr(bench_disk, "_raw_write", lambda *a, **k: next(raw_seconds))
+
+    class _Blk:
+        block_bytes, n_rows, views = 10, 4, [b"x" * 10] * 4
+
+    e = bench_disk.bench_evicting(tmp_path, _Blk(), capacity=cap, total=40, with_diskcache=False,  # type: ignore[arg-type]
+                                  repeats=3)
+    t = e["tkv"]
+    assert t["steady_gbps_median"] == 2.0 and t["gbps"] == 1.0                      # the median run (2.0)
+    assert (t["file_bytes_end"], t["file_vs_capacity_end"]) == (110, 1.10)           # worst end: run 2
+    assert (t["file_bytes_peak"], t["file_vs_capacity_peak"]) == (130, 1.30)         # worst peak: run 1
+    raw = [40 / s / 1e9 for s in (1.0, 2.0, 4.0)]
+    assert e["raw_circular"]["runs"] == raw
+    assert e["ratios"]["tkv_steady_vs_raw_circular_runs"] == pytest.approx([2.0 / raw[0], 1.0 / raw[1], 3.0 / raw[2]])
+    assert e["ratios"]["tkv_steady_vs_raw_circular"] == pytest.approx(2.0 / raw[1])  # ratio of the medians
