@@ -169,6 +169,21 @@ def _disk_only(mgr: TierManager, kv: torch.Tensor, n: int) -> list[bytes]:
     return on_disk[:n]
 
 
+def _disk_only_fresh(disk_rig: Any, n: int) -> tuple[list[bytes], RecordingQueue]:
+    """``n`` keys only on disk, the worker queue's record and the copies' record cleared."""
+    kv, mgr, mover, copies = disk_rig
+    ks = _disk_only(mgr, kv, n)
+    rq: RecordingQueue = mover._q  # type: ignore[assignment]
+    rq.puts.clear()
+    copies.made.clear()
+    return ks, rq
+
+
+def _handed_loads(rq: RecordingQueue) -> list[Transfer]:
+    """The load copies put on the workers' queue."""
+    return [t for t in rq.puts if t is not None and t.kind is JobKind.LOAD]
+
+
 def _loads(mgr: TierManager, ks: list[bytes]) -> list[tuple[Any, bytes, int]]:
     jobs = [(mgr.load(k, i), k, i) for i, k in enumerate(ks)]
     assert all(j is not None for j, _, _ in jobs)
@@ -177,26 +192,21 @@ def _loads(mgr: TierManager, ks: list[bytes]) -> list[tuple[Any, bytes, int]]:
 
 def test_loads_behind_promotes_are_copied_by_the_owner_inside_wait(disk_rig):
     kv, mgr, mover, copies = disk_rig
-    ks = _disk_only(mgr, kv, 8)
-    rq: RecordingQueue = mover._q  # type: ignore[assignment]
-    rq.puts.clear()
-    copies.made.clear()
+    ks, rq = _disk_only_fresh(disk_rig, 8)
     jobs = _loads(mgr, ks)
     done = {c.job.token: c for c in mgr.wait([j for j, _, _ in jobs], timeout=30)}
     for j, k, row in jobs:
         assert done[j.token].ok, done[j.token]
         assert row_is(kv, row, k)
     # every load copy was submitted while the owner waited: none was handed to a worker
-    assert [t for t in rq.puts if t is not None and t.kind is JobKind.LOAD] == []
+    assert _handed_loads(rq) == []
     assert copies.threads() == [threading.current_thread().name] * len(ks)
     assert not mover._holding and not mover._held
 
 
 def test_an_exception_escaping_wait_hands_the_held_copies_to_the_workers(disk_rig):
     kv, mgr, mover, copies = disk_rig
-    ks = _disk_only(mgr, kv, 4)
-    rq: RecordingQueue = mover._q  # type: ignore[assignment]
-    rq.puts.clear()
+    ks, rq = _disk_only_fresh(disk_rig, 4)
     real_help = mover.help_one
 
     def help_one() -> bool:
@@ -211,7 +221,7 @@ def test_an_exception_escaping_wait_hands_the_held_copies_to_the_workers(disk_ri
     mover.help_one = real_help  # type: ignore[method-assign]
     # the wait's finally gave the held copies to the workers
     assert not mover._holding and not mover._held
-    handed = [t for t in rq.puts if t is not None and t.kind is JobKind.LOAD]
+    handed = _handed_loads(rq)
     assert handed, "no load copy was held when the wait was interrupted"
     done = {c.job.token: c for c in mgr.wait([j for j, _, _ in jobs], timeout=30)}
     for j, k, row in jobs:
@@ -222,10 +232,7 @@ def test_an_exception_escaping_wait_hands_the_held_copies_to_the_workers(disk_ri
 def test_a_wait_that_times_out_hands_the_held_copies_to_the_workers(disk_rig):
     """The timeout path out of wait() (not an exception): copies held for the owner go to the workers."""
     kv, mgr, mover, copies = disk_rig
-    ks = _disk_only(mgr, kv, 4)
-    rq: RecordingQueue = mover._q  # type: ignore[assignment]
-    rq.puts.clear()
-    copies.made.clear()
+    ks, rq = _disk_only_fresh(disk_rig, 4)
     real_help = mover.help_one
 
     def help_one() -> bool:
@@ -234,7 +241,7 @@ def test_a_wait_that_times_out_hands_the_held_copies_to_the_workers(disk_rig):
     mover.help_one = help_one  # type: ignore[method-assign]
     jobs = _loads(mgr, ks)
     deadline = time.monotonic() + 30
-    while not any(t is not None and t.kind is JobKind.LOAD for t in rq.puts):
+    while not _handed_loads(rq):
         assert time.monotonic() < deadline, "no promote was applied inside a wait within 30 s"
         mgr.wait([j for j, _, _ in jobs], timeout=0.05)      # each ends by its timeout while copies are held
         assert not mover._holding and not mover._held        # ... and hands them over on the way out
@@ -244,5 +251,5 @@ def test_a_wait_that_times_out_hands_the_held_copies_to_the_workers(disk_rig):
         assert j.done and row_is(kv, row, k)
     # every handed copy is one of these loads, handed once (who ran it -- a worker, or the owner in
     # the last wait -- is a race this test leaves open)
-    handed = [t.token for t in rq.puts if t is not None and t.kind is JobKind.LOAD]
+    handed = [t.token for t in _handed_loads(rq)]
     assert handed and len(set(handed)) == len(handed) and set(handed) <= {j.token for j, _, _ in jobs}
