@@ -33,7 +33,7 @@ import torch
 
 from .jobs import JobKind
 
-__all__ = ["Transfer", "Report", "CompletionQueue", "Mover", "ThreadMover", "CudaMover", "make_mover"]
+__all__ = ["Transfer", "Report", "CompletionQueue", "Mover", "ThreadMover", "CudaMover", "TorchCuda", "make_mover"]
 
 log = logging.getLogger(__name__)
 
@@ -269,20 +269,63 @@ class ThreadMover:
             t.join()
 
 
-class CudaMover:  # pragma: no cover - exercised only where CUDA exists
-    """Copies on a pool of CUDA streams; ``harvest()`` queries end events in order."""
+class TorchCuda:  # pragma: no cover - needs CUDA (tests/test_cuda.py)
+    """The CUDA calls :class:`CudaMover` makes, through torch.
+
+    The mover goes through an object with these four methods, so that a
+    simulated device (``tests/fake_cuda.py``: streams as queues of operations
+    that run when and in the order a test says) can stand in for the GPU and
+    the mover's own logic is tested without one.  A stream needs
+    ``wait_stream(other)`` and ``synchronize()``; an event ``record(stream)``,
+    ``query()`` and ``elapsed_time(end)`` (ms).
+    """
+
+    def new_stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device=device)
+
+    def new_event(self) -> Any:
+        return torch.cuda.Event(enable_timing=True)
+
+    def current_stream(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+
+class CudaMover:
+    """Copies on a pool of CUDA streams; ``harvest()`` queries end events in order.
+
+    Each copy is queued on one of ``num_streams`` side streams behind the work
+    already queued on the engine's current stream, in both directions: a
+    store's source row may still be written by that work, and a load's
+    destination row may still be read by kernels queued before the engine gave
+    the row up (write after read).  Nothing here blocks the calling thread:
+    ``submit`` queues, ``harvest`` queries.  Timing events are recycled once
+    their copy is reported (creating one is a driver call).  A copy that
+    cannot be queued (a CUDA error) or whose event reports an error is
+    answered as failed, never raised.  ``runtime``: the CUDA calls
+    (:class:`TorchCuda` by default; tests pass a simulated device).
+    """
 
     polled = True
 
     def __init__(self, device_rows: torch.Tensor, host_rows: torch.Tensor, completions: CompletionQueue,
-                 num_streams: int = 2) -> None:
+                 num_streams: int = 2, runtime: Optional[Any] = None) -> None:
+        rt = runtime if runtime is not None else TorchCuda()
         self._dev = device_rows
         self._host = host_rows
         self._row_bytes = int(host_rows.shape[1])
         self._out = completions
         self._device = device_rows.device
-        self._streams = [torch.cuda.Stream(device=self._device) for _ in range(num_streams)]
+        self._rt = rt
+        self._new_event = rt.new_event
+        self._current = rt.current_stream
+        self._copy = rt.copy
+        self._streams = [rt.new_stream(self._device) for _ in range(num_streams)]
         self._pending: list[deque[tuple[Transfer, Any, Any]]] = [deque() for _ in self._streams]
+        self._events: list[Any] = []  # recycled timing events
         self._next = 0
 
     def submit(self, t: Transfer) -> None:
@@ -292,25 +335,45 @@ class CudaMover:  # pragma: no cover - exercised only where CUDA exists
         i = self._next
         self._next = (i + 1) % len(self._streams)
         stream = self._streams[i]
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        if t.kind is _STORE:
-            # read the row only after the kernels already queued that write it
-            stream.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(stream):
+        ev = self._events
+        start = ev.pop() if ev else self._new_event()
+        end = ev.pop() if ev else self._new_event()
+        try:
+            stream.wait_stream(self._current(self._device))
             start.record(stream)
             if t.kind is _STORE:
-                self._host[t.slot].copy_(self._dev[t.row], non_blocking=True)
+                self._copy(self._host[t.slot], self._dev[t.row], stream)
             else:
-                self._dev[t.row].copy_(self._host[t.slot], non_blocking=True)
+                self._copy(self._dev[t.row], self._host[t.slot], stream)
             end.record(stream)
+        except Exception as exc:  # nothing reached the stream, or the context is broken: answer, never raise
+            log.error("CUDA copy of %s row %d / slot %d could not be queued: %r", t.kind, t.row, t.slot, exc)
+            self._out.put(Report(t.token, t.kind, False, f"copy failed: {exc!r}"))
+            return
         self._pending[i].append((t, start, end))
 
     def harvest(self) -> None:
+        put, free = self._out.put, self._events
         for pend in self._pending:
-            while pend and pend[0][2].query():
-                t, start, end = pend.popleft()
-                self._out.put(Report(t.token, t.kind, True, None, self._row_bytes, start.elapsed_time(end) / 1e3))
+            while pend:
+                t, start, end = pend[0]
+                try:
+                    if not end.query():
+                        break
+                    seconds = start.elapsed_time(end) / 1e3
+                except Exception as exc:  # a CUDA error surfaced by the query: this copy is lost
+                    pend.popleft()
+                    log.error("CUDA copy of %s row %d / slot %d failed: %r", t.kind, t.row, t.slot, exc)
+                    put(Report(t.token, t.kind, False, f"copy failed: {exc!r}"))
+                    continue
+                pend.popleft()
+                free.append(start)
+                free.append(end)
+                put(Report(t.token, t.kind, True, None, self._row_bytes, seconds))
+
+    def in_flight(self) -> int:
+        """Copies queued and not yet reported by ``harvest()``."""
+        return sum(len(p) for p in self._pending)
 
     def close(self) -> None:
         for s in self._streams:

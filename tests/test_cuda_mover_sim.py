@@ -1,0 +1,281 @@
+"""``CudaMover`` and the manager on a simulated device (tests/fake_cuda.py): the CUDA path's logic in CI.
+
+The simulated device runs each queued operation only when the test says so,
+so every ordering question is forced, not hoped for: a copy queued behind the
+engine's work cannot run before it; a test runs one stream and not another; a
+seeded scheduler runs the streams in random interleavings.  A copy moves the
+bytes when it runs, so a copy that ran too early is seen as wrong bytes.
+``tests/test_cuda.py`` runs the same questions on a real GPU where there is one.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from typing import Any, Optional
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from fake_cuda import FakeGPU
+from fakes import content, fill_row, host_matches, make_config, make_kv, row_matches, sample
+from tiered_kv import Completion, Job, TierManager
+from tiered_kv.movers import CudaMover
+
+STALE = "tiered_kv_stale_callbacks_total"
+A, B, C = b"key-A", b"key-B", b"key-C"
+
+
+def make(rows: int = 32, slots: int = 16, streams: int = 2, rng: Optional[random.Random] = None,
+         progress: bool = False) -> tuple[TierManager, torch.Tensor, FakeGPU, CudaMover]:
+    gpu = FakeGPU(rng, progress_on_query=progress)
+    made: list[CudaMover] = []
+
+    def factory(dev: torch.Tensor, host: torch.Tensor, out: Any) -> CudaMover:
+        made.append(CudaMover(dev, host, out, streams, runtime=gpu))
+        return made[0]
+
+    kv = make_kv(rows)
+    mgr = TierManager(make_config(host_slots=slots), kv, registry=CollectorRegistry(), mover_factory=factory)
+    return mgr, kv, gpu, made[0]
+
+
+def metric(mgr: TierManager, name: str, **labels: str) -> float:
+    mgr.metrics.flush()
+    return sample(mgr.metrics.registry, name, **labels)
+
+
+def reported(comps: list[Completion], job: Job) -> list[Completion]:
+    return [c for c in comps if c.job is job]
+
+
+def in_host(mgr: TierManager, gpu: FakeGPU, kv: torch.Tensor, key: bytes, row: int) -> None:
+    """``key`` computed into ``row`` (already on the device) and stored; the device left idle."""
+    fill_row(kv, row, key)
+    job = mgr.store(key, row)
+    assert job is not None
+    gpu.run_all()
+    (c,) = reported(mgr.poll(), job)
+    assert c.ok
+
+
+# ----------------------------------------------------------------------------- ordering
+def test_store_copy_waits_for_the_engines_queued_write() -> None:
+    mgr, kv, gpu, _ = make()
+    gpu.kernel(lambda: fill_row(kv, 3, A))   # the engine's write of row 3, not run yet
+    job = mgr.store(A, 3)
+    assert job is not None
+    assert all(gpu.run(s) == 0 for s in gpu.side)   # the copy cannot start before the write
+    gpu.run(gpu.compute)
+    gpu.run_all()
+    (c,) = reported(mgr.poll(), job)
+    assert c.ok
+    assert host_matches(mgr, A, kv) is True
+    mgr.close()
+
+
+def test_load_copy_waits_for_the_engines_queued_read() -> None:
+    mgr, kv, gpu, _ = make()
+    in_host(mgr, gpu, kv, A, 0)
+    fill_row(kv, 6, B)
+    out = torch.empty_like(kv[6])
+    gpu.kernel(lambda: out.copy_(kv[6]))     # queued before the engine gave row 6 up: reads B
+    assert mgr.free_block(6) is True
+    job = mgr.load(A, 6)
+    assert job is not None
+    assert all(gpu.run(s) == 0 for s in gpu.side)   # the load cannot overwrite the row under the read
+    gpu.run_all()
+    assert torch.equal(out, content(B))
+    assert row_matches(kv, 6, A)
+    (c,) = reported(mgr.poll(), job)
+    assert c.ok
+    mgr.close()
+
+
+def test_cancelled_load_is_reported_only_after_its_copy_ran() -> None:
+    mgr, kv, gpu, _ = make()
+    in_host(mgr, gpu, kv, A, 0)
+    gpu.kernel(lambda: None)                 # engine work the copy queues behind
+    job = mgr.load(A, 9)
+    assert job is not None
+    mgr.cancel(job)
+    assert mgr.free_block(9) is False
+    assert reported(mgr.poll(), job) == []
+    gpu.run(gpu.compute)
+    assert reported(mgr.poll(), job) == []   # its copy has not run: the row can still be written
+    assert mgr.free_block(9) is False
+    gpu.run_all()
+    (c,) = reported(mgr.poll(), job)
+    assert not c.ok and (c.error or "").startswith("cancelled")
+    assert mgr.free_block(9) is True
+    assert metric(mgr, STALE, kind="load", reason="cancelled") == 1
+    assert mgr.jobs_in_flight == 0
+    mgr.close()
+
+
+def test_each_stream_reports_in_order_and_streams_report_independently() -> None:
+    mgr, kv, gpu, mover = make(streams=2)
+    for row, key in enumerate((A, B, C)):
+        fill_row(kv, row, key)
+    ja, jb, jc = (mgr.store(k, r) for r, k in enumerate((A, B, C)))   # A, C on stream 0; B on stream 1
+    s0, s1 = gpu.side
+    gpu.run(s1)
+    assert [c.job for c in mgr.poll()] == [jb]
+    for _ in range(4):                      # stream 0: wait, start event, copy, end event of A
+        assert gpu.step(s0)
+    assert [c.job for c in mgr.poll()] == [ja]
+    gpu.run_all()
+    assert [c.job for c in mgr.poll()] == [jc]
+    assert all(host_matches(mgr, k, kv) for k in (A, B, C))
+    mgr.close()
+
+
+def test_events_are_recycled_and_a_recycled_event_is_not_reported_early() -> None:
+    mgr, kv, gpu, mover = make(streams=1)
+    in_host(mgr, gpu, kv, A, 0)
+    assert len(gpu.events) == 2
+    fill_row(kv, 1, B)
+    jb = mgr.store(B, 1)                     # takes both recycled events
+    assert jb is not None and len(gpu.events) == 2
+    assert reported(mgr.poll(), jb) == []    # re-recorded: not complete until the device reaches them
+    gpu.run_all()
+    (c,) = reported(mgr.poll(), jb)
+    assert c.ok and host_matches(mgr, B, kv) is True
+    for i in range(100):                     # 4 in flight at most: never more than 8 events made
+        keys = [f"r{i}-{j}".encode() for j in range(4)]
+        for j, k in enumerate(keys):
+            fill_row(kv, 2 + j, k)
+            assert mgr.store(k, 2 + j) is not None
+        gpu.run_all()
+        assert len(mgr.poll()) == 4
+    assert len(gpu.events) <= 8
+    assert mover.in_flight() == 0
+    mgr.close()
+
+
+# ----------------------------------------------------------------------------- failures
+def test_a_copy_that_cannot_be_queued_is_reported_failed() -> None:
+    mgr, kv, gpu, _ = make()
+    fill_row(kv, 1, A)
+    gpu.copy_error = RuntimeError("CUDA error: out of memory")
+    job = mgr.store(A, 1)                    # no exception reaches the engine
+    assert job is not None
+    (c,) = reported(mgr.poll(), job)
+    assert not c.ok and "copy failed" in (c.error or "") and "out of memory" in (c.error or "")
+    assert mgr.lookup([A]) == 0
+    assert metric(mgr, "tiered_kv_errors_total", tier="host", error="copy_failed") == 1
+    in_host(mgr, gpu, kv, A, 1)              # the next copy works
+    assert host_matches(mgr, A, kv) is True
+    mgr.close()
+
+
+def test_an_error_surfacing_at_the_event_query_is_reported_failed() -> None:
+    mgr, kv, gpu, mover = make(streams=1)
+    fill_row(kv, 2, A)
+    fill_row(kv, 3, B)
+    ja, jb = mgr.store(A, 2), mgr.store(B, 3)
+    end_of_a = mover._pending[0][0][2]
+    end_of_a.fail = RuntimeError("CUDA error: an illegal memory access was encountered")
+    gpu.run_all()
+    comps = mgr.poll()
+    (ca,) = reported(comps, ja)
+    (cb,) = reported(comps, jb)
+    assert not ca.ok and "illegal memory access" in (ca.error or "")
+    assert cb.ok and host_matches(mgr, B, kv) is True
+    assert mgr.lookup([A]) == 0 and mover.in_flight() == 0
+    mgr.close()
+
+
+# ----------------------------------------------------------------------------- blocking calls
+def test_wait_sees_the_device_advance_without_synchronizing() -> None:
+    mgr, kv, gpu, _ = make(progress=True)
+    for s in gpu.streams:
+        s.synchronize = None  # type: ignore[assignment]  # wait() must not call it
+    keys = [f"w{i}".encode() for i in range(8)]
+    for i, k in enumerate(keys):
+        gpu.kernel(lambda i=i, k=k: fill_row(kv, i, k))
+        assert mgr.store(k, i) is not None
+    comps = mgr.wait(timeout=30)
+    assert sorted(c.job.key for c in comps) == sorted(keys) and all(c.ok for c in comps)
+    assert all(host_matches(mgr, k, kv) for k in keys)
+    for s in gpu.streams:
+        del s.synchronize  # the class's again, for close()
+    mgr.close()
+
+
+def test_close_lets_queued_copies_finish() -> None:
+    mgr, kv, gpu, _ = make()
+    for i in range(6):
+        fill_row(kv, i, f"c{i}".encode())
+        assert mgr.store(f"c{i}".encode(), i) is not None
+    mgr.close()
+    assert gpu.idle
+
+
+# ----------------------------------------------------------------------------- a random engine
+@pytest.mark.parametrize("seed", range(8))
+def test_random_engine_on_a_randomly_scheduled_device(seed: int) -> None:
+    """Engine ops (compute+store, load, free, cancel, invalidate, poll) interleaved with device steps
+    that run the streams in random order.  Every key is computed once, so wrong bytes are caught at
+    each ok load (the row) and each ok store (the host slot); each job is reported exactly once."""
+    rng = random.Random(seed)
+    rows = 64
+    mgr, kv, gpu, mover = make(rows=rows, slots=24, streams=1 + seed % 3, rng=random.Random(seed + 100))
+    loading: dict[int, Job] = {}
+    live: dict[uuid.UUID, Job] = {}
+    stored: list[bytes] = []
+    seen: set[uuid.UUID] = set()
+    n_key = ok_loads = 0
+
+    def apply(comps: list[Completion]) -> None:
+        nonlocal ok_loads
+        for c in comps:
+            tok = c.job.token
+            assert tok not in seen, f"reported twice: {c.job}"
+            seen.add(tok)
+            live.pop(tok, None)
+            if c.job.kind.value == "load":
+                assert loading.pop(c.job.block) is c.job
+                if c.ok:
+                    assert row_matches(kv, c.job.block, c.job.key), c.job
+                    ok_loads += 1
+            elif c.ok:
+                assert host_matches(mgr, c.job.key, kv) in (True, None), c.job
+                stored.append(c.job.key)
+
+    for _ in range(800):
+        op = rng.random()
+        row = rng.randrange(rows)
+        if op < 0.25:
+            if row in loading or not mgr.free_block(row):
+                continue
+            n_key += 1
+            key = f"s{seed}-{n_key}".encode()
+            gpu.kernel(lambda row=row, key=key: fill_row(kv, row, key))
+            job = mgr.store(key, row)
+            if job is not None:
+                live[job.token] = job
+        elif op < 0.45 and stored:
+            if row in loading or not mgr.free_block(row):
+                continue
+            job = mgr.load(rng.choice(stored), row)
+            if job is not None:
+                live[job.token] = job
+                loading[row] = job
+        elif op < 0.49:
+            mgr.free_block(row)
+        elif op < 0.52 and live:
+            mgr.cancel(rng.choice(list(live.values())))
+        elif op < 0.55 and stored:
+            mgr.invalidate(rng.choice(stored))
+        elif op < 0.85:
+            for _ in range(rng.randrange(1, 17)):
+                gpu.step()
+        else:
+            apply(mgr.poll())
+    gpu.run_all()
+    apply(mgr.wait(timeout=30))
+    assert not live and not loading and mgr.jobs_in_flight == 0 and mover.in_flight() == 0
+    assert ok_loads > 20 and len(stored) > 60
+    mgr.close()
