@@ -121,6 +121,9 @@ class TierManager(TierViews):
             pin = bool(device_blocks.is_cuda and torch.cuda.is_available())
         elif pin and not torch.cuda.is_available():
             raise ConfigError("pin_host_memory=True needs CUDA, and torch.cuda.is_available() is False")
+        elif not pin and device_blocks.is_cuda:
+            log.warning("pin_host_memory=False with CUDA device_blocks: copies to and from a pageable host slab "
+                        "are synchronous, so store() and load() will block the calling thread for each copy")
         self._host_rows = torch.empty((num_slots, self.row_bytes), dtype=torch.uint8, pin_memory=pin)
         self.metrics = Metrics(registry, config.namespace)
         self._index = HostIndex(num_slots)  # its eviction total is published once per poll

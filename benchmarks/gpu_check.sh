@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, in one run (CI has no GPU; a GPU machine is lent rarely and briefly):
+#   1. tests/test_cuda.py: the manager and its CudaMover on a real device (ordering, fences, failures)
+#   2. tiered-kv bench --sections cuda,store_latency: device<->host GB/s beside torch's copy_, and
+#      store() latency on a CUDA KV tensor beside the unsafe original (then the CPU mover's, on this host)
+#   3. the core suite with CUDA present, in parallel and time-capped (SUITE_S seconds, SUITE_N workers)
+# Usage, from the repository root, with a python whose torch sees CUDA and the project's
+# dependencies importable (pip install -e '.[test]' pytest-xdist, or PYTHONPATH):
+#   OUT=gpu-out benchmarks/gpu_check.sh
+# Each step's output is written under $OUT; a step that fails does not stop the next.
+set -u
+OUT=${OUT:-gpu-out}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+step() { echo; echo "=== $* ($(date -u +%T))"; }
+
+step machine
+nvidia-smi -L 2>&1 | head -4
+"$PY" - <<'EOF' 2>&1 | tee "$OUT/machine.txt"
+import os, torch, lmdb, xxhash, prometheus_client
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    print("device", torch.cuda.get_device_name(0), "cores", os.cpu_count())
+print("lmdb", lmdb.__version__, "xxhash", xxhash.VERSION)
+EOF
+
+step "tests/test_cuda.py"
+timeout "${CUDA_TESTS_S:-240}" "$PY" -m pytest -q -p no:cacheprovider -rA tests/test_cuda.py 2>&1 \
+    | tee "$OUT/test_cuda.txt" | tail -30
+
+step "bench: cuda, store_latency"
+timeout "${BENCH_S:-360}" "$PY" -m tiered_kv.cli bench --sections "${BENCH_SECTIONS:-cuda,store_latency}" \
+    --json "$OUT/bench-gpu.json" 2>&1 | tee "$OUT/bench-gpu.txt" | tail -40
+
+step "core suite with CUDA present"
+timeout "${SUITE_S:-150}" "$PY" -m pytest -q -p no:cacheprovider -n "${SUITE_N:-12}" \
+    --ignore=tests/vllm_adapter 2>&1 | tee "$OUT/suite.txt" | tail -25
+step done

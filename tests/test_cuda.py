@@ -1,0 +1,355 @@
+"""The CUDA path: ``TierManager`` on a CUDA KV tensor, with the real ``CudaMover`` and a pinned slab.
+
+Skipped without CUDA (CI has none); run on a GPU machine with
+``python -m pytest tests/test_cuda.py``.
+
+Interleavings are forced on the GPU, not with host sleeps: ``busy()`` queues
+a spinning kernel (``torch.cuda._sleep``, tens of milliseconds) on the
+engine's stream, so whatever the engine queues after it on that stream
+runs later than anything the host does meanwhile.  The two ordering tests
+each run a control beside the real thing: the same copy made the naive way
+(a side stream that does not wait for the engine's stream) sees the other
+bytes, so the forced interleaving is real and the test can fail.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from fakes import content, content_u8, host_matches, sample
+from tiered_kv import Completion, Job, TieredKVConfig, TierManager
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+SHAPE = (2, 16, 8, 64)       # one block of 2 x 16 tokens x 8 heads x 64 dims
+DTYPE = torch.bfloat16
+ROW_BYTES = 2 * 16 * 8 * 64 * 2  # 32 KiB
+STALE = "tiered_kv_stale_callbacks_total"
+BUSY_CYCLES = 100_000_000    # about 50 ms at the H100/H200 boost clock, longer at lower clocks
+A, B = b"key-A", b"key-B"
+
+
+def busy() -> None:
+    """Queue a spinning kernel on the current (engine) stream."""
+    torch.cuda._sleep(BUSY_CYCLES)
+
+
+def dev_content(key: bytes) -> torch.Tensor:
+    return content(key, SHAPE, DTYPE).to("cuda")
+
+
+def fill(kv: torch.Tensor, row: int, key: bytes) -> None:
+    """The engine computes ``key`` into ``row`` (queued on its stream, behind whatever is there)."""
+    kv[row].copy_(dev_content(key), non_blocking=True)
+
+
+def row_is(kv: torch.Tensor, row: int, key: bytes) -> bool:
+    return torch.equal(kv[row].cpu().reshape(-1).view(torch.uint8), content_u8(key, SHAPE, DTYPE))
+
+
+def make(rows: int = 64, slots: int = 32, disk: Optional[Path] = None, **kw: Any) -> tuple[TierManager, torch.Tensor]:
+    kv = torch.zeros((rows, *SHAPE), dtype=DTYPE, device="cuda")
+    cfg = TieredKVConfig(namespace="cuda-test|bf16|tp0", host_capacity_bytes=slots * ROW_BYTES,
+                         disk_path=str(disk) if disk is not None else None,
+                         disk_capacity_bytes=(256 * ROW_BYTES) if disk is not None else 0, **kw)
+    return TierManager(cfg, kv, registry=CollectorRegistry()), kv
+
+
+def metric(mgr: TierManager, name: str, **labels: str) -> float:
+    mgr.metrics.flush()
+    return sample(mgr.metrics.registry, name, **labels)
+
+
+def reported(comps: list[Completion], job: Job) -> list[Completion]:
+    return [c for c in comps if c.job is job]
+
+
+def store_ok(mgr: TierManager, kv: torch.Tensor, key: bytes, row: int) -> None:
+    fill(kv, row, key)
+    job = mgr.store(key, row)
+    assert job is not None
+    (c,) = reported(mgr.wait([job], timeout=30), job)
+    assert c.ok, c
+
+
+@pytest.fixture(autouse=True)
+def _quiet_gpu() -> Any:
+    yield
+    torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------- basics
+def test_cuda_kv_gets_the_cuda_mover_and_a_pinned_slab() -> None:
+    from tiered_kv.movers import CudaMover
+    mgr, _ = make()
+    with mgr:
+        assert isinstance(mgr._mover, CudaMover)
+        assert mgr._host_rows.is_pinned()
+
+
+def test_store_then_load_round_trips_the_bytes() -> None:
+    mgr, kv = make(rows=64, slots=32)
+    keys = [f"rt-{i}".encode() for i in range(16)]
+    with mgr:
+        for i, k in enumerate(keys):
+            fill(kv, i, k)
+        jobs = [mgr.store(k, i) for i, k in enumerate(keys)]
+        assert all(j is not None for j in jobs)
+        comps = mgr.wait(timeout=30)
+        assert len(comps) == 16 and all(c.ok for c in comps)
+        assert all(host_matches(mgr, k, kv) for k in keys)
+        assert mgr.lookup(keys) == 16
+        loads = [mgr.load(k, 32 + i) for i, k in enumerate(keys)]
+        assert all(j is not None for j in loads)
+        comps = mgr.wait(timeout=30)
+        assert len(comps) == 16 and all(c.ok for c in comps)
+        for i, k in enumerate(keys):
+            assert row_is(kv, 32 + i, k)
+        assert metric(mgr, "tiered_kv_transfer_bytes_total", src="device", dst="host") == 16 * ROW_BYTES
+        assert metric(mgr, "tiered_kv_transfer_bytes_total", src="host", dst="device") == 16 * ROW_BYTES
+
+
+# ----------------------------------------------------------------------------- ordering on the GPU
+def test_store_reads_the_row_only_after_the_engines_queued_writes() -> None:
+    mgr, kv = make()
+    with mgr:
+        busy()
+        fill(kv, 3, A)            # queued behind busy(): not written yet when store() returns
+        job = mgr.store(A, 3)
+        assert job is not None
+        (c,) = reported(mgr.wait([job], timeout=30), job)
+        assert c.ok
+        assert host_matches(mgr, A, kv) is True
+
+        # control: the same copy on a side stream that does not wait reads the row before the engine wrote it
+        side = torch.cuda.Stream()
+        dst = torch.empty(ROW_BYTES, dtype=torch.uint8, pin_memory=True)
+        busy()
+        fill(kv, 4, B)
+        with torch.cuda.stream(side):
+            dst.copy_(kv[4].reshape(-1).view(torch.uint8), non_blocking=True)
+        side.synchronize()
+        assert not torch.equal(dst, content_u8(B, SHAPE, DTYPE))
+
+
+def test_load_writes_the_row_only_after_the_engines_queued_reads() -> None:
+    mgr, kv = make()
+    with mgr:
+        store_ok(mgr, kv, A, 5)
+        fill(kv, 6, B)
+        torch.cuda.synchronize()
+        out = torch.empty_like(kv[6])
+        busy()
+        out.copy_(kv[6], non_blocking=True)   # a kernel queued before the engine gave row 6 up reads it
+        assert mgr.free_block(6) is True
+        job = mgr.load(A, 6)
+        assert job is not None
+        (c,) = reported(mgr.wait([job], timeout=30), job)
+        assert c.ok
+        torch.cuda.synchronize()
+        assert torch.equal(out, dev_content(B))   # the queued read saw the row's old bytes
+        assert row_is(kv, 6, A)
+
+        # control: a host->device copy on a side stream that does not wait overwrites the row under the read
+        fill(kv, 7, B)
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        src = content(A, SHAPE, DTYPE).pin_memory()
+        busy()
+        out.copy_(kv[7], non_blocking=True)
+        with torch.cuda.stream(side):
+            kv[7].copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(out, dev_content(A))
+
+
+def test_cancelled_load_keeps_the_row_fenced_until_its_copy_is_done() -> None:
+    mgr, kv = make()
+    with mgr:
+        store_ok(mgr, kv, A, 0)
+        busy()                      # the load's copy is queued behind it
+        job = mgr.load(A, 9)
+        assert job is not None
+        mgr.cancel(job)
+        assert mgr.free_block(9) is False
+        assert reported(mgr.poll(), job) == []     # its copy can still land: not reported
+        assert mgr.free_block(9) is False
+        torch.cuda.synchronize()
+        (c,) = reported(mgr.poll(), job)
+        assert not c.ok and c.error is not None and c.error.startswith("cancelled")
+        assert mgr.free_block(9) is True
+        assert metric(mgr, STALE, kind="load", reason="cancelled") == 1
+        assert mgr.jobs_in_flight == 0
+
+
+def test_store_whose_row_is_freed_in_flight_is_discarded() -> None:
+    mgr, kv = make()
+    with mgr:
+        busy()
+        fill(kv, 8, A)
+        job = mgr.store(A, 8)
+        assert job is not None
+        assert mgr.free_block(8) is True    # stores never fence a row
+        fill(kv, 8, B)                      # the engine reuses it at once
+        comps = mgr.wait([job], timeout=30)
+        (c,) = reported(comps, job)
+        assert not c.ok and "source_reused" in (c.error or "")
+        assert mgr.lookup([A]) == 0 and mgr.host_bytes(A) is None
+        assert metric(mgr, STALE, kind="store", reason="source_reused") == 1
+        assert mgr.load(A, 10) is None
+
+
+def test_poll_and_wait_never_synchronize(monkeypatch: pytest.MonkeyPatch) -> None:
+    mgr, kv = make()
+    with mgr:
+        keys = [f"ns-{i}".encode() for i in range(8)]
+        for i, k in enumerate(keys):
+            fill(kv, i, k)
+        torch.cuda.synchronize()
+
+        def boom(*a: Any, **k: Any) -> None:
+            raise AssertionError("a blocking synchronize on the engine thread")
+
+        monkeypatch.setattr(torch.cuda, "synchronize", boom)
+        monkeypatch.setattr(torch.cuda.Stream, "synchronize", boom)
+        monkeypatch.setattr(torch.cuda.Event, "synchronize", boom)
+        busy()
+        jobs = [mgr.store(k, i) for i, k in enumerate(keys)]
+        assert all(j is not None for j in jobs)
+        assert mgr.poll() == []                 # behind busy(): nothing done, and poll() did not wait
+        comps = mgr.wait(timeout=30)
+        assert sorted(c.job.key for c in comps) == sorted(keys) and all(c.ok for c in comps)
+        monkeypatch.undo()
+        assert all(host_matches(mgr, k, kv) for k in keys)
+
+
+def test_a_copy_that_cannot_be_queued_is_reported_failed_not_raised() -> None:
+    mgr, kv = make()
+    with mgr:
+        mover = mgr._mover
+        good = mover._host
+        mover._host = torch.empty((good.shape[0], 1), dtype=torch.uint8)  # copy_ refuses the shapes
+        try:
+            fill(kv, 1, A)
+            job = mgr.store(A, 1)
+            assert job is not None
+            (c,) = reported(mgr.poll(), job)
+        finally:
+            mover._host = good
+        assert not c.ok and "copy failed" in (c.error or "")
+        assert mgr.lookup([A]) == 0
+        assert metric(mgr, "tiered_kv_errors_total", tier="host", error="copy_failed") == 1
+        store_ok(mgr, kv, A, 1)                  # the next copy works
+        assert host_matches(mgr, A, kv) is True
+
+
+def test_pageable_slab_with_cuda_warns(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="tiered_kv.manager"):
+        mgr, kv = make(pin_host_memory=False)
+    with mgr:
+        assert not mgr._host_rows.is_pinned()
+        assert any("synchronous" in r.getMessage() for r in caplog.records)
+        store_ok(mgr, kv, A, 2)
+        assert host_matches(mgr, A, kv) is True
+
+
+# ----------------------------------------------------------------------------- with the disk tier
+def test_disk_round_trip_through_the_gpu(tmp_path: Path) -> None:
+    mgr, kv = make(rows=64, slots=4, disk=tmp_path / "tier")
+    keys = [f"dk-{i}".encode() for i in range(12)]
+    with mgr:
+        for i, k in enumerate(keys):
+            store_ok(mgr, kv, k, i)
+            assert mgr.flush(timeout=30)
+        assert mgr.lookup(keys) == 12
+        for i, k in enumerate(keys):       # 8 of them only on disk now: promote, then host -> device
+            job = mgr.load(k, 32 + i)
+            assert job is not None, k
+            (c,) = reported(mgr.wait([job], timeout=30), job)
+            assert c.ok, c
+            assert row_is(kv, 32 + i, k)
+        assert metric(mgr, "tiered_kv_transfer_bytes_total", src="disk", dst="host") >= 8 * ROW_BYTES
+
+
+# ----------------------------------------------------------------------------- a random engine
+def test_random_engine_never_sees_wrong_bytes() -> None:
+    """Seeded engine loop on the real mover: compute+store, load, free, cancel, invalidate, poll, GPU stalls.
+
+    Every key is computed once (fresh name), so a row holding another key's
+    bytes after an ok load is caught.  Each job must be reported exactly once.
+    """
+    rng = random.Random(20261129)
+    rows = 48
+    mgr, kv = make(rows=rows, slots=24)
+    owner: list[Optional[bytes]] = [None] * rows       # what the row holds, as the engine knows it
+    loading: dict[int, Job] = {}                       # row -> its load in flight
+    live: dict[Job, None] = {}
+    stored: list[bytes] = []
+    seen: set[uuid.UUID] = set()
+    n_key = 0
+    ok_loads = 0
+
+    def apply(comps: list[Completion]) -> None:
+        nonlocal ok_loads
+        for c in comps:
+            assert c.job.token not in seen, f"reported twice: {c.job}"
+            seen.add(c.job.token)
+            live.pop(c.job, None)
+            if c.job.kind.value == "load":
+                row = c.job.block
+                assert loading.get(row) is c.job
+                del loading[row]
+                if c.ok:
+                    assert row_is(kv, row, c.job.key), f"row {row} does not hold {c.job.key!r}"
+                    owner[row] = c.job.key
+                    ok_loads += 1
+                else:
+                    owner[row] = None   # a cancelled or failed load leaves the row's bytes unknown
+            elif c.ok:
+                stored.append(c.job.key)
+
+    with mgr:
+        for step in range(1500):
+            op = rng.random()
+            row = rng.randrange(rows)
+            if op < 0.30:                                   # compute a new block and store it
+                if row in loading or not mgr.free_block(row):
+                    continue
+                n_key += 1
+                key = f"rk-{n_key}".encode()
+                fill(kv, row, key)
+                owner[row] = key
+                job = mgr.store(key, row)
+                if job is not None:
+                    live[job] = None
+            elif op < 0.55 and stored:                      # a prefix hit: load into a free row
+                if row in loading or not mgr.free_block(row):
+                    continue
+                owner[row] = None
+                job = mgr.load(rng.choice(stored), row)
+                if job is not None:
+                    live[job] = None
+                    loading[row] = job
+            elif op < 0.65:                                 # the engine frees a row
+                mgr.free_block(row)
+            elif op < 0.72 and live:                        # abort
+                mgr.cancel(rng.choice(list(live)))
+            elif op < 0.76 and stored:                      # invalidate
+                mgr.invalidate(rng.choice(stored))
+            elif op < 0.80:
+                busy_short = rng.randrange(1_000_000, 10_000_000)
+                torch.cuda._sleep(busy_short)
+            else:
+                apply(mgr.poll())
+        apply(mgr.wait(timeout=60))
+        assert not live and not loading
+        assert mgr.jobs_in_flight == 0
+    assert ok_loads > 20 and len(stored) > 50
