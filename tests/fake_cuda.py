@@ -123,6 +123,10 @@ class FakeGPU:
     def current_stream(self, device: Any) -> FakeStream:
         return self.compute
 
+    def synchronize(self, device: Any = None) -> None:
+        """``torch.cuda.synchronize``: everything queued runs (the benchmarks' baseline uses it)."""
+        self.run_all()
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: FakeStream) -> None:
         if self.copy_error is not None:
             err, self.copy_error = self.copy_error, None
@@ -169,3 +173,4 @@ class FakeGPU:
     @property
     def idle(self) -> bool:
         return not any(s.ops for s in self.streams)
+

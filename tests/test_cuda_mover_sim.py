@@ -279,3 +279,25 @@ def test_random_engine_on_a_randomly_scheduled_device(seed: int) -> None:
     assert not live and not loading and mgr.jobs_in_flight == 0 and mover.in_flight() == 0
     assert ok_loads > 20 and len(stored) > 60
     mgr.close()
+
+
+# ----------------------------------------------------------------------------- the CUDA bench section
+def test_the_cuda_bench_section_runs_on_the_simulated_device() -> None:
+    """Section 4 of the bench (GB/s beside torch's copy, store() latency) runs its code on a simulated
+    device: a GPU machine is lent rarely and briefly, and its one run must not be spent on a typo."""
+    from tiered_kv.benchmarking import core, report
+    gpu = FakeGPU(random.Random(3), progress_on_query=True)
+    r = core.bench_cuda_copy("smoke", 0, block_sizes=(64 << 10,), runtime=gpu)
+    assert r["simulated"] and r["skipped"] is None
+    (s,) = r["sizes"]
+    assert s["problems"] == [] and s["mover"] == "CudaMover" and s["baseline_on_tier_slab"]
+    for d in ("store", "load"):
+        assert s[d]["tiered_kv"]["gb_per_s"] > 0 and s[d]["baseline_torch_copy"]["gb_per_s"] > 0
+    cl = r["store_latency"]
+    assert cl["mover"] == "CudaMover" and cl["tiered_kv"]["calls"] == cl["baseline_figures"]["calls"] > 0
+    assert cl["tiered_kv"]["accepted"] > 0 and cl["baseline_figures"]["accepted"] > 0
+    ids = {f["id"] for f in report._core_figures({"cuda_copy": r})}
+    assert {"cuda.store.65536", "cuda.load.65536", "cuda.store_p99"} <= ids
+    text = "\n".join(core._fmt_cuda(r))
+    assert "store() on the CUDA KV tensor" in text
+    assert gpu.idle

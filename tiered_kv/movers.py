@@ -293,6 +293,10 @@ class TorchCuda:  # pragma: no cover - needs CUDA (tests/test_cuda.py)
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
 
+    def synchronize(self, device: torch.device) -> None:
+        """Not used by the mover (it never blocks); the benchmarks' baseline needs it."""
+        torch.cuda.synchronize(device)
+
 
 class CudaMover:
     """Copies on a pool of CUDA streams; ``harvest()`` queries end events in order.

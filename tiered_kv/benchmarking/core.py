@@ -866,29 +866,61 @@ def bench_host_throughput(quick: Union[bool, str] = False, seed: int = 0,
 NO_CUDA = "skipped: no CUDA (torch.cuda.is_available() is False)"
 
 
-def _cuda_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random) -> dict[str, Any]:  # pragma: no cover
+class _Device:
+    """Where section 4 runs: a CUDA device through ``TorchCuda``, or (tests) a simulated one.
+
+    ``runtime`` is ``CudaMover``'s runtime (``new_stream``, ``new_event``,
+    ``current_stream``, ``copy``) plus ``synchronize(device)``; with a
+    simulated runtime the tensors live on the CPU and the slab is not pinned.
+    """
+
+    def __init__(self, runtime: Optional[Any] = None) -> None:
+        from tiered_kv.movers import TorchCuda
+        self.simulated = runtime is not None
+        self.rt = runtime if runtime is not None else TorchCuda()
+        self.dev = torch.device("cpu") if self.simulated else torch.device("cuda", torch.cuda.current_device())
+
+    def manager(self, cfg: TieredKVConfig, kv: torch.Tensor) -> TierManager:
+        if not self.simulated:  # pragma: no cover - needs CUDA
+            return TierManager(cfg, kv)  # CudaMover; the host slab is pinned because kv is on a CUDA device
+        from tiered_kv.movers import CudaMover
+        rt = self.rt
+        return TierManager(cfg, kv, mover_factory=lambda d, h, c: CudaMover(d, h, c, cfg.num_copy_streams, runtime=rt))
+
+    def host(self, shape: tuple[int, int]) -> torch.Tensor:
+        return torch.zeros(shape, dtype=torch.uint8, pin_memory=not self.simulated)
+
+    def sync(self) -> None:
+        self.rt.synchronize(self.dev)
+
+    def release(self) -> None:
+        if not self.simulated:  # pragma: no cover - needs CUDA
+            torch.cuda.empty_cache()
+
+
+def _cuda_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random, d: _Device) -> dict[str, Any]:
     """One block size: tiered_kv store/load through the CudaMover vs torch ``copy_`` on the same buffers."""
-    dev = torch.device("cuda", torch.cuda.current_device())
+    dev, rt = d.dev, d.rt
     n = max(ws // block, 8)
     nbytes = n * block
     kv = torch.empty((2 * n, block), dtype=torch.uint8, device=dev)
     kv[:n].copy_((torch.arange(n, device=dev) % 251).to(torch.uint8).unsqueeze(1).expand(n, block))
     kv[n:].fill_(255)
     cfg = TieredKVConfig(namespace=f"bench|u8|cuda{block}", host_capacity_bytes=nbytes)
-    mgr = TierManager(cfg, kv)  # CudaMover; the host slab is pinned because kv is on a CUDA device
+    mgr = d.manager(cfg, kv)
     host = getattr(mgr, "_host_rows", None)
-    same_slab = isinstance(host, torch.Tensor) and host.shape[0] >= n and host.is_pinned()
+    same_slab = isinstance(host, torch.Tensor) and host.shape[0] >= n and (d.simulated or host.is_pinned())
     if not same_slab:  # the slab is private: copy between a pinned buffer of the same shape instead
-        host = torch.empty((n, block), dtype=torch.uint8, pin_memory=True)
+        host = d.host((n, block))
     assert host is not None
     host[:n].fill_(0)  # faulted in, like the tier's slab
-    side = torch.cuda.Stream(device=dev)
+    side = rt.new_stream(dev)
     secs: dict[str, list[float]] = {k: [] for k in ("tkv_store", "tkv_load", "raw_store", "raw_load")}
     problems: list[str] = []
     check = sorted(rng.sample(range(n), min(8, n)))
 
     def tkv_pass(keys: list[bytes]) -> tuple[float, float]:
-        torch.cuda.synchronize(dev)
+        d.sync()
         t0 = time.perf_counter()
         jobs = [mgr.store(keys[i], i) for i in range(n)]
         done = mgr.wait()
@@ -905,24 +937,25 @@ def _cuda_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
             if not torch.equal(kv[n + r], kv[r]):
                 problems.append(f"row {n + r} != row {r} after load")
         kv[n:].fill_(255)
-        torch.cuda.synchronize(dev)
+        d.sync()
         return t1 - t0, t3 - t2
 
     def raw_pass() -> tuple[float, float]:
-        torch.cuda.synchronize(dev)
+        d.sync()
         t0 = time.perf_counter()
-        with torch.cuda.stream(side):
-            for i in range(n):
-                host[i].copy_(kv[i], non_blocking=True)
+        for i in range(n):
+            rt.copy(host[i], kv[i], side)
         side.synchronize()
         t1 = time.perf_counter()
-        with torch.cuda.stream(side):
-            for i in range(n):
-                kv[n + i].copy_(host[i], non_blocking=True)
+        for i in range(n):
+            rt.copy(kv[n + i], host[i], side)
         side.synchronize()
         t2 = time.perf_counter()
+        for r in check:
+            if not torch.equal(kv[n + r], kv[r]):
+                problems.append(f"baseline: row {n + r} != row {r} after its copy")
         kv[n:].fill_(255)
-        torch.cuda.synchronize(dev)
+        d.sync()
         return t1 - t0, t2 - t1
 
     for p in range(warmup + passes):
@@ -936,7 +969,7 @@ def _cuda_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
     mover = type(getattr(mgr, "_mover", None)).__name__
     mgr.close()
     del kv, host, mgr
-    torch.cuda.empty_cache()
+    d.release()
 
     def gbps(key: str) -> dict[str, Any]:
         s_ = summarize(secs[key], "s/pass")
@@ -946,31 +979,133 @@ def _cuda_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
     out: dict[str, Any] = {"block_bytes": block, "blocks_per_pass": n, "bytes_per_pass": nbytes, "passes": passes,
                            "warmup_passes_discarded": warmup, "mover": mover, "baseline_on_tier_slab": same_slab,
                            "problems": problems}
-    for d, link in (("store", "device->host"), ("load", "host->device")):
-        t, r = gbps(f"tkv_{d}"), gbps(f"raw_{d}")
-        rt = _ratio(t["gb_per_s"], r["gb_per_s"])
-        out[d] = {"link": link, "tiered_kv": t, "baseline_torch_copy": r, "ratio_tiered_kv_over_baseline": rt,
-                  "target_ratio": TARGET_CUDA_RATIO, "target_met": rt >= TARGET_CUDA_RATIO}
+    for d_, link in (("store", "device->host"), ("load", "host->device")):
+        t, r = gbps(f"tkv_{d_}"), gbps(f"raw_{d_}")
+        rt_ = _ratio(t["gb_per_s"], r["gb_per_s"])
+        out[d_] = {"link": link, "tiered_kv": t, "baseline_torch_copy": r, "ratio_tiered_kv_over_baseline": rt_,
+                   "target_ratio": TARGET_CUDA_RATIO, "target_met": rt_ >= TARGET_CUDA_RATIO}
     return out
 
 
+class _RawCudaCopies:
+    """The baseline's mover on CUDA: per store the same barrier, side-stream copy and event, no bookkeeping."""
+
+    def __init__(self, dev_rows: torch.Tensor, host_rows: torch.Tensor, out: CompletionQueue, rt: Any) -> None:
+        self._dev, self._host, self._out, self._rt = dev_rows, host_rows, out, rt
+        self._stream = rt.new_stream(dev_rows.device)
+        self._pending: list[tuple[int, Any]] = []
+
+    def submit(self, job_id: int, block: int, slot: int) -> None:
+        rt, s = self._rt, self._stream
+        s.wait_stream(rt.current_stream(self._dev.device))
+        rt.copy(self._host[slot], self._dev[block], s)
+        ev = rt.new_event()
+        ev.record(s)
+        self._pending.append((job_id, ev))
+
+    def harvest(self) -> None:
+        p, put = self._pending, self._out.put
+        i = 0
+        while i < len(p) and p[i][1].query():
+            put(Report(p[i][0], _STORE, True))  # type: ignore[arg-type]
+            i += 1
+        del p[:i]
+
+
+def _cuda_store_latency(quick: Union[bool, str], rng: random.Random, d: _Device, per_step: int = 16,
+                        step_s: float = 0.010) -> dict[str, Any]:
+    """store() wall time per call on a CUDA KV tensor (CudaMover, pinned slab), the engine loop of section 2."""
+    n_stores, segments, warmup_stores, n_rows, row_bytes = PLANS[as_mode(quick)]["store_latency"]
+    dev = d.dev
+    kv = torch.empty((n_rows, row_bytes), dtype=torch.uint8, device=dev)
+    kv.copy_((torch.arange(n_rows, device=dev) % 251).to(torch.uint8).unsqueeze(1).expand(n_rows, row_bytes))
+    cfg = TieredKVConfig(namespace="bench|u8|cuda-latency", host_capacity_bytes=n_rows * row_bytes)
+    mgr = d.manager(cfg, kv)
+    base = UnsafeDictOffloader(n_rows)
+    host_b = d.host((n_rows, row_bytes))
+    raw = _RawCudaCopies(kv, host_b, base.queue, d.rt)
+    base._submit = raw.submit
+
+    def base_poll() -> set[int]:
+        raw.harvest()
+        return base.poll_reports()
+
+    sides: dict[str, dict[str, Any]] = {
+        "tkv": {"store": mgr.store, "poll": mgr.poll, "ok": [], "none": [], "poll_ns": [], "first": [], "at": 0},
+        "base": {"store": base.store, "poll": base_poll, "ok": [], "none": [], "poll_ns": [], "first": [], "at": 0},
+    }
+    mgr.wait([j for j in (mgr.store(k, i) for i, k in enumerate(_keys(rng, n_rows))) if j is not None], timeout=120)
+    for i, k in enumerate(_keys(rng, n_rows)):
+        base.store(k, i)
+    d.sync()
+    base_poll()
+    for s in sides.values():
+        _latency_loop(s["store"], s["poll"], _keys(rng, warmup_stores), 0, n_rows, per_step, step_s, [], [], [])
+        s["at"] = warmup_stores
+    seg_n = n_stores // segments
+    for seg in range(segments):
+        keys = _keys(rng, seg_n)
+        for name in (("tkv", "base") if seg % 2 == 0 else ("base", "tkv")):
+            s = sides[name]
+            gc.collect()
+            _latency_loop(s["store"], s["poll"], keys, s["at"], n_rows, per_step, step_s,
+                          s["ok"], s["none"], s["poll_ns"], s["first"])
+            s["at"] += seg_n
+    d.sync()
+    mgr.wait(timeout=60)
+    base_poll()
+    mover = type(getattr(mgr, "_mover", None)).__name__
+    slab = getattr(mgr, "_host_rows", None)
+    pinned = bool(slab.is_pinned()) if isinstance(slab, torch.Tensor) else None
+    mgr.close()
+    del kv, host_b, mgr
+    d.release()
+
+    def us(xs: list[int]) -> list[float]:
+        return [x / 1e3 for x in xs]
+
+    def side(s: dict[str, Any]) -> dict[str, Any]:
+        return {"store_all_calls": summarize(us(s["ok"] + s["none"]), "us/call"),
+                "store_first_of_step": summarize(us(s["first"]), "us/call"),
+                "poll": summarize(us(s["poll_ns"]), "us/call"),
+                "calls": len(s["ok"]) + len(s["none"]), "accepted": len(s["ok"]), "returned_none": len(s["none"])}
+
+    t, b = side(sides["tkv"]), side(sides["base"])
+    st, sb = t["store_all_calls"], b["store_all_calls"]
+    return {
+        "mover": mover, "host_slab_pinned": pinned, "row_bytes": row_bytes, "device_rows": n_rows,
+        "stores_per_poll": per_step, "engine_step_sleep_s": step_s, "timed_stores_per_side": n_stores,
+        "warmup_stores_discarded": warmup_stores,
+        "baseline": ("UnsafeDictOffloader.store() whose copy is the same wait_stream + side-stream copy_ + event, "
+                     "polled by querying the events; same rows and pacing"),
+        "tiered_kv": t, "baseline_figures": b,
+        "ratio_p99_tiered_kv_over_baseline": _ratio(st["p99"], sb["p99"]),
+        "target_p99_us": TARGET_STORE_P99_US, "target_met": st["p99"] <= TARGET_STORE_P99_US,
+    }
+
+
 def bench_cuda_copy(quick: Union[bool, str] = False, seed: int = 0,
-                    block_sizes: Sequence[int] = (256 * KiB, 2 * MiB, 8 * MiB)) -> dict[str, Any]:
-    """Section 4: device->host and host->device GB/s through tiered_kv vs torch ``copy_`` (CUDA only)."""
-    if not torch.cuda.is_available():
+                    block_sizes: Sequence[int] = (256 * KiB, 2 * MiB, 8 * MiB),
+                    runtime: Optional[Any] = None) -> dict[str, Any]:
+    """Section 4: device->host and host->device GB/s through tiered_kv vs torch ``copy_``, and store()
+    latency on a CUDA KV tensor (CUDA only; ``runtime``: a simulated device, for tests)."""
+    if runtime is None and not torch.cuda.is_available():
         return {"section": "cuda_copy", "skipped": NO_CUDA, "sizes": []}
-    ws, passes, warmup = PLANS[as_mode(quick)]["cuda_copy"]  # pragma: no cover - needs CUDA
-    rng = random.Random(seed * 1000 + 4)  # pragma: no cover
-    return {  # pragma: no cover
+    d = _Device(runtime)
+    ws, passes, warmup = PLANS[as_mode(quick)]["cuda_copy"]
+    rng = random.Random(seed * 1000 + 4)
+    return {
         "section": "cuda_copy",
         "skipped": None,
-        "device": torch.cuda.get_device_name(),
+        "simulated": d.simulated,
+        "device": "simulated" if d.simulated else torch.cuda.get_device_name(),
         "working_set_bytes_per_pass": ws,
         "method": ("tiered_kv: store() every row of a CUDA KV tensor then wait() (device->host), load() each into "
                    "another row then wait() (host->device), CudaMover streams and events, pinned host slab. "
                    "baseline: torch Tensor.copy_(non_blocking=True) of the same rows between the same device "
                    "tensor and the same pinned slab, one side stream, then synchronize. GB = 1e9 bytes."),
-        "sizes": [_cuda_size(b, ws, passes, warmup, rng) for b in block_sizes],
+        "sizes": [_cuda_size(b, ws, passes, warmup, rng, d) for b in block_sizes],
+        "store_latency": _cuda_store_latency(quick, rng, d),
     }
 
 
@@ -1034,6 +1169,11 @@ def _targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             t.append({"target": f"CUDA {x['link']} {_size(s['block_bytes'])} >= {TARGET_CUDA_RATIO}x torch copy_ (GB/s)",
                       "value": x["tiered_kv"]["gb_per_s"], "baseline": x["baseline_torch_copy"]["gb_per_s"],
                       "ratio": x["ratio_tiered_kv_over_baseline"], "met": x["target_met"]})
+    cl = (r.get("cuda_copy") or {}).get("store_latency")
+    if cl:
+        v, b = cl["tiered_kv"]["store_all_calls"]["p99"], cl["baseline_figures"]["store_all_calls"]["p99"]
+        t.append({"target": f"store() p99 on a CUDA KV tensor <= {TARGET_STORE_P99_US:g} us", "value": v,
+                  "baseline": b, "ratio": _ratio(v, b), "met": cl["target_met"]})
     return t
 
 
@@ -1191,6 +1331,15 @@ def _fmt_cuda(c: dict[str, Any]) -> list[str]:
                          f"{x['tiered_kv']['gb_per_s_worst']:.2f}..{x['tiered_kv']['gb_per_s_best']:.2f}")
         if s["problems"]:
             lines.append(f"     problems: {s['problems'][:3]}")
+    cl = c.get("store_latency")
+    if cl:
+        lines.append(f"   store() on the CUDA KV tensor ({cl['mover']}, {_size(cl['row_bytes'])} rows, "
+                     f"{cl['stores_per_poll']} stores then poll() then {cl['engine_step_sleep_s'] * 1e3:g} ms; "
+                     "baseline: the unsafe original queuing the same copy), us p50/p90/p99/max:")
+        for name, key in (("tiered_kv", "tiered_kv"), ("baseline", "baseline_figures")):
+            x = cl[key]["store_all_calls"]
+            lines.append(f"     {name:<10} {x['median']:.1f}/{x['p90']:.1f}/{x['p99']:.1f}/{x['max']:.0f}"
+                         f"   poll() p99 {cl[key]['poll']['p99']:.1f}")
     return lines
 
 

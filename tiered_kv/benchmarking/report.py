@@ -151,6 +151,16 @@ def _core_figures(c: dict[str, Any]) -> list[dict[str, Any]]:
                     "GB/s", t["gb_per_s"], b["gb_per_s"], "torch copy_ between the same device rows and pinned slab",
                     "torch copy_", target_on="ratio", threshold=_core.TARGET_CUDA_RATIO,
                     stats={"value": t["seconds_per_pass"], "baseline": b["seconds_per_pass"]}, source=_ISSUE2))
+        cl = cu.get("store_latency")
+        if cl:
+            t, b = cl["tiered_kv"]["store_all_calls"], cl["baseline_figures"]["store_all_calls"]
+            out.append(_fig(
+                "CUDA links", "cuda.store_p99", f"store() p99 on a CUDA KV tensor ({cl['mover']})", "us",
+                t["p99"], b["p99"], "the unsafe original's store() queuing the same side-stream copy and event",
+                "dict original", better="lower", target_on="value", op="<=", threshold=_core.TARGET_STORE_P99_US,
+                stats={"value": t, "baseline": b}, source=_ISSUE2,
+                note=f"p50 {t['median']:.1f} / max {t['max']:.0f} us; poll() p99 "
+                     f"{cl['tiered_kv']['poll']['p99']:.1f} us"))
     return out
 
 
