@@ -353,3 +353,40 @@ def test_random_engine_never_sees_wrong_bytes() -> None:
         assert not live and not loading
         assert mgr.jobs_in_flight == 0
     assert ok_loads > 20 and len(stored) > 50
+
+
+# ----------------------------------------------------------------------------- the vLLM adapter's copier
+def test_slab_copier_orders_its_copies_after_the_engines_queued_work(tmp_path: Path) -> None:
+    """The vLLM adapter's worker-side copier on CUDA KV: a store reads the block after the engine's
+    queued write, a load overwrites it after the engine's queued read."""
+    from tiered_kv.integrations.offload import SlabCopier
+    from tiered_kv.integrations.slab import SharedSlab
+    from tiered_kv.metrics import Metrics
+
+    width = 4096
+    slab = SharedSlab.open(tmp_path / "x.slab", 4, width, 1)
+    kv = torch.zeros((8, width), dtype=torch.uint8, device="cuda")
+    copier = SlabCopier(slab, 0, [kv], metrics=Metrics(registry=CollectorRegistry(), namespace="t"))
+    pattern = (torch.arange(width) % 251).to(torch.uint8)
+    try:
+        busy()
+        kv[2].copy_(pattern.to("cuda"), non_blocking=True)     # the engine's write, queued behind busy()
+        assert copier.submit(1, b"s" * 16, 1, True, [2], [0])
+        copier.wait([1], timeout=30)
+        assert torch.equal(slab.rows[0], pattern)
+
+        kv[5].fill_(7)
+        torch.cuda.synchronize()
+        out = torch.empty_like(kv[5])
+        busy()
+        out.copy_(kv[5], non_blocking=True)                     # a read queued before the row was given up
+        assert copier.submit(2, b"l" * 16, 2, False, [5], [0])
+        copier.wait([2], timeout=30)
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), torch.full((width,), 7, dtype=torch.uint8))
+        assert torch.equal(kv[5].cpu(), pattern)
+        res = copier.finished()
+        assert [r.job_id for r in res] == [1, 2] and all(r.ok for r in res)
+    finally:
+        copier.close()
+        slab.close()
