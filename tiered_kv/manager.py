@@ -135,7 +135,8 @@ class TierManager(TierViews):
         self._appliers = {_STORE: self._apply_store, _LOAD: self._apply_load, _SPILL: self._apply_spill,
                           _PROMOTE: self._apply_promote}
         self._log_debug = log.isEnabledFor(logging.DEBUG)  # refreshed once per poll
-        self._jobs: dict[uuid.UUID, _Flight] = {}           # token -> job awaiting its worker report
+        # token.int -> job awaiting its worker report: an int key hashes in C, a UUID calls UUID.__hash__
+        self._jobs: dict[int, _Flight] = {}
         self._deliver: list[Job] = []                        # cancelled jobs to report at the next poll
         self._outbox: list[Completion] = []                  # applied, not yet returned by poll()/wait()
         self._row_gen = [0] * self.num_blocks                # bumped whenever a row's content is given up
@@ -206,7 +207,7 @@ class TierManager(TierViews):
             return self._shed(_STORE, "host_full")
         job = Job(token, _STORE, key, block, _PENDING, None, None, self._owner_tag)
         fl = _Flight(job, entry, self._row_gen[block], Transfer(token, _STORE, block, entry.slot, False))
-        self._jobs[token] = fl
+        self._jobs[token.int] = fl
         self._row_stores.setdefault(block, []).append(fl)
         self._n_in_flight[_STORE] += 1
         self._mover.submit(fl.transfer)  # type: ignore[arg-type]
@@ -256,7 +257,7 @@ class TierManager(TierViews):
         promote: Optional[_Flight] = None
         d: Optional[HostEntry] = None   # the disk entry to promote, when the key is only on disk
         if entry is not None and entry.state is not EntryState.READY:
-            promote = self._jobs.get(entry.writer)
+            promote = self._jobs.get(entry.writer.int)
             if promote is None or promote.job.kind is not _PROMOTE:
                 return None  # being stored from a device row: not in a lower tier yet
         elif entry is None:
@@ -281,7 +282,7 @@ class TierManager(TierViews):
             assert entry is not None
             self._index.acquire(entry)
             fl = _Flight(job, entry, self._row_gen[block], Transfer(token, _LOAD, block, entry.slot))
-        self._jobs[token] = fl
+        self._jobs[token.int] = fl
         self._row_load[block] = fl
         self._key_loads.setdefault(key, []).append(fl)
         self._n_in_flight[_LOAD] += 1
@@ -319,7 +320,7 @@ class TierManager(TierViews):
         entry = self._index.get(key)
         if entry is not None:
             if entry.state is EntryState.WRITING:
-                fl = self._jobs.get(entry.writer)
+                fl = self._jobs.get(entry.writer.int)
                 if fl is not None:
                     self._cancel(fl.job, _R_SUPERSEDED)
             self._index.remove(entry)
@@ -328,7 +329,7 @@ class TierManager(TierViews):
         if self._dindex is not None:
             d = self._dindex.get(key)
             if d is not None:
-                spill = self._jobs.get(d.writer) if d.state is EntryState.WRITING else None
+                spill = self._jobs.get(d.writer.int) if d.state is EntryState.WRITING else None
                 if spill is not None:
                     self._cancel(spill.job, _R_SUPERSEDED)
                 else:
@@ -536,7 +537,7 @@ class TierManager(TierViews):
             if not r.ok:
                 self.metrics.error("disk", "flush_failed")
             return
-        fl = self._jobs.pop(r.token, None)
+        fl = self._jobs.pop(r.token.int, None)
         if fl is None:
             self._stale(r.kind, _R_UNKNOWN_TOKEN, r.token)
             return
@@ -629,7 +630,7 @@ class TierManager(TierViews):
     def _fail_waiter(self, w: _Flight, error: str) -> None:
         """A load whose promote failed: nothing will reach its row, report it now."""
         w.promote = None
-        if self._jobs.pop(w.job.token, None) is not None:
+        if self._jobs.pop(w.job.token.int, None) is not None:
             self._n_in_flight[_LOAD] -= 1
         self._unfence_load(w)
         if w.job.state is _PENDING:
@@ -660,7 +661,7 @@ class TierManager(TierViews):
     def _cancel(self, job: Job, reason: StaleReason) -> None:
         if job.state is not _PENDING:
             return
-        fl = self._jobs.get(job.token)
+        fl = self._jobs.get(job.token.int)
         if fl is None:  # pragma: no cover - a PENDING job always has a record
             raise AssertionError(f"pending job without record: {job!r}")
         job.state = _CANCELLING  # PENDING -> CANCELLING, checked just above (jobs.ALLOWED_MOVES)
@@ -678,7 +679,7 @@ class TierManager(TierViews):
                 # still waiting for its promote: nothing can reach the row, so report it now
                 fl.promote.waiters.remove(fl)
                 fl.promote = None
-                del self._jobs[job.token]
+                del self._jobs[job.token.int]
                 self._n_in_flight[_LOAD] -= 1
                 self._unfence_load(fl)
                 self._deliver.append(job)
@@ -726,7 +727,7 @@ class TierManager(TierViews):
             self._shed(_SPILL, d)
         elif d is not None:
             job = Job(token, _SPILL, entry.key, -1, _owner=self._owner_tag)
-            self._jobs[token] = _Flight(job, entry, 0, None, d)
+            self._jobs[token.int] = _Flight(job, entry, 0, None, d)
             self._n_in_flight[_SPILL] += 1
 
     def _start_promote(self, key: bytes, d: HostEntry) -> Optional[_Flight]:
@@ -740,7 +741,7 @@ class TierManager(TierViews):
         self._dindex.acquire(d)
         job = Job(token, _PROMOTE, key, -1, _owner=self._owner_tag)
         fl = _Flight(job, entry, 0, None, d)
-        self._jobs[token] = fl
+        self._jobs[token.int] = fl
         self._n_in_flight[_PROMOTE] += 1
         self._disk.submit_promote(token, key, d.writer, self._slot_views[entry.slot])
         return fl
