@@ -213,6 +213,22 @@ def test_close_lets_queued_copies_finish() -> None:
     assert gpu.idle
 
 
+def test_close_with_a_broken_device_does_not_raise() -> None:
+    mgr, kv, gpu, mover = make(streams=1)
+    fill_row(kv, 0, A)
+    assert mgr.store(A, 0) is not None
+    err = RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def broken(*a: Any) -> None:
+        raise err
+
+    for s in gpu.side:
+        s.synchronize = broken  # type: ignore[method-assign]
+    mover._pending[0][0][2].fail = err
+    mgr.close()                              # logged, answered as failed, not raised
+    assert mover.in_flight() == 0
+
+
 # ----------------------------------------------------------------------------- a random engine
 @pytest.mark.parametrize("seed", range(8))
 def test_random_engine_on_a_randomly_scheduled_device(seed: int) -> None:
