@@ -57,6 +57,16 @@ def test_report_for_unknown_token_does_not_raise_and_is_counted(fake, metric, ki
     assert metric(STALE, kind=kind.value, reason="unknown_token") == 2
 
 
+@pytest.mark.parametrize("token", ["not-a-uuid", 12345, b"\x00" * 16, 1.5])
+def test_report_whose_token_is_not_a_uuid_is_counted_not_raised(fake, metric, token):
+    mgr, mover = fake
+    before = mgr.debug_sizes()
+    mover.inject(token, JobKind.STORE, ok=True)
+    assert mgr.poll() == []
+    assert metric(STALE, kind="store", reason="unknown_token") == 1
+    assert mgr.debug_sizes() == before
+
+
 def test_unknown_token_among_live_jobs_touches_nothing(fake, kv, metric):
     mgr, mover = fake
     fill_row(kv, 3, A)

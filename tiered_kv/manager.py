@@ -537,7 +537,10 @@ class TierManager(TierViews):
             if not r.ok:
                 self.metrics.error("disk", "flush_failed")
             return
-        fl = self._jobs.pop(r.token.int, None)
+        try:
+            fl = self._jobs.pop(r.token.int, None)
+        except AttributeError:  # not a token at all (a foreign or broken mover): nothing of ours either
+            fl = None
         if fl is None:
             self._stale(r.kind, _R_UNKNOWN_TOKEN, r.token)
             return
