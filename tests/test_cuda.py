@@ -43,7 +43,10 @@ def busy() -> None:
 
 
 def dev_content(key: bytes) -> torch.Tensor:
-    return content(key, SHAPE, DTYPE).to("cuda")
+    """``key``'s bytes on the device, queued on the current stream.  From pinned memory and
+    non-blocking: a plain ``.to("cuda")`` waits for the stream, i.e. for a ``busy()`` queued before
+    it, and the interleaving a test sets up would be gone by the time it returns."""
+    return content(key, SHAPE, DTYPE).pin_memory().to("cuda", non_blocking=True)
 
 
 def fill(kv: torch.Tensor, row: int, key: bytes) -> None:
@@ -368,9 +371,10 @@ def test_slab_copier_orders_its_copies_after_the_engines_queued_work(tmp_path: P
     kv = torch.zeros((8, width), dtype=torch.uint8, device="cuda")
     copier = SlabCopier(slab, 0, [kv], metrics=Metrics(registry=CollectorRegistry(), namespace="t"))
     pattern = (torch.arange(width) % 251).to(torch.uint8)
+    on_device = pattern.to("cuda")                            # before busy(): .to() waits for the stream
     try:
         busy()
-        kv[2].copy_(pattern.to("cuda"), non_blocking=True)     # the engine's write, queued behind busy()
+        kv[2].copy_(on_device, non_blocking=True)             # the engine's write, queued behind busy()
         assert copier.submit(1, b"s" * 16, 1, True, [2], [0])
         copier.wait([1], timeout=30)
         assert torch.equal(slab.rows[0], pattern)
