@@ -115,7 +115,8 @@ def add_bench_command(sub: Any) -> None:
                     "the unsafe plain-dict original; host tier GB/s vs raw torch copy_; disk spill/promote vs "
                     "raw write+fsync/read and python-diskcache, also full and evicting; engine-thread latency "
                     "with the disk writer saturated; the demo workload with no offload, host, host+disk; and, "
-                    "with CUDA, device<->host GB/s vs torch's copy.  Missed targets do not fail the command.",
+                    "with CUDA, device<->host GB/s vs torch's copy and store() latency on a CUDA KV tensor.  "
+                    "Missed targets do not fail the command.",
     )
     p.add_argument("--quick", action="store_true", help="smaller sets and fewer repeats (about a minute)")
     p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # seconds: the tests' configuration

@@ -30,7 +30,10 @@ Sections (each a function returning a JSON-ready dict):
 4. ``bench_cuda_copy`` -- only with CUDA: device->host (store) and host->device
    (load) GB/s through the CudaMover beside torch's own ``copy_`` of the same
    bytes between the same device rows and the same pinned host slab, on one
-   side stream.  Without CUDA it returns a "skipped: no CUDA" record.
+   side stream; and section 2's store() latency loop on a CUDA KV tensor,
+   beside the unsafe original queuing the same barrier, copy and event.
+   Without CUDA it returns a "skipped: no CUDA" record (tests run it on a
+   simulated device: ``runtime=``).
 
 Method: seeded; warm-up repeats discarded; tiered_kv and baseline alternate
 repeat by repeat (their order flips each repeat) so drift hits both; objects
