@@ -34,12 +34,10 @@ class FakeEvent:
         self.recorded = False
         self.done = False
         self.at = 0  # device "time" (operations run so far) when reached
-        self.records = 0
         self.fail: Optional[BaseException] = None  # raised by the next query(), as a sticky CUDA error would be
 
     def record(self, stream: "FakeStream") -> None:
         self.recorded, self.done = True, False
-        self.records += 1
         stream.push(("event", self))
 
     def query(self) -> bool:
@@ -52,10 +50,6 @@ class FakeEvent:
     def elapsed_time(self, end: "FakeEvent") -> float:
         assert self.done and end.done, "elapsed_time on an event not reached"
         return float(end.at - self.at) * 1e-3  # 1 us per operation
-
-    def synchronize(self) -> None:
-        while not self.done and self._gpu.step():
-            pass
 
 
 class FakeStream:

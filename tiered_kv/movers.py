@@ -324,7 +324,6 @@ class CudaMover:
         self._row_bytes = int(host_rows.shape[1])
         self._out = completions
         self._device = device_rows.device
-        self._rt = rt
         self._new_event = rt.new_event
         self._current = rt.current_stream
         self._copy = rt.copy
