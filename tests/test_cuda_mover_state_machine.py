@@ -15,9 +15,10 @@ the compute stream, cancels, invalidates and looks keys up.  The device rules of
 the side streams before the compute stream, so hypothesis tries (and shrinks
 towards) copies running ahead of the engine's queued work: the hazards.
 
-The model is plain Python: the host index (entries, LRU, slot leases, eviction),
-in-flight jobs with the side stream and the position of the end event of their
-copy on it (so the model knows exactly when a report can be harvested), row fences,
+The model is plain Python (tests/host_model.py, shared with tests/test_state_machine.py):
+the host index (entries, LRU, slot leases, eviction), in-flight jobs with the side
+stream and the position of the end event of their copy on it (so the model knows
+exactly when a report can be harvested), row fences,
 cancelled stores awaiting delivery, the engine's view of each row, and the counters.
 Checked:
 
@@ -51,11 +52,10 @@ the failure paths are modelled too.
 from __future__ import annotations
 
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional
 
 import pytest
 import torch
@@ -66,6 +66,7 @@ from prometheus_client import CollectorRegistry
 
 from fake_cuda import FakeGPU, FakeStream
 from fakes import fill_row, host_matches, make_config, make_kv, metric_samples, row_matches
+from host_model import Expected, MEntry, MJob, Model
 from tiered_kv import Completion, Job, TierManager
 from tiered_kv.errors import BlockBusyError
 from tiered_kv.movers import CompletionQueue, CudaMover
@@ -77,201 +78,19 @@ KINDS = ("store", "load")
 OUTCOMES = ("ok", "failed", "cancelled", "shed")
 REASONS = ("unknown_token", "cancelled", "superseded", "source_reused")
 SHED = ("inflight_limit", "host_full")
-ERROR_TIER = {"store": "host", "load": "device"}   # the tier a failed copy is counted against
 
 
 # ============================================================================ the model
-@dataclass(eq=False)
-class MEntry:
-    """A host-tier entry: a leased slot, READY once its store's report is applied."""
+class DeviceModel(Model):
+    """The shared model (tests/host_model.py), plus where each job's copy sits on the simulated device:
+    its report is harvested once the device has run its end event (or at once if it was never queued)."""
 
-    key: bytes
-    ready: bool = False
-    readers: int = 0          # loads reading the slot
-    live: bool = True         # in the index
-    writing: bool = True      # its store's copy may still write the slot
-    holds_slot: bool = True
-    writer: Optional["MJob"] = None
+    @staticmethod
+    def harvestable_job(mj: MJob) -> bool:
+        return mj.stream is None or mj.stream.ran >= mj.end
 
-
-@dataclass(eq=False)
-class MJob:
-    """A store or load issued and not yet applied, with where its copy sits on the device."""
-
-    job: Job
-    kind: str                     # "store" | "load"
-    key: bytes
-    row: int
-    entry: MEntry
-    stream: Optional[FakeStream]  # the side stream of its copy; None: the copy could not be queued
-    end: int                      # its end event is operation number ``end`` of ``stream``
-    state: str = "pending"        # pending | cancelling | done | failed | cancelled
-    reason: Optional[str] = None
-
-    def harvestable(self) -> bool:
-        """The mover's harvest() reports it now: its end event was reached (or it failed at submit)."""
-        return self.stream is None or self.stream.ran >= self.end
-
-
-Expected = tuple[bool, Optional[str]]   # (ok, error prefix) of a completion
-
-
-@dataclass
-class Model:
-    entries: dict[bytes, MEntry] = field(default_factory=dict)               # live entries
-    lru: "OrderedDict[bytes, MEntry]" = field(default_factory=OrderedDict)   # READY, no readers
-    used: int = 0                                                            # leased slots
-    records: dict[uuid.UUID, MJob] = field(default_factory=dict)             # report not applied yet
-    deliver: list[MJob] = field(default_factory=list)                        # cancelled stores, next poll
-    row_stores: dict[int, list[MJob]] = field(default_factory=dict)
-    row_load: dict[int, MJob] = field(default_factory=dict)
-    key_loads: dict[bytes, list[MJob]] = field(default_factory=dict)
-    jobs_total: Counter[tuple[str, str]] = field(default_factory=Counter)    # (kind, outcome)
-    stale: Counter[tuple[str, str]] = field(default_factory=Counter)         # (kind, reason)
-    shed: Counter[tuple[str, str]] = field(default_factory=Counter)          # (kind, reason)
-    errors: Counter[str] = field(default_factory=Counter)                    # tier -> copy_failed
-    evictions: int = 0
-    hits: int = 0
-    asked: int = 0
-
-    # -- host index ----------------------------------------------------------
-    def ready(self, key: bytes) -> Optional[MEntry]:
-        e = self.entries.get(key)
-        return e if e is not None and e.ready else None
-
-    def touch(self, e: MEntry) -> None:
-        if self.lru.get(e.key) is e:
-            self.lru.move_to_end(e.key)
-
-    def _maybe_free(self, e: MEntry) -> None:
-        if not e.live and not e.writing and e.readers == 0 and e.holds_slot:
-            e.holds_slot = False
-            self.used -= 1
-
-    def remove(self, e: MEntry) -> None:
-        if e.live:
-            e.live = False
-            if self.entries.get(e.key) is e:
-                del self.entries[e.key]
-            if self.lru.get(e.key) is e:
-                del self.lru[e.key]
-        self._maybe_free(e)
-
-    def _reserve(self, key: bytes) -> Optional[MEntry]:
-        if self.used >= CAPACITY:
-            victim = next((e for k, e in self.lru.items() if k != key), None)
-            if victim is None:
-                return None
-            self.evictions += 1
-            self.remove(victim)
-        e = MEntry(key)
-        self.entries[key] = e
-        self.used += 1
-        return e
-
-    def _release(self, e: MEntry) -> None:
-        e.readers -= 1
-        assert e.readers >= 0
-        if e.readers == 0:
-            if e.live and e.ready:
-                self.lru[e.key] = e
-            else:
-                self._maybe_free(e)
-
-    # -- the API -------------------------------------------------------------
-    def _shed(self, kind: str, why: str) -> str:
-        self.jobs_total[(kind, "shed")] += 1
-        self.shed[(kind, why)] += 1
-        return "none"
-
-    def store(self, key: bytes, row: int) -> Union[str, MEntry]:
-        """'busy' (BlockBusyError), 'none' (store() returns None) or the entry a new job fills."""
-        if row in self.row_load:
-            return "busy"
-        e = self.entries.get(key)
-        if e is not None:
-            self.touch(e)
-            return "none"
-        if len(self.records) >= MAX_INFLIGHT:
-            return self._shed("store", "inflight_limit")
-        e2 = self._reserve(key)
-        return self._shed("store", "host_full") if e2 is None else e2
-
-    def load(self, key: bytes, row: int) -> Union[str, MEntry]:
-        if row in self.row_load:
-            return "busy"
-        e = self.ready(key)
-        if e is None:
-            return "none"
-        if len(self.records) >= MAX_INFLIGHT:
-            return self._shed("load", "inflight_limit")
-        self._give_up_row(row)
-        e.readers += 1
-        self.lru.pop(e.key, None)
-        return e
-
-    def add(self, mj: MJob) -> None:
-        self.records[mj.job.token] = mj
-        if mj.kind == "store":
-            mj.entry.writer = mj
-            self.row_stores.setdefault(mj.row, []).append(mj)
-        else:
-            self.row_load[mj.row] = mj
-            self.key_loads.setdefault(mj.key, []).append(mj)
-
-    def cancel(self, mj: MJob, reason: str) -> None:
-        if mj.state != "pending":
-            return
-        mj.state, mj.reason = "cancelling", reason
-        if mj.kind == "store":   # reported at the next poll; its slot stays leased until its report
-            self._drop_row_store(mj)
-            self.remove(mj.entry)
-            self.deliver.append(mj)
-        # a load stays fenced until its copy can no longer land
-
-    def _drop_row_store(self, mj: MJob) -> None:
-        lst = self.row_stores.get(mj.row)
-        if lst is not None and mj in lst:
-            lst.remove(mj)
-            if not lst:
-                del self.row_stores[mj.row]
-
-    def _give_up_row(self, row: int) -> None:
-        for mj in list(self.row_stores.pop(row, ())):
-            self.cancel(mj, "source_reused")
-
-    def free_block(self, row: int) -> bool:
-        self._give_up_row(row)
-        mj = self.row_load.get(row)
-        if mj is None:
-            return True
-        self.cancel(mj, "cancelled")
-        return False
-
-    def invalidate(self, key: bytes) -> None:
-        e = self.entries.get(key)
-        if e is not None:
-            if not e.ready and e.writer is not None:
-                self.cancel(e.writer, "superseded")
-            self.remove(e)
-        for mj in list(self.key_loads.get(key, ())):
-            self.cancel(mj, "superseded")
-
-    def lookup(self, keys: list[bytes]) -> int:
-        n = 0
-        for k in keys:
-            e = self.ready(k)
-            if e is None:
-                break
-            self.touch(e)
-            n += 1
-        self.hits += n
-        self.asked += len(keys)
-        return n
-
-    # -- poll ----------------------------------------------------------------
     def harvestable(self) -> list[MJob]:
-        return [mj for mj in self.records.values() if mj.harvestable()]
+        return [mj for mj in self.records.values() if self.harvestable_job(mj)]
 
     def due(self) -> set[uuid.UUID]:
         """The tokens the next poll()/wait() must report, and only these."""
@@ -281,60 +100,9 @@ class Model:
                 out.add(mj.job.token)
         return out
 
-    def _finish_cancelled(self, mj: MJob) -> Expected:
-        mj.state = "cancelled"
-        self.jobs_total[(mj.kind, "cancelled")] += 1
-        return False, f"cancelled ({mj.reason})"
-
-    def _fail(self, mj: MJob) -> Expected:
-        mj.state = "failed"
-        self.jobs_total[(mj.kind, "failed")] += 1
-        self.errors[ERROR_TIER[mj.kind]] += 1
-        return False, "failed: copy failed"
-
     def apply_report(self, mj: MJob) -> Optional[Expected]:
-        """The mover's report for ``mj`` applied; the completion it yields (None: stale, none)."""
-        del self.records[mj.job.token]
-        ok = mj.stream is not None
-        e = mj.entry
-        if mj.kind == "store":
-            self._drop_row_store(mj)
-            if mj.state != "pending":
-                self.stale[("store", mj.reason or "cancelled")] += 1
-                e.writing = False
-                self._maybe_free(e)
-                return None
-            e.writing = False
-            if not ok:
-                self.remove(e)
-                return self._fail(mj)
-            if e.live:
-                e.ready = True
-                if e.readers == 0:
-                    self.lru[e.key] = e
-            mj.state = "done"
-            self.jobs_total[("store", "ok")] += 1
-            return True, None
-        if self.row_load.get(mj.row) is mj:
-            del self.row_load[mj.row]
-        loads = self.key_loads[mj.key]
-        loads.remove(mj)
-        if not loads:
-            del self.key_loads[mj.key]
-        self._release(e)
-        if mj.state != "pending":
-            self.stale[("load", mj.reason or "cancelled")] += 1
-            return self._finish_cancelled(mj)
-        if not ok:
-            return self._fail(mj)
-        mj.state = "done"
-        self.jobs_total[("load", "ok")] += 1
-        return True, None
-
-    def take_deliver(self) -> list[tuple[MJob, Expected]]:
-        out = [(mj, self._finish_cancelled(mj)) for mj in self.deliver]
-        self.deliver = []
-        return out
+        """The mover's report for ``mj``: ok unless its copy could not be queued."""
+        return self.apply(mj, mj.stream is not None)
 
 
 # ============================================================================ the machine
@@ -351,7 +119,7 @@ class CudaMoverMachine(RuleBasedStateMachine):
         self.mgr: Optional[TierManager] = None
         self.broken = False            # set while a step runs; left set if it raised
         self.kv = make_kv(ROWS, seed=7)
-        self.model = Model()
+        self.model = DeviceModel(CAPACITY, MAX_INFLIGHT, fail_error="failed: copy failed")
         self.view: list[Optional[bytes]] = [None] * ROWS   # the key the engine may read in each row
         self.keys: list[bytes] = []    # every key computed so far
         self.mjobs: dict[uuid.UUID, MJob] = {}

@@ -6,7 +6,7 @@ with failures, skipped (cancel-hinted) copies, duplicate and unknown reports.
 The copy happens when the transfer is answered, so a stale worker really
 copies whatever the row/slot holds at that moment.
 
-The model is plain Python (no tensors, no tokens): host entries with an LRU,
+The model is plain Python (tests/host_model.py, no tensors, no tokens): host entries with an LRU,
 slot leases, row fences, job states and the metric counters.  Checked after
 every step:
 
@@ -25,7 +25,7 @@ every step:
 from __future__ import annotations
 
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -36,6 +36,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from prometheus_client import CollectorRegistry
 
 from fakes import fill_row, host_matches, make_config, make_fake_manager, make_kv, metric_samples, row_matches
+from host_model import MEntry, MJob, Model
 from tiered_kv import Job, JobKind
 from tiered_kv.errors import BlockBusyError
 
@@ -48,266 +49,36 @@ REASONS = ("unknown_token", "cancelled", "superseded", "source_reused")
 
 
 # ============================================================================ the model
-@dataclass(eq=False)
-class MEntry:
-    key: bytes
-    ready: bool = False
-    readers: int = 0
-    live: bool = True
-    writing: bool = True
-    holds_slot: bool = True
-    writer: Optional["MJob"] = None
-
-
-@dataclass(eq=False)
-class MJob:
-    job: Job
-    kind: str            # "store" | "load"
-    key: bytes
-    row: int
-    entry: MEntry
-    state: str = "pending"   # pending | cancelling | done | failed | cancelled
-    reason: Optional[str] = None
-    reported: int = 0
-
-
 @dataclass
-class Model:
-    rows: int
-    capacity: int
-    max_inflight: int
-    entries: dict = field(default_factory=dict)          # key -> MEntry (live)
-    lru: OrderedDict = field(default_factory=OrderedDict)  # key -> MEntry, READY and unread
-    used: int = 0
-    records: dict = field(default_factory=dict)          # token -> MJob, worker report not applied
-    deliver: list = field(default_factory=list)          # cancelled stores to report at next poll
-    row_stores: dict = field(default_factory=dict)       # row -> [MJob]
-    row_load: dict = field(default_factory=dict)         # row -> MJob
-    key_loads: dict = field(default_factory=dict)        # key -> [MJob]
-    queue: list = field(default_factory=list)            # reports put, not yet applied: (token, kind, ok)
-    jobs_total: Counter = field(default_factory=Counter)  # (kind, outcome)
-    stale: Counter = field(default_factory=Counter)      # (kind, reason)
-    evictions: int = 0
-    hits: int = 0
-    asked: int = 0                                        # keys asked for by lookup()
-    row_content: list = field(default_factory=list)      # row -> key whose bytes it holds, or None
+class FakeMoverModel(Model):
+    """The shared model (tests/host_model.py), plus the reports the fake mover has put, applied in
+    put order at the next poll, and which key's bytes each row holds."""
 
-    # -- host index ----------------------------------------------------------
-    def ready(self, key: bytes) -> Optional[MEntry]:
-        e = self.entries.get(key)
-        return e if e is not None and e.ready else None
-
-    def touch(self, e: MEntry) -> None:
-        if self.lru.get(e.key) is e:
-            self.lru.move_to_end(e.key)
-
-    def _maybe_free(self, e: MEntry) -> None:
-        if not e.live and not e.writing and e.readers == 0 and e.holds_slot:
-            e.holds_slot = False
-            self.used -= 1
-
-    def remove(self, e: MEntry) -> None:
-        if e.live:
-            e.live = False
-            if self.entries.get(e.key) is e:
-                del self.entries[e.key]
-            if self.lru.get(e.key) is e:
-                del self.lru[e.key]
-        self._maybe_free(e)
-
-    def reserve(self, key: bytes) -> Optional[MEntry]:
-        if self.used >= self.capacity:
-            victim = next((e for k, e in self.lru.items() if k != key), None)
-            if victim is None:
-                return None
-            self.evictions += 1
-            self.remove(victim)
-        e = MEntry(key)
-        self.entries[key] = e
-        self.used += 1
-        return e
-
-    def publish(self, e: MEntry) -> None:
-        e.writing = False
-        if not e.live:
-            self._maybe_free(e)
-            return
-        e.ready = True
-        if e.readers == 0:
-            self.lru[e.key] = e
-
-    def writer_done(self, e: MEntry) -> None:
-        e.writing = False
-        self._maybe_free(e)
-
-    def acquire(self, e: MEntry) -> None:
-        e.readers += 1
-        self.lru.pop(e.key, None)
-
-    def release(self, e: MEntry) -> None:
-        e.readers -= 1
-        assert e.readers >= 0
-        if e.readers == 0:
-            if e.live and e.ready:
-                self.lru[e.key] = e
-            else:
-                self._maybe_free(e)
-
-    # -- manager -------------------------------------------------------------
-    def cancel(self, mj: MJob, reason: str) -> None:
-        if mj.state != "pending":
-            return
-        mj.state, mj.reason = "cancelling", reason
-        if mj.kind == "store":
-            self._drop_row_store(mj)
-            self.remove(mj.entry)
-            self.deliver.append(mj)
-
-    def _drop_row_store(self, mj: MJob) -> None:
-        lst = self.row_stores.get(mj.row)
-        if lst is not None and mj in lst:
-            lst.remove(mj)
-            if not lst:
-                del self.row_stores[mj.row]
-
-    def give_up_row(self, row: int) -> None:
-        for mj in list(self.row_stores.pop(row, ())):
-            self.cancel(mj, "source_reused")
-
-    def store(self, key: bytes, row: int):
-        """'busy' | 'none' | MEntry (a job is expected)."""
-        if row in self.row_load:
-            return "busy"
-        e = self.entries.get(key)
-        if e is not None:
-            self.touch(e)
-            return "none"
-        if len(self.records) >= self.max_inflight:
-            self.jobs_total[("store", "shed")] += 1
-            return "none"
-        e = self.reserve(key)
-        if e is None:
-            self.jobs_total[("store", "shed")] += 1
-            return "none"
-        return e
+    queue: list[tuple[uuid.UUID, str, bool]] = field(default_factory=list)   # put, not yet applied
+    row_content: list[Optional[bytes]] = field(default_factory=list)         # row -> key, or None
 
     def add_store(self, job: Job, key: bytes, row: int, e: MEntry) -> MJob:
-        mj = MJob(job, "store", key, row, e)
-        e.writer = mj
-        self.records[job.token] = mj
-        self.row_stores.setdefault(row, []).append(mj)
-        return mj
-
-    def load(self, key: bytes, row: int):
-        if row in self.row_load:
-            return "busy"
-        e = self.ready(key)
-        if e is None:
-            return "none"
-        if len(self.records) >= self.max_inflight:
-            self.jobs_total[("load", "shed")] += 1
-            return "none"
-        self.give_up_row(row)
-        self.acquire(e)
-        return e
+        return self.add(MJob(job, "store", key, row, e))
 
     def add_load(self, job: Job, key: bytes, row: int, e: MEntry) -> MJob:
-        mj = MJob(job, "load", key, row, e)
-        self.records[job.token] = mj
-        self.row_load[row] = mj
-        self.key_loads.setdefault(key, []).append(mj)
         self.row_content[row] = None
-        return mj
+        return self.add(MJob(job, "load", key, row, e))
 
-    def free_block(self, row: int) -> bool:
-        self.give_up_row(row)
-        mj = self.row_load.get(row)
-        if mj is None:
-            return True
-        self.cancel(mj, "cancelled")
-        return False
-
-    def invalidate(self, key: bytes) -> None:
-        e = self.entries.get(key)
-        if e is not None:
-            if not e.ready and e.writer is not None:
-                self.cancel(e.writer, "superseded")
-            self.remove(e)
-        for mj in list(self.key_loads.get(key, ())):
-            self.cancel(mj, "superseded")
-
-    def lookup(self, keys: list[bytes]) -> int:
-        n = 0
-        for k in keys:
-            e = self.ready(k)
-            if e is None:
-                break
-            self.touch(e)
-            n += 1
-        self.hits += n
-        self.asked += len(keys)
-        return n
-
-    def poll(self) -> list[tuple[MJob, bool, str]]:
-        out: list[tuple[MJob, bool, str]] = []
+    def poll(self) -> list[tuple[MJob, bool, Optional[str]]]:
+        out: list[tuple[MJob, bool, Optional[str]]] = []
         queue, self.queue = self.queue, []
         for token, kind, ok in queue:
-            self._apply(token, kind, ok, out)
-        deliver, self.deliver = self.deliver, []
-        for mj in deliver:
-            self._finish_cancelled(mj, out)
+            mj = self.records.get(token)
+            if mj is None:
+                self.stale[(kind, "unknown_token")] += 1
+                continue
+            r = self.apply(mj, ok)
+            if mj.kind == "load":
+                self.row_content[mj.row] = mj.key if mj.state == "done" else None
+            if r is not None:
+                out.append((mj, *r))
+        out += [(mj, *r) for mj, r in self.take_deliver()]
         return out
-
-    def _finish_cancelled(self, mj: MJob, out: list) -> None:
-        mj.state = "cancelled"
-        self.jobs_total[(mj.kind, "cancelled")] += 1
-        out.append((mj, False, f"cancelled ({mj.reason})"))
-
-    def _apply(self, token: uuid.UUID, kind: str, ok: bool, out: list) -> None:
-        mj = self.records.pop(token, None)
-        if mj is None:
-            self.stale[(kind, "unknown_token")] += 1
-            return
-        e = mj.entry
-        if mj.kind == "store":
-            self._drop_row_store(mj)
-            if mj.state != "pending":
-                self.stale[("store", mj.reason)] += 1
-                self.writer_done(e)
-                return
-            if not ok:
-                self.writer_done(e)
-                self.remove(e)
-                mj.state = "failed"
-                self.jobs_total[("store", "failed")] += 1
-                out.append((mj, False, "failed: "))
-                return
-            self.publish(e)
-            mj.state = "done"
-            self.jobs_total[("store", "ok")] += 1
-            out.append((mj, True, None))
-            return
-        if self.row_load.get(mj.row) is mj:
-            del self.row_load[mj.row]
-        loads = self.key_loads[mj.key]
-        loads.remove(mj)
-        if not loads:
-            del self.key_loads[mj.key]
-        self.release(e)
-        if mj.state != "pending":
-            self.stale[("load", mj.reason)] += 1
-            self._finish_cancelled(mj, out)
-            self.row_content[mj.row] = None
-        elif not ok:
-            mj.state = "failed"
-            self.jobs_total[("load", "failed")] += 1
-            out.append((mj, False, "failed: "))
-            self.row_content[mj.row] = None
-        else:
-            mj.state = "done"
-            self.jobs_total[("load", "ok")] += 1
-            out.append((mj, True, None))
-            self.row_content[mj.row] = mj.key
 
 
 # ============================================================================ the machine
@@ -322,7 +93,7 @@ class TierMachine(RuleBasedStateMachine):
         self.registry = CollectorRegistry()
         self.mgr, self.mover = make_fake_manager(
             make_config(host_slots=CAPACITY, max_inflight_jobs=MAX_INFLIGHT), self.kv, self.registry)
-        self.model = Model(ROWS, CAPACITY, MAX_INFLIGHT, row_content=[None] * ROWS)
+        self.model = FakeMoverModel(CAPACITY, MAX_INFLIGHT, row_content=[None] * ROWS)
         self.mjobs: dict[uuid.UUID, MJob] = {}
         self.issued: list[Job] = []
         self.reported: Counter = Counter()
