@@ -25,7 +25,7 @@ from typing import Any, Optional, Union
 import torch
 from prometheus_client import CollectorRegistry
 
-from tiered_kv import TieredKVConfig, TierManager
+from tiered_kv import Completion, Job, TieredKVConfig, TierManager
 from tiered_kv.jobs import JobKind
 from tiered_kv.movers import CompletionQueue, Report, Transfer
 
@@ -83,6 +83,17 @@ def sample(registry: CollectorRegistry, name: str, labels: Optional[dict[str, st
     lab = dict(labels or {}, **kw)
     v = registry.get_sample_value(name, lab)
     return 0.0 if v is None else float(v)
+
+
+def mgr_metric(mgr: TierManager, name: str, **labels: str) -> float:
+    """A sample of ``mgr``'s registry, counts batched until the next poll flushed first; 0.0 when absent."""
+    mgr.metrics.flush()
+    return sample(mgr.metrics.registry, name, **labels)
+
+
+def reported(completions: Iterable[Completion], job: Job) -> list[Completion]:
+    """The completions of ``job`` among ``completions``."""
+    return [c for c in completions if c.job is job]
 
 
 def metric_samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -24,7 +24,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from fakes import content, content_u8, host_matches, sample
+from fakes import content, content_u8, host_matches, mgr_metric, reported
 from tiered_kv import Completion, Job, TieredKVConfig, TierManager
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -64,15 +64,6 @@ def make(rows: int = 64, slots: int = 32, disk: Optional[Path] = None, **kw: Any
                          disk_path=str(disk) if disk is not None else None,
                          disk_capacity_bytes=(256 * ROW_BYTES) if disk is not None else 0, **kw)
     return TierManager(cfg, kv, registry=CollectorRegistry()), kv
-
-
-def metric(mgr: TierManager, name: str, **labels: str) -> float:
-    mgr.metrics.flush()
-    return sample(mgr.metrics.registry, name, **labels)
-
-
-def reported(comps: list[Completion], job: Job) -> list[Completion]:
-    return [c for c in comps if c.job is job]
 
 
 def store_ok(mgr: TierManager, kv: torch.Tensor, key: bytes, row: int) -> None:
@@ -116,8 +107,8 @@ def test_store_then_load_round_trips_the_bytes() -> None:
         assert len(comps) == 16 and all(c.ok for c in comps)
         for i, k in enumerate(keys):
             assert row_is(kv, 32 + i, k)
-        assert metric(mgr, "tiered_kv_transfer_bytes_total", src="device", dst="host") == 16 * ROW_BYTES
-        assert metric(mgr, "tiered_kv_transfer_bytes_total", src="host", dst="device") == 16 * ROW_BYTES
+        assert mgr_metric(mgr, "tiered_kv_transfer_bytes_total", src="device", dst="host") == 16 * ROW_BYTES
+        assert mgr_metric(mgr, "tiered_kv_transfer_bytes_total", src="host", dst="device") == 16 * ROW_BYTES
 
 
 # ----------------------------------------------------------------------------- ordering on the GPU
@@ -189,7 +180,7 @@ def test_cancelled_load_keeps_the_row_fenced_until_its_copy_is_done() -> None:
         (c,) = reported(mgr.poll(), job)
         assert not c.ok and c.error is not None and c.error.startswith("cancelled")
         assert mgr.free_block(9) is True
-        assert metric(mgr, STALE, kind="load", reason="cancelled") == 1
+        assert mgr_metric(mgr, STALE, kind="load", reason="cancelled") == 1
         assert mgr.jobs_in_flight == 0
 
 
@@ -206,7 +197,7 @@ def test_store_whose_row_is_freed_in_flight_is_discarded() -> None:
         (c,) = reported(comps, job)
         assert not c.ok and "source_reused" in (c.error or "")
         assert mgr.lookup([A]) == 0 and mgr.host_bytes(A) is None
-        assert metric(mgr, STALE, kind="store", reason="source_reused") == 1
+        assert mgr_metric(mgr, STALE, kind="store", reason="source_reused") == 1
         assert mgr.load(A, 10) is None
 
 
@@ -249,7 +240,7 @@ def test_a_copy_that_cannot_be_queued_is_reported_failed_not_raised() -> None:
             mover._host = good
         assert not c.ok and "copy failed" in (c.error or "")
         assert mgr.lookup([A]) == 0
-        assert metric(mgr, "tiered_kv_errors_total", tier="host", error="copy_failed") == 1
+        assert mgr_metric(mgr, "tiered_kv_errors_total", tier="host", error="copy_failed") == 1
         store_ok(mgr, kv, A, 1)                  # the next copy works
         assert host_matches(mgr, A, kv) is True
 
@@ -279,7 +270,7 @@ def test_disk_round_trip_through_the_gpu(tmp_path: Path) -> None:
             (c,) = reported(mgr.wait([job], timeout=30), job)
             assert c.ok, c
             assert row_is(kv, 32 + i, k)
-        assert metric(mgr, "tiered_kv_transfer_bytes_total", src="disk", dst="host") >= 8 * ROW_BYTES
+        assert mgr_metric(mgr, "tiered_kv_transfer_bytes_total", src="disk", dst="host") >= 8 * ROW_BYTES
 
 
 # ----------------------------------------------------------------------------- a random engine

@@ -19,7 +19,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from fake_cuda import FakeGPU
-from fakes import content, fill_row, host_matches, make_config, make_kv, row_matches, sample
+from fakes import content, fill_row, host_matches, make_config, make_kv, mgr_metric, reported, row_matches
 from tiered_kv import Completion, Job, TierManager
 from tiered_kv.movers import CudaMover
 
@@ -39,15 +39,6 @@ def make(rows: int = 32, slots: int = 16, streams: int = 2, rng: Optional[random
     kv = make_kv(rows)
     mgr = TierManager(make_config(host_slots=slots), kv, registry=CollectorRegistry(), mover_factory=factory)
     return mgr, kv, gpu, made[0]
-
-
-def metric(mgr: TierManager, name: str, **labels: str) -> float:
-    mgr.metrics.flush()
-    return sample(mgr.metrics.registry, name, **labels)
-
-
-def reported(comps: list[Completion], job: Job) -> list[Completion]:
-    return [c for c in comps if c.job is job]
 
 
 def in_host(mgr: TierManager, gpu: FakeGPU, kv: torch.Tensor, key: bytes, row: int) -> None:
@@ -109,7 +100,7 @@ def test_cancelled_load_is_reported_only_after_its_copy_ran() -> None:
     (c,) = reported(mgr.poll(), job)
     assert not c.ok and (c.error or "").startswith("cancelled")
     assert mgr.free_block(9) is True
-    assert metric(mgr, STALE, kind="load", reason="cancelled") == 1
+    assert mgr_metric(mgr, STALE, kind="load", reason="cancelled") == 1
     assert mgr.jobs_in_flight == 0
     mgr.close()
 
@@ -164,7 +155,7 @@ def test_a_copy_that_cannot_be_queued_is_reported_failed() -> None:
     (c,) = reported(mgr.poll(), job)
     assert not c.ok and "copy failed" in (c.error or "") and "out of memory" in (c.error or "")
     assert mgr.lookup([A]) == 0
-    assert metric(mgr, "tiered_kv_errors_total", tier="host", error="copy_failed") == 1
+    assert mgr_metric(mgr, "tiered_kv_errors_total", tier="host", error="copy_failed") == 1
     in_host(mgr, gpu, kv, A, 1)              # the next copy works
     assert host_matches(mgr, A, kv) is True
     mgr.close()
