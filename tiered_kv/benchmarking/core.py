@@ -593,6 +593,63 @@ def _latency_loop(store: Callable[[bytes, int], Any], poll: Callable[[], Any], k
         sleep(step_s)  # the engine's forward pass: the copy workers run meanwhile
 
 
+def _store_latency_sides(mgr: TierManager, base: UnsafeDictOffloader, base_poll: Callable[[], Any],
+                         base_settle: Callable[[], None], rng: random.Random, n_stores: int, segments: int,
+                         warmup_stores: int, n_rows: int, per_step: int, step_s: float) -> dict[str, dict[str, Any]]:
+    """Section 2's measurement, run by its CUDA variant too: each side's store() timed in the engine loop.
+
+    Warm-up (discarded): one store per row then wait (``base_settle`` waits for the baseline's), so the
+    host slab is faulted in and full and the timed stores evict like a long-running engine; then
+    ``warmup_stores`` stores in engine steps.  Then ``segments`` timed segments, tiered_kv and the
+    baseline alternating, their order flipped each segment.  Each side holds its samples (ns):
+    ``ok``/``none`` (store returned a job / None), ``first`` (each step's first call), ``poll_ns``,
+    and ``seconds`` spent in its timed segments.
+    """
+    sides: dict[str, dict[str, Any]] = {
+        name: {"store": store, "poll": poll, "ok": [], "none": [], "poll_ns": [], "first": [], "at": 0,
+               "seconds": 0.0}
+        for name, store, poll in (("tkv", mgr.store, mgr.poll), ("base", base.store, base_poll))}
+    mgr.wait([j for j in (mgr.store(k, i) for i, k in enumerate(_keys(rng, n_rows))) if j is not None], timeout=120)
+    for i, k in enumerate(_keys(rng, n_rows)):
+        base.store(k, i)
+    base_settle()
+    for s in sides.values():
+        _latency_loop(s["store"], s["poll"], _keys(rng, warmup_stores), 0, n_rows, per_step, step_s, [], [], [])
+        s["at"] = warmup_stores
+    seg_n = n_stores // segments
+    for seg in range(segments):
+        keys = _keys(rng, seg_n)
+        for name in (("tkv", "base") if seg % 2 == 0 else ("base", "tkv")):
+            s = sides[name]
+            gc.collect()
+            t0 = time.perf_counter()
+            _latency_loop(s["store"], s["poll"], keys, s["at"], n_rows, per_step, step_s,
+                          s["ok"], s["none"], s["poll_ns"], s["first"])
+            s["seconds"] += time.perf_counter() - t0
+            s["at"] += seg_n
+    return sides
+
+
+def _us(xs: list[int]) -> list[float]:
+    return [x / 1e3 for x in xs]
+
+
+def _latency_side(s: dict[str, Any], row_bytes: int) -> dict[str, Any]:
+    """One side of :func:`_store_latency_sides`, summarized (us)."""
+    n_ok = len(s["ok"])
+    rest = sorted(s["ok"] + s["none"])
+    for x in s["first"]:  # the same samples minus each step's first call
+        del rest[bisect.bisect_left(rest, x)]
+    return {"store_all_calls": summarize(_us(s["ok"] + s["none"]), "us/call"),
+            "store_first_of_step": summarize(_us(s["first"]), "us/call"),
+            "store_rest_of_step": summarize(_us(rest), "us/call"),
+            "store_accepted": summarize(_us(s["ok"]), "us/call"),
+            "store_returned_none": summarize(_us(s["none"]), "us/call") if s["none"] else None,
+            "calls": n_ok + len(s["none"]), "accepted": n_ok, "returned_none": len(s["none"]),
+            "poll": summarize(_us(s["poll_ns"]), "us/call"),
+            "copy_gb_per_s_requested": n_ok * row_bytes / s["seconds"] / 1e9 if s["seconds"] else None}
+
+
 def bench_store_latency(quick: Union[bool, str] = False, seed: int = 0, row_bytes: Optional[int] = None,
                         n_rows: Optional[int] = None, per_step: int = 16, step_s: float = 0.010) -> dict[str, Any]:
     """Section 2: store() wall time per call with the real default mover, poll() every ``per_step`` stores.
@@ -616,35 +673,16 @@ def bench_store_latency(quick: Union[bool, str] = False, seed: int = 0, row_byte
     host_b = torch.empty((n_rows, row_bytes), dtype=torch.uint8)  # faulted in by the warm-up, like the tier's slab
     base_mover = ThreadMover(kv, host_b, base.queue, cfg.num_copy_workers)
     base._submit = lambda job_id, block, slot: base_mover.submit(Transfer(job_id, _STORE, block, slot))
-    sides: dict[str, dict[str, Any]] = {
-        "tkv": {"store": mgr.store, "poll": mgr.poll, "ok": [], "none": [], "poll_ns": [], "first": [], "at": 0},
-        "base": {"store": base.store, "poll": base.poll_reports, "ok": [], "none": [], "poll_ns": [], "first": [],
-                 "at": 0},
-    }
-    # warm-up (discarded): one store per row then wait, so the host slab is faulted in and full (the
-    # timed stores evict like a long-running engine), then some engine steps
-    mgr.wait([j for j in (mgr.store(k, i) for i, k in enumerate(_keys(rng, n_rows))) if j is not None], timeout=120)
-    for i, k in enumerate(_keys(rng, n_rows)):
-        base.store(k, i)
-    deadline = time.monotonic() + 120
-    while base.jobs and time.monotonic() < deadline:
-        base.poll_reports()
-        time.sleep(0.001)
-    for s in sides.values():
-        _latency_loop(s["store"], s["poll"], _keys(rng, warmup_stores), 0, n_rows, per_step, step_s, [], [], [])
-        s["at"] = warmup_stores
+
+    def base_settle() -> None:
+        deadline = time.monotonic() + 120
+        while base.jobs and time.monotonic() < deadline:
+            base.poll_reports()
+            time.sleep(0.001)
+
+    sides = _store_latency_sides(mgr, base, base.poll_reports, base_settle, rng, n_stores, segments, warmup_stores,
+                                 n_rows, per_step, step_s)
     seg_n = n_stores // segments
-    t_run = {"tkv": 0.0, "base": 0.0}
-    for seg in range(segments):
-        keys = _keys(rng, seg_n)
-        for name in (("tkv", "base") if seg % 2 == 0 else ("base", "tkv")):
-            s = sides[name]
-            gc.collect()
-            t0 = time.perf_counter()
-            _latency_loop(s["store"], s["poll"], keys, s["at"], n_rows, per_step, step_s,
-                          s["ok"], s["none"], s["poll_ns"], s["first"])
-            t_run[name] += time.perf_counter() - t0
-            s["at"] += seg_n
     mgr.wait(timeout=60)
     base_mover.close()
     base.poll_reports()
@@ -700,24 +738,7 @@ def bench_store_latency(quick: Union[bool, str] = False, seed: int = 0, row_byte
         noop(b"k", i)
         floor.append(clock() - t0)
 
-    def us(xs: list[int]) -> list[float]:
-        return [x / 1e3 for x in xs]
-
-    def side(s: dict[str, Any], name: str) -> dict[str, Any]:
-        n_ok = len(s["ok"])
-        rest = sorted(s["ok"] + s["none"])
-        for x in s["first"]:  # the same samples minus each step's first call
-            del rest[bisect.bisect_left(rest, x)]
-        return {"store_all_calls": summarize(us(s["ok"] + s["none"]), "us/call"),
-                "store_first_of_step": summarize(us(s["first"]), "us/call"),
-                "store_rest_of_step": summarize(us(rest), "us/call"),
-                "store_accepted": summarize(us(s["ok"]), "us/call"),
-                "store_returned_none": summarize(us(s["none"]), "us/call") if s["none"] else None,
-                "calls": n_ok + len(s["none"]), "accepted": n_ok, "returned_none": len(s["none"]),
-                "poll": summarize(us(s["poll_ns"]), "us/call"),
-                "copy_gb_per_s_requested": n_ok * row_bytes / t_run[name] / 1e9 if t_run[name] else None}
-
-    t, b = side(sides["tkv"], "tkv"), side(sides["base"], "base")
+    t, b = _latency_side(sides["tkv"], row_bytes), _latency_side(sides["base"], row_bytes)
     t["stale_callbacks"] = stale
     st, sb = t["store_all_calls"], b["store_all_calls"]
     return {
@@ -734,22 +755,22 @@ def bench_store_latency(quick: Union[bool, str] = False, seed: int = 0, row_byte
         "baseline": "UnsafeDictOffloader.store() with its own ThreadMover (same worker count) copying the same rows",
         "tiered_kv": t,
         "baseline_figures": b,
-        "timer_floor": summarize(us(floor), "us/call"),
+        "timer_floor": summarize(_us(floor), "us/call"),
         "note_no_copy_running": {
             "what": "same loop, no copies anywhere (tiered_kv with DeferredMover, baseline with immediate tuples), "
                     "no step sleep: the call's own cost without GIL/CPU contention from copy workers",
-            "tiered_kv_store": summarize(us(quiet["tkv"][0] + quiet["tkv"][1]), "us/call"),
-            "baseline_store": summarize(us(quiet["base"][0] + quiet["base"][1]), "us/call"),
+            "tiered_kv_store": summarize(_us(quiet["tkv"][0] + quiet["tkv"][1]), "us/call"),
+            "baseline_store": summarize(_us(quiet["base"][0] + quiet["base"][1]), "us/call"),
             "tiered_kv_returned_none": len(quiet["tkv"][1]), "baseline_returned_none": len(quiet["base"][1]),
         },
         "note_idle_step_no_copy": {
             "what": (f"no copies anywhere, but the same {step_s * 1e3:g} ms sleep between bursts: a step's first "
                      "store() runs on caches the pause left cold, with no copy traffic involved"),
-            "tiered_kv_store": summarize(us(idle["tkv"]["all"]), "us/call"),
-            "tiered_kv_first_of_step": summarize(us(idle["tkv"]["first"]), "us/call"),
-            "baseline_store": summarize(us(idle["base"]["all"]), "us/call"),
-            "baseline_first_of_step": summarize(us(idle["base"]["first"]), "us/call"),
-            "noop_first_of_step": summarize(us(idle["noop"]["first"]), "us/call"),
+            "tiered_kv_store": summarize(_us(idle["tkv"]["all"]), "us/call"),
+            "tiered_kv_first_of_step": summarize(_us(idle["tkv"]["first"]), "us/call"),
+            "baseline_store": summarize(_us(idle["base"]["all"]), "us/call"),
+            "baseline_first_of_step": summarize(_us(idle["base"]["first"]), "us/call"),
+            "noop_first_of_step": summarize(_us(idle["noop"]["first"]), "us/call"),
         },
         "ratio_p50_tiered_kv_over_baseline": _ratio(st["median"], sb["median"]),
         "ratio_p99_tiered_kv_over_baseline": _ratio(st["p99"], sb["p99"]),
@@ -1033,27 +1054,12 @@ def _cuda_store_latency(quick: Union[bool, str], rng: random.Random, d: _Device,
         raw.harvest()
         return base.poll_reports()
 
-    sides: dict[str, dict[str, Any]] = {
-        "tkv": {"store": mgr.store, "poll": mgr.poll, "ok": [], "none": [], "poll_ns": [], "first": [], "at": 0},
-        "base": {"store": base.store, "poll": base_poll, "ok": [], "none": [], "poll_ns": [], "first": [], "at": 0},
-    }
-    mgr.wait([j for j in (mgr.store(k, i) for i, k in enumerate(_keys(rng, n_rows))) if j is not None], timeout=120)
-    for i, k in enumerate(_keys(rng, n_rows)):
-        base.store(k, i)
-    d.sync()
-    base_poll()
-    for s in sides.values():
-        _latency_loop(s["store"], s["poll"], _keys(rng, warmup_stores), 0, n_rows, per_step, step_s, [], [], [])
-        s["at"] = warmup_stores
-    seg_n = n_stores // segments
-    for seg in range(segments):
-        keys = _keys(rng, seg_n)
-        for name in (("tkv", "base") if seg % 2 == 0 else ("base", "tkv")):
-            s = sides[name]
-            gc.collect()
-            _latency_loop(s["store"], s["poll"], keys, s["at"], n_rows, per_step, step_s,
-                          s["ok"], s["none"], s["poll_ns"], s["first"])
-            s["at"] += seg_n
+    def base_settle() -> None:
+        d.sync()
+        base_poll()
+
+    sides = _store_latency_sides(mgr, base, base_poll, base_settle, rng, n_stores, segments, warmup_stores,
+                                 n_rows, per_step, step_s)
     d.sync()
     mgr.wait(timeout=60)
     base_poll()
@@ -1064,16 +1070,7 @@ def _cuda_store_latency(quick: Union[bool, str], rng: random.Random, d: _Device,
     del kv, host_b, mgr
     d.release()
 
-    def us(xs: list[int]) -> list[float]:
-        return [x / 1e3 for x in xs]
-
-    def side(s: dict[str, Any]) -> dict[str, Any]:
-        return {"store_all_calls": summarize(us(s["ok"] + s["none"]), "us/call"),
-                "store_first_of_step": summarize(us(s["first"]), "us/call"),
-                "poll": summarize(us(s["poll_ns"]), "us/call"),
-                "calls": len(s["ok"]) + len(s["none"]), "accepted": len(s["ok"]), "returned_none": len(s["none"])}
-
-    t, b = side(sides["tkv"]), side(sides["base"])
+    t, b = _latency_side(sides["tkv"], row_bytes), _latency_side(sides["base"], row_bytes)
     st, sb = t["store_all_calls"], b["store_all_calls"]
     return {
         "mover": mover, "host_slab_pinned": pinned, "row_bytes": row_bytes, "device_rows": n_rows,
