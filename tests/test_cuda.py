@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import random
-import uuid
 from pathlib import Path
 from typing import Any, Optional
 
@@ -25,7 +24,8 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from fakes import content, content_u8, host_matches, mgr_metric, reported
-from tiered_kv import Completion, Job, TieredKVConfig, TierManager
+from random_engine import random_engine
+from tiered_kv import TieredKVConfig, TierManager
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -275,78 +275,16 @@ def test_disk_round_trip_through_the_gpu(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------- a random engine
 def test_random_engine_never_sees_wrong_bytes() -> None:
-    """Seeded engine loop on the real mover: compute+store, load, free, cancel, invalidate, poll, GPU stalls.
-
-    Every key is computed once (fresh name), so a row holding another key's
-    bytes after an ok load is caught.  Each job must be reported exactly once.
-    """
-    rng = random.Random(20261129)
-    rows = 48
-    mgr, kv = make(rows=rows, slots=24)
-    owner: list[Optional[bytes]] = [None] * rows       # what the row holds, as the engine knows it
-    loading: dict[int, Job] = {}                       # row -> its load in flight
-    live: dict[Job, None] = {}
-    stored: list[bytes] = []
-    seen: set[uuid.UUID] = set()
-    n_key = 0
-    ok_loads = 0
-
-    def apply(comps: list[Completion]) -> None:
-        nonlocal ok_loads
-        for c in comps:
-            assert c.job.token not in seen, f"reported twice: {c.job}"
-            seen.add(c.job.token)
-            live.pop(c.job, None)
-            if c.job.kind.value == "load":
-                row = c.job.block
-                assert loading.get(row) is c.job
-                del loading[row]
-                if c.ok:
-                    assert row_is(kv, row, c.job.key), f"row {row} does not hold {c.job.key!r}"
-                    owner[row] = c.job.key
-                    ok_loads += 1
-                else:
-                    owner[row] = None   # a cancelled or failed load leaves the row's bytes unknown
-            elif c.ok:
-                stored.append(c.job.key)
-
+    """Seeded engine loop on the real mover (tests/random_engine.py): compute+store, load, free,
+    cancel, invalidate, poll, and GPU stalls of 1-10 M cycles on the engine's stream."""
+    mgr, kv = make(rows=48, slots=24)
     with mgr:
-        for step in range(1500):
-            op = rng.random()
-            row = rng.randrange(rows)
-            if op < 0.30:                                   # compute a new block and store it
-                if row in loading or not mgr.free_block(row):
-                    continue
-                n_key += 1
-                key = f"rk-{n_key}".encode()
-                fill(kv, row, key)
-                owner[row] = key
-                job = mgr.store(key, row)
-                if job is not None:
-                    live[job] = None
-            elif op < 0.55 and stored:                      # a prefix hit: load into a free row
-                if row in loading or not mgr.free_block(row):
-                    continue
-                owner[row] = None
-                job = mgr.load(rng.choice(stored), row)
-                if job is not None:
-                    live[job] = None
-                    loading[row] = job
-            elif op < 0.65:                                 # the engine frees a row
-                mgr.free_block(row)
-            elif op < 0.72 and live:                        # abort
-                mgr.cancel(rng.choice(list(live)))
-            elif op < 0.76 and stored:                      # invalidate
-                mgr.invalidate(rng.choice(stored))
-            elif op < 0.80:
-                busy_short = rng.randrange(1_000_000, 10_000_000)
-                torch.cuda._sleep(busy_short)
-            else:
-                apply(mgr.poll())
-        apply(mgr.wait(timeout=60))
-        assert not live and not loading
-        assert mgr.jobs_in_flight == 0
-    assert ok_loads > 20 and len(stored) > 50
+        ok_loads, ok_stores = random_engine(
+            mgr, random.Random(20261129), 48, 1500, (0.30, 0.25, 0.10, 0.07, 0.04, 0.04),
+            compute=lambda row, key: fill(kv, row, key), row_holds=lambda row, key: row_is(kv, row, key),
+            host_holds=lambda key: host_matches(mgr, key, kv),
+            device_tick=lambda rng: torch.cuda._sleep(rng.randrange(1_000_000, 10_000_000)))
+    assert ok_loads > 20 and ok_stores > 50
 
 
 # ----------------------------------------------------------------------------- the vLLM adapter's copier

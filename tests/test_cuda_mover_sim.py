@@ -11,7 +11,6 @@ bytes when it runs, so a copy that ran too early is seen as wrong bytes.
 from __future__ import annotations
 
 import random
-import uuid
 from typing import Any, Optional
 
 import pytest
@@ -20,7 +19,8 @@ from prometheus_client import CollectorRegistry
 
 from fake_cuda import FakeGPU
 from fakes import content, fill_row, host_matches, make_config, make_kv, mgr_metric, reported, row_matches
-from tiered_kv import Completion, Job, TierManager
+from tiered_kv import TierManager
+from random_engine import random_engine
 from tiered_kv.movers import CudaMover
 
 STALE = "tiered_kv_stale_callbacks_total"
@@ -223,68 +223,21 @@ def test_close_with_a_broken_device_does_not_raise() -> None:
 # ----------------------------------------------------------------------------- a random engine
 @pytest.mark.parametrize("seed", range(8))
 def test_random_engine_on_a_randomly_scheduled_device(seed: int) -> None:
-    """Engine ops (compute+store, load, free, cancel, invalidate, poll) interleaved with device steps
-    that run the streams in random order.  Every key is computed once, so wrong bytes are caught at
-    each ok load (the row) and each ok store (the host slot); each job is reported exactly once."""
-    rng = random.Random(seed)
-    rows = 64
-    mgr, kv, gpu, mover = make(rows=rows, slots=24, streams=1 + seed % 3, rng=random.Random(seed + 100))
-    loading: dict[int, Job] = {}
-    live: dict[uuid.UUID, Job] = {}
-    stored: list[bytes] = []
-    seen: set[uuid.UUID] = set()
-    n_key = ok_loads = 0
+    """The seeded engine of tests/random_engine.py, interleaved with device steps that run the streams
+    in random order (1-16 operations at a time)."""
+    mgr, kv, gpu, mover = make(rows=64, slots=24, streams=1 + seed % 3, rng=random.Random(seed + 100))
 
-    def apply(comps: list[Completion]) -> None:
-        nonlocal ok_loads
-        for c in comps:
-            tok = c.job.token
-            assert tok not in seen, f"reported twice: {c.job}"
-            seen.add(tok)
-            live.pop(tok, None)
-            if c.job.kind.value == "load":
-                assert loading.pop(c.job.block) is c.job
-                if c.ok:
-                    assert row_matches(kv, c.job.block, c.job.key), c.job
-                    ok_loads += 1
-            elif c.ok:
-                assert host_matches(mgr, c.job.key, kv) in (True, None), c.job
-                stored.append(c.job.key)
+    def device_tick(rng: random.Random) -> None:
+        for _ in range(rng.randrange(1, 17)):
+            gpu.step()
 
-    for _ in range(800):
-        op = rng.random()
-        row = rng.randrange(rows)
-        if op < 0.25:
-            if row in loading or not mgr.free_block(row):
-                continue
-            n_key += 1
-            key = f"s{seed}-{n_key}".encode()
-            gpu.kernel(lambda row=row, key=key: fill_row(kv, row, key))
-            job = mgr.store(key, row)
-            if job is not None:
-                live[job.token] = job
-        elif op < 0.45 and stored:
-            if row in loading or not mgr.free_block(row):
-                continue
-            job = mgr.load(rng.choice(stored), row)
-            if job is not None:
-                live[job.token] = job
-                loading[row] = job
-        elif op < 0.49:
-            mgr.free_block(row)
-        elif op < 0.52 and live:
-            mgr.cancel(rng.choice(list(live.values())))
-        elif op < 0.55 and stored:
-            mgr.invalidate(rng.choice(stored))
-        elif op < 0.85:
-            for _ in range(rng.randrange(1, 17)):
-                gpu.step()
-        else:
-            apply(mgr.poll())
-    gpu.run_all()
-    apply(mgr.wait(timeout=30))
-    assert not live and not loading and mgr.jobs_in_flight == 0 and mover.in_flight() == 0
-    assert ok_loads > 20 and len(stored) > 60
+    ok_loads, ok_stores = random_engine(
+        mgr, random.Random(seed), 64, 800, (0.25, 0.20, 0.04, 0.03, 0.03, 0.30),
+        compute=lambda row, key: gpu.kernel(lambda: fill_row(kv, row, key)),
+        row_holds=lambda row, key: row_matches(kv, row, key), host_holds=lambda key: host_matches(mgr, key, kv),
+        device_tick=device_tick, before_wait=gpu.run_all, prefix=f"s{seed}")
+    assert mover.in_flight() == 0
+    assert ok_loads > 20 and ok_stores > 60
     mgr.close()
 
 
