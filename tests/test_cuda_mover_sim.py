@@ -11,6 +11,7 @@ bytes when it runs, so a copy that ran too early is seen as wrong bytes.
 from __future__ import annotations
 
 import random
+import uuid
 from typing import Any, Optional
 
 import pytest
@@ -143,6 +144,22 @@ def test_events_are_recycled_and_a_recycled_event_is_not_reported_early() -> Non
     assert len(gpu.events) <= 8
     assert mover.in_flight() == 0
     mgr.close()
+
+
+def test_a_transfer_cancelled_before_submit_is_answered_without_a_copy() -> None:
+    """The Mover protocol's hint: a transfer already marked cancelled queues nothing on the device."""
+    from tiered_kv.jobs import JobKind
+    from tiered_kv.movers import CompletionQueue, Transfer
+
+    gpu, out = FakeGPU(), CompletionQueue()
+    kv = make_kv(4)
+    mover = CudaMover(kv.view(torch.uint8).view(4, -1), torch.zeros((2, kv[0].numel() * 2), dtype=torch.uint8),
+                      out, 1, runtime=gpu)
+    t = Transfer(uuid.uuid4(), JobKind.STORE, 0, 0, cancelled=True)
+    mover.submit(t)
+    (r,) = out.drain()
+    assert r.token == t.token and not r.ok and not r.copied and "cancelled" in (r.error or "")
+    assert gpu.idle and mover.in_flight() == 0 and gpu.events == []
 
 
 # ----------------------------------------------------------------------------- failures
