@@ -89,7 +89,7 @@ def test_attach_from_another_process_sees_the_same_memory(tmp_path, opened):
         s.close()
         print("child-ok")
     """)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(x for x in (str(REPO), os.environ.get("PYTHONPATH")) if x))
     r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0 and "child-ok" in r.stdout, r.stderr[-3000:]
     assert a.done(6)
