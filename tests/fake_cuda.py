@@ -10,7 +10,8 @@ from CUDA:
 * ``s.wait_stream(other)`` makes everything queued on ``s`` afterwards wait
   for everything queued on ``other`` so far;
 * an event recorded on a stream completes when the stream reaches it; a
-  re-recorded event reads not-complete again until reached;
+  re-recorded event reads not-complete again until the *latest* record is
+  reached (an earlier record still queued completes nothing);
 * a copy reads and writes the bytes when it *runs*, not when it is queued --
   which is what makes the ordering hazards observable.
 
@@ -21,9 +22,10 @@ chosen by the test (or by a seeded ``random.Random``).
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections import deque
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -34,11 +36,14 @@ class FakeEvent:
         self.recorded = False
         self.done = False
         self.at = 0  # device "time" (operations run so far) when reached
+        self.gen = 0  # records so far: a record operation completes the event only if it is the latest
         self.fail: Optional[BaseException] = None  # raised by the next query(), as a sticky CUDA error would be
 
     def record(self, stream: "FakeStream") -> None:
+        """As ``cudaEventRecord``: only the latest record counts; an earlier one still queued is inert."""
         self.recorded, self.done = True, False
-        stream.push(("event", self))
+        self.gen += 1
+        stream.push(("event", self, self.gen))
 
     def query(self) -> bool:
         if self.fail is not None:
@@ -81,7 +86,7 @@ class FakeStream:
             op[1].copy_(op[2])
         elif op[0] == "fn":
             op[1]()
-        elif op[0] == "event":
+        elif op[0] == "event" and op[2] == op[1].gen:
             op[1].done = True
             op[1].at = self._gpu.time
 
@@ -92,7 +97,8 @@ class FakeStream:
 
 
 class FakeGPU:
-    """The runtime ``CudaMover(runtime=...)`` takes: ``new_stream``, ``new_event``, ``current_stream``, ``copy``."""
+    """The runtime ``CudaMover(runtime=...)`` takes: ``new_stream``, ``new_event``, ``current_stream``,
+    ``copies_on`` (and ``copy``, ``synchronize`` for the benchmarks)."""
 
     def __init__(self, rng: Optional[random.Random] = None, progress_on_query: bool = False) -> None:
         self.rng = rng
@@ -102,6 +108,8 @@ class FakeGPU:
         self.streams: list[FakeStream] = [self.compute]
         self.events: list[FakeEvent] = []
         self.copy_error: Optional[BaseException] = None  # raised by the next copy() call
+        self.switch_error: Optional[BaseException] = None  # raised by the next copies_on() call
+        self.batches: list[FakeStream] = []  # the stream of each batch of copies, in order
 
     # --- the runtime interface
     def new_stream(self, device: Any) -> FakeStream:
@@ -126,6 +134,15 @@ class FakeGPU:
             err, self.copy_error = self.copy_error, None
             raise err
         stream.push(("copy", dst, src))
+
+    @contextlib.contextmanager
+    def copies_on(self, stream: FakeStream) -> Iterator[Callable[[torch.Tensor, torch.Tensor], None]]:
+        """``stream`` current for a batch of copies (``TorchCuda.copies_on``); yields ``copy(dst, src)``."""
+        if self.switch_error is not None:
+            err, self.switch_error = self.switch_error, None
+            raise err
+        self.batches.append(stream)
+        yield lambda dst, src: self.copy(dst, src, stream)
 
     # --- the engine and the test
     def kernel(self, fn: Callable[[], Any]) -> None:

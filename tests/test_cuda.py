@@ -172,6 +172,7 @@ def test_cancelled_load_keeps_the_row_fenced_until_its_copy_is_done() -> None:
         busy()                      # the load's copy is queued behind it
         job = mgr.load(A, 9)
         assert job is not None
+        assert reported(mgr.poll(), job) == []     # the poll puts the copy on the device, behind busy()
         mgr.cancel(job)
         assert mgr.free_block(9) is False
         assert reported(mgr.poll(), job) == []     # its copy can still land: not reported
@@ -184,8 +185,11 @@ def test_cancelled_load_keeps_the_row_fenced_until_its_copy_is_done() -> None:
         assert mgr.jobs_in_flight == 0
 
 
-def test_store_whose_row_is_freed_in_flight_is_discarded() -> None:
-    mgr, kv = make()
+@pytest.mark.parametrize("batch", [1, 64])
+def test_store_whose_row_is_freed_in_flight_is_discarded(batch: int) -> None:
+    """copy_batch_max=1: the copy is on the device, behind busy(), when the row is freed; 64: it is still
+    queued in the mover and is never made."""
+    mgr, kv = make(copy_batch_max=batch)
     with mgr:
         busy()
         fill(kv, 8, A)
@@ -197,8 +201,28 @@ def test_store_whose_row_is_freed_in_flight_is_discarded() -> None:
         (c,) = reported(comps, job)
         assert not c.ok and "source_reused" in (c.error or "")
         assert mgr.lookup([A]) == 0 and mgr.host_bytes(A) is None
+        mgr.wait(timeout=30)                # the cancelled job is reported at once; its copy's report comes later
         assert mgr_metric(mgr, STALE, kind="store", reason="source_reused") == 1
         assert mgr.load(A, 10) is None
+        assert mgr._mover.in_flight() == 0
+
+
+def test_a_load_cancelled_before_a_poll_makes_no_copy() -> None:
+    mgr, kv = make()
+    with mgr:
+        store_ok(mgr, kv, A, 0)
+        fill(kv, 9, B)
+        torch.cuda.synchronize()
+        job = mgr.load(A, 9)
+        assert job is not None
+        mgr.cancel(job)
+        assert mgr.free_block(9) is False          # fenced until the mover has answered
+        (c,) = reported(mgr.poll(), job)           # answered at the poll: its copy was never queued
+        assert not c.ok and (c.error or "").startswith("cancelled")
+        assert mgr.free_block(9) is True
+        torch.cuda.synchronize()
+        assert row_is(kv, 9, B)
+        assert mgr._mover.in_flight() == 0
 
 
 def test_poll_and_wait_never_synchronize(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,6 +11,7 @@ bytes when it runs, so a copy that ran too early is seen as wrong bytes.
 from __future__ import annotations
 
 import random
+import time
 import uuid
 from typing import Any, Optional
 
@@ -19,7 +20,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from fake_cuda import FakeGPU
-from fakes import content, fill_row, host_matches, make_config, make_kv, mgr_metric, reported, row_matches
+from fakes import ROW_BYTES, content, fill_row, host_matches, make_config, make_kv, mgr_metric, reported, row_matches
 from tiered_kv import TierManager
 from random_engine import random_engine
 from tiered_kv.movers import CudaMover
@@ -29,12 +30,12 @@ A, B, C = b"key-A", b"key-B", b"key-C"
 
 
 def make(rows: int = 32, slots: int = 16, streams: int = 2, rng: Optional[random.Random] = None,
-         progress: bool = False) -> tuple[TierManager, torch.Tensor, FakeGPU, CudaMover]:
+         progress: bool = False, batch: int = 64) -> tuple[TierManager, torch.Tensor, FakeGPU, CudaMover]:
     gpu = FakeGPU(rng, progress_on_query=progress)
     made: list[CudaMover] = []
 
     def factory(dev: torch.Tensor, host: torch.Tensor, out: Any) -> CudaMover:
-        made.append(CudaMover(dev, host, out, streams, runtime=gpu))
+        made.append(CudaMover(dev, host, out, streams, runtime=gpu, batch_max=batch))
         return made[0]
 
     kv = make_kv(rows)
@@ -47,6 +48,7 @@ def in_host(mgr: TierManager, gpu: FakeGPU, kv: torch.Tensor, key: bytes, row: i
     fill_row(kv, row, key)
     job = mgr.store(key, row)
     assert job is not None
+    assert reported(mgr.poll(), job) == []   # on the device now
     gpu.run_all()
     (c,) = reported(mgr.poll(), job)
     assert c.ok
@@ -58,6 +60,8 @@ def test_store_copy_waits_for_the_engines_queued_write() -> None:
     gpu.kernel(lambda: fill_row(kv, 3, A))   # the engine's write of row 3, not run yet
     job = mgr.store(A, 3)
     assert job is not None
+    assert reported(mgr.poll(), job) == []   # the poll puts the copy on the device
+    assert sum(len(s.ops) for s in gpu.side) == 4   # wait, start event, copy, end event
     assert all(gpu.run(s) == 0 for s in gpu.side)   # the copy cannot start before the write
     gpu.run(gpu.compute)
     gpu.run_all()
@@ -76,6 +80,8 @@ def test_load_copy_waits_for_the_engines_queued_read() -> None:
     assert mgr.free_block(6) is True
     job = mgr.load(A, 6)
     assert job is not None
+    assert reported(mgr.poll(), job) == []
+    assert sum(len(s.ops) for s in gpu.side) == 4
     assert all(gpu.run(s) == 0 for s in gpu.side)   # the load cannot overwrite the row under the read
     gpu.run_all()
     assert torch.equal(out, content(B))
@@ -91,6 +97,7 @@ def test_cancelled_load_is_reported_only_after_its_copy_ran() -> None:
     gpu.kernel(lambda: None)                 # engine work the copy queues behind
     job = mgr.load(A, 9)
     assert job is not None
+    assert reported(mgr.poll(), job) == []   # its copy is on the device now
     mgr.cancel(job)
     assert mgr.free_block(9) is False
     assert reported(mgr.poll(), job) == []
@@ -107,7 +114,7 @@ def test_cancelled_load_is_reported_only_after_its_copy_ran() -> None:
 
 
 def test_each_stream_reports_in_order_and_streams_report_independently() -> None:
-    mgr, kv, gpu, mover = make(streams=2)
+    mgr, kv, gpu, mover = make(streams=2, batch=1)   # each copy on the device in its own call
     for row, key in enumerate((A, B, C)):
         fill_row(kv, row, key)
     ja, jb, jc = (mgr.store(k, r) for r, k in enumerate((A, B, C)))   # A, C on stream 0; B on stream 1
@@ -124,7 +131,7 @@ def test_each_stream_reports_in_order_and_streams_report_independently() -> None
 
 
 def test_events_are_recycled_and_a_recycled_event_is_not_reported_early() -> None:
-    mgr, kv, gpu, mover = make(streams=1)
+    mgr, kv, gpu, mover = make(streams=1, batch=1)
     in_host(mgr, gpu, kv, A, 0)
     assert len(gpu.events) == 2
     fill_row(kv, 1, B)
@@ -157,21 +164,181 @@ def test_a_transfer_cancelled_before_submit_is_answered_without_a_copy() -> None
                       out, 1, runtime=gpu)
     t = Transfer(uuid.uuid4(), JobKind.STORE, 0, 0, cancelled=True)
     mover.submit(t)
+    assert out.drain() == [] and mover.in_flight() == 1
+    mover.harvest()
     (r,) = out.drain()
     assert r.token == t.token and not r.ok and not r.copied and "cancelled" in (r.error or "")
     assert gpu.idle and mover.in_flight() == 0 and gpu.events == []
+
+
+# ----------------------------------------------------------------------------- batches
+def test_store_and_load_queue_nothing_on_the_device_until_a_poll() -> None:
+    """store()/load() make no CUDA call; the poll puts the batch on the device behind one barrier."""
+    mgr, kv, gpu, mover = make(streams=2)
+    in_host(mgr, gpu, kv, A, 0)
+    n_events, n_batches = len(gpu.events), len(gpu.batches)
+    keys = [f"b{i}".encode() for i in range(5)]
+    for i, k in enumerate(keys):
+        gpu.kernel(lambda i=i, k=k: fill_row(kv, 1 + i, k))
+        assert mgr.store(k, 1 + i) is not None
+    assert mgr.free_block(20) is True
+    jl = mgr.load(A, 20)
+    assert jl is not None
+    assert gpu.idle is False and all(not s.ops for s in gpu.side)   # only the engine's kernels
+    assert len(gpu.events) == n_events and mover.in_flight() == 6
+    assert mgr.poll() == []
+    s_store, s_load = gpu.batches[n_batches:]          # stores on one stream, loads on the other
+    assert s_store is not s_load
+    assert [op[0] for op in s_store.ops] == ["wait", "event"] + ["copy", "event"] * 5
+    assert [op[0] for op in s_load.ops] == ["wait", "event", "copy", "event"]
+    assert len(gpu.events) == n_events + 6            # two recycled, six new: 1 + 5 and 1 + 1
+    gpu.run_all()
+    comps = mgr.poll()
+    assert sorted(c.job.key for c in comps) == sorted(keys + [A]) and all(c.ok for c in comps)
+    assert all(host_matches(mgr, k, kv) for k in keys) and row_matches(kv, 20, A)
+    assert mover.in_flight() == 0
+    mgr.close()
+
+
+def test_batch_max_puts_the_batch_on_the_device_from_submit() -> None:
+    mgr, kv, gpu, mover = make(streams=1, batch=3)
+    for i in range(3):
+        fill_row(kv, i, f"m{i}".encode())
+        assert mgr.store(f"m{i}".encode(), i) is not None
+        assert len(gpu.batches) == (1 if i == 2 else 0)
+    (side,) = gpu.side
+    assert [op[0] for op in side.ops] == ["wait", "event"] + ["copy", "event"] * 3
+    gpu.run_all()
+    assert len(mgr.poll()) == 3
+    mgr.close()
+
+
+def test_each_copy_is_timed_from_the_event_before_it() -> None:
+    """One end event per copy, each timed from the previous one of its batch: a copy's seconds are its own."""
+    from tiered_kv.jobs import JobKind
+    from tiered_kv.movers import CompletionQueue, Transfer
+
+    gpu, out = FakeGPU(), CompletionQueue()
+    dev = torch.arange(4 * 8, dtype=torch.uint8).view(4, 8)
+    host = torch.zeros((4, 8), dtype=torch.uint8)
+    mover = CudaMover(dev, host, out, 1, runtime=gpu)
+    ts = [Transfer(uuid.uuid4(), JobKind.STORE, r, 3 - r) for r in range(4)]
+    for t in ts:
+        mover.submit(t)
+    mover.flush()
+    gpu.run_all()
+    mover.harvest()
+    reps = out.drain()
+    assert [r.token for r in reps] == [t.token for t in ts] and all(r.ok for r in reps)
+    assert [round(r.seconds * 1e6) for r in reps] == [2, 2, 2, 2]   # its copy and its end event (1 us per op)
+    assert torch.equal(host, dev.flip(0))
+    assert len(gpu.events) == 5 and mover.in_flight() == 0
+    for t in ts:                              # the next batch reuses all five events
+        t.token = uuid.uuid4()
+        mover.submit(t)
+    mover.flush()
+    assert len(gpu.events) == 5
+    gpu.run_all()
+    mover.harvest()
+    assert len(out.drain()) == 4
+
+
+def test_a_store_cancelled_while_queued_makes_no_copy() -> None:
+    mgr, kv, gpu, mover = make()
+    fill_row(kv, 4, A)
+    job = mgr.store(A, 4)
+    assert job is not None
+    assert mgr.free_block(4) is True          # the engine reuses the row before any poll
+    (c,) = reported(mgr.poll(), job)
+    assert not c.ok and "source_reused" in (c.error or "")
+    assert all(not s.ops for s in gpu.side) and mover.in_flight() == 0
+    assert mgr_metric(mgr, STALE, kind="store", reason="source_reused") == 1
+    assert mgr.lookup([A]) == 0 and mgr.debug_sizes()["host_used_slots"] == 0
+    mgr.close()
+
+
+def test_a_load_cancelled_while_queued_frees_its_row_at_the_next_poll() -> None:
+    mgr, kv, gpu, mover = make()
+    in_host(mgr, gpu, kv, A, 0)
+    fill_row(kv, 9, B)
+    job = mgr.load(A, 9)
+    assert job is not None
+    mgr.cancel(job)
+    assert mgr.free_block(9) is False         # fenced until the mover has answered
+    (c,) = reported(mgr.poll(), job)          # answered at the flush: no copy was made
+    assert not c.ok and (c.error or "").startswith("cancelled")
+    assert mgr.free_block(9) is True and row_matches(kv, 9, B)
+    assert all(not s.ops for s in gpu.side)
+    assert mgr_metric(mgr, STALE, kind="load", reason="cancelled") == 1
+    mgr.close()
+
+
+def test_a_batch_whose_stream_cannot_be_made_current_is_answered_failed() -> None:
+    mgr, kv, gpu, mover = make(streams=1)
+    keys = [f"f{i}".encode() for i in range(3)]
+    for i, k in enumerate(keys):
+        fill_row(kv, i, k)
+        assert mgr.store(k, i) is not None
+    gpu.switch_error = RuntimeError("CUDA error: invalid resource handle")
+    comps = mgr.poll()
+    assert sorted(c.job.key for c in comps) == keys and not any(c.ok for c in comps)
+    assert all("invalid resource handle" in (c.error or "") for c in comps)
+    assert mover.in_flight() == 0 and mgr.lookup(keys) == 0
+    gpu.run_all()                             # the barrier and start event queued before the switch
+    in_host(mgr, gpu, kv, keys[0], 0)         # the next batch works
+    mgr.close()
+
+
+def test_a_load_behind_a_promote_goes_to_the_device_in_the_same_poll(tmp_path: Any) -> None:
+    """Loads submitted while reports are applied (behind a disk promote) are flushed at the end of
+    that poll, not a step later."""
+    gpu = FakeGPU()
+    made: list[CudaMover] = []
+
+    def factory(dev: torch.Tensor, host: torch.Tensor, out: Any) -> CudaMover:
+        made.append(CudaMover(dev, host, out, 1, runtime=gpu))
+        return made[0]
+
+    kv = make_kv(8)
+    cfg = make_config(host_slots=2, disk_path=str(tmp_path / "d"), disk_capacity_bytes=16 * ROW_BYTES)
+    mgr = TierManager(cfg, kv, registry=CollectorRegistry(), mover_factory=factory)
+    for i, k in enumerate((A, B, C)):         # A is evicted from the 2-slot host tier, kept on disk
+        in_host(mgr, gpu, kv, k, i)
+        mgr.flush(timeout=30)                 # its spill is durable: its slot can be evicted
+    assert mgr.host_bytes(A) is None and mgr.lookup([A]) == 1
+    assert mgr.free_block(5) is True
+    job = mgr.load(A, 5)
+    assert job is not None
+    for _ in range(20_000):                   # until the disk reader's report is applied by a poll
+        assert reported(mgr.poll(), job) == []
+        assert made[0]._queued == []          # what that poll submitted, it put on the device
+        if any(s.ops for s in gpu.side):
+            break
+        time.sleep(0.001)                     # waiting for the reader thread, not ordering anything
+    assert any(s.ops for s in gpu.side), "the load behind the promote never reached the device"
+    gpu.run_all()
+    comps = mgr.wait([job], timeout=30)
+    (c,) = reported(comps, job)
+    assert c.ok and row_matches(kv, 5, A)
+    mgr.close()
 
 
 # ----------------------------------------------------------------------------- failures
 def test_a_copy_that_cannot_be_queued_is_reported_failed() -> None:
     mgr, kv, gpu, _ = make()
     fill_row(kv, 1, A)
+    fill_row(kv, 2, B)
     gpu.copy_error = RuntimeError("CUDA error: out of memory")
     job = mgr.store(A, 1)                    # no exception reaches the engine
+    jb = mgr.store(B, 2)                     # the next copy of the same batch
+    assert job is not None and jb is not None
     assert job is not None
     (c,) = reported(mgr.poll(), job)
     assert not c.ok and "copy failed" in (c.error or "") and "out of memory" in (c.error or "")
     assert mgr.lookup([A]) == 0
+    gpu.run_all()                            # the rest of the batch went on
+    (cb,) = reported(mgr.poll(), jb)
+    assert cb.ok and host_matches(mgr, B, kv) is True
     assert mgr_metric(mgr, "tiered_kv_errors_total", tier="host", error="copy_failed") == 1
     in_host(mgr, gpu, kv, A, 1)              # the next copy works
     assert host_matches(mgr, A, kv) is True
@@ -183,6 +350,7 @@ def test_an_error_surfacing_at_the_event_query_is_reported_failed() -> None:
     fill_row(kv, 2, A)
     fill_row(kv, 3, B)
     ja, jb = mgr.store(A, 2), mgr.store(B, 3)
+    assert mgr.poll() == []
     end_of_a = mover._pending[0][0][2]
     end_of_a.fail = RuntimeError("CUDA error: an illegal memory access was encountered")
     gpu.run_all()
@@ -193,6 +361,41 @@ def test_an_error_surfacing_at_the_event_query_is_reported_failed() -> None:
     assert cb.ok and host_matches(mgr, B, kv) is True
     assert mgr.lookup([A]) == 0 and mover.in_flight() == 0
     mgr.close()
+
+
+def test_a_recycled_event_whose_old_record_is_still_queued_reports_nothing_early() -> None:
+    """A group whose only copy could not be queued gives its start event back while that event's
+    record is still queued on the stream; reused as another copy's end event, only its latest record
+    counts (as with cudaEventRecord), so the copy is not reported before it ran.  Found by the state
+    machine's random sweep (the simulated device then let any record complete the event)."""
+    from tiered_kv.jobs import JobKind
+    from tiered_kv.movers import CompletionQueue, Transfer
+
+    gpu, out = FakeGPU(), CompletionQueue()
+    dev, host = torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(4, 8, dtype=torch.uint8)
+    mover = CudaMover(dev, host, out, 2, runtime=gpu, batch_max=1)
+    s0, s1 = gpu.side
+    gpu.kernel(lambda: None)
+    gpu.copy_error = RuntimeError("injected")
+    t1 = Transfer(uuid.uuid4(), JobKind.LOAD, 0, 0)
+    mover.submit(t1)                          # s0: wait, start record; the copy fails: the start event is free
+    t2 = Transfer(uuid.uuid4(), JobKind.STORE, 1, 1)
+    mover.submit(t2)                          # s1: wait, start (the same event), copy, end
+    gpu.run(gpu.compute)
+    gpu.run(s1)
+    mover.harvest()
+    assert {r.token: r.ok for r in out.drain()} == {t1.token: False, t2.token: True}
+    gpu.kernel(lambda: None)
+    dev[2].fill_(7)
+    t3 = Transfer(uuid.uuid4(), JobKind.STORE, 2, 2)
+    mover.submit(t3)                          # s0 now: wait, old record, wait, start, copy, end
+    gpu.run(s0)                               # runs the old record, stops at the second wait
+    mover.harvest()
+    assert out.drain() == [] and mover.in_flight() == 1 and host[2].sum() == 0
+    gpu.run_all()
+    mover.harvest()
+    (r,) = out.drain()
+    assert r.token == t3.token and r.ok and torch.equal(host[2], dev[2])
 
 
 # ----------------------------------------------------------------------------- blocking calls
@@ -225,6 +428,7 @@ def test_close_with_a_broken_device_does_not_raise() -> None:
     mgr, kv, gpu, mover = make(streams=1)
     fill_row(kv, 0, A)
     assert mgr.store(A, 0) is not None
+    assert mgr.poll() == []
     err = RuntimeError("CUDA error: an illegal memory access was encountered")
 
     def broken(*a: Any) -> None:
@@ -242,7 +446,8 @@ def test_close_with_a_broken_device_does_not_raise() -> None:
 def test_random_engine_on_a_randomly_scheduled_device(seed: int) -> None:
     """The seeded engine of tests/random_engine.py, interleaved with device steps that run the streams
     in random order (1-16 operations at a time)."""
-    mgr, kv, gpu, mover = make(rows=64, slots=24, streams=1 + seed % 3, rng=random.Random(seed + 100))
+    mgr, kv, gpu, mover = make(rows=64, slots=24, streams=1 + seed % 3, rng=random.Random(seed + 100),
+                               batch=(1, 3, 64)[seed % 3 if seed < 6 else seed % 2])
 
     def device_tick(rng: random.Random) -> None:
         for _ in range(rng.randrange(1, 17)):
@@ -252,7 +457,7 @@ def test_random_engine_on_a_randomly_scheduled_device(seed: int) -> None:
         mgr, random.Random(seed), 64, 800, (0.25, 0.20, 0.04, 0.03, 0.03, 0.30),
         compute=lambda row, key: gpu.kernel(lambda: fill_row(kv, row, key)),
         row_holds=lambda row, key: row_matches(kv, row, key), host_holds=lambda key: host_matches(mgr, key, kv),
-        device_tick=device_tick, before_wait=gpu.run_all, prefix=f"s{seed}")
+        device_tick=device_tick, before_wait=lambda: (mover.flush(), gpu.run_all()), prefix=f"s{seed}")
     assert mover.in_flight() == 0
     assert ok_loads > 20 and ok_stores > 60
     mgr.close()

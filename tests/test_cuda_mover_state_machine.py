@@ -6,47 +6,72 @@ rule says so, and *which* runnable stream runs next is an index drawn by hypothe
 so hypothesis controls (and shrinks) the device interleaving.  A copy moves bytes when
 it runs, so a copy that runs too early is seen as wrong bytes.
 
+The mover batches, with ``batch_max`` drawn per example from (1, 2, 3, 64): 1 puts each
+transfer on the device inside its own store()/load(); 64 (more than MAX_INFLIGHT) only
+at a poll.  ``submit`` only queues a transfer; the queue is flushed by the submit that
+fills it to ``batch_max``, at the start of every harvest (each poll(), and each
+internal poll of wait()) and at the end of every poll (a no-op here: without a disk
+nothing is submitted while reports are applied).  A flush answers the transfers
+cancelled while queued at once (no copy: a cancelled load is reported, and unfenced,
+at that poll; a cancelled store's stale report is counted then), then puts the stores
+as one group on side stream ``next`` and the loads as one group on the stream after
+it (round robin over the side streams, one step per group), each group as
+``wait(compute stream as it is at the FLUSH), start event, [copy, its end event] * k``.
+A copy that meets the injected ``FakeGPU.copy_error`` (armed by a store/load drawn to
+fail, it hits the next copy queued, at whichever flush that is: the first store of a
+batch, else its first load) is answered failed during the flush and the rest of the
+batch goes on.
+
 The engine is modelled as the real one behaves: it computes blocks into rows with
 kernels queued on the compute stream (a FRESH key each time, so any stale or early
 copy is detectable) and mostly stores them, loads ready keys into rows it gave up
 with ``free_block`` (only when that returned True) -- sometimes right after queuing
 a last read of, or write into, the row -- reads rows it owns with kernels queued on
-the compute stream, cancels, invalidates and looks keys up.  The device rules offer
-the side streams before the compute stream, so hypothesis tries (and shrinks
-towards) copies running ahead of the engine's queued work: the hazards.
+the compute stream, cancels, invalidates and looks keys up.  It never writes a row
+with a load in flight or a store not cancelled (queued or on the device) reading it:
+every write follows ``free_block`` (asserted), so the engine work queued between a
+submit and its flush, which the batch's barrier waits for too, never touches a row
+of the batch.  The device rules offer the side streams before the compute stream, so
+hypothesis tries (and shrinks towards) copies running ahead of the engine's queued
+work: the hazards.
 
 The model is plain Python (tests/host_model.py, shared with tests/test_state_machine.py):
-the host index (entries, LRU, slot leases, eviction), in-flight jobs with the side
-stream and the position of the end event of their copy on it (so the model knows
-exactly when a report can be harvested), row fences,
-cancelled stores awaiting delivery, the engine's view of each row, and the counters.
-Checked:
+the host index (entries, LRU, slot leases, eviction), in-flight jobs, row fences,
+cancelled stores awaiting delivery, the engine's view of each row, and the counters;
+here also the mover (its queue, round robin, the armed copy error, the reports
+answered at a flush) and where each job's copy sits on the simulated device: its
+side stream and the position of its end event there (so the model knows exactly
+when, and in which order, its report is harvested).  Checked:
 
 * no exception ever, except ``BlockBusyError`` exactly when the engine touches a
   row with a load in flight (asserted to be raised);
 * store/load/free_block/lookup answers equal the model's; ``free_block(row)`` is
   False exactly while the model has an unreported load into the row;
+* every manager call puts on the side streams exactly the operations the model
+  predicts (none but at a flush): per group its stream, the barrier on the compute
+  stream as it is at the flush, a start event, each copy (of the right device row,
+  in submit order) with its own end event; never an event still needed by a copy
+  not yet harvested; ``FakeGPU.batches`` names the groups' streams;
 * each poll()/wait() reports exactly the jobs whose end event the device has
-  reached (plus cancelled stores due for delivery): nothing early, nothing late,
-  each job exactly once over the whole run, with the right ok/error/state; a job
-  cancelled by the test (only unreported ones are) is reported "cancelled (...)",
-  never ok; a cancelled load only once its copy ran;
+  reached or that a flush answered (plus cancelled stores due for delivery), in
+  the order the mover reports them: nothing early, nothing late, each job exactly
+  once over the whole run, with the right ok/error/state; a job cancelled by the
+  test (only unreported ones are) is reported "cancelled (...)", never ok; a
+  cancelled load only once its copy ran or was dropped from the queue;
 * an ok load's row holds exactly its key's bytes at report time; an ok store's
   key, while READY, holds the right bytes -- and every READY key always does;
   every engine read queued on the compute stream sees the bytes the engine
   expects (a load's copy waits for reads queued before it: write after read),
   and every row the engine owns holds what it expects once its own queued
   writes ran (a load's copy waits for writes queued before it);
-* the manager's tables (debug_sizes), jobs_in_flight and the mover's in_flight()
-  equal the model's;
+* the manager's tables (debug_sizes), jobs_in_flight, the mover's in_flight()
+  (queued + on the device) and the armed copy error equal the model's;
 * after every poll/wait: jobs_total{kind,outcome}, stale_callbacks_total{kind,reason},
   shed_total{kind,reason}, errors_total{tier,error="copy_failed"}, evictions,
   lookup keys and hits equal the model's counters (all samples at teardown);
-* teardown: the device runs everything, ``wait()`` reports the rest, nothing is
-  live, ``jobs_in_flight == 0``, ``mover.in_flight() == 0``, the device is idle.
-
-Copy failures are injected (``FakeGPU.copy_error``) on a few stores and loads, so
-the failure paths are modelled too.
+* teardown: a poll flushes the queue, the device runs everything, ``wait()``
+  reports the rest, nothing is live, ``jobs_in_flight == 0``,
+  ``mover.in_flight() == 0``, the device is idle.
 """
 
 from __future__ import annotations
@@ -55,7 +80,8 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -74,6 +100,7 @@ from tiered_kv.movers import CompletionQueue, CudaMover
 ROWS = 6
 CAPACITY = 4        # host slots: eviction and host_full shedding happen often
 MAX_INFLIGHT = 4    # inflight_limit shedding happens too
+BATCH_MAX = (1, 2, 3, 64)   # 1: every transfer at its own submit; 64 > MAX_INFLIGHT: only at a poll
 KINDS = ("store", "load")
 OUTCOMES = ("ok", "failed", "cancelled", "shed")
 REASONS = ("unknown_token", "cancelled", "superseded", "source_reused")
@@ -81,33 +108,105 @@ SHED = ("inflight_limit", "host_full")
 
 
 # ============================================================================ the model
+@dataclass(eq=False)
+class DJob(MJob):
+    """A job of the model, with where its transfer is in the mover."""
+
+    where: str = "queued"         # queued (in the mover's queue) | stream (on ``stream``) | answered (at a flush)
+    copy_ok: bool = True          # the report's ok (False: answered at a flush, cancelled or failed)
+    ev_start: Any = None          # on the stream: the event recorded before its copy ...
+    ev_end: Any = None            # ... and its own end event
+
+
+@dataclass
+class Group:
+    """What one flush puts on one side stream: the transfers of one direction, in submit order."""
+
+    stream: int                   # index into the side streams
+    mark: int                     # the compute stream's length at the flush: the barrier
+    transfers: list[DJob]
+    copies: list[DJob]            # those whose copy was queued (not the one that met the copy error)
+
+
 class DeviceModel(Model):
-    """The shared model (tests/host_model.py), plus where each job's copy sits on the simulated device:
-    its report is harvested once the device has run its end event (or at once if it was never queued)."""
+    """The shared model (tests/host_model.py), plus the CudaMover: its queue of transfers, the flush
+    (cancelled ones answered, stores then loads as groups on the side streams, round robin, the
+    armed copy error consumed by the first copy), and where each copy sits on the simulated device:
+    its report is harvested once the device has run its end event, or at once when a flush answered it."""
 
-    @staticmethod
-    def harvestable_job(mj: MJob) -> bool:
-        return mj.stream is None or mj.stream.ran >= mj.end
+    def attach(self, gpu: FakeGPU, batch_max: int) -> None:
+        self.gpu = gpu
+        self.side = gpu.side
+        self.batch_max = batch_max
+        self.queued: list[DJob] = []        # submitted, not flushed (the mover's queue)
+        self.answered: list[DJob] = []      # answered at a flush, in completion queue order, not harvested
+        self.next = 0                       # the side stream of the next group
+        self.pushed = [s.queued for s in self.side]   # operations queued on each side stream
+        self.batches: list[int] = []        # the stream of each group, in order
+        self.armed = False                  # FakeGPU.copy_error is set: the next copy fails
 
-    def harvestable(self) -> list[MJob]:
-        return [mj for mj in self.records.values() if self.harvestable_job(mj)]
+    def submit(self, mj: DJob) -> list[Group]:
+        """CudaMover.submit: queued; the submit that fills the queue to batch_max flushes it."""
+        self.queued.append(mj)
+        return self.flush() if len(self.queued) >= self.batch_max else []
 
-    def due(self) -> set[uuid.UUID]:
-        """The tokens the next poll()/wait() must report, and only these."""
-        out = {mj.job.token for mj in self.deliver}
-        for mj in self.harvestable():
-            if mj.kind == "load" or mj.state == "pending":   # a cancelled store's report is stale
-                out.add(mj.job.token)
+    def _answer(self, mj: DJob) -> None:
+        mj.where, mj.copy_ok = "answered", False
+        self.answered.append(mj)
+
+    def flush(self) -> list[Group]:
+        """CudaMover.flush: the groups it queues on the side streams (and what it answers at once)."""
+        batch, self.queued = self.queued, []
+        stores: list[DJob] = []
+        loads: list[DJob] = []
+        for mj in batch:
+            if mj.state != "pending":       # cancelled while queued: answered, no copy
+                self._answer(mj)
+            else:
+                (stores if mj.kind == "store" else loads).append(mj)
+        groups = []
+        for ts in (stores, loads):
+            if not ts:
+                continue
+            i, self.next = self.next, (self.next + 1) % len(self.side)
+            g = Group(i, self.gpu.compute.queued, ts, [])
+            self.pushed[i] += 2             # wait, start event
+            for mj in ts:
+                if self.armed:              # FakeGPU.copy_error: raised by this copy, answered failed
+                    self.armed = False
+                    self._answer(mj)
+                    continue
+                self.pushed[i] += 2         # copy, end event
+                mj.where, mj.stream, mj.end = "stream", self.side[i], self.pushed[i]
+                g.copies.append(mj)
+            self.batches.append(i)
+            groups.append(g)
+        return groups
+
+    def on_device(self) -> list[DJob]:
+        return [mj for mj in self.records.values() if isinstance(mj, DJob) and mj.where == "stream"]
+
+    def harvest(self) -> list[DJob]:
+        """CudaMover.harvest (after its flush): the reports it puts on the completion queue, in order --
+        those answered at flushes, then per side stream the copies whose end event has run."""
+        out, self.answered = self.answered, []
+        for s in self.side:
+            out += sorted((mj for mj in self.on_device() if mj.stream is s and s.ran >= mj.end),
+                          key=lambda mj: mj.end)
         return out
 
-    def apply_report(self, mj: MJob) -> Optional[Expected]:
-        """The mover's report for ``mj``: ok unless its copy could not be queued."""
-        return self.apply(mj, mj.stream is not None)
+    def in_flight(self) -> int:
+        return len(self.queued) + len(self.on_device())
+
+    def apply_report(self, mj: DJob) -> Optional[Expected]:
+        """The mover's report for ``mj`` applied."""
+        return self.apply(mj, mj.copy_ok)
 
 
 # ============================================================================ the machine
 rows = st.integers(0, ROWS - 1)
-inject_failure = st.integers(0, 11).map(lambda n: n == 0)   # about one copy in twelve cannot be queued
+# about one store/load in twelve arms FakeGPU.copy_error: the next copy queued (at a flush) cannot be queued
+inject_failure = st.integers(0, 11).map(lambda n: n == 0)
 
 
 class CudaMoverMachine(RuleBasedStateMachine):
@@ -122,7 +221,7 @@ class CudaMoverMachine(RuleBasedStateMachine):
         self.model = DeviceModel(CAPACITY, MAX_INFLIGHT, fail_error="failed: copy failed")
         self.view: list[Optional[bytes]] = [None] * ROWS   # the key the engine may read in each row
         self.keys: list[bytes] = []    # every key computed so far
-        self.mjobs: dict[uuid.UUID, MJob] = {}
+        self.mjobs: dict[uuid.UUID, DJob] = {}
         self.live: dict[uuid.UUID, Job] = {}               # issued, not reported
         self.reported: Counter[uuid.UUID] = Counter()
         self.pending_writes = [0] * ROWS   # engine writes queued on the compute stream, not run yet
@@ -165,7 +264,12 @@ class CudaMoverMachine(RuleBasedStateMachine):
         return [s for s in ready if s is not self.gpu.compute] + [s for s in ready if s is self.gpu.compute]
 
     def _queue_write(self, row: int, key: bytes) -> None:
-        """The engine (owning ``row``: no load in flight, given up by free_block) queues a write of ``key``."""
+        """The engine (owning ``row``: given up by free_block, which returned True) queues a write of ``key``."""
+        # the protocol: no load into the row in flight, no store reading it that free_block did not cancel
+        # (queued in the mover or on the device) -- the flush's barrier waits for this write too
+        assert row not in self.model.row_load
+        assert not [mj for mj in self.model.records.values()
+                    if mj.kind == "store" and mj.row == row and mj.state == "pending"], "engine protocol violation"
         self.pending_writes[row] += 1
         self.gpu.kernel(lambda: self._engine_write(row, key))
         self.view[row] = key
@@ -176,49 +280,92 @@ class CudaMoverMachine(RuleBasedStateMachine):
         if key is not None and row not in self.model.row_load:
             self.gpu.kernel(lambda: self._engine_read(row, key))
 
+    def _snapshot(self) -> tuple[list[int], int]:
+        return [s.queued for s in self.model.side], len(self.gpu.batches)
+
+    def _check_flushed(self, before: tuple[list[int], int], groups: list[Group]) -> None:
+        """The operations one manager call queued on the side streams are exactly the flush's ``groups``:
+        per group, on its stream, ``wait(compute as it is now), start event, [copy, end event] * k``."""
+        model, (queued, nbatches) = self.model, before
+        side = model.side
+        assert [s.queued for s in side] == model.pushed, ("side stream lengths", [s.queued for s in side],
+                                                         model.pushed)
+        assert [side.index(s) for s in self.gpu.batches[nbatches:]] == [g.stream for g in groups], \
+            "one batch of copies per group, on the round-robin stream"
+        assert model.batches == [side.index(s) for s in self.gpu.batches]
+        needed = {e for mj in model.on_device() if mj.ev_end is not None for e in (mj.ev_start, mj.ev_end)}
+        new_ops = {i: list(s.ops)[len(s.ops) - (s.queued - queued[i]):] for i, s in enumerate(side)}
+        for g in groups:
+            ops = new_ops[g.stream]
+            n = 2 + 2 * len(g.copies)
+            mine, new_ops[g.stream] = ops[:n], ops[n:]
+            assert len(mine) == n, f"group {g}: {mine}"
+            assert mine[0][0] == "wait" and mine[0][1] is self.gpu.compute and mine[0][2] == g.mark, \
+                f"the barrier waits for the compute stream as it is at the flush ({g.mark}): {mine[0]}"
+            assert mine[1][0] == "event", mine[1]
+            events = [mine[1][1]]
+            for k, mj in enumerate(g.copies):
+                copy, end = mine[2 + 2 * k], mine[3 + 2 * k]
+                assert copy[0] == "copy" and end[0] == "event", (copy, end)
+                dev = copy[2] if mj.kind == "store" else copy[1]
+                host = copy[1] if mj.kind == "store" else copy[2]
+                assert dev.data_ptr() == self.kv[mj.row].data_ptr(), f"{mj.kind} of row {mj.row}: wrong device row"
+                assert host.data_ptr() != self.kv[mj.row].data_ptr()
+                mj.ev_start, mj.ev_end = events[-1], end[1]
+                events.append(end[1])
+            assert len({id(e) for e in events}) == len(events), "an event recorded twice in one group"
+            reused = [e for e in events if e in needed]
+            assert not reused, "an event recorded again while a copy not yet harvested still needs it"
+        assert not any(new_ops.values()), f"operations no group accounts for: {new_ops}"
+
     def _issue(self, kind: str, key: bytes, row: int, fail: bool) -> None:
-        """``store``/``load`` of ``key`` into/from ``row`` (no load in flight there), checked against the model."""
-        expected = self.model.store(key, row) if kind == "store" else self.model.load(key, row)
+        """``store``/``load`` of ``key`` into/from ``row`` (no load in flight there), checked against the model:
+        the transfer is queued, and flushed when it fills the queue to batch_max."""
+        model = self.model
+        expected = model.store(key, row) if kind == "store" else model.load(key, row)
         assert expected != "busy"
-        side = self.gpu.side
-        before = [s.queued for s in side]
-        if fail:
+        if fail and not model.armed:   # the next copy queued fails, whichever it is and whenever it is
+            model.armed = True
             self.gpu.copy_error = RuntimeError("CUDA error: injected")
-        try:
-            job = self.m.store(key, row) if kind == "store" else self.m.load(key, row)
-        finally:
-            failed_submit = fail and self.gpu.copy_error is None
-            self.gpu.copy_error = None
+        before = self._snapshot()
+        job = self.m.store(key, row) if kind == "store" else self.m.load(key, row)
         if not isinstance(expected, MEntry):
             assert job is None, f"{kind}({key!r}, {row}) returned {job!r}; the model expected None"
-            assert not failed_submit and [s.queued for s in side] == before
+            self._check_flushed(before, [])
             return
         assert job is not None, f"{kind}({key!r}, {row}) returned None; the model expected a job"
         assert job.kind.value == kind and job.key == key and job.block == row
-        changed = [s for s, q in zip(side, before) if s.queued != q]
-        assert len(changed) == 1, "one copy is queued on one side stream"
-        stream = None if failed_submit else changed[0]
-        mj = MJob(job, kind, key, row, expected, stream, changed[0].queued)
-        self.model.add(mj)
+        mj = DJob(job, kind, key, row, expected)
+        model.add(mj)
         self.mjobs[job.token] = mj
         self.live[job.token] = job
         if kind == "load":
             self.view[row] = None   # the engine may not read it before the load is reported ok
+        self._check_flushed(before, model.submit(mj))
+
+    def _polled(self, call: Callable[[], list[Completion]]) -> None:
+        """poll() or wait(): the mover flushes its queue first, then harvests; checked against the model."""
+        before = self._snapshot()
+        got = call()
+        self._check_flushed(before, self.model.flush())
+        self._check_completions(got)
 
     def _check_completions(self, got: list[Completion]) -> None:
-        """``got`` (one poll()/wait()) against the model; the model applies the same reports, in got's order."""
+        """``got`` (one poll()/wait(), its flushes modelled) against the model, which applies the same reports."""
         model = self.model
         tokens = [c.job.token for c in got]
         twice = [c.job for c in got if self.reported[c.job.token] or tokens.count(c.job.token) > 1]
         assert not twice, f"reported twice: {twice}"
-        due = model.due()
+        harvested = model.harvest()
+        due = [mj.job.token for mj in harvested if mj.kind == "load" or mj.state == "pending"]  # a cancelled store's
+        due += [mj.job.token for mj in model.deliver]     # report is stale: it was reported by the delivery
         early = [c.job for c in got if c.job.token not in due]
         late = [self.mjobs[t].job for t in due if t not in tokens]
         assert not early, f"reported before its copy ran (or should not be reported now): {early}"
         assert not late, f"not reported although due: {late}"
-        pos = {t: i for i, t in enumerate(tokens)}
+        assert tokens == due, "reported in another order than the mover's reports"
         outcome: dict[uuid.UUID, Expected] = {}
-        for mj in sorted(model.harvestable(), key=lambda mj: pos.get(mj.job.token, len(got))):
+        for mj in harvested:
             r = model.apply_report(mj)
             if r is not None:
                 outcome[mj.job.token] = r
@@ -277,26 +424,28 @@ class CudaMoverMachine(RuleBasedStateMachine):
         assert get("tiered_kv_lookup_keys_total") == m.asked
 
     # -- rules ---------------------------------------------------------------
-    @initialize(streams=st.integers(1, 3), warm=st.integers(0, CAPACITY))
-    def build(self, streams: int, warm: int) -> None:
-        """The manager, its CudaMover on ``streams`` side streams of a fresh simulated device, and
-        ``warm`` keys already READY in the host tier (so loads, hits and evictions happen early)."""
+    @initialize(streams=st.integers(1, 3), warm=st.integers(0, CAPACITY), batch_max=st.sampled_from(BATCH_MAX))
+    def build(self, streams: int, warm: int, batch_max: int) -> None:
+        """The manager, its CudaMover (``batch_max``) on ``streams`` side streams of a fresh simulated device,
+        and ``warm`` keys already READY in the host tier (so loads, hits and evictions happen early)."""
         self.gpu = FakeGPU()
         made: list[CudaMover] = []
 
         def factory(dev: torch.Tensor, host: torch.Tensor, out: CompletionQueue) -> CudaMover:
-            made.append(CudaMover(dev, host, out, streams, runtime=self.gpu))
+            made.append(CudaMover(dev, host, out, streams, runtime=self.gpu, batch_max=batch_max))
             return made[0]
 
         self.mgr = TierManager(make_config(host_slots=CAPACITY, max_inflight_jobs=MAX_INFLIGHT), self.kv,
                                registry=CollectorRegistry(), mover_factory=factory)
         self.mover = made[0]
         assert len(self.gpu.side) == streams
+        self.model.attach(self.gpu, batch_max)
         with self._step():
             for row in range(warm):
                 self.compute_and_store(row, False)
+            self._polled(self.m.poll)   # what is still queued goes to the device
             self.gpu.run_all()
-            self._check_completions(self.m.poll())
+            self._polled(self.m.poll)
             assert len([e for e in self.model.entries.values() if e.ready]) == warm
 
     @rule(row=rows, fail=inject_failure, store=st.integers(0, 3).map(bool))
@@ -410,7 +559,7 @@ class CudaMoverMachine(RuleBasedStateMachine):
                 i = data.draw(st.integers(0, len(ready) - 1), label="stream")
                 assert self.gpu.step(ready[i])
             if then_poll:
-                self._check_completions(self.m.poll())
+                self._polled(self.m.poll)
 
     @rule(data=st.data())
     def device_runs_a_stream(self, data: st.DataObject) -> None:
@@ -422,8 +571,10 @@ class CudaMoverMachine(RuleBasedStateMachine):
 
     @rule(use_wait=st.booleans())
     def poll(self, use_wait: bool) -> None:
+        """poll(), or wait(timeout=0): two internal polls, the second finds nothing more (the device
+        does not move meanwhile)."""
         with self._step():
-            self._check_completions(self.m.wait(timeout=0) if use_wait else self.m.poll())
+            self._polled((lambda: self.m.wait(timeout=0)) if use_wait else self.m.poll)
 
     # -- invariants ----------------------------------------------------------
     @invariant()
@@ -438,8 +589,10 @@ class CudaMoverMachine(RuleBasedStateMachine):
         assert s["row_load"] == len(m.row_load)
         assert s["row_stores"] == len(m.row_stores)
         assert s["key_loads"] == len(m.key_loads)
-        # harvest() runs only inside poll/wait: every queued copy not yet applied is still the mover's
-        assert self.mover.in_flight() == sum(1 for mj in m.records.values() if mj.stream is not None)
+        # harvest() runs only inside poll/wait: every transfer queued or on a stream is still the mover's
+        assert self.mover.in_flight() == m.in_flight(), (self.mover.in_flight(), len(m.queued), len(m.on_device()))
+        assert (self.gpu.copy_error is not None) == m.armed, "the injected copy error is not consumed as modelled"
+        assert [s.queued for s in m.side] == m.pushed
 
     @invariant()
     def never_wrong_bytes(self) -> None:
@@ -460,9 +613,11 @@ class CudaMoverMachine(RuleBasedStateMachine):
         try:
             if self.broken:
                 return   # a step raised: that is the failure to report
+            self._polled(self.mgr.poll)   # the transfers still queued go to the device
+            assert not self.model.queued and self.mover.in_flight() == len(self.model.on_device())
             self.gpu.run_all()
             assert self.gpu.idle, "the device cannot finish its queues"
-            self._check_completions(self.mgr.wait(timeout=30))
+            self._polled(lambda: self.m.wait(timeout=30))
             assert not self.live, f"never reported: {list(self.live.values())}"
             assert all(self.reported[t] == 1 for t in self.mjobs)
             assert self.mgr.jobs_in_flight == 0 and self.mover.in_flight() == 0
@@ -486,4 +641,3 @@ CudaMoverMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestCudaMoverStateMachine = CudaMoverMachine.TestCase
-

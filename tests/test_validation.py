@@ -224,6 +224,7 @@ BAD_FIELDS = [
     ("max_inflight_jobs", 0), ("max_inflight_jobs", (1 << 24) + 1), ("max_inflight_jobs", True),
     ("num_copy_workers", 0), ("num_copy_workers", 65), ("num_copy_workers", False),
     ("num_copy_streams", 0), ("num_copy_streams", 65), ("num_copy_streams", 2.0),
+    ("copy_batch_max", 0), ("copy_batch_max", (1 << 16) + 1), ("copy_batch_max", True),
     ("pin_host_memory", 1), ("pin_host_memory", "yes"), ("pin_host_memory", 0),
     ("max_key_bytes", 0), ("max_key_bytes", 65537), ("max_key_bytes", True),
     ("writer_queue_blocks", 0), ("writer_queue_blocks", (1 << 20) + 1),
@@ -259,7 +260,7 @@ def test_disk_path_without_capacity():
 
 def test_config_edges_are_accepted():
     TieredKVConfig(namespace="n" * 512, host_capacity_bytes=1, max_inflight_jobs=1 << 24, num_copy_workers=64,
-                   num_copy_streams=1, pin_host_memory=False, max_key_bytes=65536, writer_batch_seconds=0,
+                   num_copy_streams=1, copy_batch_max=1, pin_host_memory=False, max_key_bytes=65536, writer_batch_seconds=0,
                    writer_queue_blocks=1 << 20, writer_batch_blocks=1 << 16)
 
 

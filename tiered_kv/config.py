@@ -56,6 +56,10 @@ class TieredKVConfig:
     max_inflight_jobs: bound on store/load jobs in flight; beyond it calls shed.
     num_copy_workers: worker threads of the CPU mover (ignored with CUDA).
     num_copy_streams: CUDA copy streams of the GPU mover.
+    copy_batch_max: the GPU mover queues the copies of ``store()``/``load()``
+        and puts them on the device together at the next ``poll()``/``wait()``
+        (one ordering barrier per batch, not one per copy), or at once when
+        this many are queued; ``1`` puts each copy on the device in its call.
     pin_host_memory: ``None`` pins when CUDA is available.
     max_key_bytes: longest accepted key.
     writer_queue_blocks: bound of the disk writer's queue (spills shed beyond).
@@ -73,6 +77,7 @@ class TieredKVConfig:
     max_inflight_jobs: int = 4096
     num_copy_workers: int = 2
     num_copy_streams: int = 2
+    copy_batch_max: int = 64
     pin_host_memory: Optional[bool] = None
     max_key_bytes: int = 1024
     writer_queue_blocks: int = 256
@@ -101,6 +106,7 @@ class TieredKVConfig:
         _check_int("max_inflight_jobs", self.max_inflight_jobs, 1, 1 << 24)
         _check_int("num_copy_workers", self.num_copy_workers, 1, 64)
         _check_int("num_copy_streams", self.num_copy_streams, 1, 64)
+        _check_int("copy_batch_max", self.copy_batch_max, 1, 1 << 16)
         if self.pin_host_memory is not None and not isinstance(self.pin_host_memory, bool):
             raise ConfigError(f"pin_host_memory must be a bool or None, got {self.pin_host_memory!r}")
         _check_int("max_key_bytes", self.max_key_bytes, 1, 65536)

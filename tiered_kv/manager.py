@@ -151,9 +151,13 @@ class TierManager(TierViews):
         self._disk_usable = False
         if mover_factory is None:
             self._mover: Mover = make_mover(self._dev_rows, self._host_rows, self._completions,
-                                            config.num_copy_workers, config.num_copy_streams)
+                                            config.num_copy_workers, config.num_copy_streams,
+                                            config.copy_batch_max)
         else:
             self._mover = mover_factory(self._dev_rows, self._host_rows, self._completions)
+        # a mover that holds transfers until harvest() (CudaMover) sends the ones submitted while
+        # reports were applied (loads behind promotes) at the end of each poll, not a step later
+        self._mover_flush: Optional[Callable[[], None]] = getattr(self._mover, "flush", None)
         self._slot_views = SlotViews(self._host_rows)
         m = self.metrics
         m.capacity["host"].set(num_slots * self.row_bytes)
@@ -471,6 +475,8 @@ class TierManager(TierViews):
             self._disk_usable = check_writer(self._disk, self._disk_usable, self._closing)
             if self.config.write_mode == "back":
                 self._writeback_tick()
+        if self._mover_flush is not None:
+            self._mover_flush()
         self._refresh_gauges()
 
     def _deliver_cancelled(self) -> None:

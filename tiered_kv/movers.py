@@ -10,15 +10,18 @@ reports in ``poll()``.
   about twice as much, its intra-op threads fighting the workers for the
   cores).  Used without CUDA.  A worker that dies is replaced and its
   in-hand transfer is reported failed, so every transfer is answered.
-* :class:`CudaMover` -- a pool of CUDA copy streams with start/end events.  A
-  store is ordered after the work already queued on the engine's compute
-  stream; finished transfers are found by querying events in ``harvest()``,
-  never by a blocking synchronize on the engine thread.
+* :class:`CudaMover` -- a pool of CUDA copy streams with events.  Transfers
+  are queued by ``submit`` and put on the device in batches by ``harvest()``
+  (or when ``batch_max`` are queued), each batch ordered after the work
+  already queued on the engine's compute stream; finished transfers are found
+  by querying events in ``harvest()``, never by a blocking synchronize on the
+  engine thread.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import logging
 import queue
@@ -27,7 +30,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import torch
 
@@ -100,7 +103,9 @@ class Mover(Protocol):
     ``close()`` (see :meth:`ThreadMover.help_one`).  With it, ``hold(on)``:
     while on, transfers submitted are left for ``help_one`` (no worker is
     woken); off, the ones left go to the workers.  The manager turns it on for
-    as long as it blocks, and off in a ``finally``.
+    as long as it blocks, and off in a ``finally``.  A polled mover may define
+    ``flush()``: send the transfers it holds; the manager calls it at the end
+    of every poll (for transfers submitted while reports were applied).
     """
 
     polled: bool  # True when reports appear only through harvest()
@@ -115,6 +120,10 @@ CopyFn = Callable[[torch.Tensor, torch.Tensor], None]
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
+
+
+def _copy_non_blocking(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src, non_blocking=True)
 
 
 def _row_addresses(rows: torch.Tensor) -> tuple[int, int]:
@@ -294,30 +303,50 @@ class TorchCuda:  # pragma: no cover - needs CUDA (tests/test_cuda.py)
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
 
+    @contextlib.contextmanager
+    def copies_on(self, stream: Any) -> Iterator[Callable[[torch.Tensor, torch.Tensor], None]]:
+        """``stream`` made current once for a batch of copies; yields ``copy(dst, src)``."""
+        with torch.cuda.stream(stream):
+            yield _copy_non_blocking
+
     def synchronize(self, device: torch.device) -> None:
         """Not used by the mover (it never blocks); the benchmarks' baseline needs it."""
         torch.cuda.synchronize(device)
 
 
 class CudaMover:
-    """Copies on a pool of CUDA streams; ``harvest()`` queries end events in order.
+    """Copies on a pool of CUDA streams, queued in batches; ``harvest()`` queries end events in order.
 
-    Each copy is queued on one of ``num_streams`` side streams behind the work
-    already queued on the engine's current stream, in both directions: a
-    store's source row may still be written by that work, and a load's
-    destination row may still be read by kernels queued before the engine gave
-    the row up (write after read).  Nothing here blocks the calling thread:
-    ``submit`` queues, ``harvest`` queries.  Timing events are recycled once
-    their copy is reported (creating one is a driver call).  A copy that
-    cannot be queued (a CUDA error) or whose event reports an error is
-    answered as failed, never raised.  ``runtime``: the CUDA calls
-    (:class:`TorchCuda` by default; tests pass a simulated device).
+    ``submit`` only queues the transfer (no CUDA call: on the engine thread a
+    driver call costs tens of microseconds on some hosts).  The queue goes to
+    the device at the next ``harvest()`` -- the manager's ``poll()`` and
+    ``wait()`` -- or at once when ``batch_max`` transfers are queued
+    (``batch_max=1``: each transfer at its own ``submit``).  A transfer
+    cancelled while queued is answered without a copy.
+
+    A batch is ordered once, at the flush, behind everything already queued on
+    the engine's current stream, in both directions: a store's source row may
+    still be written by that work, and a load's destination row may still be
+    read by kernels queued before the engine gave the row up (write after
+    read).  Work the engine queues after ``submit`` and before the flush is
+    waited for too; by the protocol it cannot touch a row with a transfer in
+    flight (a store's row is released by ``free_block``, which discards the
+    store; a load's row is fenced).  Stores and loads of a batch go to
+    different streams (the two directions of the link run at once).  Each
+    copy is followed by its own end event, timed from the event before it in
+    the batch; events are recycled once their copies are reported.  Nothing
+    here blocks the calling thread.  A copy that cannot be queued (a CUDA
+    error) or whose event reports an error is answered as failed, never raised.
+    ``runtime``: the CUDA calls (:class:`TorchCuda` by default; tests pass a
+    simulated device).
     """
 
     polled = True
 
     def __init__(self, device_rows: torch.Tensor, host_rows: torch.Tensor, completions: CompletionQueue,
-                 num_streams: int = 2, runtime: Optional[Any] = None) -> None:
+                 num_streams: int = 2, runtime: Optional[Any] = None, batch_max: int = 64) -> None:
+        if batch_max < 1:
+            raise ValueError(f"batch_max must be >= 1, got {batch_max!r}")
         rt = runtime if runtime is not None else TorchCuda()
         self._dev = device_rows
         self._host = host_rows
@@ -326,60 +355,123 @@ class CudaMover:
         self._device = device_rows.device
         self._new_event = rt.new_event
         self._current = rt.current_stream
-        self._copy = rt.copy
+        self._copies_on = rt.copies_on
         self._streams = [rt.new_stream(self._device) for _ in range(num_streams)]
-        self._pending: list[deque[tuple[Transfer, Any, Any]]] = [deque() for _ in self._streams]
+        # per stream, in queue order: (transfer, event before its copy, its end event, end is the last of a batch)
+        self._pending: list[deque[tuple[Transfer, Any, Any, bool]]] = [deque() for _ in self._streams]
+        self._queued: list[Transfer] = []  # submitted, not yet on the device
+        self._batch_max = batch_max
         self._events: list[Any] = []  # recycled timing events
         self._next = 0
 
     def submit(self, t: Transfer) -> None:
-        if t.cancelled:
-            self._out.put(Report(t.token, t.kind, False, "cancelled before copy", copied=False))
+        q = self._queued
+        q.append(t)
+        if len(q) >= self._batch_max:
+            self.flush()
+
+    def flush(self) -> None:
+        """Put the queued transfers on the device (stores on one stream, loads on the next)."""
+        batch = self._queued
+        if not batch:
             return
+        self._queued = []
+        stores: list[Transfer] = []
+        loads: list[Transfer] = []
+        put = self._out.put
+        for t in batch:
+            if t.cancelled:
+                put(Report(t.token, t.kind, False, "cancelled before copy", copied=False))
+            elif t.kind is _STORE:
+                stores.append(t)
+            else:
+                loads.append(t)
+        if stores:
+            self._queue_on_stream(stores, True)
+        if loads:
+            self._queue_on_stream(loads, False)
+
+    def _queue_on_stream(self, ts: list[Transfer], store: bool) -> None:
         i = self._next
         self._next = (i + 1) % len(self._streams)
         stream = self._streams[i]
+        pend = self._pending[i]
         ev = self._events
-        start = ev.pop() if ev else self._new_event()
-        end = ev.pop() if ev else self._new_event()
+        dev, host = self._dev, self._host
+        prev = ev.pop() if ev else self._new_event()
         try:
             stream.wait_stream(self._current(self._device))
-            start.record(stream)
-            if t.kind is _STORE:
-                self._copy(self._host[t.slot], self._dev[t.row], stream)
-            else:
-                self._copy(self._dev[t.row], self._host[t.slot], stream)
-            end.record(stream)
-        except Exception as exc:  # nothing reached the stream, or the context is broken: answer, never raise
-            log.error("CUDA copy of %s row %d / slot %d could not be queued: %r", t.kind, t.row, t.slot, exc)
-            self._out.put(Report(t.token, t.kind, False, f"copy failed: {exc!r}"))
+            prev.record(stream)
+        except Exception as exc:  # a broken context: nothing of this batch reached the stream
+            ev.append(prev)
+            log.error("CUDA copies of a batch of %d could not be queued: %r", len(ts), exc)
+            for t in ts:
+                self._out.put(Report(t.token, t.kind, False, f"copy failed: {exc!r}"))
             return
-        self._pending[i].append((t, start, end))
+        last: Optional[tuple[Transfer, Any, Any, bool]] = None
+        put = self._out.put
+        n = 0  # transfers of ts answered or on the stream
+        try:
+            with self._copies_on(stream) as copy:
+                for t in ts:
+                    n += 1
+                    end = ev.pop() if ev else self._new_event()
+                    try:
+                        if store:
+                            copy(host[t.slot], dev[t.row])
+                        else:
+                            copy(dev[t.row], host[t.slot])
+                        end.record(stream)
+                    except Exception as exc:  # this copy did not reach the stream: answer it, go on
+                        ev.append(end)
+                        log.error("CUDA copy of %s row %d / slot %d could not be queued: %r",
+                                  t.kind, t.row, t.slot, exc)
+                        put(Report(t.token, t.kind, False, f"copy failed: {exc!r}"))
+                        continue
+                    if last is not None:
+                        pend.append(last)
+                    last = (t, prev, end, False)
+                    prev = end
+        except Exception as exc:  # making the stream current failed (or restoring it): the copies queued stand
+            log.error("CUDA stream switch around a batch of %d copies failed: %r", len(ts), exc)
+            for t in ts[n:]:
+                put(Report(t.token, t.kind, False, f"copy failed: {exc!r}"))
+        if last is None:
+            ev.append(prev)  # no copy queued: its start event is free again (re-recording resets it)
+        else:
+            pend.append((last[0], last[1], last[2], True))
 
     def harvest(self) -> None:
+        if self._queued:
+            self.flush()
         put, free = self._out.put, self._events
         for pend in self._pending:
             while pend:
-                t, start, end = pend[0]
+                t, start, end, final = pend[0]
                 try:
                     if not end.query():
                         break
                     seconds = start.elapsed_time(end) / 1e3
                 except Exception as exc:  # a CUDA error surfaced by the query: this copy is lost
                     pend.popleft()
+                    free.append(start)  # re-recording resets it; an errored context fails whatever comes next
+                    if final:
+                        free.append(end)
                     log.error("CUDA copy of %s row %d / slot %d failed: %r", t.kind, t.row, t.slot, exc)
                     put(Report(t.token, t.kind, False, f"copy failed: {exc!r}"))
                     continue
                 pend.popleft()
-                free.append(start)
-                free.append(end)
+                free.append(start)  # the batch's start event, or the previous copy's end: no longer read
+                if final:
+                    free.append(end)
                 put(Report(t.token, t.kind, True, None, self._row_bytes, seconds))
 
     def in_flight(self) -> int:
-        """Copies queued and not yet reported by ``harvest()``."""
-        return sum(len(p) for p in self._pending)
+        """Transfers submitted and not yet reported by ``harvest()`` (queued or on the device)."""
+        return len(self._queued) + sum(len(p) for p in self._pending)
 
     def close(self) -> None:
+        self.flush()
         for s in self._streams:
             try:
                 s.synchronize()
@@ -389,7 +481,7 @@ class CudaMover:
 
 
 def make_mover(device_rows: torch.Tensor, host_rows: torch.Tensor, completions: CompletionQueue,
-               num_workers: int, num_streams: int) -> Mover:
+               num_workers: int, num_streams: int, batch_max: int = 64) -> Mover:
     if device_rows.is_cuda:  # pragma: no cover - needs CUDA
-        return CudaMover(device_rows, host_rows, completions, num_streams)
+        return CudaMover(device_rows, host_rows, completions, num_streams, batch_max=batch_max)
     return ThreadMover(device_rows, host_rows, completions, num_workers)
