@@ -475,11 +475,17 @@ def test_the_cuda_bench_section_runs_on_the_simulated_device() -> None:
     assert s["problems"] == [] and s["mover"] == "CudaMover" and s["baseline_on_tier_slab"]
     for d in ("store", "load"):
         assert s[d]["tiered_kv"]["gb_per_s"] > 0 and s[d]["baseline_torch_copy"]["gb_per_s"] > 0
-    cl = r["store_latency"]
-    assert cl["mover"] == "CudaMover" and cl["tiered_kv"]["calls"] == cl["baseline_figures"]["calls"] > 0
-    assert cl["tiered_kv"]["accepted"] > 0 and cl["baseline_figures"]["accepted"] > 0
+        assert s[d]["tiered_kv_copy_batch_max_1"]["gb_per_s"] > 0
+    cl, c1 = r["store_latency"], r["store_latency_copy_batch_max_1"]
+    assert (cl["copy_batch_max"], c1["copy_batch_max"]) == (64, 1)
+    for c in (cl, c1):
+        assert c["mover"] == "CudaMover" and c["tiered_kv"]["calls"] == c["baseline_figures"]["calls"] > 0
+        assert c["tiered_kv"]["accepted"] > 0 and c["baseline_figures"]["accepted"] > 0
+        assert c["tiered_kv"]["engine_us_per_step_mean"] > 0
     ids = {f["id"] for f in report._core_figures({"cuda_copy": r})}
     assert {"cuda.store.65536", "cuda.load.65536", "cuda.store_p99"} <= ids
     text = "\n".join(core._fmt_cuda(r))
-    assert "store() on the CUDA KV tensor" in text
+    assert "store() on the CUDA KV tensor" in text and "copy_batch_max=1" in text
+    (fig,) = [f for f in report._core_figures({"cuda_copy": r}) if f["id"] == "cuda.store_p99"]
+    assert "engine thread per step" in fig["note"]
     assert gpu.idle

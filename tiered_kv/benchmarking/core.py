@@ -647,6 +647,9 @@ def _latency_side(s: dict[str, Any], row_bytes: int) -> dict[str, Any]:
             "store_returned_none": summarize(_us(s["none"]), "us/call") if s["none"] else None,
             "calls": n_ok + len(s["none"]), "accepted": n_ok, "returned_none": len(s["none"]),
             "poll": summarize(_us(s["poll_ns"]), "us/call"),
+            # everything the engine thread spent in tiered_kv per step: its stores and its poll
+            "engine_us_per_step_mean": ((sum(_us(s["ok"] + s["none"])) + sum(_us(s["poll_ns"]))) / len(s["poll_ns"])
+                                        if s["poll_ns"] else None),
             "copy_gb_per_s_requested": n_ok * row_bytes / s["seconds"] / 1e9 if s["seconds"] else None}
 
 
@@ -909,7 +912,8 @@ class _Device:
             return TierManager(cfg, kv)  # CudaMover; the host slab is pinned because kv is on a CUDA device
         from tiered_kv.movers import CudaMover
         rt = self.rt
-        return TierManager(cfg, kv, mover_factory=lambda d, h, c: CudaMover(d, h, c, cfg.num_copy_streams, runtime=rt))
+        return TierManager(cfg, kv, mover_factory=lambda d, h, c: CudaMover(d, h, c, cfg.num_copy_streams, runtime=rt,
+                                                                           batch_max=cfg.copy_batch_max))
 
     def host(self, shape: tuple[int, int]) -> torch.Tensor:
         return torch.zeros(shape, dtype=torch.uint8, pin_memory=not self.simulated)
@@ -932,6 +936,7 @@ def _cuda_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
     kv[n:].fill_(255)
     cfg = TieredKVConfig(namespace=f"bench|u8|cuda{block}", host_capacity_bytes=nbytes)
     mgr = d.manager(cfg, kv)
+    mgr1 = d.manager(cfg.replace(copy_batch_max=1), kv)  # each copy on the device inside its own call
     host = getattr(mgr, "_host_rows", None)
     same_slab = isinstance(host, torch.Tensor) and host.shape[0] >= n and (d.simulated or host.is_pinned())
     if not same_slab:  # the slab is private: copy between a pinned buffer of the same shape instead
@@ -939,11 +944,12 @@ def _cuda_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
     assert host is not None
     host[:n].fill_(0)  # faulted in, like the tier's slab
     side = rt.new_stream(dev)
-    secs: dict[str, list[float]] = {k: [] for k in ("tkv_store", "tkv_load", "raw_store", "raw_load")}
+    secs: dict[str, list[float]] = {k: [] for k in ("tkv_store", "tkv_load", "tkv1_store", "tkv1_load",
+                                                    "raw_store", "raw_load")}
     problems: list[str] = []
     check = sorted(rng.sample(range(n), min(8, n)))
 
-    def tkv_pass(keys: list[bytes]) -> tuple[float, float]:
+    def tkv_pass(mgr: TierManager, keys: list[bytes]) -> tuple[float, float]:
         d.sync()
         t0 = time.perf_counter()
         jobs = [mgr.store(keys[i], i) for i in range(n)]
@@ -984,15 +990,17 @@ def _cuda_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
 
     for p in range(warmup + passes):
         keys = _keys(rng, n)
-        for which in (("tkv", "raw") if p % 2 == 0 else ("raw", "tkv")):
+        for which in (("tkv", "raw", "tkv1"), ("raw", "tkv1", "tkv"), ("tkv1", "tkv", "raw"))[p % 3]:
             gc.collect()
-            st, ld = tkv_pass(keys) if which == "tkv" else raw_pass()
+            st, ld = (tkv_pass(mgr, keys) if which == "tkv" else tkv_pass(mgr1, keys) if which == "tkv1"
+                      else raw_pass())
             if p >= warmup:
                 secs[f"{which}_store"].append(st)
                 secs[f"{which}_load"].append(ld)
     mover = type(getattr(mgr, "_mover", None)).__name__
     mgr.close()
-    del kv, host, mgr
+    mgr1.close()
+    del kv, host, mgr, mgr1
     d.release()
 
     def gbps(key: str) -> dict[str, Any]:
@@ -1002,12 +1010,14 @@ def _cuda_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
 
     out: dict[str, Any] = {"block_bytes": block, "blocks_per_pass": n, "bytes_per_pass": nbytes, "passes": passes,
                            "warmup_passes_discarded": warmup, "mover": mover, "baseline_on_tier_slab": same_slab,
-                           "problems": problems}
+                           "copy_batch_max": cfg.copy_batch_max, "problems": problems}
     for d_, link in (("store", "device->host"), ("load", "host->device")):
-        t, r = gbps(f"tkv_{d_}"), gbps(f"raw_{d_}")
+        t, r, t1 = gbps(f"tkv_{d_}"), gbps(f"raw_{d_}"), gbps(f"tkv1_{d_}")
         rt_ = _ratio(t["gb_per_s"], r["gb_per_s"])
         out[d_] = {"link": link, "tiered_kv": t, "baseline_torch_copy": r, "ratio_tiered_kv_over_baseline": rt_,
-                   "target_ratio": TARGET_CUDA_RATIO, "target_met": rt_ >= TARGET_CUDA_RATIO}
+                   "target_ratio": TARGET_CUDA_RATIO, "target_met": rt_ >= TARGET_CUDA_RATIO,
+                   "tiered_kv_copy_batch_max_1": t1,
+                   "ratio_batch_max_1_over_baseline": _ratio(t1["gb_per_s"], r["gb_per_s"])}
     return out
 
 
@@ -1037,13 +1047,16 @@ class _RawCudaCopies:
 
 
 def _cuda_store_latency(quick: Union[bool, str], rng: random.Random, d: _Device, per_step: int = 16,
-                        step_s: float = 0.010) -> dict[str, Any]:
-    """store() wall time per call on a CUDA KV tensor (CudaMover, pinned slab), the engine loop of section 2."""
+                        step_s: float = 0.010, batch_max: Optional[int] = None) -> dict[str, Any]:
+    """store() wall time per call on a CUDA KV tensor (CudaMover, pinned slab), the engine loop of section 2.
+    ``batch_max``: the config's ``copy_batch_max`` (None: the default)."""
     n_stores, segments, warmup_stores, n_rows, row_bytes = PLANS[as_mode(quick)]["store_latency"]
     dev = d.dev
     kv = torch.empty((n_rows, row_bytes), dtype=torch.uint8, device=dev)
     kv.copy_((torch.arange(n_rows, device=dev) % 251).to(torch.uint8).unsqueeze(1).expand(n_rows, row_bytes))
     cfg = TieredKVConfig(namespace="bench|u8|cuda-latency", host_capacity_bytes=n_rows * row_bytes)
+    if batch_max is not None:
+        cfg = cfg.replace(copy_batch_max=batch_max)
     mgr = d.manager(cfg, kv)
     base = UnsafeDictOffloader(n_rows)
     host_b = d.host((n_rows, row_bytes))
@@ -1073,7 +1086,8 @@ def _cuda_store_latency(quick: Union[bool, str], rng: random.Random, d: _Device,
     t, b = _latency_side(sides["tkv"], row_bytes), _latency_side(sides["base"], row_bytes)
     st, sb = t["store_all_calls"], b["store_all_calls"]
     return {
-        "mover": mover, "host_slab_pinned": pinned, "row_bytes": row_bytes, "device_rows": n_rows,
+        "mover": mover, "copy_batch_max": cfg.copy_batch_max, "host_slab_pinned": pinned, "row_bytes": row_bytes,
+        "device_rows": n_rows,
         "stores_per_poll": per_step, "engine_step_sleep_s": step_s, "timed_stores_per_side": n_stores,
         "warmup_stores_discarded": warmup_stores,
         "baseline": ("UnsafeDictOffloader.store() whose copy is the same wait_stream + side-stream copy_ + event, "
@@ -1106,6 +1120,8 @@ def bench_cuda_copy(quick: Union[bool, str] = False, seed: int = 0,
                    "tensor and the same pinned slab, one side stream, then synchronize. GB = 1e9 bytes."),
         "sizes": [_cuda_size(b, ws, passes, warmup, rng, d) for b in block_sizes],
         "store_latency": _cuda_store_latency(quick, rng, d),
+        # the same with every copy put on the device inside its own store() (before batching): an A/B in one run
+        "store_latency_copy_batch_max_1": _cuda_store_latency(quick, rng, d, batch_max=1),
     }
 
 
@@ -1322,24 +1338,35 @@ def _fmt_cuda(c: dict[str, Any]) -> list[str]:
         return ["", f"4. device<->host GB/s: {c['skipped']}"]
     lines = ["", f"4. device<->host GB/s on {c['device']} (CudaMover, pinned slab; baseline: torch copy_ between the same "
                  "buffers on one side stream)",
-             f"   {'block':<9}{'link':<14}{'tiered_kv':>10}{'torch copy_':>13}{'ratio':>8}   {'tkv GB/s worst..best':<22}"]
+             f"   {'block':<9}{'link':<14}{'tiered_kv':>10}{'torch copy_':>13}{'ratio':>8}   {'tkv GB/s worst..best':<22}"
+             f"{'batch=1':>9}{'ratio':>8}"]
     for s in c["sizes"]:
         for d in ("store", "load"):
             x = s[d]
+            b1 = x.get("tiered_kv_copy_batch_max_1")
             lines.append(f"   {_size(s['block_bytes']):<9}{x['link']:<14}{x['tiered_kv']['gb_per_s']:>10.2f}"
                          f"{x['baseline_torch_copy']['gb_per_s']:>13.2f}{x['ratio_tiered_kv_over_baseline']:>8.3f}   "
-                         f"{x['tiered_kv']['gb_per_s_worst']:.2f}..{x['tiered_kv']['gb_per_s_best']:.2f}")
+                         + f"{x['tiered_kv']['gb_per_s_worst']:.2f}..{x['tiered_kv']['gb_per_s_best']:.2f}".ljust(22)
+                         + (f"{b1['gb_per_s']:>9.2f}{x['ratio_batch_max_1_over_baseline']:>8.3f}" if b1 else ""))
         if s["problems"]:
             lines.append(f"     problems: {s['problems'][:3]}")
     cl = c.get("store_latency")
     if cl:
         lines.append(f"   store() on the CUDA KV tensor ({cl['mover']}, {_size(cl['row_bytes'])} rows, "
                      f"{cl['stores_per_poll']} stores then poll() then {cl['engine_step_sleep_s'] * 1e3:g} ms; "
-                     "baseline: the unsafe original queuing the same copy), us p50/p90/p99/max:")
-        for name, key in (("tiered_kv", "tiered_kv"), ("baseline", "baseline_figures")):
-            x = cl[key]["store_all_calls"]
-            lines.append(f"     {name:<10} {x['median']:.1f}/{x['p90']:.1f}/{x['p99']:.1f}/{x['max']:.0f}"
-                         f"   poll() p99 {cl[key]['poll']['p99']:.1f}")
+                     "baseline: the unsafe original queuing the same copy), us p50/p90/p99/max, poll() p50/p99, "
+                     "engine thread per step (mean):")
+        rows = [(f"tiered_kv (copy_batch_max={cl.get('copy_batch_max', '?')})", cl["tiered_kv"]),
+                ("baseline", cl["baseline_figures"])]
+        c1 = c.get("store_latency_copy_batch_max_1")
+        if c1:
+            rows.insert(1, ("tiered_kv (copy_batch_max=1)", c1["tiered_kv"]))
+            rows.append(("baseline (beside batch=1)", c1["baseline_figures"]))
+        for name, side in rows:
+            x, po, per = side["store_all_calls"], side["poll"], side.get("engine_us_per_step_mean")
+            lines.append(f"     {name:<30} {x['median']:.1f}/{x['p90']:.1f}/{x['p99']:.1f}/{x['max']:.0f}"
+                         f"   poll() {po['median']:.1f}/{po['p99']:.1f}"
+                         + (f"   per step {per:.0f}" if per is not None else ""))
     return lines
 
 

@@ -152,8 +152,20 @@ def _core_figures(c: dict[str, Any]) -> list[dict[str, Any]]:
             out.append(_store_p99(
                 cl, "CUDA links", "cuda.store_p99", f"store() p99 on a CUDA KV tensor ({cl['mover']})",
                 "the unsafe original's store() queuing the same side-stream copy and event",
-                f"poll() p99 {cl['tiered_kv']['poll']['p99']:.1f} us"))
+                _cuda_poll_note(cl)))
     return out
+
+
+def _cuda_poll_note(cl: dict[str, Any]) -> str:
+    """What the engine thread pays besides store(): the copies go to the device in poll()."""
+    t, b = cl["tiered_kv"], cl["baseline_figures"]
+    note = (f"copy_batch_max={cl.get('copy_batch_max', '?')}: the copies are queued on the device in poll(), "
+            f"p50/p99 {t['poll']['median']:.0f}/{t['poll']['p99']:.0f} us (baseline "
+            f"{b['poll']['median']:.0f}/{b['poll']['p99']:.0f})")
+    if t.get("engine_us_per_step_mean") and b.get("engine_us_per_step_mean"):
+        note += (f"; engine thread per step (stores + poll), mean {t['engine_us_per_step_mean']:.0f} us, "
+                 f"baseline {b['engine_us_per_step_mean']:.0f} us")
+    return note
 
 
 def _store_p99(sl: dict[str, Any], section: str, fid: str, name: str, baseline_name: str, more: str) -> dict[str, Any]:
