@@ -23,19 +23,22 @@ from fake_cuda import FakeGPU
 from fakes import ROW_BYTES, content, fill_row, host_matches, make_config, make_kv, mgr_metric, reported, row_matches
 from tiered_kv import TierManager
 from random_engine import random_engine
-from tiered_kv.movers import CudaMover
+from tiered_kv.movers import EVENT_BYTES, CudaMover
 
 STALE = "tiered_kv_stale_callbacks_total"
 A, B, C = b"key-A", b"key-B", b"key-C"
 
 
 def make(rows: int = 32, slots: int = 16, streams: int = 2, rng: Optional[random.Random] = None,
-         progress: bool = False, batch: int = 64) -> tuple[TierManager, torch.Tensor, FakeGPU, CudaMover]:
+         progress: bool = False, batch: int = 64,
+         event_bytes: int = EVENT_BYTES) -> tuple[TierManager, torch.Tensor, FakeGPU, CudaMover]:
+    """The manager on the simulated device.  Its rows are 128 bytes, so by default a batch's copies share
+    one end event; ``event_bytes=1`` gives each copy its own."""
     gpu = FakeGPU(rng, progress_on_query=progress)
     made: list[CudaMover] = []
 
     def factory(dev: torch.Tensor, host: torch.Tensor, out: Any) -> CudaMover:
-        made.append(CudaMover(dev, host, out, streams, runtime=gpu, batch_max=batch))
+        made.append(CudaMover(dev, host, out, streams, runtime=gpu, batch_max=batch, event_bytes=event_bytes))
         return made[0]
 
     kv = make_kv(rows)
@@ -174,7 +177,7 @@ def test_a_transfer_cancelled_before_submit_is_answered_without_a_copy() -> None
 # ----------------------------------------------------------------------------- batches
 def test_store_and_load_queue_nothing_on_the_device_until_a_poll() -> None:
     """store()/load() make no CUDA call; the poll puts the batch on the device behind one barrier."""
-    mgr, kv, gpu, mover = make(streams=2)
+    mgr, kv, gpu, mover = make(streams=2, event_bytes=1)
     in_host(mgr, gpu, kv, A, 0)
     n_events, n_batches = len(gpu.events), len(gpu.batches)
     keys = [f"b{i}".encode() for i in range(5)]
@@ -201,7 +204,7 @@ def test_store_and_load_queue_nothing_on_the_device_until_a_poll() -> None:
 
 
 def test_batch_max_puts_the_batch_on_the_device_from_submit() -> None:
-    mgr, kv, gpu, mover = make(streams=1, batch=3)
+    mgr, kv, gpu, mover = make(streams=1, batch=3, event_bytes=1)
     for i in range(3):
         fill_row(kv, i, f"m{i}".encode())
         assert mgr.store(f"m{i}".encode(), i) is not None
@@ -221,7 +224,7 @@ def test_each_copy_is_timed_from_the_event_before_it() -> None:
     gpu, out = FakeGPU(), CompletionQueue()
     dev = torch.arange(4 * 8, dtype=torch.uint8).view(4, 8)
     host = torch.zeros((4, 8), dtype=torch.uint8)
-    mover = CudaMover(dev, host, out, 1, runtime=gpu)
+    mover = CudaMover(dev, host, out, 1, runtime=gpu, event_bytes=1)
     ts = [Transfer(uuid.uuid4(), JobKind.STORE, r, 3 - r) for r in range(4)]
     for t in ts:
         mover.submit(t)
@@ -241,6 +244,87 @@ def test_each_copy_is_timed_from_the_event_before_it() -> None:
     gpu.run_all()
     mover.harvest()
     assert len(out.drain()) == 4
+
+
+@pytest.mark.parametrize("failing", [None, 2, 4])
+def test_copies_share_an_end_event_per_event_bytes(failing: Optional[int]) -> None:
+    """Rows of 8 bytes, an end event per 16 bytes: 5 copies -> events after copies 2, 4 and 5; the copies
+    between two events are reported together, each timed as its share.  ``failing``: that copy cannot
+    be queued; the chunk closes on the next copies that can."""
+    from tiered_kv.jobs import JobKind
+    from tiered_kv.movers import CompletionQueue, Transfer
+
+    gpu, out = FakeGPU(), CompletionQueue()
+    dev = torch.arange(8 * 8, dtype=torch.uint8).view(8, 8)
+    host = torch.zeros((8, 8), dtype=torch.uint8)
+    mover = CudaMover(dev, host, out, 1, runtime=gpu, event_bytes=16)
+    ts = [Transfer(uuid.uuid4(), JobKind.STORE, r, r) for r in range(5)]
+    for i, t in enumerate(ts):
+        mover.submit(t)
+    copies = [t for i, t in enumerate(ts) if i != failing]
+
+    def fail_one(real: Any) -> Any:
+        n = [0]
+
+        def copy(dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+            n[0] += 1
+            if n[0] - 1 == failing:
+                raise RuntimeError("CUDA error: injected")
+            real(dst, src, stream)
+        return copy
+
+    gpu.copy = fail_one(gpu.copy)  # type: ignore[method-assign]
+    mover.flush()
+    (side,) = gpu.side
+    layout = ["wait", "event"]
+    for i in range(0, len(copies), 2):
+        layout += ["copy"] * len(copies[i:i + 2]) + ["event"]
+    assert [op[0] for op in side.ops] == layout
+    if failing is not None:
+        (r,) = out.drain()
+        assert r.token == ts[failing].token and not r.ok
+    assert mover.in_flight() == len(copies)
+    gpu.step(side)
+    gpu.step(side)
+    gpu.step(side)                            # the first copy ran, not yet the second: nothing reported
+    mover.harvest()
+    assert out.drain() == []
+    gpu.step(side)
+    gpu.step(side)                            # the second copy and the first end event
+    mover.harvest()
+    first = out.drain()
+    assert [r.token for r in first] == [t.token for t in copies[:2]] and all(r.ok for r in first)
+    assert [round(r.seconds * 1e6, 6) for r in first] == [1.5, 1.5]   # 2 copies + 1 event over 2 copies
+    gpu.run_all()
+    mover.harvest()
+    rest = out.drain()
+    assert [r.token for r in rest] == [t.token for t in copies[2:]] and all(r.ok for r in rest)
+    assert all(torch.equal(host[t.slot], dev[t.row]) for t in copies)
+    assert mover.in_flight() == 0
+    assert len(gpu.events) == 1 + (len(copies) + 1) // 2
+    for t in ts:                              # the next batch (5 copies: 4 events) reuses those
+        t.token = uuid.uuid4()
+        mover.submit(t)
+    mover.flush()
+    assert len(gpu.events) == 4
+
+
+def test_an_error_at_a_shared_event_fails_every_copy_behind_it() -> None:
+    mgr, kv, gpu, mover = make(streams=1, event_bytes=2 * ROW_BYTES)
+    keys = [f"e{i}".encode() for i in range(3)]
+    for i, k in enumerate(keys):
+        fill_row(kv, i, k)
+    jobs = [mgr.store(k, i) for i, k in enumerate(keys)]
+    assert mgr.poll() == []
+    (first, second) = mover._pending[0]
+    assert [t.row for t in first[0]] == [0, 1] and [t.row for t in second[0]] == [2]
+    first[2].fail = RuntimeError("CUDA error: an illegal memory access was encountered")
+    gpu.run_all()
+    comps = mgr.poll()
+    assert [c.job for c in comps] == jobs
+    assert [c.ok for c in comps] == [False, False, True]
+    assert mgr.lookup([keys[2]]) == 1 and mover.in_flight() == 0
+    mgr.close()
 
 
 def test_a_store_cancelled_while_queued_makes_no_copy() -> None:
@@ -346,7 +430,7 @@ def test_a_copy_that_cannot_be_queued_is_reported_failed() -> None:
 
 
 def test_an_error_surfacing_at_the_event_query_is_reported_failed() -> None:
-    mgr, kv, gpu, mover = make(streams=1)
+    mgr, kv, gpu, mover = make(streams=1, event_bytes=1)
     fill_row(kv, 2, A)
     fill_row(kv, 3, B)
     ja, jb = mgr.store(A, 2), mgr.store(B, 3)
@@ -476,6 +560,7 @@ def test_the_cuda_bench_section_runs_on_the_simulated_device() -> None:
     for d in ("store", "load"):
         assert s[d]["tiered_kv"]["gb_per_s"] > 0 and s[d]["baseline_torch_copy"]["gb_per_s"] > 0
         assert s[d]["tiered_kv_copy_batch_max_1"]["gb_per_s"] > 0
+        assert s[d]["tiered_kv_event_per_copy"]["gb_per_s"] > 0   # 64 KiB blocks share end events by default
     cl, c1 = r["store_latency"], r["store_latency_copy_batch_max_1"]
     assert (cl["copy_batch_max"], c1["copy_batch_max"]) == (64, 1)
     for c in (cl, c1):
@@ -485,7 +570,7 @@ def test_the_cuda_bench_section_runs_on_the_simulated_device() -> None:
     ids = {f["id"] for f in report._core_figures({"cuda_copy": r})}
     assert {"cuda.store.65536", "cuda.load.65536", "cuda.store_p99"} <= ids
     text = "\n".join(core._fmt_cuda(r))
-    assert "store() on the CUDA KV tensor" in text and "copy_batch_max=1" in text
+    assert "store() on the CUDA KV tensor" in text and "copy_batch_max=1" in text and "ev/copy" in text
     (fig,) = [f for f in report._core_figures({"cuda_copy": r}) if f["id"] == "cuda.store_p99"]
     assert "engine thread per step" in fig["note"]
     assert gpu.idle

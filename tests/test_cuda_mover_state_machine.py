@@ -16,7 +16,10 @@ cancelled while queued at once (no copy: a cancelled load is reported, and unfen
 at that poll; a cancelled store's stale report is counted then), then puts the stores
 as one group on side stream ``next`` and the loads as one group on the stream after
 it (round robin over the side streams, one step per group), each group as
-``wait(compute stream as it is at the FLUSH), start event, [copy, its end event] * k``.
+``wait(compute stream as it is at the FLUSH), start event``, then per chunk of up to
+``per_event`` copies (drawn from 1, 2, 3 and given to the mover as ``event_bytes``
+that round up to it) ``copy * k, one end event``: the copies of a chunk are harvested
+together, once the device reaches that event.
 A copy that meets the injected ``FakeGPU.copy_error`` (armed by a store/load drawn to
 fail, it hits the next copy queued, at whichever flush that is: the first store of a
 batch, else its first load) is answered failed during the flush and the rest of the
@@ -80,6 +83,7 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -91,7 +95,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from prometheus_client import CollectorRegistry
 
 from fake_cuda import FakeGPU, FakeStream
-from fakes import fill_row, host_matches, make_config, make_kv, metric_samples, row_matches
+from fakes import ROW_BYTES, fill_row, host_matches, make_config, make_kv, metric_samples, row_matches
 from host_model import Expected, MEntry, MJob, Model
 from tiered_kv import Completion, Job, TierManager
 from tiered_kv.errors import BlockBusyError
@@ -126,6 +130,7 @@ class Group:
     mark: int                     # the compute stream's length at the flush: the barrier
     transfers: list[DJob]
     copies: list[DJob]            # those whose copy was queued (not the one that met the copy error)
+    chunks: list[int] = dataclasses.field(default_factory=list)   # copies per end event, in order
 
 
 class DeviceModel(Model):
@@ -134,10 +139,11 @@ class DeviceModel(Model):
     armed copy error consumed by the first copy), and where each copy sits on the simulated device:
     its report is harvested once the device has run its end event, or at once when a flush answered it."""
 
-    def attach(self, gpu: FakeGPU, batch_max: int) -> None:
+    def attach(self, gpu: FakeGPU, batch_max: int, per_event: int) -> None:
         self.gpu = gpu
         self.side = gpu.side
         self.batch_max = batch_max
+        self.per_event = per_event          # copies per end event (event_bytes = per_event rows)
         self.queued: list[DJob] = []        # submitted, not flushed (the mover's queue)
         self.answered: list[DJob] = []      # answered at a flush, in completion queue order, not harvested
         self.next = 0                       # the side stream of the next group
@@ -171,17 +177,31 @@ class DeviceModel(Model):
             i, self.next = self.next, (self.next + 1) % len(self.side)
             g = Group(i, self.gpu.compute.queued, ts, [])
             self.pushed[i] += 2             # wait, start event
+            chunk: list[DJob] = []          # copies queued since the last end event
             for mj in ts:
                 if self.armed:              # FakeGPU.copy_error: raised by this copy, answered failed
                     self.armed = False
                     self._answer(mj)
                     continue
-                self.pushed[i] += 2         # copy, end event
-                mj.where, mj.stream, mj.end = "stream", self.side[i], self.pushed[i]
+                self.pushed[i] += 1         # its copy
+                mj.where, mj.stream = "stream", self.side[i]
                 g.copies.append(mj)
+                chunk.append(mj)
+                if len(chunk) == self.per_event:
+                    self._close(i, chunk, g)
+                    chunk = []
+            if chunk:
+                self._close(i, chunk, g)
             self.batches.append(i)
             groups.append(g)
         return groups
+
+    def _close(self, i: int, chunk: list[DJob], g: Group) -> None:
+        """An end event after ``chunk``: its copies are harvested together once the device reaches it."""
+        self.pushed[i] += 1
+        for mj in chunk:
+            mj.end = self.pushed[i]
+        g.chunks.append(len(chunk))
 
     def on_device(self) -> list[DJob]:
         return [mj for mj in self.records.values() if isinstance(mj, DJob) and mj.where == "stream"]
@@ -285,7 +305,8 @@ class CudaMoverMachine(RuleBasedStateMachine):
 
     def _check_flushed(self, before: tuple[list[int], int], groups: list[Group]) -> None:
         """The operations one manager call queued on the side streams are exactly the flush's ``groups``:
-        per group, on its stream, ``wait(compute as it is now), start event, [copy, end event] * k``."""
+        per group, on its stream, ``wait(compute as it is now), start event``, then per chunk of up to
+        ``per_event`` copies, ``copy * k, end event``."""
         model, (queued, nbatches) = self.model, before
         side = model.side
         assert [s.queued for s in side] == model.pushed, ("side stream lengths", [s.queued for s in side],
@@ -297,21 +318,28 @@ class CudaMoverMachine(RuleBasedStateMachine):
         new_ops = {i: list(s.ops)[len(s.ops) - (s.queued - queued[i]):] for i, s in enumerate(side)}
         for g in groups:
             ops = new_ops[g.stream]
-            n = 2 + 2 * len(g.copies)
+            assert sum(g.chunks) == len(g.copies)
+            n = 2 + len(g.copies) + len(g.chunks)
             mine, new_ops[g.stream] = ops[:n], ops[n:]
             assert len(mine) == n, f"group {g}: {mine}"
             assert mine[0][0] == "wait" and mine[0][1] is self.gpu.compute and mine[0][2] == g.mark, \
                 f"the barrier waits for the compute stream as it is at the flush ({g.mark}): {mine[0]}"
             assert mine[1][0] == "event", mine[1]
             events = [mine[1][1]]
-            for k, mj in enumerate(g.copies):
-                copy, end = mine[2 + 2 * k], mine[3 + 2 * k]
-                assert copy[0] == "copy" and end[0] == "event", (copy, end)
-                dev = copy[2] if mj.kind == "store" else copy[1]
-                host = copy[1] if mj.kind == "store" else copy[2]
-                assert dev.data_ptr() == self.kv[mj.row].data_ptr(), f"{mj.kind} of row {mj.row}: wrong device row"
-                assert host.data_ptr() != self.kv[mj.row].data_ptr()
-                mj.ev_start, mj.ev_end = events[-1], end[1]
+            pos, copies = 2, iter(g.copies)
+            for size in g.chunks:         # each chunk: its copies, then one end event they share
+                chunk = [next(copies) for _ in range(size)]
+                end = mine[pos + size]
+                assert end[0] == "event", (mine[pos:pos + size + 1], g.chunks)
+                for k, mj in enumerate(chunk):
+                    copy = mine[pos + k]
+                    assert copy[0] == "copy", (copy, g.chunks)
+                    dev = copy[2] if mj.kind == "store" else copy[1]
+                    host = copy[1] if mj.kind == "store" else copy[2]
+                    assert dev.data_ptr() == self.kv[mj.row].data_ptr(), f"{mj.kind} of row {mj.row}: wrong device row"
+                    assert host.data_ptr() != self.kv[mj.row].data_ptr()
+                    mj.ev_start, mj.ev_end = events[-1], end[1]
+                pos += size + 1
                 events.append(end[1])
             assert len({id(e) for e in events}) == len(events), "an event recorded twice in one group"
             reused = [e for e in events if e in needed]
@@ -424,22 +452,25 @@ class CudaMoverMachine(RuleBasedStateMachine):
         assert get("tiered_kv_lookup_keys_total") == m.asked
 
     # -- rules ---------------------------------------------------------------
-    @initialize(streams=st.integers(1, 3), warm=st.integers(0, CAPACITY), batch_max=st.sampled_from(BATCH_MAX))
-    def build(self, streams: int, warm: int, batch_max: int) -> None:
-        """The manager, its CudaMover (``batch_max``) on ``streams`` side streams of a fresh simulated device,
+    @initialize(streams=st.integers(1, 3), warm=st.integers(0, CAPACITY), batch_max=st.sampled_from(BATCH_MAX),
+                per_event=st.sampled_from((1, 2, 3)))
+    def build(self, streams: int, warm: int, batch_max: int, per_event: int) -> None:
+        """The manager, its CudaMover (``batch_max``; an end event per ``per_event`` copies, given as bytes
+        that round up to it) on ``streams`` side streams of a fresh simulated device,
         and ``warm`` keys already READY in the host tier (so loads, hits and evictions happen early)."""
         self.gpu = FakeGPU()
         made: list[CudaMover] = []
 
         def factory(dev: torch.Tensor, host: torch.Tensor, out: CompletionQueue) -> CudaMover:
-            made.append(CudaMover(dev, host, out, streams, runtime=self.gpu, batch_max=batch_max))
+            made.append(CudaMover(dev, host, out, streams, runtime=self.gpu, batch_max=batch_max,
+                                  event_bytes=per_event * ROW_BYTES - (ROW_BYTES // 2 if per_event > 1 else 0)))
             return made[0]
 
         self.mgr = TierManager(make_config(host_slots=CAPACITY, max_inflight_jobs=MAX_INFLIGHT), self.kv,
                                registry=CollectorRegistry(), mover_factory=factory)
         self.mover = made[0]
         assert len(self.gpu.side) == streams
-        self.model.attach(self.gpu, batch_max)
+        self.model.attach(self.gpu, batch_max, per_event)
         with self._step():
             for row in range(warm):
                 self.compute_and_store(row, False)

@@ -314,6 +314,13 @@ class TorchCuda:  # pragma: no cover - needs CUDA (tests/test_cuda.py)
         torch.cuda.synchronize(device)
 
 
+EVENT_BYTES = 2 << 20
+"""``CudaMover``: copies of a batch share an end event per this many bytes (at least one copy each).  Each
+event costs a record, a query and a timing read on the engine thread -- several microseconds apiece on
+some hosts, as much as a 256 KiB copy's own call -- while 2 MiB is ~40 us of a PCIe 5 link: finer
+completion than that buys nothing."""
+
+
 class CudaMover:
     """Copies on a pool of CUDA streams, queued in batches; ``harvest()`` queries end events in order.
 
@@ -332,9 +339,11 @@ class CudaMover:
     waited for too; by the protocol it cannot touch a row with a transfer in
     flight (a store's row is released by ``free_block``, which discards the
     store; a load's row is fenced).  Stores and loads of a batch go to
-    different streams (the two directions of the link run at once).  Each
-    copy is followed by its own end event, timed from the event before it in
-    the batch; events are recycled once their copies are reported.  Nothing
+    different streams (the two directions of the link run at once).  Copies
+    are followed by an end event every ``event_bytes`` (at least one copy; a
+    copy of 2 MiB or more gets its own), timed from the event before it in the
+    batch, so the copies between two events are reported together; events
+    are recycled once their copies are reported.  Nothing
     here blocks the calling thread.  A copy that cannot be queued (a CUDA
     error) or whose event reports an error is answered as failed, never raised.
     ``runtime``: the CUDA calls (:class:`TorchCuda` by default; tests pass a
@@ -344,9 +353,12 @@ class CudaMover:
     polled = True
 
     def __init__(self, device_rows: torch.Tensor, host_rows: torch.Tensor, completions: CompletionQueue,
-                 num_streams: int = 2, runtime: Optional[Any] = None, batch_max: int = 64) -> None:
+                 num_streams: int = 2, runtime: Optional[Any] = None, batch_max: int = 64,
+                 event_bytes: int = EVENT_BYTES) -> None:
         if batch_max < 1:
             raise ValueError(f"batch_max must be >= 1, got {batch_max!r}")
+        if event_bytes < 1:
+            raise ValueError(f"event_bytes must be >= 1, got {event_bytes!r}")
         rt = runtime if runtime is not None else TorchCuda()
         self._dev = device_rows
         self._host = host_rows
@@ -357,8 +369,10 @@ class CudaMover:
         self._current = rt.current_stream
         self._copies_on = rt.copies_on
         self._streams = [rt.new_stream(self._device) for _ in range(num_streams)]
-        # per stream, in queue order: (transfer, event before its copy, its end event, end is the last of a batch)
-        self._pending: list[deque[tuple[Transfer, Any, Any, bool]]] = [deque() for _ in self._streams]
+        # per stream, in queue order: (transfers, the event before their copies, their end event, that end event
+        # is the last of its batch) -- one end event per ``event_bytes`` of copies
+        self._pending: list[deque[tuple[list[Transfer], Any, Any, bool]]] = [deque() for _ in self._streams]
+        self._per_event = max(1, -(-event_bytes // max(1, self._row_bytes)))
         self._queued: list[Transfer] = []  # submitted, not yet on the device
         self._batch_max = batch_max
         self._events: list[Any] = []  # recycled timing events
@@ -399,6 +413,7 @@ class CudaMover:
         ev = self._events
         dev, host = self._dev, self._host
         prev = ev.pop() if ev else self._new_event()
+        put = self._out.put
         try:
             stream.wait_stream(self._current(self._device))
             prev.record(stream)
@@ -406,69 +421,81 @@ class CudaMover:
             ev.append(prev)
             log.error("CUDA copies of a batch of %d could not be queued: %r", len(ts), exc)
             for t in ts:
-                self._out.put(Report(t.token, t.kind, False, f"copy failed: {exc!r}"))
+                put(Report(t.token, t.kind, False, f"copy failed: {exc!r}"))
             return
-        last: Optional[tuple[Transfer, Any, Any, bool]] = None
-        put = self._out.put
+        per_event = self._per_event
+        last: Optional[tuple[list[Transfer], Any, Any, bool]] = None
+        chunk: list[Transfer] = []  # copies queued since the last end event
         n = 0  # transfers of ts answered or on the stream
         try:
             with self._copies_on(stream) as copy:
                 for t in ts:
                     n += 1
-                    end = ev.pop() if ev else self._new_event()
                     try:
                         if store:
                             copy(host[t.slot], dev[t.row])
                         else:
                             copy(dev[t.row], host[t.slot])
-                        end.record(stream)
                     except Exception as exc:  # this copy did not reach the stream: answer it, go on
-                        ev.append(end)
                         log.error("CUDA copy of %s row %d / slot %d could not be queued: %r",
                                   t.kind, t.row, t.slot, exc)
                         put(Report(t.token, t.kind, False, f"copy failed: {exc!r}"))
                         continue
+                    chunk.append(t)
+                    if len(chunk) < per_event:
+                        continue
+                    end = ev.pop() if ev else self._new_event()
+                    end.record(stream)
                     if last is not None:
                         pend.append(last)
-                    last = (t, prev, end, False)
-                    prev = end
-        except Exception as exc:  # making the stream current failed (or restoring it): the copies queued stand
-            log.error("CUDA stream switch around a batch of %d copies failed: %r", len(ts), exc)
-            for t in ts[n:]:
+                    last = (chunk, prev, end, False)
+                    prev, chunk = end, []
+                if chunk:  # the last, partial chunk
+                    end = ev.pop() if ev else self._new_event()
+                    end.record(stream)
+                    if last is not None:
+                        pend.append(last)
+                    last = (chunk, prev, end, False)
+                    prev, chunk = end, []
+        except Exception as exc:  # the stream switch or an event record failed: answer what has no event yet
+            log.error("CUDA copies of a batch of %d could not all be queued: %r", len(ts), exc)
+            for t in chunk + ts[n:]:
                 put(Report(t.token, t.kind, False, f"copy failed: {exc!r}"))
         if last is None:
-            ev.append(prev)  # no copy queued: its start event is free again (re-recording resets it)
+            ev.append(prev)  # no copy queued: its start event is free again (only its latest record counts)
         else:
             pend.append((last[0], last[1], last[2], True))
 
     def harvest(self) -> None:
         if self._queued:
             self.flush()
-        put, free = self._out.put, self._events
+        put, free, nbytes = self._out.put, self._events, self._row_bytes
         for pend in self._pending:
             while pend:
-                t, start, end, final = pend[0]
+                ts, start, end, final = pend[0]
                 try:
                     if not end.query():
                         break
-                    seconds = start.elapsed_time(end) / 1e3
-                except Exception as exc:  # a CUDA error surfaced by the query: this copy is lost
+                    seconds = start.elapsed_time(end) / 1e3 / len(ts)
+                except Exception as exc:  # a CUDA error surfaced by the query: these copies are lost
                     pend.popleft()
-                    free.append(start)  # re-recording resets it; an errored context fails whatever comes next
+                    free.append(start)  # an errored context fails whatever comes next anyway
                     if final:
                         free.append(end)
-                    log.error("CUDA copy of %s row %d / slot %d failed: %r", t.kind, t.row, t.slot, exc)
-                    put(Report(t.token, t.kind, False, f"copy failed: {exc!r}"))
+                    log.error("CUDA copies of %d %s row(s) from row %d failed: %r", len(ts), ts[0].kind, ts[0].row, exc)
+                    for t in ts:
+                        put(Report(t.token, t.kind, False, f"copy failed: {exc!r}"))
                     continue
                 pend.popleft()
-                free.append(start)  # the batch's start event, or the previous copy's end: no longer read
+                free.append(start)  # the batch's start event, or the previous chunk's end: no longer read
                 if final:
                     free.append(end)
-                put(Report(t.token, t.kind, True, None, self._row_bytes, seconds))
+                for t in ts:
+                    put(Report(t.token, t.kind, True, None, nbytes, seconds))
 
     def in_flight(self) -> int:
         """Transfers submitted and not yet reported by ``harvest()`` (queued or on the device)."""
-        return len(self._queued) + sum(len(p) for p in self._pending)
+        return len(self._queued) + sum(len(g[0]) for p in self._pending for g in p)
 
     def close(self) -> None:
         self.flush()

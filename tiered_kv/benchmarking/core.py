@@ -70,7 +70,7 @@ import torch
 import tiered_kv
 from tiered_kv import TieredKVConfig, TierManager
 from tiered_kv.jobs import JobKind
-from tiered_kv.movers import CompletionQueue, Report, ThreadMover, Transfer
+from tiered_kv.movers import EVENT_BYTES, CompletionQueue, Report, ThreadMover, Transfer
 
 from .common import GiB, KiB, LoadMonitor, MiB, as_mode, summarize
 from .common import machine_facts as _common_facts
@@ -907,13 +907,16 @@ class _Device:
         self.rt = runtime if runtime is not None else TorchCuda()
         self.dev = torch.device("cpu") if self.simulated else torch.device("cuda", torch.cuda.current_device())
 
-    def manager(self, cfg: TieredKVConfig, kv: torch.Tensor) -> TierManager:
-        if not self.simulated:  # pragma: no cover - needs CUDA
-            return TierManager(cfg, kv)  # CudaMover; the host slab is pinned because kv is on a CUDA device
+    def manager(self, cfg: TieredKVConfig, kv: torch.Tensor, event_bytes: Optional[int] = None) -> TierManager:
+        """``event_bytes``: the CudaMover's (None: its default)."""
         from tiered_kv.movers import CudaMover
-        rt = self.rt
+        if not self.simulated and event_bytes is None:  # pragma: no cover - needs CUDA
+            return TierManager(cfg, kv)  # CudaMover; the host slab is pinned because kv is on a CUDA device
+        rt = None if not self.simulated else self.rt
+        eb = EVENT_BYTES if event_bytes is None else event_bytes
         return TierManager(cfg, kv, mover_factory=lambda d, h, c: CudaMover(d, h, c, cfg.num_copy_streams, runtime=rt,
-                                                                           batch_max=cfg.copy_batch_max))
+                                                                           batch_max=cfg.copy_batch_max,
+                                                                           event_bytes=eb))
 
     def host(self, shape: tuple[int, int]) -> torch.Tensor:
         return torch.zeros(shape, dtype=torch.uint8, pin_memory=not self.simulated)
@@ -937,6 +940,9 @@ def _cuda_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
     cfg = TieredKVConfig(namespace=f"bench|u8|cuda{block}", host_capacity_bytes=nbytes)
     mgr = d.manager(cfg, kv)
     mgr1 = d.manager(cfg.replace(copy_batch_max=1), kv)  # each copy on the device inside its own call
+    # batched, but an end event after every copy (where the default shares one between several)
+    per_copy_events = block < EVENT_BYTES
+    mgr_e = d.manager(cfg, kv, event_bytes=1) if per_copy_events else None
     host = getattr(mgr, "_host_rows", None)
     same_slab = isinstance(host, torch.Tensor) and host.shape[0] >= n and (d.simulated or host.is_pinned())
     if not same_slab:  # the slab is private: copy between a pinned buffer of the same shape instead
@@ -945,7 +951,7 @@ def _cuda_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
     host[:n].fill_(0)  # faulted in, like the tier's slab
     side = rt.new_stream(dev)
     secs: dict[str, list[float]] = {k: [] for k in ("tkv_store", "tkv_load", "tkv1_store", "tkv1_load",
-                                                    "raw_store", "raw_load")}
+                                                    "tkve_store", "tkve_load", "raw_store", "raw_load")}
     problems: list[str] = []
     check = sorted(rng.sample(range(n), min(8, n)))
 
@@ -990,17 +996,23 @@ def _cuda_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
 
     for p in range(warmup + passes):
         keys = _keys(rng, n)
-        for which in (("tkv", "raw", "tkv1"), ("raw", "tkv1", "tkv"), ("tkv1", "tkv", "raw"))[p % 3]:
+        order = (("tkv", "raw", "tkv1", "tkve"), ("raw", "tkve", "tkv1", "tkv"), ("tkv1", "tkv", "tkve", "raw"),
+                 ("tkve", "tkv1", "raw", "tkv"))[p % 4]
+        for which in order:
+            if which == "tkve" and mgr_e is None:
+                continue
             gc.collect()
             st, ld = (tkv_pass(mgr, keys) if which == "tkv" else tkv_pass(mgr1, keys) if which == "tkv1"
-                      else raw_pass())
+                      else tkv_pass(mgr_e, keys) if which == "tkve" and mgr_e is not None else raw_pass())
             if p >= warmup:
                 secs[f"{which}_store"].append(st)
                 secs[f"{which}_load"].append(ld)
     mover = type(getattr(mgr, "_mover", None)).__name__
     mgr.close()
     mgr1.close()
-    del kv, host, mgr, mgr1
+    if mgr_e is not None:
+        mgr_e.close()
+    del kv, host, mgr, mgr1, mgr_e
     d.release()
 
     def gbps(key: str) -> dict[str, Any]:
@@ -1018,6 +1030,10 @@ def _cuda_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
                    "target_ratio": TARGET_CUDA_RATIO, "target_met": rt_ >= TARGET_CUDA_RATIO,
                    "tiered_kv_copy_batch_max_1": t1,
                    "ratio_batch_max_1_over_baseline": _ratio(t1["gb_per_s"], r["gb_per_s"])}
+        if per_copy_events:
+            te = gbps(f"tkve_{d_}")
+            out[d_]["tiered_kv_event_per_copy"] = te
+            out[d_]["ratio_event_per_copy_over_baseline"] = _ratio(te["gb_per_s"], r["gb_per_s"])
     return out
 
 
@@ -1339,7 +1355,7 @@ def _fmt_cuda(c: dict[str, Any]) -> list[str]:
     lines = ["", f"4. device<->host GB/s on {c['device']} (CudaMover, pinned slab; baseline: torch copy_ between the same "
                  "buffers on one side stream)",
              f"   {'block':<9}{'link':<14}{'tiered_kv':>10}{'torch copy_':>13}{'ratio':>8}   {'tkv GB/s worst..best':<22}"
-             f"{'batch=1':>9}{'ratio':>8}"]
+             f"{'batch=1':>9}{'ratio':>8}{'ev/copy':>9}{'ratio':>8}"]
     for s in c["sizes"]:
         for d in ("store", "load"):
             x = s[d]
@@ -1347,7 +1363,9 @@ def _fmt_cuda(c: dict[str, Any]) -> list[str]:
             lines.append(f"   {_size(s['block_bytes']):<9}{x['link']:<14}{x['tiered_kv']['gb_per_s']:>10.2f}"
                          f"{x['baseline_torch_copy']['gb_per_s']:>13.2f}{x['ratio_tiered_kv_over_baseline']:>8.3f}   "
                          + f"{x['tiered_kv']['gb_per_s_worst']:.2f}..{x['tiered_kv']['gb_per_s_best']:.2f}".ljust(22)
-                         + (f"{b1['gb_per_s']:>9.2f}{x['ratio_batch_max_1_over_baseline']:>8.3f}" if b1 else ""))
+                         + (f"{b1['gb_per_s']:>9.2f}{x['ratio_batch_max_1_over_baseline']:>8.3f}" if b1 else "")
+                         + (f"{x['tiered_kv_event_per_copy']['gb_per_s']:>9.2f}"
+                            f"{x['ratio_event_per_copy_over_baseline']:>8.3f}" if "tiered_kv_event_per_copy" in x else ""))
         if s["problems"]:
             lines.append(f"     problems: {s['problems'][:3]}")
     cl = c.get("store_latency")
