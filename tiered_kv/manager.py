@@ -186,7 +186,10 @@ class TierManager(TierViews):
 
         Returns None when the key is already stored or being stored in any
         tier, or when the store is shed (no unleased host slot, too many jobs
-        in flight).
+        in flight).  With CUDA rows the copy goes to the device at the next
+        ``poll()``/``wait()`` (``copy_batch_max``), behind the work then queued
+        on the current stream; until the job is reported the row must hold the
+        block (or be given up with ``free_block``, which discards the store).
         """
         if self._closed:
             self._check_open()  # raises
@@ -250,7 +253,9 @@ class TierManager(TierViews):
         """Copy ``key``'s bytes into device row ``block`` (via the host tier).
 
         Returns None when the key is not ready in a lower tier (or the load is
-        shed).  Until the returned job is reported, the row is fenced.
+        shed).  Until the returned job is reported, the row is fenced.  With
+        CUDA rows the copy goes to the device at the next ``poll()``/``wait()``,
+        behind the work then queued on the current stream.
         """
         self._check_open()
         key = self._check_key(key)
