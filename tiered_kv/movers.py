@@ -427,6 +427,16 @@ class CudaMover:
         last: Optional[tuple[list[Transfer], Any, Any, bool]] = None
         chunk: list[Transfer] = []  # copies queued since the last end event
         n = 0  # transfers of ts answered or on the stream
+
+        def end_chunk() -> None:  # an end event after the chunk's copies: they are reported when it is reached
+            nonlocal last, prev, chunk
+            end = ev.pop() if ev else self._new_event()
+            end.record(stream)
+            if last is not None:
+                pend.append(last)
+            last = (chunk, prev, end, False)
+            prev, chunk = end, []
+
         try:
             with self._copies_on(stream) as copy:
                 for t in ts:
@@ -442,21 +452,10 @@ class CudaMover:
                         put(Report(t.token, t.kind, False, f"copy failed: {exc!r}"))
                         continue
                     chunk.append(t)
-                    if len(chunk) < per_event:
-                        continue
-                    end = ev.pop() if ev else self._new_event()
-                    end.record(stream)
-                    if last is not None:
-                        pend.append(last)
-                    last = (chunk, prev, end, False)
-                    prev, chunk = end, []
+                    if len(chunk) >= per_event:
+                        end_chunk()
                 if chunk:  # the last, partial chunk
-                    end = ev.pop() if ev else self._new_event()
-                    end.record(stream)
-                    if last is not None:
-                        pend.append(last)
-                    last = (chunk, prev, end, False)
-                    prev, chunk = end, []
+                    end_chunk()
         except Exception as exc:  # the stream switch or an event record failed: answer what has no event yet
             log.error("CUDA copies of a batch of %d could not all be queued: %r", len(ts), exc)
             for t in chunk + ts[n:]:
