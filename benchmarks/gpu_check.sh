@@ -8,6 +8,13 @@
 # dependencies importable (pip install -e '.[test]' pytest-xdist, or PYTHONPATH):
 #   OUT=gpu-out benchmarks/gpu_check.sh
 # Each step's output is written under $OUT; a step that fails does not stop the next.
+# A lent GPU machine without the network and without lmdb (torch, pytest-xdist present): fetch the
+# wheels here first, carry .whl (git-ignored) along, and install them there into a private target:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#       -d .whl lmdb diskcache
+#   (there) pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site \
+#       OUT=$OUT benchmarks/gpu_check.sh
 set -u
 OUT=${OUT:-gpu-out}
 PY=${PY:-python3}
