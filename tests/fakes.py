@@ -10,11 +10,14 @@
   bytes" can be checked byte for byte.
 * :func:`sample` / :func:`metric_samples` / :func:`snapshot` -- read metrics and
   the manager's observable state (for "state unchanged" checks).
+* :func:`sm_settings` -- the state machines' hypothesis settings: deterministic
+  in CI, a random sweep on request (``TIERED_KV_SWEEP_EXAMPLES``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 import threading
 import uuid
@@ -23,11 +26,30 @@ from functools import lru_cache
 from typing import Any, Optional, Union
 
 import torch
+from hypothesis import settings
 from prometheus_client import CollectorRegistry
 
 from tiered_kv import Completion, Job, TieredKVConfig, TierManager
 from tiered_kv.jobs import JobKind
 from tiered_kv.movers import CompletionQueue, Report, Transfer
+
+SWEEP_ENV = "TIERED_KV_SWEEP_EXAMPLES"
+
+
+def sm_settings(**kw: Any) -> settings:
+    """A state machine's settings: as given (``derandomize=True``: the same examples on every CI run), or,
+    with ``TIERED_KV_SWEEP_EXAMPLES=N`` in the environment, N random examples instead -- a deeper sweep,
+    reproducible with pytest's ``--hypothesis-seed``::
+
+        TIERED_KV_SWEEP_EXAMPLES=1000 pytest tests/test_cuda_mover_state_machine.py --hypothesis-seed=21
+    """
+    n = os.environ.get(SWEEP_ENV)
+    if n:
+        if not n.isdigit() or int(n) < 1:
+            raise ValueError(f"{SWEEP_ENV} must be a positive integer, got {n!r}")
+        kw.update(max_examples=int(n), derandomize=False)
+    return settings(**kw)
+
 
 ROW_SHAPE = (2, 4, 8)
 DTYPE = torch.float16

@@ -89,13 +89,13 @@ from typing import Any, Callable, Optional
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from prometheus_client import CollectorRegistry
 
 from fake_cuda import FakeGPU, FakeStream
-from fakes import ROW_BYTES, fill_row, host_matches, make_config, make_kv, metric_samples, row_matches
+from fakes import ROW_BYTES, fill_row, host_matches, make_config, make_kv, metric_samples, row_matches, sm_settings
 from host_model import Expected, MEntry, MJob, Model
 from tiered_kv import Completion, Job, TierManager
 from tiered_kv.errors import BlockBusyError
@@ -662,7 +662,7 @@ class CudaMoverMachine(RuleBasedStateMachine):
             self.mgr.close()
 
 
-CudaMoverMachine.TestCase.settings = settings(
+CudaMoverMachine.TestCase.settings = sm_settings(
     max_examples=100,
     stateful_step_count=50,
     derandomize=True,          # deterministic in CI

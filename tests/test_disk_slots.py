@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from prometheus_client import CollectorRegistry
@@ -56,6 +56,7 @@ import tiered_kv.disk as disk_mod
 from disk_helpers import (NS, PYTHON, ROW, child_env, content, disk_config, drain, fill, flip_slot_byte, keys,
                           load_into, load_ok, make_kv, metric, metric_sum, put_raw, raw_index, readline, rig, row_is,
                           slot_file, store_one, store_seq)
+from fakes import sm_settings
 from tiered_kv import TierManager
 from tiered_kv.disk import DiskOptions, DiskStore
 from tiered_kv.diskformat import SLOTS_NAME, lmdb_key, pack_slot_entry, parse_header, slot_bytes_for
@@ -1151,7 +1152,7 @@ class SlotMachine(RuleBasedStateMachine):
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-_SM_SETTINGS = settings(
+_SM_SETTINGS = sm_settings(
     max_examples=10,              # per durability mode: 30 in all
     stateful_step_count=30,
     derandomize=True,             # deterministic in CI

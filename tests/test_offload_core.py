@@ -25,12 +25,13 @@ from typing import Any, Callable, Optional
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import HealthCheck, Phase
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from prometheus_client import CollectorRegistry
 
 from disk_helpers import WriterGate, flip, payload_offset, raw_blocks, rewrite_value
+from fakes import sm_settings
 from tiered_kv import TieredKVConfig
 from tiered_kv.diskformat import lmdb_key
 from tiered_kv.errors import ConfigError, InvalidKeyError
@@ -1170,7 +1171,7 @@ class SlabTiersMachineWithCopyFailures(SlabTiersMachine):
     RESET_GATE = 0      # reset often: the reset/re-store/late-report interleavings are the point here
 
 
-_SM_SETTINGS = settings(
+_SM_SETTINGS = sm_settings(
     max_examples=150,
     stateful_step_count=40,
     derandomize=True,

@@ -30,12 +30,13 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from prometheus_client import CollectorRegistry
 
-from fakes import fill_row, host_matches, make_config, make_fake_manager, make_kv, metric_samples, row_matches
+from fakes import (fill_row, host_matches, make_config, make_fake_manager, make_kv, metric_samples, row_matches,
+                   sm_settings)
 from host_model import MEntry, MJob, Model
 from tiered_kv import Job, JobKind
 from tiered_kv.errors import BlockBusyError
@@ -305,7 +306,7 @@ class TierMachine(RuleBasedStateMachine):
             self.mgr.close()
 
 
-TierMachine.TestCase.settings = settings(
+TierMachine.TestCase.settings = sm_settings(
     max_examples=400,
     stateful_step_count=80,
     derandomize=True,          # deterministic in CI
