@@ -26,7 +26,7 @@ from functools import lru_cache
 from typing import Any, Optional, Union
 
 import torch
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 from prometheus_client import CollectorRegistry
 
 from tiered_kv import Completion, Job, TieredKVConfig, TierManager
@@ -36,19 +36,24 @@ from tiered_kv.movers import CompletionQueue, Report, Transfer
 SWEEP_ENV = "TIERED_KV_SWEEP_EXAMPLES"
 
 
-def sm_settings(**kw: Any) -> settings:
-    """A state machine's settings: as given (``derandomize=True``: the same examples on every CI run), or,
-    with ``TIERED_KV_SWEEP_EXAMPLES=N`` in the environment, N random examples instead -- a deeper sweep,
-    reproducible with pytest's ``--hypothesis-seed``::
+def sm_settings(max_examples: int, stateful_step_count: int, **kw: Any) -> settings:
+    """A state machine's settings.  In CI: ``max_examples`` derandomized examples (the same on every run), no
+    example database, no deadline, the "too slow" and "filter too much" health checks off; ``kw`` adds to
+    or overrides those.  With ``TIERED_KV_SWEEP_EXAMPLES=N`` in the environment: N random examples
+    instead -- a deeper sweep, reproducible with pytest's ``--hypothesis-seed``::
 
         TIERED_KV_SWEEP_EXAMPLES=1000 pytest tests/test_cuda_mover_state_machine.py --hypothesis-seed=21
     """
+    base: dict[str, Any] = dict(max_examples=max_examples, stateful_step_count=stateful_step_count,
+                                derandomize=True, database=None, deadline=None,
+                                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+    base.update(kw)
     n = os.environ.get(SWEEP_ENV)
     if n:
         if not n.isdigit() or int(n) < 1:
             raise ValueError(f"{SWEEP_ENV} must be a positive integer, got {n!r}")
-        kw.update(max_examples=int(n), derandomize=False)
-    return settings(**kw)
+        base.update(max_examples=int(n), derandomize=False)
+    return settings(**base)
 
 
 ROW_SHAPE = (2, 4, 8)

@@ -89,7 +89,6 @@ from typing import Any, Callable, Optional
 
 import pytest
 import torch
-from hypothesis import HealthCheck
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from prometheus_client import CollectorRegistry
@@ -663,12 +662,7 @@ class CudaMoverMachine(RuleBasedStateMachine):
 
 
 CudaMoverMachine.TestCase.settings = sm_settings(
-    max_examples=100,
-    stateful_step_count=50,
-    derandomize=True,          # deterministic in CI
-    database=None,
-    deadline=None,
+    100, 50,
     report_multiple_bugs=False,  # one hazard shows up as several failures: shrink one, not each of them
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestCudaMoverStateMachine = CudaMoverMachine.TestCase

@@ -47,7 +47,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import pytest
-from hypothesis import HealthCheck
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from prometheus_client import CollectorRegistry
@@ -1152,14 +1151,7 @@ class SlotMachine(RuleBasedStateMachine):
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-_SM_SETTINGS = sm_settings(
-    max_examples=10,              # per durability mode: 30 in all
-    stateful_step_count=30,
-    derandomize=True,             # deterministic in CI
-    database=None,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+_SM_SETTINGS = sm_settings(10, 30)  # 10 examples per durability mode: 30 in all
 
 
 class SlotMachineBatch(SlotMachine):

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase
+from hypothesis import Phase
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from prometheus_client import CollectorRegistry
@@ -1172,14 +1172,9 @@ class SlabTiersMachineWithCopyFailures(SlabTiersMachine):
 
 
 _SM_SETTINGS = sm_settings(
-    max_examples=150,
-    stateful_step_count=40,
-    derandomize=True,
-    database=None,
-    deadline=None,
+    150, 40,
     report_multiple_bugs=False,
     phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink),  # no slow "explain"
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 SlabTiersMachine.TestCase.settings = _SM_SETTINGS
 SlabTiersMachineWithCopyFailures.TestCase.settings = _SM_SETTINGS

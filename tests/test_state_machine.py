@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import pytest
-from hypothesis import HealthCheck
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from prometheus_client import CollectorRegistry
@@ -306,12 +305,5 @@ class TierMachine(RuleBasedStateMachine):
             self.mgr.close()
 
 
-TierMachine.TestCase.settings = sm_settings(
-    max_examples=400,
-    stateful_step_count=80,
-    derandomize=True,          # deterministic in CI
-    database=None,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+TierMachine.TestCase.settings = sm_settings(400, 80)
 test_tier_manager_state_machine = TierMachine.TestCase
