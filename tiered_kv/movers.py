@@ -507,7 +507,7 @@ class CudaMover:
 
 
 def make_mover(device_rows: torch.Tensor, host_rows: torch.Tensor, completions: CompletionQueue,
-               num_workers: int, num_streams: int, batch_max: int = 64) -> Mover:
+               num_workers: int, num_streams: int, batch_max: int) -> Mover:
     if device_rows.is_cuda:  # pragma: no cover - needs CUDA
         return CudaMover(device_rows, host_rows, completions, num_streams, batch_max=batch_max)
     return ThreadMover(device_rows, host_rows, completions, num_workers)

@@ -897,8 +897,9 @@ class _Device:
     """Where section 4 runs: a CUDA device through ``TorchCuda``, or (tests) a simulated one.
 
     ``runtime`` is ``CudaMover``'s runtime (``new_stream``, ``new_event``,
-    ``current_stream``, ``copy``) plus ``synchronize(device)``; with a
-    simulated runtime the tensors live on the CPU and the slab is not pinned.
+    ``current_stream``, ``copies_on``) plus ``copy`` and ``synchronize(device)``
+    for the baselines; with a simulated runtime the tensors live on the CPU and
+    the slab is not pinned.
     """
 
     def __init__(self, runtime: Optional[Any] = None) -> None:
@@ -907,16 +908,14 @@ class _Device:
         self.rt = runtime if runtime is not None else TorchCuda()
         self.dev = torch.device("cpu") if self.simulated else torch.device("cuda", torch.cuda.current_device())
 
-    def manager(self, cfg: TieredKVConfig, kv: torch.Tensor, event_bytes: Optional[int] = None) -> TierManager:
-        """``event_bytes``: the CudaMover's (None: its default)."""
+    def manager(self, cfg: TieredKVConfig, kv: torch.Tensor, event_bytes: int = EVENT_BYTES) -> TierManager:
+        """A manager whose CudaMover runs on this device (``cfg``'s streams and batch size, ``event_bytes``);
+        on a CUDA device its host slab is pinned, as the default mover's."""
         from tiered_kv.movers import CudaMover
-        if not self.simulated and event_bytes is None:  # pragma: no cover - needs CUDA
-            return TierManager(cfg, kv)  # CudaMover; the host slab is pinned because kv is on a CUDA device
-        rt = None if not self.simulated else self.rt
-        eb = EVENT_BYTES if event_bytes is None else event_bytes
+        rt = self.rt
         return TierManager(cfg, kv, mover_factory=lambda d, h, c: CudaMover(d, h, c, cfg.num_copy_streams, runtime=rt,
                                                                            batch_max=cfg.copy_batch_max,
-                                                                           event_bytes=eb))
+                                                                           event_bytes=event_bytes))
 
     def host(self, shape: tuple[int, int]) -> torch.Tensor:
         return torch.zeros(shape, dtype=torch.uint8, pin_memory=not self.simulated)
