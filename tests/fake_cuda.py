@@ -41,6 +41,13 @@ class FakeEvent:
 
     def record(self, stream: "FakeStream") -> None:
         """As ``cudaEventRecord``: only the latest record counts; an earlier one still queued is inert."""
+        gpu = self._gpu
+        if gpu.record_error is not None:
+            if gpu.record_error_skip:
+                gpu.record_error_skip -= 1
+            else:
+                err, gpu.record_error = gpu.record_error, None
+                raise err
         self.recorded, self.done = True, False
         self.gen += 1
         stream.push(("event", self, self.gen))
@@ -107,7 +114,10 @@ class FakeGPU:
         self.compute = FakeStream(self, "compute")
         self.streams: list[FakeStream] = [self.compute]
         self.events: list[FakeEvent] = []
-        self.copy_error: Optional[BaseException] = None  # raised by the next copy() call
+        self.copy_error: Optional[BaseException] = None  # raised by a copy() call: the next one after ...
+        self.copy_error_skip = 0                          # ... this many more have gone through
+        self.record_error: Optional[BaseException] = None  # raised by an event record(), likewise
+        self.record_error_skip = 0
         self.switch_error: Optional[BaseException] = None  # raised by the next copies_on() call
         self.batches: list[FakeStream] = []  # the stream of each batch of copies, in order
 
@@ -131,8 +141,11 @@ class FakeGPU:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: FakeStream) -> None:
         if self.copy_error is not None:
-            err, self.copy_error = self.copy_error, None
-            raise err
+            if self.copy_error_skip:
+                self.copy_error_skip -= 1
+            else:
+                err, self.copy_error = self.copy_error, None
+                raise err
         stream.push(("copy", dst, src))
 
     @contextlib.contextmanager

@@ -23,7 +23,8 @@ from fake_cuda import FakeGPU
 from fakes import ROW_BYTES, content, fill_row, host_matches, make_config, make_kv, mgr_metric, reported, row_matches
 from tiered_kv import TierManager
 from random_engine import random_engine
-from tiered_kv.movers import EVENT_BYTES, CudaMover
+from tiered_kv.jobs import JobKind
+from tiered_kv.movers import EVENT_BYTES, CompletionQueue, CudaMover, Transfer
 
 STALE = "tiered_kv_stale_callbacks_total"
 A, B, C = b"key-A", b"key-B", b"key-C"
@@ -44,6 +45,21 @@ def make(rows: int = 32, slots: int = 16, streams: int = 2, rng: Optional[random
     kv = make_kv(rows)
     mgr = TierManager(make_config(host_slots=slots), kv, registry=CollectorRegistry(), mover_factory=factory)
     return mgr, kv, gpu, made[0]
+
+
+def bare(rows: int, streams: int = 1, **kw: Any) -> tuple[FakeGPU, CompletionQueue, torch.Tensor, torch.Tensor,
+                                                           CudaMover]:
+    """A CudaMover alone on the simulated device: ``rows`` device rows of 8 distinct bytes each, as many
+    zeroed host slots; ``kw`` goes to the mover."""
+    gpu, out = FakeGPU(), CompletionQueue()
+    dev = torch.arange(rows * 8, dtype=torch.uint8).view(rows, 8)
+    host = torch.zeros((rows, 8), dtype=torch.uint8)
+    return gpu, out, dev, host, CudaMover(dev, host, out, streams, runtime=gpu, **kw)
+
+
+def stores(n: int) -> list[Transfer]:
+    """Stores of rows 0..n-1 into slots 0..n-1."""
+    return [Transfer(uuid.uuid4(), JobKind.STORE, r, r) for r in range(n)]
 
 
 def in_host(mgr: TierManager, gpu: FakeGPU, kv: torch.Tensor, key: bytes, row: int) -> None:
@@ -158,13 +174,7 @@ def test_events_are_recycled_and_a_recycled_event_is_not_reported_early() -> Non
 
 def test_a_transfer_cancelled_before_submit_is_answered_without_a_copy() -> None:
     """The Mover protocol's hint: a transfer already marked cancelled queues nothing on the device."""
-    from tiered_kv.jobs import JobKind
-    from tiered_kv.movers import CompletionQueue, Transfer
-
-    gpu, out = FakeGPU(), CompletionQueue()
-    kv = make_kv(4)
-    mover = CudaMover(kv.view(torch.uint8).view(4, -1), torch.zeros((2, kv[0].numel() * 2), dtype=torch.uint8),
-                      out, 1, runtime=gpu)
+    gpu, out, _, _, mover = bare(2)
     t = Transfer(uuid.uuid4(), JobKind.STORE, 0, 0, cancelled=True)
     mover.submit(t)
     assert out.drain() == [] and mover.in_flight() == 1
@@ -218,13 +228,7 @@ def test_batch_max_puts_the_batch_on_the_device_from_submit() -> None:
 
 def test_each_copy_is_timed_from_the_event_before_it() -> None:
     """One end event per copy, each timed from the previous one of its batch: a copy's seconds are its own."""
-    from tiered_kv.jobs import JobKind
-    from tiered_kv.movers import CompletionQueue, Transfer
-
-    gpu, out = FakeGPU(), CompletionQueue()
-    dev = torch.arange(4 * 8, dtype=torch.uint8).view(4, 8)
-    host = torch.zeros((4, 8), dtype=torch.uint8)
-    mover = CudaMover(dev, host, out, 1, runtime=gpu, event_bytes=1)
+    gpu, out, dev, host, mover = bare(4, event_bytes=1)
     ts = [Transfer(uuid.uuid4(), JobKind.STORE, r, 3 - r) for r in range(4)]
     for t in ts:
         mover.submit(t)
@@ -251,29 +255,13 @@ def test_copies_share_an_end_event_per_event_bytes(failing: Optional[int]) -> No
     """Rows of 8 bytes, an end event per 16 bytes: 5 copies -> events after copies 2, 4 and 5; the copies
     between two events are reported together, each timed as its share.  ``failing``: that copy cannot
     be queued; the chunk closes on the next copies that can."""
-    from tiered_kv.jobs import JobKind
-    from tiered_kv.movers import CompletionQueue, Transfer
-
-    gpu, out = FakeGPU(), CompletionQueue()
-    dev = torch.arange(8 * 8, dtype=torch.uint8).view(8, 8)
-    host = torch.zeros((8, 8), dtype=torch.uint8)
-    mover = CudaMover(dev, host, out, 1, runtime=gpu, event_bytes=16)
-    ts = [Transfer(uuid.uuid4(), JobKind.STORE, r, r) for r in range(5)]
-    for i, t in enumerate(ts):
+    gpu, out, dev, host, mover = bare(8, event_bytes=16)
+    ts = stores(5)
+    for t in ts:
         mover.submit(t)
     copies = [t for i, t in enumerate(ts) if i != failing]
-
-    def fail_one(real: Any) -> Any:
-        n = [0]
-
-        def copy(dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
-            n[0] += 1
-            if n[0] - 1 == failing:
-                raise RuntimeError("CUDA error: injected")
-            real(dst, src, stream)
-        return copy
-
-    gpu.copy = fail_one(gpu.copy)  # type: ignore[method-assign]
+    if failing is not None:
+        gpu.copy_error, gpu.copy_error_skip = RuntimeError("CUDA error: injected"), failing
     mover.flush()
     (side,) = gpu.side
     layout = ["wait", "event"]
@@ -307,6 +295,34 @@ def test_copies_share_an_end_event_per_event_bytes(failing: Optional[int]) -> No
         mover.submit(t)
     mover.flush()
     assert len(gpu.events) == 4
+
+
+def test_an_end_event_that_cannot_be_recorded_answers_every_transfer_once() -> None:
+    """Recording an end event fails mid-batch (a broken context): the copies before the last event that
+    was recorded are reported when the device reaches it; those of the failed chunk, already queued, and
+    the rest of the batch are answered failed at once -- every transfer exactly once, none raised.  (A
+    copy of the failed chunk may still run; with a broken context nothing after it does.)"""
+    gpu, out, dev, host, mover = bare(8, event_bytes=16)
+    ts = stores(5)
+    for t in ts:
+        mover.submit(t)
+    gpu.record_error, gpu.record_error_skip = RuntimeError("CUDA error: launch failure"), 2  # start, 1st end
+    mover.flush()
+    failed = out.drain()
+    assert [r.token for r in failed] == [t.token for t in ts[2:]] and not any(r.ok for r in failed)
+    assert mover.in_flight() == 2
+    gpu.run_all()
+    mover.harvest()
+    done = out.drain()
+    assert [r.token for r in done] == [t.token for t in ts[:2]] and all(r.ok for r in done)
+    assert torch.equal(host[:2], dev[:2]) and mover.in_flight() == 0
+    for t in ts:                              # the next batch goes through
+        t.token = uuid.uuid4()
+        mover.submit(t)
+    mover.flush()
+    gpu.run_all()
+    mover.harvest()
+    assert [r.ok for r in out.drain()] == [True] * 5 and torch.equal(host[:5], dev[:5])
 
 
 def test_an_error_at_a_shared_event_fails_every_copy_behind_it() -> None:
@@ -452,12 +468,7 @@ def test_a_recycled_event_whose_old_record_is_still_queued_reports_nothing_early
     record is still queued on the stream; reused as another copy's end event, only its latest record
     counts (as with cudaEventRecord), so the copy is not reported before it ran.  Found by the state
     machine's random sweep (the simulated device then let any record complete the event)."""
-    from tiered_kv.jobs import JobKind
-    from tiered_kv.movers import CompletionQueue, Transfer
-
-    gpu, out = FakeGPU(), CompletionQueue()
-    dev, host = torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(4, 8, dtype=torch.uint8)
-    mover = CudaMover(dev, host, out, 2, runtime=gpu, batch_max=1)
+    gpu, out, dev, host, mover = bare(4, streams=2, batch_max=1)
     s0, s1 = gpu.side
     gpu.kernel(lambda: None)
     gpu.copy_error = RuntimeError("injected")
