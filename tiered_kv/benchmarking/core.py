@@ -937,11 +937,13 @@ def _cuda_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
     kv[:n].copy_((torch.arange(n, device=dev) % 251).to(torch.uint8).unsqueeze(1).expand(n, block))
     kv[n:].fill_(255)
     cfg = TieredKVConfig(namespace=f"bench|u8|cuda{block}", host_capacity_bytes=nbytes)
-    mgr = d.manager(cfg, kv)
-    mgr1 = d.manager(cfg.replace(copy_batch_max=1), kv)  # each copy on the device inside its own call
-    # batched, but an end event after every copy (where the default shares one between several)
+    # the sides through tiered_kv: the default; each copy on the device inside its own call; and, where the
+    # default shares end events between copies, the batched mover with an end event after every copy
     per_copy_events = block < EVENT_BYTES
-    mgr_e = d.manager(cfg, kv, event_bytes=1) if per_copy_events else None
+    mgrs = {"tkv": d.manager(cfg, kv), "tkv1": d.manager(cfg.replace(copy_batch_max=1), kv)}
+    if per_copy_events:
+        mgrs["tkve"] = d.manager(cfg, kv, event_bytes=1)
+    mgr = mgrs["tkv"]
     host = getattr(mgr, "_host_rows", None)
     same_slab = isinstance(host, torch.Tensor) and host.shape[0] >= n and (d.simulated or host.is_pinned())
     if not same_slab:  # the slab is private: copy between a pinned buffer of the same shape instead
@@ -954,17 +956,17 @@ def _cuda_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
     problems: list[str] = []
     check = sorted(rng.sample(range(n), min(8, n)))
 
-    def tkv_pass(mgr: TierManager, keys: list[bytes]) -> tuple[float, float]:
+    def tkv_pass(m: TierManager, keys: list[bytes]) -> tuple[float, float]:
         d.sync()
         t0 = time.perf_counter()
-        jobs = [mgr.store(keys[i], i) for i in range(n)]
-        done = mgr.wait()
+        jobs = [m.store(keys[i], i) for i in range(n)]
+        done = m.wait()
         t1 = time.perf_counter()
         if any(j is None for j in jobs) or len(done) != n or not all(c.ok for c in done):
             problems.append(f"store pass: {sum(j is None for j in jobs)} None, {len(done)} completions")
         t2 = time.perf_counter()
-        jobs = [mgr.load(keys[i], n + i) for i in range(n)]
-        done = mgr.wait()
+        jobs = [m.load(keys[i], n + i) for i in range(n)]
+        done = m.wait()
         t3 = time.perf_counter()
         if any(j is None for j in jobs) or len(done) != n or not all(c.ok for c in done):
             problems.append(f"load pass: {sum(j is None for j in jobs)} None, {len(done)} completions")
@@ -997,21 +999,16 @@ def _cuda_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
         keys = _keys(rng, n)
         order = (("tkv", "raw", "tkv1", "tkve"), ("raw", "tkve", "tkv1", "tkv"), ("tkv1", "tkv", "tkve", "raw"),
                  ("tkve", "tkv1", "raw", "tkv"))[p % 4]
-        for which in order:
-            if which == "tkve" and mgr_e is None:
-                continue
+        for which in (w for w in order if w == "raw" or w in mgrs):
             gc.collect()
-            st, ld = (tkv_pass(mgr, keys) if which == "tkv" else tkv_pass(mgr1, keys) if which == "tkv1"
-                      else tkv_pass(mgr_e, keys) if which == "tkve" and mgr_e is not None else raw_pass())
+            st, ld = raw_pass() if which == "raw" else tkv_pass(mgrs[which], keys)
             if p >= warmup:
                 secs[f"{which}_store"].append(st)
                 secs[f"{which}_load"].append(ld)
     mover = type(getattr(mgr, "_mover", None)).__name__
-    mgr.close()
-    mgr1.close()
-    if mgr_e is not None:
-        mgr_e.close()
-    del kv, host, mgr, mgr1, mgr_e
+    for m in mgrs.values():
+        m.close()
+    del kv, host, mgr, mgrs
     d.release()
 
     def gbps(key: str) -> dict[str, Any]:
