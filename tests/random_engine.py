@@ -10,12 +10,14 @@ Each job must be reported exactly once.
 
 from __future__ import annotations
 
+import itertools
 import random
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Optional
 
 from tiered_kv import Completion, Job, TierManager
+from tiered_kv.jobs import JobKind
 
 OPS = ("store", "load", "free", "cancel", "invalidate", "device")   # anything else (the rest): poll
 
@@ -26,10 +28,7 @@ def random_engine(mgr: TierManager, rng: random.Random, rows: int, steps: int, o
                   before_wait: Callable[[], None] = lambda: None, prefix: str = "rk") -> tuple[int, int]:
     """Run ``steps`` engine operations, the chance of each of ``OPS`` given by ``odds`` (in that order;
     the rest is a poll), then ``before_wait()`` and a final ``wait()``.  Returns (ok loads, ok stores)."""
-    bounds, acc = [], 0.0
-    for p in odds:
-        acc += p
-        bounds.append(acc)
+    bounds = list(itertools.accumulate(odds))
     loading: dict[int, Job] = {}                 # row -> its load in flight
     live: dict[uuid.UUID, Job] = {}              # issued, not reported
     stored: list[bytes] = []
@@ -43,7 +42,7 @@ def random_engine(mgr: TierManager, rng: random.Random, rows: int, steps: int, o
             assert tok not in seen, f"reported twice: {c.job}"
             seen.add(tok)
             live.pop(tok, None)
-            if c.job.kind.value == "load":
+            if c.job.kind is JobKind.LOAD:
                 assert loading.pop(c.job.block) is c.job
                 if c.ok:
                     assert row_holds(c.job.block, c.job.key), f"row {c.job.block} does not hold {c.job.key!r}"
