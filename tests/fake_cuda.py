@@ -41,13 +41,7 @@ class FakeEvent:
 
     def record(self, stream: "FakeStream") -> None:
         """As ``cudaEventRecord``: only the latest record counts; an earlier one still queued is inert."""
-        gpu = self._gpu
-        if gpu.record_error is not None:
-            if gpu.record_error_skip:
-                gpu.record_error_skip -= 1
-            else:
-                err, gpu.record_error = gpu.record_error, None
-                raise err
+        self._gpu.fault("record")
         self.recorded, self.done = True, False
         self.gen += 1
         stream.push(("event", self, self.gen))
@@ -119,6 +113,7 @@ class FakeGPU:
         self.record_error: Optional[BaseException] = None  # raised by an event record(), likewise
         self.record_error_skip = 0
         self.switch_error: Optional[BaseException] = None  # raised by the next copies_on() call
+        self.switch_error_skip = 0
         self.batches: list[FakeStream] = []  # the stream of each batch of copies, in order
 
     # --- the runtime interface
@@ -140,22 +135,27 @@ class FakeGPU:
         self.run_all()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: FakeStream) -> None:
-        if self.copy_error is not None:
-            if self.copy_error_skip:
-                self.copy_error_skip -= 1
-            else:
-                err, self.copy_error = self.copy_error, None
-                raise err
+        self.fault("copy")
         stream.push(("copy", dst, src))
 
     @contextlib.contextmanager
     def copies_on(self, stream: FakeStream) -> Iterator[Callable[[torch.Tensor, torch.Tensor], None]]:
         """``stream`` current for a batch of copies (``TorchCuda.copies_on``); yields ``copy(dst, src)``."""
-        if self.switch_error is not None:
-            err, self.switch_error = self.switch_error, None
-            raise err
+        self.fault("switch")
         self.batches.append(stream)
         yield lambda dst, src: self.copy(dst, src, stream)
+
+    def fault(self, what: str) -> None:
+        """Raise the armed ``<what>_error`` once ``<what>_error_skip`` more calls have gone through."""
+        err = getattr(self, f"{what}_error")
+        if err is None:
+            return
+        skip = getattr(self, f"{what}_error_skip")
+        if skip:
+            setattr(self, f"{what}_error_skip", skip - 1)
+            return
+        setattr(self, f"{what}_error", None)
+        raise err
 
     # --- the engine and the test
     def kernel(self, fn: Callable[[], Any]) -> None:
