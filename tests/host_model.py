@@ -54,6 +54,7 @@ class Model:
     capacity: int
     max_inflight: int
     fail_error: str = "failed: "   # what a failed job's error starts with
+    ahead: int = 0                 # host_evict_ahead_blocks: slots the end of poll()/wait() leaves free
     entries: dict[bytes, MEntry] = field(default_factory=dict)               # live entries
     lru: "OrderedDict[bytes, MEntry]" = field(default_factory=OrderedDict)   # READY, no readers
     used: int = 0                                                            # leased slots
@@ -104,6 +105,12 @@ class Model:
         self.entries[key] = e
         self.used += 1
         return e
+
+    def evict_ahead(self) -> None:
+        """The end of poll()/wait(): evict least recently used entries until ``ahead`` slots are free."""
+        while self.capacity - self.used < self.ahead and self.lru:
+            self.evictions += 1
+            self.remove(next(iter(self.lru.values())))
 
     def publish(self, e: MEntry) -> None:
         e.writing = False

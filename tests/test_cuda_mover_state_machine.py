@@ -398,6 +398,7 @@ class CudaMoverMachine(RuleBasedStateMachine):
                 outcome[mj.job.token] = r
         for mj, r in model.take_deliver():
             outcome[mj.job.token] = r
+        model.evict_ahead()
         for c in got:
             mj = self.mjobs[c.job.token]
             ok, err = outcome[c.job.token]
@@ -452,11 +453,12 @@ class CudaMoverMachine(RuleBasedStateMachine):
 
     # -- rules ---------------------------------------------------------------
     @initialize(streams=st.integers(1, 3), warm=st.integers(0, CAPACITY), batch_max=st.sampled_from(BATCH_MAX),
-                per_event=st.sampled_from((1, 2, 3)))
-    def build(self, streams: int, warm: int, batch_max: int, per_event: int) -> None:
+                per_event=st.sampled_from((1, 2, 3)), ahead=st.integers(0, 2))
+    def build(self, streams: int, warm: int, batch_max: int, per_event: int, ahead: int) -> None:
         """The manager, its CudaMover (``batch_max``; an end event per ``per_event`` copies, given as bytes
         that round up to it) on ``streams`` side streams of a fresh simulated device,
-        and ``warm`` keys already READY in the host tier (so loads, hits and evictions happen early)."""
+        and ``warm`` keys already READY in the host tier (so loads, hits and evictions happen early), less
+        those evicted to leave ``ahead`` slots free at the end of each poll (``host_evict_ahead_blocks``)."""
         self.gpu = FakeGPU()
         made: list[CudaMover] = []
 
@@ -465,8 +467,10 @@ class CudaMoverMachine(RuleBasedStateMachine):
                                   event_bytes=per_event * ROW_BYTES - (ROW_BYTES // 2 if per_event > 1 else 0)))
             return made[0]
 
-        self.mgr = TierManager(make_config(host_slots=CAPACITY, max_inflight_jobs=MAX_INFLIGHT), self.kv,
+        self.mgr = TierManager(make_config(host_slots=CAPACITY, max_inflight_jobs=MAX_INFLIGHT,
+                                           host_evict_ahead_blocks=ahead), self.kv,
                                registry=CollectorRegistry(), mover_factory=factory)
+        self.model.ahead = ahead
         self.mover = made[0]
         assert len(self.gpu.side) == streams
         self.model.attach(self.gpu, batch_max, per_event)
@@ -476,7 +480,7 @@ class CudaMoverMachine(RuleBasedStateMachine):
             self._polled(self.m.poll)   # what is still queued goes to the device
             self.gpu.run_all()
             self._polled(self.m.poll)
-            assert len([e for e in self.model.entries.values() if e.ready]) == warm
+            assert len([e for e in self.model.entries.values() if e.ready]) == min(warm, CAPACITY - ahead)
 
     @rule(row=rows, fail=inject_failure, store=st.integers(0, 3).map(bool))
     def compute_and_store(self, row: int, fail: bool, store: bool = True) -> None:

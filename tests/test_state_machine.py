@@ -78,6 +78,7 @@ class FakeMoverModel(Model):
             if r is not None:
                 out.append((mj, *r))
         out += [(mj, *r) for mj, r in self.take_deliver()]
+        self.evict_ahead()
         return out
 
 
@@ -125,10 +126,18 @@ class TierMachine(RuleBasedStateMachine):
         self.model.queue.append((r.token, r.kind.value, r.ok))
 
     # -- rules ---------------------------------------------------------------
-    @initialize(n=st.integers(0, CAPACITY), fail_one=st.booleans())
-    def warm_host_tier(self, n: int, fail_one: bool) -> None:
-        """Start with ``n`` keys READY in the host tier (so loads, hits and evictions happen early)."""
+    @initialize(n=st.integers(0, CAPACITY), fail_one=st.booleans(), ahead=st.integers(0, 2))
+    def warm_host_tier(self, n: int, fail_one: bool, ahead: int) -> None:
+        """Start with ``n`` keys READY in the host tier (so loads, hits and evictions happen early), on a
+        manager whose poll()/wait() leave ``ahead`` slots free (``host_evict_ahead_blocks``)."""
         self.broken = True
+        if ahead:
+            self.mgr.close()
+            self.registry = CollectorRegistry()
+            self.mgr, self.mover = make_fake_manager(
+                make_config(host_slots=CAPACITY, max_inflight_jobs=MAX_INFLIGHT, host_evict_ahead_blocks=ahead),
+                self.kv, self.registry)
+            self.model.ahead = ahead
         for i in range(n):
             key, row = KEYS[i], i
             assert self.model.free_block(row) is True and self.mgr.free_block(row) is True

@@ -225,6 +225,8 @@ BAD_FIELDS = [
     ("num_copy_workers", 0), ("num_copy_workers", 65), ("num_copy_workers", False),
     ("num_copy_streams", 0), ("num_copy_streams", 65), ("num_copy_streams", 2.0),
     ("copy_batch_max", 0), ("copy_batch_max", (1 << 16) + 1), ("copy_batch_max", True),
+    ("host_evict_ahead_blocks", -1), ("host_evict_ahead_blocks", (1 << 20) + 1), ("host_evict_ahead_blocks", True),
+    ("host_evict_ahead_blocks", 2.0), ("host_evict_ahead_blocks", "auto"),
     ("pin_host_memory", 1), ("pin_host_memory", "yes"), ("pin_host_memory", 0),
     ("max_key_bytes", 0), ("max_key_bytes", 65537), ("max_key_bytes", True),
     ("writer_queue_blocks", 0), ("writer_queue_blocks", (1 << 20) + 1),
@@ -298,6 +300,11 @@ def test_from_env_parsing():
     assert cfg.pin_host_memory is False and cfg.writer_batch_seconds == 0.25 and cfg.disk_path is None
     for raw, want in (("1", True), ("yes", True), ("auto", None), ("", None), ("FALSE", False)):
         assert TieredKVConfig.from_env(environ=dict(env, TIERED_KV_PIN_HOST_MEMORY=raw)).pin_host_memory is want
+    for raw, want in (("auto", None), ("", None), ("0", 0), ("0x10", 16)):
+        cfg = TieredKVConfig.from_env(environ=dict(env, TIERED_KV_HOST_EVICT_AHEAD_BLOCKS=raw))
+        assert cfg.host_evict_ahead_blocks == want
+    with pytest.raises(ConfigError, match="host_evict_ahead_blocks"):
+        TieredKVConfig.from_env(environ=dict(env, TIERED_KV_HOST_EVICT_AHEAD_BLOCKS="some"))
     # overrides win, another prefix
     cfg = TieredKVConfig.from_env(prefix="X_", environ={"X_NAMESPACE": "a", "X_HOST_CAPACITY_BYTES": "10"},
                                   host_capacity_bytes=20)

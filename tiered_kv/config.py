@@ -60,6 +60,11 @@ class TieredKVConfig:
         and puts them on the device together at the next ``poll()``/``wait()``
         (one ordering barrier per batch, not one per copy), or at once when
         this many are queued; ``1`` puts each copy on the device in its call.
+    host_evict_ahead_blocks: at the end of each ``poll()``/``wait()``, evict
+        least recently used host blocks until this many slots are free, so that
+        ``store()`` and the promotes of ``load()`` take a free slot instead of
+        evicting in the engine's call.  ``None``: ``min(64, host slots // 32)``;
+        ``0``: evict only when a slot is needed.  Must be below the slot count.
     pin_host_memory: ``None`` pins when CUDA is available.
     max_key_bytes: longest accepted key.
     writer_queue_blocks: bound of the disk writer's queue (spills shed beyond).
@@ -78,6 +83,7 @@ class TieredKVConfig:
     num_copy_workers: int = 2
     num_copy_streams: int = 2
     copy_batch_max: int = 64
+    host_evict_ahead_blocks: Optional[int] = None
     pin_host_memory: Optional[bool] = None
     max_key_bytes: int = 1024
     writer_queue_blocks: int = 256
@@ -107,6 +113,8 @@ class TieredKVConfig:
         _check_int("num_copy_workers", self.num_copy_workers, 1, 64)
         _check_int("num_copy_streams", self.num_copy_streams, 1, 64)
         _check_int("copy_batch_max", self.copy_batch_max, 1, 1 << 16)
+        if self.host_evict_ahead_blocks is not None:
+            _check_int("host_evict_ahead_blocks", self.host_evict_ahead_blocks, 0, 1 << 20)
         if self.pin_host_memory is not None and not isinstance(self.pin_host_memory, bool):
             raise ConfigError(f"pin_host_memory must be a bool or None, got {self.pin_host_memory!r}")
         _check_int("max_key_bytes", self.max_key_bytes, 1, 65536)
@@ -166,6 +174,8 @@ def _parse_env(name: str, raw: str, default: Any) -> Any:
             return raw
         if name == "disk_path":
             return raw or None
+        if name == "host_evict_ahead_blocks":
+            return None if raw.strip().lower() in ("", "auto", "none") else int(raw, 0)
         if name == "pin_host_memory":
             low = raw.strip().lower()
             if low in ("", "auto", "none"):

@@ -172,24 +172,52 @@ class HostIndex:
             self._free.append(entry.slot)
             entry.slot = -1
 
+    def evict_ahead(self, free: int) -> int:
+        """Evict least recently used entries until ``free`` slots are free or nothing is evictable.
+
+        The owner calls it between engine steps, so that the next step's reservations find free
+        slots instead of evicting in the engine's call.  Returns how many entries it evicted.
+        """
+        lru, slots, entries = self._lru, self._free, self._entries
+        n = min(free - len(slots), len(lru))
+        if n <= 0:
+            return 0
+        if self._on_evict is not None:
+            for _ in range(n):
+                self._evicted(lru.popitem(last=False)[1])
+            return n
+        for _ in range(n):  # _evicted() written out: the loop runs once per store of the step
+            k, entry = lru.popitem(last=False)
+            entry.live = False
+            del entries[k]
+            slots.append(entry.slot)
+            entry.slot = -1
+        self.evictions += n
+        return n
+
     def _evict_one(self, protect: Collection[bytes], key: bytes) -> bool:
         lru = self._lru
         for k, entry in lru.items():
             if k == key or k in protect:
                 continue
-            if self._on_evict is not None:
-                self._on_evict(entry)
-            # remove() written out: the LRU holds live READY entries with no reader and no writer, so
-            # the slot is free at once (a full tier evicts once per store: the engine's path)
-            entry.live = False
-            del self._entries[k]
             del lru[k]
-            self._free.append(entry.slot)
-            entry.slot = -1
-            self.evictions += 1
+            self._evicted(entry)
             return True
         return False
 
+    def _evicted(self, entry: HostEntry) -> None:
+        """An entry just taken out of the LRU leaves the index; its slot is free at once.
+
+        ``remove()`` written out: the LRU holds live READY entries with no reader and no
+        writer, so nothing else can hold the slot (a full tier evicts once per reservation).
+        """
+        if self._on_evict is not None:
+            self._on_evict(entry)
+        entry.live = False
+        del self._entries[entry.key]
+        self._free.append(entry.slot)
+        entry.slot = -1
+        self.evictions += 1
 
 TierIndex = HostIndex
 """The same policy serves the disk tier, where a "slot" is a unit of capacity."""

@@ -71,6 +71,10 @@ _D2H, _H2D = ("device", "host"), ("host", "device")
 _INTERNAL = frozenset({_SPILL, _PROMOTE})  # jobs the manager starts itself; never returned to the engine
 _CANCELLED_ERROR = {r: f"cancelled ({r.value})" for r in StaleReason}
 _tuple_new = tuple.__new__  # Completion(...) without the generated __new__: a Python frame less per job
+# what poll()/wait() prepare for the next engine step, so that store() and load() neither evict nor
+# build a token in the engine's call: free host slots (auto: at most this many) and tokens
+_EVICT_AHEAD_MAX = 64
+_TOKEN_POOL = 64  # refilled at each poll with as many as were taken: the poll's work follows its step's
 
 
 class _Flight:
@@ -114,6 +118,13 @@ class TierManager(TierViews):
             raise ConfigError(f"disk_capacity_bytes={config.disk_capacity_bytes} holds no block of "
                               f"{self.row_bytes} bytes")
         self.num_host_slots = num_slots
+        ahead = config.host_evict_ahead_blocks
+        if ahead is None:
+            ahead = min(_EVICT_AHEAD_MAX, num_slots // 32)
+        elif ahead >= num_slots:
+            raise ConfigError(f"host_evict_ahead_blocks={ahead} must be below the host tier's {num_slots} slots "
+                              f"(host_capacity_bytes={config.host_capacity_bytes} / {self.row_bytes}-byte blocks)")
+        self._evict_ahead = ahead
         self._device_blocks = device_blocks
         self._dev_rows = device_blocks.view(torch.uint8).view(self.num_blocks, self.row_bytes)
         pin = config.pin_host_memory
@@ -129,6 +140,8 @@ class TierManager(TierViews):
         self._index = HostIndex(num_slots)  # its eviction total is published once per poll
         self._completions = CompletionQueue()
         self._tokens = TokenFactory()
+        # tokens made ahead at the end of each poll()/wait(): store() and load() take one from here
+        self._token_pool: list[uuid.UUID] = []
         self._owner_tag = object()
         self._max_key_bytes = config.max_key_bytes
         self._max_inflight = config.max_inflight_jobs
@@ -208,7 +221,8 @@ class TierManager(TierViews):
             return None
         if len(self._jobs) >= self._max_inflight:
             return self._shed(_STORE, "inflight_limit")
-        token = self._tokens()
+        pool = self._token_pool
+        token = pool.pop() if pool else self._tokens()
         entry = self._index.reserve(key, token)
         if entry is None:
             return self._shed(_STORE, "host_full")
@@ -281,7 +295,8 @@ class TierManager(TierViews):
                 return None
         # the load overwrites the row: stores still reading it lose their source
         self._give_up_row(block)
-        token = self._tokens()
+        pool = self._token_pool
+        token = pool.pop() if pool else self._tokens()
         job = Job(token, _LOAD, key, block, _owner=self._owner_tag)
         if promote is not None:
             fl = _Flight(job, promote.entry, self._row_gen[block], None)
@@ -349,7 +364,7 @@ class TierManager(TierViews):
         """Apply every worker report that has arrived; return the jobs now reported."""
         if self._closed:
             self._check_open()  # raises
-        self._poll()
+        self._poll(True)
         out, self._outbox = self._outbox, []
         return out
 
@@ -400,7 +415,7 @@ class TierManager(TierViews):
         if self._disk is None:
             return True
         if not self._disk.writer_alive():
-            self._poll()
+            self._poll(True)
             return False
         self._poll()  # stores already copied get their spills queued ahead of the flush marker
         token = self._tokens()
@@ -468,7 +483,9 @@ class TierManager(TierViews):
         return None if entry is None else self._host_rows[entry.slot].clone()
 
     # ------------------------------------------------------------ internals: reports
-    def _poll(self) -> None:
+    def _poll(self, last: bool = False) -> None:
+        """Apply what has arrived.  ``last``: the final pass of an API call (``poll()``, the end of a
+        ``wait()``/``flush()``), which also prepares the next engine step: free host slots and tokens."""
         self._log_debug = log.isEnabledFor(logging.DEBUG)
         self._mover.harvest()
         apply = self._apply
@@ -482,7 +499,22 @@ class TierManager(TierViews):
                 self._writeback_tick()
         if self._mover_flush is not None:
             self._mover_flush()
+        if last:
+            # prepare the next engine step, so that its store() and load() calls neither evict nor build
+            # a token; only the last pass of an API call does it, so a wait() evicts for the state it
+            # leaves, not for one it passed through (the state machines model exactly that)
+            if self._evict_ahead:
+                self._index.evict_ahead(self._evict_ahead)
+            if len(self._token_pool) < _TOKEN_POOL:
+                self._refill_tokens()
         self._refresh_gauges()
+
+    def _refill_tokens(self) -> None:
+        pool = self._token_pool
+        make = self._tokens
+        fresh = [make() for _ in range(_TOKEN_POOL - len(pool))]
+        fresh.reverse()
+        pool[:0] = fresh  # pop() takes from the end: tokens are issued in the order they were made
 
     def _deliver_cancelled(self) -> None:
         if self._deliver:
@@ -539,7 +571,7 @@ class TierManager(TierViews):
         finally:
             if hold is not None:
                 hold(False)
-            self._poll()
+            self._poll(True)
 
     def _apply(self, r: Any) -> None:
         if isinstance(r, FlushDone):

@@ -792,7 +792,8 @@ def _host_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
     kv[:n].copy_((torch.arange(n) % 251).to(torch.uint8).unsqueeze(1).expand(n, block))
     kv[n:].fill_(255)
     raw_dst = torch.zeros((n, block), dtype=torch.uint8)  # preallocated and faulted in
-    cfg = TieredKVConfig(namespace=f"bench|u8|host{block}", host_capacity_bytes=nbytes)
+    # the tier holds exactly the working set: no block may be evicted ahead between passes
+    cfg = TieredKVConfig(namespace=f"bench|u8|host{block}", host_capacity_bytes=nbytes, host_evict_ahead_blocks=0)
     mgr = TierManager(cfg, kv)  # default mover, default num_copy_workers
     mover_name = type(mgr._mover).__name__
     store, load, wait = mgr.store, mgr.load, mgr.wait
@@ -936,7 +937,7 @@ def _cuda_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
     kv = torch.empty((2 * n, block), dtype=torch.uint8, device=dev)
     kv[:n].copy_((torch.arange(n, device=dev) % 251).to(torch.uint8).unsqueeze(1).expand(n, block))
     kv[n:].fill_(255)
-    cfg = TieredKVConfig(namespace=f"bench|u8|cuda{block}", host_capacity_bytes=nbytes)
+    cfg = TieredKVConfig(namespace=f"bench|u8|cuda{block}", host_capacity_bytes=nbytes, host_evict_ahead_blocks=0)
     # the sides through tiered_kv: the default; each copy on the device inside its own call; and, where the
     # default shares end events between copies, the batched mover with an end event after every copy
     per_copy_events = block < EVENT_BYTES
