@@ -205,6 +205,21 @@ def test_ab_lifecycles_script_compares_a_revision_with_the_working_tree() -> Non
     assert len(lines) == 4 and all("paired saving" in ln for ln in lines), out.stdout
 
 
+@pytest.mark.parametrize("mover", ["thread", "none"])
+def test_ab_ahead_script_runs_both_sides(mover: str) -> None:
+    """benchmarks/ab_ahead.py: section 2's loop on a manager evicting ahead and one evicting inline."""
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "ab_ahead.py"), "--segments", "2", "--steps", "3",
+                          "--rows", "64", "--row-mib", "0.0625", "--step-ms", "0", "--mover", mover],
+                         capture_output=True, text=True, timeout=120, cwd=root)
+    assert out.returncode == 0, out.stderr
+    rows = {ln.split()[0]: ln for ln in out.stdout.splitlines() if ln.startswith(("ahead ", "inline "))}
+    assert set(rows) == {"ahead", "inline"}, out.stdout
+    assert all("stores returning None: 0" in ln for ln in rows.values()), out.stdout
+
+
 def test_ab_lone_read_script_reads_through_both_paths() -> None:
     """benchmarks/ab_lone_read.py: a lone read through _read and through _read_many, every read ok."""
     import subprocess
