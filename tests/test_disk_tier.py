@@ -49,8 +49,16 @@ def test_load_of_disk_only_key_promotes_and_reports_once(rig):
     ks = keys(4)
     store_seq(mgr, kv, ks)                      # host keeps the last two, disk all four
     assert mgr.host_bytes(ks[0]) is None and mgr.host_bytes(ks[3]) is not None
-    assert mgr.lookup(ks) == 4
+    assert mgr.lookup(ks) == 4                  # disk, disk, host, host
+    mgr.poll()                                  # lookup counts are applied at the end of the next poll
     assert metric(mgr, "tiered_kv_lookup_hits_total", tier="disk") == 2
+    assert metric(mgr, "tiered_kv_lookup_hits_total", tier="host") == 2
+    # host, disk, host, disk, then a miss: the run stops there (a key after it is not counted)
+    assert mgr.lookup([ks[3], ks[0], ks[2], ks[1], b"missing", ks[3]]) == 4
+    mgr.poll()
+    assert metric(mgr, "tiered_kv_lookup_hits_total", tier="disk") == 4
+    assert metric(mgr, "tiered_kv_lookup_hits_total", tier="host") == 4
+    assert metric(mgr, "tiered_kv_lookup_keys_total") == 10
     kv[5].fill_(0xEE)
     job, comp = load_into(mgr, kv, ks[0], 5)
     assert job is not None and comp is not None and comp.ok, comp
@@ -438,6 +446,7 @@ def test_load_of_a_disk_key_is_shed_when_every_host_slot_is_leased(rig):
     gate.entered(1)
     assert mgr.host_bytes(b"old") is None and mgr.lookup([b"old"]) == 1
     assert mgr.load(b"old", 2) is None
+    mgr.poll()                             # sheds are counted at the end of the next poll
     assert metric(mgr, "tiered_kv_shed_total", kind="load", reason="host_full") == 1
     gate.open()
     assert mgr.flush(timeout=30) is True

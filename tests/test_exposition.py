@@ -169,6 +169,7 @@ def test_serve_metrics_port_zero_on_loopback() -> None:
         jobs = [mgr.store(b"key%d" % i, i) for i in range(4)]
         mgr.wait([j for j in jobs if j is not None], timeout=10)
         assert mgr.lookup([b"key0", b"key1", b"nope"]) == 2
+        mgr.poll()  # lookup counts are applied at the end of the next poll
         srv = serve_metrics(0, registry=mgr.metrics.registry)
         try:
             assert isinstance(srv, MetricsServer)
@@ -181,8 +182,9 @@ def test_serve_metrics_port_zero_on_loopback() -> None:
             assert _total(text, "tiered_kv_lookup_hits_total", tier="host") == 2
             assert _total(text, "tiered_kv_jobs_total", kind="store", outcome="ok") == 4
             assert _total(text, "tiered_kv_transfer_bytes_total", src="device", dst="host") == 4 * ROW_BYTES
-            # a second scrape sees live updates
+            # a second scrape sees live updates (as of the last poll)
             mgr.lookup([b"key2"])
+            mgr.poll()
             assert _total(_fetch(srv.url), "tiered_kv_lookup_keys_total") == 4
         finally:
             srv.close()

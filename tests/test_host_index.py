@@ -278,3 +278,20 @@ def test_used_slots_never_exceed_capacity_under_churn():
         assert len(ix) <= ix.used_slots
         slots = [x.slot for x in ix.entries()]
         assert len(slots) == len(set(slots)) and all(0 <= s < 4 for s in slots)
+
+
+def test_ready_run_touches_the_leading_ready_entries_and_returns_where_it_stopped():
+    idx = HostIndex(8)
+    es = {}
+    for k in (b"a", b"b", b"c", b"d"):
+        es[k] = idx.reserve(k, uuid.uuid4())
+        idx.publish(es[k])
+    idx.acquire(es[b"b"])                          # READY but leased: counted, not in the LRU
+    w = idx.reserve(b"w", uuid.uuid4())           # WRITING: stops the run
+    assert w is not None
+    assert idx.ready_run([b"c", b"a", b"b", b"w", b"d"]) == 3
+    assert list(idx._lru) == [b"d", b"c", b"a"]    # c then a moved to the MRU end, b still leased
+    assert idx.ready_run([b"c", b"a", b"b", b"w", b"d"], 4) == 5
+    assert list(idx._lru) == [b"c", b"a", b"d"]
+    assert idx.ready_run([b"x", b"a"]) == 0 and idx.ready_run([]) == 0 and idx.ready_run([b"a"], 1) == 1
+    assert list(idx._lru) == [b"c", b"a", b"d"]    # nothing touched past a miss

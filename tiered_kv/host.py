@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Optional
 
 __all__ = ["TierIndex", "HostIndex", "HostEntry", "EntryState"]
@@ -99,6 +99,20 @@ class HostIndex:
                 break
             out.append(entry)
         return out
+
+    def ready_run(self, keys: Sequence[bytes], start: int = 0) -> int:
+        """Mark recently used the READY entries of ``keys[start:]`` up to the first key that is
+        not READY here, and return that key's index (``len(keys)`` when all are)."""
+        entries, lru = self._entries, self._lru
+        i, n = start, len(keys)
+        while i < n:
+            e = entries.get(keys[i])
+            if e is None or e.state is not _READY:
+                break
+            if lru.get(e.key) is e:  # touch(): a READY entry leased to a reader is not in the LRU
+                lru.move_to_end(e.key)
+            i += 1
+        return i
 
     # -- moves -------------------------------------------------------------
     def touch(self, entry: HostEntry) -> None:

@@ -236,31 +236,35 @@ class TierManager(TierViews):
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` are ready in a lower tier (host or disk)."""
-        self._check_open()
-        if isinstance(keys, (bytes, str)) or not isinstance(keys, Iterable):
-            raise InvalidKeyError(f"keys must be a sequence of bytes, got {type(keys).__name__}")
-        keys = list(keys)
-        for k in keys:
-            self._check_key(k)
-        n = host = 0
-        ready = self._index.ready
+        if self._closed:
+            self._check_open()  # raises
+        if type(keys) is not list:
+            if isinstance(keys, (bytes, str)) or not isinstance(keys, Iterable):
+                raise InvalidKeyError(f"keys must be a sequence of bytes, got {type(keys).__name__}")
+            keys = list(keys)
+        mk = self._max_key_bytes
+        for k in keys:  # _check_key inline, as in store(); it raises
+            if type(k) is not bytes or not k or len(k) > mk:
+                self._check_key(k)
+        run = self._index.ready_run
+        n = host = run(keys)
         dindex = self._dindex
-        for k in keys:
-            entry = ready(k)
-            if entry is not None:
-                self._index.touch(entry)
-                host += 1
-            else:
-                d = dindex.ready(k) if dindex is not None else None
+        if dindex is not None:
+            total = len(keys)
+            while n < total:   # a key only on disk, then maybe host keys again
+                d = dindex.ready(keys[n])
                 if d is None:
                     break
-                dindex.touch(d)  # type: ignore[union-attr]
-            n += 1
-        self.metrics.lookups.inc(len(keys))
+                dindex.touch(d)
+                end = run(keys, n + 1)
+                host += end - n - 1
+                n = end
+        m = self.metrics  # counted like the per-job counters: applied at the end of the next poll()
+        m.count(m.lookups, len(keys))
         if host:
-            self.metrics.hits["host"].inc(host)
+            m.count(m.hits["host"], host)
         if n > host:
-            self.metrics.hits["disk"].inc(n - host)
+            m.count(m.hits["disk"], n - host)
         return n
 
     def load(self, key: bytes, block: int) -> Optional[Job]:
@@ -814,9 +818,12 @@ class TierManager(TierViews):
             log.debug("discarded stale %s report for token %s: %s", kind, token, reason)
 
     def _shed(self, kind: JobKind, why: str) -> None:
-        self.metrics.job_outcome[(kind, "shed")].inc()
-        self.metrics.shed[(kind, why)].inc()
-        log.debug("%s shed: %s", kind, why)
+        # counted in the batch applied at the end of poll(): under overload every store() may shed
+        m = self.metrics
+        m.count(m.job_outcome[(kind, "shed")])
+        m.count(m.shed[(kind, why)])
+        if self._log_debug:
+            log.debug("%s shed: %s", kind, why)
         return None
 
     def _refresh_gauges(self) -> None:
