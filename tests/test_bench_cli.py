@@ -205,6 +205,22 @@ def test_ab_lifecycles_script_compares_a_revision_with_the_working_tree() -> Non
     assert len(lines) == 4 and all("paired saving" in ln for ln in lines), out.stdout
 
 
+def test_ab_first_call_script_compares_a_revision_with_the_working_tree() -> None:
+    """benchmarks/ab_first_call.py: the engine loop on HEAD and on the tree, steps alternating."""
+    import shutil
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("needs git and the repository's history")
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "ab_first_call.py"), "HEAD", "--steps", "4",
+                          "--slots", "64", "--per-step", "4", "--pause-ms", "0"],
+                         capture_output=True, text=True, timeout=120, cwd=root)
+    assert out.returncode == 0, out.stderr
+    rows = [ln.split()[0] for ln in out.stdout.splitlines() if ln.startswith(("base ", "head "))]
+    assert rows == ["base", "head"], out.stdout
+
+
 @pytest.mark.parametrize("mover", ["thread", "none"])
 def test_ab_ahead_script_runs_both_sides(mover: str) -> None:
     """benchmarks/ab_ahead.py: section 2's loop on a manager evicting ahead and one evicting inline."""
