@@ -275,9 +275,13 @@ class TierManager(TierViews):
         CUDA rows the copy goes to the device at the next ``poll()``/``wait()``,
         behind the work then queued on the current stream.
         """
-        self._check_open()
-        key = self._check_key(key)
-        block = self._check_block(block)
+        if self._closed:
+            self._check_open()  # raises
+        # the checks of _check_key/_check_block inline, as in store(); they raise
+        if type(key) is not bytes or not key or len(key) > self._max_key_bytes:
+            key = self._check_key(key)
+        if type(block) is not int or not 0 <= block < self.num_blocks:
+            block = self._check_block(block)
         if block in self._row_load:
             raise BlockBusyError(f"block {block} already has a load in flight")
         entry = self._index.get(key)
@@ -783,7 +787,8 @@ class TierManager(TierViews):
     def _start_promote(self, key: bytes, d: HostEntry) -> Optional[_Flight]:
         """Read ``key`` (its READY disk entry ``d``) from disk into a new host slot (internal PROMOTE job)."""
         assert self._dindex is not None and self._disk is not None
-        token = self._tokens()
+        pool = self._token_pool  # on load()'s path: a token made ahead, as for the load itself
+        token = pool.pop() if pool else self._tokens()
         entry = self._index.reserve(key, token)
         if entry is None:
             self._shed(_LOAD, "host_full")
