@@ -204,13 +204,9 @@ class TierManager(TierViews):
         on the current stream; until the job is reported the row must hold the
         block (or be given up with ``free_block``, which discards the store).
         """
-        if self._closed:
-            self._check_open()  # raises
-        # the checks of _check_key/_check_block inline (the engine calls this per block); they raise
-        if type(key) is not bytes or not key or len(key) > self._max_key_bytes:
-            key = self._check_key(key)
-        if type(block) is not int or not 0 <= block < self.num_blocks:
-            block = self._check_block(block)
+        if (self._closed or type(key) is not bytes or not key or len(key) > self._max_key_bytes
+                or type(block) is not int or not 0 <= block < self.num_blocks):
+            key, block = self._check_args(key, block)
         if block in self._row_load:
             raise BlockBusyError(f"block {block} has a load in flight; its content is not there yet")
         entry = self._index.get(key)
@@ -275,13 +271,9 @@ class TierManager(TierViews):
         CUDA rows the copy goes to the device at the next ``poll()``/``wait()``,
         behind the work then queued on the current stream.
         """
-        if self._closed:
-            self._check_open()  # raises
-        # the checks of _check_key/_check_block inline, as in store(); they raise
-        if type(key) is not bytes or not key or len(key) > self._max_key_bytes:
-            key = self._check_key(key)
-        if type(block) is not int or not 0 <= block < self.num_blocks:
-            block = self._check_block(block)
+        if (self._closed or type(key) is not bytes or not key or len(key) > self._max_key_bytes
+                or type(block) is not int or not 0 <= block < self.num_blocks):
+            key, block = self._check_args(key, block)
         if block in self._row_load:
             raise BlockBusyError(f"block {block} already has a load in flight")
         entry = self._index.get(key)
@@ -840,6 +832,13 @@ class TierManager(TierViews):
     def _check_open(self) -> None:
         if self._closed:
             raise ManagerClosedError("the TierManager is closed")
+
+    def _check_args(self, key: Any, block: Any) -> tuple[bytes, int]:
+        """store()/load(): their fast path tests the common case in one condition (the engine calls
+        them per block) and comes here otherwise, which raises naming the bad value, or returns the
+        key and the block as an int (e.g. a numpy integer)."""
+        self._check_open()
+        return self._check_key(key), self._check_block(block)
 
     def _check_key(self, key: Any) -> bytes:
         if type(key) is not bytes:
