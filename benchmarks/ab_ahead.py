@@ -1,13 +1,15 @@
-"""A/B of the work poll() does ahead for the next engine step, in one process.
+"""A/B of the work poll() does for the next engine step, in one process.
 
 ``poll()`` evicts host blocks ahead (``host_evict_ahead_blocks``) and refills a pool of
 tokens, so that ``store()`` takes a free slot and a ready token instead of evicting and
-building a UUID in the engine's call.  This runs section 2's engine loop (``store()`` x16,
-``poll()``, a 10 ms "forward pass"; the host tier full, so every store needs a slot) on two
-managers over the same device rows, segments alternating:
+building a UUID in the engine's call; and it starts the copies the step's calls queued
+(``copy_batch_max``), so that no copy thread is woken while the engine makes them.  This runs
+section 2's engine loop (``store()`` x16, ``poll()``, a 10 ms "forward pass"; the host tier
+full, so every store needs a slot) on two managers over the same device rows, segments
+alternating, the default configuration against one without the piece ``--compare`` names:
 
-* ``ahead``: the default configuration;
-* ``inline``: ``host_evict_ahead_blocks=0`` and no token pool (the behaviour before).
+* ``--compare ahead``: ``inline`` = ``host_evict_ahead_blocks=0`` and no token pool;
+* ``--compare batch``: ``inline`` = ``copy_batch_max=1`` (each copy handed to a worker in its store).
 
 ``--mover thread`` (default) copies on the CPU mover's two worker threads, as section 2;
 ``--mover none`` answers each store at the next poll without copying (the call's own cost).
@@ -15,7 +17,7 @@ Prints, per side, us: ``store()`` p50/p99, the first ``store()`` of each step (p
 p50/p99, and the engine thread's time in the library per step (stores + poll, mean): what
 moves from ``store()`` into ``poll()`` shows up in the last column.
 
-    python benchmarks/ab_ahead.py --segments 8 --mover thread
+    python benchmarks/ab_ahead.py --segments 8 --mover thread --compare ahead
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-step", type=int, default=16)
     ap.add_argument("--step-ms", type=float, default=10.0)
     ap.add_argument("--mover", choices=("thread", "none"), default="thread")
+    ap.add_argument("--compare", choices=("ahead", "batch"), default="ahead")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     row_bytes = int(a.row_mib * MiB) if a.mover == "thread" else 64
@@ -55,9 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     kv.copy_((torch.arange(a.rows) % 251).to(torch.uint8).unsqueeze(1).expand(a.rows, row_bytes))
     factory = DeferredMover if a.mover == "none" else None
     cfg = TieredKVConfig(namespace="ab|u8|ahead", host_capacity_bytes=a.rows * row_bytes)
-    sides = {"ahead": TierManager(cfg, kv, mover_factory=factory),
-             "inline": TierManager(cfg.replace(host_evict_ahead_blocks=0), kv, mover_factory=factory)}
-    sides["inline"]._refill_tokens = lambda: None  # type: ignore[method-assign]  # no token pool either
+    if a.compare == "ahead":
+        sides = {"ahead": TierManager(cfg, kv, mover_factory=factory),
+                 "inline": TierManager(cfg.replace(host_evict_ahead_blocks=0), kv, mover_factory=factory)}
+        sides["inline"]._refill_tokens = lambda: None  # type: ignore[method-assign]  # no token pool either
+    else:
+        sides = {"ahead": TierManager(cfg, kv, mover_factory=factory),
+                 "inline": TierManager(cfg.replace(copy_batch_max=1), kv, mover_factory=factory)}
     rng = random.Random(a.seed)
     step_s = a.step_ms / 1e3
     got: dict[str, dict[str, list[int]]] = {n: {"ok": [], "none": [], "poll": [], "first": []} for n in sides}
@@ -73,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             _latency_loop(mgr.store, mgr.poll, keys, seg * n, a.rows, a.per_step, step_s,
                           g["ok"], g["none"], g["poll"], g["first"])
             mgr.wait()
-    print(f"A/B of evicting and making tokens ahead: {a.segments} segments x {a.steps} steps x {a.per_step} "
+    what = "evicting and making tokens ahead" if a.compare == "ahead" else "copies started at poll()"
+    print(f"A/B of {what} ('ahead' = default, 'inline' = without): {a.segments} segments x {a.steps} steps x {a.per_step} "
           f"stores, {row_bytes} B rows, host tier {a.rows} slots (full), mover {a.mover}, step {a.step_ms} ms")
     print(f"{'side':8s} {'store p50':>10s} {'store p99':>10s} {'first p50':>10s} {'poll p50':>9s} {'poll p99':>9s} "
           f"{'per step':>9s}   (us)")

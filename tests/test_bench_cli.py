@@ -221,14 +221,15 @@ def test_ab_first_call_script_compares_a_revision_with_the_working_tree() -> Non
     assert rows == ["base", "head"], out.stdout
 
 
-@pytest.mark.parametrize("mover", ["thread", "none"])
-def test_ab_ahead_script_runs_both_sides(mover: str) -> None:
+@pytest.mark.parametrize("mover,compare", [("thread", "ahead"), ("none", "ahead"), ("thread", "batch")])
+def test_ab_ahead_script_runs_both_sides(mover: str, compare: str) -> None:
     """benchmarks/ab_ahead.py: section 2's loop on a manager evicting ahead and one evicting inline."""
     import subprocess
     import sys
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, str(root / "benchmarks" / "ab_ahead.py"), "--segments", "2", "--steps", "3",
-                          "--rows", "64", "--row-mib", "0.0625", "--step-ms", "0", "--mover", mover],
+                          "--rows", "64", "--row-mib", "0.0625", "--step-ms", "0", "--mover", mover,
+                          "--compare", compare],
                          capture_output=True, text=True, timeout=120, cwd=root)
     assert out.returncode == 0, out.stderr
     rows = {ln.split()[0]: ln for ln in out.stdout.splitlines() if ln.startswith(("ahead ", "inline "))}

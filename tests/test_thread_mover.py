@@ -1,4 +1,5 @@
-"""ThreadMover's default copy: memmove between row addresses computed from the tensors' strides."""
+"""ThreadMover: its default copy (memmove between row addresses computed from the tensors' strides),
+and ``batch_max``: transfers queued until ``flush()`` (the manager's poll) starts them."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import uuid
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
+from fakes import fill_row, make_config, make_kv
+from tiered_kv import TierManager
 from tiered_kv.jobs import JobKind
 from tiered_kv.movers import CompletionQueue, ThreadMover, Transfer
 
@@ -103,3 +107,107 @@ def test_help_one_leaves_a_stop_sentinel_to_the_workers_and_copies_nothing_once_
     m.close()
     m.submit(Transfer(uuid.uuid4(), JobKind.STORE, 2, 2))
     assert m.help_one() is False and m.helped == 1 and not torch.equal(host[2], dev[2])
+
+
+# ---------------------------------------------------------------------------- batch_max: copies start at flush()
+def _gated(record: list):
+    """A copy function that records each copy (dst, src) it makes."""
+    def copy(dst, src):
+        record.append(int(src[0]))
+        dst.copy_(src)
+    return copy
+
+
+def test_batched_transfers_reach_no_worker_before_flush_then_all_in_order():
+    dev = torch.arange(8, dtype=torch.uint8).unsqueeze(1).expand(8, 16).contiguous()
+    host = torch.zeros((8, 16), dtype=torch.uint8)
+    q = CompletionQueue()
+    copied: list[int] = []
+    m = ThreadMover(dev, host, q, num_workers=2, copy_fn=_gated(copied), batch_max=4)
+    try:
+        toks = [uuid.uuid4() for _ in range(3)]
+        for i, t in enumerate(toks):
+            m.submit(Transfer(t, JobKind.STORE, i, i))
+        assert len(m._queued) == 3 and m._q.qsize() == 0   # nothing a worker could take
+        assert q.get(0) is None and copied == []
+        m.flush()
+        assert m._queued == []
+        reps = _reports(q, 3)
+        assert sorted(r.token.int for r in reps) == sorted(t.int for t in toks) and all(r.ok for r in reps)
+        assert torch.equal(host[:3], dev[:3])
+        m.flush()                                            # nothing queued: a no-op
+        assert q.get(0) is None
+    finally:
+        m.close()
+
+
+def test_a_full_batch_goes_to_the_workers_in_the_submit_that_fills_it():
+    dev = torch.arange(8, dtype=torch.uint8).unsqueeze(1).expand(8, 16).contiguous()
+    host = torch.zeros((8, 16), dtype=torch.uint8)
+    q = CompletionQueue()
+    m = ThreadMover(dev, host, q, num_workers=1, batch_max=2)
+    try:
+        m.submit(Transfer(uuid.uuid4(), JobKind.STORE, 1, 1))
+        assert len(m._queued) == 1
+        m.submit(Transfer(uuid.uuid4(), JobKind.STORE, 2, 2))
+        assert m._queued == []
+        assert all(r.ok for r in _reports(q, 2)) and torch.equal(host[1:3], dev[1:3])
+    finally:
+        m.close()
+
+
+def test_close_copies_what_is_still_queued_and_answers_each_once():
+    dev = torch.arange(8, dtype=torch.uint8).unsqueeze(1).expand(8, 16).contiguous()
+    host = torch.zeros((8, 16), dtype=torch.uint8)
+    q = CompletionQueue()
+    m = ThreadMover(dev, host, q, num_workers=2, batch_max=64)
+    toks = [uuid.uuid4() for _ in range(5)]
+    for i, t in enumerate(toks):
+        m.submit(Transfer(t, JobKind.STORE, i, i))
+    cancelled = Transfer(uuid.uuid4(), JobKind.LOAD, 6, 6)
+    cancelled.cancelled = True
+    m.submit(cancelled)
+    m.close()
+    reps = q.drain()
+    assert sorted(r.token.int for r in reps) == sorted([t.int for t in toks] + [cancelled.token.int])
+    assert [r.ok for r in reps if r.token == cancelled.token] == [False]
+    assert torch.equal(host[:5], dev[:5]) and not host[6].any()
+
+
+def test_held_transfers_bypass_the_batch_queue():
+    dev = torch.zeros((4, 16), dtype=torch.uint8)
+    host = torch.zeros((4, 16), dtype=torch.uint8)
+    q = CompletionQueue()
+    m = ThreadMover(dev, host, q, num_workers=1, batch_max=64)
+    try:
+        m.hold(True)
+        m.submit(Transfer(uuid.uuid4(), JobKind.STORE, 0, 0))
+        assert len(m._held) == 1 and m._queued == []
+        assert m.help_one() and q.get(5).ok
+        m.hold(False)
+    finally:
+        m.close()
+
+
+def test_batch_max_below_one_is_refused():
+    with pytest.raises(ValueError, match="batch_max must be >= 1, got 0"):
+        ThreadMover(torch.zeros((2, 4), dtype=torch.uint8), torch.zeros((2, 4), dtype=torch.uint8),
+                    CompletionQueue(), batch_max=0)
+
+
+def test_the_managers_cpu_copies_start_at_poll_and_batch_one_starts_them_in_store():
+    """The default CPU mover queues a step's copies and poll() starts them; copy_batch_max=1 does not queue."""
+    kv = make_kv(8)
+    for batch in (64, 1):
+        with TierManager(make_config(host_slots=16, copy_batch_max=batch), kv, registry=CollectorRegistry()) as mgr:
+            mover = mgr._mover
+            assert isinstance(mover, ThreadMover)
+            jobs = []
+            for i in range(3):
+                fill_row(kv, i, b"k%d-%d" % (batch, i))
+                jobs.append(mgr.store(b"k%d-%d" % (batch, i), i))
+            assert len(mover._queued) == (3 if batch > 1 else 0)
+            mgr.poll()
+            assert mover._queued == []
+            mgr.wait(jobs)
+            assert all(j.done and j.state.value == "done" for j in jobs)

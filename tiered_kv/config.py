@@ -56,10 +56,11 @@ class TieredKVConfig:
     max_inflight_jobs: bound on store/load jobs in flight; beyond it calls shed.
     num_copy_workers: worker threads of the CPU mover (ignored with CUDA).
     num_copy_streams: CUDA copy streams of the GPU mover.
-    copy_batch_max: the GPU mover queues the copies of ``store()``/``load()``
-        and puts them on the device together at the next ``poll()``/``wait()``
-        (one ordering barrier per batch, not one per copy), or at once when
-        this many are queued; ``1`` puts each copy on the device in its call.
+    copy_batch_max: the movers queue the copies of ``store()``/``load()`` and
+        start them together at the next ``poll()``/``wait()``, or at once when
+        this many are queued; ``1`` starts each copy in its call.  On the GPU
+        mover a batch takes one ordering barrier, not one per copy; on the CPU
+        mover the copy threads are not woken while the engine makes its calls.
     host_evict_ahead_blocks: at the end of each ``poll()``/``wait()``, evict
         least recently used host blocks until this many slots are free, so that
         ``store()`` and the promotes of ``load()`` take a free slot instead of

@@ -103,9 +103,11 @@ class Mover(Protocol):
     ``close()`` (see :meth:`ThreadMover.help_one`).  With it, ``hold(on)``:
     while on, transfers submitted are left for ``help_one`` (no worker is
     woken); off, the ones left go to the workers.  The manager turns it on for
-    as long as it blocks, and off in a ``finally``.  A polled mover may define
-    ``flush()``: send the transfers it holds; the manager calls it at the end
-    of every poll (for transfers submitted while reports were applied).
+    as long as it blocks, and off in a ``finally``.  A mover that queues what
+    ``submit`` gets (``CudaMover``, ``ThreadMover`` with ``batch_max`` > 1)
+    defines ``flush()``: start the transfers queued; the manager calls it at the
+    end of every poll, so that a step's copies start at its ``poll()`` (and
+    those submitted while reports were applied start in the same poll).
     """
 
     polled: bool  # True when reports appear only through harvest()
@@ -137,13 +139,24 @@ class ThreadMover:
     ``copy_fn(dst_row, src_row)`` replaces the copy (tests inject torn or
     failing copies); by default rows are copied with ``memmove`` between
     their addresses, computed once from the tensors' strides.
+
+    ``batch_max`` > 1: :meth:`submit` only queues the transfer; the queue goes
+    to the workers at :meth:`flush` (the manager's ``poll()``/``wait()``) or
+    once ``batch_max`` are queued.  An engine step's ``store()`` calls then wake
+    no worker: the copies run during the step's forward pass instead of
+    competing with the engine thread for the GIL and the cores while it makes
+    them.  ``1``: each transfer goes to the workers in its ``submit``.
     """
 
     polled = False
 
     def __init__(self, device_rows: torch.Tensor, host_rows: torch.Tensor, completions: CompletionQueue,
                  num_workers: int = 2, copy_fn: Optional[CopyFn] = None,
-                 on_worker_death: Optional[Callable[[], None]] = None) -> None:
+                 on_worker_death: Optional[Callable[[], None]] = None, batch_max: int = 1) -> None:
+        if batch_max < 1:
+            raise ValueError(f"batch_max must be >= 1, got {batch_max}")
+        self._batch_max = batch_max
+        self._queued: list[Transfer] = []   # owner thread only: submitted, not yet given to the workers
         self._dev = device_rows
         self._host = host_rows
         self._row_bytes = int(host_rows.shape[1])
@@ -180,8 +193,21 @@ class ThreadMover:
     def submit(self, t: Transfer) -> None:
         if self._holding:
             self._held.append(t)
-        else:
+        elif self._batch_max == 1:
             self._q.put(t)
+        else:
+            q = self._queued
+            q.append(t)
+            if len(q) >= self._batch_max:
+                self.flush()
+
+    def flush(self) -> None:
+        """Owner thread only: give the queued transfers to the workers (in submission order)."""
+        if self._queued:
+            queued, self._queued = self._queued, []
+            put = self._q.put
+            for t in queued:
+                put(t)
 
     def hold(self, on: bool) -> None:
         """Owner thread only.  While on, transfers submitted stay with the owner for :meth:`help_one`
@@ -269,6 +295,7 @@ class ThreadMover:
         return Report(t.token, t.kind, True, None, self._row_bytes, time.perf_counter() - t0)
 
     def close(self) -> None:
+        self.flush()  # queued transfers are copied (or answered as cancelled) ahead of the stop sentinels
         self._closed = True
         with self._lock:
             threads = list(self._threads)
@@ -510,4 +537,4 @@ def make_mover(device_rows: torch.Tensor, host_rows: torch.Tensor, completions: 
                num_workers: int, num_streams: int, batch_max: int) -> Mover:
     if device_rows.is_cuda:  # pragma: no cover - needs CUDA
         return CudaMover(device_rows, host_rows, completions, num_streams, batch_max=batch_max)
-    return ThreadMover(device_rows, host_rows, completions, num_workers)
+    return ThreadMover(device_rows, host_rows, completions, num_workers, batch_max=batch_max)
