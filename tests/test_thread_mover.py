@@ -3,6 +3,7 @@ and ``batch_max``: transfers queued until ``flush()`` (the manager's poll) start
 
 from __future__ import annotations
 
+import threading
 import uuid
 
 import pytest
@@ -110,8 +111,17 @@ def test_help_one_leaves_a_stop_sentinel_to_the_workers_and_copies_nothing_once_
 
 
 # ---------------------------------------------------------------------------- batch_max: copies start at flush()
-def _gated(record: list):
-    """A copy function that records each copy (dst, src) it makes."""
+def _batched(batch_max: int, workers: int, copy_fn=None) -> tuple[torch.Tensor, torch.Tensor, CompletionQueue,
+                                                                    ThreadMover]:
+    """Rows 0..7 filled with their index, an empty slab, and a ThreadMover queueing ``batch_max``."""
+    dev = torch.arange(8, dtype=torch.uint8).unsqueeze(1).expand(8, 16).contiguous()
+    host = torch.zeros((8, 16), dtype=torch.uint8)
+    q = CompletionQueue()
+    return dev, host, q, ThreadMover(dev, host, q, num_workers=workers, copy_fn=copy_fn, batch_max=batch_max)
+
+
+def _recording(record: list):
+    """A copy function that records the first byte of each source row it copies."""
     def copy(dst, src):
         record.append(int(src[0]))
         dst.copy_(src)
@@ -119,19 +129,16 @@ def _gated(record: list):
 
 
 def test_batched_transfers_reach_no_worker_before_flush_then_all_in_order():
-    dev = torch.arange(8, dtype=torch.uint8).unsqueeze(1).expand(8, 16).contiguous()
-    host = torch.zeros((8, 16), dtype=torch.uint8)
-    q = CompletionQueue()
     copied: list[int] = []
-    m = ThreadMover(dev, host, q, num_workers=2, copy_fn=_gated(copied), batch_max=4)
+    dev, host, q, m = _batched(4, 2, _recording(copied))
     try:
         toks = [uuid.uuid4() for _ in range(3)]
         for i, t in enumerate(toks):
             m.submit(Transfer(t, JobKind.STORE, i, i))
-        assert len(m._queued) == 3 and m._q.qsize() == 0   # nothing a worker could take
+        assert len(m._held) == 3 and m._q.qsize() == 0   # nothing a worker could take
         assert q.get(0) is None and copied == []
         m.flush()
-        assert m._queued == []
+        assert not m._held
         reps = _reports(q, 3)
         assert sorted(r.token.int for r in reps) == sorted(t.int for t in toks) and all(r.ok for r in reps)
         assert torch.equal(host[:3], dev[:3])
@@ -142,25 +149,19 @@ def test_batched_transfers_reach_no_worker_before_flush_then_all_in_order():
 
 
 def test_a_full_batch_goes_to_the_workers_in_the_submit_that_fills_it():
-    dev = torch.arange(8, dtype=torch.uint8).unsqueeze(1).expand(8, 16).contiguous()
-    host = torch.zeros((8, 16), dtype=torch.uint8)
-    q = CompletionQueue()
-    m = ThreadMover(dev, host, q, num_workers=1, batch_max=2)
+    dev, host, q, m = _batched(2, 1)
     try:
         m.submit(Transfer(uuid.uuid4(), JobKind.STORE, 1, 1))
-        assert len(m._queued) == 1
+        assert len(m._held) == 1
         m.submit(Transfer(uuid.uuid4(), JobKind.STORE, 2, 2))
-        assert m._queued == []
+        assert not m._held
         assert all(r.ok for r in _reports(q, 2)) and torch.equal(host[1:3], dev[1:3])
     finally:
         m.close()
 
 
 def test_close_copies_what_is_still_queued_and_answers_each_once():
-    dev = torch.arange(8, dtype=torch.uint8).unsqueeze(1).expand(8, 16).contiguous()
-    host = torch.zeros((8, 16), dtype=torch.uint8)
-    q = CompletionQueue()
-    m = ThreadMover(dev, host, q, num_workers=2, batch_max=64)
+    dev, host, q, m = _batched(64, 2)
     toks = [uuid.uuid4() for _ in range(5)]
     for i, t in enumerate(toks):
         m.submit(Transfer(t, JobKind.STORE, i, i))
@@ -174,15 +175,47 @@ def test_close_copies_what_is_still_queued_and_answers_each_once():
     assert torch.equal(host[:5], dev[:5]) and not host[6].any()
 
 
+def test_a_hold_gives_what_was_queued_before_to_the_workers_and_keeps_what_comes_after():
+    """wait() holds: the step's queued copies must still reach the workers (the owner alone would copy
+    them one by one), while a copy submitted during the wait stays with the owner through flush()."""
+    gate = threading.Event()
+    copied: list[tuple[str, int]] = []
+
+    def copy(dst, src):
+        name = threading.current_thread().name
+        if name.startswith("tiered-kv-copy"):
+            assert gate.wait(30), "the test never opened the gate"
+        copied.append((name, int(src[0])))
+        dst.copy_(src)
+
+    dev, host, q, m = _batched(64, 1, copy)
+    try:
+        for i in range(3):
+            m.submit(Transfer(uuid.uuid4(), JobKind.STORE, i, i))
+        m.hold(True)
+        assert not m._held                                   # rows 0-2 went to the worker's queue
+        m.submit(Transfer(uuid.uuid4(), JobKind.STORE, 5, 5))
+        m.flush()
+        assert len(m._held) == 1                             # held: flush() keeps it for the owner
+        assert m.help_one()                                  # the owner copies row 5 while the worker waits
+        assert copied == [(threading.current_thread().name, 5)]
+        m.hold(False)
+        gate.set()
+        assert all(r.ok for r in _reports(q, 4))
+        assert sorted(i for n, i in copied if n.startswith("tiered-kv-copy")) == [0, 1, 2]
+        assert torch.equal(host[[0, 1, 2, 5]], dev[[0, 1, 2, 5]])
+    finally:
+        gate.set()
+        m.close()
+
+
 def test_held_transfers_bypass_the_batch_queue():
-    dev = torch.zeros((4, 16), dtype=torch.uint8)
-    host = torch.zeros((4, 16), dtype=torch.uint8)
-    q = CompletionQueue()
-    m = ThreadMover(dev, host, q, num_workers=1, batch_max=64)
+    dev, host, q, m = _batched(64, 1)
     try:
         m.hold(True)
         m.submit(Transfer(uuid.uuid4(), JobKind.STORE, 0, 0))
-        assert len(m._held) == 1 and m._queued == []
+        m.flush()
+        assert len(m._held) == 1 and m._q.qsize() == 0       # flush() leaves a held transfer to the owner
         assert m.help_one() and q.get(5).ok
         m.hold(False)
     finally:
@@ -206,8 +239,8 @@ def test_the_managers_cpu_copies_start_at_poll_and_batch_one_starts_them_in_stor
             for i in range(3):
                 fill_row(kv, i, b"k%d-%d" % (batch, i))
                 jobs.append(mgr.store(b"k%d-%d" % (batch, i), i))
-            assert len(mover._queued) == (3 if batch > 1 else 0)
+            assert len(mover._held) == (3 if batch > 1 else 0)
             mgr.poll()
-            assert mover._queued == []
+            assert not mover._held
             mgr.wait(jobs)
             assert all(j.done and j.state.value == "done" for j in jobs)

@@ -168,8 +168,9 @@ class TierManager(TierViews):
                                             config.copy_batch_max)
         else:
             self._mover = mover_factory(self._dev_rows, self._host_rows, self._completions)
-        # a mover that holds transfers until harvest() (CudaMover) sends the ones submitted while
-        # reports were applied (loads behind promotes) at the end of each poll, not a step later
+        # a mover that queues transfers (CudaMover, ThreadMover with copy_batch_max > 1) starts a step's
+        # copies, and those submitted while reports were applied (loads behind promotes), at the end of
+        # each poll
         self._mover_flush: Optional[Callable[[], None]] = getattr(self._mover, "flush", None)
         self._slot_views = SlotViews(self._host_rows)
         m = self.metrics

@@ -140,12 +140,18 @@ class ThreadMover:
     failing copies); by default rows are copied with ``memmove`` between
     their addresses, computed once from the tensors' strides.
 
-    ``batch_max`` > 1: :meth:`submit` only queues the transfer; the queue goes
-    to the workers at :meth:`flush` (the manager's ``poll()``/``wait()``) or
-    once ``batch_max`` are queued.  An engine step's ``store()`` calls then wake
-    no worker: the copies run during the step's forward pass instead of
-    competing with the engine thread for the GIL and the cores while it makes
-    them.  ``1``: each transfer goes to the workers in its ``submit``.
+    The owner keeps the transfers it submits in one queue (``_held``) and hands
+    them to the workers at :meth:`flush`, with two reasons to keep them:
+
+    * ``batch_max`` > 1: the queue goes to the workers at :meth:`flush` (the
+      manager's ``poll()``/``wait()``) or once ``batch_max`` are queued.  An
+      engine step's ``store()`` calls then wake no worker: the copies run during
+      the step's forward pass instead of competing with the engine thread for
+      the GIL and the cores while it makes them.  ``1``: each transfer goes to
+      the workers in its ``submit``.
+    * :meth:`hold`: while the owner blocks, what it submits stays with it for
+      :meth:`help_one` and :meth:`flush` keeps it; what was queued before goes
+      to the workers when the hold starts, what is left when it ends.
     """
 
     polled = False
@@ -156,7 +162,6 @@ class ThreadMover:
         if batch_max < 1:
             raise ValueError(f"batch_max must be >= 1, got {batch_max}")
         self._batch_max = batch_max
-        self._queued: list[Transfer] = []   # owner thread only: submitted, not yet given to the workers
         self._dev = device_rows
         self._host = host_rows
         self._row_bytes = int(host_rows.shape[1])
@@ -178,7 +183,8 @@ class ThreadMover:
         self._closed = False
         self.helped = 0  # transfers run by the owner in help_one()
         self._holding = False
-        self._held: collections.deque[Transfer] = collections.deque()   # owner thread only, see hold()
+        # owner thread only: submitted, not yet given to the workers (batched, or held: see hold())
+        self._held: collections.deque[Transfer] = collections.deque()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         for _ in range(num_workers):
@@ -191,32 +197,31 @@ class ThreadMover:
         t.start()
 
     def submit(self, t: Transfer) -> None:
-        if self._holding:
-            self._held.append(t)
-        elif self._batch_max == 1:
+        if self._batch_max == 1 and not self._holding:
             self._q.put(t)
-        else:
-            q = self._queued
-            q.append(t)
-            if len(q) >= self._batch_max:
-                self.flush()
+            return
+        held = self._held
+        held.append(t)
+        if len(held) >= self._batch_max:
+            self.flush()  # keeps them while the owner holds them
 
     def flush(self) -> None:
-        """Owner thread only: give the queued transfers to the workers (in submission order)."""
-        if self._queued:
-            queued, self._queued = self._queued, []
+        """Owner thread only: give the queued transfers to the workers (in submission order), unless
+        the owner holds them (:meth:`hold`)."""
+        if self._held and not self._holding:
+            held, self._held = self._held, collections.deque()
             put = self._q.put
-            for t in queued:
+            for t in held:
                 put(t)
 
     def hold(self, on: bool) -> None:
         """Owner thread only.  While on, transfers submitted stay with the owner for :meth:`help_one`
-        instead of waking a worker; turning it off hands what is left to the workers."""
+        instead of waking a worker; turning it on first hands the ones queued before to the
+        workers, turning it off hands what is left to them."""
+        if on:
+            self.flush()
         self._holding = on
-        if not on and self._held:
-            held, self._held = self._held, collections.deque()
-            for t in held:
-                self._q.put(t)
+        self.flush()
 
     def harvest(self) -> None:
         return None
@@ -295,6 +300,7 @@ class ThreadMover:
         return Report(t.token, t.kind, True, None, self._row_bytes, time.perf_counter() - t0)
 
     def close(self) -> None:
+        self._holding = False
         self.flush()  # queued transfers are copied (or answered as cancelled) ahead of the stop sentinels
         self._closed = True
         with self._lock:
