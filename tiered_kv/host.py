@@ -192,22 +192,11 @@ class HostIndex:
         The owner calls it between engine steps, so that the next step's reservations find free
         slots instead of evicting in the engine's call.  Returns how many entries it evicted.
         """
-        lru, slots, entries = self._lru, self._free, self._entries
-        n = min(free - len(slots), len(lru))
-        if n <= 0:
-            return 0
-        if self._on_evict is not None:
-            for _ in range(n):
-                self._evicted(lru.popitem(last=False)[1])
-            return n
-        for _ in range(n):  # _evicted() written out: the loop runs once per store of the step
-            k, entry = lru.popitem(last=False)
-            entry.live = False
-            del entries[k]
-            slots.append(entry.slot)
-            entry.slot = -1
-        self.evictions += n
-        return n
+        lru = self._lru
+        n = min(free - len(self._free), len(lru))
+        for _ in range(n):
+            self._evicted(lru.popitem(last=False)[1])
+        return max(n, 0)
 
     def _evict_one(self, protect: Collection[bytes], key: bytes) -> bool:
         lru = self._lru
