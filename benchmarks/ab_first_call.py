@@ -33,27 +33,10 @@ ROW_BYTES = 64
 
 
 def _manager(pkg: Any, slots: int) -> Any:
-    movers = importlib.import_module(pkg.__name__ + ".movers")
-
-    class Deferred:  # benchmarking.core.DeferredMover, built on that revision's Report
-        polled = True
-
-        def __init__(self, device_rows: torch.Tensor, host_rows: torch.Tensor, completions: Any) -> None:
-            self._put, self._held = completions.put, []
-
-        def submit(self, t: Any) -> None:
-            self._held.append(t)
-
-        def harvest(self) -> None:
-            held, self._held = self._held, []
-            for t in held:
-                self._put(movers.Report(t.token, t.kind, True, None, ROW_BYTES, 0.0))
-
-        def close(self) -> None:
-            self.harvest()
-
+    """A manager of that revision on its own DeferredMover (answers at the next poll, copies nothing)."""
+    mover = importlib.import_module(pkg.__name__ + ".benchmarking.core").DeferredMover
     cfg = pkg.TieredKVConfig(namespace="bench|u8|ab-first", host_capacity_bytes=slots * ROW_BYTES)
-    return pkg.TierManager(cfg, torch.zeros((1024, ROW_BYTES), dtype=torch.uint8), mover_factory=Deferred)
+    return pkg.TierManager(cfg, torch.zeros((1024, ROW_BYTES), dtype=torch.uint8), mover_factory=mover)
 
 
 def _pct(xs: list[float], q: float) -> float:
