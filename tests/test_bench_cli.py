@@ -250,6 +250,20 @@ def test_ab_lone_read_script_reads_through_both_paths() -> None:
     assert len(lines) == 2, out.stdout
 
 
+def test_ab_held_reads_script_runs_both_sides() -> None:
+    """benchmarks/ab_held_reads.py: load() latency and load-from-disk GB/s, reads held and at once."""
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "ab_held_reads.py"), "--steps", "26", "--rounds",
+                          "1", "--set-mib", "2", "--block-kib", "64", "--warm"], capture_output=True, text=True,
+                         timeout=120, cwd=root)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert sum(1 for ln in lines if ln.strip().startswith(("held ", "at_once "))) == 4, out.stdout
+    assert [ln.strip() for ln in lines if "not ok" in ln] == ["loads not ok: 0"] * 2, out.stdout
+
+
 def test_evicting_aggregates_pairs_and_keeps_each_file_ratio_with_its_bytes(monkeypatch, tmp_path):
     """bench_evicting's summary over runs, on made-up runs (no disk I/O): the median run's rates, the
     worst run's file figures (each ratio with its byte count), one pair per repeat."""

@@ -547,3 +547,124 @@ def test_many_disk_only_keys_loaded_at_once_come_back_byte_for_byte(rig):
         assert comps[j.token].ok, comps[j.token]
         assert row_is(kv, row, k)
     assert metric(mgr, "tiered_kv_corrupt_blocks_total", reason="checksum") == 0
+
+
+# ============================================================================ 7. reads held by the owner
+def record_batches(store: DiskStore, monkeypatch: pytest.MonkeyPatch) -> list[list[bytes]]:
+    """The keys of each batch a reader thread takes, in the order it took them."""
+    batches: list[list[bytes]] = []
+    real = store._take_queued
+
+    def take(first: Any) -> Any:
+        ops, stop = real(first)
+        batches.append([op.key for op in ops])
+        return ops, stop
+
+    monkeypatch.setattr(store, "_take_queued", take)
+    return batches
+
+
+def test_queued_promotes_wait_for_start_reads_then_go_as_one_batch_in_file_order(make_store, monkeypatch):
+    ks = keys(8)
+    st_ = make_store(ks, num_readers=1)
+    batches = record_batches(st_.s, monkeypatch)
+    log = PreadvLog(monkeypatch)
+    order = [5, 0, 7, 2, 1, 6, 3]                       # slot 4 not read: two runs
+    ops = [st_.op(ks[i]) for i in order]
+    for op in ops:
+        st_.s.queue_promote(op.token, op.key, op.expect, op.dst)
+    # nothing reached a reader: queueing is a list append in the caller's thread, no wake-up
+    assert st_.s._reads.empty() and batches == [] and log.calls == []
+    st_.s.start_reads()
+    got = {op.key: st_.answer(op.token) for op in ops}
+    assert batches == [[ks[i] for i in order]]           # the reader saw them all at once
+    assert [(off // ROW, n) for off, n, _ in log.calls] == [(0, 4), (5, 3)]
+    assert all(got[op.key].ok and bytes_ok(op, ROW) for op in ops)
+    st_.s.start_reads()                                  # nothing held: nothing handed over
+    assert st_.s._reads.empty() and st_.q.get(0.0) is None
+
+
+def test_start_reads_hands_over_batches_of_what_one_reader_takes(make_store):
+    ks = keys(7)
+    st_ = make_store(ks, read_batch_bytes=3 * ROW)       # no reader threads: the queue is left as handed over
+    ops = [st_.op(k) for k in ks]
+    for op in ops:
+        st_.s.queue_promote(op.token, op.key, op.expect, op.dst)
+    st_.s.start_reads()
+    items = [st_.s._reads.get_nowait() for _ in range(3)]
+    assert items == [ops[0:3], ops[3:6], ops[6:7]] and st_.s._reads.empty()
+    # a reader takes a handed-over batch whole, and reads queued behind it up to its limit
+    lone = st_.op(ks[0])
+    st_.s._reads.put(lone)
+    st_.s._reads.put(ops[2:4])
+    got, stop = st_.s._take_queued(ops[0:2])
+    assert got == [ops[0], ops[1], lone] and not stop
+    got, stop = st_.s._take_queued(st_.s._reads.get_nowait())
+    assert got == ops[2:4] and not stop and st_.s._reads.empty()
+
+
+def test_close_reads_what_is_still_held(tmp_path):
+    ks = keys(5)
+    st_ = Store(tmp_path / "d", ks, num_readers=1)
+    ops = [st_.op(k) for k in ks]
+    for op in ops:
+        st_.s.queue_promote(op.token, op.key, op.expect, op.dst)
+    st_.close()
+    got = [st_.answer(op.token, timeout=1) for op in ops]
+    assert all(r.ok for r in got) and all(bytes_ok(op, ROW) for op in ops)
+    assert st_.q.get(0.0) is None
+
+
+def _disk_only_keys(rig, n: int) -> tuple[Any, Any, list[bytes]]:
+    kv = make_kv(24)
+    mgr = rig.open(kv, host_slots=20, disk_slots=96)
+    ks = keys(40, "h")
+    store_seq(mgr, kv, ks)
+    on_disk = [k for k in ks if mgr.host_bytes(k) is None]
+    assert len(on_disk) >= n
+    return mgr, kv, on_disk[:n]
+
+
+def test_a_load_from_disk_starts_its_read_at_the_next_poll_not_in_the_call(rig, monkeypatch):
+    mgr, kv, ks = _disk_only_keys(rig, 6)
+    batches = record_batches(mgr.disk, monkeypatch)
+    jobs = [mgr.load(k, i) for i, k in enumerate(ks)]
+    assert all(j is not None for j in jobs)
+    # the engine's calls queued the reads in this thread: none was handed to a reader
+    assert len(mgr.disk._held_reads) == 6 and mgr.disk._reads.empty() and batches == []
+    mgr.poll()
+    assert mgr.disk._held_reads == []
+    comps = {c.job.token: c for c in mgr.wait(jobs, timeout=30)}
+    assert all(comps[j.token].ok for j in jobs)
+    assert all(row_is(kv, i, k) for i, k in enumerate(ks))
+    assert batches == [ks]                                # one batch, taken whole by one reader
+
+
+def test_wait_alone_starts_the_held_reads(rig):
+    mgr, kv, ks = _disk_only_keys(rig, 3)
+    jobs = [mgr.load(k, i) for i, k in enumerate(ks)]
+    comps = mgr.wait(jobs, timeout=30)                    # no poll() in between: wait() hands them over
+    assert len(comps) == 3 and all(c.ok for c in comps)
+    assert all(row_is(kv, i, k) for i, k in enumerate(ks))
+
+
+def test_loads_cancelled_or_invalidated_while_their_reads_are_held(rig):
+    mgr, kv, ks = _disk_only_keys(rig, 3)
+    a, b, c = ks
+    ja, jb, jc = mgr.load(a, 0), mgr.load(b, 1), mgr.load(c, 2)
+    assert ja is not None and jb is not None and jc is not None
+    mgr.cancel(ja)
+    mgr.invalidate(b)
+    assert len(mgr.disk._held_reads) == 3                 # still held: cancelling touched no reader
+    comps = {x.job.token: x for x in mgr.wait(timeout=30)}
+    assert set(comps) == {ja.token, jb.token, jc.token}   # each reported exactly once
+    assert not comps[ja.token].ok and not comps[jb.token].ok
+    assert comps[jc.token].ok and row_is(kv, 2, c)
+    assert mgr.jobs_in_flight == 0 and mgr.debug_sizes()["jobs"] == 0
+    # b is gone from every tier; a and c are still served with their own bytes
+    assert mgr.lookup([b]) == 0 and mgr.load(b, 3) is None and mgr.host_bytes(b) is None
+    for row, k in ((4, a), (5, c)):
+        j = mgr.load(k, row)
+        assert j is not None
+        done = mgr.wait([j], timeout=30)
+        assert [x.ok for x in done if x.job is j] == [True] and row_is(kv, row, k)

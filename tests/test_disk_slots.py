@@ -698,6 +698,7 @@ def _reader_holding_a(rig, kv, monkeypatch, durability="batch"):
     reports = record_reads(mgr.disk)
     load = mgr.load(b"A", 5)
     assert load is not None
+    mgr.poll()                                 # the read leaves for a reader at the next poll()
     assert hold.reading.wait(30)               # the reader has A's index record, not its bytes
     return mgr, load, hold, reports
 

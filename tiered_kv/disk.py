@@ -7,7 +7,11 @@ store only through messages, exactly like the copy movers:
 * ``submit_spill`` / ``submit_tomb`` / ``submit_delete`` / ``submit_touch`` /
   ``submit_flush`` queue an op for the writer thread and never block.  Spill
   ops are bounded (``writer_queue_blocks``): a full queue sheds the spill.
-* ``submit_promote`` queues a read for a reader thread.  A reader takes the
+* ``submit_promote`` queues a read for a reader thread; ``queue_promote``
+  holds it in the caller's thread until ``start_reads`` hands everything held
+  over as batches (the manager's ``load()`` holds, its ``poll()`` hands over:
+  no reader is woken inside the engine's call, and a reader sees the step's
+  reads at once).  A reader takes the
   reads queued behind the first (up to ``read_batch_bytes``), looks them up
   in one read transaction and reads them in file order, runs of neighbouring
   slots by one ``preadv``: the kernel's readahead then sees a stream.  A read that finds
@@ -279,7 +283,8 @@ class DiskStore:
         self._cancelled: set[uuid.UUID] = set()
         self._unsettled: set[uuid.UUID] = set()  # spills queued and not yet committed, prevented or failed
         self._cancel_lock = threading.Lock()
-        self._reads: "queue.SimpleQueue[Optional[_Promote]]" = queue.SimpleQueue()
+        self._reads: "queue.SimpleQueue[Union[_Promote, list[_Promote], None]]" = queue.SimpleQueue()
+        self._held_reads: list[_Promote] = []   # queue_promote(): handed to the readers by start_reads()
         self._seq = 0
         self.tombstones = 0
         self.map_size = 0
@@ -512,7 +517,27 @@ class DiskStore:
         self._push(_Flush(token, self._failures))
 
     def submit_promote(self, token: uuid.UUID, key: bytes, expect: uuid.UUID, dst: memoryview) -> None:
+        """Queue a read for a reader thread now (wakes one if it waits)."""
         self._reads.put(_Promote(token, key, expect, dst))
+
+    def queue_promote(self, token: uuid.UUID, key: bytes, expect: uuid.UUID, dst: memoryview) -> None:
+        """Hold a read in the caller's thread until :meth:`start_reads` (a list append: no lock, no wake-up)."""
+        self._held_reads.append(_Promote(token, key, expect, dst))
+
+    def start_reads(self) -> None:
+        """Hand the reads held by :meth:`queue_promote` to the readers, in batches of what one reader
+        takes at once: one queue item (at most one wake-up) per batch, and the reader that takes it
+        sees the whole batch, so it reads in file order from the start."""
+        held = self._held_reads
+        if not held:
+            return
+        self._held_reads = []
+        limit = self._read_limit()
+        for i in range(0, len(held), limit):
+            self._reads.put(held[i:i + limit])
+
+    def _read_limit(self) -> int:
+        return max(1, min(_READ_BATCH_MAX, self.opts.read_batch_bytes // self.opts.block_bytes))
 
     @property
     def queue_depth(self) -> int:
@@ -569,7 +594,8 @@ class DiskStore:
             self._closed = True
             self._cond.notify_all()
         # the writer drains what is queued, then stops; ops pushed after this are refused;
-        # readers finish the reads queued before their stop sentinel
+        # readers finish the reads queued before their stop sentinel (held ones included)
+        self.start_reads()
         for _ in self._readers:
             self._reads.put(None)
         self._writer.join()
@@ -1089,10 +1115,11 @@ class DiskStore:
     # ------------------------------------------------------------ reader threads
     def _reader_main(self) -> None:
         while True:
-            first = self._reads.get()
-            if first is None:
+            item = self._reads.get()
+            if item is None:
                 return
-            ops, stop = self._take_queued(first)
+            ops, stop = self._take_queued(item)
+            first = ops[0]
             answered: set[uuid.UUID] = set()
             try:
                 # a lone read skips the batch machinery: 5-14 us less per read, same outcomes (ab_lone_read.py)
@@ -1122,11 +1149,12 @@ class DiskStore:
                 self._push(_Delete(op.expect, op.key))      # only if still the write that was read
         self._out.put(r)
 
-    def _take_queued(self, first: _Promote) -> tuple[list[_Promote], bool]:
-        """``first`` and the reads queued behind it, up to ``read_batch_bytes`` and ``_READ_BATCH_MAX``
-        reads (small blocks: the batch's lookups come before its first read); True if a stop sentinel came."""
-        ops = [first]
-        limit = max(1, min(_READ_BATCH_MAX, self.opts.read_batch_bytes // self.opts.block_bytes))
+    def _take_queued(self, first: Union[_Promote, list[_Promote]]) -> tuple[list[_Promote], bool]:
+        """``first`` (a read, or a batch from :meth:`start_reads`) and the reads queued behind it, up to
+        ``read_batch_bytes`` and ``_READ_BATCH_MAX`` reads (small blocks: the batch's lookups come before
+        its first read), a queued batch taken whole; True if a stop sentinel came."""
+        ops = list(first) if isinstance(first, list) else [first]
+        limit = self._read_limit()
         while len(ops) < limit:
             try:
                 nxt = self._reads.get_nowait()
@@ -1134,7 +1162,10 @@ class DiskStore:
                 break
             if nxt is None:
                 return ops, True
-            ops.append(nxt)
+            if isinstance(nxt, list):
+                ops += nxt
+            else:
+                ops.append(nxt)
         return ops, False
 
     def _read_many(self, ops: list[_Promote]) -> Iterator[tuple[_Promote, Report]]:

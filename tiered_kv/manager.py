@@ -270,7 +270,9 @@ class TierManager(TierViews):
         Returns None when the key is not ready in a lower tier (or the load is
         shed).  Until the returned job is reported, the row is fenced.  With
         CUDA rows the copy goes to the device at the next ``poll()``/``wait()``,
-        behind the work then queued on the current stream.
+        behind the work then queued on the current stream.  A key only on disk
+        is read back into the host tier first; that read, too, starts at the
+        next ``poll()``/``wait()`` (with the step's other reads, as one batch).
         """
         if (self._closed or type(key) is not bytes or not key or len(key) > self._max_key_bytes
                 or type(block) is not int or not 0 <= block < self.num_blocks):
@@ -488,6 +490,8 @@ class TierManager(TierViews):
         """Apply what has arrived.  ``last``: the final pass of an API call (``poll()``, the end of a
         ``wait()``/``flush()``), which also prepares the next engine step: free host slots and tokens."""
         self._log_debug = log.isEnabledFor(logging.DEBUG)
+        if self._disk is not None:
+            self._disk.start_reads()   # the promotes load() queued since the last pass, as one batch
         self._mover.harvest()
         apply = self._apply
         for report in self._completions.drain():
@@ -791,7 +795,9 @@ class TierManager(TierViews):
         fl = _Flight(job, entry, 0, None, d)
         self._jobs[token.int] = fl
         self._n_in_flight[_PROMOTE] += 1
-        self._disk.submit_promote(token, key, d.writer, self._slot_views[entry.slot])
+        # held until this poll()/wait(): no reader woken inside the engine's call, and the reader
+        # gets the step's reads as one batch, in file order from the start
+        self._disk.queue_promote(token, key, d.writer, self._slot_views[entry.slot])
         return fl
 
     def _writeback_tick(self) -> None:
