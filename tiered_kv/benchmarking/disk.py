@@ -108,6 +108,7 @@ from tiered_kv.metrics import sample_total
 from .common import GiB, KiB, MiB, as_mode, filesystem_of, git, summarize
 from .common import gbs as _gbs
 from .common import ratio as _ratio
+from .core import ImmediateMover
 
 __all__ = [
     "Blocks", "summarize", "machine_facts", "drop_caches", "diskcache_module", "DISKCACHE_MISSING",
@@ -376,11 +377,12 @@ class _WriterProbe:
 
 
 def _manager(path: Path, blocks: _Blocks, *, capacity: int, host_bytes: int, durability: str = "batch",
-             dev: Optional[torch.Tensor] = None, **extra: Any) -> tuple[TierManager, CollectorRegistry]:
+             dev: Optional[torch.Tensor] = None, mover_factory: Any = None,
+             **extra: Any) -> tuple[TierManager, CollectorRegistry]:
     reg = CollectorRegistry()
     cfg = TieredKVConfig(namespace=f"bench-disk|{blocks.block_bytes}", host_capacity_bytes=host_bytes,
                          disk_path=str(path), disk_capacity_bytes=capacity, durability=durability, **extra)  # type: ignore[arg-type]
-    mgr = TierManager(cfg, blocks.dev if dev is None else dev, registry=reg)
+    mgr = TierManager(cfg, blocks.dev if dev is None else dev, registry=reg, mover_factory=mover_factory)
     _touch_host_slab(mgr)
     return mgr, reg
 
@@ -596,6 +598,30 @@ def _tkv_load_set(mgr: TierManager, dest: torch.Tensor, blocks: _Blocks, keys: S
                      "in_host_before": in_host}
 
 
+def _link_load_set(mgr: TierManager, blocks: _Blocks, keys: Sequence[bytes], cold: bool) -> tuple[float, dict[str, Any]]:
+    """load() every key (only on disk) on a manager whose device copies are answered without copying
+    (``ImmediateMover``): the disk->host link alone.  Checks the host tier's bytes instead of the rows."""
+    n = len(keys)
+    in_host = sum(1 for k in keys if mgr.host_bytes(k) is not None)
+    dropped = _drop() if cold else False
+    _quiesce(_hot_for(n * blocks.block_bytes))
+    misses = 0
+    t0 = time.perf_counter()
+    for i, k in enumerate(keys):
+        if mgr.load(k, i) is None:
+            misses += 1
+    comps = mgr.wait()
+    t1 = time.perf_counter()
+    failed = sum(1 for c in comps if not c.ok)
+    bad = 0
+    # the last keys loaded: still in the host tier (evicting ahead frees the least recently used slots)
+    for i in range(n - 1, max(-1, n - 17), -1):
+        got = mgr.host_bytes(keys[i])
+        bad += got is None or not torch.equal(got.view(torch.uint8).view(-1), blocks.rows[i])
+    return t1 - t0, {"misses": misses, "failed": failed, "dropped": dropped, "bad_rows_checked": bad,
+                     "in_host_before": in_host}
+
+
 def _reopen_cold(base: Path, blocks: _Blocks, nbytes: int, rng: random.Random) -> dict[str, Any]:
     """Open a TierManager on a directory holding ``nbytes`` of blocks right after drop_caches: recovery time."""
     bb = blocks.block_bytes
@@ -630,7 +656,7 @@ def _reopen_cold(base: Path, blocks: _Blocks, nbytes: int, rng: random.Random) -
 
 def bench_promote(base: Path, blocks: _Blocks, *, n_blocks: Optional[int] = None, repeats: int = 5, warmup: int = 1,
                   seed: int = 0, with_diskcache: bool = True, warm_repeats: int = 3,
-                  recovery_bytes: int = 0) -> dict[str, Any]:
+                  recovery_bytes: int = 0, with_link: bool = True) -> dict[str, Any]:
     """Promote GB/s (keys only on disk, host tier cold) beside a raw file read and diskcache get, one block size.
 
     How the host tier is made cold: one manager (host tier of exactly one working set) spills
@@ -652,14 +678,29 @@ def bench_promote(base: Path, blocks: _Blocks, *, n_blocks: Optional[int] = None
     mgr, reg = _manager(tdir, blocks, capacity=(n_sets + 1) * n * bb, host_bytes=n * bb, dev=dest_dev)
     rawf = base / f"raw-promote-{bb}.bin"
     ddir = base / f"dc-promote-{bb}"
+    ldir = base / f"tkv-promote-link-{bb}"
+    lmgr: Optional[TierManager] = None
     use_dc = with_diskcache and diskcache_module() is not None
     results: dict[str, Any] = {"dropped": []}
     figs: dict[str, dict[str, list[float]]] = {"cold": {}, "warm": {}}
     checks: list[dict[str, Any]] = []
+    link_checks: list[dict[str, Any]] = []
     try:
         for ks in sets:
             _spill_loop(mgr, ks, order, _DEFAULTS.writer_queue_blocks)
         on_disk = mgr.disk_blocks
+        if with_link:
+            # the same sets in a second directory, reopened with device copies answered without copying:
+            # its loads time the disk->host link alone (on this CPU-only "device" the host->row copy
+            # of a real load is a second memcpy, which a GPU's copy engine would do instead)
+            pm, _ = _manager(ldir, blocks, capacity=(n_sets + 1) * n * bb, host_bytes=n * bb, dev=dest_dev)
+            try:
+                for ks in sets:
+                    _spill_loop(pm, ks, order, _DEFAULTS.writer_queue_blocks)
+            finally:
+                pm.close()
+            lmgr, _ = _manager(ldir, blocks, capacity=(n_sets + 1) * n * bb, host_bytes=n * bb,
+                               dev=dest_dev.clone(), mover_factory=ImmediateMover)
         in_host = sum(1 for k in sets[0] if mgr.host_bytes(k) is not None)
         _raw_write(rawf, blocks.views, order, _nominal_batch(bb), "fresh")
         if use_dc:
@@ -698,7 +739,9 @@ def bench_promote(base: Path, blocks: _Blocks, *, n_blocks: Optional[int] = None
                 cache.close()
 
         systems = ["tkv", "raw", "diskcache"] if use_dc else ["tkv", "raw"]
-        tkv_set = 0
+        if lmgr is not None:
+            systems.append("link")
+        tkv_set = link_set = 0
         # the host tier holds one set: each load pushes the one before out.  Warm loads cycle over every
         # set but the last cold one (still resident), so none loads the resident set, however many rounds
         warm_pool = [k for k in range(n_sets) if k != warmup + repeats - 1]
@@ -707,7 +750,7 @@ def bench_promote(base: Path, blocks: _Blocks, *, n_blocks: Optional[int] = None
         for cache_state, reps, wu in (("cold", repeats, warmup), ("warm", warm_repeats, 1)):
             cold = cache_state == "cold"
             if not cold:
-                tkv_set = 0  # sets loaded once already: pages warm, host tier pushed them out again
+                tkv_set = link_set = 0  # sets loaded once already: pages warm, host tier pushed them out again
             for rep in range(wu + reps):
                 rot = rep % len(systems)
                 for s in systems[rot:] + systems[:rot]:
@@ -722,6 +765,16 @@ def bench_promote(base: Path, blocks: _Blocks, *, n_blocks: Optional[int] = None
                         if cold:
                             results["dropped"].append(chk["dropped"])
                         checks.append(chk)
+                    elif s == "link":
+                        assert lmgr is not None
+                        if not cold:
+                            _read_through(ldir / SLOTS_NAME)
+                        which = link_set if cold else warm_pool[link_set % len(warm_pool)]
+                        sec, chk = _link_load_set(lmgr, blocks, sets[which], cold)
+                        link_set += 1
+                        if cold:
+                            results["dropped"].append(chk["dropped"])
+                        link_checks.append(chk)
                     elif s == "raw":
                         sec = raw_read(cold)
                     else:
@@ -730,7 +783,9 @@ def bench_promote(base: Path, blocks: _Blocks, *, n_blocks: Optional[int] = None
                         figs[cache_state].setdefault(s, []).append(_gbs(n * bb, sec))
     finally:
         mgr.close()
-    _rmtree(tdir), _rmtree(ddir), rawf.unlink()
+        if lmgr is not None:
+            lmgr.close()
+    _rmtree(tdir), _rmtree(ddir), _rmtree(ldir), rawf.unlink()
     reopen = _reopen_cold(base, blocks, recovery_bytes, rng) if recovery_bytes else None
     dropped = results["dropped"]
     out: dict[str, Any] = {
@@ -749,12 +804,21 @@ def bench_promote(base: Path, blocks: _Blocks, *, n_blocks: Optional[int] = None
         "tkv_bad_rows": sum(c["bad_rows_checked"] for c in checks),
         "reopen_cold": reopen,
     }
+    if link_checks:
+        out["link_note"] = ("link: the same load() rounds on a second directory holding the same sets, its manager "
+                            "built with ImmediateMover (host->row copies answered without copying): the disk->host "
+                            "link alone; checked on the host tier's bytes")
+        out["link_misses"] = sum(c["misses"] for c in link_checks)
+        out["link_failed"] = sum(c["failed"] for c in link_checks)
+        out["link_bad_blocks"] = sum(c["bad_rows_checked"] for c in link_checks)
+        out["link_loads_already_in_host"] = sum(c["in_host_before"] for c in link_checks)
     out["ratios"] = {}
     for st in ("cold", "warm"):
         f = out["figures"][st]
         out["ratios"][st] = {
             "tkv_vs_raw": _ratio(f["tkv"]["median"], f["raw"]["median"]),
             "tkv_vs_diskcache": _ratio(f["tkv"]["median"], f["diskcache"]["median"]) if "diskcache" in f else None,
+            "link_vs_raw": _ratio(f["link"]["median"], f["raw"]["median"]) if "link" in f else None,
         }
     return out
 
