@@ -575,11 +575,17 @@ def _read_through(path: Path, chunk: int = 8 * MiB) -> None:
             pass
 
 
-def _tkv_load_set(mgr: TierManager, dest: torch.Tensor, blocks: _Blocks, keys: Sequence[bytes],
+def _tkv_load_set(mgr: TierManager, dest: Optional[torch.Tensor], blocks: _Blocks, keys: Sequence[bytes],
                   cold: bool) -> tuple[float, dict[str, Any]]:
-    """load() every key (on disk, not in the host tier) into row i of ``dest``, wait(); seconds and checks."""
+    """load() every key (on disk, not in the host tier) into row i, wait(); seconds and checks.
+
+    ``dest``: the manager's device rows, checked afterwards; None for a manager whose host->row
+    copies are answered without copying (``ImmediateMover``: the disk->host link alone), whose
+    host tier's bytes are checked instead.
+    """
     n = len(keys)
-    dest.zero_()
+    if dest is not None:
+        dest.zero_()
     in_host = sum(1 for k in keys if mgr.host_bytes(k) is not None)   # would be host loads, not promotes
     dropped = _drop() if cold else False
     _quiesce(_hot_for(n * blocks.block_bytes))
@@ -592,32 +598,15 @@ def _tkv_load_set(mgr: TierManager, dest: torch.Tensor, blocks: _Blocks, keys: S
     t1 = time.perf_counter()
     failed = sum(1 for c in comps if not c.ok)
     # check the bytes (outside the timer): a wrong byte would make every figure meaningless
-    got = dest.view(torch.uint8).view(dest.shape[0], -1)
-    bad = sum(1 for i in range(0, n, max(1, n // 16)) if not torch.equal(got[i], blocks.rows[i]))
-    return t1 - t0, {"misses": misses, "failed": failed, "dropped": dropped, "bad_rows_checked": bad,
-                     "in_host_before": in_host}
-
-
-def _link_load_set(mgr: TierManager, blocks: _Blocks, keys: Sequence[bytes], cold: bool) -> tuple[float, dict[str, Any]]:
-    """load() every key (only on disk) on a manager whose device copies are answered without copying
-    (``ImmediateMover``): the disk->host link alone.  Checks the host tier's bytes instead of the rows."""
-    n = len(keys)
-    in_host = sum(1 for k in keys if mgr.host_bytes(k) is not None)
-    dropped = _drop() if cold else False
-    _quiesce(_hot_for(n * blocks.block_bytes))
-    misses = 0
-    t0 = time.perf_counter()
-    for i, k in enumerate(keys):
-        if mgr.load(k, i) is None:
-            misses += 1
-    comps = mgr.wait()
-    t1 = time.perf_counter()
-    failed = sum(1 for c in comps if not c.ok)
-    bad = 0
-    # the last keys loaded: still in the host tier (evicting ahead frees the least recently used slots)
-    for i in range(n - 1, max(-1, n - 17), -1):
-        got = mgr.host_bytes(keys[i])
-        bad += got is None or not torch.equal(got.view(torch.uint8).view(-1), blocks.rows[i])
+    if dest is not None:
+        got = dest.view(torch.uint8).view(dest.shape[0], -1)
+        bad = sum(1 for i in range(0, n, max(1, n // 16)) if not torch.equal(got[i], blocks.rows[i]))
+    else:
+        bad = 0
+        # the last keys loaded: still in the host tier (evicting ahead frees the least recently used slots)
+        for i in range(n - 1, max(-1, n - 17), -1):
+            h = mgr.host_bytes(keys[i])
+            bad += h is None or not torch.equal(h.view(torch.uint8).view(-1), blocks.rows[i])
     return t1 - t0, {"misses": misses, "failed": failed, "dropped": dropped, "bad_rows_checked": bad,
                      "in_host_before": in_host}
 
@@ -770,7 +759,7 @@ def bench_promote(base: Path, blocks: _Blocks, *, n_blocks: Optional[int] = None
                         if not cold:
                             _read_through(ldir / SLOTS_NAME)
                         which = link_set if cold else warm_pool[link_set % len(warm_pool)]
-                        sec, chk = _link_load_set(lmgr, blocks, sets[which], cold)
+                        sec, chk = _tkv_load_set(lmgr, None, blocks, sets[which], cold)
                         link_set += 1
                         if cold:
                             results["dropped"].append(chk["dropped"])
