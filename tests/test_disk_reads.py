@@ -492,18 +492,29 @@ def test_take_queued_stops_at_the_batch_limit_and_at_a_stop_sentinel(make_store)
     assert got == [first] and stop and st_.s._reads.empty()
 
 
-def test_the_reader_thread_reads_a_queued_batch_in_file_order(make_store, monkeypatch):
+SHUFFLED = [5, 0, 7, 2, 1, 6, 3]   # slots asked for, in this order; slot 4 not: two runs in file order
+
+
+def shuffled_reads(make_store: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[Store, list[_Promote], PreadvLog]:
+    """A store with one reader thread, reads of the keys in slots ``SHUFFLED``, and a log of its preadvs."""
     ks = keys(8)
     st_ = make_store(ks, num_readers=1)
-    gate = Gate(st_.s, monkeypatch)
-    log = PreadvLog(monkeypatch)
-    order = [5, 0, 7, 2, 1, 6, 3]                       # slot 4 not read: two runs
-    ops = [st_.op(ks[i]) for i in order]
-    submit_as_one_batch(st_, gate, ops)
+    return st_, [st_.op(ks[i]) for i in SHUFFLED], PreadvLog(monkeypatch)
+
+
+def read_in_file_order(st_: Store, ops: list[_Promote], log: PreadvLog) -> None:
+    """Every read of ``shuffled_reads`` answered ok with its bytes, by two preadvs in file order."""
     got = {op.key: st_.answer(op.token) for op in ops}
-    assert gate.batches == [7]
     assert [(off // ROW, n) for off, n, _ in log.calls] == [(0, 4), (5, 3)]
     assert all(got[op.key].ok and bytes_ok(op, ROW) for op in ops)
+
+
+def test_the_reader_thread_reads_a_queued_batch_in_file_order(make_store, monkeypatch):
+    st_, ops, log = shuffled_reads(make_store, monkeypatch)
+    gate = Gate(st_.s, monkeypatch)
+    submit_as_one_batch(st_, gate, ops)
+    read_in_file_order(st_, ops, log)
+    assert gate.batches == [7]
 
 
 def test_close_with_reads_and_stop_sentinels_in_one_batch_answers_every_read(tmp_path, monkeypatch):
@@ -565,21 +576,15 @@ def record_batches(store: DiskStore, monkeypatch: pytest.MonkeyPatch) -> list[li
 
 
 def test_queued_promotes_wait_for_start_reads_then_go_as_one_batch_in_file_order(make_store, monkeypatch):
-    ks = keys(8)
-    st_ = make_store(ks, num_readers=1)
+    st_, ops, log = shuffled_reads(make_store, monkeypatch)
     batches = record_batches(st_.s, monkeypatch)
-    log = PreadvLog(monkeypatch)
-    order = [5, 0, 7, 2, 1, 6, 3]                       # slot 4 not read: two runs
-    ops = [st_.op(ks[i]) for i in order]
     for op in ops:
         st_.s.queue_promote(op.token, op.key, op.expect, op.dst)
     # nothing reached a reader: queueing is a list append in the caller's thread, no wake-up
     assert st_.s._reads.empty() and batches == [] and log.calls == []
     st_.s.start_reads()
-    got = {op.key: st_.answer(op.token) for op in ops}
-    assert batches == [[ks[i] for i in order]]           # the reader saw them all at once
-    assert [(off // ROW, n) for off, n, _ in log.calls] == [(0, 4), (5, 3)]
-    assert all(got[op.key].ok and bytes_ok(op, ROW) for op in ops)
+    read_in_file_order(st_, ops, log)
+    assert batches == [[op.key for op in ops]]           # the reader saw them all at once
     st_.s.start_reads()                                  # nothing held: nothing handed over
     assert st_.s._reads.empty() and st_.q.get(0.0) is None
 

@@ -728,9 +728,13 @@ def bench_promote(base: Path, blocks: _Blocks, *, n_blocks: Optional[int] = None
                 cache.close()
 
         systems = ["tkv", "raw", "diskcache"] if use_dc else ["tkv", "raw"]
+        # tiered_kv's systems: (manager, its device rows to check or None, directory, checks)
+        managers: dict[str, tuple[TierManager, Optional[torch.Tensor], Path, list[dict[str, Any]]]] = {
+            "tkv": (mgr, dest_dev, tdir, checks)}
         if lmgr is not None:
             systems.append("link")
-        tkv_set = link_set = 0
+            managers["link"] = (lmgr, None, ldir, link_checks)
+        loaded = {s: 0 for s in managers}   # sets each has loaded in this cache state
         # the host tier holds one set: each load pushes the one before out.  Warm loads cycle over every
         # set but the last cold one (still resident), so none loads the resident set, however many rounds
         warm_pool = [k for k in range(n_sets) if k != warmup + repeats - 1]
@@ -738,32 +742,24 @@ def bench_promote(base: Path, blocks: _Blocks, *, n_blocks: Optional[int] = None
         # diskcache's pages too (before 2026-11-29 session 3 their first warm sample was a cold read)
         for cache_state, reps, wu in (("cold", repeats, warmup), ("warm", warm_repeats, 1)):
             cold = cache_state == "cold"
-            if not cold:
-                tkv_set = link_set = 0  # sets loaded once already: pages warm, host tier pushed them out again
+            if not cold:   # sets loaded once already: pages warm, host tier pushed them out again
+                loaded = {s: 0 for s in managers}
             for rep in range(wu + reps):
                 rot = rep % len(systems)
                 for s in systems[rot:] + systems[:rot]:
-                    if s == "tkv":
+                    if s in managers:
+                        m, rows, d, chks = managers[s]
                         if not cold:
                             # the cold repeats' drop_caches dropped the earlier sets' pages: read them back
                             # (untimed), as the raw file and diskcache are warm from their previous read
-                            _read_through(tdir / SLOTS_NAME)
-                        which = tkv_set if cold else warm_pool[tkv_set % len(warm_pool)]
-                        sec, chk = _tkv_load_set(mgr, dest_dev, blocks, sets[which], cold)
-                        tkv_set += 1
+                            _read_through(d / SLOTS_NAME)
+                        k = loaded[s]
+                        sec, chk = _tkv_load_set(m, rows, blocks, sets[k if cold else warm_pool[k % len(warm_pool)]],
+                                                 cold)
+                        loaded[s] += 1
                         if cold:
                             results["dropped"].append(chk["dropped"])
-                        checks.append(chk)
-                    elif s == "link":
-                        assert lmgr is not None
-                        if not cold:
-                            _read_through(ldir / SLOTS_NAME)
-                        which = link_set if cold else warm_pool[link_set % len(warm_pool)]
-                        sec, chk = _tkv_load_set(lmgr, None, blocks, sets[which], cold)
-                        link_set += 1
-                        if cold:
-                            results["dropped"].append(chk["dropped"])
-                        link_checks.append(chk)
+                        chks.append(chk)
                     elif s == "raw":
                         sec = raw_read(cold)
                     else:
