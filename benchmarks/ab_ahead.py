@@ -31,14 +31,10 @@ import sys
 import torch
 
 from tiered_kv import TieredKVConfig, TierManager
+from tiered_kv.benchmarking.common import summarize
 from tiered_kv.benchmarking.core import DeferredMover, _keys, _latency_loop
 
 MiB = 1 << 20
-
-
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,12 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'side':8s} {'store p50':>10s} {'store p99':>10s} {'first p50':>10s} {'poll p50':>9s} {'poll p99':>9s} "
           f"{'per step':>9s}   (us)")
     for name, g in got.items():
-        st = [x / 1e3 for x in g["ok"] + g["none"]]
-        po = [x / 1e3 for x in g["poll"]]
-        per_step = (sum(st) + sum(po)) / len(po)
-        print(f"{name:8s} {statistics.median(st):10.1f} {_pct(st, 0.99):10.1f} "
-              f"{statistics.median(x / 1e3 for x in g['first']):10.1f} {statistics.median(po):9.1f} "
-              f"{_pct(po, 0.99):9.1f} {per_step:9.1f}   stores returning None: {len(g['none'])}")
+        st = summarize([x / 1e3 for x in g["ok"] + g["none"]], "us")
+        po = summarize([x / 1e3 for x in g["poll"]], "us")
+        per_step = (st["mean"] * st["n"] + po["mean"] * po["n"]) / po["n"]
+        print(f"{name:8s} {st['median']:10.1f} {st['p99']:10.1f} "
+              f"{statistics.median(x / 1e3 for x in g['first']):10.1f} {po['median']:9.1f} "
+              f"{po['p99']:9.1f} {per_step:9.1f}   stores returning None: {len(g['none'])}")
     for mgr in sides.values():
         mgr.close()
     return 0

@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ab_lifecycles import _import_revision  # noqa: E402
+from tiered_kv.benchmarking.common import percentile  # noqa: E402
 
 ROW_BYTES = 64
 
@@ -40,8 +41,7 @@ def _manager(pkg: Any, slots: int) -> Any:
 
 
 def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
+    return percentile(sorted(xs), 100 * q)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry
 
 from tiered_kv import TieredKVConfig, TierManager
 from tiered_kv.benchmarking import disk as bd
+from tiered_kv.benchmarking.common import summarize
 
 MiB, KiB = 1 << 20, 1 << 10
 SIDES = ("held", "at_once")
@@ -43,11 +44,6 @@ def _side(mgr: TierManager, side: str) -> None:
         disk.__dict__.pop("queue_promote", None)       # the class's method: hold until start_reads()
     else:
         disk.queue_promote = disk.submit_promote       # the behaviour before: queue for a reader at once
-
-
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 def latency(base: Path, block: int, steps: int, step_ms: float, seed: int) -> None:
@@ -82,9 +78,10 @@ def latency(base: Path, block: int, steps: int, step_ms: float, seed: int) -> No
                 got[side].append((t1 - t0) / 1e3)
     finally:
         mgr.close()
-    print(f"load() of a key only on disk after a {step_ms:g} ms pause, {_size(block)} blocks, us:")
+    print(f"load() of a key only on disk after a {step_ms:g} ms pause, {bd._size(block)} blocks, us:")
     for side, xs in got.items():
-        print(f"  {side:8s} n={len(xs):4d}  p50 {_pct(xs, .5):7.1f}  p90 {_pct(xs, .9):7.1f}  p99 {_pct(xs, .99):7.1f}")
+        d = summarize(xs, "us")
+        print(f"  {side:8s} n={d['n']:4d}  p50 {d['median']:7.1f}  p90 {d['p90']:7.1f}  p99 {d['p99']:7.1f}")
     print(f"  loads not ok: {bad}")
 
 
@@ -126,14 +123,10 @@ def throughput(base: Path, block: int, rounds: int, set_mib: int, cold: bool, se
     state = "page cache dropped" if cold else "page cache warm"
     if cold and not all(dropped):
         state = "page cache NOT dropped (needs root): warm"
-    print(f"load() of {n} keys only on disk then wait(), {_size(block)} blocks, {state}, GB/s:")
+    print(f"load() of {n} keys only on disk then wait(), {bd._size(block)} blocks, {state}, GB/s:")
     for side, xs in got.items():
         print(f"  {side:8s} median {statistics.median(xs):5.2f}  rounds {' '.join(f'{x:.2f}' for x in xs)}")
     print(f"  loads not ok: {bad}")
-
-
-def _size(b: int) -> str:
-    return f"{b // MiB} MiB" if b % MiB == 0 else f"{b // KiB} KiB"
 
 
 def main(argv: list[str] | None = None) -> int:
