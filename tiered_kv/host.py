@@ -109,7 +109,7 @@ class HostIndex:
             e = entries.get(keys[i])
             if e is None or e.state is not _READY:
                 break
-            if lru.get(e.key) is e:  # touch(): a READY entry leased to a reader is not in the LRU
+            if lru.get(e.key) is e:  # touch() written out
                 lru.move_to_end(e.key)
             i += 1
         return i
@@ -117,8 +117,9 @@ class HostIndex:
     # -- moves -------------------------------------------------------------
     def touch(self, entry: HostEntry) -> None:
         """Mark recently used."""
-        if entry.key in self._lru and self._lru[entry.key] is entry:
-            self._lru.move_to_end(entry.key)
+        lru = self._lru
+        if lru.get(entry.key) is entry:   # a READY entry leased to a reader is not in the LRU
+            lru.move_to_end(entry.key)
 
     def reserve(self, key: bytes, writer: uuid.UUID, protect: Collection[bytes] = ()) -> Optional[HostEntry]:
         """A new WRITING entry for ``key`` in a free or evicted slot; None when full of leased slots."""

@@ -218,10 +218,9 @@ class ThreadMover:
         """Owner thread only.  While on, transfers submitted stay with the owner for :meth:`help_one`
         instead of waking a worker; turning it on first hands the ones queued before to the
         workers, turning it off hands what is left to them."""
-        if on:
-            self.flush()
+        self._holding = False
+        self.flush()   # on: what was queued before goes now; off: what is left goes
         self._holding = on
-        self.flush()
 
     def harvest(self) -> None:
         return None
