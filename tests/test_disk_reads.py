@@ -40,6 +40,7 @@ from typing import Any, Optional
 
 import lmdb
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -544,14 +545,20 @@ def test_close_with_reads_and_stop_sentinels_in_one_batch_answers_every_read(tmp
 
 
 # ============================================================================ 6. through a manager
-def test_many_disk_only_keys_loaded_at_once_come_back_byte_for_byte(rig):
+def _disk_only_keys(rig, n: int) -> tuple[Any, Any, list[bytes]]:
+    """A manager (host tier of 20 slots) that stored 40 keys, its rows, and ``n`` of them only on disk."""
     kv = make_kv(24)
     mgr = rig.open(kv, host_slots=20, disk_slots=96)
     ks = keys(40, "m")
     store_seq(mgr, kv, ks)
     on_disk = [k for k in ks if mgr.host_bytes(k) is None]
-    assert len(on_disk) >= 16
-    jobs = [(mgr.load(k, i), k, i) for i, k in enumerate(on_disk[:16])]
+    assert len(on_disk) >= n
+    return mgr, kv, on_disk[:n]
+
+
+def test_many_disk_only_keys_loaded_at_once_come_back_byte_for_byte(rig):
+    mgr, kv, on_disk = _disk_only_keys(rig, 16)
+    jobs = [(mgr.load(k, i), k, i) for i, k in enumerate(on_disk)]
     assert all(j is not None for j, _, _ in jobs)
     comps = {c.job.token: c for c in mgr.wait([j for j, _, _ in jobs], timeout=30)}
     for j, k, row in jobs:
@@ -620,16 +627,6 @@ def test_close_reads_what_is_still_held(tmp_path):
     assert st_.q.get(0.0) is None
 
 
-def _disk_only_keys(rig, n: int) -> tuple[Any, Any, list[bytes]]:
-    kv = make_kv(24)
-    mgr = rig.open(kv, host_slots=20, disk_slots=96)
-    ks = keys(40, "h")
-    store_seq(mgr, kv, ks)
-    on_disk = [k for k in ks if mgr.host_bytes(k) is None]
-    assert len(on_disk) >= n
-    return mgr, kv, on_disk[:n]
-
-
 def test_a_load_from_disk_starts_its_read_at_the_next_poll_not_in_the_call(rig, monkeypatch):
     mgr, kv, ks = _disk_only_keys(rig, 6)
     batches = record_batches(mgr.disk, monkeypatch)
@@ -673,3 +670,26 @@ def test_loads_cancelled_or_invalidated_while_their_reads_are_held(rig):
         assert j is not None
         done = mgr.wait([j], timeout=30)
         assert [x.ok for x in done if x.job is j] == [True] and row_is(kv, row, k)
+
+
+def test_a_row_freed_while_its_load_waits_on_a_held_read_is_never_written(rig, monkeypatch):
+    """free_block() of a load whose read is still held: True at once (the load's copy to the row was
+    never queued, so nothing can land there); the next poll() reports the load cancelled and starts
+    the read, which the reader holds back until the engine has written the row again: it lands in
+    the host tier only."""
+    mgr, kv, (k,) = _disk_only_keys(rig, 1)
+    row = 3
+    gate = Gate(mgr.disk, monkeypatch)
+    job = mgr.load(k, row)
+    assert job is not None
+    assert mgr.free_block(row) is True
+    kv[row].fill_(7)                                     # the engine reuses the row
+    done = mgr.poll()                                    # hands the read over; reports the load
+    assert [(c.job.token, c.ok) for c in done] == [(job.token, False)] and "cancelled" in (done[0].error or "")
+    assert gate.entered.wait(30)                         # the reader has the read, not yet its bytes
+    gate.go.set()
+    assert mgr.wait(timeout=30) == []                    # nothing more to report to the engine
+    assert torch.equal(kv[row], torch.full_like(kv[row], 7))
+    assert torch.equal(mgr.host_bytes(k), content(k))    # the promote itself completed
+    again = mgr.load(k, 4)
+    assert again is not None and [c.ok for c in mgr.wait([again], timeout=30)] == [True] and row_is(kv, 4, k)

@@ -373,7 +373,8 @@ class TierManager(TierViews):
 
     def wait(self, jobs: Optional[Iterable[Job]] = None, timeout: Optional[float] = None) -> list[Completion]:
         """Block until ``jobs`` are reported; with None, until every store and load is
-        reported and every worker report applied (no slot or row leased to a copy).
+        reported and every worker report applied (no slot or row leased to a copy, no
+        read from disk in flight).
 
         Returns every completion applied meanwhile (also of other jobs).  On
         timeout returns what was applied so far; check ``job.done``.
@@ -382,8 +383,11 @@ class TierManager(TierViews):
         timeout = _check_timeout(timeout)
         if jobs is None:
             # quiescence: every store/load reported *and* every worker report in, so no
-            # slot or row is still leased to a copy (spills are flush()'s business)
-            self._block_until(lambda: self._n_in_flight[_STORE] == 0 and self._n_in_flight[_LOAD] == 0
+            # slot or row is still leased to a copy or a read (spills are flush()'s business).
+            # A promote counts even when no load waits for it any more (its loads were
+            # cancelled): its read still writes a host slot until its report is applied
+            n = self._n_in_flight
+            self._block_until(lambda: n[_STORE] == 0 and n[_LOAD] == 0 and n[_PROMOTE] == 0
                               and not self._deliver, timeout)
             out, self._outbox = self._outbox, []
             return out
