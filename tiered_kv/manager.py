@@ -22,6 +22,7 @@ Invariants (see docs/architecture.md for the full table):
 
 from __future__ import annotations
 
+import collections
 import logging
 import operator
 import time
@@ -141,7 +142,7 @@ class TierManager(TierViews):
         self._completions = CompletionQueue()
         self._tokens = TokenFactory()
         # tokens made ahead at the end of each poll()/wait(): store() and load() take one from here
-        self._token_pool: list[uuid.UUID] = []
+        self._token_pool: collections.deque[uuid.UUID] = collections.deque()
         self._owner_tag = object()
         self._max_key_bytes = config.max_key_bytes
         self._max_inflight = config.max_inflight_jobs
@@ -219,7 +220,7 @@ class TierManager(TierViews):
         if len(self._jobs) >= self._max_inflight:
             return self._shed(_STORE, "inflight_limit")
         pool = self._token_pool
-        token = pool.pop() if pool else self._tokens()
+        token = pool.popleft() if pool else self._tokens()
         entry = self._index.reserve(key, token)
         if entry is None:
             return self._shed(_STORE, "host_full")
@@ -299,7 +300,7 @@ class TierManager(TierViews):
         # the load overwrites the row: stores still reading it lose their source
         self._give_up_row(block)
         pool = self._token_pool
-        token = pool.pop() if pool else self._tokens()
+        token = pool.popleft() if pool else self._tokens()
         job = Job(token, _LOAD, key, block, _owner=self._owner_tag)
         if promote is not None:
             fl = _Flight(job, promote.entry, self._row_gen[block], None)
@@ -519,11 +520,9 @@ class TierManager(TierViews):
         self._refresh_gauges()
 
     def _refill_tokens(self) -> None:
-        pool = self._token_pool
+        # popleft() takes the oldest: tokens are issued in the order they were made
         make = self._tokens
-        fresh = [make() for _ in range(_TOKEN_POOL - len(pool))]
-        fresh.reverse()
-        pool[:0] = fresh  # pop() takes from the end: tokens are issued in the order they were made
+        self._token_pool.extend(make() for _ in range(_TOKEN_POOL - len(self._token_pool)))
 
     def _deliver_cancelled(self) -> None:
         if self._deliver:
@@ -789,7 +788,7 @@ class TierManager(TierViews):
         """Read ``key`` (its READY disk entry ``d``) from disk into a new host slot (internal PROMOTE job)."""
         assert self._dindex is not None and self._disk is not None
         pool = self._token_pool  # on load()'s path: a token made ahead, as for the load itself
-        token = pool.pop() if pool else self._tokens()
+        token = pool.popleft() if pool else self._tokens()
         entry = self._index.reserve(key, token)
         if entry is None:
             self._shed(_LOAD, "host_full")
