@@ -16,6 +16,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
+import torch
 from prometheus_client import CollectorRegistry
 
 from fakes import fill_row, instrument_get, make_config, make_fake_manager, make_kv, mgr_metric
@@ -194,3 +195,49 @@ def test_tokens_come_from_the_pool_in_the_order_they_were_made_and_are_unique():
     assert all(t.version == 4 for t in tokens)
     assert uuid_from_int(tokens[5].int) == tokens[5]
     mgr.close()
+
+
+def test_evicting_ahead_while_a_worker_copies_out_of_a_slot_keeps_that_slot():
+    """poll() starts the step's copies and then evicts ahead: a load's copy, stopped by a gate inside
+    the copy worker halfway through reading its host slot, keeps that slot leased, so the eviction
+    takes the other block, a store of the same moment gets another slot, and the row gets its bytes."""
+    import threading
+
+    from tiered_kv.movers import ThreadMover
+
+    gate_on, copying, go = threading.Event(), threading.Event(), threading.Event()
+
+    def gated_copy(dst, src):
+        if gate_on.is_set():
+            copying.set()
+            assert go.wait(30)
+        dst.copy_(src)
+
+    kv = make_kv(8)
+    mgr = TierManager(make_config(host_slots=8, host_evict_ahead_blocks=0), kv, registry=CollectorRegistry(),
+                      mover_factory=lambda d, h, q: ThreadMover(d, h, q, num_workers=1, copy_fn=gated_copy,
+                                                                 batch_max=64))
+    try:
+        for row, key in ((0, b"A"), (1, b"B")):
+            fill_row(kv, row, key)
+            assert mgr.store(key, row) is not None
+        assert len(mgr.wait(timeout=30)) == 2 and mgr.host_blocks == 2
+        a_slot = mgr._index.get(b"A").slot
+        mgr._evict_ahead = 7          # from now on each poll wants 7 of the 8 slots free
+        gate_on.set()
+        load = mgr.load(b"A", 5)      # leases A's slot; its copy waits in the mover's queue
+        assert load is not None and not copying.is_set()
+        mgr.poll()                    # hands the copy to the worker, then evicts ahead
+        assert copying.wait(30)       # the worker is inside the copy out of A's slot
+        assert mgr.host_bytes(b"B") is None and mgr._index.get(b"A").slot == a_slot
+        assert mgr.host_used_slots == 1
+        fill_row(kv, 2, b"C")
+        assert mgr.store(b"C", 2) is not None and mgr._index.get(b"C").slot != a_slot
+        go.set()
+        done = {c.job.token: c for c in mgr.wait(timeout=30)}
+        assert done[load.token].ok and torch.equal(kv[5], kv[0])
+        # A, used last, stays; the end of wait() evicted ahead again down to one block
+        assert torch.equal(mgr.host_bytes(b"A"), kv[0].reshape(-1).view(torch.uint8)) and mgr.host_blocks == 1
+    finally:
+        go.set()
+        mgr.close()
