@@ -228,6 +228,31 @@ def test_close_after_the_writer_died_releases_the_path(rig):
 
 
 # ============================================================================ backpressure
+def test_a_spill_shed_for_backpressure_costs_the_full_disk_tier_no_block(rig):
+    """start_spill used to reserve the disk entry first -- evicting the least recently used block of a
+    full tier -- and only then find the writer queue full: the spill was shed, and the evicted block
+    was gone for nothing.  The queue is asked first now."""
+    kv = make_kv(8)
+    mgr = rig.open(kv, host_slots=8, disk_slots=4, writer_queue_blocks=1, writer_batch_blocks=1,
+                   host_evict_ahead_blocks=0)
+    ks = keys(6)
+    for i, k in enumerate(ks[:4]):
+        store_one(mgr, kv, k, i)               # the disk tier is full: 4 of 4
+    assert mgr.disk_blocks == 4
+    gate = rig.gate(mgr)
+    store_one(mgr, kv, ks[4], 4, flush=False)  # its spill takes the one queue place (evicting ks[0]) ...
+    gate.entered(1)                            # ... and the writer is held in that transaction
+    assert metric(mgr, "tiered_kv_evictions_total", tier="disk") == 1
+    store_one(mgr, kv, ks[5], 5, flush=False)  # the queue is full: this spill is shed ...
+    assert metric(mgr, "tiered_kv_shed_total", kind="spill", reason="backpressure") == 1
+    assert metric(mgr, "tiered_kv_evictions_total", tier="disk") == 1   # ... and evicts nothing
+    assert mgr.disk_blocks == 4 and mgr.lookup(ks[1:4]) == 3
+    gate.open()
+    assert mgr.flush(timeout=30) is True
+    rig.close(mgr)
+    assert raw_keys(rig.path) == set(ks[1:5])
+
+
 def test_full_writer_queue_sheds_spills_and_never_blocks_the_engine(rig):
     kv = make_kv(16)
     q = 4

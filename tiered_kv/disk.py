@@ -543,6 +543,12 @@ class DiskStore:
     def queue_depth(self) -> int:
         return self._spills_queued
 
+    def spill_room(self) -> bool:
+        """Whether :meth:`submit_spill` would take a spill now.  Asked by the owner before it makes room
+        on disk for one: only the owner adds spills, so the room seen here can only grow until its
+        ``submit_spill`` (unless the writer dies meanwhile)."""
+        return self._accepting and self._spills_queued < self.opts.queue_blocks
+
     def writer_alive(self) -> bool:
         return self._writer.is_alive()
 

@@ -127,10 +127,14 @@ def start_spill(disk: DiskStore, dindex: TierIndex, hindex: TierIndex, entry: Ho
     Returns the new disk entry, with ``entry``'s slot leased to the write
     until the owner applies its report; ``None`` when the key is on disk
     already; or the shed reason (``"disk_full"``, ``"backpressure"``), with
-    nothing left held.
+    nothing left held.  The writer queue is asked first: reserving a disk
+    entry may evict one, and a spill that is then shed must not have cost
+    the tier a block.
     """
     if entry.key in dindex:
         return None
+    if not disk.spill_room():
+        return "backpressure"
     d = dindex.reserve(entry.key, token)
     if d is None:
         return "disk_full"
