@@ -207,6 +207,31 @@ def test_write_back_spills_only_under_host_pressure_and_never_loses_a_block(rig)
         assert load_ok(mgr, kv, k, i % 8), k
 
 
+def test_write_back_spills_each_host_residency_once_even_when_the_disk_tier_is_smaller(rig):
+    """Write-back used to spill "every cold host entry not on disk" at every poll: with a disk tier
+    smaller than the host tier each spill evicted a disk entry whose key was still on the host, which
+    the next poll spilled again -- disk writes without end while the engine was idle, and close()
+    waited out its 30 s for spills to stop.  Each host residency is now spilled once."""
+    row = 256
+    kv = torch.zeros((16, row), dtype=torch.uint8)
+    mgr = rig.open(kv, host_slots=16, disk_slots=8, write_mode="back", host_evict_ahead_blocks=0)
+    ks = keys(12)
+    for i, k in enumerate(ks):                 # 12 of 16 host slots: past the 3/4 mark
+        fill(kv, i, k)
+        assert mgr.store(k, i) is not None
+    drain(mgr)
+    assert mgr.flush(timeout=30) is True
+    written = metric(mgr, "tiered_kv_jobs_total", kind="spill", outcome="ok")
+    assert written == 12                       # each once; the disk tier keeps the 8 most recent
+    for _ in range(4):                         # the engine does nothing
+        assert mgr.flush(timeout=30) is True
+        mgr.poll()
+    assert metric(mgr, "tiered_kv_jobs_total", kind="spill", outcome="ok") == written
+    assert mgr.disk_blocks == 8 and metric(mgr, "tiered_kv_evictions_total", tier="disk") == 4
+    assert mgr.lookup(ks) == 12                # all on the host; the disk holds 8 of them too
+    rig.close(mgr)                             # returns without waiting on spills that never stop
+
+
 # ============================================================================ LRU and capacity
 def test_capacity_evicts_least_recently_written_from_lookup_and_lmdb(rig):
     kv = make_kv(8)

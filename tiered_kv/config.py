@@ -52,7 +52,10 @@ class TieredKVConfig:
     disk_path: directory of the LMDB disk tier, or ``None`` for no disk tier.
     disk_capacity_bytes: bytes of block data the disk tier may hold (LRU beyond).
     durability: ``"sync"`` | ``"batch"`` | ``"none"`` (see docs/architecture.md).
-    write_mode: ``"through"`` spills on store; ``"back"`` spills on host eviction.
+    write_mode: ``"through"`` spills each block once its store is done; ``"back"``
+        spills the least recently used host blocks not yet on disk once the host
+        tier is 3/4 full (each host residency at most once; a block evicted
+        from the host before its turn is not spilled).
     max_inflight_jobs: bound on store/load jobs in flight; beyond it calls shed.
     num_copy_workers: worker threads of the CPU mover (ignored with CUDA).
     num_copy_streams: CUDA copy streams of the GPU mover.

@@ -33,7 +33,7 @@ _WRITING, _READY = EntryState.WRITING, EntryState.READY  # module constants: che
 
 
 class HostEntry:
-    __slots__ = ("key", "slot", "state", "writer", "readers", "live", "writing")
+    __slots__ = ("key", "slot", "state", "writer", "readers", "live", "writing", "spilled")
 
     def __init__(self, key: bytes, slot: int, writer: uuid.UUID) -> None:
         self.key = key
@@ -43,6 +43,7 @@ class HostEntry:
         self.readers = 0          # loads/spills reading the slot right now
         self.live = True          # present in the index
         self.writing = True       # a worker may still write the slot
+        self.spilled = False      # host entries: written to (or found on) disk once in this residency
 
     def __repr__(self) -> str:
         return (f"HostEntry(key={self.key!r}, slot={self.slot}, {self.state.value}, "

@@ -779,7 +779,9 @@ class TierManager(TierViews):
         d = start_spill(self._disk, self._dindex, self._index, entry, token, self._slot_views[entry.slot])
         if isinstance(d, str):
             self._shed(_SPILL, d)
-        elif d is not None:
+            return
+        entry.spilled = True  # this residency is on disk or on its way: write-back never spills it again
+        if d is not None:
             job = Job(token, _SPILL, entry.key, -1, _owner=self._owner_tag)
             self._jobs[token.int] = _Flight(job, entry, 0, None, d)
             self._n_in_flight[_SPILL] += 1
@@ -804,14 +806,21 @@ class TierManager(TierViews):
         return fl
 
     def _writeback_tick(self) -> None:
-        """Write-back mode: spill the coldest host entries not yet on disk once the host is 3/4 full."""
-        if not self._disk_usable or self._index.used_slots * 4 < self._index.num_slots * 3:
+        """Write-back mode: spill the coldest host entries not yet on disk once the host is 3/4 full.
+
+        Each host residency is spilled at most once (``HostEntry.spilled``): with a disk tier smaller
+        than the host tier, each spill evicts a disk entry whose key is still on the host, and
+        spilling "whatever is not on disk" would rewrite the same blocks at every poll.  Nothing is
+        started while the manager closes, so ``close()`` waits only for the spills already running.
+        """
+        if (not self._disk_usable or self._closing
+                or self._index.used_slots * 4 < self._index.num_slots * 3):
             return
         budget = 8
         for entry in self._index.coldest(64):
             if budget == 0 or self._disk.queue_depth >= self.config.writer_queue_blocks:  # type: ignore[union-attr]
                 break
-            if entry.key not in self._dindex:  # type: ignore[operator]
+            if not entry.spilled and entry.key not in self._dindex:  # type: ignore[operator]
                 self._start_spill(entry)
                 budget -= 1
 
