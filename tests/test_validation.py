@@ -353,6 +353,46 @@ def test_wait_with_foreign_jobs(busy):
     _unchanged(mgr, lambda: mgr.wait([None]), InvalidJobError, "None")
 
 
+def test_a_copy_of_a_pending_job_is_refused_by_cancel_and_wait(busy):
+    """A copy of a Job carries its token and owner tag, but the manager reports the object it returned:
+    cancel(copy) used to cancel the copy's state while the record kept the original (two completions for
+    one token, a store reported ok that stored nothing); wait([copy]) would never return."""
+    import copy as copy_mod
+    mgr, mover = busy
+    job = next(fl.job for fl in mgr._jobs.values() if fl.job.key == b"writing")
+    for twin in (copy_mod.copy(job), copy_mod.deepcopy(job)):   # (a deep copy has another owner tag too)
+        _unchanged(mgr, lambda: mgr.cancel(twin), InvalidJobError, str(job.token))
+        _unchanged(mgr, lambda: mgr.wait([twin], timeout=0), InvalidJobError, str(job.token))
+    mover.complete(job)
+    out = mgr.poll()
+    assert [(c.job, c.ok) for c in out] == [(job, True)]
+    assert mgr.lookup([b"writing"]) == 1
+    stale = copy_mod.copy(job)                # a copy of a reported job: cancel is a no-op, wait returns
+    mgr.cancel(stale)
+    assert mgr.wait([stale], timeout=0) == [] and mgr.poll() == []
+
+
+def test_a_cancelled_load_waiting_for_its_promote_is_still_its_own_job(tmp_path):
+    """The identity check knows the loads that left the job table for the delivery list: cancel() and
+    wait() of such a load (before the poll that reports it) are accepted, and it is reported once."""
+    import disk_helpers as dh
+    kv = dh.make_kv(8)
+    mgr = TierManager(dh.disk_config(tmp_path / "d", host_slots=2, disk_slots=8, host_evict_ahead_blocks=0), kv,
+                      registry=CollectorRegistry())
+    try:
+        ks = dh.keys(3)
+        dh.store_seq(mgr, kv, ks)             # the first key is evicted from the 2-slot host tier
+        assert mgr.host_bytes(ks[0]) is None and mgr.lookup(ks[:1]) == 1
+        load = mgr.load(ks[0], 6)
+        assert load is not None and mgr.free_block(6) is True   # cancelled: into the delivery list
+        assert load.state.value == "cancelling" and load.token.int not in mgr._jobs
+        mgr.cancel(load)                      # accepted: a no-op
+        done = mgr.wait([load], timeout=30)
+        assert [(c.job, c.ok) for c in done if c.job is load] == [(load, False)]
+    finally:
+        mgr.close()
+
+
 def test_wait_with_a_single_job_instead_of_an_iterable(busy):
     """``wait(job)`` (a Job, not a list of jobs) is bad input: a tiered_kv error naming it."""
     mgr, mover = busy

@@ -324,6 +324,8 @@ class TierManager(TierViews):
             self._check_open()  # raises
         if not isinstance(job, Job) or job._owner is not self._owner_tag or job.kind in _INTERNAL:
             raise InvalidJobError(f"not a job of this manager: {job!r}")
+        if job.state is _PENDING and not self._issued(job):
+            raise InvalidJobError(f"not a job this manager returned (a copy of one?): {job!r}")
         self._cancel(job, _R_CANCELLED)
 
     def free_block(self, block: int) -> bool:
@@ -398,6 +400,8 @@ class TierManager(TierViews):
         for j in targets:
             if not isinstance(j, Job) or j._owner is not self._owner_tag:
                 raise InvalidJobError(f"not a job of this manager: {j!r:.120}")
+            if not j.state.terminal and not self._issued(j):  # a copy would never be reported: wait() would hang
+                raise InvalidJobError(f"not a job this manager returned (a copy of one?): {j!r:.120}")
         first = [0]  # targets before this index are known to be reported
 
         def all_reported() -> bool:
@@ -746,6 +750,13 @@ class TierManager(TierViews):
             self._index.abort(fl.entry)
             for w in list(fl.waiters):
                 self._cancel(w.job, reason)
+
+    def _issued(self, job: Job) -> bool:
+        """``job`` (not yet reported) is the very object this manager returned: its record holds it,
+        or it waits in ``_deliver`` (a load cancelled while it waited for its promote).  A copy of a
+        Job carries the same token and owner tag, but the manager would report the original."""
+        fl = self._jobs.get(job.token.int)
+        return (fl is not None and fl.job is job) or any(d is job for d in self._deliver)
 
     def _unfence_load(self, fl: _Flight) -> None:
         job = fl.job
