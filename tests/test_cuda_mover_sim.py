@@ -299,9 +299,9 @@ def test_copies_share_an_end_event_per_event_bytes(failing: Optional[int]) -> No
 
 def test_an_end_event_that_cannot_be_recorded_answers_every_transfer_once() -> None:
     """Recording an end event fails mid-batch (a broken context): the copies before the last event that
-    was recorded are reported when the device reaches it; those of the failed chunk, already queued, and
-    the rest of the batch are answered failed at once -- every transfer exactly once, none raised.  (A
-    copy of the failed chunk may still run; with a broken context nothing after it does.)"""
+    was recorded are reported when the device reaches it; those of the failed chunk, already queued, are
+    answered failed once the stream has been synchronized (their copies have landed, or the context is
+    broken and nothing runs), the rest of the batch at once -- every transfer exactly once, none raised."""
     gpu, out, dev, host, mover = bare(8, event_bytes=16)
     ts = stores(5)
     for t in ts:
@@ -323,6 +323,75 @@ def test_an_end_event_that_cannot_be_recorded_answers_every_transfer_once() -> N
     gpu.run_all()
     mover.harvest()
     assert [r.ok for r in out.drain()] == [True] * 5 and torch.equal(host[:5], dev[:5])
+
+
+def test_a_load_whose_end_event_cannot_be_recorded_is_fenced_until_its_queued_copy_has_landed() -> None:
+    """The end event of a load's chunk fails to record after its copy was queued (a fault that is not
+    sticky: later records work).  Answering the load at once would lift the row's fence while the copy
+    can still land: the engine would write B into the row and the late copy would overwrite it with A.
+    The mover synchronizes the stream before it answers, so the copy has landed first."""
+    mgr, kv, gpu, mover = make()
+    try:
+        in_host(mgr, gpu, kv, b"A", 0)
+        job = mgr.load(b"A", 5)
+        assert job is not None
+        gpu.record_error, gpu.record_error_skip = RuntimeError("CUDA error: injected"), 1   # start ok, end fails
+        (c,) = reported(mgr.poll(), job)
+        assert not c.ok and "injected" in c.error
+        assert row_matches(kv, 5, b"A")            # the queued copy landed before the answer
+        assert mgr.free_block(5) is True
+        fill_row(kv, 5, b"B")                      # the engine reuses the row ...
+        gpu.run_all()
+        assert row_matches(kv, 5, b"B")            # ... and nothing of the failed load comes after
+        assert mover.in_flight() == 0
+    finally:
+        mgr.close()
+
+
+def test_a_store_whose_end_event_cannot_be_recorded_frees_its_slot_only_once_its_copy_has_landed() -> None:
+    """The store variant: the failed store's slot is freed when it is answered and taken by the next store
+    (B), whose copy goes to the other stream.  Had the failed copy still been queued, it would overwrite
+    B's slot after B was published: B served with A's bytes."""
+    mgr, kv, gpu, mover = make(streams=2)
+    try:
+        fill_row(kv, 1, b"A")
+        ja = mgr.store(b"A", 1)
+        assert ja is not None
+        slot_a = mgr._index.get(b"A").slot
+        gpu.record_error, gpu.record_error_skip = RuntimeError("CUDA error: injected"), 1
+        (c,) = reported(mgr.poll(), ja)
+        assert not c.ok
+        fill_row(kv, 2, b"B")
+        jb = mgr.store(b"B", 2)
+        assert jb is not None and mgr._index.get(b"B").slot == slot_a
+        mgr.poll()                                 # B's batch goes to the other stream
+        gpu.run(gpu.compute)
+        gpu.run(gpu.side[1])
+        (cb,) = reported(mgr.poll(), jb)
+        assert cb.ok and host_matches(mgr, b"B", kv) is True
+        gpu.run_all()
+        assert host_matches(mgr, b"B", kv) is True
+    finally:
+        mgr.close()
+
+
+def test_a_record_failure_with_a_broken_context_answers_at_once() -> None:
+    """When the stream cannot be synchronized either (a sticky error: nothing queued runs any more), the
+    failed chunk is still answered, failed, in the same flush: the fault path never hangs."""
+    gpu, out, dev, host, mover = bare(4)
+    ts = stores(2)
+    for t in ts:
+        mover.submit(t)
+    gpu.record_error, gpu.record_error_skip = RuntimeError("CUDA error: launch failure"), 1
+    stream = mover._streams[0]
+
+    def broken() -> None:
+        raise RuntimeError("CUDA error: launch failure")
+    stream.synchronize = broken                    # type: ignore[method-assign]
+    mover.flush()
+    got = out.drain()
+    assert [r.token for r in got] == [t.token for t in ts] and not any(r.ok for r in got)
+    assert mover.in_flight() == 0
 
 
 def test_an_error_at_a_shared_event_fails_every_copy_behind_it() -> None:

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from fakes import make_config
 from tiered_kv import TierManager
+from tiered_kv.jobs import StaleReason
 from tiered_kv.movers import ThreadMover
 
 ROWS, ROW = 8, 256
@@ -140,3 +141,88 @@ def test_wait_for_one_job_stops_copying_for_others_within_a_slice(rig, monkeypat
     assert jobs[1].done and jobs[1] in [c.job for c in done]
     assert mover.helped == 2, f"the owner ran {mover.helped} copies to get one job done"
     assert sum(j.done for j in jobs) == 2              # jobs 1 and 2; 3..7 still queued
+
+
+class _InterruptingQueue:
+    """The completion queue, whose next ``put`` from the owner thread raises KeyboardInterrupt, as a
+    signal handler does at the eval-breaker check around a call: ``before`` the report is queued, or
+    ``after`` (the call returned, the handler runs before the next bytecode)."""
+
+    def __init__(self, q, when: str) -> None:
+        self.q, self.when, self.armed = q, when, True
+
+    def put(self, item) -> None:
+        fire = self.armed and not threading.current_thread().name.startswith("tiered-kv-copy")
+        if fire:
+            self.armed = False
+            if self.when == "before":
+                raise KeyboardInterrupt
+        self.q.put(item)
+        if fire:
+            raise KeyboardInterrupt
+
+    def __getattr__(self, name):
+        return getattr(self.q, name)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_an_interrupt_at_the_report_of_an_owner_copy_answers_it_exactly_once(rig, when):
+    """help_one() answers for a transfer from the moment it is bound until its report is queued: an
+    interrupt just before the put reports the job failed; one just after it queues a second, failed
+    report that finds no live token (counted unknown_token) -- either way the job is reported once."""
+    kv, mgr, gate, mover = rig
+    jobs = _stores(mgr, 2, gate)              # the worker holds job 0; job 1 can only be copied by the owner
+    mover._out = _InterruptingQueue(mover._out, when)
+    with pytest.raises(KeyboardInterrupt):
+        mgr.wait([jobs[1]], timeout=30)
+    out = mgr.poll()
+    assert [c.job for c in out] == [jobs[1]]
+    assert out[0].ok is (when == "after")
+    stale = mgr.metrics.stale[(jobs[1].kind, StaleReason.UNKNOWN_TOKEN)]._value.get()
+    assert stale == (1 if when == "after" else 0)
+    assert (mgr.host_bytes(b"k1") is not None) is (when == "after")
+    gate.release()
+    assert [c.job for c in mgr.wait(timeout=30)] == [jobs[0]]
+    assert mgr.poll() == [] and mgr.debug_sizes()["jobs"] == 0
+
+
+def test_an_interrupt_before_a_held_transfer_leaves_the_queue_answers_it_and_no_worker_copies_it(rig):
+    """Interrupted between binding the transfer and taking it off the owner's queue: it is taken off
+    (else a later flush would hand it to a worker, whose copy could land after the job was reported)
+    and answered failed, once."""
+    import collections
+    kv, mgr, gate, mover = rig
+    jobs = _stores(mgr, 1, gate)              # the worker holds job 0
+
+    class InterruptedPop(collections.deque):
+        armed = True
+
+        def popleft(self):
+            if self.armed:
+                self.armed = False
+                raise KeyboardInterrupt
+            return super().popleft()
+
+    mover.hold(True)
+    mover._held = InterruptedPop()
+    job = mgr.store(b"k1", 1)                 # held for the owner
+    assert job is not None and len(mover._held) == 1
+    with pytest.raises(KeyboardInterrupt):
+        mover.help_one()
+    mover.hold(False)
+    assert len(mover._held) == 0
+    out = mgr.poll()
+    assert [(c.job, c.ok) for c in out] == [(job, False)] and "copy interrupted" in out[0].error
+    gate.release()
+    assert [c.job for c in mgr.wait(timeout=30)] == [jobs[0]]
+    assert gate.copies.count(threading.current_thread().name) == 0 and len(gate.copies) == 1
+
+
+def test_help_one_leaves_a_workers_stop_sentinel_in_the_queue():
+    host = torch.zeros((2, ROW), dtype=torch.uint8)
+    from tiered_kv.movers import CompletionQueue
+    mover = ThreadMover(torch.zeros((2, ROW), dtype=torch.uint8), host, CompletionQueue(), num_workers=0)
+    assert mover.help_one() is False          # empty
+    mover._q.put(None)
+    assert mover.help_one() is False and mover._q.qsize() == 1 and mover._q.get_nowait() is None
+    assert len(mover._held) == 0

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import itertools
 import logging
 import queue
 import threading
@@ -238,23 +239,31 @@ class ThreadMover:
         """
         if self._closed:
             return False
-        if self._held:
-            t: Optional[Transfer] = self._held.popleft()
-        else:
+        held = self._held
+        if not held:
             try:
-                t = self._q.get_nowait()
+                # from the workers' queue into ``held`` by C calls alone: no bytecode runs between the
+                # take and the append, so an exception raised by a signal handler (run by CPython only
+                # between bytecodes) cannot fall between them and lose the transfer
+                held.extend(itertools.islice(iter(self._q.get_nowait, None), 1))
             except queue.Empty:
                 return False
-        if t is None:  # a worker's stop sentinel: close() is under way, leave it to the workers
-            self._q.put(None)
-            return False
+            if not held:  # that was a worker's stop sentinel: close() is under way, leave it to the workers
+                self._q.put(None)
+                return False
+        t = held[0]  # bound before it leaves the queue: from here on the except below answers for it
         try:
+            held.popleft()
             report = self._do(t)
+            self.helped += 1
+            self._out.put(report)
         except BaseException as exc:
+            if held and held[0] is t:   # interrupted before it was taken: no worker may copy it later
+                held.popleft()
+            # answered failed; if the real report was put just before the interrupt, this second one
+            # finds no live token and is discarded (counted as unknown_token): never lost, never applied twice
             self._out.put(Report(t.token, t.kind, False, f"copy interrupted: {exc!r}", copied=True))
             raise
-        self.helped += 1
-        self._out.put(report)
         return True
 
     def _run(self) -> None:
@@ -490,6 +499,15 @@ class CudaMover:
                     end_chunk()
         except Exception as exc:  # the stream switch or an event record failed: answer what has no event yet
             log.error("CUDA copies of a batch of %d could not all be queued: %r", len(ts), exc)
+            if chunk:
+                # these copies are on the stream with no end event behind them: answering them now
+                # would lift their row's fence or free their slot while a copy can still land there.
+                # Wait for the stream first (a fault path, the only one where the engine thread
+                # waits on the device); with a broken context that fails too, and nothing queued runs
+                try:
+                    stream.synchronize()
+                except Exception as sexc:
+                    log.error("CUDA copy stream could not be synchronized after a failed record: %r", sexc)
             for t in chunk + ts[n:]:
                 put(Report(t.token, t.kind, False, f"copy failed: {exc!r}"))
         if last is None:
