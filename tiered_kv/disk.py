@@ -103,6 +103,8 @@ _U64 = struct.Struct("<Q")
 _IDLE_WAKE_S = 1.0      # an idle writer looks for queued touches (which wake no one) this often
 _READ_BATCH_MAX = 256   # reads a disk reader takes at once, at most
 _CORRUPT, _READ_FAILED = "miss: corrupt", "miss: read failed"   # promote report errors the reader acts on
+SPILL_PREVENTED = "cancelled before publish"   # a spill report's error: stopped by a tomb, not a fault
+_CLOSE_RETRIES = 3  # attempts left to the kept ops of a failed batch once close() has begun
 
 
 @dataclass(frozen=True)
@@ -230,11 +232,7 @@ class _Tomb:
 class _Delete:
     token: uuid.UUID
     key: bytes
-
-
-@dataclass
-class _DeleteCorrupt:
-    key: bytes
+    unparseable_too: bool = False   # a reader's removal of a corrupt read: a record with no header is dropped
 
 
 @dataclass
@@ -304,6 +302,7 @@ class DiskStore:
         self._wb_lo, self._wb_hi, self._wb_bytes = 1 << 62, 0, 0   # written, writeback not started yet
         self._hash_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None  # see _hasher()
         self._failures = 0        # failed batches so far (a flush after one answers False)
+        self._close_failures = 0  # failed batches since close() began
         self._sync_failed = False
         self._backoff = 0.0
         self.fault_hook: Optional[Callable[[str], None]] = None  # tests: raise inside the writer at a named point
@@ -582,11 +581,15 @@ class DiskStore:
         """
         assert self._env is not None
         frees: list[int] = []
+        undo: list[tuple[set[uuid.UUID], uuid.UUID]] = []
         self._rw.acquire_shared()
         try:
             with self._env.begin(write=True) as txn:
-                removed = self._apply_tomb(txn, token, key, frees)
+                removed = self._apply_tomb(txn, token, key, frees, undo=undo)
             txn_id = self._env.info()["last_txnid"]   # >= this commit's (another may have followed)
+        except BaseException:
+            self._undo(undo)
+            raise
         finally:
             self._rw.release_shared()
         self._slots_dropped(frees, txn_id)
@@ -728,7 +731,12 @@ class DiskStore:
                 self._grow_ahead(batch)
                 results = self._commit(batch)
             except lmdb.MapFullError:
-                if self._grow(self._batch_bytes(batch)):
+                try:
+                    grown = self._grow(self._batch_bytes(batch))
+                except Exception as exc:   # statvfs or set_mapsize failed: the batch fails, the writer goes on
+                    self._batch_failed(batch, self._classify(exc), f"growing the LMDB map: {exc!r}")
+                    return
+                if grown:
                     continue
                 self._batch_failed(batch, "map_full", "LMDB map full and the disk has no room to grow it")
                 return
@@ -753,18 +761,30 @@ class DiskStore:
         """Spills fail (they can be stored again); tombs, deletes and touches stay queued, in order.
 
         Flushes in the batch answer False.  The next attempt waits a little
-        longer each time (up to 1 s) so a persistent fault does not spin.
+        longer each time (up to 1 s) so a persistent fault does not spin.  Once
+        the store is closing, the kept ops get ``_CLOSE_RETRIES`` more attempts
+        and are then dropped (logged): a disk that fails every commit must not
+        keep ``close()`` -- and the host process's shutdown -- waiting for ever.
         """
         self._degrade(kind, msg)
         self._failures += 1
-        keep = [op for op in batch if isinstance(op, (_Tomb, _Delete, _DeleteCorrupt, _Touch))]
-        self._fail_ops([op for op in batch if not isinstance(op, (_Tomb, _Delete, _DeleteCorrupt, _Touch))],
+        keep = [op for op in batch if isinstance(op, (_Tomb, _Delete, _Touch))]
+        self._fail_ops([op for op in batch if not isinstance(op, (_Tomb, _Delete, _Touch))],
                        f"disk write failed ({kind}): {msg}")
         self._backoff = min(1.0, max(0.01, self._backoff * 2))
+        dropped: list[Any] = []
         with self._cond:
+            if self._closed:
+                self._close_failures += 1
+                if self._close_failures > _CLOSE_RETRIES:
+                    dropped, keep = keep, []
             self._ops.extendleft(reversed(keep))
-            if not self._closed:
+            if keep or not self._closed:
                 self._cond.wait(timeout=self._backoff)
+        if dropped:
+            log.error("disk tier %s: closing after %d failed commits; dropped %d tomb/delete/touch op(s) that "
+                      "could not be written (a tombstoned entry among them may be readable after reopen)",
+                      self.opts.path, self._close_failures, len(dropped))
 
     def _batch_bytes(self, batch: list[Any]) -> int:
         """The LMDB map space a batch's index records may take (payloads go to the slot file)."""
@@ -799,6 +819,11 @@ class DiskStore:
         spills = [op for op in batch if isinstance(op, _Spill)]
         placed: list[int] = []      # slots taken by this batch, given back if it fails
         frees: list[int] = []       # slots of entries this transaction drops
+        # the in-memory tomb state (_unsettled, _cancelled) this transaction changes, put back if it
+        # aborts: a retry after MapFullError must see what the aborted attempt saw, or a spill that a
+        # tomb prevented in the attempt would pass the tomb, now "settled", and be published
+        undo: list[tuple[set[uuid.UUID], uuid.UUID]] = []
+        prevented = 0
         hashing: Optional[concurrent.futures.Future[None]] = None
         try:
             todo: list[_Spill] = []
@@ -834,16 +859,14 @@ class DiskStore:
                         if isinstance(op, _Spill):
                             # settled from here on: a tomb later in this transaction finds the entry
                             # (and deletes it) or, if prevented, has nothing left to guard
-                            with self._cancel_lock:
-                                self._unsettled.discard(op.token)
+                            self._discard(self._unsettled, op.token, undo)
                             if self._is_cancelled(op.token) or txn.get(op.token.bytes, db=self._tombs) is not None:
                                 txn.delete(op.token.bytes, db=self._tombs)
-                                with self._cancel_lock:
-                                    self._cancelled.discard(op.token)
+                                self._discard(self._cancelled, op.token, undo)
                                 if op.slot >= 0:
                                     unused.append(op.slot)
-                                self._on_prevented()
-                                results.append(Report(op.token, JobKind.SPILL, False, "cancelled before publish",
+                                prevented += 1
+                                results.append(Report(op.token, JobKind.SPILL, False, SPILL_PREVENTED,
                                                       copied=False))
                                 continue
                             lk = lmdb_key(op.key)
@@ -853,11 +876,9 @@ class DiskStore:
                             txn.delete(lk, db=self._touch)
                             results.append(Report(op.token, JobKind.SPILL, True, None, op.nbytes, 0.0))
                         elif isinstance(op, _Tomb):
-                            self._apply_tomb(txn, op.token, op.key, frees, from_queue=True)
+                            self._apply_tomb(txn, op.token, op.key, frees, from_queue=True, undo=undo)
                         elif isinstance(op, _Delete):
-                            self._delete_if_token(txn, op.key, op.token, frees)
-                        elif isinstance(op, _DeleteCorrupt):
-                            self._delete_if_corrupt(txn, op.key, frees)
+                            self._delete_if_token(txn, op.key, op.token, frees, op.unparseable_too)
                         elif isinstance(op, _Touch):
                             self._seq += 1
                             txn.put(lmdb_key(op.key), _U64.pack(self._seq), db=self._touch)
@@ -868,8 +889,11 @@ class DiskStore:
             if hashing is not None:   # let it stop reading the host slots before they are given up
                 concurrent.futures.wait([hashing])
             self._give_back(placed)   # nothing committed references them
+            self._undo(undo)
             raise
         self._give_back(unused)
+        for _ in range(prevented):    # counted once committed: an aborted attempt prevented nothing
+            self._on_prevented()
         # the last committed transaction, not this one's id: a transaction that changed nothing
         # commits nothing (no meta write, no sync), so it must not count as "a later commit"
         self._slots_dropped(frees, env.info()["last_txnid"])
@@ -991,30 +1015,34 @@ class DiskStore:
         if h.in_slot:
             frees.append(h.slot)
 
-    def _read_slot(self, h: EntryHeader) -> bytes:
-        return os.pread(self._sfd, h.length, h.slot * self._slot_bytes)
-
     @property
     def slots_in_use(self) -> int:
         with self._slot_lock:
             return self._slots_len - len(self._free_slots)
 
-    def _apply_tomb(self, txn: Any, token: uuid.UUID, key: bytes, frees: list[int], from_queue: bool = False) -> bool:
+    def _apply_tomb(self, txn: Any, token: uuid.UUID, key: bytes, frees: list[int], from_queue: bool = False,
+                    undo: Optional[list[tuple[set[uuid.UUID], uuid.UUID]]] = None) -> bool:
+        """Inside ``txn``: delete ``key``'s entry if ``token`` wrote it, else keep the tomb durable unless
+        nothing it guards can still come.  What it changes in memory is noted in ``undo``."""
         if self._delete_if_token(txn, key, token, frees):
-            with self._cancel_lock:
-                self._cancelled.discard(token)
+            self._discard(self._cancelled, token, undo)
             return True
         with self._cancel_lock:
-            if from_queue and token not in self._unsettled:
-                # this process's write under the token was committed and removed, prevented, or
-                # failed: nothing it guards can still be published, so nothing is kept
-                self._cancelled.discard(token)
-                return False
+            settled = token not in self._unsettled
+        if from_queue and settled:
+            # this process's write under the token was committed and removed, prevented, or
+            # failed: nothing it guards can still be published, so nothing is kept
+            self._discard(self._cancelled, token, undo)
+            return False
         # the guarded write may still come (queued here, or in another process): make the tomb durable
         txn.put(token.bytes, key, db=self._tombs)
         return False
 
-    def _delete_if_token(self, txn: Any, key: bytes, token: uuid.UUID, frees: list[int]) -> bool:
+    def _delete_if_token(self, txn: Any, key: bytes, token: uuid.UUID, frees: list[int],
+                         unparseable_too: bool = False) -> bool:
+        """Delete ``key``'s entry if ``token`` wrote it; True if it did.  ``unparseable_too``: also drop
+        a record whose header cannot be parsed (no write of anyone's makes one), without counting it as
+        the token's -- a tomb must not take it for the write it guards."""
         lk = lmdb_key(key)
         v = txn.get(lk, db=self._blocks)
         if v is None:
@@ -1022,6 +1050,9 @@ class DiskStore:
         try:
             h = parse_header(v)
         except CorruptEntry:
+            if unparseable_too:
+                txn.delete(lk, db=self._blocks)
+                txn.delete(lk, db=self._touch)
             return False
         if h.token != token:
             return False
@@ -1031,18 +1062,23 @@ class DiskStore:
         txn.delete(lk, db=self._touch)
         return True
 
-    def _delete_if_corrupt(self, txn: Any, key: bytes, frees: list[int]) -> None:
-        lk = lmdb_key(key)
-        v = txn.get(lk, db=self._blocks)
-        if v is None:
-            return
-        try:
-            h = parse_header(v)
-            verify_entry(v, self._ns, key, self.opts.block_bytes, self._read_slot(h) if h.in_slot else None)
-        except CorruptEntry:
-            self._note_dropped(v, frees)
-            txn.delete(lk, db=self._blocks)
-            txn.delete(lk, db=self._touch)
+    def _discard(self, s: set[uuid.UUID], token: uuid.UUID,
+                 undo: Optional[list[tuple[set[uuid.UUID], uuid.UUID]]]) -> None:
+        """Take ``token`` out of the tomb state set ``s``, noting it in ``undo`` (None: for good)."""
+        with self._cancel_lock:
+            if token in s:
+                s.discard(token)
+                if undo is not None:
+                    undo.append((s, token))
+
+    def _undo(self, undo: list[tuple[set[uuid.UUID], uuid.UUID]]) -> None:
+        """A transaction aborted: its changes to the tomb state sets are put back (only the writer
+        takes tokens out of them; the owner may have added some meanwhile, which stay)."""
+        if undo:
+            with self._cancel_lock:
+                for s, token in undo:
+                    s.add(token)
+            undo.clear()
 
     def _is_cancelled(self, token: uuid.UUID) -> bool:
         with self._cancel_lock:
@@ -1149,8 +1185,12 @@ class DiskStore:
         if not r.ok and r.error is not None:
             # a bad entry stays out of the owner's index from now on: remove it here, where the
             # reason is known, so that it holds no slot outside the capacity count
+            # token-matched (never a newer write of the key), and never re-read by the writer: the
+            # owner has forgotten the entry, so one kept because a second read found it good would
+            # hold a slot outside the capacity count, and a record whose length field is damaged
+            # would fail every later batch when the writer tried to read that many bytes
             if r.error.startswith(_CORRUPT):
-                self._push(_DeleteCorrupt(op.key))          # only if still corrupt when the writer looks
+                self._push(_Delete(op.expect, op.key, unparseable_too=True))
             elif r.error.startswith(_READ_FAILED):
                 self._push(_Delete(op.expect, op.key))      # only if still the write that was read
         self._out.put(r)

@@ -16,7 +16,7 @@ import uuid
 from typing import Any, Optional, Union
 
 from .config import TieredKVConfig
-from .disk import DiskOptions, DiskStore, writable_view
+from .disk import SPILL_PREVENTED, DiskOptions, DiskStore, writable_view
 from .errors import DiskInUseError, DiskTierError
 from .host import HostEntry, TierIndex
 from .jobs import JobKind
@@ -154,15 +154,19 @@ def forget_failed_read(dindex: TierIndex, d: HostEntry) -> None:
         dindex.remove(d)
 
 
-def finish_spill(dindex: TierIndex, metrics: Metrics, d: HostEntry, r: Report) -> None:
-    """A live spill's report: the disk entry is published, or dropped when the write failed; counted."""
+def finish_spill(dindex: TierIndex, metrics: Metrics, d: HostEntry, r: Report) -> bool:
+    """A live spill's report: the disk entry is published, or dropped when the write failed; counted.
+
+    Returns True when the write failed by a fault (not stopped by a tomb): the owners count these,
+    so that a ``flush()`` that applies one answers False."""
     if r.ok:
         dindex.publish(d)
         metrics.moved(JobKind.SPILL, ("host", "disk"), r.nbytes, r.seconds)
-    else:
-        dindex.writer_done(d)
-        dindex.abort(d)
-        metrics.count(metrics.job_outcome[(JobKind.SPILL, "failed")])
+        return False
+    dindex.writer_done(d)
+    dindex.abort(d)
+    metrics.count(metrics.job_outcome[(JobKind.SPILL, "failed")])
+    return r.error != SPILL_PREVENTED
 
 
 def finish_promote(disk: DiskStore, hindex: TierIndex, dindex: TierIndex, metrics: Metrics, entry: HostEntry,

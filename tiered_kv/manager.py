@@ -159,6 +159,7 @@ class TierManager(TierViews):
         self._key_loads: dict[bytes, list[_Flight]] = {}     # key -> loads of that key (live jobs only)
         self._n_in_flight = {k: 0 for k in JobKind}
         self._flushes: dict[uuid.UUID, Optional[FlushDone]] = {}
+        self._spill_faults = 0   # spills whose write failed (applied reports): flush() looks at what it applies
         self._closed = self._closing = False
         self._disk: Optional[DiskStore] = None
         self._dindex: Optional[TierIndex] = None
@@ -419,7 +420,9 @@ class TierManager(TierViews):
         """Block until every spill submitted so far is durable (at the configured level) or discarded.
 
         Returns True at once without a disk tier; False on timeout or when the
-        disk tier failed to commit (the fault is counted).  Completions applied
+        disk tier failed to commit a write it covers (the fault is counted): a
+        batch that failed after it was asked for, or a spill whose failure had
+        not been applied by an earlier ``poll()``.  Completions applied
         meanwhile are returned by the next ``poll()``.
         """
         self._check_open()
@@ -429,13 +432,16 @@ class TierManager(TierViews):
         if not self._disk.writer_alive():
             self._poll(True)
             return False
+        # a spill that failed before the flush was queued, but whose report this call is the first to
+        # apply, is covered too: the writer's own check sees only batches failing after the marker
+        faults = self._spill_faults
         self._poll()  # stores already copied get their spills queued ahead of the flush marker
         token = self._tokens()
         self._flushes[token] = None
         self._disk.submit_flush(token)
         self._block_until(lambda: self._flushes[token] is not None, timeout)
         done = self._flushes.pop(token)
-        return bool(done is not None and done.ok)
+        return bool(done is not None and done.ok and self._spill_faults == faults)
 
     def close(self) -> None:
         """Let in-flight copies and writes finish, apply their reports, stop the workers.  Idempotent."""
@@ -654,7 +660,8 @@ class TierManager(TierViews):
             self.metrics.count(self.metrics.job_outcome[(_SPILL, "cancelled")])
             return
         job._move(_DONE if r.ok else _FAILED)
-        finish_spill(self._dindex, self.metrics, d, r)
+        if finish_spill(self._dindex, self.metrics, d, r):
+            self._spill_faults += 1
 
     def _apply_promote(self, fl: _Flight, r: Report) -> None:
         job, entry, d = fl.job, fl.entry, fl.dentry

@@ -126,6 +126,7 @@ class SlabTiers(TierViews):
         self._quarantine: list[_Job] = []       # cancelled jobs whose copies may still touch their slots
         self._awaiting: list[_Job] = []         # completed by the engine, rings not yet showing it
         self._disk_jobs: dict[uuid.UUID, _DiskJob] = {}
+        self._spill_faults = 0   # spills whose write failed (applied reports), for flush()
         self._n_in_flight = {k: 0 for k in JobKind}  # live engine jobs and disk jobs, by kind
         self._completions = CompletionQueue()
         self._evicted: list[bytes] = []
@@ -423,6 +424,7 @@ class SlabTiers(TierViews):
         """Wait until every spill queued so far is durable (tests and shutdown)."""
         if self._disk is None:
             return True
+        faults = self._spill_faults   # as TierManager.flush: a failure this call applies answers False
         token = self._tokens()
         self._disk.submit_flush(token)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -430,7 +432,7 @@ class SlabTiers(TierViews):
             r = self._completions.get(0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic())))
             if isinstance(r, FlushDone) and r.token == token:
                 self._drain()
-                return r.ok
+                return r.ok and self._spill_faults == faults
             if r is not None:
                 self._apply_disk(r)
             if deadline is not None and time.monotonic() >= deadline:
@@ -522,8 +524,8 @@ class SlabTiers(TierViews):
             if not dj.live:
                 m.count(m.stale[(_SPILL, StaleReason.SUPERSEDED)])
                 self._dindex.writer_done(dj.dentry)
-            else:
-                finish_spill(self._dindex, m, dj.dentry, r)
+            elif finish_spill(self._dindex, m, dj.dentry, r):
+                self._spill_faults += 1
             return
         entry = dj.entry
         self._dindex.release(dj.dentry)

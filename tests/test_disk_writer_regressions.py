@@ -1,0 +1,433 @@
+"""Regressions: six disk-tier bugs found by an adversarial review of disk.py / disktier.py (2026-12-01).
+
+Each docstring names the invariant and tells the bug as it was; each test asserts the contract and
+failed before its fix: an aborted transaction's tomb state rolled back (1, 1b), map growth faults
+failing the batch (2), corrupt reads removed token-matched without a re-read (3, 6), bounded retries
+once closing (4), flush() counting spill failures it applies (5).  Every test forces its
+interleaving deterministically (writer gates, a wrapped LMDB environment, patched I/O, events);
+no sleeps for ordering.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import lmdb
+import pytest
+
+import tiered_kv.disk as disk_mod
+from disk_helpers import (NS, ROW, WriterGate, content, drain, make_kv, rig, store_one,  # noqa: F401
+                          store_seq)
+from tiered_kv.disk import DiskOptions, DiskStore, FlushDone
+from tiered_kv.diskformat import lmdb_key, parse_header
+from tiered_kv.movers import CompletionQueue
+
+__all__ = ["rig"]
+
+
+# ============================================================================ helpers
+def payload(key: bytes) -> bytearray:
+    return bytearray(content(key, ROW).numpy().tobytes())
+
+
+class Store:
+    """A DiskStore on ``path`` with every answer collected by token (answers kept for later asks)."""
+
+    def __init__(self, path: Path, *, durability: str = "batch", num_readers: int = 1, slots: int = 16) -> None:
+        self.q = CompletionQueue()
+        self.errors: list[str] = []
+        self.s = DiskStore(DiskOptions(path=path, namespace=NS, block_bytes=ROW, capacity_bytes=slots * ROW,
+                                       durability=durability, batch_blocks=16, batch_bytes=16 * ROW,
+                                       batch_seconds=0.0, slots=slots, num_readers=num_readers),
+                           self.q, on_error=lambda kind, msg: self.errors.append(kind))
+        self.seen: dict[uuid.UUID, Any] = {}
+        self.bufs: list[bytearray] = []   # host slots stay alive while the writer reads them
+
+    def spill(self, key: bytes, token: Optional[uuid.UUID] = None) -> uuid.UUID:
+        tok = token or uuid.uuid4()
+        buf = payload(key)
+        self.bufs.append(buf)
+        assert self.s.submit_spill(tok, key, memoryview(buf)), "spill refused"
+        return tok
+
+    def answer(self, token: uuid.UUID, timeout: float = 30.0) -> Any:
+        deadline = time.monotonic() + timeout
+        while token not in self.seen:
+            item = self.q.get(max(0.0, deadline - time.monotonic()))
+            assert item is not None, f"no answer for {token} within {timeout} s"
+            self.seen[item.token] = item
+        return self.seen.pop(token)
+
+    def flush(self) -> bool:
+        tok = uuid.uuid4()
+        self.s.submit_flush(tok)
+        r = self.answer(tok)
+        assert isinstance(r, FlushDone)
+        return r.ok
+
+    def index(self) -> dict[bytes, Any]:
+        """Block key -> header of every committed entry (through the store's own environment)."""
+        env = self.s._env
+        self.s._rw.acquire_shared()
+        try:
+            with env.begin(db=self.s._blocks) as txn:
+                return {parse_header(v).key: parse_header(v) for _, v in txn.cursor()}
+        finally:
+            self.s._rw.release_shared()
+
+    def rewrite_record(self, key: bytes, fn: Callable[[bytearray], bytes]) -> None:
+        """Replace ``key``'s index record in place (models a bit flip in a data.mdb page)."""
+        self.s._rw.acquire_shared()
+        try:
+            with self.s._env.begin(write=True, db=self.s._blocks) as txn:
+                lk = lmdb_key(key)
+                txn.put(lk, fn(bytearray(txn.get(lk))))
+        finally:
+            self.s._rw.release_shared()
+
+
+@pytest.fixture
+def stores(tmp_path: Path):
+    made: list[Store] = []
+    cleanups: list[Callable[[], None]] = []
+
+    def make(name: str = "d", **kw: Any) -> Store:
+        st = Store(tmp_path / name, **kw)
+        made.append(st)
+        return st
+
+    make.cleanups = cleanups  # type: ignore[attr-defined]
+    yield make
+    for fn in cleanups:
+        fn()
+    for st in made:
+        st.s.fault_hook = None
+        st.s.close()
+
+
+class _TxnProxy:
+    def __init__(self, txn: Any, env: "EnvProxy") -> None:
+        self._txn = txn
+        self._envp = env
+
+    def __enter__(self) -> "_TxnProxy":
+        self._txn.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._txn.__exit__(*exc)
+
+    def replace(self, key: Any, value: Any, db: Any = None) -> Any:
+        self._envp.before_replace(bytes(key))
+        return self._txn.replace(key, value, db=db)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._txn, name)
+
+
+class EnvProxy:
+    """Wraps the store's lmdb.Environment: ``map_full_on`` makes the first ``replace`` of that LMDB key
+    raise MapFullError (what LMDB raises when a batch's records do not fit); ``set_mapsize_error``
+    makes growing the map fail."""
+
+    def __init__(self, env: Any, map_full_on: Optional[bytes] = None,
+                 set_mapsize_error: Optional[BaseException] = None) -> None:
+        self._env = env
+        self.map_full_on = map_full_on
+        self.set_mapsize_error = set_mapsize_error
+        self.raised = 0
+
+    def before_replace(self, lk: bytes) -> None:
+        if self.map_full_on is not None and lk == self.map_full_on:
+            self.map_full_on = None
+            self.raised += 1
+            raise lmdb.MapFullError("mdb_put: MDB_MAP_FULL: Environment mapsize limit reached")
+
+    def begin(self, *a: Any, **kw: Any) -> Any:
+        txn = self._env.begin(*a, **kw)
+        return _TxnProxy(txn, self) if kw.get("write") else txn
+
+    def set_mapsize(self, n: int) -> None:
+        if self.set_mapsize_error is not None:
+            raise self.set_mapsize_error
+        self._env.set_mapsize(n)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._env, name)
+
+
+# ============================================================================ 1. MapFullError retry
+def test_a_map_full_retry_does_not_publish_a_spill_cancelled_ahead_of_it_in_its_batch(stores):
+    """Invariant 7 (a cancelled write is never published; an invalidated key is gone after flush()
+    and after reopen).  Batch = [Tomb(T), Spill(T), Spill(X)].  Attempt 1 of the transaction writes
+    the durable tomb, prevents Spill(T) -- and, as side effects outside the transaction, drops T
+    from ``_unsettled`` and ``_cancelled`` -- then MapFullError on X aborts it.  The retry finds T
+    neither settled-pending nor cancelled: the tomb is discarded and Spill(T) is published."""
+    st = stores()
+    gate = WriterGate(block_from=1)
+    st.s.fault_hook = gate
+    st.s._env = EnvProxy(st.s._env, map_full_on=lmdb_key(b"x"))
+    t0 = st.spill(b"first")
+    gate.entered(1)                          # the writer holds batch 1 = [Spill(first)]
+    t = st.spill(b"k")
+    st.s.cancel(t, b"k")                     # queued ahead of Spill(k): [Tomb(t), Spill(t)]
+    tx = st.spill(b"x")
+    gate.open()
+    assert st.answer(t0).ok
+    r = st.answer(t)
+    assert st.answer(tx).ok
+    assert st.s._env.raised == 1, "the MapFullError was not injected"
+    assert st.flush() is True
+    committed = b"k" in st.index()
+    st.s.close()
+    again = stores("d")
+    reopened = b"k" in {e.key for e in again.s.entries}
+    assert (committed, reopened, r.ok) == (False, False, False), (
+        f"cancelled spill: committed after flush()={committed}, present after reopen={reopened}, "
+        f"reported ok={r.ok}")
+
+
+# ============================================================================ 2. writer dies growing the map
+@pytest.mark.parametrize("fault", ["statvfs_eio", "set_mapsize_error"])
+def test_map_growth_failing_after_map_full_does_not_kill_the_writer(stores, monkeypatch, fault):
+    """Invariant 11 (faults degrade, never kill the writer).  After a MapFullError, ``_run_batch``
+    calls ``_grow`` inside its ``except lmdb.MapFullError`` clause, outside any try: an OSError from
+    the free-space probe or an lmdb.Error from set_mapsize escapes and kills the writer thread (the
+    tier stops accepting spills for good; queued tombs/deletes are dropped unapplied)."""
+    st = stores()
+    proxy = EnvProxy(st.s._env, map_full_on=lmdb_key(b"a"),
+                     set_mapsize_error=lmdb.Error("mdb_env_set_mapsize: Cannot allocate memory")
+                     if fault == "set_mapsize_error" else None)
+    st.s._env = proxy
+    if fault == "statvfs_eio":
+        import shutil
+        real = shutil.disk_usage
+
+        def disk_usage(p: Any) -> Any:
+            if threading.current_thread().name == "tiered-kv-disk-writer" and proxy.raised:
+                raise OSError(errno.EIO, "Input/output error")
+            return real(p)
+
+        monkeypatch.setattr(disk_mod.shutil, "disk_usage", disk_usage)
+    r = st.answer(st.spill(b"a"))
+    assert proxy.raised == 1
+    assert not r.ok                          # the batch fails: fine
+    proxy.set_mapsize_error = None
+    monkeypatch.undo()
+    ok = st.s.submit_spill(uuid.uuid4(), b"b", memoryview(payload(b"b")))
+    assert ok and st.s.writer_alive(), f"the writer died on a failed map growth: {st.s.writer_error!r}"
+
+
+# ============================================================================ 3. a poison delete
+def test_a_corrupt_index_record_fails_no_later_batch(stores):
+    """Invariant 11 (a fault fails its batch, later batches work).  A bit flip in the length field of a
+    committed index record (high bit: length 4096 + 2**60).  The reader reports it corrupt and queues
+    ``_DeleteCorrupt``; the writer re-verifies with ``_read_slot`` = ``os.pread(fd, h.length, ...)``,
+    which raises MemoryError.  ``_batch_failed`` keeps the op and retries it with every later batch:
+    no spill ever commits again and every flush() answers False, until restart."""
+    st = stores()
+    t = st.spill(b"k")
+    assert st.answer(t).ok and st.flush()
+
+    def flip_length(v: bytearray) -> bytes:
+        v[19] ^= 0x10                        # header: magic 4, version 2, flags 2, ns_len 2, key_len 2, length 8
+        return bytes(v)
+
+    st.rewrite_record(b"k", flip_length)
+    p = uuid.uuid4()
+    st.s.submit_promote(p, b"k", t, memoryview(bytearray(ROW)))
+    r = st.answer(p)
+    assert not r.ok and r.error.startswith("miss: corrupt")
+    later = [st.spill(b"n%d" % i) for i in range(3)]
+    try:
+        outcomes = [st.answer(x) for x in later]
+        flushed = st.flush()
+        assert all(o.ok for o in outcomes), [o.error for o in outcomes]
+        assert flushed is True
+    finally:
+        # let the writer drain the poison op so that close() returns (see the next test)
+        if b"k" in st.index():
+            st.rewrite_record(b"k", flip_length)
+
+
+# ============================================================================ 4. close() under a persistent fault
+@pytest.mark.parametrize("op", ["touch", "delete", "tomb"])
+def test_close_returns_while_the_disk_fails_every_commit(stores, op):
+    """Invariant 11 / shutdown: with a persistent fault (EIO on every commit: a dead or read-only
+    disk) and a control op queued (a promote's touch, an eviction's delete, an invalidation's tomb),
+    ``_batch_failed`` re-queues the op and, once closed, skips its back-off: the writer retries the
+    same failing batch in a tight loop forever and ``close()`` (TierManager/SlabTiers.close) never
+    returns."""
+    st = stores()
+    t = st.spill(b"k")
+    assert st.answer(t).ok and st.flush()
+    done, outcome = threading.Event(), threading.Event()
+    state = {"after_close": 0}
+
+    def hook(point: str) -> None:
+        if st.s._closed:
+            state["after_close"] += 1
+            if state["after_close"] >= 50:   # the same batch failed 50 times after close(): spinning
+                outcome.set()
+        raise OSError(errno.EIO, "Input/output error")
+
+    st.s.fault_hook = hook
+    if op == "touch":
+        st.s.submit_touch(b"k")
+    elif op == "delete":
+        st.s.submit_delete(t, b"k")
+    else:
+        st.s.cancel(t, b"k")
+
+    def run_close() -> None:
+        st.s.close()
+        done.set()
+        outcome.set()
+
+    threading.Thread(target=run_close, daemon=True).start()
+    assert outcome.wait(30)
+    hung = not done.is_set()
+    st.s.fault_hook = None                   # let it finish
+    assert done.wait(30)
+    assert not hung, f"close() still retrying after {state['after_close']} failed commits"
+
+
+# ============================================================================ 5. flush after a failed spill
+def test_flush_is_false_when_a_spill_failed_before_it_was_asked_for(rig):
+    """Durability contract (a spill submitted before flush() is durable when flush() returns True;
+    test_disk_faults.test_flush_is_false_when_a_spill_it_covers_failed).  ``submit_flush`` snapshots
+    ``_failures`` when it is queued, so a spill whose batch failed *before* that (but after the spill
+    was submitted) is not covered: flush() returns True and the block is gone after reopen."""
+    kv = make_kv(8)
+    mgr = rig.open(kv, host_slots=8)
+    disk = mgr.disk
+    failed = threading.Event()
+    calls = {"n": 0}
+
+    def hook(point: str) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError(errno.EIO, "Input/output error")
+
+    orig = disk._fail_ops
+
+    def fail_ops(ops: Any, error: str) -> None:
+        orig(ops, error)
+        failed.set()
+
+    disk._fail_ops = fail_ops  # type: ignore[method-assign]
+    disk.fault_hook = hook
+    store_one(mgr, kv, b"k", 0, flush=False)          # store done, its spill queued
+    assert failed.wait(30)                            # its batch failed before flush() is called
+    flushed = mgr.flush(timeout=30)
+    rig.close(mgr)
+    mgr = rig.open(kv, host_slots=8)
+    on_disk = mgr.lookup([b"k"])
+    assert not (flushed and on_disk == 0), "flush() returned True, and the block stored before it is lost"
+
+
+# ============================================================================ 6. transient corrupt read
+def test_a_corrupt_read_removes_its_entry_even_when_a_second_read_would_pass(rig, monkeypatch):
+    """Invariants 9 and 12 / capacity (an entry that fails verification is removed; no slot is held
+    outside the owner's count).  One read returns damaged bytes (a transient: the device or the bus),
+    the reader reports "corrupt", the owner forgets the key (``forget_failed_read``), but the writer's
+    ``_DeleteCorrupt`` re-reads the slot, finds it good and keeps the entry: a committed entry and its
+    slot outside ``disk_capacity_bytes`` accounting, until the key happens to be spilled again or a
+    restart."""
+    kv = make_kv(8)
+    mgr = rig.open(kv, host_slots=2)
+    store_seq(mgr, kv, [b"A", b"B", b"C"])           # A only on disk now
+    assert mgr.host_bytes(b"A") is None
+    real = os.preadv
+    armed = {"on": True}
+
+    def preadv(fd: int, buffers: list, offset: int, *a: Any) -> int:
+        n = real(fd, buffers, offset, *a)
+        if armed["on"] and threading.current_thread().name == "tiered-kv-disk-reader":
+            armed["on"] = False
+            buffers[0][100] ^= 0x5A               # what this one read returned
+        return n
+
+    monkeypatch.setattr(disk_mod.os, "preadv", preadv)
+    job = mgr.load(b"A", 5)
+    assert job is not None
+    got = [c for c in mgr.wait([job], timeout=30) if c.job is job]
+    assert [c.ok for c in got] == [False]
+    mgr.wait(timeout=30)
+    drain(mgr)
+    assert mgr.flush(timeout=30) is True
+    drain(mgr)
+    disk = mgr.disk
+    env = disk._env
+    disk._rw.acquire_shared()
+    try:
+        with env.begin(db=disk._blocks) as txn:
+            committed = {parse_header(v).key for _, v in txn.cursor()}
+    finally:
+        disk._rw.release_shared()
+    assert mgr.disk_blocks == len(committed), (
+        f"owner counts {mgr.disk_blocks} disk blocks, {len(committed)} committed entries hold slots "
+        f"({sorted(committed)}): an orphan outside the capacity count")
+
+
+# ============================================================================ 1b. same root cause, other order
+def test_a_map_full_retry_does_not_publish_a_spill_cancelled_while_its_batch_waits(stores):
+    """Invariant 7, same root cause as test 1, the other order: the writer has taken [Spill(T), Spill(X)]
+    when T is cancelled (its tomb goes to the next batch).  Attempt 1 prevents Spill(T) and consumes the
+    in-memory cancellation; MapFullError on X; the retry publishes Spill(T).  The tomb of the next
+    batch deletes it again, but until then the cancelled write is committed (readable, and it survives
+    a crash in that window with nothing to purge it: no durable tomb was ever written)."""
+    st = stores()
+    gate = WriterGate(block_from=1)
+    st.s.fault_hook = gate
+    st.s._env = EnvProxy(st.s._env, map_full_on=lmdb_key(b"x"))
+    t0 = st.spill(b"first")
+    gate.entered(1)
+    t = st.spill(b"k")
+    tx = st.spill(b"x")
+    gate.step(1)                             # batch 1 commits; the writer takes [Spill(k), Spill(x)] ...
+    gate.entered(2)                          # ... and is held at the start of its transaction
+    st.s.cancel(t, b"k")                     # the tomb waits for the next batch
+    gate.step(2)                             # attempt 1 (MapFullError) and the retry
+    gate.entered(4)                          # held before the tomb's batch: the retry has committed
+    try:
+        assert st.s._env.raised == 1
+        assert b"k" not in st.index(), "a spill cancelled before its transaction is committed"
+    finally:
+        gate.open()
+    assert st.answer(t0).ok
+    st.answer(t)
+    assert st.answer(tx).ok
+    assert st.flush() is True
+
+
+def test_a_corrupt_read_of_a_record_without_a_header_still_removes_the_record(stores):
+    """The reader's removal of a corrupt read is token-matched; a record whose header cannot be parsed
+    (bad magic) has no token to match, and no write of anyone's makes one: it is dropped all the same,
+    at the next commit, not left in the index until a restart."""
+    st = stores()
+    t = st.spill(b"k")
+    assert st.answer(t).ok and st.flush()
+
+    def bad_magic(v: bytearray) -> bytes:
+        v[0] ^= 0xFF
+        return bytes(v)
+
+    st.rewrite_record(b"k", bad_magic)
+    p = uuid.uuid4()
+    st.s.submit_promote(p, b"k", t, memoryview(bytearray(ROW)))
+    r = st.answer(p)
+    assert not r.ok and r.error.startswith("miss: corrupt")
+    assert st.answer(st.spill(b"n")).ok and st.flush()     # a later commit carries the removal
+    st.s._rw.acquire_shared()
+    try:
+        with st.s._env.begin(db=st.s._blocks) as txn:
+            assert txn.get(lmdb_key(b"k")) is None, "the headerless record is still in the index"
+    finally:
+        st.s._rw.release_shared()
