@@ -81,6 +81,18 @@ class Store:
         finally:
             self.s._rw.release_shared()
 
+    def read_damaged(self, key: bytes, damage: Callable[[bytearray], bytes]) -> uuid.UUID:
+        """Spill ``key`` durably, ``damage`` its index record, read it back: a corrupt miss.  Returns the
+        spill's token."""
+        t = self.spill(key)
+        assert self.answer(t).ok and self.flush()
+        self.rewrite_record(key, damage)
+        p = uuid.uuid4()
+        self.s.submit_promote(p, key, t, memoryview(bytearray(ROW)))
+        r = self.answer(p)
+        assert not r.ok and r.error.startswith("miss: corrupt")
+        return t
+
     def rewrite_record(self, key: bytes, fn: Callable[[bytearray], bytes]) -> None:
         """Replace ``key``'s index record in place (models a bit flip in a data.mdb page)."""
         self.s._rw.acquire_shared()
@@ -232,18 +244,12 @@ def test_a_corrupt_index_record_fails_no_later_batch(stores):
     which raises MemoryError.  ``_batch_failed`` keeps the op and retries it with every later batch:
     no spill ever commits again and every flush() answers False, until restart."""
     st = stores()
-    t = st.spill(b"k")
-    assert st.answer(t).ok and st.flush()
 
     def flip_length(v: bytearray) -> bytes:
         v[19] ^= 0x10                        # header: magic 4, version 2, flags 2, ns_len 2, key_len 2, length 8
         return bytes(v)
 
-    st.rewrite_record(b"k", flip_length)
-    p = uuid.uuid4()
-    st.s.submit_promote(p, b"k", t, memoryview(bytearray(ROW)))
-    r = st.answer(p)
-    assert not r.ok and r.error.startswith("miss: corrupt")
+    st.read_damaged(b"k", flip_length)
     later = [st.spill(b"n%d" % i) for i in range(3)]
     try:
         outcomes = [st.answer(x) for x in later]
@@ -412,18 +418,12 @@ def test_a_corrupt_read_of_a_record_without_a_header_still_removes_the_record(st
     (bad magic) has no token to match, and no write of anyone's makes one: it is dropped all the same,
     at the next commit, not left in the index until a restart."""
     st = stores()
-    t = st.spill(b"k")
-    assert st.answer(t).ok and st.flush()
 
     def bad_magic(v: bytearray) -> bytes:
         v[0] ^= 0xFF
         return bytes(v)
 
-    st.rewrite_record(b"k", bad_magic)
-    p = uuid.uuid4()
-    st.s.submit_promote(p, b"k", t, memoryview(bytearray(ROW)))
-    r = st.answer(p)
-    assert not r.ok and r.error.startswith("miss: corrupt")
+    st.read_damaged(b"k", bad_magic)
     assert st.answer(st.spill(b"n")).ok and st.flush()     # a later commit carries the removal
     st.s._rw.acquire_shared()
     try:
