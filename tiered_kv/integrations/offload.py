@@ -570,6 +570,7 @@ class CopyResult:
     ok: bool
     nbytes: int
     seconds: float
+    store: bool = False   # a device->host copy (whose failure the scheduler side handles as a miss)
 
 
 class _CopyJob:
@@ -719,7 +720,7 @@ class SlabCopier:
             link = ("device", "host") if job.store else ("host", "device")
             m.count(m.link_bytes[link], n)
             m.observe(m.link_seconds[link], secs / max(1, len(job.blocks)))
-        out.append(CopyResult(job.job_id, ok, n, secs))
+        out.append(CopyResult(job.job_id, ok, n, secs, job.store))
 
     def wait(self, job_ids: Iterable[int], timeout: Optional[float] = None) -> None:
         """Block until the jobs ``job_ids`` have finished (their results stay for :meth:`finished`)."""

@@ -155,12 +155,14 @@ class TieredKVOffloadingSpec(OffloadingSpec):
             raise ConfigError(f"tiered_kv stores one vLLM block per key: blocks_per_chunk must be 1, "
                               f"got {self.blocks_per_chunk} (drop 'block_size'/'blocks_per_chunk' from "
                               f"kv_connector_extra_config)")
+        host_key = "host_bytes"
         host_bytes = _option(extra, "host_bytes")
-        if host_bytes is None:
-            host_bytes = extra.get("cpu_bytes_to_use")  # vLLM's own key, accepted for drop-in use
+        if host_bytes is None and "cpu_bytes_to_use" in extra:
+            host_key = "cpu_bytes_to_use"   # vLLM's own key, accepted for drop-in use
+            host_bytes = extra["cpu_bytes_to_use"]
         if host_bytes is None:
             raise ConfigError("kv_connector_extra_config needs 'host_bytes' (bytes of the shared host slab)")
-        host_bytes = _positive_int("host_bytes", host_bytes)
+        host_bytes = _positive_int(host_key, host_bytes)
         par = config.parallel
         self.world_size = int(par.world_size)
         self.rank = int(par.rank)
@@ -168,16 +170,28 @@ class TieredKVOffloadingSpec(OffloadingSpec):
         self.row_bytes = self.rank_bytes * self.world_size
         self.num_slots = host_bytes // self.row_bytes if self.row_bytes > 0 else 0
         if self.row_bytes > 0 and self.num_slots < 1:
-            raise ConfigError(f"host_bytes={host_bytes} holds no block of {self.row_bytes} bytes "
+            raise ConfigError(f"{host_key}={host_bytes} holds no block of {self.row_bytes} bytes "
                               f"({self.rank_bytes} per worker x {self.world_size} workers)")
         disk_path = _option(extra, "disk_path")
         disk_bytes = _positive_int("disk_bytes", _option(extra, "disk_bytes"), allow_zero=True)
         if disk_path is not None and disk_bytes == 0:
             raise ConfigError(f"disk_path={disk_path!r} needs 'disk_bytes' (bytes the disk tier may hold)")
+        if disk_path is not None and 0 < disk_bytes < self.row_bytes:
+            # refused here, before vLLM starts its workers, not in get_manager() in EngineCore
+            raise ConfigError(f"disk_bytes={disk_bytes} holds no block of {self.row_bytes} bytes "
+                              f"({self.rank_bytes} per worker x {self.world_size} workers)")
+        dp_size = int(getattr(par, "data_parallel_size", 1) or 1)
+        if disk_path is not None and dp_size > 1:
+            # one EngineCore (one manager) per data-parallel replica, each from this same config; one
+            # manager per disk path: each replica gets a directory of its own
+            disk_path = os.path.join(str(disk_path), f"dp{int(getattr(par, 'data_parallel_index', 0) or 0)}")
         namespace = _option(extra, "namespace")
         if namespace is None:
+            # every parallel split goes in: TP=2 and PP=2 give rows of the same size with other contents
+            # (half the heads of every layer vs all heads of half the layers)
+            split = "|".join(f"{n}={getattr(par, n + '_size', None)}" for n in ("tp", "pp", "pcp", "dcp"))
             desc = (f"model={config.model.name}|dtype={config.model.dtype}|tokens_per_block="
-                    f"{self.tokens_per_block[0]}|row={self.row_bytes}|world={self.world_size}|"
+                    f"{self.tokens_per_block[0]}|row={self.row_bytes}|world={self.world_size}|{split}|"
                     f"layout={getattr(config, 'kv_cache_layout', None)}")
             base = os.path.basename(str(config.model.name).rstrip("/"))[:48] or "model"
             namespace = f"vllm/{base}/{hashlib.sha256(desc.encode()).hexdigest()[:16]}"
@@ -327,7 +341,11 @@ class TieredKVOffloadingWorker(OffloadingWorker):
                                   src_spec.slots)
 
     def get_finished(self) -> list[TransferResult]:
-        return [TransferResult(job_id=r.job_id, success=r.ok, transfer_size=r.nbytes, transfer_time=r.seconds)
+        # a failed store is answered as finished: vLLM's worker connector asserts success, and the failure
+        # is already in the rings, so the scheduler side never publishes the block (a miss, not a crash);
+        # a failed load is reported as failed: its KV really is wrong
+        return [TransferResult(job_id=r.job_id, success=r.ok or r.store, transfer_size=r.nbytes,
+                               transfer_time=r.seconds)
                 for r in self.copier.finished()]
 
     def wait(self, job_ids: set[int]) -> None:
