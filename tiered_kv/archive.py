@@ -66,7 +66,7 @@ from .disk import init_meta
 from .diskformat import (FORMAT_VERSION, HEADER_SIZE, CorruptEntry, SlotReader, inline_value, lmdb_key, pack_header,
                          verify_entry)
 from .ops import (LOCK_NAME, OpenEnv, OpsError, PathLike, fsync_path, check_env_dir, check_meta, grow_map,
-                  hold_path, open_readonly, open_writable, stored_payload)
+                  hold_path, open_readonly, open_writable, record_changed, stored_payload)
 
 __all__ = ["ARCHIVE_MAGIC", "ARCHIVE_VERSION", "ArchiveError", "ArchiveHeader", "ExportReport", "ImportReport",
            "export_archive", "import_archive", "export_async", "import_async", "read_header", "scan_archive"]
@@ -391,7 +391,8 @@ async def export_async(path: PathLike, namespace: str, out: PathLike,
                             try:
                                 h = verify_entry(v, ns, None, bb, payload)
                             except CorruptEntry:
-                                rep.skipped_corrupt += 1
+                                if not record_changed(oe, bytes(lk), v):   # else: rewritten meanwhile, not bad
+                                    rep.skipped_corrupt += 1
                                 continue
                             if lmdb_key(h.key) != bytes(lk):
                                 rep.skipped_corrupt += 1
@@ -536,6 +537,8 @@ async def _import_pass(oe: OpenEnv, archive: Path, hdr0: ArchiveHeader, rep: Imp
                             oh = verify_entry(old, target_ns, eh.key, bb, stored_payload(old, bb, slots))
                         except CorruptEntry:
                             oh = None
+                        if oh is not None and txn.get(oh.token.bytes, db=dbs["tombs"]) is not None:
+                            oh = None   # written under a tombstoned token: the next open purges it
                         if oh is not None:
                             counts["already_present" if oh.token == eh.token else "kept_existing"] += 1
                             continue
@@ -604,7 +607,13 @@ async def import_async(path: PathLike, archive: PathLike, force_namespace: bool 
             made = [p / n for n in ("data.mdb", "lock.mdb", LOCK_NAME) if not (p / n).exists()]
         try:
             if state == "new":
-                stack.enter_context(hold_path(p))
+                try:
+                    stack.enter_context(hold_path(p))
+                except BaseException:
+                    # refused: whoever holds the path now (a TierManager started meanwhile) owns what is
+                    # in it, the directory and files this call made included -- nothing is removed
+                    created, made = None, []
+                    raise
                 state = _path_state(p)   # again, under the lock: a TierManager may have created it meanwhile
                 if state == "existing":
                     made = []

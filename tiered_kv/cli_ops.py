@@ -229,6 +229,9 @@ def _verify(args: argparse.Namespace) -> int:
             print(_problem_line(pr))
         if rep.problems > len(shown):
             print(f"  ... and {rep.problems - len(shown):,} more (--json lists all)")
+        if rep.changed_meanwhile:
+            print(f"note: {rep.changed_meanwhile:,} entries were dropped or rewritten by the live writer while "
+                  f"they were read (not counted as problems)")
         if rep.dangling_touch:
             print(f"note: {rep.dangling_touch:,} touch records of absent keys (harmless; dropped at the next open)")
         if rep.repaired:

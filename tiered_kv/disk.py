@@ -369,6 +369,7 @@ class DiskStore:
         except lmdb.Error as exc:
             raise DiskTierError(f"disk_path {str(o.path)!r} is not a usable LMDB environment: {exc}") from exc
         self._env = env
+        self._reader_check()
         info, stat = env.info(), env.stat()
         need = (info["last_pgno"] + 1) * stat["psize"]
         if existing and data.stat().st_size < need:
@@ -463,9 +464,12 @@ class DiskStore:
             touched = {}
             for k, v in txn.cursor(db=self._touch):
                 k = bytes(k)
-                touched[k] = _U64.unpack(bytes(v))[0]
+                touched[k] = _U64.unpack(bytes(v))[0] if len(v) == _U64.size else None
             for k, seq in touched.items():
                 e = entries.get(k)
+                if seq is None:   # a damaged touch record: it only ever held recency, so it is dropped
+                    txn.delete(k, db=self._touch)
+                    continue
                 if e is None:
                     txn.delete(k, db=self._touch)
                 elif seq > e.seq:
@@ -726,6 +730,7 @@ class DiskStore:
 
     def _run_batch(self, batch: list[Any]) -> None:
         """Commit ``batch`` in one transaction; on failure fail its spills and keep its control ops."""
+        self._reader_check()
         for _attempt in range(4):
             try:
                 self._grow_ahead(batch)
@@ -785,6 +790,23 @@ class DiskStore:
             log.error("disk tier %s: closing after %d failed commits; dropped %d tomb/delete/touch op(s) that "
                       "could not be written (a tombstoned entry among them may be readable after reopen)",
                       self.opts.path, self._close_failures, len(dropped))
+
+    def _reader_check(self) -> None:
+        """Clear reader-table slots of processes that died inside a read transaction (a ``tiered-kv
+        verify`` or ``export`` killed with SIGKILL): LMDB never ends such a transaction itself, and
+        its snapshot would keep the writer from reusing any page freed after it -- data.mdb would
+        grow with every commit until this process restarts.  A scan of the reader table and one
+        lock probe per process in it: once per batch costs next to nothing beside its fdatasync."""
+        env = self._env
+        if env is None:
+            return
+        try:
+            cleared = env.reader_check()
+        except lmdb.Error as exc:
+            self._on_error("lmdb_error", f"reader_check: {exc!r}")
+            return
+        if cleared:
+            log.warning("disk tier %s: cleared %d reader slot(s) left by dead processes", self.opts.path, cleared)
 
     def _batch_bytes(self, batch: list[Any]) -> int:
         """The LMDB map space a batch's index records may take (payloads go to the slot file)."""

@@ -205,7 +205,10 @@ class SlotReader:
     def payload(self, h: EntryHeader) -> bytes:
         if self._fd < 0:
             return b""
-        return os.pread(self._fd, h.length, h.slot * self.slot_bytes)
+        off = h.slot * self.slot_bytes
+        if off >= os.fstat(self._fd).st_size:
+            return b""   # a slot past the end (a damaged slot number): truncated, not an OverflowError
+        return os.pread(self._fd, h.length, off)
 
     def close(self) -> None:
         if self._fd >= 0:

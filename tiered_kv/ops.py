@@ -513,6 +513,7 @@ class VerifyReport:
     orphaned: list[Problem] = field(default_factory=list)
     tombstones: int = 0
     dangling_touch: int = 0       # touch records of absent keys (harmless; recovery drops them)
+    changed_meanwhile: int = 0    # read-only beside a live writer: entries dropped or rewritten while read
     repaired: bool = False
     removed: int = 0
     after: Optional[dict[str, int]] = None   # a fresh check after --repair
@@ -554,9 +555,22 @@ def stored_payload(v: Any, bb: int, slots: SlotReader) -> Optional[bytes]:
     return slots.payload(h) if h.length == bb else b""
 
 
+def record_changed(oe: Any, lk: bytes, value: Any) -> bool:
+    """Whether ``lk``'s index record is no longer ``value`` (dropped or rewritten) in a fresh read
+    transaction.  The index is a snapshot, the slot file is not: beside a live writer a slot read
+    through an old record may hold a newer write's bytes, which is a change, not corruption."""
+    with oe.begin() as txn:
+        now = txn.get(lk, db=oe.dbs["blocks"])
+    return now is None or bytes(now) != bytes(value)
+
+
 def _scan(txn: Any, dbs: dict[str, Any], ns: bytes, bb: int, rep: VerifyReport, slots: SlotReader,
-          progress: Optional[Callable[[int, int], None]] = None) -> list[bytes]:
-    """Check every entry (and the payload in its slot); fill ``rep``; return the LMDB keys of the bad ones."""
+          progress: Optional[Callable[[int, int], None]] = None,
+          changed: Optional[Callable[[bytes, Any], bool]] = None) -> list[bytes]:
+    """Check every entry (and the payload in its slot); fill ``rep``; return the LMDB keys of the bad ones.
+
+    ``changed(lmdb key, record)``: read-only runs ask it before calling an entry corrupt (see
+    :func:`record_changed`); one that changed is counted in ``changed_meanwhile`` instead."""
     tombs = {bytes(k) for k, _ in txn.cursor(db=dbs["tombs"])}
     rep.tombstones = len(tombs)
     bad: list[bytes] = []
@@ -571,6 +585,9 @@ def _scan(txn: Any, dbs: dict[str, Any], ns: bytes, bb: int, rep: VerifyReport, 
         try:
             h = verify_entry(v, ns, None, bb, stored_payload(v, bb, slots))
         except CorruptEntry as exc:
+            if changed is not None and changed(lk, v):
+                rep.changed_meanwhile += 1
+                continue
             key, tok = _lenient_key_token(v)
             rep.corrupt.append(Problem("corrupt", exc.reason, lk.hex(), key, tok, str(exc)))
             bad.append(lk)
@@ -608,7 +625,7 @@ def verify(path: PathLike, repair: bool = False,
             ns, bb = check_meta(oe.meta, p)
             rep = VerifyReport(str(p), ns.decode(errors="replace"), bb, writer_pids=lock_holders(p))
             with oe.begin(buffers=True) as txn, SlotReader(p, bb) as slots:
-                _scan(txn, oe.dbs, ns, bb, rep, slots, progress)
+                _scan(txn, oe.dbs, ns, bb, rep, slots, progress, lambda lk, v: record_changed(oe, lk, v))
         rep.seconds = time.perf_counter() - t0
         return rep
     with hold_path(p):
