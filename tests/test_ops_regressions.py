@@ -27,6 +27,15 @@ def _child_env() -> dict[str, str]:
     return env
 
 
+def _child(script: str, *args: str, ready: str) -> "subprocess.Popen[str]":
+    """A child Python process running ``script`` with ``args``, once it has printed ``ready``."""
+    proc = subprocess.Popen([PYTHON, "-c", script, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_child_env())
+    assert proc.stdout is not None and proc.stdin is not None
+    assert proc.stdout.readline().strip() == ready, proc.stderr.read() if proc.stderr else ""
+    return proc
+
+
 # ============================================================================ 1. a damaged slot number
 @pytest.mark.parametrize("argv", [["verify"], ["verify", "--repair"], ["export"], ["import"]])
 def test_a_bit_flipped_high_slot_number_is_reported_not_a_traceback(argv, tmp_path, capsys):
@@ -171,11 +180,9 @@ def test_read_only_verify_beside_a_live_tiermanager_does_not_report_reused_slots
     must do the same."""
     from tiered_kv.ops import verify
     path = tmp_path / "disk"
-    proc = subprocess.Popen([PYTHON, "-c", LIVE, str(path), NS, str(ROW)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env())
+    proc = _child(LIVE, str(path), NS, str(ROW), ready="ready")
     try:
         assert proc.stdout is not None and proc.stdin is not None
-        assert proc.stdout.readline().strip() == "ready", proc.stderr.read() if proc.stderr else ""
         churned = []
 
         def progress(done, total):   # called inside verify's read transaction, before the first check
@@ -238,11 +245,9 @@ def test_a_killed_read_only_verify_does_not_pin_the_live_writers_pages_forever(t
     writer can reuse no freed page again: data.mdb grows with every commit (here 48 KiB -> MiBs
     within 200 spills) until the TierManager restarts (or the disk fills)."""
     path = tmp_path / "disk"
-    w = subprocess.Popen([PYTHON, "-c", CHURN, str(path), NS, str(ROW)], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env())
+    w = _child(CHURN, str(path), NS, str(ROW), ready="ready")
     try:
         assert w.stdout is not None and w.stdin is not None
-        assert w.stdout.readline().strip() == "ready", w.stderr.read() if w.stderr else ""
 
         def churn(n: int) -> int:
             w.stdin.write(f"{n}\n")
@@ -251,10 +256,7 @@ def test_a_killed_read_only_verify_does_not_pin_the_live_writers_pages_forever(t
 
         churn(50)
         base = churn(100)                               # steady state: LMDB reuses its freed pages
-        r = subprocess.Popen([PYTHON, "-c", KILLED_VERIFY, str(path)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env())
-        assert r.stdout is not None
-        assert r.stdout.readline().strip() == "in txn", r.stderr.read() if r.stderr else ""
+        r = _child(KILLED_VERIFY, str(path), ready="in txn")
         r.kill()
         r.wait(timeout=30)
         after = churn(200)

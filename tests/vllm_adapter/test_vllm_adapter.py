@@ -369,9 +369,14 @@ def test_load_store_spec_pickles(pair: Pair) -> None:
     ({"disk_path": "/nonexistent/tkv-disk", "disk_bytes": -1}, ["disk_bytes", "-1"]),
     ({"durability": "sometimes"}, ["durability", "sometimes"]),
     ({"writer_queue_blocks": 0}, ["writer_queue_blocks", "0"]),
+    # refused at spec creation (not later in EngineCore), naming the key the user wrote (regressions)
+    ({"disk_path": "/nonexistent/tkv-disk", "disk_bytes": ROW_BYTES - 1}, ["disk_bytes", str(ROW_BYTES - 1)]),
+    ({"host_bytes": None, "cpu_bytes_to_use": 0}, ["cpu_bytes_to_use", "0"]),
+    ({"host_bytes": None, "cpu_bytes_to_use": "8G"}, ["cpu_bytes_to_use", "8G"]),
 ], ids=["no-host_bytes", "disk_path-without-disk_bytes", "blocks_per_chunk-2", "negative-host_bytes",
         "zero-host_bytes", "bool-host_bytes", "str-host_bytes", "host_bytes-below-one-block", "negative-disk_bytes",
-        "bad-durability", "zero-writer_queue"])
+        "bad-durability", "zero-writer_queue", "disk_bytes-below-one-block", "zero-cpu_bytes_to_use",
+        "str-cpu_bytes_to_use"])
 def test_bad_config_raises_config_error_naming_the_value(model_dir: str, tmp_path: Path, over: dict,
                                                          needles: list[str]) -> None:
     extra = tkv_extra(tmp_path)
