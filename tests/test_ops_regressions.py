@@ -6,7 +6,6 @@ Deterministic: seeded content, tmp_path directories, a child process driven line
 from __future__ import annotations
 
 import json
-import shutil
 import struct
 import subprocess
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 
 from test_ops_common import (NS, PYTHON, REPO, ROW, build_env, cli, content, keys, load_bytes, open_manager, raw,
                              raw_put, token_of)
-from tiered_kv.diskformat import SLOTS_NAME, lmdb_key, parse_header
+from tiered_kv.diskformat import SLOTS_NAME, lmdb_key
 
 BIG_ROW = 64 << 10      # a 64 KiB block (a realistic KV block size is far larger)
 
