@@ -133,6 +133,10 @@ class _TxnProxy:
         return self
 
     def __exit__(self, *exc: Any) -> Any:
+        if exc[0] is None and self._envp.fail_commit:
+            self._envp.fail_commit = False
+            self._txn.abort()            # the commit fails: nothing of this transaction is kept
+            raise lmdb.MapFullError("mdb_txn_commit: MDB_MAP_FULL: Environment mapsize limit reached")
         return self._txn.__exit__(*exc)
 
     def replace(self, key: Any, value: Any, db: Any = None) -> Any:
@@ -153,6 +157,7 @@ class EnvProxy:
         self._env = env
         self.map_full_on = map_full_on
         self.set_mapsize_error = set_mapsize_error
+        self.fail_commit = False     # the next write transaction's commit raises MapFullError
         self.raised = 0
 
     def before_replace(self, lk: bytes) -> None:
@@ -427,3 +432,26 @@ def test_a_corrupt_read_of_a_record_without_a_header_still_removes_the_record(st
             assert txn.get(lmdb_key(b"k")) is None, "the headerless record is still in the index"
     finally:
         st.s._rw.release_shared()
+
+
+def test_a_tombstone_whose_transaction_aborts_keeps_the_cancellation_in_memory(stores):
+    """write_tombstone (any thread or process) shares _apply_tomb with the writer: deleting the entry
+    takes the token out of ``_cancelled``.  If that transaction's commit fails, the entry is still
+    there, so the in-memory cancellation must be too (``_undo``), or a later tomb op for the same
+    token would find it settled and keep nothing."""
+    st = stores()
+    t = st.spill(b"k")
+    assert st.answer(t).ok and st.flush()
+    with st.s._cancel_lock:
+        st.s._cancelled.add(t)               # what cancel() notes before its tomb op reaches the writer
+    real = st.s._env
+    st.s._env = EnvProxy(real)
+    st.s._env.fail_commit = True
+    try:
+        with pytest.raises(lmdb.MapFullError):
+            st.s.write_tombstone(t, b"k")
+    finally:
+        st.s._env = real
+    assert b"k" in st.index()                # the delete was not committed ...
+    assert st.s._is_cancelled(t)             # ... and the cancellation it consumed is back
+    assert st.s.write_tombstone(t, b"k") is True and b"k" not in st.index()
