@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry
 
 from tiered_kv import Completion, Job, TieredKVConfig, TierManager
 from tiered_kv.jobs import JobKind
-from tiered_kv.movers import CompletionQueue, Report, Transfer
+from tiered_kv.movers import CompletionQueue, Mover, Report, Transfer
 
 SWEEP_ENV = "TIERED_KV_SWEEP_EXAMPLES"
 
@@ -146,7 +146,7 @@ def snapshot(mgr: TierManager) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- fake mover
-class FakeMover:
+class FakeMover(Mover):
     """A mover whose transfers are answered only when the test says so.
 
     ``submitted`` lists every transfer in submission order; ``outstanding`` the
@@ -168,7 +168,7 @@ class FakeMover:
         self.closed = False
         self._lock = threading.Lock()
 
-    # -- Mover protocol ------------------------------------------------------
+    # -- Mover ------------------------------------------------------
     def submit(self, t: Transfer) -> None:
         with self._lock:
             self.submitted.append(t)
@@ -205,10 +205,11 @@ class FakeMover:
         raise AssertionError(f"transfer {t} was already answered (use duplicate() to repeat a report)")
 
     def _copy(self, t: Transfer) -> None:
-        if t.kind is JobKind.STORE:
-            self.host_rows[t.slot].copy_(self.dev_rows[t.row])
-        else:
-            self.dev_rows[t.row].copy_(self.host_rows[t.slot])
+        for r, s in zip(t.rows, t.slots, strict=True):
+            if t.kind is JobKind.STORE:
+                self.host_rows[s].copy_(self.dev_rows[r])
+            else:
+                self.dev_rows[r].copy_(self.host_rows[s])
 
     def complete(self, t: Union[Transfer, Any], ok: bool = True, *, copy: Optional[bool] = None,
                  honor_cancel: bool = False, error: Optional[str] = None) -> Report:
@@ -216,7 +217,7 @@ class FakeMover:
 
         ``ok=True`` performs the copy now and reports success.  With
         ``honor_cancel`` a transfer whose ``cancelled`` hint is set is skipped
-        like ThreadMover does (``ok=False, copied=False``).  ``copy`` forces or
+        like ThreadMover does (``ok=False``, no copy).  ``copy`` forces or
         suppresses the copy regardless of ``ok`` (a failed worker may have
         written part of the destination).
         """
@@ -229,7 +230,7 @@ class FakeMover:
                 error = "injected failure"
         if do_copy:
             self._copy(t)
-        r = Report(t.token, t.kind, ok, error, self.row_bytes if ok else 0, 1e-4 if ok else 0.0, do_copy)
+        r = Report(t.token, t.kind, ok, error, len(t.rows) * self.row_bytes if ok else 0, 1e-4 if ok else 0.0)
         self.reports.append(r)
         self.completions.put(r)
         return r
@@ -278,7 +279,7 @@ class FakeMover:
             if not rs:
                 raise LookupError(f"no report was put for token {token}")
             r = rs[-1]
-        dup = Report(r.token, r.kind, r.ok, r.error, r.nbytes, r.seconds, r.copied)
+        dup = Report(r.token, r.kind, r.ok, r.error, r.nbytes, r.seconds)
         self.reports.append(dup)
         self.completions.put(dup)
         return dup

@@ -39,7 +39,7 @@ def make(rows: int = 32, slots: int = 16, streams: int = 2, rng: Optional[random
     made: list[CudaMover] = []
 
     def factory(dev: torch.Tensor, host: torch.Tensor, out: Any) -> CudaMover:
-        made.append(CudaMover(dev, host, out, streams, runtime=gpu, batch_max=batch, event_bytes=event_bytes))
+        made.append(CudaMover([(dev, host)], out, streams, runtime=gpu, batch_max=batch, event_bytes=event_bytes))
         return made[0]
 
     kv = make_kv(rows)
@@ -54,12 +54,12 @@ def bare(rows: int, streams: int = 1, **kw: Any) -> tuple[FakeGPU, CompletionQue
     gpu, out = FakeGPU(), CompletionQueue()
     dev = torch.arange(rows * 8, dtype=torch.uint8).view(rows, 8)
     host = torch.zeros((rows, 8), dtype=torch.uint8)
-    return gpu, out, dev, host, CudaMover(dev, host, out, streams, runtime=gpu, **kw)
+    return gpu, out, dev, host, CudaMover([(dev, host)], out, streams, runtime=gpu, **kw)
 
 
 def stores(n: int) -> list[Transfer]:
     """Stores of rows 0..n-1 into slots 0..n-1."""
-    return [Transfer(uuid.uuid4(), JobKind.STORE, r, r) for r in range(n)]
+    return [Transfer(uuid.uuid4(), JobKind.STORE, [r], [r]) for r in range(n)]
 
 
 def in_host(mgr: TierManager, gpu: FakeGPU, kv: torch.Tensor, key: bytes, row: int) -> None:
@@ -174,14 +174,14 @@ def test_events_are_recycled_and_a_recycled_event_is_not_reported_early() -> Non
 
 def test_a_transfer_cancelled_before_submit_is_answered_without_a_copy() -> None:
     """The Mover protocol's hint: a transfer already marked cancelled queues nothing on the device."""
-    gpu, out, _, _, mover = bare(2)
-    t = Transfer(uuid.uuid4(), JobKind.STORE, 0, 0, cancelled=True)
+    gpu, out, _, host, mover = bare(2)
+    t = Transfer(uuid.uuid4(), JobKind.STORE, [0], [0], cancelled=True)
     mover.submit(t)
     assert out.drain() == [] and mover.in_flight() == 1
     mover.harvest()
     (r,) = out.drain()
-    assert r.token == t.token and not r.ok and not r.copied and "cancelled" in (r.error or "")
-    assert gpu.idle and mover.in_flight() == 0 and gpu.events == []
+    assert r.token == t.token and not r.ok and "cancelled" in (r.error or "")
+    assert gpu.idle and mover.in_flight() == 0 and gpu.events == [] and not host.any()   # no copy made
 
 
 # ----------------------------------------------------------------------------- batches
@@ -229,7 +229,7 @@ def test_batch_max_puts_the_batch_on_the_device_from_submit() -> None:
 def test_each_copy_is_timed_from_the_event_before_it() -> None:
     """One end event per copy, each timed from the previous one of its batch: a copy's seconds are its own."""
     gpu, out, dev, host, mover = bare(4, event_bytes=1)
-    ts = [Transfer(uuid.uuid4(), JobKind.STORE, r, 3 - r) for r in range(4)]
+    ts = [Transfer(uuid.uuid4(), JobKind.STORE, [r], [3 - r]) for r in range(4)]
     for t in ts:
         mover.submit(t)
     mover.flush()
@@ -287,7 +287,7 @@ def test_copies_share_an_end_event_per_event_bytes(failing: Optional[int]) -> No
     mover.harvest()
     rest = out.drain()
     assert [r.token for r in rest] == [t.token for t in copies[2:]] and all(r.ok for r in rest)
-    assert all(torch.equal(host[t.slot], dev[t.row]) for t in copies)
+    assert all(torch.equal(host[t.slots[0]], dev[t.rows[0]]) for t in copies)
     assert mover.in_flight() == 0
     assert len(gpu.events) == 1 + (len(copies) + 1) // 2
     for t in ts:                              # the next batch (5 copies: 4 events) reuses those
@@ -402,8 +402,8 @@ def test_an_error_at_a_shared_event_fails_every_copy_behind_it() -> None:
     jobs = [mgr.store(k, i) for i, k in enumerate(keys)]
     assert mgr.poll() == []
     (first, second) = mover._pending[0]
-    assert [t.row for t in first[0]] == [0, 1] and [t.row for t in second[0]] == [2]
-    first[2].fail = RuntimeError("CUDA error: an illegal memory access was encountered")
+    assert [t.rows for t in first.ended] == [[0], [1]] and [t.rows for t in second.ended] == [[2]]
+    first.end.fail = RuntimeError("CUDA error: an illegal memory access was encountered")
     gpu.run_all()
     comps = mgr.poll()
     assert [c.job for c in comps] == jobs
@@ -465,7 +465,7 @@ def test_a_load_behind_a_promote_goes_to_the_device_in_the_same_poll(tmp_path: A
     made: list[CudaMover] = []
 
     def factory(dev: torch.Tensor, host: torch.Tensor, out: Any) -> CudaMover:
-        made.append(CudaMover(dev, host, out, 1, runtime=gpu))
+        made.append(CudaMover([(dev, host)], out, 1, runtime=gpu))
         return made[0]
 
     kv = make_kv(8)
@@ -520,7 +520,7 @@ def test_an_error_surfacing_at_the_event_query_is_reported_failed() -> None:
     fill_row(kv, 3, B)
     ja, jb = mgr.store(A, 2), mgr.store(B, 3)
     assert mgr.poll() == []
-    end_of_a = mover._pending[0][0][2]
+    end_of_a = mover._pending[0][0].end
     end_of_a.fail = RuntimeError("CUDA error: an illegal memory access was encountered")
     gpu.run_all()
     comps = mgr.poll()
@@ -541,9 +541,9 @@ def test_a_recycled_event_whose_old_record_is_still_queued_reports_nothing_early
     s0, s1 = gpu.side
     gpu.kernel(lambda: None)
     gpu.copy_error = RuntimeError("injected")
-    t1 = Transfer(uuid.uuid4(), JobKind.LOAD, 0, 0)
+    t1 = Transfer(uuid.uuid4(), JobKind.LOAD, [0], [0])
     mover.submit(t1)                          # s0: wait, start record; the copy fails: the start event is free
-    t2 = Transfer(uuid.uuid4(), JobKind.STORE, 1, 1)
+    t2 = Transfer(uuid.uuid4(), JobKind.STORE, [1], [1])
     mover.submit(t2)                          # s1: wait, start (the same event), copy, end
     gpu.run(gpu.compute)
     gpu.run(s1)
@@ -551,7 +551,7 @@ def test_a_recycled_event_whose_old_record_is_still_queued_reports_nothing_early
     assert {r.token: r.ok for r in out.drain()} == {t1.token: False, t2.token: True}
     gpu.kernel(lambda: None)
     dev[2].fill_(7)
-    t3 = Transfer(uuid.uuid4(), JobKind.STORE, 2, 2)
+    t3 = Transfer(uuid.uuid4(), JobKind.STORE, [2], [2])
     mover.submit(t3)                          # s0 now: wait, old record, wait, start, copy, end
     gpu.run(s0)                               # runs the old record, stops at the second wait
     mover.harvest()
@@ -600,7 +600,7 @@ def test_close_with_a_broken_device_does_not_raise() -> None:
 
     for s in gpu.side:
         s.synchronize = broken  # type: ignore[method-assign]
-    mover._pending[0][0][2].fail = err
+    mover._pending[0][0].end.fail = err
     mgr.close()                              # logged, answered as failed, not raised
     assert mover.in_flight() == 0
 

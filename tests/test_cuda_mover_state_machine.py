@@ -463,7 +463,7 @@ class CudaMoverMachine(RuleBasedStateMachine):
         made: list[CudaMover] = []
 
         def factory(dev: torch.Tensor, host: torch.Tensor, out: CompletionQueue) -> CudaMover:
-            made.append(CudaMover(dev, host, out, streams, runtime=self.gpu, batch_max=batch_max,
+            made.append(CudaMover([(dev, host)], out, streams, runtime=self.gpu, batch_max=batch_max,
                                   event_bytes=per_event * ROW_BYTES - (ROW_BYTES // 2 if per_event > 1 else 0)))
             return made[0]
 

@@ -215,7 +215,7 @@ def test_evicting_ahead_while_a_worker_copies_out_of_a_slot_keeps_that_slot():
 
     kv = make_kv(8)
     mgr = TierManager(make_config(host_slots=8, host_evict_ahead_blocks=0), kv, registry=CollectorRegistry(),
-                      mover_factory=lambda d, h, q: ThreadMover(d, h, q, num_workers=1, copy_fn=gated_copy,
+                      mover_factory=lambda d, h, q: ThreadMover([(d, h)], q, num_workers=1, copy_fn=gated_copy,
                                                                  batch_max=64))
     try:
         for row, key in ((0, b"A"), (1, b"B")):

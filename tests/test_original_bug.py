@@ -120,7 +120,7 @@ def test_superseded_report_discarded_second_job_wins(fake, kv, metric, late_firs
     j2 = mgr.store(A, 7)
     assert j2 is not None and j2.token != j1.token
     t1, t2 = mover.transfer_of(j1), mover.transfer_of(j2)
-    assert t1.slot != t2.slot, "the superseded job's slot must still be leased"
+    assert t1.slots != t2.slots, "the superseded job's slot must still be leased"
     # make the stale job's bytes observably wrong: its source row now holds C
     assert mgr.free_block(3) is True
     fill_row(kv, 3, C)

@@ -44,7 +44,7 @@ def test_row_137_reused_for_B_while_A_store_in_flight(fake, kv, metric, order, a
     jb = mgr.store(B, ROW)
     assert jb is not None
     tb = mover.transfer_of(jb)
-    assert tb.slot != ta.slot                   # A's slot is still leased to A's worker
+    assert tb.slots != ta.slots                   # A's slot is still leased to A's worker
 
     def answer_a():
         # A's worker copies row 137 *now*: B's bytes land in A's slot
@@ -228,7 +228,7 @@ def test_stale_A_report_does_not_free_Bs_slot(fake, kv):
     mgr.poll()
     assert mgr.host_used_slots == 1 and mgr.host_blocks == 1
     assert host_matches(mgr, B, kv) is True
-    assert mover.transfer_of(jb).slot != mover.transfer_of(ja).slot
+    assert mover.transfer_of(jb).slots != mover.transfer_of(ja).slots
     assert torch_equal_u8(mgr.host_bytes(B), content_u8(B))
 
 

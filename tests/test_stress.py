@@ -74,7 +74,7 @@ def test_threaded_stress(variant):
     factory = None
     if v["workers"] is not None:
         copy_fn = v["copy_fn"]()
-        factory = lambda d, h, c: ThreadMover(d, h, c, num_workers=v["workers"], copy_fn=copy_fn)  # noqa: E731
+        factory = lambda d, h, c: ThreadMover([(d, h)], c, num_workers=v["workers"], copy_fn=copy_fn)  # noqa: E731
     mgr = TierManager(cfg, kv, registry=reg, mover_factory=factory)
 
     loads_in_flight: dict[int, object] = {}   # row -> load job the engine has not seen reported

@@ -32,14 +32,14 @@ def test_rows_are_copied_byte_for_byte_both_ways(padded):
     dev = base[:, :64]                   # rows contiguous, 96 bytes apart when padded
     host = torch.zeros((4, 64), dtype=torch.uint8)
     q = CompletionQueue()
-    m = ThreadMover(dev, host, q, num_workers=2)
+    m = ThreadMover([(dev, host)], q, num_workers=2)
     try:
         assert m._fast
-        m.submit(Transfer(uuid.uuid4(), JobKind.STORE, 5, 2))
+        m.submit(Transfer(uuid.uuid4(), JobKind.STORE, [5], [2]))
         (r,) = _reports(q, 1)
         assert r.ok and r.nbytes == 64 and torch.equal(host[2], dev[5])
         keep = base.clone()
-        m.submit(Transfer(uuid.uuid4(), JobKind.LOAD, 1, 2))
+        m.submit(Transfer(uuid.uuid4(), JobKind.LOAD, [1], [2]))
         (r,) = _reports(q, 1)
         assert r.ok and torch.equal(dev[1], dev[5])
         if padded:                       # the gap bytes between rows were not touched
@@ -55,12 +55,12 @@ def test_out_of_range_transfer_fails_its_report_and_writes_nothing():
     host = torch.zeros((2, 32), dtype=torch.uint8)
     before = dev.clone(), host.clone()
     q = CompletionQueue()
-    m = ThreadMover(dev, host, q, num_workers=1)
+    m = ThreadMover([(dev, host)], q, num_workers=1)
     try:
         toks = [uuid.uuid4() for _ in range(3)]
-        m.submit(Transfer(toks[0], JobKind.STORE, 0, 2))     # slot past the slab
-        m.submit(Transfer(toks[1], JobKind.LOAD, 4, 0))      # row past the tensor
-        m.submit(Transfer(toks[2], JobKind.STORE, -1, 0))    # negative row
+        m.submit(Transfer(toks[0], JobKind.STORE, [0], [2]))     # slot past the slab
+        m.submit(Transfer(toks[1], JobKind.LOAD, [4], [0]))      # row past the tensor
+        m.submit(Transfer(toks[2], JobKind.STORE, [-1], [0]))    # negative row
         reps = _reports(q, 3)
         assert [r.token for r in reps] == toks
         assert all(not r.ok and "out of range" in (r.error or "") for r in reps), reps
@@ -79,10 +79,10 @@ def test_an_injected_copy_function_replaces_the_memmove():
     dev = torch.ones((2, 16), dtype=torch.uint8)
     host = torch.zeros((2, 16), dtype=torch.uint8)
     q = CompletionQueue()
-    m = ThreadMover(dev, host, q, num_workers=1, copy_fn=copy)
+    m = ThreadMover([(dev, host)], q, num_workers=1, copy_fn=copy)
     try:
         assert not m._fast
-        m.submit(Transfer(uuid.uuid4(), JobKind.STORE, 1, 0))
+        m.submit(Transfer(uuid.uuid4(), JobKind.STORE, [1], [0]))
         (r,) = _reports(q, 1)
         assert r.ok and calls == [1] and torch.equal(host[0], dev[1])
     finally:
@@ -96,17 +96,17 @@ def test_help_one_leaves_a_stop_sentinel_to_the_workers_and_copies_nothing_once_
     dev = torch.arange(4 * 64, dtype=torch.int64).remainder(251).to(torch.uint8).view(4, 64)
     host = torch.zeros((4, 64), dtype=torch.uint8)
     q = CompletionQueue()
-    m = ThreadMover(dev, host, q, num_workers=0)       # no worker: the queue holds what is put in it
+    m = ThreadMover([(dev, host)], q, num_workers=0)       # no worker: the queue holds what is put in it
     m._q.put(None)
     assert m.help_one() is False
     assert m._q.get_nowait() is None and m._q.empty()
-    t = Transfer(uuid.uuid4(), JobKind.STORE, 1, 1)
+    t = Transfer(uuid.uuid4(), JobKind.STORE, [1], [1])
     m.submit(t)
     assert m.help_one() is True and m.helped == 1
     (r,) = _reports(q, 1)
     assert r.ok and r.token == t.token and torch.equal(host[1], dev[1])
     m.close()
-    m.submit(Transfer(uuid.uuid4(), JobKind.STORE, 2, 2))
+    m.submit(Transfer(uuid.uuid4(), JobKind.STORE, [2], [2]))
     assert m.help_one() is False and m.helped == 1 and not torch.equal(host[2], dev[2])
 
 
@@ -117,7 +117,7 @@ def _batched(batch_max: int, workers: int, copy_fn=None) -> tuple[torch.Tensor, 
     dev = torch.arange(8, dtype=torch.uint8).unsqueeze(1).expand(8, 16).contiguous()
     host = torch.zeros((8, 16), dtype=torch.uint8)
     q = CompletionQueue()
-    return dev, host, q, ThreadMover(dev, host, q, num_workers=workers, copy_fn=copy_fn, batch_max=batch_max)
+    return dev, host, q, ThreadMover([(dev, host)], q, num_workers=workers, copy_fn=copy_fn, batch_max=batch_max)
 
 
 def _recording(record: list):
@@ -134,7 +134,7 @@ def test_batched_transfers_reach_no_worker_before_flush_then_all_in_order():
     try:
         toks = [uuid.uuid4() for _ in range(3)]
         for i, t in enumerate(toks):
-            m.submit(Transfer(t, JobKind.STORE, i, i))
+            m.submit(Transfer(t, JobKind.STORE, [i], [i]))
         assert len(m._held) == 3 and m._q.qsize() == 0   # nothing a worker could take
         assert q.get(0) is None and copied == []
         m.flush()
@@ -151,9 +151,9 @@ def test_batched_transfers_reach_no_worker_before_flush_then_all_in_order():
 def test_a_full_batch_goes_to_the_workers_in_the_submit_that_fills_it():
     dev, host, q, m = _batched(2, 1)
     try:
-        m.submit(Transfer(uuid.uuid4(), JobKind.STORE, 1, 1))
+        m.submit(Transfer(uuid.uuid4(), JobKind.STORE, [1], [1]))
         assert len(m._held) == 1
-        m.submit(Transfer(uuid.uuid4(), JobKind.STORE, 2, 2))
+        m.submit(Transfer(uuid.uuid4(), JobKind.STORE, [2], [2]))
         assert not m._held
         assert all(r.ok for r in _reports(q, 2)) and torch.equal(host[1:3], dev[1:3])
     finally:
@@ -164,8 +164,8 @@ def test_close_copies_what_is_still_queued_and_answers_each_once():
     dev, host, q, m = _batched(64, 2)
     toks = [uuid.uuid4() for _ in range(5)]
     for i, t in enumerate(toks):
-        m.submit(Transfer(t, JobKind.STORE, i, i))
-    cancelled = Transfer(uuid.uuid4(), JobKind.LOAD, 6, 6)
+        m.submit(Transfer(t, JobKind.STORE, [i], [i]))
+    cancelled = Transfer(uuid.uuid4(), JobKind.LOAD, [6], [6])
     cancelled.cancelled = True
     m.submit(cancelled)
     m.close()
@@ -191,10 +191,10 @@ def test_a_hold_gives_what_was_queued_before_to_the_workers_and_keeps_what_comes
     dev, host, q, m = _batched(64, 1, copy)
     try:
         for i in range(3):
-            m.submit(Transfer(uuid.uuid4(), JobKind.STORE, i, i))
+            m.submit(Transfer(uuid.uuid4(), JobKind.STORE, [i], [i]))
         m.hold(True)
         assert not m._held                                   # rows 0-2 went to the worker's queue
-        m.submit(Transfer(uuid.uuid4(), JobKind.STORE, 5, 5))
+        m.submit(Transfer(uuid.uuid4(), JobKind.STORE, [5], [5]))
         m.flush()
         assert len(m._held) == 1                             # held: flush() keeps it for the owner
         assert m.help_one()                                  # the owner copies row 5 while the worker waits
@@ -213,7 +213,7 @@ def test_held_transfers_bypass_the_batch_queue():
     dev, host, q, m = _batched(64, 1)
     try:
         m.hold(True)
-        m.submit(Transfer(uuid.uuid4(), JobKind.STORE, 0, 0))
+        m.submit(Transfer(uuid.uuid4(), JobKind.STORE, [0], [0]))
         m.flush()
         assert len(m._held) == 1 and m._q.qsize() == 0       # flush() leaves a held transfer to the owner
         assert m.help_one() and q.get(5).ok
@@ -224,7 +224,7 @@ def test_held_transfers_bypass_the_batch_queue():
 
 def test_batch_max_below_one_is_refused():
     with pytest.raises(ValueError, match="batch_max must be >= 1, got 0"):
-        ThreadMover(torch.zeros((2, 4), dtype=torch.uint8), torch.zeros((2, 4), dtype=torch.uint8),
+        ThreadMover([(torch.zeros((2, 4), dtype=torch.uint8), torch.zeros((2, 4), dtype=torch.uint8))],
                     CompletionQueue(), batch_max=0)
 
 

@@ -54,7 +54,7 @@ def rig():
     movers: list[ThreadMover] = []
 
     def factory(dev, host, q):
-        movers.append(ThreadMover(dev, host, q, num_workers=1, copy_fn=gate))
+        movers.append(ThreadMover([(dev, host)], q, num_workers=1, copy_fn=gate))
         return movers[-1]
 
     mgr = TierManager(make_config(16, row_bytes=ROW), kv, registry=CollectorRegistry(), mover_factory=factory)
@@ -221,7 +221,7 @@ def test_an_interrupt_before_a_held_transfer_leaves_the_queue_answers_it_and_no_
 def test_help_one_leaves_a_workers_stop_sentinel_in_the_queue():
     host = torch.zeros((2, ROW), dtype=torch.uint8)
     from tiered_kv.movers import CompletionQueue
-    mover = ThreadMover(torch.zeros((2, ROW), dtype=torch.uint8), host, CompletionQueue(), num_workers=0)
+    mover = ThreadMover([(torch.zeros((2, ROW), dtype=torch.uint8), host)], CompletionQueue(), num_workers=0)
     assert mover.help_one() is False          # empty
     mover._q.put(None)
     assert mover.help_one() is False and mover._q.qsize() == 1 and mover._q.get_nowait() is None

@@ -165,7 +165,7 @@ class TierManager(TierViews):
         self._dindex: Optional[TierIndex] = None
         self._disk_usable = False
         if mover_factory is None:
-            self._mover: Mover = make_mover(self._dev_rows, self._host_rows, self._completions,
+            self._mover: Mover = make_mover([(self._dev_rows, self._host_rows)], self._completions,
                                             config.num_copy_workers, config.num_copy_streams,
                                             config.copy_batch_max)
         else:
@@ -226,7 +226,7 @@ class TierManager(TierViews):
         if entry is None:
             return self._shed(_STORE, "host_full")
         job = Job(token, _STORE, key, block, _PENDING, None, None, self._owner_tag)
-        fl = _Flight(job, entry, self._row_gen[block], Transfer(token, _STORE, block, entry.slot, False))
+        fl = _Flight(job, entry, self._row_gen[block], Transfer(token, _STORE, [block], [entry.slot], False))
         self._jobs[token.int] = fl
         self._row_stores.setdefault(block, []).append(fl)
         self._n_in_flight[_STORE] += 1
@@ -310,7 +310,7 @@ class TierManager(TierViews):
         else:
             assert entry is not None
             self._index.acquire(entry)
-            fl = _Flight(job, entry, self._row_gen[block], Transfer(token, _LOAD, block, entry.slot))
+            fl = _Flight(job, entry, self._row_gen[block], Transfer(token, _LOAD, [block], [entry.slot]))
         self._jobs[token.int] = fl
         self._row_load[block] = fl
         self._key_loads.setdefault(key, []).append(fl)
@@ -686,7 +686,7 @@ class TierManager(TierViews):
             w.promote = None
             if w.job.state is _PENDING and entry.live:
                 self._index.acquire(entry)
-                w.transfer = Transfer(w.job.token, _LOAD, w.job.block, entry.slot)
+                w.transfer = Transfer(w.job.token, _LOAD, [w.job.block], [entry.slot])
                 self._mover.submit(w.transfer)
             elif w.job.state is _PENDING:  # invalidated between: cancel() already handled it
                 self._fail_waiter(w, "superseded")

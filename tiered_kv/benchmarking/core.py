@@ -70,7 +70,7 @@ import torch
 import tiered_kv
 from tiered_kv import TieredKVConfig, TierManager
 from tiered_kv.jobs import JobKind
-from tiered_kv.movers import EVENT_BYTES, CompletionQueue, Report, ThreadMover, Transfer
+from tiered_kv.movers import EVENT_BYTES, CompletionQueue, Mover, Report, ThreadMover, Transfer
 
 from .common import GiB, KiB, LoadMonitor, MiB, as_mode, summarize
 from .common import machine_facts as _common_facts
@@ -269,7 +269,7 @@ class UnsafeDictOffloader:
         return done
 
 
-class ImmediateMover:
+class ImmediateMover(Mover):
     """Trivial in-process mover: answers each Transfer at once, ok, without copying."""
 
     polled = False
@@ -279,16 +279,13 @@ class ImmediateMover:
         self._nbytes = int(host_rows.shape[1])
 
     def submit(self, t: Transfer) -> None:
-        self._put(Report(t.token, t.kind, True, None, self._nbytes, 0.0))
-
-    def harvest(self) -> None:
-        return None
+        self._put(Report(t.token, t.kind, True, None, len(t.rows) * self._nbytes, 0.0))
 
     def close(self) -> None:
         return None
 
 
-class DeferredMover:
+class DeferredMover(Mover):
     """No-copy mover that answers at the next ``harvest()`` (i.e. inside ``poll()``): submit is a list append."""
 
     polled = True
@@ -304,7 +301,7 @@ class DeferredMover:
     def harvest(self) -> None:
         held, self._held = self._held, []
         for t in held:
-            self._put(Report(t.token, t.kind, True, None, self._nbytes, 0.0))
+            self._put(Report(t.token, t.kind, True, None, len(t.rows) * self._nbytes, 0.0))
 
     def close(self) -> None:
         self.harvest()
@@ -674,8 +671,8 @@ def bench_store_latency(quick: Union[bool, str] = False, seed: int = 0, row_byte
     mover_name = type(getattr(mgr, "_mover", None)).__name__
     base = UnsafeDictOffloader(n_rows)
     host_b = torch.empty((n_rows, row_bytes), dtype=torch.uint8)  # faulted in by the warm-up, like the tier's slab
-    base_mover = ThreadMover(kv, host_b, base.queue, cfg.num_copy_workers)
-    base._submit = lambda job_id, block, slot: base_mover.submit(Transfer(job_id, _STORE, block, slot))
+    base_mover = ThreadMover([(kv, host_b)], base.queue, cfg.num_copy_workers)
+    base._submit = lambda job_id, block, slot: base_mover.submit(Transfer(job_id, _STORE, [block], [slot]))
 
     def base_settle() -> None:
         deadline = time.monotonic() + 120
@@ -914,8 +911,8 @@ class _Device:
         on a CUDA device its host slab is pinned, as the default mover's."""
         from tiered_kv.movers import CudaMover
         rt = self.rt
-        return TierManager(cfg, kv, mover_factory=lambda d, h, c: CudaMover(d, h, c, cfg.num_copy_streams, runtime=rt,
-                                                                           batch_max=cfg.copy_batch_max,
+        return TierManager(cfg, kv, mover_factory=lambda d, h, c: CudaMover([(d, h)], c, cfg.num_copy_streams,
+                                                                           runtime=rt, batch_max=cfg.copy_batch_max,
                                                                            event_bytes=event_bytes))
 
     def host(self, shape: tuple[int, int]) -> torch.Tensor:

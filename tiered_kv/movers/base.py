@@ -1,0 +1,129 @@
+"""What every mover shares: the messages (:class:`Transfer` in, :class:`Report` out), the
+:class:`CompletionQueue` reports travel on, and the :class:`Mover` base class the owner calls.
+
+A mover copies bytes between one or more *planes*: pairs ``(device_rows, host_rows)`` of
+tensors whose rows are blocks (``TierManager``: the engine's ``[num_blocks, row_bytes]`` view
+and the host slab; the vLLM worker: one pair per KV tensor, each mapped onto its byte region of
+the slab rows).  A transfer copies ``rows[i] <-> slots[i]`` for every ``i`` over every plane, and
+is answered by exactly one report, whatever happens to its copies.  Movers never touch the
+owner's maps: ``(token, what to move)`` in, ``(token, outcome)`` out.
+"""
+
+from __future__ import annotations
+
+import abc
+import queue
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from ..jobs import JobKind
+
+__all__ = ["Transfer", "Report", "CompletionQueue", "Mover", "Plane"]
+
+Plane = tuple[torch.Tensor, torch.Tensor]
+"""``(device_rows, host_rows)``: row ``r`` of the first and row ``s`` of the second hold one block's bytes."""
+
+
+@dataclass(slots=True)
+class Transfer:
+    """One job's copies: ``rows[i] <-> slots[i]`` for every ``i``, over every plane of the mover.
+
+    ``token`` is opaque to the mover and comes back in the report (``TierManager``: the job's UUID;
+    the vLLM copier: its job record).  ``cancelled`` is a hint the owner may set so that a worker
+    that has not started skips the copies."""
+
+    token: Any
+    kind: JobKind  # STORE: device rows -> host slots; LOAD: host slots -> device rows
+    rows: list[int]
+    slots: list[int]
+    cancelled: bool = False
+
+
+@dataclass(slots=True)
+class Report:
+    """A worker's one answer for one token: ``ok`` only if every copy of the transfer succeeded;
+    ``nbytes``: all bytes it moved."""
+
+    token: Any
+    kind: JobKind
+    ok: bool
+    error: Optional[str] = None
+    nbytes: int = 0
+    seconds: float = 0.0
+    # written by the disk tier's miss reports only (disk.py passes copied=False), read by nothing;
+    # the movers no longer set it.  Goes once disk.py stops passing it.
+    copied: bool = True
+
+
+class CompletionQueue:
+    """Multi-producer, single-consumer queue of reports (movers -> owner)."""
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def put(self, item: Any) -> None:
+        self._q.put(item)
+
+    def drain(self) -> list[Any]:
+        """Every report queued so far (one consumer: ``qsize()`` items are there to take)."""
+        q = self._q
+        n = q.qsize()
+        if not n:
+            return []
+        get = q.get_nowait
+        return [get() for _ in range(n)]
+
+    def get(self, timeout: Optional[float]) -> Optional[Any]:
+        try:
+            return self._q.get(timeout=timeout) if timeout is None or timeout > 0 else self._q.get_nowait()
+        except queue.Empty:
+            return None
+
+
+class Mover(abc.ABC):
+    """What the owner calls on a mover; every method is called unconditionally.
+
+    * ``submit(t)`` (owner thread): take a transfer; it is answered by exactly one
+      :class:`Report` on the mover's completion queue.
+    * ``harvest()``: answer what finished since the last call.  Movers whose reports appear
+      only here set ``polled = True``; the default does nothing.
+    * ``flush()``: start the transfers the mover queued (one that batches what ``submit``
+      gets); the owner calls it at the end of every poll.  Default: nothing to start.
+    * ``hold(on)``: while on, transfers submitted are left for :meth:`help_one` (no worker is
+      woken); off, what is left goes to the workers.  The owner turns it on while it blocks,
+      off in a ``finally``.  Default: nothing is held.
+    * ``help_one() -> bool``: run one queued transfer on the calling (owner) thread and answer
+      it like any other; False when there is none.  Default: False.
+    * ``close()``: finish or answer everything submitted, then release the workers.
+    """
+
+    polled: bool = False  # True when reports appear only through harvest()
+
+    @abc.abstractmethod
+    def submit(self, t: Transfer) -> None: ...
+
+    def harvest(self) -> None:
+        return None
+
+    def flush(self) -> None:
+        return None
+
+    def hold(self, on: bool) -> None:
+        return None
+
+    def help_one(self) -> bool:
+        return False
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+def check_planes(planes: Sequence[Plane]) -> tuple[list[Plane], int]:
+    """The planes as a list and the bytes one block copy moves over all of them (host row bytes)."""
+    out = list(planes)
+    if not out:
+        raise ValueError("a mover needs at least one (device_rows, host_rows) plane")
+    return out, sum(int(h.shape[1]) * h.element_size() for _, h in out)
