@@ -2,7 +2,7 @@
 fake mover, tests/test_cuda_mover_state_machine.py with the CudaMover on a simulated device).
 
 No tensors and no tokens of its own: host entries with an LRU and slot leases (as
-``tiered_kv.host.HostIndex``), the manager's job tables (records, row fences, the
+``tiered_kv.core.index.TierIndex``), the manager's job tables (records, row fences, the
 stores reading each row, the loads of each key, cancelled stores awaiting
 delivery) and the counters the metrics must equal.  How and when a report
 reaches the manager is each machine's business: it calls :meth:`Model.apply`

@@ -22,14 +22,14 @@ from prometheus_client import CollectorRegistry
 from fakes import fill_row, instrument_get, make_config, make_fake_manager, make_kv, mgr_metric
 from tiered_kv import TierManager
 from tiered_kv.errors import ConfigError
-from tiered_kv.host import HostIndex
+from tiered_kv.core.index import TierIndex
 from tiered_kv.jobs import uuid_from_int
 
 TOK = uuid.UUID(int=1)
 
 
-def ready_index(n: int, slots: int, **kw) -> tuple[HostIndex, list]:
-    idx = HostIndex(slots, **kw)
+def ready_index(n: int, slots: int, **kw) -> tuple[TierIndex, list]:
+    idx = TierIndex(slots, **kw)
     entries = []
     for i in range(n):
         e = idx.reserve(b"k%d" % i, TOK)
@@ -39,7 +39,7 @@ def ready_index(n: int, slots: int, **kw) -> tuple[HostIndex, list]:
     return idx, entries
 
 
-# ---------------------------------------------------------------------------- HostIndex.evict_ahead
+# ---------------------------------------------------------------------------- TierIndex.evict_ahead
 def test_evict_ahead_takes_the_least_recently_used_and_skips_leased_and_writing_entries():
     idx, es = ready_index(6, 8)          # k0 (oldest) .. k5; 2 slots free
     idx.acquire(es[0])                   # leased to a reader: not evictable
@@ -94,7 +94,7 @@ def full_manager(slots: int, rows: int = 16, **kw):
 def test_the_default_keeps_a_thirty_second_of_the_slots_free_at_most_64(slots, auto):
     kv = make_kv(4)
     with TierManager(make_config(host_slots=slots), kv, registry=CollectorRegistry()) as mgr:
-        assert mgr._evict_ahead == auto
+        assert mgr._core.evict_ahead == auto
 
 
 def test_poll_leaves_slots_free_and_the_next_steps_stores_do_not_evict():
@@ -223,7 +223,7 @@ def test_evicting_ahead_while_a_worker_copies_out_of_a_slot_keeps_that_slot():
             assert mgr.store(key, row) is not None
         assert len(mgr.wait(timeout=30)) == 2 and mgr.host_blocks == 2
         a_slot = mgr._index.get(b"A").slot
-        mgr._evict_ahead = 7          # from now on each poll wants 7 of the 8 slots free
+        mgr._core.evict_ahead = 7          # from now on each poll wants 7 of the 8 slots free
         gate_on.set()
         load = mgr.load(b"A", 5)      # leases A's slot; its copy waits in the mover's queue
         assert load is not None and not copying.is_set()

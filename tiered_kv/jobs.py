@@ -1,6 +1,7 @@
 """Jobs, their tokens, and the job state machine.
 
-A job is one movement of one block between two tiers.  It is created on the
+A job is one movement of a set of blocks (one key is the special case) between
+two tiers.  It is created on the
 owner (engine) thread with a fresh UUID token; workers only ever see
 ``(token, what to move)`` and answer ``(token, outcome)``.  The owner matches
 the answer by token, so a late, duplicate or foreign answer can never touch
@@ -24,8 +25,7 @@ import enum
 import itertools
 import os
 import uuid
-from dataclasses import dataclass, field
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 __all__ = ["Job", "JobKind", "JobState", "Completion", "StaleReason", "TokenFactory", "uuid_from_int"]
 
@@ -79,11 +79,13 @@ class StaleReason(str, enum.Enum):
 
 
 class TokenFactory:
-    """Issues UUID tokens: a random 80-bit prefix per factory plus a 48-bit counter.
+    """Issues UUID tokens: a random prefix per factory plus a 48-bit counter.
 
-    Unique within a factory by construction and, across factories, processes
-    and restarts, with the collision odds of 80 random bits -- at a quarter of
-    the cost of ``uuid.uuid4()`` per job, which matters on the engine thread.
+    The prefix is 80 bits of which the UUID version and variant fix 6, so 74 are
+    random.  Unique within a factory by construction and, across factories,
+    processes and restarts, with the collision odds of 74 random bits -- at a
+    fraction of the cost of ``uuid.uuid4()`` per job, which matters on the
+    engine thread.
     """
 
     def __init__(self, start: int = 1) -> None:
@@ -118,22 +120,41 @@ def uuid_from_int(value: int) -> uuid.UUID:
     return u
 
 
-@dataclass(eq=False, slots=True)
 class Job:
-    """One movement of one block.  Read-only for callers.
+    """One movement of a set of blocks between two tiers.  Read-only for callers.
 
     ``token`` identifies the job everywhere (workers, logs, disk headers).
-    ``block`` is the device row for STORE/LOAD and ``-1`` for SPILL/PROMOTE.
+    ``keys`` are the blocks it moves and ``blocks`` their device rows (STORE/LOAD;
+    empty for SPILL/PROMOTE and for the vLLM adapter, whose rows vLLM keeps);
+    ``key``/``block`` are the first of them, the whole job for the one-key
+    calls ``store()``/``load()`` (``block`` is ``-1`` without a device row).
+
+    A ``Job`` is also the owner's record of the movement while it is in flight:
+    the attributes with a leading underscore are the leases it holds, read and
+    written by the owner thread only (``tiered_kv.core``).
     """
 
-    token: uuid.UUID
-    kind: JobKind
-    key: bytes
-    block: int
-    state: JobState = JobState.PENDING
-    cancel_reason: Optional[StaleReason] = None
-    error: Optional[str] = None
-    _owner: object = field(default=None, repr=False)
+    __slots__ = ("token", "kind", "key", "block", "state", "cancel_reason", "error", "_owner", "keys", "blocks",
+                 "_entries", "_dentry", "_transfer", "_waiters", "_dead")
+
+    def __init__(self, token: uuid.UUID, kind: JobKind, key: bytes, block: int, state: JobState = JobState.PENDING,
+                 cancel_reason: Optional[StaleReason] = None, error: Optional[str] = None, _owner: object = None,
+                 keys: tuple[bytes, ...] = (), blocks: tuple[int, ...] = ()) -> None:
+        self.token = token
+        self.kind = kind
+        self.key = key
+        self.block = block
+        self.state = state
+        self.cancel_reason = cancel_reason
+        self.error = error
+        self._owner = _owner
+        self.keys = keys or (key,)
+        self.blocks = blocks
+        self._entries: list[Any] = []        # host entries written (store/promote) or read (load/spill), per key
+        self._dentry: Any = None             # spill: the disk entry written; promote: the one read
+        self._transfer: Any = None           # the mover's transfer (None while a load waits for promotes)
+        self._waiters: Optional[list[Any]] = None   # promote: (load, part) waiting for it; load: promotes it waits for
+        self._dead: Optional[set[int]] = None  # store of several keys: the parts cancelled (their rows freed)
 
     def _move(self, new: JobState) -> None:
         if new not in ALLOWED_MOVES[self.state]:
@@ -147,6 +168,11 @@ class Job:
 
     def __hash__(self) -> int:
         return hash(self.token)
+
+    def __repr__(self) -> str:
+        many = f", keys={len(self.keys)}" if len(self.keys) > 1 else ""
+        return (f"Job(token={self.token}, kind={self.kind}, key={self.key!r:.80}, block={self.block}{many}, "
+                f"state={self.state}, cancel_reason={self.cancel_reason}, error={self.error!r})")
 
 
 class Completion(NamedTuple):

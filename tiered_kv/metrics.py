@@ -200,7 +200,7 @@ class Metrics:
 
         ``disk`` is (used bytes, blocks, writer queue, tombstones, map bytes,
         healthy) for an owner with a disk tier.  ``host_evictions`` is the host
-        index's running eviction total (``HostIndex.evictions``): what it grew
+        index's running eviction total (``TierIndex.evictions``): what it grew
         by since the last call is added to ``tiered_kv_evictions_total{tier="host"}``,
         so no owner counts evictions one by one.  Unchanged values cost one tuple
         comparison, not a locked ``set`` per gauge.

@@ -15,10 +15,10 @@ One config value switches vLLM's offloading to tiered_kv::
 What runs where (docs/vllm.md has the whole story):
 
 * EngineCore process (scheduler): :class:`TieredKVOffloadingManager` wraps
-  :class:`~tiered_kv.integrations.offload.SlabTiers`: host index, disk tier
-  (writer and readers), job tokens, stale-callback accounting.
+  :class:`~tiered_kv.integrations.scheduler.SlabScheduler` over the tier
+  core: host index, disk tier (writer and readers), job tokens, stale accounting.
 * each worker process: :class:`TieredKVOffloadingWorker` wraps a
-  :class:`~tiered_kv.integrations.offload.SlabCopier`: device <-> slab copies.
+  :class:`~tiered_kv.integrations.copier.SlabCopier`: device <-> slab copies (the movers).
 * the host slab is one ``/dev/shm`` file mapped by both
   (:class:`~tiered_kv.integrations.slab.SharedSlab`).
 
@@ -80,7 +80,8 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 
 from ..config import TieredKVConfig  # noqa: E402
 from ..metrics import Metrics  # noqa: E402
-from .offload import Lookup, SlabCopier, SlabTiers  # noqa: E402
+from .copier import SlabCopier  # noqa: E402
+from .scheduler import Lookup, SlabScheduler  # noqa: E402
 from .slab import SharedSlab, slab_path  # noqa: E402
 
 __all__ = [
@@ -242,7 +243,7 @@ class TieredKVOffloadingManager(OffloadingManager):
         try:
             self.metrics = Metrics(namespace=spec.tkv_config.namespace)
             self._events_on = bool(spec.kv_events_config.enable_kv_cache_events)
-            self.tiers = SlabTiers(spec.tkv_config, self.slab, metrics=self.metrics,
+            self.tiers = SlabScheduler(spec.tkv_config, self.slab, metrics=self.metrics,
                                    collect_published=self._events_on)
         except BaseException:
             self.slab.unlink()

@@ -1,6 +1,6 @@
 """The engine-independent core of the vLLM offloading adapter (tiered_kv.integrations.offload).
 
-``SlabTiers`` (scheduler side) is driven by hand: a test plays the worker by
+``SlabScheduler`` (scheduler side) is driven by hand: a test plays the worker by
 writing bytes into ``slab.rows[slot]`` and calling ``slab.mark_done(rank, seq)``
 in whatever order it wants, and plays the engine by calling ``complete_store``
 / ``complete_load`` in whatever order it wants -- that is how every race below
@@ -35,7 +35,8 @@ from fakes import sm_settings
 from tiered_kv import TieredKVConfig
 from tiered_kv.diskformat import lmdb_key
 from tiered_kv.errors import ConfigError, InvalidKeyError
-from tiered_kv.integrations.offload import Lookup, SlabCopier, SlabTiers
+from tiered_kv.integrations.copier import SlabCopier
+from tiered_kv.integrations.scheduler import Lookup, SlabScheduler
 from tiered_kv.integrations.slab import SharedSlab
 from tiered_kv.metrics import Metrics
 
@@ -53,7 +54,7 @@ def pattern(key: bytes, tag: str, n: int) -> torch.Tensor:
 
 
 def metric(m: Metrics, name: str, **labels: str) -> float:
-    m.flush()  # SlabTiers batches counts until its next tick(); read what it counted so far
+    m.flush()  # SlabScheduler batches counts until its next tick(); read what it counted so far
     v = m.registry.get_sample_value(name, labels)
     return 0.0 if v is None else float(v)
 
@@ -64,13 +65,13 @@ def stale_total(m: Metrics) -> float:
 
 
 class Rig:
-    """Slabs, metrics and SlabTiers of one test; everything is closed at the end."""
+    """Slabs, metrics and SlabScheduler of one test; everything is closed at the end."""
 
     def __init__(self, tmp_path: Path) -> None:
         self.tmp_path = tmp_path
         self.disk = tmp_path / "disk"
         self.slabs: list[SharedSlab] = []
-        self.tiers: list[SlabTiers] = []
+        self.tiers: list[SlabScheduler] = []
         self.copiers: list[SlabCopier] = []
 
     def slab(self, num_slots: int = 4, row_bytes: int = 64, world_size: int = 1, name: str = "x.slab",
@@ -79,12 +80,12 @@ class Rig:
         self.slabs.append(s)
         return s
 
-    def open(self, slab: SharedSlab, disk: bool = False, disk_blocks: int = 64, **kw: Any) -> SlabTiers:
+    def open(self, slab: SharedSlab, disk: bool = False, disk_blocks: int = 64, **kw: Any) -> SlabScheduler:
         cfg = TieredKVConfig(namespace="t", host_capacity_bytes=slab.num_slots * slab.row_bytes,
                              disk_path=self.disk if disk else None,
                              disk_capacity_bytes=disk_blocks * slab.row_bytes if disk else 0,
                              writer_batch_seconds=0.0, **kw)
-        t = SlabTiers(cfg, slab, metrics=Metrics(registry=CollectorRegistry(), namespace="t"))
+        t = SlabScheduler(cfg, slab, metrics=Metrics(registry=CollectorRegistry(), namespace="t"))
         self.tiers.append(t)
         return t
 
@@ -131,7 +132,7 @@ def mark(slab: SharedSlab, seq: int, ranks: Optional[list[int]] = None, ok: bool
         slab.mark_done(r, seq, ok)
 
 
-def store_ready(tiers: SlabTiers, keys, tag: str = "v1") -> list[int]:
+def store_ready(tiers: SlabScheduler, keys, tag: str = "v1") -> list[int]:
     """prepare_store -> worker copies -> complete_store: the keys end READY (asserted)."""
     p = tiers.prepare_store(list(keys))
     assert p.keys == list(keys), p
@@ -142,7 +143,7 @@ def store_ready(tiers: SlabTiers, keys, tag: str = "v1") -> list[int]:
     return p.slots
 
 
-def slot_bytes_of(tiers: SlabTiers, key: bytes) -> torch.Tensor:
+def slot_bytes_of(tiers: SlabScheduler, key: bytes) -> torch.Tensor:
     """The bytes a load of ``key`` would copy (through prepare_load/complete_load, slot leased meanwhile)."""
     pl = tiers.prepare_load([key])
     out = tiers.slab.rows[pl.slots[0]].clone()
@@ -151,7 +152,7 @@ def slot_bytes_of(tiers: SlabTiers, key: bytes) -> torch.Tensor:
     return out
 
 
-def wait_promotes(tiers: SlabTiers, timeout: float = 20.0) -> None:
+def wait_promotes(tiers: SlabScheduler, timeout: float = 20.0) -> None:
     """Step until no disk read-back is in flight (a reader thread answers it; waits, never orders)."""
     deadline = time.monotonic() + timeout
     tiers.tick()
@@ -382,7 +383,7 @@ def test_report_for_a_key_set_with_two_live_loads_completes_a_finished_one(rig, 
     assert stale_total(tiers.metrics) == 0
 
 
-def _snapshot(tiers: SlabTiers) -> tuple:
+def _snapshot(tiers: SlabScheduler) -> tuple:
     return (tiers.debug_sizes(), {k: tiers.state_of(k) for k in (A, B, C, D, E, F)})
 
 
@@ -521,7 +522,7 @@ def test_e_failed_store_aborts_its_keys(rig, ring_first):
 
 
 def test_new_tiers_on_a_used_slab_does_not_trust_old_ring_entries(rig):
-    """BUG: a SlabTiers opened over a slab whose rings already hold sequence numbers (a scheduler
+    """BUG: a SlabScheduler opened over a slab whose rings already hold sequence numbers (a scheduler
     restarted while the workers keep the slab, or an attach to a slab file a crashed engine left
     behind with the same engine_id and geometry) numbers its jobs from 1 again, so the rings report
     its new jobs finished before any worker touched them: a slot quarantined by reset() is handed
@@ -907,7 +908,7 @@ RB = ROW // WORLD
 
 
 class _WJob:
-    """The fake worker's (and engine's) view of one job SlabTiers prepared."""
+    """The fake worker's (and engine's) view of one job SlabScheduler prepared."""
 
     def __init__(self, n: int, kind: str, keys: list[bytes], slots: list[int], seq: int, fail: bool) -> None:
         self.n, self.kind, self.keys, self.slots, self.seq, self.fail = n, kind, keys, slots, seq, fail
@@ -928,8 +929,8 @@ def _pat(key: bytes, n: int) -> torch.Tensor:
     return pattern(key, f"job{n}", ROW)
 
 
-class SlabTiersMachine(RuleBasedStateMachine):
-    """SlabTiers with a fake worker that copies per rank out of order and an engine that reports
+class SlabSchedulerMachine(RuleBasedStateMachine):
+    """SlabScheduler with a fake worker that copies per rank out of order and an engine that reports
     in any order, early, late (after reset), twice, or for key sets nobody stored.
 
     Checked: a load copies exactly the bytes the store job that published the key wrote
@@ -947,7 +948,7 @@ class SlabTiersMachine(RuleBasedStateMachine):
         self.dir = Path(tempfile.mkdtemp(prefix="tkv-slab-sm-"))
         self.slab = SharedSlab.open(self.dir / "m.slab", SLOTS, ROW, WORLD, ring_size=4096)
         self.metrics = Metrics(registry=CollectorRegistry(), namespace="t")
-        self.tiers = SlabTiers(TieredKVConfig(namespace="t", host_capacity_bytes=SLOTS * ROW), self.slab,
+        self.tiers = SlabScheduler(TieredKVConfig(namespace="t", host_capacity_bytes=SLOTS * ROW), self.slab,
                                metrics=self.metrics)
         self.jobs: list[_WJob] = []
         self.latest: dict[bytes, _WJob] = {}      # key -> the store job whose bytes a HIT must serve
@@ -1163,7 +1164,7 @@ class SlabTiersMachine(RuleBasedStateMachine):
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-class SlabTiersMachineWithCopyFailures(SlabTiersMachine):
+class SlabSchedulerMachineWithCopyFailures(SlabSchedulerMachine):
     """The same, with store copies that fail on the worker (garbage left in the slot, ring marked,
     the engine reports success=False)."""
 
@@ -1176,7 +1177,7 @@ _SM_SETTINGS = sm_settings(
     report_multiple_bugs=False,
     phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink),  # no slow "explain"
 )
-SlabTiersMachine.TestCase.settings = _SM_SETTINGS
-SlabTiersMachineWithCopyFailures.TestCase.settings = _SM_SETTINGS
-test_slab_tiers_state_machine = SlabTiersMachine.TestCase
-test_slab_tiers_state_machine_with_copy_failures = SlabTiersMachineWithCopyFailures.TestCase
+SlabSchedulerMachine.TestCase.settings = _SM_SETTINGS
+SlabSchedulerMachineWithCopyFailures.TestCase.settings = _SM_SETTINGS
+test_slab_tiers_state_machine = SlabSchedulerMachine.TestCase
+test_slab_tiers_state_machine_with_copy_failures = SlabSchedulerMachineWithCopyFailures.TestCase

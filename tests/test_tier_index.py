@@ -1,4 +1,4 @@
-"""Unit tests of HostIndex (tiered_kv/host.py): slots, leases, LRU eviction."""
+"""Unit tests of TierIndex (tiered_kv/core/index.py): slots, leases, LRU eviction."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ import uuid
 
 import pytest
 
-from tiered_kv.host import EntryState, HostIndex
+from tiered_kv.core.index import EntryState, TierIndex
 
 
 def tok() -> uuid.UUID:
     return uuid.uuid4()
 
 
-def ready_entry(ix: HostIndex, key: bytes):
+def ready_entry(ix: TierIndex, key: bytes):
     e = ix.reserve(key, tok())
     assert e is not None
     assert ix.publish(e) is True
@@ -22,11 +22,11 @@ def ready_entry(ix: HostIndex, key: bytes):
 
 def test_rejects_zero_slots():
     with pytest.raises(ValueError, match="0"):
-        HostIndex(0)
+        TierIndex(0)
 
 
 def test_reserve_uses_distinct_free_slots_then_refuses_when_all_leased():
-    ix = HostIndex(3)
+    ix = TierIndex(3)
     es = [ix.reserve(b"k%d" % i, tok()) for i in range(3)]
     assert all(e is not None and e.state is EntryState.WRITING for e in es)
     assert sorted(e.slot for e in es) == [0, 1, 2]
@@ -38,16 +38,16 @@ def test_reserve_uses_distinct_free_slots_then_refuses_when_all_leased():
 
 
 def test_get_and_ready():
-    ix = HostIndex(2)
+    ix = TierIndex(2)
     e = ix.reserve(b"a", tok())
     assert ix.get(b"a") is e and ix.ready(b"a") is None and b"a" in ix
     ix.publish(e)
-    assert ix.ready(b"a") is e and ix.ready_count == 1
+    assert ix.ready(b"a") is e and [x for x in ix.entries() if x.state is EntryState.READY] == [e]
     assert ix.get(b"zz") is None and ix.ready(b"zz") is None
 
 
 def test_reserve_of_present_key_is_an_internal_error():
-    ix = HostIndex(2)
+    ix = TierIndex(2)
     ix.reserve(b"a", tok())
     with pytest.raises(AssertionError):
         ix.reserve(b"a", tok())
@@ -55,7 +55,7 @@ def test_reserve_of_present_key_is_an_internal_error():
 
 def test_lru_order_evicts_least_recently_published():
     evicted = []
-    ix = HostIndex(3, on_evict=lambda e: evicted.append(e.key))
+    ix = TierIndex(3, on_evict=lambda e: evicted.append(e.key))
     for k in (b"a", b"b", b"c"):
         ready_entry(ix, k)
     d = ix.reserve(b"d", tok())
@@ -66,7 +66,7 @@ def test_lru_order_evicts_least_recently_published():
 
 def test_touch_moves_to_most_recently_used():
     evicted = []
-    ix = HostIndex(3, on_evict=lambda e: evicted.append(e.key))
+    ix = TierIndex(3, on_evict=lambda e: evicted.append(e.key))
     a, b, c = (ready_entry(ix, k) for k in (b"a", b"b", b"c"))
     ix.touch(a)
     ix.touch(b)
@@ -78,7 +78,7 @@ def test_touch_moves_to_most_recently_used():
 
 
 def test_touch_of_writing_or_removed_entry_is_harmless():
-    ix = HostIndex(2)
+    ix = TierIndex(2)
     w = ix.reserve(b"w", tok())
     ix.touch(w)  # WRITING: not in the LRU, nothing happens
     r = ready_entry(ix, b"r")
@@ -89,7 +89,7 @@ def test_touch_of_writing_or_removed_entry_is_harmless():
 
 def test_never_evicts_a_leased_slot():
     evicted = []
-    ix = HostIndex(2, on_evict=lambda e: evicted.append(e.key))
+    ix = TierIndex(2, on_evict=lambda e: evicted.append(e.key))
     a = ready_entry(ix, b"a")
     b = ready_entry(ix, b"b")
     ix.acquire(a)  # a load reads a's slot
@@ -104,7 +104,7 @@ def test_never_evicts_a_leased_slot():
 
 def test_never_evicts_a_protected_key_nor_the_key_being_reserved():
     evicted = []
-    ix = HostIndex(2, on_evict=lambda e: evicted.append(e.key))
+    ix = TierIndex(2, on_evict=lambda e: evicted.append(e.key))
     ready_entry(ix, b"a")
     ready_entry(ix, b"b")
     assert ix.reserve(b"c", tok(), protect={b"a"}) is not None
@@ -116,7 +116,7 @@ def test_never_evicts_a_protected_key_nor_the_key_being_reserved():
 
 def test_release_makes_entry_evictable_again_as_mru():
     evicted = []
-    ix = HostIndex(2, on_evict=lambda e: evicted.append(e.key))
+    ix = TierIndex(2, on_evict=lambda e: evicted.append(e.key))
     a = ready_entry(ix, b"a")
     ready_entry(ix, b"b")
     ix.acquire(a)
@@ -126,21 +126,21 @@ def test_release_makes_entry_evictable_again_as_mru():
 
 
 def test_release_without_acquire_is_an_internal_error():
-    ix = HostIndex(1)
+    ix = TierIndex(1)
     a = ready_entry(ix, b"a")
     with pytest.raises(AssertionError):
         ix.release(a)
 
 
 def test_acquire_of_writing_entry_is_an_internal_error():
-    ix = HostIndex(1)
+    ix = TierIndex(1)
     w = ix.reserve(b"w", tok())
     with pytest.raises(AssertionError):
         ix.acquire(w)
 
 
 def test_slot_of_aborted_writer_is_reused_only_after_writer_done():
-    ix = HostIndex(1)
+    ix = TierIndex(1)
     a = ix.reserve(b"a", tok())
     slot = a.slot
     ix.abort(a)               # cancelled: gone from the index...
@@ -154,7 +154,7 @@ def test_slot_of_aborted_writer_is_reused_only_after_writer_done():
 
 
 def test_writer_done_then_abort_frees_the_slot_too():
-    ix = HostIndex(1)
+    ix = TierIndex(1)
     a = ix.reserve(b"a", tok())
     ix.writer_done(a)   # failed copy: report first...
     assert ix.used_slots == 1
@@ -163,7 +163,7 @@ def test_writer_done_then_abort_frees_the_slot_too():
 
 
 def test_slot_of_removed_entry_with_readers_is_reused_only_after_release():
-    ix = HostIndex(1)
+    ix = TierIndex(1)
     a = ready_entry(ix, b"a")
     ix.acquire(a)
     ix.acquire(a)
@@ -178,7 +178,7 @@ def test_slot_of_removed_entry_with_readers_is_reused_only_after_release():
 
 
 def test_publish_of_removed_entry_frees_slot_and_reports_false():
-    ix = HostIndex(1)
+    ix = TierIndex(1)
     a = ix.reserve(b"a", tok())
     ix.remove(a)
     assert ix.used_slots == 1
@@ -187,7 +187,7 @@ def test_publish_of_removed_entry_frees_slot_and_reports_false():
 
 
 def test_remove_is_idempotent_and_never_frees_twice():
-    ix = HostIndex(2)
+    ix = TierIndex(2)
     a = ready_entry(ix, b"a")
     ix.remove(a)
     ix.remove(a)
@@ -200,7 +200,7 @@ def test_remove_is_idempotent_and_never_frees_twice():
 
 
 def test_stale_entry_remove_does_not_touch_newer_entry_of_same_key():
-    ix = HostIndex(3)
+    ix = TierIndex(3)
     old = ix.reserve(b"k", tok())
     ix.abort(old)                    # cancelled store, worker still running
     new = ix.reserve(b"k", tok())    # stored again
@@ -213,7 +213,7 @@ def test_stale_entry_remove_does_not_touch_newer_entry_of_same_key():
 
 def test_eviction_counter_and_callback_count_only_evictions():
     seen = []
-    ix = HostIndex(2, on_evict=lambda e: seen.append(e))
+    ix = TierIndex(2, on_evict=lambda e: seen.append(e))
     for i in range(10):
         e = ix.reserve(b"k%d" % i, tok())
         assert e is not None
@@ -234,7 +234,7 @@ def test_an_evicted_entry_leaves_the_index_as_remove_would_with_or_without_a_cal
     """Eviction removes the entry without remove() (a written-out path, with or without a callback);
     the callback sees the entry while it is still in the index."""
     seen: list = []
-    ix = HostIndex(2, on_evict=(lambda e: seen.append((e, e.live, ix.get(e.key) is e))) if callback else None)
+    ix = TierIndex(2, on_evict=(lambda e: seen.append((e, e.live, ix.get(e.key) is e))) if callback else None)
     a, b = ready_entry(ix, b"a"), ready_entry(ix, b"b")
     slot_a = a.slot
     c = ix.reserve(b"c", tok())
@@ -251,7 +251,7 @@ def test_an_evicted_entry_leaves_the_index_as_remove_would_with_or_without_a_cal
 def test_used_slots_never_exceed_capacity_under_churn():
     import random
     rng = random.Random(5)
-    ix = HostIndex(4)
+    ix = TierIndex(4)
     live: dict[bytes, object] = {}
     for step in range(3000):
         k = b"k%d" % rng.randrange(12)
@@ -281,7 +281,7 @@ def test_used_slots_never_exceed_capacity_under_churn():
 
 
 def test_ready_run_touches_the_leading_ready_entries_and_returns_where_it_stopped():
-    idx = HostIndex(8)
+    idx = TierIndex(8)
     es = {}
     for k in (b"a", b"b", b"c", b"d"):
         es[k] = idx.reserve(k, uuid.uuid4())

@@ -1,10 +1,10 @@
-"""The host tier's bookkeeping: slots, entries, leases and LRU eviction.
+"""A tier's index: keys -> entries in slots, with leases and LRU eviction.
 
-Pure Python, no tensors and no I/O, so the same policy serves the standalone
-manager and a scheduler-side adapter that runs in another process than the
-copies.  Invariants (tested in tests/test_host_index.py and the state machine):
+Pure Python, no tensors and no I/O.  The core keeps one for the host slab (a
+slot is a row of the slab) and one for the disk tier (a slot is a unit of
+capacity; the disk store places the bytes).  Invariants (tested in tests/test_host_index.py and the state machine):
 
-* a slot belongs to at most one :class:`HostEntry`; it returns to the free
+* a slot belongs to at most one :class:`Entry`; it returns to the free
   list only when its entry is out of the index *and* no worker may still
   write it (``writing``) *and* no load reads it (``readers == 0``);
 * only READY entries with no readers are evictable, and never a key the
@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Optional
 
-__all__ = ["TierIndex", "HostIndex", "HostEntry", "EntryState"]
+__all__ = ["TierIndex", "Entry", "EntryState"]
 
 
 class EntryState(enum.Enum):
@@ -32,7 +32,7 @@ class EntryState(enum.Enum):
 _WRITING, _READY = EntryState.WRITING, EntryState.READY  # module constants: cheaper than class attributes
 
 
-class HostEntry:
+class Entry:
     __slots__ = ("key", "slot", "state", "writer", "readers", "live", "writing", "spilled")
 
     def __init__(self, key: bytes, slot: int, writer: uuid.UUID) -> None:
@@ -43,27 +43,27 @@ class HostEntry:
         self.readers = 0          # loads/spills reading the slot right now
         self.live = True          # present in the index
         self.writing = True       # a worker may still write the slot
-        self.spilled = False      # host entries: written to (or found on) disk once in this residency
+        self.spilled = False      # host index only: written to (or found on) disk once in this residency
 
     def __repr__(self) -> str:
-        return (f"HostEntry(key={self.key!r}, slot={self.slot}, {self.state.value}, "
+        return (f"Entry(key={self.key!r}, slot={self.slot}, {self.state.value}, "
                 f"readers={self.readers}, live={self.live}, writing={self.writing})")
 
 
-class HostIndex:
+class TierIndex:
     """Key -> slot map of the host slab with leases and LRU eviction.
 
     ``on_evict(entry)`` is called before an evicted entry leaves the index; it must not change this
     index (the owners' callbacks queue a disk delete or note the key).
     """
 
-    def __init__(self, num_slots: int, on_evict: Optional[Callable[[HostEntry], None]] = None) -> None:
+    def __init__(self, num_slots: int, on_evict: Optional[Callable[[Entry], None]] = None) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.num_slots = num_slots
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
-        self._entries: dict[bytes, HostEntry] = {}
-        self._lru: OrderedDict[bytes, HostEntry] = OrderedDict()  # READY, readers == 0
+        self._entries: dict[bytes, Entry] = {}
+        self._lru: OrderedDict[bytes, Entry] = OrderedDict()  # READY, readers == 0
         self._on_evict = on_evict
         self.evictions = 0
 
@@ -74,10 +74,10 @@ class HostIndex:
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
 
-    def get(self, key: bytes) -> Optional[HostEntry]:
+    def get(self, key: bytes) -> Optional[Entry]:
         return self._entries.get(key)
 
-    def ready(self, key: bytes) -> Optional[HostEntry]:
+    def ready(self, key: bytes) -> Optional[Entry]:
         e = self._entries.get(key)
         return e if e is not None and e.state is _READY else None
 
@@ -85,14 +85,10 @@ class HostIndex:
     def used_slots(self) -> int:
         return self.num_slots - len(self._free)
 
-    @property
-    def ready_count(self) -> int:
-        return sum(1 for e in self._entries.values() if e.state is _READY)
-
-    def entries(self) -> Iterator[HostEntry]:
+    def entries(self) -> Iterator[Entry]:
         return iter(list(self._entries.values()))
 
-    def coldest(self, n: int) -> list[HostEntry]:
+    def coldest(self, n: int) -> list[Entry]:
         """Up to ``n`` evictable entries, least recently used first."""
         out = []
         for entry in self._lru.values():
@@ -116,13 +112,13 @@ class HostIndex:
         return i
 
     # -- moves -------------------------------------------------------------
-    def touch(self, entry: HostEntry) -> None:
+    def touch(self, entry: Entry) -> None:
         """Mark recently used."""
         lru = self._lru
         if lru.get(entry.key) is entry:   # a READY entry leased to a reader is not in the LRU
             lru.move_to_end(entry.key)
 
-    def reserve(self, key: bytes, writer: uuid.UUID, protect: Collection[bytes] = ()) -> Optional[HostEntry]:
+    def reserve(self, key: bytes, writer: uuid.UUID, protect: Collection[bytes] = ()) -> Optional[Entry]:
         """A new WRITING entry for ``key`` in a free or evicted slot; None when full of leased slots."""
         entries = self._entries
         if key in entries:
@@ -130,11 +126,11 @@ class HostIndex:
         free = self._free
         if not free and not self._evict_one(protect, key):
             return None
-        entry = HostEntry(key, free.pop(), writer)
+        entry = Entry(key, free.pop(), writer)
         entries[key] = entry
         return entry
 
-    def publish(self, entry: HostEntry) -> bool:
+    def publish(self, entry: Entry) -> bool:
         """The writer's copy landed: WRITING -> READY, if the entry is still in the index."""
         entry.writing = False
         if not entry.live:
@@ -145,23 +141,23 @@ class HostIndex:
             self._lru[entry.key] = entry
         return True
 
-    def abort(self, entry: HostEntry) -> None:
+    def abort(self, entry: Entry) -> None:
         """The writer's copy failed or will be discarded: drop the entry (slot kept while writing)."""
         self.remove(entry)
 
-    def writer_done(self, entry: HostEntry) -> None:
+    def writer_done(self, entry: Entry) -> None:
         """A worker that may have written the slot has reported."""
         entry.writing = False
         self._maybe_free(entry)
 
-    def acquire(self, entry: HostEntry) -> None:
+    def acquire(self, entry: Entry) -> None:
         """Lease a READY entry's slot to a reader (load or spill)."""
         if entry.state is not _READY or not entry.live:
             raise AssertionError(f"acquire of {entry!r}")  # internal bug
         entry.readers += 1
         self._lru.pop(entry.key, None)
 
-    def release(self, entry: HostEntry) -> None:
+    def release(self, entry: Entry) -> None:
         """A reader finished; the slot becomes evictable (MRU) or is freed if removed."""
         if entry.readers <= 0:
             raise AssertionError(f"release without acquire: {entry!r}")  # internal bug
@@ -172,7 +168,7 @@ class HostIndex:
             else:
                 self._maybe_free(entry)
 
-    def remove(self, entry: HostEntry) -> None:
+    def remove(self, entry: Entry) -> None:
         """Take the entry out of the index; its slot is freed once no lease holds it."""
         if entry.live:
             entry.live = False
@@ -183,7 +179,7 @@ class HostIndex:
         self._maybe_free(entry)
 
     # -- internals -------------------------------------------------------
-    def _maybe_free(self, entry: HostEntry) -> None:
+    def _maybe_free(self, entry: Entry) -> None:
         if not entry.live and not entry.writing and entry.readers == 0 and entry.slot >= 0:
             self._free.append(entry.slot)
             entry.slot = -1
@@ -210,7 +206,7 @@ class HostIndex:
             return True
         return False
 
-    def _evicted(self, entry: HostEntry) -> None:
+    def _evicted(self, entry: Entry) -> None:
         """An entry just taken out of the LRU leaves the index; its slot is free at once.
 
         ``remove()`` written out: the LRU holds live READY entries with no reader and no
@@ -224,5 +220,3 @@ class HostIndex:
         entry.slot = -1
         self.evictions += 1
 
-TierIndex = HostIndex
-"""The same policy serves the disk tier, where a "slot" is a unit of capacity."""

@@ -1,0 +1,207 @@
+"""The disk tier as the core sees it: the store's handle and the index of what it holds.
+
+:class:`DiskTier` opens the store (sizing the writer's batches against the
+capacity), exports what recovery found, rebuilds the LRU index from the
+entries that survived, and turns the core's decisions into store requests:
+start a spill, start a promote, apply their reports, forget an evicted or
+invalidated entry (token-matched on disk, so never a newer write).  Owner
+thread only; the store's own threads never see this object.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Optional, Union
+
+from ..config import TieredKVConfig
+from ..disk import SPILL_PREVENTED, DiskOptions, DiskStore
+from ..errors import DiskInUseError, DiskTierError
+from ..jobs import JobKind
+from ..metrics import Metrics
+from ..movers import CompletionQueue, Report
+from .index import Entry, TierIndex
+
+__all__ = ["DiskTier", "DiskErrors"]
+
+log = logging.getLogger(__name__)
+
+_SMALL_TIER_BLOCKS = 32
+"""Below this many blocks a disk tier is a test or a toy: its writer headroom comes on top of the capacity."""
+_BATCH_FRACTION = 16
+"""A writer batch is at most this fraction of the capacity, so that the headroom it needs stays small."""
+
+
+class DiskErrors:
+    """The disk store's error callback: counts every fault, logs each kind once (any thread)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+        self._logged: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, kind: str, msg: str) -> None:
+        self._metrics.error("disk", kind)
+        with self._lock:
+            first = kind not in self._logged
+            self._logged.add(kind)
+        if first:
+            log.error("disk tier error (%s): %s; further %s errors are counted, not logged", kind, msg, kind)
+
+
+class DiskTier:
+    """An open disk tier: ``store`` (the I/O threads) and ``index`` (capacity, leases, LRU).
+
+    ``usable`` turns False for good once the writer thread is gone: reads go on, spills are shed.
+    """
+
+    def __init__(self, store: DiskStore, index: TierIndex, metrics: Metrics) -> None:
+        self.store = store
+        self.index = index
+        self.usable = True
+        self._metrics = metrics
+
+    @classmethod
+    def open(cls, cfg: TieredKVConfig, row_bytes: int, completions: CompletionQueue, metrics: Metrics,
+             on_evict: Callable[[Entry], None]) -> Optional["DiskTier"]:
+        """The tier, recovered; ``None`` when it could not open (counted, logged, host-only service).
+
+        :class:`DiskInUseError` (another owner holds the path) is raised: that is a
+        configuration mistake, not a fault to serve around.  ``on_evict(entry)`` is
+        called for each disk entry the index evicts (after the store was told).
+        """
+        disk_blocks = cfg.disk_capacity_bytes // row_bytes
+        # A slot is reused only once the commit that dropped its entry is durable (one commit later
+        # with durability="batch"), and a batch's deletes and spills share a commit: the slot file
+        # needs the index's entries plus two batches, counted inside disk_capacity_bytes.
+        batch_blocks = max(1, min(cfg.writer_batch_blocks, cfg.writer_batch_bytes // row_bytes,
+                                  disk_blocks // _BATCH_FRACTION))
+        index_blocks = disk_blocks - 2 * batch_blocks if disk_blocks >= _SMALL_TIER_BLOCKS else disk_blocks
+        slots = max(disk_blocks, index_blocks + 2 * batch_blocks)
+        opts = DiskOptions(path=cfg.disk_dir, namespace=cfg.namespace, block_bytes=row_bytes,  # type: ignore[arg-type]
+                           capacity_bytes=disk_blocks * row_bytes, durability=cfg.durability, slots=slots,
+                           map_size_bytes=cfg.disk_map_size_bytes, queue_blocks=cfg.writer_queue_blocks,
+                           batch_blocks=batch_blocks, batch_bytes=batch_blocks * row_bytes,
+                           batch_seconds=cfg.writer_batch_seconds)
+        m = metrics
+        m.capacity["disk"].set(index_blocks * row_bytes)
+        on_error = DiskErrors(metrics)
+        try:
+            store = DiskStore(opts, completions, on_error=on_error, on_prevented=m.orphaned_prevented.inc,
+                              on_corrupt=lambda reason: m.corrupt_blocks.labels(reason=reason).inc())
+        except DiskInUseError:
+            raise
+        except DiskTierError as exc:
+            on_error("open_failed", str(exc))
+            m.enable_disk_health(False)
+            return None
+        tier = cls(store, TierIndex(index_blocks), metrics)
+        tier.index._on_evict = lambda d: tier._evicted(d, on_evict)
+        tier._replay_recovered()
+        log.info("tiered_kv disk tier at %s: %d blocks recovered in %.1f ms", cfg.disk_dir, len(tier.index),
+                 store.recovery.seconds * 1e3)
+        return tier
+
+    def _replay_recovered(self) -> None:
+        """Export what recovery found and rebuild the LRU index (oldest first, so LRU order survives)."""
+        m, rep = self._metrics, self.store.recovery
+        m.recovery_seconds.set(rep.seconds)
+        m.recovery_purged.set(rep.purged)
+        m.orphaned_purged.inc(rep.purged)
+        if rep.corrupt:
+            m.corrupt_blocks.labels(reason="recovery").inc(rep.corrupt)
+        if rep.foreign:
+            m.corrupt_blocks.labels(reason="foreign").inc(rep.foreign)
+        index = self.index
+        for e in self.store.entries:
+            d = index.get(e.key) or index.reserve(e.key, e.token)
+            if d is not None and d.writing:
+                index.publish(d)
+        m.enable_disk_health(True)
+
+    # ------------------------------------------------------------------ spills
+    def start_spill(self, entry: Entry, hindex: TierIndex, token: uuid.UUID,
+                    src: memoryview) -> Union[Entry, str, None]:
+        """Queue the write of READY host ``entry`` (its slot's bytes ``src``) under ``token``.
+
+        Returns the new disk entry, with ``entry``'s slot leased to the write until its
+        report is applied; ``None`` when the key is on disk already; or the shed reason
+        (``"disk_down"``, ``"disk_full"``, ``"backpressure"``) with nothing left held.  The
+        writer queue is asked first: reserving a disk entry may evict one, and a spill
+        that is then shed must not have cost the tier a block.
+        """
+        if entry.key in self.index:
+            return None
+        if not self.usable:
+            return "disk_down"
+        store = self.store
+        if not store.spill_room():
+            return "backpressure"
+        d = self.index.reserve(entry.key, token)
+        if d is None:
+            return "disk_full"
+        hindex.acquire(entry)
+        if not store.submit_spill(token, entry.key, src):
+            hindex.release(entry)
+            self.index.writer_done(d)
+            self.index.abort(d)
+            return "backpressure"
+        return d
+
+    def finish_spill(self, d: Entry, r: Report) -> bool:
+        """A live spill's report: the entry is published, or dropped when the write failed; counted.
+
+        Returns True when the write failed by a fault (not stopped by a tomb): ``flush()``
+        answers False when it applies one."""
+        m = self._metrics
+        if r.ok:
+            self.index.publish(d)
+            m.moved(JobKind.SPILL, ("host", "disk"), r.nbytes, r.seconds)
+            return False
+        self.index.writer_done(d)
+        self.index.abort(d)
+        m.count(m.job_outcome[(JobKind.SPILL, "failed")])
+        return r.error != SPILL_PREVENTED
+
+    # ------------------------------------------------------------------ promotes
+    def finish_promote(self, hindex: TierIndex, entry: Entry, d: Entry, r: Report) -> None:
+        """A live promote's report: the host entry is published (and the disk entry's recency kept),
+        or dropped with the disk entry forgotten when the read failed; counted."""
+        m = self._metrics
+        if r.ok:
+            hindex.publish(entry)
+            m.moved(JobKind.PROMOTE, ("disk", "host"), r.nbytes, r.seconds)
+            self.store.submit_touch(entry.key)
+            return
+        hindex.writer_done(entry)
+        hindex.abort(entry)
+        m.count(m.job_outcome[(JobKind.PROMOTE, "failed")])
+        # gone, superseded or bad on disk (the reader already queued the removal of a corrupt entry)
+        if d.live:
+            self.index.remove(d)
+
+    # ------------------------------------------------------------------ removal
+    def forget(self, d: Entry) -> None:
+        """Drop ``d`` from the index and tombstone its write (the key was invalidated)."""
+        self.index.remove(d)
+        self.store.cancel(d.writer, d.key)
+
+    def _evicted(self, d: Entry, then: Callable[[Entry], None]) -> None:
+        self._metrics.evicted["disk"].inc()
+        self.store.submit_delete(d.writer, d.key)
+        then(d)
+
+    # ------------------------------------------------------------------ health and gauges
+    def check_writer(self, closing: bool) -> None:
+        """Stop accepting spills once the writer thread is gone (reads still work)."""
+        if self.usable and not closing and not self.store.writer_alive():
+            log.error("disk writer is gone; the disk tier no longer accepts spills")
+            self.usable = False
+
+    def levels(self, row_bytes: int) -> tuple[int, int, int, int, int, int]:
+        """The gauge values for :meth:`Metrics.publish_levels`."""
+        s = self.store
+        return (self.index.used_slots * row_bytes, len(self.index), s.queue_depth, s.tombstones, s.map_size,
+                1 if s.healthy and self.usable else 0)

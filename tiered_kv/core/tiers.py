@@ -1,0 +1,656 @@
+"""TierCore: every piece of tier bookkeeping, once, for every front end.
+
+The core owns the host index (slots, leases, LRU, evict-ahead), the disk tier
+(:class:`~tiered_kv.core.disk_tier.DiskTier`), the job records (a
+:class:`~tiered_kv.jobs.Job` per token, covering a set of keys), the tokens,
+stale and shed accounting, spill and promote, write-through and write-back,
+flush and close, and the gauges.  It does no I/O: the disk store and the movers
+take token-tagged work and answer token-tagged reports, which :meth:`apply`
+matches by token on the owner thread.
+
+Front ends map their engine's calls onto it and keep only what their engine
+adds: :class:`~tiered_kv.manager.TierManager` the device rows (generations,
+fences, the mover); the vLLM scheduler side
+(:class:`~tiered_kv.integrations.scheduler.SlabScheduler`) vLLM's key-set
+completions and the slab's rings.  A front end sets the two hooks
+``on_store``/``on_load`` (apply a report of its STORE/LOAD job) and
+``on_load_ready``/``cancel_hook``; everything else it calls here.
+
+Invariants enforced here: a report is applied only to the live job its token
+names (else counted ``unknown_token``); a leased slot is never reused before the
+job's report is applied (the index's leases, taken and released only here); a
+cancelled store is never published (``publish_store`` skips non-PENDING jobs and
+dead parts); a spill is shed, never queued without bound (``DiskTier.start_spill``).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+import uuid
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, Optional
+
+import torch
+
+from ..config import TieredKVConfig
+from ..disk import FlushDone, writable_view
+from ..errors import ConfigError
+from ..jobs import Job, JobKind, JobState, StaleReason, TokenFactory
+from ..metrics import Metrics
+from ..movers import CompletionQueue, Report
+from .disk_tier import DiskTier
+from .index import Entry, EntryState, TierIndex
+
+__all__ = ["TierCore", "SlotViews", "EVICT_AHEAD_MAX", "TOKEN_POOL", "CLOSE_TIMEOUT_S"]
+
+log = logging.getLogger(__name__)
+
+_STORE, _LOAD, _SPILL, _PROMOTE = JobKind.STORE, JobKind.LOAD, JobKind.SPILL, JobKind.PROMOTE
+_PENDING, _CANCELLING, _DONE, _FAILED, _CANCELLED = (JobState.PENDING, JobState.CANCELLING, JobState.DONE,
+                                                   JobState.FAILED, JobState.CANCELLED)
+_READY = EntryState.READY
+_R_CANCELLED, _R_SUPERSEDED, _R_UNKNOWN = StaleReason.CANCELLED, StaleReason.SUPERSEDED, StaleReason.UNKNOWN_TOKEN
+
+EVICT_AHEAD_MAX = 64
+"""``host_evict_ahead_blocks=None``: at most this many free slots are prepared per step (and at most 1/32
+of the slab), enough for a step's stores without evicting blocks the next step may still hit."""
+TOKEN_POOL = 64
+"""Tokens made ahead at the end of each step, so that the engine's calls take one instead of building it."""
+CLOSE_TIMEOUT_S = 30.0
+"""``close()`` waits this long for promotes and spills in flight: a disk that stopped answering must not
+hang the host's shutdown (what is left is a miss after restart, never wrong bytes)."""
+WRITEBACK_FILL = 0.75
+"""Write-back starts spilling once the host slab is this full."""
+WRITEBACK_PER_STEP = 8
+"""Write-back spills at most this many blocks per step (from the 64 coldest): a step's cost stays flat."""
+
+
+class SlotViews:
+    """Writable byte views of a host slab's slots, as the disk store reads and writes them.
+
+    One view over the whole (contiguous) slab, sliced per slot.  ``release()``
+    before the slab's memory goes away.
+    """
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        if not rows.is_contiguous() or rows.dim() != 2:
+            raise ValueError(f"a slab must be a contiguous [slots, bytes] tensor, got {tuple(rows.shape)}")
+        self._bytes = int(rows.shape[1]) * rows.element_size()
+        self._all: Optional[memoryview] = writable_view(rows)
+
+    def __getitem__(self, slot: int) -> memoryview:
+        assert self._all is not None, "slot views used after release()"
+        return self._all[slot * self._bytes:(slot + 1) * self._bytes]
+
+    def release(self) -> None:
+        self._all = None
+
+
+class TierCore:
+    """The owner-side core.  One owner thread calls every method; workers only answer reports."""
+
+    def __init__(self, config: TieredKVConfig, host_rows: torch.Tensor, metrics: Metrics, *,
+                 completions: Optional[CompletionQueue] = None, token_start: int = 1,
+                 collect_events: bool = False) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.row_bytes = int(host_rows.shape[1]) * host_rows.element_size()
+        self.num_slots = num_slots = int(host_rows.shape[0])
+        ahead = config.host_evict_ahead_blocks
+        if ahead is None:
+            ahead = min(EVICT_AHEAD_MAX, num_slots // 32)
+        elif ahead >= num_slots:
+            raise ConfigError(f"host_evict_ahead_blocks={ahead} must be below the host tier's {num_slots} slots "
+                              f"(host_capacity_bytes={config.host_capacity_bytes} / {self.row_bytes}-byte blocks)")
+        self.evict_ahead = ahead
+        self.max_inflight = config.max_inflight_jobs
+        self.completions = completions if completions is not None else CompletionQueue()
+        self.tokens = TokenFactory(start=token_start)
+        # tokens made at the end of each step: the engine's calls take one from here
+        self.token_pool: collections.deque[uuid.UUID] = collections.deque()
+        self.collect_events = collect_events
+        self.evicted: list[bytes] = []     # keys evicted from every tier (collect_events only)
+        self.published: list[bytes] = []   # keys stores made READY (collect_events only)
+        self.index = TierIndex(num_slots, on_evict=self._host_evicted if collect_events else None)
+        # token.int -> job whose report has not been applied: an int key hashes in C, a UUID in Python
+        self.jobs: dict[int, Job] = {}
+        self.n_in_flight = {k: 0 for k in JobKind}
+        self.spill_faults = 0   # spills whose write failed (applied reports): flush() looks at what it applies
+        self.closing = False
+        self.log_debug = log.isEnabledFor(logging.DEBUG)   # refreshed once per step
+        self.slot_views = SlotViews(host_rows)
+        self._flushes: dict[uuid.UUID, Optional[FlushDone]] = {}
+        # the front end's hooks (set by it): apply its STORE/LOAD reports, start a load whose promotes
+        # landed, and cancel one of its jobs (a promote's waiting load, an invalidated store)
+        self.on_store: Callable[[Job, Report], None] = self._no_front_end
+        self.on_load: Callable[[Job, Report], None] = self._no_front_end
+        self.on_load_ready: Callable[[Job], None] = lambda job: None
+        self.on_load_failed: Callable[[Job, str], None] = lambda job, error: None
+        self.cancel_hook: Callable[[Job, StaleReason], None] = self.cancel
+        self.disk: Optional[DiskTier] = None
+        self.dindex: Optional[TierIndex] = None
+        metrics.capacity["host"].set(num_slots * self.row_bytes)
+        if config.disk_path is not None:
+            if config.disk_capacity_bytes < self.row_bytes:
+                raise ConfigError(f"disk_capacity_bytes={config.disk_capacity_bytes} holds no block of "
+                                  f"{self.row_bytes} bytes")
+            self.disk = DiskTier.open(config, self.row_bytes, self.completions, metrics, self._disk_evicted)
+            self.dindex = None if self.disk is None else self.disk.index
+
+    @staticmethod
+    def _no_front_end(job: Job, r: Report) -> None:  # pragma: no cover - a front end always sets its hooks
+        raise AssertionError(f"no front end applies {job.kind} reports")
+
+    # ------------------------------------------------------------------ tokens, accounting
+    def take_token(self) -> uuid.UUID:
+        pool = self.token_pool
+        return pool.popleft() if pool else self.tokens()
+
+    def shed(self, kind: JobKind, why: str, n: int = 1) -> None:
+        """Count a job (or ``n`` keys) not started; batched like the per-job counters."""
+        m = self.metrics
+        m.count(m.job_outcome[(kind, "shed")], n)
+        m.count(m.shed[(kind, why)], n)
+        if self.log_debug:
+            log.debug("%s shed: %s", kind, why)
+        return None
+
+    def stale(self, kind: JobKind, reason: StaleReason, token: Any = None) -> None:
+        """Count a discarded report (never raised)."""
+        self.metrics.count(self.metrics.stale[(kind, reason)])
+        if self.log_debug:
+            log.debug("discarded stale %s report for token %s: %s", kind, token, reason)
+
+    # ------------------------------------------------------------------ stores
+    def begin_store(self, keys: Sequence[bytes], protect: Collection[bytes] = ()) -> Optional[Job]:
+        """A STORE job for those of ``keys`` in no tier yet, each in a reserved host slot.
+
+        A key present in a tier is skipped (touched when on the host), a key that
+        finds no evictable slot is shed (``host_full``); ``None`` when nothing is
+        left, or when the jobs in flight are at ``max_inflight_jobs`` (shed).  The
+        front end fills in the device side (``block``/``blocks``) and submits it.
+        """
+        index, dindex = self.index, self.dindex
+        token: Optional[uuid.UUID] = None
+        got: list[bytes] = []
+        entries: list[Entry] = []
+        for k in keys:
+            e = index.get(k)
+            if e is not None:
+                index.touch(e)
+                continue
+            if dindex is not None and k in dindex:
+                continue
+            if token is None:
+                if len(self.jobs) >= self.max_inflight:
+                    return self.shed(_STORE, "inflight_limit")
+                token = self.take_token()
+            e = index.reserve(k, token, protect)
+            if e is None:
+                self.shed(_STORE, "host_full")
+                continue
+            got.append(k)
+            entries.append(e)
+        if not entries:
+            return None
+        job = Job(token, _STORE, got[0], -1, keys=tuple(got))  # type: ignore[arg-type]
+        job._entries = entries
+        self.jobs[token.int] = job  # type: ignore[union-attr]
+        self.n_in_flight[_STORE] += 1
+        return job
+
+    def publish_store(self, job: Job) -> list[Entry]:
+        """A PENDING store's copies landed: its live parts become READY (and spill, write-through)."""
+        index = self.index
+        dead = job._dead
+        out = []
+        for i, e in enumerate(job._entries):
+            if dead is not None and i in dead:
+                index.writer_done(e)
+                self.stale(_STORE, job.cancel_reason or StaleReason.SOURCE_REUSED, job.token)
+            elif index.publish(e):
+                out.append(e)
+        if self.collect_events:
+            self.published.extend(e.key for e in out)
+        disk = self.disk
+        if disk is not None and self.config.write_mode == "through":
+            for e in out:
+                self.start_spill(e)
+        return out
+
+    def drop_store(self, job: Job, failed: bool) -> None:
+        """A store's report that publishes nothing: it failed (counted) or was cancelled (stale)."""
+        index = self.index
+        if failed:
+            for e in job._entries:
+                index.writer_done(e)
+                index.abort(e)
+            self.metrics.count(self.metrics.job_outcome[(_STORE, "failed")])
+        else:
+            self.stale(_STORE, job.cancel_reason or _R_CANCELLED, job.token)
+            for e in job._entries:
+                index.writer_done(e)
+
+    def settle_cancelled(self, job: Job) -> None:
+        """A cancelled STORE/LOAD whose copies are known to be over, without a report to apply (the
+        vLLM adapter's rings show it): its record goes and its slots are free once nothing else holds them."""
+        if self.jobs.pop(job.token.int, None) is None:
+            return
+        self.n_in_flight[job.kind] -= 1
+        if job.kind is _STORE:
+            for e in job._entries:
+                self.index.writer_done(e)
+        else:
+            self.release_load(job)
+
+    def cancel_part(self, job: Job, i: int, reason: StaleReason) -> None:
+        """Cancel the part ``i`` of a PENDING store of several keys (its row was given up): the key
+        leaves the index now, its slot stays leased until the report; the rest still publishes."""
+        dead = job._dead
+        if dead is None:
+            dead = job._dead = set()
+        if i in dead:
+            return
+        dead.add(i)
+        if len(dead) == len(job._entries):
+            self.cancel_hook(job, reason)
+            return
+        job.cancel_reason = reason
+        self.index.abort(job._entries[i])
+
+    # ------------------------------------------------------------------ loads
+    def begin_load(self, keys: Sequence[bytes], protect: Collection[bytes] = (),
+                   promote: bool = True, bounded: bool = True) -> Optional[Job]:
+        """A LOAD job leasing the host slots of ``keys`` (READY there, or read back from disk first).
+
+        ``None`` when a key is in no lower tier (being stored from the device does
+        not count), without ``promote`` when a key is not READY on the host, or when
+        shed (``bounded=False``: never by ``max_inflight_jobs``, for an engine that was
+        promised the blocks).  A key only on disk starts a PROMOTE (the load waits for it: ``on_load_ready``
+        once every promote it waits for landed, ``on_load_failed`` if one failed).
+        """
+        index, dindex, jobs = self.index, self.dindex, self.jobs
+        plan: list[Any] = []        # per key: its READY host entry, or the PROMOTE job to wait for
+        reads: list[int] = []       # the keys to read from disk (plan holds their disk entries)
+        for k in keys:
+            e = index.get(k)
+            if e is not None:
+                if e.state is _READY:
+                    plan.append(e)
+                    continue
+                p = jobs.get(e.writer.int)
+                if not promote or p is None or p.kind is not _PROMOTE:
+                    return None  # being stored from a device row: not in a lower tier yet
+                plan.append(p)
+                continue
+            d = dindex.ready(k) if dindex is not None and promote else None
+            if d is None:
+                return None
+            reads.append(len(plan))
+            plan.append(d)
+        if bounded and len(jobs) >= self.max_inflight:
+            return self.shed(_LOAD, "inflight_limit")
+        if reads:
+            if len(keys) > 1:   # a slot for one read must not evict another key of this load
+                protect = frozenset(keys).union(protect)
+            for i in reads:
+                p = plan[i] = self.start_promote(keys[i], plan[i], protect)
+                if p is None:
+                    return None   # shed (host_full); the reads already started finish as prefetches
+        token = self.take_token()
+        job = Job(token, _LOAD, keys[0], -1, keys=tuple(keys))
+        entries: list[Optional[Entry]] = []
+        waits: list[Job] = []
+        for i, p in enumerate(plan):
+            if type(p) is not Job:
+                index.acquire(p)
+                entries.append(p)
+            else:
+                p._waiters.append((job, i))
+                waits.append(p)
+                entries.append(None)
+        job._entries = entries
+        if waits:
+            job._waiters = waits   # a load's _waiters: the promotes it still waits for
+        jobs[token.int] = job
+        self.n_in_flight[_LOAD] += 1
+        return job
+
+    def release_load(self, job: Job) -> None:
+        """A load's report was applied (or it was given up before a copy was queued): free its leases."""
+        release = self.index.release
+        for e in job._entries:
+            if e is not None:
+                release(e)
+        job._entries = []
+        waits = job._waiters
+        if waits:
+            job._waiters = None
+            for p in waits:
+                if p._waiters:
+                    p._waiters[:] = [w for w in p._waiters if w[0] is not job]
+
+    def abandon(self, job: Job) -> None:
+        """A load given up before any copy was queued (it waited for promotes): no report will come,
+        so its record goes now and its leases are freed."""
+        if self.jobs.pop(job.token.int, None) is not None:
+            self.n_in_flight[job.kind] -= 1
+        self.release_load(job)
+
+    def lookup_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` are READY in a lower tier (host, or disk), each marked recently used."""
+        run = self.index.ready_run
+        n = host = run(keys)
+        dindex = self.dindex
+        if dindex is not None:
+            total = len(keys)
+            while n < total:   # a key only on disk, then maybe host keys again
+                d = dindex.ready(keys[n])
+                if d is None:
+                    break
+                dindex.touch(d)
+                end = run(keys, n + 1)
+                host += end - n - 1
+                n = end
+        m = self.metrics  # counted like the per-job counters: applied at the end of the step
+        m.count(m.lookups, len(keys))
+        if host:
+            m.count(m.hits["host"], host)
+        if n > host:
+            m.count(m.hits["disk"], n - host)
+        return n
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Mark ``keys`` recently used where they are (host, else disk)."""
+        index, dindex = self.index, self.dindex
+        for k in keys:
+            e = index.get(k)
+            if e is not None:
+                index.touch(e)
+            elif dindex is not None:
+                d = dindex.get(k)
+                if d is not None:
+                    dindex.touch(d)
+
+    # ------------------------------------------------------------------ cancellation
+    def cancel(self, job: Job, reason: StaleReason) -> None:
+        """PENDING -> CANCELLING, with the core's part of it (counted once, here, for every kind).
+
+        A store's keys leave the index now (slots leased until its report); a load
+        keeps its leases until its report (its copy may still land), unless it still
+        waits for promotes (then nothing was queued: the front end reports it at once);
+        a spill is tombstoned on disk; a promote's host entry is dropped and its
+        waiting loads are cancelled through the front end.
+        """
+        if job.state is not _PENDING:
+            return
+        job.state = _CANCELLING
+        job.cancel_reason = reason
+        t = job._transfer
+        if t is not None:
+            t.cancelled = True
+        kind = job.kind
+        m = self.metrics
+        m.count(m.job_outcome[(kind, "cancelled")])
+        if kind is _STORE:
+            for e in job._entries:
+                self.index.abort(e)
+        elif kind is _SPILL:
+            assert self.disk is not None
+            self.disk.index.abort(job._dentry)
+            self.disk.store.cancel(job.token, job.key)
+        elif kind is _PROMOTE:
+            self.index.abort(job._entries[0])
+            for w, _ in list(job._waiters or ()):
+                self.cancel_hook(w, reason)
+
+    def drop_key(self, key: bytes) -> None:
+        """Forget ``key`` in every tier: the job writing it is cancelled (only its part, for a store of
+        several keys), its disk write tombstoned; it is never served again until stored again."""
+        entry = self.index.get(key)
+        if entry is not None:
+            if entry.state is not _READY:
+                w = self.jobs.get(entry.writer.int)
+                if w is not None and w.kind is _STORE and len(w._entries) > 1:
+                    self.cancel_part(w, w._entries.index(entry), _R_SUPERSEDED)
+                elif w is not None:
+                    self.cancel_hook(w, _R_SUPERSEDED)
+            self.index.remove(entry)
+        disk = self.disk
+        if disk is not None:
+            d = disk.index.get(key)
+            if d is not None:
+                spill = self.jobs.get(d.writer.int) if d.state is not _READY else None
+                if spill is not None:
+                    self.cancel(spill, _R_SUPERSEDED)
+                else:
+                    disk.forget(d)
+
+    def drop_all(self) -> None:
+        """:meth:`drop_key` for every key of every tier."""
+        for e in self.index.entries():
+            self.drop_key(e.key)
+        if self.dindex is not None:
+            for d in self.dindex.entries():
+                self.drop_key(d.key)
+
+    # ------------------------------------------------------------------ reports
+    def apply(self, r: Any) -> None:
+        """Apply one worker report: to the live job its token names, else counted and dropped."""
+        if type(r) is FlushDone:
+            if r.token in self._flushes:
+                self._flushes[r.token] = r
+            if not r.ok:
+                self.metrics.error("disk", "flush_failed")
+            return
+        try:
+            job = self.jobs.pop(r.token.int, None)
+        except AttributeError:  # not a token at all (a foreign or broken worker): nothing of ours either
+            job = None
+        if job is None:
+            self.stale(r.kind, _R_UNKNOWN, r.token)
+            return
+        kind = job.kind
+        self.n_in_flight[kind] -= 1
+        if kind is _STORE:
+            self.on_store(job, r)
+        elif kind is _LOAD:
+            self.on_load(job, r)
+        elif kind is _SPILL:
+            self._apply_spill(job, r)
+        else:
+            self._apply_promote(job, r)
+
+    def apply_arrived(self) -> None:
+        """Start the reads held since the last call, then apply every report that has arrived."""
+        if self.disk is not None:
+            self.disk.store.start_reads()
+        apply = self.apply
+        for r in self.completions.drain():
+            apply(r)
+
+    def _apply_spill(self, job: Job, r: Report) -> None:
+        disk = self.disk
+        assert disk is not None
+        self.index.release(job._entries[0])
+        if job.state is not _PENDING:
+            self.stale(_SPILL, job.cancel_reason or _R_CANCELLED, job.token)
+            disk.index.writer_done(job._dentry)
+            job._move(_CANCELLED)
+            return
+        job._move(_DONE if r.ok else _FAILED)
+        if disk.finish_spill(job._dentry, r):
+            self.spill_faults += 1
+
+    def _apply_promote(self, job: Job, r: Report) -> None:
+        disk = self.disk
+        assert disk is not None
+        entry, d = job._entries[0], job._dentry
+        disk.index.release(d)
+        waiters, job._waiters = job._waiters or [], None
+        if job.state is not _PENDING:  # invalidated meanwhile: its loads were cancelled with it
+            self.stale(_PROMOTE, job.cancel_reason or _R_SUPERSEDED, job.token)
+            self.index.writer_done(entry)
+            job._move(_CANCELLED)
+            return
+        job._move(_DONE if r.ok else _FAILED)
+        disk.finish_promote(self.index, entry, d, r)
+        for w, i in waiters:
+            if w.state is not _PENDING:
+                continue
+            w._waiters.remove(job)
+            if r.ok and entry.live:
+                self.index.acquire(entry)
+                w._entries[i] = entry
+                if not w._waiters:
+                    w._waiters = None
+                    self.on_load_ready(w)
+            else:
+                self.abandon(w)
+                self.on_load_failed(w, (r.error or "miss") if not r.ok else "superseded")
+
+    # ------------------------------------------------------------------ disk
+    def start_spill(self, entry: Entry) -> None:
+        """Write a READY host entry to disk (an internal SPILL job); shed and counted when it cannot."""
+        disk = self.disk
+        assert disk is not None
+        token = self.tokens()
+        d = disk.start_spill(entry, self.index, token, self.slot_views[entry.slot])
+        if type(d) is str:
+            self.shed(_SPILL, d)
+            return
+        entry.spilled = True  # this residency is on disk or on its way: write-back never spills it again
+        if d is not None:
+            job = Job(token, _SPILL, entry.key, -1)
+            job._entries = [entry]
+            job._dentry = d
+            self.jobs[token.int] = job
+            self.n_in_flight[_SPILL] += 1
+
+    def start_promote(self, key: bytes, d: Entry, protect: Collection[bytes] = ()) -> Optional[Job]:
+        """Read ``key`` (its READY disk entry ``d``) into a new host slot (an internal PROMOTE job).
+
+        The read is held until the next :meth:`apply_arrived`: no reader is woken inside
+        the engine's call, and the readers get a step's reads as one batch, in file order."""
+        disk = self.disk
+        assert disk is not None
+        token = self.take_token()
+        entry = self.index.reserve(key, token, protect)
+        if entry is None:
+            return self.shed(_LOAD, "host_full")
+        disk.index.acquire(d)
+        job = Job(token, _PROMOTE, key, -1)
+        job._entries = [entry]
+        job._dentry = d
+        job._waiters = []
+        self.jobs[token.int] = job
+        self.n_in_flight[_PROMOTE] += 1
+        disk.store.queue_promote(token, key, d.writer, self.slot_views[entry.slot])
+        return job
+
+    def _writeback(self) -> None:
+        """Write-back: spill the coldest host entries not yet on disk once the host is filling up.
+
+        Each host residency is spilled at most once (``Entry.spilled``): with a disk tier
+        smaller than the host tier, each spill evicts a disk entry whose key is still on the
+        host, and spilling "whatever is not on disk" would rewrite the same blocks every step.
+        Nothing starts while closing, so ``close()`` waits only for the spills already running.
+        """
+        disk, index = self.disk, self.index
+        if (disk is None or not disk.usable or self.closing
+                or index.used_slots < index.num_slots * WRITEBACK_FILL):
+            return
+        budget = WRITEBACK_PER_STEP
+        for entry in index.coldest(EVICT_AHEAD_MAX):
+            if budget == 0 or disk.store.queue_depth >= self.config.writer_queue_blocks:
+                break
+            if not entry.spilled and entry.key not in disk.index:
+                self.start_spill(entry)
+                budget -= 1
+
+    def _host_evicted(self, entry: Entry) -> None:
+        if self.dindex is None or self.dindex.ready(entry.key) is None:
+            self.evicted.append(entry.key)
+
+    def _disk_evicted(self, d: Entry) -> None:
+        if self.collect_events and d.key not in self.index:
+            self.evicted.append(d.key)
+
+    # ------------------------------------------------------------------ the step
+    def end_step(self, last: bool) -> None:
+        """Per-step bookkeeping after reports were applied.  ``last``: the final pass of an API call,
+        which also prepares the next step (free host slots, tokens) and publishes the gauges."""
+        self.log_debug = log.isEnabledFor(logging.DEBUG)
+        disk = self.disk
+        if disk is not None:
+            disk.check_writer(self.closing)
+            if self.config.write_mode == "back":
+                self._writeback()
+        if last:
+            if self.evict_ahead:
+                self.index.evict_ahead(self.evict_ahead)
+            pool = self.token_pool
+            if len(pool) < TOKEN_POOL:
+                make = self.tokens   # popleft() takes the oldest: tokens are issued in the order made
+                pool.extend(make() for _ in range(TOKEN_POOL - len(pool)))
+        self.refresh_gauges()
+
+    def refresh_gauges(self) -> None:
+        """Push batched counters and the gauge values that changed (once per step, not per job)."""
+        disk = self.disk
+        self.metrics.publish_levels(self.index.used_slots * self.row_bytes, len(self.index), self.n_in_flight,
+                                    None if disk is None else disk.levels(self.row_bytes), self.index.evictions)
+
+    # ------------------------------------------------------------------ flush and close
+    def flush(self, block_until: Callable[[Callable[[], bool], Optional[float]], None],
+              timeout: Optional[float]) -> bool:
+        """Block (through the front end's ``block_until``) until every spill queued so far is durable.
+
+        False on timeout, with a dead writer, or when a write it covers failed: a batch
+        failing after the flush was queued, or a spill failure this call is the first to apply."""
+        disk = self.disk
+        if disk is None:
+            return True
+        if not disk.store.writer_alive():
+            return False
+        faults = self.spill_faults
+        token = self.tokens()
+        self._flushes[token] = None
+        disk.store.submit_flush(token)
+        try:
+            block_until(lambda: self._flushes[token] is not None or not disk.store.writer_alive(), timeout)
+        finally:
+            done = self._flushes.pop(token)
+        return bool(done is not None and done.ok and self.spill_faults == faults)
+
+    def close_disk(self, block_until: Callable[[Callable[[], bool], Optional[float]], None]) -> None:
+        """Wait (bounded) for the spills in flight, then stop the disk store's threads."""
+        disk = self.disk
+        if disk is None:
+            return
+        self.closing = True
+        n = self.n_in_flight
+        block_until(lambda: n[_SPILL] == 0, CLOSE_TIMEOUT_S)
+        disk.store.close()
+        self.apply_arrived()
+
+    def simple_block_until(self, done: Callable[[], bool], timeout: Optional[float]) -> None:
+        """Apply reports as they arrive until ``done()`` or the timeout (front ends without copies to run)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.apply_arrived()
+        while not done():
+            step = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+            if step <= 0:
+                return
+            r = self.completions.get(step)
+            if r is not None:
+                self.apply(r)
+            self.apply_arrived()
+
+    # ------------------------------------------------------------------ views
+    @property
+    def disk_jobs(self) -> int:
+        """Spills and promotes whose report has not been applied."""
+        return self.n_in_flight[_SPILL] + self.n_in_flight[_PROMOTE]

@@ -1,0 +1,371 @@
+"""The vLLM adapter's scheduler side: vLLM's offloading-manager calls mapped onto the tier core.
+
+Runs where lookups are answered (vLLM's scheduler, in the EngineCore process).
+Every piece of tier bookkeeping -- the host index over the shared slab, the
+disk tier, the job records and tokens, stale and shed accounting, spills,
+promotes, write policies, evict-ahead -- is :class:`~tiered_kv.core.TierCore`'s.
+What this shell adds is vLLM's protocol (no vLLM import here):
+
+* a job covers the key set vLLM prepared; vLLM reports completions by key set,
+  so a completion is matched to a *live* job with that key set; one matching
+  none (late, duplicate, or of a job cancelled by ``reset``) is discarded and
+  counted in ``tiered_kv_stale_callbacks_total``, never raised;
+* the copies run in the worker processes, which mark each job's sequence
+  number (the counter half of its token) in their rank's ring of the shared
+  slab after its copies (:class:`~tiered_kv.integrations.slab.SharedSlab`); a
+  completion is applied to the core only once every rank's ring shows the job
+  finished (until then it is *awaiting*), and a store is published only if no
+  rank recorded a failed copy;
+* ``reset`` cancels the live jobs into a *quarantine*: their slots stay leased
+  until the rings show their copies finished, even when vLLM never reports
+  them again, so a slot is never reused under a running copy and a store
+  cancelled before it completed is never published, on host or disk.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+import uuid
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any, NamedTuple, Optional
+
+from ..config import TieredKVConfig
+from ..core import CLOSE_TIMEOUT_S, TierCore
+from ..core.index import EntryState
+from ..errors import InvalidKeyError
+from ..jobs import Job, JobKind, JobState, StaleReason
+from ..metrics import Metrics
+from ..movers import Report
+from .slab import SharedSlab
+
+__all__ = ["SlabScheduler", "Lookup", "Prepared", "token_seq"]
+
+log = logging.getLogger(__name__)
+
+_STORE, _LOAD, _PROMOTE = JobKind.STORE, JobKind.LOAD, JobKind.PROMOTE
+_PENDING = JobState.PENDING
+_READY = EntryState.READY
+_SEQ_MASK = (1 << 48) - 1
+
+
+def token_seq(token: uuid.UUID) -> int:
+    """The sequence number of a job: the counter half of its token (unique per factory)."""
+    return token.int & _SEQ_MASK
+
+
+class Lookup(enum.Enum):
+    """What :meth:`SlabScheduler.lookup` answers for one key."""
+
+    MISS = "miss"
+    HIT = "hit"
+    PENDING = "pending"   # on disk, being read back into the host slab
+
+
+class Prepared(NamedTuple):
+    """A job as the worker side needs it: its keys, token, sequence number and slab slots."""
+
+    keys: list[bytes]          # the keys the job moves, in the order of ``slots``
+    token: bytes               # the job's token (16 bytes)
+    seq: int
+    slots: list[int]
+    evicted: list[bytes] = []  # prepare_store: keys no longer offloaded anywhere since the last call
+
+
+class SlabScheduler:
+    """vLLM's scheduler-side calls on the tier core, with the slab's rings as the copies' reports."""
+
+    def __init__(self, config: TieredKVConfig, slab: SharedSlab, *, metrics: Metrics,
+                 collect_published: bool = False) -> None:
+        self.config = config
+        self.slab = slab
+        self.row_bytes = slab.row_bytes
+        self.metrics = metrics
+        # number jobs above anything already in the rings (a restarted scheduler on a used slab),
+        # or an old mark would pass for one of ours
+        core = self.core = TierCore(config, slab.rows, metrics, token_start=slab.max_seq() + 1,
+                                    collect_events=collect_published)
+        core.on_store = self._apply_store
+        core.on_load = self._apply_load
+        core.cancel_hook = self._cancel_hook
+        self._live: dict[JobKind, dict[frozenset[bytes], collections.deque[Job]]] = {_STORE: {}, _LOAD: {}}
+        self._quarantine: list[Job] = []   # cancelled jobs whose copies may still touch their slots
+        self._awaiting: list[Job] = []     # completed by the engine, rings not yet showing it
+        self._closed = False
+        metrics.health["host"].set(1)
+        core.refresh_gauges()
+
+    # ------------------------------------------------------------ lookups
+    def lookup(self, key: bytes, protect: Collection[bytes] = ()) -> Lookup:
+        """HIT when ``key`` is READY in the host slab; PENDING while it is read back from disk.
+
+        A read-back needs a host slot; it never evicts a key in ``protect`` (the keys
+        the same request was just told are hits), so a prefix longer than the slab
+        gets the part that fits instead of evicting itself forever.  The read starts
+        at the end of the step (:meth:`tick`), with the step's other reads.
+        """
+        self._check_key(key)
+        core, m = self.core, self.metrics
+        m.count(m.lookups)
+        entry = core.index.get(key)
+        if entry is not None:
+            if entry.state is _READY:
+                core.index.touch(entry)
+                m.count(m.hits["host"])
+                return Lookup.HIT
+            p = core.jobs.get(entry.writer.int)
+            if p is not None and p.kind is _PROMOTE:
+                core.apply_arrived()  # the read may have landed since the last step
+                if entry.state is _READY:
+                    m.count(m.hits["host"])
+                    return Lookup.HIT
+                return Lookup.PENDING if entry.live else Lookup.MISS
+            return Lookup.MISS  # being stored from the device: not offloaded yet
+        d = core.dindex.ready(key) if core.dindex is not None else None
+        if d is None or core.start_promote(key, d, protect) is None:
+            return Lookup.MISS
+        m.count(m.hits["disk"])
+        return Lookup.PENDING
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        self.core.touch(list(keys))
+
+    # ------------------------------------------------------------ loads
+    def prepare_load(self, keys: Sequence[bytes]) -> Prepared:
+        """Lease the READY host slots of ``keys`` to a load job (the engine copies them to the device)."""
+        keys = list(keys)
+        for k in keys:
+            self._check_key(k)
+            if self.core.index.ready(k) is None:
+                raise InvalidKeyError(f"prepare_load of key {k!r:.80} that lookup did not report as a hit "
+                                      f"(state: {self.core.index.get(k)!r:.120})")
+        job = self.core.begin_load(keys, promote=False, bounded=False)
+        assert job is not None  # every key READY and no bound: the core always starts it
+        self._register(job)
+        return Prepared(keys, job.token.bytes, token_seq(job.token), [e.slot for e in job._entries])
+
+    def complete_load(self, keys: Iterable[bytes]) -> None:
+        job = self._match(_LOAD, keys)
+        if job is None:
+            return
+        if not self.slab.done(token_seq(job.token)):
+            self._awaiting.append(job)
+            return
+        self.core.apply(Report(job.token, _LOAD, True))
+
+    def _apply_load(self, job: Job, r: Report) -> None:
+        self.core.release_load(job)
+        job.state = JobState.DONE
+        # job outcomes are counted here, bytes and copy times by the worker that copied them
+        self.metrics.count(self.metrics.job_outcome[(_LOAD, "ok")])
+
+    # ------------------------------------------------------------ stores
+    def prepare_store(self, keys: Sequence[bytes]) -> Prepared:
+        """Reserve host slots for the keys not offloaded yet.
+
+        A key already in a tier is skipped; one that finds no evictable slot is shed
+        (counted in ``tiered_kv_shed_total``), so the engine just stores less.
+        """
+        keys = list(keys)
+        for k in keys:
+            self._check_key(k)
+        core = self.core
+        job = core.begin_store(keys, protect=frozenset(keys))
+        evicted, core.evicted = core.evicted, []
+        if evicted:  # evicted since the last call but stored again meanwhile (or by this call): not gone
+            dindex = core.dindex
+            evicted = [k for k in evicted if k not in core.index and (dindex is None or k not in dindex)]
+        if job is None:  # everything offloaded already, or shed (counted): nothing for the engine to copy
+            token = core.take_token()
+            return Prepared([], token.bytes, token_seq(token), [], evicted)
+        self._register(job)
+        return Prepared(list(job.keys), job.token.bytes, token_seq(job.token), [e.slot for e in job._entries],
+                        evicted)
+
+    def complete_store(self, keys: Iterable[bytes], success: bool = True) -> None:
+        job = self._match(_STORE, keys)
+        if job is None:
+            return
+        if not self.slab.done(token_seq(job.token)):
+            if not success:
+                # an engine may report a store it never ran: its slots must not wait for a mark that never comes
+                self._cancel(job)
+                return
+            self._awaiting.append(job)
+            return
+        self._finish_store(job, success)
+
+    def _finish_store(self, job: Job, success: bool) -> None:
+        # publish only what every rank's ring records as copied: a success report matched by key set may
+        # be a late one of an older job with the same keys.  The engine's own failure is honoured too (a
+        # late *failure* of an older job can cost this store a miss, never wrong bytes)
+        ok = success and self.slab.ok(token_seq(job.token))
+        self.core.apply(Report(job.token, _STORE, ok))
+
+    def _apply_store(self, job: Job, r: Report) -> None:
+        if not r.ok:
+            job.state = JobState.FAILED
+            self.core.drop_store(job, failed=True)
+            return
+        job.state = JobState.DONE
+        self.core.publish_store(job)
+        self.metrics.count(self.metrics.job_outcome[(_STORE, "ok")])
+
+    # ------------------------------------------------------------ jobs
+    def _register(self, job: Job) -> None:
+        self._live[job.kind].setdefault(frozenset(job.keys), collections.deque()).append(job)
+
+    def _match(self, kind: JobKind, keys: Iterable[bytes]) -> Optional[Job]:
+        """The live job of ``kind`` this engine completion is for; None (counted) when there is none."""
+        ks = frozenset(keys)
+        jobs = self._live[kind].get(ks)
+        if jobs:
+            # the engine reports jobs of the same key set in the order it submitted them; prefer one the
+            # rings already show finished, so a late report never completes a newer job early
+            done = self.slab.done
+            pick = next((j for j in jobs if done(token_seq(j.token))), jobs[0])
+            jobs.remove(pick)
+            if not jobs:
+                del self._live[kind][ks]
+            return pick
+        reason = StaleReason.UNKNOWN_TOKEN
+        if any(j.kind is kind and frozenset(j.keys) == ks for j in self._quarantine):
+            reason = StaleReason.CANCELLED
+        self.core.stale(kind, reason, f"<{len(ks)} keys>")
+        return None
+
+    def _cancel(self, job: Job) -> None:
+        """Drop a live job's keys now; its slots stay leased until the rings show its copies done."""
+        jobs = self._live[job.kind].get(frozenset(job.keys))
+        if jobs is not None and job in jobs:
+            jobs.remove(job)
+            if not jobs:
+                del self._live[job.kind][frozenset(job.keys)]
+        self.core.cancel(job, StaleReason.CANCELLED)
+        self._quarantine.append(job)
+
+    def _cancel_hook(self, job: Job, reason: StaleReason) -> None:
+        if job.kind is _STORE or job.kind is _LOAD:
+            if job.state is _PENDING:
+                self._cancel(job)
+        else:
+            self.core.cancel(job, reason)
+
+    def reset(self) -> None:
+        """Forget every block in every tier (vLLM ``reset_cache``): nothing stored before is served again.
+
+        Jobs in flight are cancelled: their late completions are counted as stale,
+        their slots freed once their copies finished, and a store among them is never
+        published.  Disk entries get durable tombs.
+        """
+        for kind in (_STORE, _LOAD):
+            for jobs in list(self._live[kind].values()):
+                for job in list(jobs):
+                    self._cancel(job)
+        # completed by the engine but not yet seen in the rings: never published now
+        waiting, self._awaiting = self._awaiting, []
+        for job in waiting:
+            self.core.cancel(job, StaleReason.CANCELLED)
+            self._quarantine.append(job)
+        self.core.drop_all()
+        self.core.refresh_gauges()
+        log.info("tiered_kv: every tier reset; %d jobs quarantined until their copies finish", len(self._quarantine))
+
+    # ------------------------------------------------------------ the step
+    def tick(self) -> None:
+        """Once per engine step: apply disk reports and the completions the rings now confirm, release
+        quarantined jobs whose copies finished, prepare the next step (evict-ahead, tokens), gauges."""
+        core, done = self.core, self.slab.done
+        core.apply_arrived()
+        if self._awaiting:
+            waiting, self._awaiting = self._awaiting, []
+            for job in waiting:
+                if not done(token_seq(job.token)):
+                    self._awaiting.append(job)
+                elif job.kind is _STORE:
+                    self._finish_store(job, True)
+                else:
+                    core.apply(Report(job.token, _LOAD, True))
+        if self._quarantine:
+            keep = []
+            for job in self._quarantine:
+                if done(token_seq(job.token)):
+                    core.settle_cancelled(job)
+                else:
+                    keep.append(job)
+            self._quarantine = keep
+        core.end_step(True)
+
+    @property
+    def pending_work(self) -> bool:
+        """True while a disk read-back is in flight: a request waits on it, so the engine must keep stepping.
+
+        Quarantined and awaiting jobs do not count: they settle at the next step whatever
+        happens, and asking for steps on their behalf could spin an idle engine if the
+        engine never ran one of them.
+        """
+        return self.core.n_in_flight[_PROMOTE] > 0
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every spill queued so far is durable (tests and shutdown)."""
+        core = self.core
+        core.apply_arrived()
+        ok = core.flush(core.simple_block_until, timeout)
+        core.apply_arrived()
+        return ok
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        core = self.core
+        core.closing = True
+        core.simple_block_until(lambda: core.n_in_flight[_PROMOTE] == 0, CLOSE_TIMEOUT_S)
+        core.close_disk(core.simple_block_until)
+        core.slot_views.release()
+        core.refresh_gauges()
+
+    def take_published(self) -> list[bytes]:
+        """Keys published by stores since the last call (``collect_published=True`` only)."""
+        out, self.core.published = self.core.published, []
+        return out
+
+    # ------------------------------------------------------------ views (tests, tools)
+    @property
+    def host_blocks(self) -> int:
+        return len(self.core.index)
+
+    @property
+    def disk_blocks(self) -> int:
+        return 0 if self.core.dindex is None else len(self.core.dindex)
+
+    @property
+    def disk(self) -> Any:
+        """The disk tier's store (None without one or when it failed to open)."""
+        return None if self.core.disk is None else self.core.disk.store
+
+    def state_of(self, key: bytes) -> tuple[Optional[str], Optional[str]]:
+        """(host state, disk state) of ``key``: 'ready', 'writing' or None."""
+        e = self.core.index.get(key)
+        d = self.core.dindex.get(key) if self.core.dindex is not None else None
+        return (e.state.value if e is not None else None, d.state.value if d is not None else None)
+
+    def debug_sizes(self) -> dict[str, int]:
+        core = self.core
+        return {
+            "live_stores": sum(len(v) for v in self._live[_STORE].values()),
+            "live_loads": sum(len(v) for v in self._live[_LOAD].values()),
+            "quarantine": len(self._quarantine),
+            "awaiting": len(self._awaiting),
+            "disk_jobs": core.disk_jobs,
+            "host_entries": len(core.index),
+            "host_used_slots": core.index.used_slots,
+            "disk_entries": self.disk_blocks,
+        }
+
+    def _check_key(self, key: Any) -> None:
+        if type(key) is not bytes or not key:
+            raise InvalidKeyError(f"key must be non-empty bytes, got {type(key).__name__}: {key!r:.80}")
+        if len(key) > self.config.max_key_bytes:
+            raise InvalidKeyError(f"key of {len(key)} bytes exceeds max_key_bytes={self.config.max_key_bytes}")
