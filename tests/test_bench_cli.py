@@ -19,7 +19,7 @@ import pytest
 import tiered_kv.benchmarking.core as bench_core
 import tiered_kv.benchmarking.disk as bench_disk
 import tiered_kv.benchmarking.plots as bench_plots
-from tiered_kv.cli import main
+from tiered_kv.tools.cli import main
 
 FIGURE_KEYS = {"id", "section", "name", "unit", "better", "value", "baseline", "baseline_name", "vs", "ratio",
                "target", "target_on", "target_op", "target_threshold", "met", "stats", "source", "note", "skipped"}
