@@ -139,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(func=_demo)
-    from ..benchmarking.cli import add_bench_command
+    from ..bench.cli import add_bench_command
     from .ops_cli import add_operator_commands
 
     add_operator_commands(sub)

@@ -2,7 +2,7 @@
 
 ``run_bench`` runs the sections (core, CUDA links, disk tier, end to end) and
 returns one JSON-ready dict: ``machine`` facts, ``figures`` (see
-:mod:`tiered_kv.benchmarking.report` for their schema), ``problems`` and each
+:mod:`tiered_kv.bench.report` for their schema), ``problems`` and each
 section's raw result under ``sections``.  ``add_bench_command`` registers the
 subcommand on the ``tiered-kv`` parser.  Exit status: 0, also when targets are
 missed (they are figures, not failures); 1 when a measurement saw wrong bytes;
