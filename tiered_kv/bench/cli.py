@@ -32,12 +32,10 @@ _PARTS: dict[str, tuple[str, str]] = {
     "promote": ("disk", "promote"),
     "evicting": ("disk", "evicting"),
     "latency": ("disk", "latency"),
-    "diag": ("disk", "diag"),
     "e2e": ("e2e", "e2e"),
 }
 SECTIONS = tuple(_PARTS)
-DEFAULT_SECTIONS = {"full": SECTIONS, "quick": tuple(s for s in SECTIONS if s != "diag"),
-                    "smoke": tuple(s for s in SECTIONS if s != "diag")}
+DEFAULT_SECTIONS = {"full": SECTIONS, "quick": SECTIONS, "smoke": SECTIONS}
 _FORMAT_VERSION = 1
 
 
@@ -127,7 +125,7 @@ def add_bench_command(sub: Any) -> None:
                    help="parent of the disk benchmarks' scratch directory; its filesystem is the one measured "
                         "(default: the system temp dir)")
     p.add_argument("--sections", metavar="LIST", default=None,
-                   help=f"comma-separated subset of {','.join(SECTIONS)} (default: all; --quick skips diag)")
+                   help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
     p.add_argument("--from-json", metavar="PATH", default=None,
                    help="measure nothing: print the table of a result written by --json (and --plot it)")
     p.add_argument("--no-details", action="store_true", help="print only the summary table")
