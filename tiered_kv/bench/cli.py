@@ -70,7 +70,7 @@ def run_bench(mode: str = "full", seed: int = 0, bench_dir: Optional[str] = None
     def part(name: str) -> list[str]:
         return [_PARTS[s][1] for s in chosen if _PARTS[s][0] == name]
 
-    # objects alive after imports (torch's ~170k) go to the permanent generation, as serving engines do after
+    # objects alive after imports (torch's many) go to the permanent generation, as serving engines do after
     # start-up: gc.collect() before each timed repeat is then cheap and gen-2 passes do not scan them
     gc.collect()
     gc.freeze()

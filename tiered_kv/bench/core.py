@@ -442,8 +442,8 @@ def bench_store_latency(quick: Union[bool, str] = False, seed: int = 0, row_byte
     """Section 2: store() wall time per call with the real default mover, poll() every ``per_step`` stores.
 
     Defaults: 2 MiB rows (one vLLM block of a Llama-3-8B-class model, all
-    layers), 16 stores per engine step, a 10 ms step: ~3.4 GB/s of copies
-    requested, below what the two copy workers sustain, so the workers are busy
+    layers), 16 stores per engine step, a 10 ms step: a copy rate below what
+    the two copy workers sustain, so the workers are busy
     most of the time while store() is called.  Host tier = device rows, so
     after the warm-up every store evicts.
     """
@@ -860,7 +860,7 @@ def run_all(quick: Union[bool, str] = False, seed: int = 0, log: Callable[[str],
     if bad:
         raise ValueError(f"unknown core sections {sorted(bad)}; known: {SECTIONS}")
     t0 = time.perf_counter()
-    # objects alive after imports (torch's ~170k) go to the permanent generation, as serving engines do
+    # objects alive after imports (torch's many) go to the permanent generation, as serving engines do
     # after start-up: gc.collect() before each repeat is then cheap and gen-2 passes do not scan them
     was_frozen = gc.get_freeze_count() > 0
     gc.collect()

@@ -59,7 +59,7 @@ all):
 Method: seeded; one warm-up repeat per figure, discarded; systems alternate
 (order rotated each repeat); before each timed repeat ``gc.collect()``,
 ``os.sync()`` and a "hot memory" step (``_quiesce``): this VM hands freed
-memory back to its host after ~2 s and faulting it in again costs tens of
+memory back to its host after a few seconds and faulting it in again costs tens of
 microseconds per page, so every system gets the same recently freed pages
 before its timer starts.  The host slab is faulted in before timing (pinned,
 resident memory under CUDA).  Distributions are over repeats (throughput) or
@@ -122,7 +122,7 @@ def diskcache_module() -> Any:
 
 # ----------------------------------------------------------------------------- machine
 _DROP_ALLOWED = [True]
-_HOT_ALLOWED = [True]  # the hot-memory step of _quiesce (off in smoke runs: it costs ~0.3 s per timer)
+_HOT_ALLOWED = [True]  # the hot-memory step of _quiesce (off in smoke runs: it costs time before every timer)
 
 
 def _drop() -> bool:
@@ -1079,7 +1079,7 @@ PLANS: dict[str, dict[str, Any]] = {
     # spill: (block bytes, durability, repeats, with diskcache, working set bytes);
     # promote: (block bytes, repeats, warm repeats, bytes for the cold-reopen measurement)
     "full": {"spill_bytes": 256 * MiB,
-             # odd repeats: the median drops a run that met one of this VM's slow-disk spells (2-5x slower
+             # odd repeats: the median drops a run that met one of this VM's slow-disk spells (several times slower
              # for a second or so, seen in the raw baseline too)
              "spill": [(2 * MiB, "batch", 5, True, 256 * MiB), (2 * MiB, "sync", 3, True, 256 * MiB),
                        (256 * KiB, "batch", 3, True, 128 * MiB), (256 * KiB, "sync", 3, False, 128 * MiB)],
