@@ -38,7 +38,7 @@ timeout "${CUDA_TESTS_S:-240}" "$PY" -m pytest -q -p no:cacheprovider -rA tests/
     | tee "$OUT/test_cuda.txt" | tail -30
 
 step "bench: cuda, store_latency"
-timeout "${BENCH_S:-360}" "$PY" -m tiered_kv.cli bench --sections "${BENCH_SECTIONS:-cuda,store_latency}" \
+timeout "${BENCH_S:-360}" "$PY" -m tiered_kv.tools.cli bench --sections "${BENCH_SECTIONS:-cuda,store_latency}" \
     --json "$OUT/bench-gpu.json" 2>&1 | tee "$OUT/bench-gpu.txt" | tail -40
 
 step "core suite with CUDA present"

@@ -8,7 +8,6 @@ on a shared machine mean nothing, only their shape does.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -16,10 +15,10 @@ from typing import Any
 
 import pytest
 
-import tiered_kv.benchmarking.core as bench_core
-import tiered_kv.benchmarking.disk as bench_disk
-import tiered_kv.benchmarking.plots as bench_plots
-from tiered_kv.cli import main
+import tiered_kv.bench.common as bench_common
+import tiered_kv.bench.disk as bench_disk
+import tiered_kv.bench.plots as bench_plots
+from tiered_kv.tools.cli import main
 
 FIGURE_KEYS = {"id", "section", "name", "unit", "better", "value", "baseline", "baseline_name", "vs", "ratio",
                "target", "target_on", "target_op", "target_threshold", "met", "stats", "source", "note", "skipped"}
@@ -144,7 +143,7 @@ def test_plot_writes_pngs(smoke: dict[str, Any]) -> None:
 def test_missed_targets_do_not_fail_the_command(smoke: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     # re-render the smoke result with an unreachable target: the exit status does not depend on timings
-    monkeypatch.setattr(bench_core, "TARGET_LIFECYCLES_PER_S", float("inf"))
+    monkeypatch.setitem(bench_common.TARGETS, "lifecycles_per_cpu_s", float("inf"))
     capsys.readouterr()
     assert main(["bench", "--from-json", str(smoke["json"])]) == 0
     out = capsys.readouterr().out
@@ -178,90 +177,6 @@ def test_without_diskcache_the_peer_rows_say_not_installed(monkeypatch: pytest.M
 def test_unknown_section_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--smoke", "--sections", "spill,nope"]) == 2
     assert "unknown sections ['nope']" in capsys.readouterr().err
-
-
-def test_benchmark_scripts_are_thin_entry_points() -> None:
-    root = Path(__file__).resolve().parents[1]
-    for name, mod in (("bench_core", bench_core), ("bench_disk", bench_disk)):
-        spec = importlib.util.spec_from_file_location(f"_entry_{name}", root / "benchmarks" / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        m = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(m)
-        assert m.run_all is mod.run_all and m.main is mod.main
-
-
-def test_ab_lifecycles_script_compares_a_revision_with_the_working_tree() -> None:
-    """benchmarks/ab_lifecycles.py: imports HEAD as tiered_kv_base beside the tree and prints each variant."""
-    import shutil
-    import subprocess
-    import sys
-    root = Path(__file__).resolve().parents[1]
-    if shutil.which("git") is None or not (root / ".git").exists():
-        pytest.skip("needs git and the repository's history")
-    out = subprocess.run([sys.executable, str(root / "benchmarks" / "ab_lifecycles.py"), "HEAD", "--repeats", "1",
-                          "-n", "64"], capture_output=True, text=True, timeout=120, cwd=root)
-    assert out.returncode == 0, out.stderr
-    lines = [ln for ln in out.stdout.splitlines() if "poll every" in ln]
-    assert len(lines) == 4 and all("paired saving" in ln for ln in lines), out.stdout
-
-
-def test_ab_first_call_script_compares_a_revision_with_the_working_tree() -> None:
-    """benchmarks/ab_first_call.py: the engine loop on HEAD and on the tree, steps alternating."""
-    import shutil
-    import subprocess
-    import sys
-    root = Path(__file__).resolve().parents[1]
-    if shutil.which("git") is None or not (root / ".git").exists():
-        pytest.skip("needs git and the repository's history")
-    out = subprocess.run([sys.executable, str(root / "benchmarks" / "ab_first_call.py"), "HEAD", "--steps", "4",
-                          "--slots", "64", "--per-step", "4", "--pause-ms", "0"],
-                         capture_output=True, text=True, timeout=120, cwd=root)
-    assert out.returncode == 0, out.stderr
-    rows = [ln.split()[0] for ln in out.stdout.splitlines() if ln.startswith(("base ", "head "))]
-    assert rows == ["base", "head"], out.stdout
-
-
-@pytest.mark.parametrize("mover,compare", [("thread", "ahead"), ("none", "ahead"), ("thread", "batch")])
-def test_ab_ahead_script_runs_both_sides(mover: str, compare: str) -> None:
-    """benchmarks/ab_ahead.py: section 2's loop on a manager evicting ahead and one evicting inline."""
-    import subprocess
-    import sys
-    root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, str(root / "benchmarks" / "ab_ahead.py"), "--segments", "2", "--steps", "3",
-                          "--rows", "64", "--row-mib", "0.0625", "--step-ms", "0", "--mover", mover,
-                          "--compare", compare],
-                         capture_output=True, text=True, timeout=120, cwd=root)
-    assert out.returncode == 0, out.stderr
-    rows = {ln.split()[0]: ln for ln in out.stdout.splitlines() if ln.startswith(("ahead ", "inline "))}
-    assert set(rows) == {"ahead", "inline"}, out.stdout
-    assert all("stores returning None: 0" in ln for ln in rows.values()), out.stdout
-
-
-def test_ab_lone_read_script_reads_through_both_paths() -> None:
-    """benchmarks/ab_lone_read.py: a lone read through _read and through _read_many, every read ok."""
-    import subprocess
-    import sys
-    root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, str(root / "benchmarks" / "ab_lone_read.py"), "--repeats", "2", "--keys",
-                          "4", "--rounds", "2", "--blocks", "4096,5000"], capture_output=True, text=True, timeout=120,
-                         cwd=root)
-    assert out.returncode == 0, out.stderr
-    lines = [ln for ln in out.stdout.splitlines() if "_read_many([op])" in ln and " B: " in ln]
-    assert len(lines) == 2, out.stdout
-
-
-def test_ab_held_reads_script_runs_both_sides() -> None:
-    """benchmarks/ab_held_reads.py: load() latency and load-from-disk GB/s, reads held and at once."""
-    import subprocess
-    import sys
-    root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, str(root / "benchmarks" / "ab_held_reads.py"), "--steps", "26", "--rounds",
-                          "1", "--set-mib", "2", "--block-kib", "64", "--warm"], capture_output=True, text=True,
-                         timeout=120, cwd=root)
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
-    assert sum(1 for ln in lines if ln.strip().startswith(("held ", "at_once "))) == 4, out.stdout
-    assert [ln.strip() for ln in lines if "not ok" in ln] == ["loads not ok: 0"] * 2, out.stdout
 
 
 def test_evicting_aggregates_pairs_and_keeps_each_file_ratio_with_its_bytes(monkeypatch, tmp_path):

@@ -631,7 +631,7 @@ def test_random_engine_on_a_randomly_scheduled_device(seed: int) -> None:
 def test_the_cuda_bench_section_runs_on_the_simulated_device() -> None:
     """Section 4 of the bench (GB/s beside torch's copy, store() latency) runs its code on a simulated
     device: a GPU machine is lent rarely and briefly, and its one run must not be spent on a typo."""
-    from tiered_kv.benchmarking import core, report
+    from tiered_kv.bench import core, report
     gpu = FakeGPU(random.Random(3), progress_on_query=True)
     r = core.bench_cuda_copy("smoke", 0, block_sizes=(64 << 10,), runtime=gpu)
     assert r["simulated"] and r["skipped"] is None

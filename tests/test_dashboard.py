@@ -325,7 +325,7 @@ def test_grafana_provisioning_matches_compose_and_prometheus() -> None:
 
 
 def _parse_demo_args(args: list[str]) -> Any:
-    from tiered_kv.cli import _parser
+    from tiered_kv.tools.cli import _parser
 
     ns = _parser().parse_args(args)
     assert ns.cmd == "demo"

@@ -2,7 +2,7 @@
 
 * Fixture environments are written by a real TierManager with a disk tier
   (stores, then ``flush()``), built once per module and copied per test.
-* ``cli(capsys, ...)`` runs ``tiered_kv.cli.main`` in-process and returns
+* ``cli(capsys, ...)`` runs ``tiered_kv.tools.cli.main`` in-process and returns
   ``(exit code, stdout, stderr)``.
 * ``LiveWriter`` runs a TierManager in a child process that keeps spilling new
   blocks until told to stop (LMDB forbids opening one environment twice in a
@@ -29,7 +29,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from tiered_kv import TieredKVConfig, TierManager
-from tiered_kv.cli import main
+from tiered_kv.tools.cli import main
 from tiered_kv.diskformat import SLOTS_NAME, CorruptEntry, inline_value, lmdb_key, parse_header, slot_bytes_for
 
 ROW = 4096
@@ -112,7 +112,7 @@ def cli(capsys: Any, *argv: str) -> tuple[int, str, str]:
 def cli_subprocess(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    return subprocess.run([PYTHON, "-m", "tiered_kv.cli", *argv], capture_output=True, text=True,
+    return subprocess.run([PYTHON, "-m", "tiered_kv.tools.cli", *argv], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=str(REPO))
 
 

@@ -167,7 +167,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     demo_port, prom_port = _free_port(), _free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    demo_cmd = [sys.executable, "-m", "tiered_kv.cli", "demo", "--seconds", str(DEMO_SECONDS), "--no-progress",
+    demo_cmd = [sys.executable, "-m", "tiered_kv.tools.cli", "demo", "--seconds", str(DEMO_SECONDS), "--no-progress",
                 "--metrics-port", str(demo_port), "--disk-path", str(tmp / "lmdb")]
     demo = subprocess.Popen(demo_cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
                             stdout=open(logs / "demo.out", "wb"), stderr=open(logs / "demo.err", "wb"))

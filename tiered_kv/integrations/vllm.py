@@ -255,7 +255,7 @@ class TieredKVOffloadingManager(OffloadingManager):
             self.slab.unlink()
         self._events: list[OffloadingEvent] = []
         # keys reported as hits (or pending) in this scheduler step, per request: a read-back
-        # from disk must not evict them (see SlabTiers.lookup)
+        # from disk must not evict them (see SlabScheduler.lookup)
         self._step_hits: dict[str, set[bytes]] = {}
 
     def lookup(self, key: Any, req_context: ReqContext) -> LookupResult:

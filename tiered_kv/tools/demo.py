@@ -26,10 +26,10 @@ import torch
 import xxhash
 from prometheus_client import CollectorRegistry
 
-from .config import TieredKVConfig
-from .jobs import Job, JobKind
-from .manager import TierManager
-from .metrics import SHED_REASONS, sample_total
+from ..config import TieredKVConfig
+from ..jobs import Job, JobKind
+from ..manager import TierManager
+from ..metrics import SHED_REASONS, sample_total
 
 __all__ = ["WorkloadConfig", "run_workload", "block_content", "chain_keys", "summary_from_registry",
            "OFFLOAD_MODES"]

@@ -13,7 +13,7 @@ __all__ = ["main"]
 
 
 def _workload_config(args: argparse.Namespace, offload: str) -> Any:
-    from .workload import WorkloadConfig
+    from .demo import WorkloadConfig
 
     return WorkloadConfig(seconds=args.seconds, steps=args.steps, seed=args.seed, offload=offload,
                           abort_rate=args.abort_rate, preempt_rate=args.preempt_rate,
@@ -25,7 +25,7 @@ def _run_one(args: argparse.Namespace, offload: str, label: str) -> dict[str, An
     from prometheus_client import CollectorRegistry
     from tqdm import tqdm
 
-    from .workload import run_workload
+    from .demo import run_workload
 
     cfg = _workload_config(args, offload)
     registry = CollectorRegistry()
@@ -34,7 +34,7 @@ def _run_one(args: argparse.Namespace, offload: str, label: str) -> dict[str, An
     def on_manager(mgr: Any) -> None:
         nonlocal server
         if args.metrics_port is not None:
-            from .exposition import serve_metrics
+            from ..exposition import serve_metrics
 
             server = serve_metrics(args.metrics_port, addr=args.metrics_addr, registry=registry)
             print(f"serving /metrics on http://{args.metrics_addr}:{server.port}/metrics", file=sys.stderr, flush=True)
@@ -139,8 +139,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(func=_demo)
-    from .benchmarking.cli import add_bench_command
-    from .cli_ops import add_operator_commands
+    from ..bench.cli import add_bench_command
+    from .ops_cli import add_operator_commands
 
     add_operator_commands(sub)
     add_bench_command(sub)

@@ -21,14 +21,14 @@ __all__ = ["run_bench", "collect_figures"]
 
 
 def run_bench(*args: Any, **kwargs: Any) -> dict[str, Any]:
-    """See :func:`tiered_kv.benchmarking.cli.run_bench`."""
+    """See :func:`tiered_kv.bench.cli.run_bench`."""
     from .cli import run_bench as _run
 
     return _run(*args, **kwargs)
 
 
 def collect_figures(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """See :func:`tiered_kv.benchmarking.report.collect_figures`."""
+    """See :func:`tiered_kv.bench.report.collect_figures`."""
     from .report import collect_figures as _collect
 
     return _collect(result)

@@ -23,7 +23,7 @@ import tiered_kv
 
 __all__ = [
     "KiB", "MiB", "GiB", "MODES", "as_mode", "percentile", "summarize", "ratio", "gbs",
-    "machine_facts", "filesystem_of", "LoadMonitor", "git",
+    "machine_facts", "filesystem_of", "LoadMonitor", "git", "TARGETS",
 ]
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -39,6 +39,22 @@ def as_mode(quick: Union[bool, str, None]) -> str:
             raise ValueError(f"mode must be one of {MODES}, got {quick!r}")
         return quick
     return "quick" if quick else "full"
+
+
+TARGETS: dict[str, float] = {
+    # the one table of targets (issue 2 section 8, issue 3 section 9), each named by what it measures;
+    # :mod:`.report` applies them to the figures
+    "lifecycles_per_cpu_s": 100_000,                # job lifecycles per CPU second of the one engine thread
+    "store_p99_us_copies_running": 50.0,            # store() p99 while copy workers move rows (CPU or CUDA)
+    "host_copy_vs_raw_copy": 0.9,                   # host tier GB/s / a raw one-thread copy_ of the same rows
+    "cuda_copy_vs_torch_copy": 0.9,                 # device<->host GB/s / torch's copy_ between the same buffers
+    "spill_vs_raw_write_fsync": 0.85,               # spill GB/s until flush() / raw write+fsync (also when evicting)
+    "spill_vs_diskcache": 1.2,                      # spill GB/s / diskcache set()+syncfs(), 2 MiB blocks
+    "promote_vs_raw_read": 0.8,                     # promote GB/s / raw readinto() of the same bytes
+    "promote_vs_diskcache": 2.0,                    # promote GB/s / diskcache get(), 2 MiB blocks
+    "engine_call_p99_us_writer_saturated": 50.0,    # store()/lookup()/load() p99 with the disk writer saturated
+    "disk_files_vs_capacity": 1.15,                 # slot file + data.mdb size / capacity, tier full and evicting
+}
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -141,6 +157,32 @@ def filesystem_of(path: Path) -> dict[str, Any]:
     return best
 
 
+def _cache_sizes() -> dict[str, str]:
+    out: dict[str, str] = {}
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    try:
+        for idx in sorted(base.glob("index*")):
+            level = (idx / "level").read_text().strip()
+            kind = (idx / "type").read_text().strip()
+            size = (idx / "size").read_text().strip()
+            out[f"L{level}{'' if kind == 'Unified' else kind[0].lower()}"] = size
+    except OSError:
+        pass
+    return out
+
+
+def _sources_hash() -> str:
+    """sha256 over the imported tiered_kv's runtime sources (the bench excluded): names the exact code measured."""
+    import hashlib
+    h = hashlib.sha256()
+    pkg = Path(tiered_kv.__file__).resolve().parent
+    for f in sorted(pkg.rglob("*.py")):
+        rel = f.relative_to(pkg)
+        if rel.parts[0] != "bench":
+            h.update(str(rel).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
 def _version(mod: str) -> Optional[str]:
     """Version of an optional module without importing it when it is absent."""
     try:
@@ -167,11 +209,13 @@ def machine_facts(bench_dir: Optional[Path] = None) -> dict[str, Any]:
         "cores": os.cpu_count(),
         "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "cpu_model": _cpu_model(),
+        "cpu_caches_cpu0": _cache_sizes(),
         "mem_total_bytes": _mem_total_bytes(),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_num_threads": torch.get_num_threads(),
+        "torch_parallel_info": torch.__config__.parallel_info().splitlines()[:6],
         "cuda": cuda,
         "cuda_device": torch.cuda.get_device_name(0) if cuda else None,
         "cuda_runtime": torch.version.cuda,
@@ -185,6 +229,7 @@ def machine_facts(bench_dir: Optional[Path] = None) -> dict[str, Any]:
         "loadavg_at_start": load,
         "git_commit": git("rev-parse", "HEAD"),
         "git_tiered_kv_dirty": bool(git("status", "--porcelain", "--", "tiered_kv")),
+        "tiered_kv_sources_sha256": _sources_hash(),
         "gc_thresholds": list(gc.get_threshold()),
         "switch_interval_s": sys.getswitchinterval(),
     }

@@ -1,6 +1,6 @@
 """End to end: the demo's simulated serving engine with no offload, host only, and host+disk.
 
-Owns one measurement, ``bench_e2e``: :func:`tiered_kv.workload.run_workload`
+Owns one measurement, ``bench_e2e``: :func:`tiered_kv.tools.demo.run_workload`
 for a fixed number of engine steps with the same seed in each mode (so each
 mode sees the same arrival process until completions, which depend on timing,
 make the runs diverge), repeated with seeds ``seed, seed+1, ...`` and the
@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Union
 
 from prometheus_client import CollectorRegistry
 
-from tiered_kv.workload import WorkloadConfig, run_workload
+from tiered_kv.tools.demo import WorkloadConfig, run_workload
 
 from .common import as_mode, summarize
 
@@ -83,7 +83,7 @@ def bench_e2e(quick: Union[bool, str] = False, seed: int = 0, steps: Optional[in
         "steps_per_run": steps,
         "repeats": repeats,
         "seeds": [seed + r for r in range(repeats)],
-        "method": ("tiered_kv.workload.run_workload(WorkloadConfig(offload=MODE, steps=N, seed=S)) with the demo's "
+        "method": ("tiered_kv.tools.demo.run_workload(WorkloadConfig(offload=MODE, steps=N, seed=S)) with the demo's "
                    "defaults (96 device rows, 160 host slots, 4096 disk blocks, 32 KiB blocks of 16 tokens); the "
                    "three modes run with the same seed, order rotated each repeat; medians over repeats.  Hit rate = "
                    "leading keys found in a lower tier / keys looked up; recompute avoided = loaded blocks x 16 tokens."),

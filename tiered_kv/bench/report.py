@@ -21,21 +21,12 @@ from typing import Any, Optional
 
 from . import core as _core
 from . import disk as _disk
-from .common import GiB, KiB, MiB
+from .common import TARGETS, GiB, KiB, MiB
 
 __all__ = ["collect_figures", "format_table", "format_markdown", "format_details", "clean", "problems"]
 
 _ISSUE2 = "issue 2 section 8"
 _ISSUE3 = "issue 3 section 9"
-
-
-def _pause_floor(sl: dict[str, Any]) -> str:
-    """The store() note's tail: what the step's pause alone costs a first call (a no-op's)."""
-    f = (sl.get("note_idle_step_no_copy") or {}).get("noop_first_of_step")
-    if not f or not f.get("n"):
-        return ""
-    return (f"; a no-op call, first after the same {sl['engine_step_sleep_s'] * 1e3:g} ms pause: "
-            f"p50 {f['median']:.1f} / p99 {f['p99']:.1f} us")
 
 
 def _evict_runs(e: dict[str, Any]) -> str:
@@ -107,17 +98,16 @@ def _core_figures(c: dict[str, Any]) -> list[dict[str, Any]]:
                 f"lifecycles, {seq}, poll every {v['poll_every_n_stores']}", "lifecycles/s",
                 t["lifecycles_per_cpu_s"], b["lifecycles_per_cpu_s"],
                 "UnsafeDictOffloader: the unsafe original as plain dicts, same operations", "dict original",
-                target_on="value", threshold=_core.TARGET_LIFECYCLES_PER_S,
+                target_on="value", threshold=TARGETS["lifecycles_per_cpu_s"],
                 stats={"value": t["cpu_us_per_lifecycle"], "baseline": b["cpu_us_per_lifecycle"]},
                 source=_ISSUE2, note=f"per CPU second of the one pinned engine thread; wall-clock ratio "
                                      f"{v['ratio_wall_tiered_kv_over_baseline']:.3f}"))
     sl = c.get("store_latency")
     if sl:
-        q = sl["note_no_copy_running"]["tiered_kv_store"]
         out.append(_store_p99(
             sl, "control path", "control.store_p99", f"store() p99, {sl['num_copy_workers']} copy workers busy",
             "the unsafe original's store() feeding its own ThreadMover, same rows and pacing",
-            f"with no copies running p99 {q['p99']:.1f} us" + _pause_floor(sl)))
+            f"poll() p99 {sl['tiered_kv']['poll']['p99']:.1f} us (baseline {sl['baseline_figures']['poll']['p99']:.1f})"))
     h = c.get("host_throughput")
     if h:
         for s in h["sizes"]:
@@ -127,7 +117,7 @@ def _core_figures(c: dict[str, Any]) -> list[dict[str, Any]]:
                 out.append(_fig(
                     "host tier", f"host.{d}.{s['block_bytes']}", f"host {d}, {_size(s['block_bytes'])} blocks", "GB/s",
                     t["gb_per_s"], b["gb_per_s"], "raw per-block torch copy_ into preallocated memory, one thread",
-                    "raw copy_", target_on="ratio", threshold=_core.TARGET_HOST_RATIO,
+                    "raw copy_", target_on="ratio", threshold=TARGETS["host_copy_vs_raw_copy"],
                     stats={"value": t["seconds_per_pass"], "baseline": b["seconds_per_pass"]}, source=_ISSUE2,
                     note=f"GB/s worst..best {t['gb_per_s_worst']:.2f}..{t['gb_per_s_best']:.2f}; vs raw copy_ "
                          f"with torch's default threads {x['ratio_tiered_kv_over_raw_default_threads']:.2f}x"))
@@ -136,7 +126,7 @@ def _core_figures(c: dict[str, Any]) -> list[dict[str, Any]]:
         if cu.get("skipped"):
             out.append(_fig("CUDA links", "cuda.copy", "device->host and host->device GB/s", "GB/s", None, None,
                             "torch copy_ between the same device rows and pinned slab", "torch copy_",
-                            target_on="ratio", threshold=_core.TARGET_CUDA_RATIO, source=_ISSUE2,
+                            target_on="ratio", threshold=TARGETS["cuda_copy_vs_torch_copy"], source=_ISSUE2,
                             skipped=cu["skipped"]))
         for s in cu.get("sizes", []):
             for d in ("store", "load"):
@@ -145,7 +135,7 @@ def _core_figures(c: dict[str, Any]) -> list[dict[str, Any]]:
                 out.append(_fig(
                     "CUDA links", f"cuda.{d}.{s['block_bytes']}", f"{x['link']}, {_size(s['block_bytes'])} blocks",
                     "GB/s", t["gb_per_s"], b["gb_per_s"], "torch copy_ between the same device rows and pinned slab",
-                    "torch copy_", target_on="ratio", threshold=_core.TARGET_CUDA_RATIO,
+                    "torch copy_", target_on="ratio", threshold=TARGETS["cuda_copy_vs_torch_copy"],
                     stats={"value": t["seconds_per_pass"], "baseline": b["seconds_per_pass"]}, source=_ISSUE2))
         cl = cu.get("store_latency")
         if cl:
@@ -172,7 +162,7 @@ def _store_p99(sl: dict[str, Any], section: str, fid: str, name: str, baseline_n
     """A store() latency section's p99 figure (target: issue 2's 50 us) beside the unsafe original's."""
     t, b = sl["tiered_kv"]["store_all_calls"], sl["baseline_figures"]["store_all_calls"]
     return _fig(section, fid, name, "us", t["p99"], b["p99"], baseline_name, "dict original", better="lower",
-                target_on="value", op="<=", threshold=_core.TARGET_STORE_P99_US, stats={"value": t, "baseline": b},
+                target_on="value", op="<=", threshold=TARGETS["store_p99_us_copies_running"], stats={"value": t, "baseline": b},
                 source=_ISSUE2, note=f"p50 {t['median']:.1f} / max {t['max']:.0f} us; {more}")
 
 
@@ -191,11 +181,11 @@ def _disk_figures(d: dict[str, Any]) -> list[dict[str, Any]]:
             "disk tier", f"disk.spill.{bb}.{dur}", f"spill until flush(), {tag}", "GB/s",
             f["tkv"]["median"], f["raw_fresh"]["median"],
             f"os.write into a fresh file + fsync every {s['raw_fsync_every_blocks']} blocks", "raw write+fsync",
-            target_on="ratio", threshold=_disk.TARGET_SPILL_VS_RAW,
+            target_on="ratio", threshold=TARGETS["spill_vs_raw_write_fsync"],
             stats={"value": f["tkv"], "baseline": f["raw_fresh"]}, source=_ISSUE3,
             note=f"vs in-place pwrite of a pre-written file {s['ratios']['tkv_vs_raw_overwrite']:.2f}x; "
                  f"spills shed {s['spills_shed_total']}"))
-        tgt = _disk.TARGET_SPILL_VS_DISKCACHE if bb == 2 * MiB else None
+        tgt = TARGETS["spill_vs_diskcache"] if bb == 2 * MiB else None
         if "diskcache" in f:
             out.append(_fig(
                 "disk tier", f"disk.spill_vs_diskcache.{bb}.{dur}", f"spill vs diskcache, {tag}", "GB/s",
@@ -218,7 +208,7 @@ def _disk_figures(d: dict[str, Any]) -> list[dict[str, Any]]:
             out.append(_fig(
                 "disk tier", f"disk.promote.{bb}.{st}", f"promote (load from disk), {_size(bb)}, {state}", "GB/s",
                 f["tkv"]["median"], f["raw"]["median"], "readinto() of the same bytes from one file, block by block",
-                "raw read", target_on="ratio", threshold=_disk.TARGET_PROMOTE_VS_RAW,
+                "raw read", target_on="ratio", threshold=TARGETS["promote_vs_raw_read"],
                 stats={"value": f["tkv"], "baseline": f["raw"]}, source=_ISSUE3,
                 note=f"misses {p['tkv_misses']}, failed {p['tkv_failed']}, wrong rows {p['tkv_bad_rows']}"))
             if "link" in f:
@@ -231,7 +221,7 @@ def _disk_figures(d: dict[str, Any]) -> list[dict[str, Any]]:
                     note=(f"the same loads, host->row copies answered without copying (ImmediateMover); "
                           f"misses {p.get('link_misses', 0)}, failed {p.get('link_failed', 0)}, "
                           f"wrong blocks {p.get('link_bad_blocks', 0)}")))
-            tgt = _disk.TARGET_PROMOTE_VS_DISKCACHE if bb == 2 * MiB else None
+            tgt = TARGETS["promote_vs_diskcache"] if bb == 2 * MiB else None
             if "diskcache" in f:
                 out.append(_fig(
                     "disk tier", f"disk.promote_vs_diskcache.{bb}.{st}", f"promote vs diskcache, {_size(bb)}, {state}",
@@ -252,7 +242,7 @@ def _disk_figures(d: dict[str, Any]) -> list[dict[str, Any]]:
             "disk tier", "disk.evicting.spill", f"spill, tier full and evicting, {tag}", "GB/s",
             t["steady_gbps_median"], e["raw_circular"]["gbps"],
             "pwrite in place, round robin over a pre-written file of the capacity, fsync per batch", "raw circular",
-            target_on="ratio", threshold=_disk.TARGET_SPILL_VS_RAW,
+            target_on="ratio", threshold=TARGETS["spill_vs_raw_write_fsync"],
             stats={"value": t["window_gbps"]}, source=_ISSUE3,
             note=f"{sizes}; median of steady-state windows (first fill discarded){_evict_runs(e)}; overall "
                  f"{t['gbps']:.3f} GB/s = {e['ratios']['tkv_overall_vs_raw_circular']:.2f}x; evictions "
@@ -260,19 +250,19 @@ def _disk_figures(d: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(_fig(
             "disk tier", "disk.evicting.file_vs_capacity", "slot file + data.mdb size / capacity, full and evicting", "x capacity",
             t["file_vs_capacity_end"], 1.0, "the raw circular file: exactly the capacity", "raw circular",
-            better="lower", target_on="value", op="<=", threshold=_disk.TARGET_FILE_VS_CAPACITY, source=_ISSUE3,
+            better="lower", target_on="value", op="<=", threshold=TARGETS["disk_files_vs_capacity"], source=_ISSUE3,
             note=f"peak {t['file_vs_capacity_peak']:.2f}x"
                  + (f"; diskcache dir {e['diskcache']['dir_vs_capacity_end']:.2f}x" if "diskcache" in e else "")))
         if "diskcache" in e:
             out.append(_fig(
                 "disk tier", "disk.evicting.vs_diskcache", f"spill vs diskcache, full and evicting, {tag}", "GB/s",
                 t["gbps"], e["diskcache"]["gbps"], "diskcache.Cache(size_limit=capacity).set(), then syncfs()",
-                "diskcache", target_on="ratio", threshold=_disk.TARGET_SPILL_VS_DISKCACHE, source=_ISSUE3,
+                "diskcache", target_on="ratio", threshold=TARGETS["spill_vs_diskcache"], source=_ISSUE3,
                 note=f"{sizes}; overall rates, first fill included, for both"))
         elif missing:
             out.append(_fig("disk tier", "disk.evicting.vs_diskcache", f"spill vs diskcache, full and evicting, {tag}",
                             "GB/s", t["gbps"], None, "diskcache.Cache(size_limit=capacity).set(), then syncfs()",
-                            "diskcache", target_on="ratio", threshold=_disk.TARGET_SPILL_VS_DISKCACHE,
+                            "diskcache", target_on="ratio", threshold=TARGETS["spill_vs_diskcache"],
                             source=_ISSUE3, skipped=missing))
     lat = d.get("latency")
     if lat:
@@ -282,7 +272,7 @@ def _disk_figures(d: dict[str, Any]) -> list[dict[str, Any]]:
             a, b = sat["calls_us"].get(call), idle["calls_us"].get(call)
             if not a:
                 continue
-            tgt = _disk.TARGET_CALL_P99_US if call != "poll" else None
+            tgt = TARGETS["engine_call_p99_us_writer_saturated"] if call != "poll" else None
             out.append(_fig(
                 "engine thread, writer saturated", f"latency.{call}", f"{call}() p99, disk writer saturated", "us",
                 a["p99"], (b or {}).get("p99"), "the same engine loop on a manager without a disk tier",

@@ -2,7 +2,7 @@
 
 ``run_bench`` runs the sections (core, CUDA links, disk tier, end to end) and
 returns one JSON-ready dict: ``machine`` facts, ``figures`` (see
-:mod:`tiered_kv.benchmarking.report` for their schema), ``problems`` and each
+:mod:`tiered_kv.bench.report` for their schema), ``problems`` and each
 section's raw result under ``sections``.  ``add_bench_command`` registers the
 subcommand on the ``tiered-kv`` parser.  Exit status: 0, also when targets are
 missed (they are figures, not failures); 1 when a measurement saw wrong bytes;
@@ -32,12 +32,10 @@ _PARTS: dict[str, tuple[str, str]] = {
     "promote": ("disk", "promote"),
     "evicting": ("disk", "evicting"),
     "latency": ("disk", "latency"),
-    "diag": ("disk", "diag"),
     "e2e": ("e2e", "e2e"),
 }
 SECTIONS = tuple(_PARTS)
-DEFAULT_SECTIONS = {"full": SECTIONS, "quick": tuple(s for s in SECTIONS if s != "diag"),
-                    "smoke": tuple(s for s in SECTIONS if s != "diag")}
+DEFAULT_SECTIONS = {"full": SECTIONS, "quick": SECTIONS, "smoke": SECTIONS}
 _FORMAT_VERSION = 1
 
 
@@ -72,7 +70,7 @@ def run_bench(mode: str = "full", seed: int = 0, bench_dir: Optional[str] = None
     def part(name: str) -> list[str]:
         return [_PARTS[s][1] for s in chosen if _PARTS[s][0] == name]
 
-    # objects alive after imports (torch's ~170k) go to the permanent generation, as serving engines do after
+    # objects alive after imports (torch's many) go to the permanent generation, as serving engines do after
     # start-up: gc.collect() before each timed repeat is then cheap and gen-2 passes do not scan them
     gc.collect()
     gc.freeze()
@@ -127,7 +125,7 @@ def add_bench_command(sub: Any) -> None:
                    help="parent of the disk benchmarks' scratch directory; its filesystem is the one measured "
                         "(default: the system temp dir)")
     p.add_argument("--sections", metavar="LIST", default=None,
-                   help=f"comma-separated subset of {','.join(SECTIONS)} (default: all; --quick skips diag)")
+                   help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
     p.add_argument("--from-json", metavar="PATH", default=None,
                    help="measure nothing: print the table of a result written by --json (and --plot it)")
     p.add_argument("--no-details", action="store_true", help="print only the summary table")

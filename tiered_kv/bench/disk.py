@@ -1,7 +1,7 @@
 """Benchmark of the tiered_kv disk tier, each figure beside a baseline and a peer measured in the same run.
 
     tiered-kv bench [--quick]                 # every section, with the core and end to end
-    python benchmarks/bench_disk.py [--quick] [--json PATH] [--dir DIR] [--seed N] [--sections LIST]
+    tiered-kv bench --sections spill,promote,evicting,latency [--dir DIR]
 
 python-diskcache (the peer) is an optional dependency (the ``bench`` extra),
 imported on first use; without it the peer's figures are reported as
@@ -56,30 +56,19 @@ all):
    writer's busy fraction and queue depth show the saturation.  Context: the
    same loop on a manager without a disk tier.
 
-Diagnostics (cheap, always run): ``diag_gil`` -- whether each building block
-of the writer/reader threads (xxh3 update, py-lmdb put/commit, the Python
-slice copies, ``Tensor.copy_``, ``ctypes.memmove``) holds the GIL (the writer
-no longer copies payloads: it ``pwritev``s them from the host slot);
-``diag_writer_breakdown`` -- per-block cost of each writer step on one thread
-(xxh3 + index record, ``pwritev`` into the slot, ``fdatasync`` of the slot
-file, the LMDB commit of the index records) beside raw write+fsync, and a cold
-read the way the readers do it beside ``os.preadv``.
-
 Method: seeded; one warm-up repeat per figure, discarded; systems alternate
 (order rotated each repeat); before each timed repeat ``gc.collect()``,
 ``os.sync()`` and a "hot memory" step (``_quiesce``): this VM hands freed
-memory back to its host after ~2 s and faulting it in again costs tens of
+memory back to its host after a few seconds and faulting it in again costs tens of
 microseconds per page, so every system gets the same recently freed pages
 before its timer starts.  The host slab is faulted in before timing (pinned,
 resident memory under CUDA).  Distributions are over repeats (throughput) or
 calls (latency) and report median/p90/p99/max; ratios are of medians.
-Nothing here asserts a timing; ``targets`` say whether each issue-3 target was
-met.
+Nothing here asserts a timing; :mod:`.report` applies the targets.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import datetime as _dt
@@ -87,10 +76,8 @@ import gc
 import json
 import math
 import os
-import platform
 import random
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -100,28 +87,21 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from prometheus_client import CollectorRegistry
 
-import tiered_kv
 from tiered_kv import TieredKVConfig, TierManager
 from tiered_kv.diskformat import SLOTS_NAME
+from tiered_kv.errors import BlockBusyError
 from tiered_kv.metrics import sample_total
 
-from .common import GiB, KiB, MiB, as_mode, filesystem_of, git, summarize
+from .common import TARGETS, GiB, KiB, MiB, as_mode, filesystem_of, summarize
 from .common import gbs as _gbs
 from .common import ratio as _ratio
 from .core import ImmediateMover
 
 __all__ = [
-    "Blocks", "summarize", "machine_facts", "drop_caches", "diskcache_module", "DISKCACHE_MISSING",
-    "bench_spill", "bench_promote", "bench_evicting", "bench_engine_latency",
-    "diag_gil", "diag_writer_breakdown", "run_all", "format_report", "main", "SECTIONS", "PLANS",
+    "drop_caches", "diskcache_module", "DISKCACHE_MISSING", "bench_spill", "bench_promote", "bench_evicting",
+    "bench_engine_latency", "run_all", "format_report", "SECTIONS", "PLANS",
 ]
 
-TARGET_SPILL_VS_RAW = 0.85
-TARGET_PROMOTE_VS_RAW = 0.8
-TARGET_SPILL_VS_DISKCACHE = 1.2
-TARGET_PROMOTE_VS_DISKCACHE = 2.0
-TARGET_CALL_P99_US = 50.0
-TARGET_FILE_VS_CAPACITY = 1.15
 _DEFAULTS = TieredKVConfig(namespace="defaults", host_capacity_bytes=1)
 DISKCACHE_MISSING = "not installed (pip install 'tiered-kv[bench]')"
 _UNSET: Any = object()
@@ -141,62 +121,8 @@ def diskcache_module() -> Any:
 
 
 # ----------------------------------------------------------------------------- machine
-def machine_facts(base: Optional[Path] = None) -> dict[str, Any]:
-    mem = None
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    mem = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        import lmdb
-        lmdb_v = f"py-lmdb {lmdb.__version__}, liblmdb {'.'.join(map(str, lmdb.version()))}"
-    except Exception:  # pragma: no cover
-        lmdb_v = None
-    try:
-        import xxhash
-        xx = xxhash.VERSION
-    except Exception:  # pragma: no cover
-        xx = None
-    try:
-        load = os.getloadavg()
-    except OSError:
-        load = None
-    dc = diskcache_module()
-    return {
-        "cores": os.cpu_count(),
-        "mem_total_bytes": mem,
-        "platform": platform.platform(),
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "cuda": bool(torch.cuda.is_available()),
-        "tiered_kv": tiered_kv.__version__,
-        "lmdb": lmdb_v,
-        "xxhash": xx,
-        "diskcache": getattr(dc, "__version__", None) if dc is not None else DISKCACHE_MISSING,
-        "filesystem": filesystem_of(base) if base is not None else None,
-        "loadavg_at_start": load,
-        "git_commit": git("rev-parse", "--short", "HEAD"),
-        "git_dirty": bool(git("status", "--porcelain", "--", "tiered_kv")),
-        "source_sha1": _source_hashes(),
-    }
-
-
-def _source_hashes() -> dict[str, str]:
-    """sha1 of the measured modules (the working tree may differ from the commit)."""
-    import hashlib
-    root = Path(tiered_kv.__file__).resolve().parent
-    out = {}
-    for name in ("disk.py", "diskformat.py", "manager.py", "host.py", "movers.py", "jobs.py"):
-        with contextlib.suppress(OSError):
-            out[name] = hashlib.sha1((root / name).read_bytes()).hexdigest()[:12]
-    return out
-
-
 _DROP_ALLOWED = [True]
-_HOT_ALLOWED = [True]  # the hot-memory step of _quiesce (off in smoke runs: it costs ~0.3 s per timer)
+_HOT_ALLOWED = [True]  # the hot-memory step of _quiesce (off in smoke runs: it costs time before every timer)
 
 
 def _drop() -> bool:
@@ -1008,7 +934,7 @@ def _latency_run(mgr: TierManager, blocks: _Blocks, rng: random.Random, disk_key
     n_loads = busy_rows = load_none = 0
     disk = mgr.disk
     pc, tt = time.perf_counter_ns, time.thread_time_ns
-    BlockBusy = tiered_kv.errors.BlockBusyError
+    BlockBusy = BlockBusyError
     gc_ns = [0, 0]
 
     def gc_cb(phase: str, info: dict[str, Any]) -> None:
@@ -1074,7 +1000,7 @@ def _latency_run(mgr: TierManager, blocks: _Blocks, rng: random.Random, disk_key
         "steps": step, "measured_seconds": seconds, "warmup_seconds_discarded": warmup_s,
         "stores_per_step": stores_per_step, "step_sleep_s": step_sleep_s, "load_every_steps": load_every,
         "calls_us": {k: summarize([r[0] for r in v], "us") for k, v in rows.items() if v},
-        "calls": {k: _call_stats(v, TARGET_CALL_P99_US) for k, v in rows.items() if v},
+        "calls": {k: _call_stats(v, TARGETS["engine_call_p99_us_writer_saturated"]) for k, v in rows.items() if v},
         "loads": n_loads, "loads_returning_none": load_none, "load_row_busy": busy_rows,
         "offered_store_gbps": n_stored * blocks.block_bytes / (time.perf_counter() - t_start) / 1e9,
     }
@@ -1148,306 +1074,18 @@ def bench_engine_latency(base: Path, blocks: _Blocks, *, seconds: float = 8.0, w
 
 
 # ----------------------------------------------------------------------------- diagnostics
-def _stall(fn: Callable[[], Any], setup: Callable[[], Any] = lambda: None,
-           teardown: Callable[[], Any] = lambda: None) -> tuple[float, float]:
-    """(window ms, longest foreground stall ms) while ``fn`` runs once in another thread.
-
-    ``setup`` and ``teardown`` run in that thread too (LMDB write transactions are bound to their thread),
-    outside the window.
-    """
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
-    ready = threading.Event()
-    win = [0.0, 0.0]
-
-    def bg() -> None:
-        ready.set()
-        setup()
-        time.sleep(0.005)
-        win[0] = time.perf_counter()
-        fn()
-        win[1] = time.perf_counter()
-        teardown()
-
-    th = threading.Thread(target=bg)
-    th.start()
-    ready.wait()
-    ts: list[float] = []
-    while th.is_alive():
-        ts.append(time.perf_counter())
-    th.join()
-    sys.setswitchinterval(old)
-    t0, t1 = win
-    inside = [t0] + [t for t in ts if t0 < t < t1] + [t1]
-    return (t1 - t0) * 1e3, max(b - a for a, b in zip(inside, inside[1:])) * 1e3
-
-
-def diag_gil(base: Path, nbytes: int = 64 * MiB, tries: int = 5) -> dict[str, Any]:
-    """Does each building block of the writer/reader hold the GIL?  One call on ``nbytes`` in a thread.
-
-    Other processes can deschedule the foreground thread and fake a stall, so each op is tried ``tries``
-    times and classified by the *smallest* stall/call ratio: a call that releases the GIL lets the
-    foreground run in at least one try; one that holds it never does.
-    """
-    import lmdb
-    import xxhash
-    src = memoryview(bytearray(os.urandom(MiB) * (nbytes // MiB)))
-    dst = bytearray(nbytes)
-    dst[:] = src  # fault the pages in first
-    t_src = torch.frombuffer(bytearray(src), dtype=torch.uint8)
-    t_dst = torch.empty(nbytes, dtype=torch.uint8)
-    t_dst.copy_(t_src)
-    a_dst = (ctypes.c_char * nbytes).from_buffer(dst)
-    a_src = (ctypes.c_char * nbytes).from_buffer(src.obj)  # type: ignore[arg-type]
-    d = base / "diag-gil"
-    env = lmdb.open(str(d), map_size=8 * nbytes, sync=True, metasync=False, writemap=False, readahead=False)
-    holder: dict[str, Any] = {}
-    with env.begin(write=True) as txn:
-        txn.put(b"r", src)
-
-    def put_setup() -> None:
-        holder["txn"] = env.begin(write=True)
-
-    def put() -> None:
-        holder["txn"].put(b"k", src)
-
-    def put_teardown() -> None:
-        holder.pop("txn").abort()
-
-    def commit_setup() -> None:
-        holder["txn"] = env.begin(write=True)
-        holder["txn"].put(b"k", src)
-
-    def commit() -> None:
-        holder.pop("txn").commit()
-
-    def get_setup() -> None:
-        holder["rtxn"] = env.begin(buffers=True)
-        holder["val"] = holder["rtxn"].get(b"r")
-
-    def get_copy() -> None:
-        memoryview(dst)[:] = holder["val"]
-
-    def get_teardown() -> None:
-        holder.pop("val").release()
-        holder.pop("rtxn").abort()
-
-    def xx() -> None:
-        h = xxhash.xxh3_64()
-        h.update(src)
-        h.intdigest()
-
-    def slice_copy() -> None:
-        dst[:] = src
-
-    def mv_copy() -> None:
-        memoryview(dst)[:] = src
-
-    def memmove() -> None:
-        ctypes.memmove(a_dst, a_src, nbytes)
-
-    def torch_copy() -> None:
-        t_dst.copy_(t_src)
-
-    nothing = lambda: None  # noqa: E731
-    cases = [
-        ("xxhash.xxh3_64().update (pack_header / verify_entry)", nothing, xx, nothing),
-        ("bytearray slice assign (the writer's former staging copy)", nothing, slice_copy, nothing),
-        ("memoryview slice assign (reader copy into host slot)", nothing, mv_copy, nothing),
-        ("ctypes.memmove", nothing, memmove, nothing),
-        ("torch Tensor.copy_", nothing, torch_copy, nothing),
-        ("lmdb txn.put (value memcpy into dirty pages)", put_setup, put, put_teardown),
-        ("lmdb commit (pwrite + fdatasync)", commit_setup, commit, nothing),
-        ("copy out of an LMDB buffers=True value (reader), warm", get_setup, get_copy, get_teardown),
-    ]
-    rows = []
-    for name, setup, fn, teardown in cases:
-        runs = []
-        for _ in range(tries + 1):
-            runs.append(_stall(fn, setup, teardown))
-        runs = runs[1:]  # the first try faults pages in
-        best = min(runs, key=lambda wg: wg[1] / wg[0] if wg[0] else 1.0)
-        fastest = min(w for w, _ in runs)
-        rows.append({"op": name, "call_ms": best[0], "longest_stall_ms": best[1], "min_stall_ratio": best[1] / best[0],
-                     "holds_gil": best[1] > 0.8 * best[0], "fastest_call_ms": fastest,
-                     "us_per_2MiB": fastest * 1e3 * (2 * MiB) / nbytes})
-    env.close()
-    _rmtree(d)
-    # staging copy variants per 2 MiB: the writer's former bytearray slice assignment, and ctypes.memmove (current)
-    blk = 2 * MiB
-    stg = bytearray(blk + 64)
-    stg[:] = bytes(len(stg))
-    part = src[:blk]
-    c_dst = (ctypes.c_char * blk).from_buffer(stg, 64)
-    c_src = (ctypes.c_char * blk).from_buffer(src.obj)  # type: ignore[arg-type]
-    stg_mv = memoryview(stg)
-
-    def per_op(fn: Callable[[], Any], k: int = 40) -> float:
-        for _ in range(3):
-            fn()
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            for _ in range(k):
-                fn()
-            best = min(best, (time.perf_counter() - t0) / k * 1e6)
-        return best
-
-    def v_bytearray() -> None:
-        stg[64:64 + blk] = part
-
-    def v_memoryview() -> None:
-        stg_mv[64:64 + blk] = part
-
-    def v_memmove() -> None:
-        ctypes.memmove(c_dst, c_src, blk)
-
-    staging_variants = {"bytearray_slice_assign_us": per_op(v_bytearray),
-                        "memoryview_slice_assign_us": per_op(v_memoryview),
-                        "ctypes_memmove_us": per_op(v_memmove)}
-    # the VM's memory: first touch of memory the guest handed back to the host vs re-touch
-    first, again = [], []
-    for _ in range(2):
-        t0 = time.perf_counter()
-        buf = bytearray(nbytes)
-        buf[::4096] = b"\1" * len(range(0, nbytes, 4096))
-        t1 = time.perf_counter()
-        buf[::4096] = b"\2" * len(range(0, nbytes, 4096))
-        t2 = time.perf_counter()
-        first.append(_gbs(nbytes, t1 - t0))
-        again.append(_gbs(nbytes, t2 - t1))
-        del buf
-    return {"bytes_per_call": nbytes, "tries": tries, "ops": rows, "staging_copy_2MiB": staging_variants,
-            "staging_note": "DiskStore._commit copies the payload into its staging buffer with ctypes.memmove "
-                            "(one copy, GIL released); it used to do staging[a:b] = memoryview, which CPython runs as "
-                            "a copy into a temporary bytearray and a second copy, both under the GIL",
-            "method": "one call on a large buffer in a background thread; the foreground spins on perf_counter() "
-                      "with sys.setswitchinterval(1e-5); 'holds_gil' when, in every try, the foreground's longest "
-                      "stall covers > 80% of the call",
-            "memory_first_touch_gbps": first, "memory_retouch_gbps": again,
-            "memory_note": "first: a fresh 'bytearray' touched page by page; the VM may have handed those pages "
-                           "back to its host (free page reporting); again: the same pages touched a second time"}
-
-
-def diag_writer_breakdown(base: Path, blocks: _Blocks, n: int = 64, rounds: int = 2,
-                          cold_bytes: int = 16 * MiB) -> dict[str, Any]:
-    """Per-block cost of each step of the disk writer, reproduced with tiered_kv's own format functions, the
-    writer's LMDB settings and its slot file, beside a raw write+fsync of the same blocks in the same batches
-    (round 1 discarded): xxh3 + index record, ``pwritev`` of the payload into its slot, ``fdatasync`` of the
-    slot file, then one LMDB transaction with the index records.  Then a cold read of the stored blocks as the
-    readers do it (index get + ``preadv`` into a slot + verify) beside ``os.preadv`` of the raw file."""
-    import lmdb
-    import uuid
-    from tiered_kv.diskformat import SLOTS_NAME, lmdb_key, pack_slot_entry, parse_header, slot_bytes_for, verify_entry
-    bb = blocks.block_bytes
-    sb = slot_bytes_for(bb)
-    batch = _nominal_batch(bb)
-    n = max(batch, n // batch * batch)
-    ns = b"bench"
-    steps = ("pack_entry_xxh3", "pwritev_slot", "fdatasync_slots", "index_commit")
-    t = {k: 0.0 for k in steps + ("read_index_get", "read_preadv_to_slot", "read_verify_xxh3", "raw_write_fsync")}
-    keys = [f"bd{i}".encode() for i in range(n)]
-    slot = bytearray(bb)
-    slot[:] = bytes(bb)
-    for rnd in range(rounds):
-        keep = rnd == rounds - 1
-        d = base / f"diag-writer-{bb}-{rnd}"
-        d.mkdir(parents=True, exist_ok=True)
-        env = lmdb.open(str(d), map_size=64 * MiB, subdir=True, max_dbs=4, sync=True, metasync=False,
-                        writemap=False, map_async=False, readahead=True, meminit=False)
-        db = env.open_db(b"blocks")
-        sfd = os.open(d / SLOTS_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-        os.posix_fallocate(sfd, 0, n * sb)
-        _quiesce(_hot_for(n * bb))
-        for b0 in range(0, n, batch):
-            entries = []
-            for i in range(b0, b0 + batch):
-                src = blocks.views[i % blocks.n_rows]
-                a = time.perf_counter()
-                entries.append(pack_slot_entry(ns, keys[i], uuid.uuid4(), src, i, i))
-                b = time.perf_counter()
-                os.pwritev(sfd, [src], i * sb)
-                c = time.perf_counter()
-                if keep:
-                    t["pack_entry_xxh3"] += b - a
-                    t["pwritev_slot"] += c - b
-            a = time.perf_counter()
-            os.fdatasync(sfd)
-            b = time.perf_counter()
-            with env.begin(write=True, db=db) as txn:
-                for i, e in zip(range(b0, b0 + batch), entries):
-                    txn.put(lmdb_key(keys[i]), e)
-            c = time.perf_counter()
-            if keep:
-                t["fdatasync_slots"] += b - a
-                t["index_commit"] += c - b
-        os.close(sfd)
-        env.close()
-        f = base / f"diag-raw-{bb}-{rnd}.bin"
-        t["raw_write_fsync"] += _raw_write(f, blocks.views, [i % blocks.n_rows for i in range(n)], batch, "fresh") \
-            if keep else 0.0
-        if not keep:
-            _rmtree(d)
-            f.unlink(missing_ok=True)
-    per = {k: v / n * 1e6 for k, v in t.items()}
-    write_total = sum(per[k] for k in steps)
-    # cold reads of the last round's blocks: index get + preadv + verify (the reader), and os.preadv of the raw file
-    cold: dict[str, float] = {}
-    m = min(n, max(4, cold_bytes // bb))
-    env = lmdb.open(str(d), map_size=64 * MiB, subdir=True, max_dbs=4, readahead=True, lock=True)
-    db = env.open_db(b"blocks")
-    sfd = os.open(d / SLOTS_NAME, os.O_RDONLY)
-    _drop()
-    t0 = time.perf_counter()
-    for i in range(m):
-        a = time.perf_counter()
-        with env.begin(db=db) as txn:
-            v = txn.get(lmdb_key(keys[i]))
-        b = time.perf_counter()
-        os.preadv(sfd, [slot], parse_header(v).slot * sb)
-        c = time.perf_counter()
-        verify_entry(v, ns, keys[i], bb, slot)
-        t["read_index_get"] += b - a
-        t["read_preadv_to_slot"] += c - b
-        t["read_verify_xxh3"] += time.perf_counter() - c
-    cold["tkv_read_path"] = _gbs(m * bb, time.perf_counter() - t0)
-    for k in ("read_index_get", "read_preadv_to_slot", "read_verify_xxh3"):
-        per[k] = t[k] / m * 1e6
-    os.close(sfd)
-    env.close()
-    fd = os.open(f, os.O_RDONLY)
-    _drop()
-    a = time.perf_counter()
-    for i in range(m):
-        os.preadv(fd, [slot], i * bb)
-    cold["os_preadv"] = _gbs(m * bb, time.perf_counter() - a)
-    os.close(fd)
-    _rmtree(d)
-    f.unlink(missing_ok=True)
-    return {"block_bytes": bb, "blocks": n, "batch": batch, "us_per_block": per,
-            "write_us_per_block_total": write_total,
-            "write_gbps_single_thread": bb / (write_total / 1e6) / 1e9,
-            "raw_write_fsync_gbps": bb / (per["raw_write_fsync"] / 1e6) / 1e9 if per["raw_write_fsync"] else None,
-            "share_of_write": {k: per[k] / write_total for k in steps},
-            "cold_read_gbps": cold, "cold_read_blocks": m,
-            "note": "one thread, no manager, the writer's steps as DiskStore._commit does them (xxh3 + index "
-                    "record, pwritev into the slot, fdatasync of the slot file, LMDB commit of the index records); "
-                    "reads after drop_caches: index get, preadv into a slot, verify"}
-
-
 # ----------------------------------------------------------------------------- all
 PLANS: dict[str, dict[str, Any]] = {
     # spill: (block bytes, durability, repeats, with diskcache, working set bytes);
     # promote: (block bytes, repeats, warm repeats, bytes for the cold-reopen measurement)
     "full": {"spill_bytes": 256 * MiB,
-             # odd repeats: the median drops a run that met one of this VM's slow-disk spells (2-5x slower
+             # odd repeats: the median drops a run that met one of this VM's slow-disk spells (several times slower
              # for a second or so, seen in the raw baseline too)
              "spill": [(2 * MiB, "batch", 5, True, 256 * MiB), (2 * MiB, "sync", 3, True, 256 * MiB),
                        (256 * KiB, "batch", 3, True, 128 * MiB), (256 * KiB, "sync", 3, False, 128 * MiB)],
              "promote_bytes": 64 * MiB, "promote": [(2 * MiB, 5, 3, 64 * MiB), (256 * KiB, 3, 3, 0)],
              "evict_capacity": 256 * MiB, "evict_total": 2 * GiB, "evict_repeats": 3,
              "lat_seconds": 6.0, "lat_warmup": 1.0, "lat_idle_seconds": 3.0, "lat_disk_keys": 160,
-             "diag_bytes": 32 * MiB, "diag_tries": 4, "diag_writer_bytes": 128 * MiB, "diag_cold_bytes": 16 * MiB,
              "sizes": [2 * MiB, 256 * KiB], "drop_caches": True},
     "quick": {"spill_bytes": 64 * MiB,
               "spill": [(2 * MiB, "batch", 2, True, 64 * MiB), (2 * MiB, "sync", 1, True, 64 * MiB),
@@ -1455,7 +1093,6 @@ PLANS: dict[str, dict[str, Any]] = {
               "promote_bytes": 32 * MiB, "promote": [(2 * MiB, 2, 1, 32 * MiB)],
               "evict_capacity": 64 * MiB, "evict_total": 320 * MiB,
               "lat_seconds": 1.0, "lat_warmup": 0.5, "lat_idle_seconds": 0.5, "lat_disk_keys": 48,
-              "diag_bytes": 16 * MiB, "diag_tries": 3, "diag_writer_bytes": 64 * MiB, "diag_cold_bytes": 8 * MiB,
               "sizes": [2 * MiB, 256 * KiB], "drop_caches": True},
     # a few seconds, for the tests: tiny sets, no drop_caches (the machine's page cache is shared)
     "smoke": {"spill_bytes": 16 * MiB,
@@ -1463,7 +1100,6 @@ PLANS: dict[str, dict[str, Any]] = {
               "promote_bytes": 8 * MiB, "promote": [(2 * MiB, 1, 1, 0)],
               "evict_capacity": 8 * MiB, "evict_total": 24 * MiB, "evict_repeats": 2,
               "lat_seconds": 0.4, "lat_warmup": 0.1, "lat_idle_seconds": 0.2, "lat_disk_keys": 8, "lat_queue": 32,
-              "diag_bytes": 4 * MiB, "diag_tries": 1, "diag_writer_bytes": 8 * MiB, "diag_cold_bytes": 4 * MiB,
               "sizes": [2 * MiB], "drop_caches": False, "hot_memory": False},
 }
 
@@ -1473,7 +1109,7 @@ def _plan(quick: Any) -> dict[str, Any]:
     return PLANS[as_mode(quick)]
 
 
-SECTIONS = ("spill", "promote", "evicting", "latency", "diag")
+SECTIONS = ("spill", "promote", "evicting", "latency")
 
 
 def run_all(quick: Any = False, seed: int = 0, base_dir: Optional[str] = None,
@@ -1493,7 +1129,7 @@ def run_all(quick: Any = False, seed: int = 0, base_dir: Optional[str] = None,
     t_all = time.perf_counter()
     r: dict[str, Any] = {"benchmark": "disk", "mode": mode, "quick": mode != "full", "seed": seed, "plan": plan,
                          "started": _dt.datetime.now().isoformat(timespec="seconds"),
-                         "machine": machine_facts(base), "work_dir": str(base), "step_seconds": {}}
+                         "filesystem": filesystem_of(base), "work_dir": str(base), "step_seconds": {}}
     r["diskcache"] = DISKCACHE_MISSING if diskcache_module() is None else "installed"
     random.seed(seed)
     torch.manual_seed(seed)
@@ -1512,13 +1148,6 @@ def run_all(quick: Any = False, seed: int = 0, base_dir: Optional[str] = None,
     try:
         with step("setup: seeded blocks"):
             blocks = {bb: _Blocks(bb, max(8, plan["spill_bytes"] // bb), seed) for bb in plan["sizes"]}
-        if "diag" in sections:
-            with step("diag: GIL"):
-                r["diag_gil"] = diag_gil(base, plan["diag_bytes"], tries=plan["diag_tries"])
-            with step("diag: writer breakdown"):
-                r["diag_writer"] = {str(bb): diag_writer_breakdown(base, blocks[bb], n=plan["diag_writer_bytes"] // bb,
-                                                                   cold_bytes=plan["diag_cold_bytes"])
-                                    for bb in plan["sizes"]}
         if "spill" in sections:
             r["spill"] = []
             for bb, dur, reps, dc, ws in plan["spill"]:
@@ -1548,64 +1177,8 @@ def run_all(quick: Any = False, seed: int = 0, base_dir: Optional[str] = None,
     r["seconds_total"] = time.perf_counter() - t_all
     r["hot_memory_touch_gbps"] = summarize(_HOT_TOUCH_GBPS, "GB/s") if _HOT_TOUCH_GBPS else None
     with contextlib.suppress(OSError):
-        r["machine"]["loadavg_at_end"] = os.getloadavg()
-    r["targets"] = _targets(r)
+        r["loadavg_at_end"] = os.getloadavg()
     return r
-
-
-def _find(items: Sequence[dict[str, Any]], **kv: Any) -> Optional[dict[str, Any]]:
-    for it in items:
-        if all(it.get(k) == v for k, v in kv.items()):
-            return it
-    return None
-
-
-def _targets(r: dict[str, Any]) -> list[dict[str, Any]]:
-    t: list[dict[str, Any]] = []
-
-    def add(name: str, value: Optional[float], target: float, higher_better: bool = True, note: str = "") -> None:
-        if value is None or value != value:
-            return
-        met = value >= target if higher_better else value <= target
-        t.append({"target": name, "value": value, "threshold": target, "met": bool(met),
-                  "comparison": ">=" if higher_better else "<=", "note": note})
-
-    for s in r.get("spill", []):
-        tag = f"{s['block_bytes'] // KiB} KiB, {s['durability']}"
-        add(f"spill / raw write+fsync ({tag})", s["ratios"]["tkv_vs_raw_fresh"], TARGET_SPILL_VS_RAW,
-            note=f"vs raw_fresh (both fill a fresh file); vs raw_overwrite {s['ratios']['tkv_vs_raw_overwrite']:.2f}x")
-        if s["block_bytes"] == 2 * MiB and s["ratios"].get("tkv_vs_diskcache") is not None:
-            add(f"spill / diskcache set ({tag})", s["ratios"]["tkv_vs_diskcache"], TARGET_SPILL_VS_DISKCACHE,
-                note="diskcache made durable by syncfs (like-for-like); vs set() alone: "
-                     f"{s['ratios']['tkv_vs_diskcache_set']:.2f}x")
-    for p in r.get("promote", []):
-        tag = f"{p['block_bytes'] // KiB} KiB"
-        st = "cold" if p.get("drop_caches_worked") else "warm"
-        add(f"promote / raw read ({tag}, {st} page cache)", p["ratios"][st]["tkv_vs_raw"], TARGET_PROMOTE_VS_RAW,
-            note=f"warm page cache: {p['ratios']['warm']['tkv_vs_raw']:.2f}x")
-        if p["block_bytes"] == 2 * MiB and p["ratios"][st].get("tkv_vs_diskcache") is not None:
-            add(f"promote / diskcache get ({tag}, {st})", p["ratios"][st]["tkv_vs_diskcache"],
-                TARGET_PROMOTE_VS_DISKCACHE,
-                note=f"warm page cache: {p['ratios']['warm']['tkv_vs_diskcache']:.2f}x")
-    e = r.get("evicting")
-    if e:
-        raw_fresh = _find(r.get("spill", []), block_bytes=e["block_bytes"], durability="batch")
-        note = "steady-state windows vs raw_circular (both overwrite in place)"
-        if raw_fresh:
-            note += f"; vs section 1 raw_fresh {_ratio(e['tkv']['steady_gbps_median'], raw_fresh['figures']['raw_fresh']['median']):.2f}x"
-        add("spill, tier full and evicting / raw write+fsync (2 MiB)", e["ratios"]["tkv_steady_vs_raw_circular"],
-            TARGET_SPILL_VS_RAW, note=note)
-        add("disk files (slots + data.mdb) / capacity, full and evicting (end)", e["tkv"]["file_vs_capacity_end"],
-            TARGET_FILE_VS_CAPACITY, higher_better=False, note=f"peak {e['tkv']['file_vs_capacity_peak']:.2f}x")
-    lat = r.get("latency")
-    if lat:
-        for call in ("store", "lookup", "load"):
-            f = lat["saturated"]["calls_us"].get(call)
-            if f:
-                add(f"{call}() p99 on the engine thread, writer saturated (us)", f["p99"], TARGET_CALL_P99_US,
-                    higher_better=False, note=f"max {f['max']:.0f} us; without a disk tier p99 "
-                                              f"{lat['no_disk_tier']['calls_us'].get(call, {}).get('p99', float('nan')):.1f} us")
-    return t
 
 
 # ----------------------------------------------------------------------------- report
@@ -1629,15 +1202,11 @@ def _dist(f: Optional[dict[str, Any]], spec: str = ".3f") -> str:
 
 
 def format_report(r: dict[str, Any]) -> str:
-    m = r["machine"]
-    fs = m.get("filesystem") or {}
-    lines = [f"tiered_kv disk-tier benchmark ({r.get('mode') or ('quick' if r['quick'] else 'full')}, seed {r['seed']}, "
+    fs = r.get("filesystem") or {}
+    lines = [f"tiered_kv disk-tier sections ({r.get('mode') or ('quick' if r['quick'] else 'full')}, seed {r['seed']}, "
              f"{r['seconds_total']:.0f} s, {r['started']})",
-             f"machine: {m['cores']} cores, {(m['mem_total_bytes'] or 0) / GiB:.0f} GiB, torch {m['torch']}, "
-             f"cuda={m['cuda']}, {m['lmdb']}, xxhash {m['xxhash']}, diskcache {m['diskcache']}",
              f"filesystem: {fs.get('type')} on {fs.get('device')} (rotational={fs.get('rotational')}, "
-             f"{fs.get('options')}), dir {r['work_dir']}; loadavg start {m.get('loadavg_at_start')} "
-             f"end {m.get('loadavg_at_end')}", ""]
+             f"{fs.get('options')}), dir {r['work_dir']}", ""]
     if r.get("spill"):
         lines.append("1. spill GB/s (store ... wait(); flush()), median / p90 / p99 / max over repeats")
         for s in r["spill"]:
@@ -1729,65 +1298,10 @@ def format_report(r: dict[str, Any]) -> str:
                                 f"with a GC pause {100 * c['slow_with_gc_fraction']:.0f}%" if c.get("slow_calls") else "")
                              if c0 else "")
         lines.append("")
-    if r.get("diag_gil"):
-        g = r["diag_gil"]
-        lines.append(f"diagnostics: GIL held by one call on {g['bytes_per_call'] // MiB} MiB "
-                     f"(foreground stall / call, least of {g['tries']} tries)")
-        for op in g["ops"]:
-            lines.append(f"      {op['op']:55} {op['longest_stall_ms']:7.1f} / {op['call_ms']:7.1f} ms  "
-                         f"{'HOLDS the GIL' if op['holds_gil'] else 'releases it'}  (~{op['us_per_2MiB']:.0f} us per 2 MiB)")
-        sv = g.get("staging_copy_2MiB") or {}
-        if sv:
-            lines.append("      staging copy of 2 MiB (best of 3 x 40): " + ", ".join(f"{k[:-3]} {v:.0f} us" for k, v in sv.items()))
-        us_pg = [4096 / (x * 1e3) for x in g["memory_first_touch_gbps"]]
-        us_pg2 = [4096 / (x * 1e3) for x in g["memory_retouch_gbps"]]
-        lines.append(f"      memory: first touch of a fresh page {', '.join(_f(x) for x in us_pg)} us/page; "
-                     f"touching it again {', '.join(_f(x, '.3f') for x in us_pg2)} us/page")
     if r.get("hot_memory_touch_gbps"):
         h = r["hot_memory_touch_gbps"]
         lines.append(f"      hot-memory step before each timer: touch rate median {_f(h['median'])} GB/s, min "
                      f"{_f(h['min'])} ({_f(4096 / (h['min'] * 1e3))} us/page at worst), n={h['n']}")
-    for bb, d in (r.get("diag_writer") or {}).items():
-        per = d["us_per_block"]
-        lines.append(f"      writer steps per {_size(int(bb))} block (us): " + ", ".join(f"{k} {v:.0f}" for k, v in per.items())
-                     + f"; writer path alone {d['write_gbps_single_thread']:.2f} GB/s vs raw write+fsync "
-                     f"{_f(d['raw_write_fsync_gbps'])} GB/s")
-        lines.append(f"      cold read of {d['cold_read_blocks']} x {_size(int(bb))} (GB/s): "
-                     + ", ".join(f"{k} {_f(v, '.3f')}" for k, v in d["cold_read_gbps"].items()))
-    lines.append("")
-    lines.append("targets (issue 3):")
-    for t in r["targets"]:
-        lines.append(f"  [{'met   ' if t['met'] else 'MISSED'}] {t['target']}: {t['value']:.2f} {t['comparison']} "
-                     f"{t['threshold']:g}  ({t['note']})")
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------- CLI
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bench_disk.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="smaller working sets and fewer repeats (<= 60 s)")
-    p.add_argument("--json", metavar="PATH", help="write the full result as JSON")
-    p.add_argument("--dir", metavar="DIR", help="parent of the temporary work directory (default: the system temp dir)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
-    return p
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = _parser().parse_args(argv)
-    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    bad = set(sections) - set(SECTIONS)
-    if bad:
-        raise SystemExit(f"unknown sections {sorted(bad)}; known: {SECTIONS}")
-    r = run_all(quick=args.quick, seed=args.seed, base_dir=args.dir, sections=sections,
-                log=lambda s: print(f"[bench_disk] {s}", file=sys.stderr, flush=True))
-    print(format_report(r))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(r, f, indent=1, default=str)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
