@@ -80,7 +80,8 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 
 from ..config import TieredKVConfig  # noqa: E402
 from ..metrics import Metrics  # noqa: E402
-from .offload import Lookup, SlabCopier, SlabTiers  # noqa: E402
+from .copier import SlabCopier  # noqa: E402
+from .offload import Lookup, SlabTiers  # noqa: E402
 from .slab import SharedSlab, slab_path  # noqa: E402
 
 __all__ = [
