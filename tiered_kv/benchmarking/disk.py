@@ -189,7 +189,8 @@ def _source_hashes() -> dict[str, str]:
     import hashlib
     root = Path(tiered_kv.__file__).resolve().parent
     out = {}
-    for name in ("disk.py", "diskformat.py", "manager.py", "host.py", "movers.py", "jobs.py"):
+    for name in ("disk.py", "diskformat.py", "manager.py", "host.py", "movers/base.py", "movers/thread.py",
+                 "movers/cuda.py", "jobs.py"):
         with contextlib.suppress(OSError):
             out[name] = hashlib.sha1((root / name).read_bytes()).hexdigest()[:12]
     return out
