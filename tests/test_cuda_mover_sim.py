@@ -654,3 +654,91 @@ def test_the_cuda_bench_section_runs_on_the_simulated_device() -> None:
     (fig,) = [f for f in report._core_figures({"cuda_copy": r}) if f["id"] == "cuda.store_p99"]
     assert "engine thread per step" in fig["note"]
     assert gpu.idle
+
+
+# ----------------------------------------------------------------------------- transfers of several blocks
+def test_a_transfer_spanning_two_event_chunks_is_reported_once_after_its_last_copy() -> None:
+    """Rows of 8 bytes, an end event per 16 bytes: A = [row 0], B = [rows 1, 2, 3].  B's copies span both
+    chunks; it is reported at the second end event, never at the first, and once."""
+    gpu, out, dev, host, mover = bare(4, event_bytes=16)
+    a = Transfer(uuid.uuid4(), JobKind.STORE, [0], [0])
+    b = Transfer(uuid.uuid4(), JobKind.STORE, [1, 2, 3], [1, 2, 3])
+    mover.submit(a)
+    mover.submit(b)
+    mover.flush()
+    (side,) = gpu.side
+    assert [op[0] for op in side.ops] == ["wait", "event", "copy", "copy", "event", "copy", "copy", "event"]
+    assert mover.in_flight() == 2
+    for _ in range(5):
+        gpu.step(side)                        # up to the first end event (A's copy and B's first)
+    mover.harvest()
+    (ra,) = out.drain()
+    assert ra.token == a.token and ra.ok and ra.nbytes == 8 and mover.in_flight() == 1
+    gpu.step(side)
+    gpu.step(side)                            # B's last copies ran, its end event not yet reached
+    mover.harvest()
+    assert out.drain() == [] and torch.equal(host, dev)
+    gpu.step(side)
+    mover.harvest()
+    (rb,) = out.drain()
+    assert rb.token == b.token and rb.ok and rb.nbytes == 24
+    assert round(rb.seconds * 1e6, 6) == 4.5  # its 3 copies at its last chunk's rate: 1.5 us per copy
+    gpu.run_all()
+    mover.harvest()
+    assert out.drain() == [] and mover.in_flight() == 0
+
+
+def test_a_copy_that_cannot_be_queued_fails_its_transfer_once_after_its_queued_copies_landed() -> None:
+    """The second copy of a 3-block transfer cannot be queued: its first copy is on the stream, so the
+    transfer is answered failed only once that copy can no longer land (at the end event), and once;
+    the next transfer of the batch goes on."""
+    gpu, out, dev, host, mover = bare(6)
+    t = Transfer(uuid.uuid4(), JobKind.STORE, [0, 1, 2], [0, 1, 2])
+    u = Transfer(uuid.uuid4(), JobKind.STORE, [3], [3])
+    mover.submit(t)
+    mover.submit(u)
+    gpu.copy_error, gpu.copy_error_skip = RuntimeError("CUDA error: injected"), 1
+    mover.flush()
+    assert out.drain() == [] and mover.in_flight() == 2
+    (side,) = gpu.side
+    assert [op[0] for op in side.ops] == ["wait", "event", "copy", "copy", "event"]
+    gpu.run_all()
+    mover.harvest()
+    reps = {r.token: r for r in out.drain()}
+    assert set(reps) == {t.token, u.token}
+    assert not reps[t.token].ok and "injected" in (reps[t.token].error or "") and reps[u.token].ok
+    assert torch.equal(host[0], dev[0]) and not host[1:3].any() and torch.equal(host[3], dev[3])
+    gpu.run_all()
+    mover.harvest()
+    assert out.drain() == [] and mover.in_flight() == 0
+
+
+def test_a_transfer_whose_first_copy_cannot_be_queued_is_answered_at_once() -> None:
+    gpu, out, dev, host, mover = bare(4)
+    t = Transfer(uuid.uuid4(), JobKind.LOAD, [0, 1], [0, 1])
+    mover.submit(t)
+    gpu.copy_error = RuntimeError("CUDA error: injected")
+    mover.flush()
+    (r,) = out.drain()                        # nothing of it reached the stream
+    assert r.token == t.token and not r.ok and mover.in_flight() == 0
+    gpu.run_all()
+    mover.harvest()
+    assert out.drain() == []
+
+
+def test_every_copy_goes_over_every_plane() -> None:
+    gpu, out = FakeGPU(), CompletionQueue()
+    dev_a = torch.arange(4 * 8, dtype=torch.uint8).view(4, 8)
+    dev_b = torch.arange(100, 100 + 4 * 16, dtype=torch.uint8).view(4, 16)
+    slab = torch.zeros((4, 24), dtype=torch.uint8)
+    mover = CudaMover([(dev_a, slab[:, :8]), (dev_b, slab[:, 8:])], out, 1, runtime=gpu, event_bytes=24)
+    t = Transfer(uuid.uuid4(), JobKind.STORE, [2, 3], [0, 1])
+    mover.submit(t)
+    mover.flush()
+    (side,) = gpu.side
+    assert [op[0] for op in side.ops] == ["wait", "event", "copy", "copy", "event", "copy", "copy", "event"]
+    gpu.run_all()
+    mover.harvest()
+    (r,) = out.drain()
+    assert r.ok and r.nbytes == 2 * 24
+    assert torch.equal(slab[:2, :8], dev_a[2:]) and torch.equal(slab[:2, 8:], dev_b[2:]) and not slab[2:].any()

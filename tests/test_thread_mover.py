@@ -244,3 +244,60 @@ def test_the_managers_cpu_copies_start_at_poll_and_batch_one_starts_them_in_stor
             assert not mover._held
             mgr.wait(jobs)
             assert all(j.done and j.state.value == "done" for j in jobs)
+
+
+# ---------------------------------------------------------------------------- transfers of several blocks, planes
+@pytest.mark.parametrize("fast", [True, False], ids=["memmove", "copy_fn"])
+def test_a_transfer_of_several_blocks_over_two_planes_is_one_report(fast):
+    """Two planes (two KV tensors side by side in the slab rows): every (row, slot) pair is copied over
+    both; one report for the transfer, its nbytes all bytes moved."""
+    g = torch.Generator().manual_seed(11)
+    dev_a = torch.randint(0, 256, (6, 24), generator=g, dtype=torch.uint8)
+    dev_b = torch.randint(0, 256, (6, 40), generator=g, dtype=torch.uint8)
+    slab = torch.zeros((4, 64), dtype=torch.uint8)
+    q = CompletionQueue()
+    m = ThreadMover([(dev_a, slab[:, :24]), (dev_b, slab[:, 24:])], q, num_workers=1,
+                    copy_fn=None if fast else _copy_fn())
+    try:
+        assert bool(m._fast) is fast
+        t = Transfer(uuid.uuid4(), JobKind.STORE, [5, 0, 3], [1, 3, 0])
+        m.submit(t)
+        (r,) = _reports(q, 1)
+        assert r.token == t.token and r.ok and r.nbytes == 3 * 64
+        assert torch.equal(slab[[1, 3, 0], :24], dev_a[[5, 0, 3]])
+        assert torch.equal(slab[[1, 3, 0], 24:], dev_b[[5, 0, 3]])
+        assert not slab[2].any()
+        keep_a, keep_b = dev_a.clone(), dev_b.clone()
+        m.submit(Transfer(uuid.uuid4(), JobKind.LOAD, [2, 4], [3, 1]))
+        (r,) = _reports(q, 1)
+        assert r.ok and r.nbytes == 2 * 64
+        assert torch.equal(dev_a[[2, 4]], keep_a[[0, 5]]) and torch.equal(dev_b[[2, 4]], keep_b[[0, 5]])
+        others = [0, 1, 3, 5]
+        assert torch.equal(dev_a[others], keep_a[others]) and torch.equal(dev_b[others], keep_b[others])
+        assert q.get(0) is None                     # exactly one report per transfer
+    finally:
+        m.close()
+
+
+def _copy_fn():
+    def copy(dst, src):
+        dst.copy_(src)
+    return copy
+
+
+def test_one_failing_copy_fails_the_whole_transfer_once():
+    dev = torch.arange(4 * 16, dtype=torch.uint8).view(4, 16)
+    host = torch.zeros((4, 16), dtype=torch.uint8)
+    q = CompletionQueue()
+    m = ThreadMover([(dev, host)], q, num_workers=1)
+    try:
+        t = Transfer(uuid.uuid4(), JobKind.STORE, [0, 9, 2], [0, 1, 2])   # row 9 is past the tensor
+        m.submit(t)
+        (r,) = _reports(q, 1)
+        assert r.token == t.token and not r.ok and "out of range" in (r.error or "")
+        assert not host[1:].any()                   # the copies after the bad one were not made
+        m.submit(Transfer(uuid.uuid4(), JobKind.STORE, [1, 2], [1]))      # rows and slots differ in length
+        (r,) = _reports(q, 1)
+        assert not r.ok and q.get(0) is None
+    finally:
+        m.close()

@@ -300,11 +300,16 @@ class CudaMover(Mover):
         """Transfers submitted and not yet reported by ``harvest()`` (queued or on the device)."""
         return len(self._queued) + sum(len(c) for p in self._pending for c in p)
 
-    def close(self) -> None:
+    def synchronize(self) -> None:
+        """Put what is queued on the device, block until the copy streams ran it, and answer it: for
+        callers that asked to wait (``close()``, the vLLM copier's ``wait()``), never the engine's poll."""
         self.flush()
         for s in self._streams:
             try:
                 s.synchronize()
             except Exception as exc:  # a broken context: harvest() answers what is left as failed
-                log.error("CUDA copy stream could not be synchronized at close: %r", exc)
+                log.error("CUDA copy stream could not be synchronized: %r", exc)
         self.harvest()
+
+    def close(self) -> None:
+        self.synchronize()

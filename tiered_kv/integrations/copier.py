@@ -1,0 +1,224 @@
+"""The worker side of the vLLM adapter: copies between the engine's KV tensors and this rank's part of
+the shared slab, on top of the movers (no vLLM import).
+
+Each KV tensor (an int8 view ``(num_blocks, page_bytes)`` per layer group) is one plane of the mover,
+mapped onto consecutive byte regions of this rank's part of a slab row; a vLLM job is one
+:class:`~tiered_kv.movers.Transfer` of its blocks over every plane.  CPU tensors get a
+:class:`~tiered_kv.movers.ThreadMover`, CUDA tensors a :class:`~tiered_kv.movers.CudaMover` (copies
+ordered by events, found finished by ``query()`` in :meth:`SlabCopier.finished`, no synchronize on
+the engine's path).
+
+Invariants (the slab-ring protocol, see :mod:`.slab`):
+
+* a job is marked done in the rank's ring (``slab.mark_done(rank, seq, ok)``) only after all its
+  copies completed -- the mover's report says so -- and before its result is returned to vLLM;
+* jobs run one after another in submission order: one copy worker (CPU) or one copy stream (CUDA),
+  each job put on it at its ``submit``, so two jobs touching the same slot or block never overlap.
+  (The ring protocol alone would not cover a store and a load of one device block in flight
+  together; the order does.)
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from ..errors import ConfigError
+from ..jobs import JobKind, StaleReason
+from ..metrics import Metrics
+from ..movers import CompletionQueue, CudaMover, Mover, Plane, Report, ThreadMover, Transfer
+from .slab import SharedSlab
+
+__all__ = ["SlabCopier", "CopyResult"]
+
+log = logging.getLogger(__name__)
+
+_STORE, _LOAD = JobKind.STORE, JobKind.LOAD
+
+
+@dataclass
+class CopyResult:
+    job_id: int
+    ok: bool
+    nbytes: int
+    seconds: float
+    store: bool = False   # a device->host copy (whose failure the scheduler side handles as a miss)
+
+
+class _CopyJob:
+    """One vLLM job: the token the mover carries (its report names this record, never a map key)."""
+
+    __slots__ = ("job_id", "token", "seq", "store", "nblocks")
+
+    def __init__(self, job_id: int, token: bytes, seq: int, store: bool, nblocks: int) -> None:
+        self.job_id = job_id
+        self.token = token
+        self.seq = seq
+        self.store = store
+        self.nblocks = nblocks
+
+
+class _MarkThenPost(CompletionQueue):
+    """The mover's completion queue: marks each finished job in the rank's ring, then posts its report.
+
+    ``put`` runs where the mover answers: on the copy worker (CPU), or in ``harvest()`` on the
+    owner thread once the job's end event was reached (CUDA) -- after the copies, either way."""
+
+    def __init__(self, slab: SharedSlab, rank: int, done: "queue.SimpleQueue[Report]") -> None:
+        super().__init__()
+        self._slab, self._rank, self._done = slab, rank, done
+
+    def put(self, item: Report) -> None:
+        job: _CopyJob = item.token
+        if not item.ok:
+            log.error("slab copy of job %d failed: %s", job.job_id, item.error)
+        try:
+            self._slab.mark_done(self._rank, job.seq, item.ok)  # after the copies: the scheduler may reuse the slots
+        except Exception:  # noqa: BLE001 - unmarked, the job's slots stay quarantined: safe, counted
+            log.exception("marking job %d done in the slab failed", job.job_id)
+            item.ok = False
+        self._done.put(item)
+
+
+def _copy_mover(planes: Sequence[Plane], out: CompletionQueue) -> Mover:
+    """One worker or one stream, a job put on it at its submit: jobs run in submission order."""
+    if planes and planes[0][0].is_cuda:  # pragma: no cover - needs CUDA (the simulated device in the tests)
+        return CudaMover(planes, out, num_streams=1, batch_max=1)
+    return ThreadMover(planes, out, num_workers=1, batch_max=1)
+
+
+class SlabCopier:
+    """Worker-side copies between the engine's KV tensors and this rank's part of the slab.
+
+    Jobs run in submission order (see the module docstring); each is marked done in the rank's
+    ring after its copies completed, then its report is posted; the owner thread (the engine's,
+    in :meth:`finished`) maps reports back to the engine's job ids.  A report it does not know (a
+    duplicate or one after :meth:`close`) is discarded and counted, never raised; so is a submit
+    that reuses the token of a job in flight.
+    """
+
+    def __init__(self, slab: SharedSlab, rank: int, tensors: Sequence[torch.Tensor], *, metrics: Metrics,
+                 on_stale: Optional[Callable[[JobKind], None]] = None) -> None:
+        if not 0 <= rank < slab.world_size:
+            raise ConfigError(f"rank {rank} out of range [0, {slab.world_size})")
+        widths = []
+        for i, t in enumerate(tensors):
+            if t.dim() != 2 or t.dtype not in (torch.int8, torch.uint8):
+                raise ConfigError(f"KV tensor {i} must be a 2-D int8/uint8 (num_blocks, page_bytes) view, "
+                                  f"got {t.dtype} {tuple(t.shape)}")
+            widths.append(int(t.shape[1]))
+        if sum(widths) > slab.rank_bytes:
+            raise ConfigError(f"a block of this worker is {sum(widths)} bytes; the slab gives each rank "
+                              f"{slab.rank_bytes}")
+        self.slab = slab
+        self.rank = rank
+        self.metrics = metrics
+        self._on_stale = on_stale
+        planes: list[Plane] = []  # (engine tensor as uint8, its region of the slab rows)
+        off = base = rank * slab.rank_bytes
+        for t, w in zip(tensors, widths):
+            planes.append((t.view(torch.uint8), slab.rows[:, off:off + w]))
+            off += w
+        self.block_bytes = off - base
+        self._jobs: dict[bytes, _CopyJob] = {}          # token -> job, owner thread only
+        self._done: "queue.SimpleQueue[Report]" = queue.SimpleQueue()
+        self._finished: list[CopyResult] = []
+        self._closed = False
+        self._sink = _MarkThenPost(slab, rank, self._done)
+        self._mover: Optional[Mover] = _copy_mover(planes, self._sink) if planes else None
+
+    def submit(self, job_id: int, token: bytes, seq: int, store: bool, blocks: Sequence[int],
+               slots: Sequence[int]) -> bool:
+        if self._closed:
+            return False
+        if len(blocks) != len(slots):
+            raise ConfigError(f"job {job_id}: {len(blocks)} device blocks for {len(slots)} slab slots; "
+                              f"tiered_kv stores one device block per key (blocks_per_chunk=1)")
+        if token in self._jobs:
+            self._stale(_STORE if store else _LOAD)
+            log.warning("job %d reuses the token of a job in flight; ignored", job_id)
+            return True
+        # (a sequence or a numpy array: vLLM's block ids arrive as int32 arrays, converted once here)
+        rows, where = list(map(int, blocks)), list(map(int, slots))
+        job = _CopyJob(job_id, token, seq, store, len(rows))
+        self._jobs[token] = job
+        if self._mover is None:  # no KV tensor: nothing to copy, the job is done
+            self._sink.put(Report(job, _STORE if store else _LOAD, True))
+        else:
+            self._mover.submit(Transfer(job, _STORE if store else _LOAD, rows, where))
+        return True
+
+    def finished(self) -> list[CopyResult]:
+        """Owner thread: the jobs finished since the last call."""
+        if self._mover is not None:
+            self._mover.harvest()  # CUDA: answers (and marks) the jobs whose end event was reached
+        out, self._finished = self._finished, []
+        while True:
+            try:
+                report = self._done.get_nowait()
+            except queue.Empty:
+                break
+            self._take(report, out)
+        self.metrics.flush()
+        return out
+
+    def _take(self, r: Report, out: list[CopyResult]) -> None:
+        job: _CopyJob = r.token
+        if self._jobs.get(job.token) is not job:
+            self._stale(r.kind)
+            return
+        del self._jobs[job.token]
+        m = self.metrics
+        n = job.nblocks * self.block_bytes
+        # bytes and copy times are counted here, job outcomes by the scheduler side (once per job)
+        if not r.ok:
+            m.error("host", "copy_failed")
+        else:
+            link = ("device", "host") if job.store else ("host", "device")
+            m.count(m.link_bytes[link], n)
+            m.observe(m.link_seconds[link], r.seconds / max(1, job.nblocks))
+        out.append(CopyResult(job.job_id, r.ok, n, r.seconds, job.store))
+
+    def _stale(self, kind: JobKind) -> None:
+        self.metrics.count(self.metrics.stale[(kind, StaleReason.UNKNOWN_TOKEN)])
+        if self._on_stale is not None:
+            self._on_stale(kind)
+
+    def wait(self, job_ids: Iterable[int], timeout: Optional[float] = None) -> None:
+        """Block until the jobs ``job_ids`` have finished (their results stay for :meth:`finished`).
+
+        CUDA: waits for the copy stream (the caller asked to block), without a timeout."""
+        want = set(job_ids)
+        pending = {j for j in self._jobs.values() if j.job_id in want}
+        if pending and isinstance(self._mover, CudaMover):
+            self._mover.synchronize()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return
+            try:
+                report = self._done.get(timeout=remaining)
+            except queue.Empty:
+                return
+            pending.discard(report.token)
+            self._take(report, self._finished)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._jobs)
+
+    def close(self) -> None:
+        """Finish queued copies and stop the copy worker.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._mover is not None:
+            self._mover.close()
+        self.metrics.flush()
