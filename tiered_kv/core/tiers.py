@@ -93,7 +93,7 @@ class TierCore:
 
     def __init__(self, config: TieredKVConfig, host_rows: torch.Tensor, metrics: Metrics, *,
                  completions: Optional[CompletionQueue] = None, token_start: int = 1,
-                 collect_events: bool = False) -> None:
+                 collect_evicted: bool = False, collect_published: bool = False) -> None:
         self.config = config
         self.metrics = metrics
         self.row_bytes = int(host_rows.shape[1]) * host_rows.element_size()
@@ -110,10 +110,11 @@ class TierCore:
         self.tokens = TokenFactory(start=token_start)
         # tokens made at the end of each step: the engine's calls take one from here
         self.token_pool: collections.deque[uuid.UUID] = collections.deque()
-        self.collect_events = collect_events
-        self.evicted: list[bytes] = []     # keys evicted from every tier (collect_events only)
-        self.published: list[bytes] = []   # keys stores made READY (collect_events only)
-        self.index = TierIndex(num_slots, on_evict=self._host_evicted if collect_events else None)
+        self.collect_evicted = collect_evicted
+        self.collect_published = collect_published
+        self.evicted: list[bytes] = []     # keys no longer in any tier (collect_evicted only)
+        self.published: list[bytes] = []   # keys stores made READY (collect_published only)
+        self.index = TierIndex(num_slots, on_evict=self._host_evicted if collect_evicted else None)
         # token.int -> job whose report has not been applied: an int key hashes in C, a UUID in Python
         self.jobs: dict[int, Job] = {}
         self.n_in_flight = {k: 0 for k in JobKind}
@@ -212,7 +213,7 @@ class TierCore:
                 self.stale(_STORE, job.cancel_reason or StaleReason.SOURCE_REUSED, job.token)
             elif index.publish(e):
                 out.append(e)
-        if self.collect_events:
+        if self.collect_published:
             self.published.extend(e.key for e in out)
         disk = self.disk
         if disk is not None and self.config.write_mode == "through":
@@ -575,7 +576,7 @@ class TierCore:
             self.evicted.append(entry.key)
 
     def _disk_evicted(self, d: Entry) -> None:
-        if self.collect_events and d.key not in self.index:
+        if self.collect_evicted and d.key not in self.index:
             self.evicted.append(d.key)
 
     # ------------------------------------------------------------------ the step

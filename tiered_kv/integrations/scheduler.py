@@ -85,7 +85,7 @@ class SlabScheduler:
         # number jobs above anything already in the rings (a restarted scheduler on a used slab),
         # or an old mark would pass for one of ours
         core = self.core = TierCore(config, slab.rows, metrics, token_start=slab.max_seq() + 1,
-                                    collect_events=collect_published)
+                                    collect_evicted=True, collect_published=collect_published)
         core.on_store = self._apply_store
         core.on_load = self._apply_load
         core.cancel_hook = self._cancel_hook
