@@ -359,7 +359,7 @@ def test_a_copy_of_a_pending_job_is_refused_by_cancel_and_wait(busy):
     one token, a store reported ok that stored nothing); wait([copy]) would never return."""
     import copy as copy_mod
     mgr, mover = busy
-    job = next(fl.job for fl in mgr._jobs.values() if fl.job.key == b"writing")
+    job = next(j for j in mgr._jobs.values() if j.key == b"writing")
     for twin in (copy_mod.copy(job), copy_mod.deepcopy(job)):   # (a deep copy has another owner tag too)
         _unchanged(mgr, lambda: mgr.cancel(twin), InvalidJobError, str(job.token))
         _unchanged(mgr, lambda: mgr.wait([twin], timeout=0), InvalidJobError, str(job.token))
@@ -396,7 +396,7 @@ def test_a_cancelled_load_waiting_for_its_promote_is_still_its_own_job(tmp_path)
 def test_wait_with_a_single_job_instead_of_an_iterable(busy):
     """``wait(job)`` (a Job, not a list of jobs) is bad input: a tiered_kv error naming it."""
     mgr, mover = busy
-    job = next(iter(mgr._jobs.values())).job
+    job = next(iter(mgr._jobs.values()))
     _unchanged(mgr, lambda: mgr.wait(job, timeout=0), InvalidJobError, str(job.token))
 
 
@@ -433,7 +433,7 @@ def test_wait_with_infinite_timeout_waits_like_none(fake, kv):
 # ============================================================================ closed
 def test_calls_after_close_raise_manager_closed(busy):
     mgr, _ = busy
-    some_job = next(iter(mgr._jobs.values())).job
+    some_job = next(iter(mgr._jobs.values()))
     mgr.close()
     mgr.close()  # idempotent
     calls = {

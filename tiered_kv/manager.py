@@ -570,6 +570,7 @@ class TierManager:
     def _finish_cancelled(self, job: Job) -> None:
         job._move(_CANCELLED)
         job.error = _CANCELLED_ERROR[job.cancel_reason or _R_CANCELLED]
+        self.metrics.count(self.metrics.job_outcome[(job.kind, "cancelled")])
         self._outbox.append(_tuple_new(Completion, (job, False, job.error)))
 
     # ------------------------------------------------------------ internals: cancellation

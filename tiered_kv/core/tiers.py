@@ -222,13 +222,13 @@ class TierCore:
         return out
 
     def drop_store(self, job: Job, failed: bool) -> None:
-        """A store's report that publishes nothing: it failed (counted) or was cancelled (stale)."""
+        """A store's report that publishes nothing: it failed (the front end reports and counts it) or
+        was cancelled (counted stale here)."""
         index = self.index
         if failed:
             for e in job._entries:
                 index.writer_done(e)
                 index.abort(e)
-            self.metrics.count(self.metrics.job_outcome[(_STORE, "failed")])
         else:
             self.stale(_STORE, job.cancel_reason or _R_CANCELLED, job.token)
             for e in job._entries:
@@ -377,7 +377,7 @@ class TierCore:
 
     # ------------------------------------------------------------------ cancellation
     def cancel(self, job: Job, reason: StaleReason) -> None:
-        """PENDING -> CANCELLING, with the core's part of it (counted once, here, for every kind).
+        """PENDING -> CANCELLING, with the core's part of it.
 
         A store's keys leave the index now (slots leased until its report); a load
         keeps its leases until its report (its copy may still land), unless it still
@@ -393,8 +393,6 @@ class TierCore:
         if t is not None:
             t.cancelled = True
         kind = job.kind
-        m = self.metrics
-        m.count(m.job_outcome[(kind, "cancelled")])
         if kind is _STORE:
             for e in job._entries:
                 self.index.abort(e)
@@ -480,6 +478,7 @@ class TierCore:
             self.stale(_SPILL, job.cancel_reason or _R_CANCELLED, job.token)
             disk.index.writer_done(job._dentry)
             job._move(_CANCELLED)
+            self.metrics.count(self.metrics.job_outcome[(_SPILL, "cancelled")])
             return
         job._move(_DONE if r.ok else _FAILED)
         if disk.finish_spill(job._dentry, r):
@@ -495,6 +494,7 @@ class TierCore:
             self.stale(_PROMOTE, job.cancel_reason or _R_SUPERSEDED, job.token)
             self.index.writer_done(entry)
             job._move(_CANCELLED)
+            self.metrics.count(self.metrics.job_outcome[(_PROMOTE, "cancelled")])
             return
         job._move(_DONE if r.ok else _FAILED)
         disk.finish_promote(self.index, entry, d, r)

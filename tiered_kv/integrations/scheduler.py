@@ -207,6 +207,7 @@ class SlabScheduler:
         if not r.ok:
             job.state = JobState.FAILED
             self.core.drop_store(job, failed=True)
+            self.metrics.count(self.metrics.job_outcome[(_STORE, "failed")])
             return
         job.state = JobState.DONE
         self.core.publish_store(job)
@@ -244,6 +245,8 @@ class SlabScheduler:
                 del self._live[job.kind][frozenset(job.keys)]
         self.core.cancel(job, StaleReason.CANCELLED)
         self._quarantine.append(job)
+        # vLLM is done with the job now (a late completion of it is stale): it is finished as cancelled
+        self.metrics.count(self.metrics.job_outcome[(job.kind, "cancelled")])
 
     def _cancel_hook(self, job: Job, reason: StaleReason) -> None:
         if job.kind is _STORE or job.kind is _LOAD:
@@ -266,8 +269,7 @@ class SlabScheduler:
         # completed by the engine but not yet seen in the rings: never published now
         waiting, self._awaiting = self._awaiting, []
         for job in waiting:
-            self.core.cancel(job, StaleReason.CANCELLED)
-            self._quarantine.append(job)
+            self._cancel(job)
         self.core.drop_all()
         self.core.refresh_gauges()
         log.info("tiered_kv: every tier reset; %d jobs quarantined until their copies finish", len(self._quarantine))
