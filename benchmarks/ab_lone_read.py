@@ -1,4 +1,4 @@
-"""A lone disk read through ``DiskStore._read`` against the batch path ``_read_many([op])``, in one process.
+"""A lone disk read through ``Readers._read`` against the batch path ``_read_many([op])``, in one process.
 
 A disk reader that finds a single read queued runs ``_read``; a batch of reads goes through
 ``_read_many`` (one lookup transaction, file order, runs of slots).  This measures what the batch
@@ -18,7 +18,8 @@ import time
 import uuid
 from pathlib import Path
 
-from tiered_kv.disk import DiskOptions, DiskStore, FlushDone, _Promote
+from tiered_kv.disk import DiskOptions, DiskStore, FlushDone
+from tiered_kv.disk.records import Promote as _Promote
 from tiered_kv.movers import CompletionQueue
 
 
@@ -65,7 +66,7 @@ def main() -> int:
                         ops = [_Promote(uuid.uuid4(), k, t, dst) for k, t in keys] * args.rounds
                         t0 = time.perf_counter()
                         for op in ops:
-                            r = s._read(op) if name == "_read" else next(iter(s._read_many([op])))[1]
+                            r = s.readers._read(op) if name == "_read" else next(iter(s.readers._read_many([op])))[1]
                             if not r.ok:
                                 raise SystemExit(f"{name}: {op.key!r}: {r.error}")
                         us[name].append((time.perf_counter() - t0) / len(ops) * 1e6)

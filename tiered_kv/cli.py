@@ -140,7 +140,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(func=_demo)
     from .benchmarking.cli import add_bench_command
-    from .cli_ops import add_operator_commands
+    from .tools.ops_cli import add_operator_commands
 
     add_operator_commands(sub)
     add_bench_command(sub)

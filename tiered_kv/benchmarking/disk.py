@@ -102,7 +102,7 @@ from prometheus_client import CollectorRegistry
 
 import tiered_kv
 from tiered_kv import TieredKVConfig, TierManager
-from tiered_kv.diskformat import SLOTS_NAME
+from tiered_kv.disk.format import SLOTS_NAME
 from tiered_kv.metrics import sample_total
 
 from .common import GiB, KiB, MiB, as_mode, filesystem_of, git, summarize
@@ -1338,7 +1338,7 @@ def diag_writer_breakdown(base: Path, blocks: _Blocks, n: int = 64, rounds: int 
     readers do it (index get + ``preadv`` into a slot + verify) beside ``os.preadv`` of the raw file."""
     import lmdb
     import uuid
-    from tiered_kv.diskformat import SLOTS_NAME, lmdb_key, pack_slot_entry, parse_header, slot_bytes_for, verify_entry
+    from tiered_kv.disk.format import SLOTS_NAME, lmdb_key, pack_slot_entry, parse_header, slot_bytes_for, verify_entry
     bb = blocks.block_bytes
     sb = slot_bytes_for(bb)
     batch = _nominal_batch(bb)
