@@ -36,6 +36,9 @@ MIN_MAP = 64 << 20
 MAP_BYTES_PER_SLOT = 4096   # initial map per slot: it holds only index records (payloads are in the slot file)
 MIN_READERS = 126           # LMDB's default reader table; more readers get 4 slots each and some spare
 MAP_GROWTH = 1.5            # a grown map is at least this much larger: few growths, each under an exclusive lock
+GROW_NEED_FACTOR = 4        # ... and holds this many times what the batch that asked needs, beyond what is used
+GROW_SPARE_BLOCKS = 16      # ... plus room for this many more index records of a block each (page-rounded)
+GROW_FREE_SHARE = 4         # growing needs 1/this of the new room free on the device now (the file grows as pages are written)
 
 
 def init_meta(txn: Any, meta_db: Any, namespace: bytes, block_bytes: int) -> None:
@@ -182,11 +185,11 @@ class DiskEnv:
         env = self.env
         assert env is not None
         used = map_in_use(env)
-        new = max(int(self.map_size * MAP_GROWTH), used + 4 * need + 16 * (self._block_bytes + 4096))
+        new = max(int(self.map_size * MAP_GROWTH),
+                  used + GROW_NEED_FACTOR * need + GROW_SPARE_BLOCKS * (self._block_bytes + 4096))
         free = shutil.disk_usage(self.path).free
         file_bytes = self.file_bytes()
-        if free < (new - file_bytes) // 4:
-            # the file grows only as pages are written: ask for a quarter of the new room to be free now
+        if free < (new - file_bytes) // GROW_FREE_SHARE:
             log.error("disk tier: cannot grow LMDB map to %d bytes, only %d free on the device", new, free)
             return False
         self.rw.acquire_exclusive()

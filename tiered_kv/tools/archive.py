@@ -42,6 +42,9 @@ in one LMDB write transaction, verifying each frame again as it is written (the
 file may have changed since), and committed only after the trailer checked out.
 A bad frame therefore publishes nothing, and the error names its index and
 byte offset.
+
+Longer than most modules here: the format (pack/parse), the streaming reader and the two
+directions share one layout, kept in one place so that they cannot drift apart.
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ Safety rules (docs/operations.md):
 * Nothing is opened (so no ``lock.mdb`` is created) until ``data.mdb`` carries
   LMDB's meta-page magic, and nothing is mapped beyond the end of a truncated
   ``data.mdb`` (that would be SIGBUS).
+
+Longer than most modules here: inspect, verify and compact share the holder checks and the
+read-only/writable opening above, and each is one screenful of its own.
 """
 
 from __future__ import annotations
