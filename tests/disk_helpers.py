@@ -38,7 +38,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from tiered_kv import Completion, Job, TieredKVConfig, TierManager
-from tiered_kv.diskformat import SLOTS_NAME, inline_value, lmdb_key, parse_header, slot_bytes_for
+from tiered_kv.disk.format import SLOTS_NAME, inline_value, lmdb_key, parse_header, slot_bytes_for
 
 ROW = 4096                  # bytes per block in most disk tests
 NS = "disk-test|u8|tp0"
@@ -428,25 +428,9 @@ def iter_lines(text: str) -> Iterable[str]:
     return (line for line in text.splitlines() if line)
 
 
-
-def tombstones_in_child(path: str, namespace: str, block_bytes: int, capacity_bytes: int,
-                        items: list[tuple[str, bytes]]) -> list[bool]:
-    """Run in another process (multiprocessing "spawn"): open the path's DiskStore and
-    ``write_tombstone(token, key)`` for each ``(token hex, key)``; return the results."""
-    from tiered_kv.disk import DiskOptions, DiskStore
-    from tiered_kv.movers import CompletionQueue
-
-    store = DiskStore(DiskOptions(path=Path(path), namespace=namespace, block_bytes=block_bytes,
-                                  capacity_bytes=capacity_bytes), CompletionQueue())
-    try:
-        return [store.write_tombstone(uuid.UUID(hex=t), k) for t, k in items]
-    finally:
-        store.close()
-
-
 FLIP_SLOT_IN_CHILD = """
 import os, sys, lmdb
-from tiered_kv.diskformat import SLOTS_NAME, parse_header, slot_bytes_for
+from tiered_kv.disk.format import SLOTS_NAME, parse_header, slot_bytes_for
 path, key, off, mapsize = sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 env = lmdb.open(path, subdir=True, max_dbs=4, map_size=mapsize, readonly=True)
 db = env.open_db(b"blocks", create=False)

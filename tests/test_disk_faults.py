@@ -139,13 +139,13 @@ def test_invalidate_after_a_failed_spill_leaves_no_tombstone_behind(rig):
         if calls["n"] == 1:
             raise OSError(errno.EIO, "Input/output error")
 
-    orig_fail = disk._fail_ops
+    orig_fail = disk.writer._fail_ops
 
     def fail_ops(ops, error):  # observe the failure report leaving the writer
         orig_fail(ops, error)
         failed.set()
 
-    disk._fail_ops = fail_ops
+    disk.writer._fail_ops = fail_ops
     disk.fault_hook = hook
     fill(kv, 0, b"k")
     job = mgr.store(b"k", 0)
@@ -154,7 +154,7 @@ def test_invalidate_after_a_failed_spill_leaves_no_tombstone_behind(rig):
     assert failed.wait(30)
     mgr.invalidate(b"k")                       # the failure report is not applied yet
     assert mgr.flush(timeout=30) is True       # the tomb's own batch commits
-    assert disk._cancelled == set() and disk._unsettled == set()
+    assert disk.tombs.cancelled == set() and disk.tombs.unsettled == set()
     assert mgr.debug_sizes()["disk_tombstones"] == 0
     assert mgr.lookup([b"k"]) == 0
     assert metric(mgr, "tiered_kv_stale_callbacks_total", kind="spill", reason="superseded") == 1
@@ -335,14 +335,14 @@ def test_map_growth_waits_for_a_read_transaction_in_flight(rig):
     disk = mgr.disk
     first = disk.map_size
     wants_exclusive = threading.Event()
-    orig = disk._rw.acquire_exclusive
+    orig = disk.db.rw.acquire_exclusive
 
     def acquire_exclusive() -> None:
         wants_exclusive.set()
         orig()
 
-    disk._rw.acquire_exclusive = acquire_exclusive
-    disk._rw.acquire_shared()                  # "a read transaction is open"
+    disk.db.rw.acquire_exclusive = acquire_exclusive
+    disk.db.rw.acquire_shared()                  # "a read transaction is open"
     ks = long_keys(40)
     stored = []
     try:
@@ -356,7 +356,7 @@ def test_map_growth_waits_for_a_read_transaction_in_flight(rig):
         assert wants_exclusive.wait(30), "the writer never needed to grow the map"
         assert disk.map_size == first          # ... and it has not grown under the open read
     finally:
-        disk._rw.release_shared()
+        disk.db.rw.release_shared()
     assert mgr.flush(timeout=30) is True
     assert disk.map_size > first
     rest = [k for k in ks if k not in stored]
@@ -390,7 +390,7 @@ def test_map_full_on_a_batch_larger_than_one_growth_step_loses_nothing(rig):
 
 def test_map_full_without_room_to_grow_fails_the_batch_and_counts_it(rig, monkeypatch):
     import shutil
-    import tiered_kv.disk as disk_mod
+    import tiered_kv.disk.env as disk_mod
 
     kv = make_kv(8, row_bytes=16384)
     mgr = rig.open(kv, host_slots=8, disk_slots=64, disk_map_size_bytes=128 * 1024, writer_batch_blocks=1, **LONG)
@@ -547,7 +547,7 @@ def test_missing_directory_is_created(rig, tmp_path):
 
 # ============================================================================ slot file allocation
 def test_filesystem_without_fallocate_gets_a_sparse_slot_file(rig, monkeypatch):
-    import tiered_kv.disk as disk_mod
+    import tiered_kv.disk.slots as disk_mod
 
     def no_fallocate(fd, offset, length):
         raise OSError(errno.EOPNOTSUPP, "Operation not supported")
@@ -570,7 +570,7 @@ def _spill_without_errors_and_read_back(rig, kv, n: int, disk_slots: int):
 
 
 def test_nearly_full_disk_takes_one_slot_at_a_time(rig, monkeypatch):
-    import tiered_kv.disk as disk_mod
+    import tiered_kv.disk.slots as disk_mod
 
     real = os.posix_fallocate
     asked: list[int] = []

@@ -11,7 +11,6 @@ invariant checked everywhere: a damaged entry is a miss, counted in
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import random
 import subprocess
@@ -21,9 +20,8 @@ import pytest
 
 from disk_helpers import (FLIP_SLOT_IN_CHILD, NS, PYTHON, ROW, child_env, content, disk_health, drain, fill, flip, keys,
                           load_into, load_ok, make_kv, metric, metric_sum, put_raw, raw_blocks, raw_env, raw_keys,
-                          raw_tombs, raw_token, rewrite_value, rig, row_is, spy_spills, store_one, store_seq,
-                          tombstones_in_child)
-from tiered_kv.diskformat import HEADER_SIZE, lmdb_key, pack_header
+                          raw_tombs, raw_token, rewrite_value, rig, row_is, spy_spills, store_one, store_seq)
+from tiered_kv.disk.format import HEADER_SIZE, lmdb_key, pack_header
 
 __all__ = ["rig"]
 
@@ -316,53 +314,28 @@ def test_late_tombstone_removes_only_the_write_of_its_own_token(rig):
     mgr.invalidate(b"k")
     store_one(mgr, kv, b"k", 0)              # a newer write of the same key
     assert mgr.flush(timeout=30) is True
-    assert mgr.disk.write_tombstone(t1, b"k") is False   # a stale cancel arriving late
+    mgr.disk.cancel(t1, b"k")                # a stale cancel arriving late
+    assert mgr.flush(timeout=30) is True
     assert mgr.lookup([b"k"]) == 1
     assert load_ok(mgr, kv, b"k", 3)
     rig.close(mgr)
     t2 = raw_token(rig.path, b"k")
     assert t2 != t1
-    assert raw_tombs(rig.path) == {t1.bytes: b"k"}       # durable: its write might still have come
+    assert raw_tombs(rig.path) == {}         # its write was settled long ago: nothing left to guard
     mgr = rig.open(kv, host_slots=2)
-    assert mgr.disk.recovery.purged == 0 and mgr.disk.recovery.tombs_dropped == 1
+    assert mgr.disk.recovery.purged == 0 and mgr.disk.recovery.tombs_dropped == 0
     assert mgr.lookup([b"k"]) == 1 and load_ok(mgr, kv, b"k", 3)
 
 
-def test_write_tombstone_from_another_thread_prevents_a_pending_spill(rig):
-    import threading
-
-    kv = make_kv(8)
-    mgr = rig.open(kv, host_slots=8)
-    gate = rig.gate(mgr)
-    tokens = spy_spills(mgr)
-    store_one(mgr, kv, b"victim", 0, flush=False)
-    gate.entered(1)
-    (token, key), = tokens
-    out = []
-    t = threading.Thread(target=lambda: out.append(mgr.disk.write_tombstone(token, key)))
-    t.start()
-    t.join(30)
-    assert out == [False]                    # nothing committed yet: the tomb is recorded
-    gate.open()
-    assert mgr.flush(timeout=30) is True
-    drain(mgr)
-    assert metric(mgr, "tiered_kv_orphaned_writes_prevented_total") == 1
-    assert metric(mgr, "tiered_kv_jobs_total", kind="spill", outcome="failed") == 1
-    assert mgr.disk_blocks == 0
-    assert mgr.debug_sizes()["disk_tombstones"] == 0
-    assert mgr.lookup([b"victim"]) == 1 and load_ok(mgr, kv, b"victim", 1)   # still on host
-    rig.close(mgr)
-    assert raw_keys(rig.path) == set() and raw_tombs(rig.path) == {}
-
-
-def test_write_tombstone_of_a_committed_entry_behind_the_managers_back_is_a_miss(rig):
+def test_a_tomb_of_a_committed_entry_behind_the_managers_back_is_a_miss(rig):
     kv = make_kv(8)
     mgr = rig.open(kv, host_slots=2)
     ks = keys(3)
     tokens = spy_spills(mgr)
     store_seq(mgr, kv, ks)
     token = dict((k, t) for t, k in tokens)[ks[0]]
-    assert mgr.disk.write_tombstone(token, ks[0]) is True
+    mgr.disk.cancel(token, ks[0])            # the store's own cancel: the manager is not told
+    assert mgr.flush(timeout=30) is True
     fill(kv, 5, b"sentinel")
     if mgr.lookup([ks[0]]) == 1:
         job, comp = load_into(mgr, kv, ks[0], 5)
@@ -371,32 +344,6 @@ def test_write_tombstone_of_a_committed_entry_behind_the_managers_back_is_a_miss
     drain(mgr)
     assert mgr.lookup([ks[0]]) == 0
     assert _corrupt_total(mgr) == 0
-
-
-def test_write_tombstone_from_another_process(rig):
-    kv = make_kv(8)
-    ks = keys(3)
-    mgr = rig.open(kv, host_slots=2)
-    store_seq(mgr, kv, ks)
-    rig.close(mgr)
-    t0 = raw_token(rig.path, ks[0])
-    items = [(t0.hex, ks[0]),                    # the committed write of ks[0]: removed
-             (uuid.uuid4().hex, ks[1]),          # another token than ks[1]'s: ks[1] stays
-             (uuid.uuid4().hex, b"pending")]     # a write that has not happened: durable tomb
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(1) as pool:
-        results = pool.apply(tombstones_in_child, (str(rig.path), NS, ROW, 64 * ROW, items))
-    assert results == [True, False, False]
-    assert raw_keys(rig.path) == {ks[1], ks[2]}
-    assert set(raw_tombs(rig.path)) == {uuid.UUID(hex=items[1][0]).bytes, uuid.UUID(hex=items[2][0]).bytes}
-    mgr = rig.open(kv, host_slots=2)
-    rep = mgr.disk.recovery
-    assert (rep.entries, rep.purged, rep.tombs_dropped) == (2, 0, 2)
-    assert mgr.lookup([ks[0]]) == 0
-    assert load_ok(mgr, kv, ks[1], 1) and load_ok(mgr, kv, ks[2], 2)
-    assert mgr.debug_sizes()["disk_tombstones"] == 0
-    rig.close(mgr)
-    assert raw_tombs(rig.path) == {}
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """Batched disk reads: a reader takes the reads queued, reads them in file order, runs in one preadv.
 
-``DiskStore._reader_main`` takes the first queued read and those behind it
+``Readers._reader_main`` takes the first queued read and those behind it
 (``_take_queued``, up to ``read_batch_bytes``), looks them all up in one read
 transaction and reads them sorted by slot, neighbouring slots by one
 ``preadv`` (``_read_many``).  Checked here:
@@ -44,10 +44,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import tiered_kv.disk as disk_mod
+import tiered_kv.disk.readers as disk_mod
 from disk_helpers import NS, ROW, content, keys, make_kv, metric, rig, row_is, store_seq  # noqa: F401
-from tiered_kv.disk import DiskOptions, DiskStore, _Promote
-from tiered_kv.diskformat import SLOTS_NAME, parse_header, slot_bytes_for
+from tiered_kv.disk import DiskOptions, DiskStore
+from tiered_kv.disk.records import Promote as _Promote
+from tiered_kv.disk.format import SLOTS_NAME, parse_header, slot_bytes_for
 from tiered_kv.movers import CompletionQueue, Report
 
 
@@ -97,9 +98,9 @@ class Store:
         return self.early.pop(token)
 
     def slots(self) -> dict[bytes, int]:
-        env = self.s._env
+        env = self.s.db.env
         assert env is not None
-        with env.begin(db=self.s._blocks) as txn:
+        with env.begin(db=self.s.db.blocks) as txn:
             return {parse_header(v).key: parse_header(v).slot for _, v in txn.cursor()}
 
     def op(self, key: bytes, expect: Optional[uuid.UUID] = None) -> _Promote:
@@ -156,7 +157,7 @@ class PreadvLog:
 
 def answers(store: Store, ops: list[_Promote]) -> dict[bytes, Report]:
     """Run the batch path on this thread; every read answered exactly once; key -> report."""
-    got = list(store.s._read_many(ops))
+    got = list(store.s.readers._read_many(ops))
     assert sorted(id(op) for op, _ in got) == sorted(id(op) for op in ops), "a read answered twice or not at all"
     assert all(r.token == op.token for op, r in got)
     return {op.key: r for op, r in got}
@@ -279,9 +280,9 @@ def test_a_batch_answers_what_single_reads_answer(tmp_path_factory, data):
                 st_.flip(k, offset=data.draw(st.integers(0, block - 1)))
         def ops() -> list[_Promote]:
             return [st_.op(k, uuid.uuid4() if damage.get(k) == "stale" else None) for k in picked]
-        single = [(op, st_.s._read(op)) for op in ops()]
+        single = [(op, st_.s.readers._read(op)) for op in ops()]
         batch_ops = ops()
-        got = list(st_.s._read_many(batch_ops))
+        got = list(st_.s.readers._read_many(batch_ops))
         assert sorted(id(op) for op, _ in got) == sorted(id(op) for op in batch_ops)
         by_op = {id(op): r for op, r in got}
         for (sop, sr), bop in zip(single, batch_ops):
@@ -312,7 +313,7 @@ def test_a_slot_reused_between_the_batch_lookup_and_its_read_is_a_superseded_mis
     monkeypatch.setattr(disk_mod.os, "preadv", preadv)
     ops = [st_.op(k) for k in ks]
     got: list = []
-    t = threading.Thread(target=lambda: got.extend(st_.s._read_many(ops)), name="batch")
+    t = threading.Thread(target=lambda: got.extend(st_.s.readers._read_many(ops)), name="batch")
     t.start()
     assert held.wait(30)                              # the records are looked up, no byte read yet
     st_.s.submit_delete(st_.tokens[ks[1]], ks[1])     # durability "none": slot 1 is free at once
@@ -367,7 +368,7 @@ def test_a_failing_read_of_a_lone_slot_is_reported_without_reading_it_again(make
 def test_an_lmdb_error_in_the_batch_lookup_sends_the_reads_one_by_one(make_store, monkeypatch):
     ks = keys(3)
     st_ = make_store(ks)
-    real = st_.s._lookup
+    real = st_.s.readers._lookup
     calls = []
 
     def lookup(txn: Any, op: _Promote, t0: float) -> Any:
@@ -376,7 +377,7 @@ def test_an_lmdb_error_in_the_batch_lookup_sends_the_reads_one_by_one(make_store
             raise lmdb.ReadonlyError("injected")
         return real(txn, op, t0)
 
-    monkeypatch.setattr(st_.s, "_lookup", lookup)
+    monkeypatch.setattr(st_.s.readers, "_lookup", lookup)
     ops = [st_.op(k) for k in ks]
     got = answers(st_, ops)
     assert all(got[op.key].ok and bytes_ok(op, ROW) for op in ops)
@@ -390,7 +391,7 @@ class Gate:
         self.entered = threading.Event()
         self.go = threading.Event()
         self.batches: list[int] = []
-        real = store._take_queued
+        real = store.readers._take_queued
 
         def take(first: _Promote) -> Any:
             if not self.entered.is_set():
@@ -400,7 +401,7 @@ class Gate:
             self.batches.append(len(ops))
             return ops, stop
 
-        monkeypatch.setattr(store, "_take_queued", take)
+        monkeypatch.setattr(store.readers, "_take_queued", take)
 
 
 def submit_as_one_batch(st_: Store, gate: Gate, ops: list[_Promote], release: bool = True) -> None:
@@ -415,14 +416,14 @@ def submit_as_one_batch(st_: Store, gate: Gate, ops: list[_Promote], release: bo
 
 def break_verify(st_: Store, monkeypatch: pytest.MonkeyPatch, key: bytes) -> Any:
     """Make the reader raise while verifying ``key``; returns the real ``_verify``."""
-    real = st_.s._verify
+    real = st_.s.readers._verify
 
     def verify(op: _Promote, value: bytes, got: int, t0: float, h: Any) -> Report:
         if op.key == key:
             raise RuntimeError("bug in the read path")
         return real(op, value, got, t0, h)
 
-    monkeypatch.setattr(st_.s, "_verify", verify)
+    monkeypatch.setattr(st_.s.readers, "_verify", verify)
     return real
 
 
@@ -441,7 +442,7 @@ def test_an_exception_inside_a_reader_answers_every_read_it_took_and_the_reader_
     assert all(r.error.startswith("miss: read failed") for r in got.values())
     assert st_.errors == ["reader_error"]
     assert st_.q.get(0.0) is None and not st_.early, "a read was answered twice"
-    monkeypatch.setattr(st_.s, "_verify", real_verify)
+    monkeypatch.setattr(st_.s.readers, "_verify", real_verify)
     # the reader is alive; the failed reads' entries were removed (token-matched), the others serve
     flushed = uuid.uuid4()
     st_.s.submit_flush(flushed)
@@ -469,12 +470,12 @@ def test_an_exception_after_some_runs_fails_only_the_reads_not_yet_answered(make
 # ============================================================================ 5. the reader thread
 def test_take_queued_takes_at_most_a_bounded_number_of_reads(make_store):
     st_ = make_store([], read_batch_bytes=1 << 40)
-    ops = [st_.op(b"k%d" % i) for i in range(disk_mod._READ_BATCH_MAX + 5)]
+    ops = [st_.op(b"k%d" % i) for i in range(disk_mod.READ_BATCH_MAX + 5)]
     for op in ops[1:]:
-        st_.s._reads.put(op)
-    got, stop = st_.s._take_queued(ops[0])
-    assert got == ops[:disk_mod._READ_BATCH_MAX] and not stop
-    assert st_.s._reads.qsize() == 5
+        st_.s.readers._reads.put(op)
+    got, stop = st_.s.readers._take_queued(ops[0])
+    assert got == ops[:disk_mod.READ_BATCH_MAX] and not stop
+    assert st_.s.readers._reads.qsize() == 5
 
 
 def test_take_queued_stops_at_the_batch_limit_and_at_a_stop_sentinel(make_store):
@@ -482,15 +483,15 @@ def test_take_queued_stops_at_the_batch_limit_and_at_a_stop_sentinel(make_store)
     st_ = make_store(ks, read_batch_bytes=3 * ROW)
     ops = [st_.op(k) for k in ks]
     for op in ops[1:]:
-        st_.s._reads.put(op)
-    st_.s._reads.put(None)
-    got, stop = st_.s._take_queued(ops[0])
+        st_.s.readers._reads.put(op)
+    st_.s.readers._reads.put(None)
+    got, stop = st_.s.readers._take_queued(ops[0])
     assert got == ops[:3] and not stop
-    got, stop = st_.s._take_queued(st_.s._reads.get_nowait())
+    got, stop = st_.s.readers._take_queued(st_.s.readers._reads.get_nowait())
     assert got == ops[3:6] and not stop
     first = st_.op(ks[0])
-    got, stop = st_.s._take_queued(first)
-    assert got == [first] and stop and st_.s._reads.empty()
+    got, stop = st_.s.readers._take_queued(first)
+    assert got == [first] and stop and st_.s.readers._reads.empty()
 
 
 SHUFFLED = [5, 0, 7, 2, 1, 6, 3]   # slots asked for, in this order; slot 4 not: two runs in file order
@@ -529,7 +530,7 @@ def test_close_with_reads_and_stop_sentinels_in_one_batch_answers_every_read(tmp
         closer = threading.Thread(target=st_.close)
         closer.start()
         deadline = time.monotonic() + 30
-        while st_.s._reads.qsize() < len(ops):         # 4 reads + the reader's stop sentinel queued
+        while st_.s.readers._reads.qsize() < len(ops):         # 4 reads + the reader's stop sentinel queued
             assert time.monotonic() < deadline, "close() never queued the reader's stop sentinel"
             time.sleep(0.001)
         gate.go.set()
@@ -571,14 +572,14 @@ def test_many_disk_only_keys_loaded_at_once_come_back_byte_for_byte(rig):
 def record_batches(store: DiskStore, monkeypatch: pytest.MonkeyPatch) -> list[list[bytes]]:
     """The keys of each batch a reader thread takes, in the order it took them."""
     batches: list[list[bytes]] = []
-    real = store._take_queued
+    real = store.readers._take_queued
 
     def take(first: Any) -> Any:
         ops, stop = real(first)
         batches.append([op.key for op in ops])
         return ops, stop
 
-    monkeypatch.setattr(store, "_take_queued", take)
+    monkeypatch.setattr(store.readers, "_take_queued", take)
     return batches
 
 
@@ -588,12 +589,12 @@ def test_queued_promotes_wait_for_start_reads_then_go_as_one_batch_in_file_order
     for op in ops:
         st_.s.queue_promote(op.token, op.key, op.expect, op.dst)
     # nothing reached a reader: queueing is a list append in the caller's thread, no wake-up
-    assert st_.s._reads.empty() and batches == [] and log.calls == []
+    assert st_.s.readers._reads.empty() and batches == [] and log.calls == []
     st_.s.start_reads()
     read_in_file_order(st_, ops, log)
     assert batches == [[op.key for op in ops]]           # the reader saw them all at once
     st_.s.start_reads()                                  # nothing held: nothing handed over
-    assert st_.s._reads.empty() and st_.q.get(0.0) is None
+    assert st_.s.readers._reads.empty() and st_.q.get(0.0) is None
 
 
 def test_start_reads_hands_over_batches_of_what_one_reader_takes(make_store):
@@ -603,16 +604,16 @@ def test_start_reads_hands_over_batches_of_what_one_reader_takes(make_store):
     for op in ops:
         st_.s.queue_promote(op.token, op.key, op.expect, op.dst)
     st_.s.start_reads()
-    items = [st_.s._reads.get_nowait() for _ in range(3)]
-    assert items == [ops[0:3], ops[3:6], ops[6:7]] and st_.s._reads.empty()
+    items = [st_.s.readers._reads.get_nowait() for _ in range(3)]
+    assert items == [ops[0:3], ops[3:6], ops[6:7]] and st_.s.readers._reads.empty()
     # a reader takes a handed-over batch whole, and reads queued behind it up to its limit
     lone = st_.op(ks[0])
-    st_.s._reads.put(lone)
-    st_.s._reads.put(ops[2:4])
-    got, stop = st_.s._take_queued(ops[0:2])
+    st_.s.readers._reads.put(lone)
+    st_.s.readers._reads.put(ops[2:4])
+    got, stop = st_.s.readers._take_queued(ops[0:2])
     assert got == [ops[0], ops[1], lone] and not stop
-    got, stop = st_.s._take_queued(st_.s._reads.get_nowait())
-    assert got == ops[2:4] and not stop and st_.s._reads.empty()
+    got, stop = st_.s.readers._take_queued(st_.s.readers._reads.get_nowait())
+    assert got == ops[2:4] and not stop and st_.s.readers._reads.empty()
 
 
 def test_close_reads_what_is_still_held(tmp_path):
@@ -633,9 +634,9 @@ def test_a_load_from_disk_starts_its_read_at_the_next_poll_not_in_the_call(rig, 
     jobs = [mgr.load(k, i) for i, k in enumerate(ks)]
     assert all(j is not None for j in jobs)
     # the engine's calls queued the reads in this thread: none was handed to a reader
-    assert len(mgr.disk._held_reads) == 6 and mgr.disk._reads.empty() and batches == []
+    assert len(mgr.disk.readers._held_reads) == 6 and mgr.disk.readers._reads.empty() and batches == []
     mgr.poll()
-    assert mgr.disk._held_reads == []
+    assert mgr.disk.readers._held_reads == []
     comps = {c.job.token: c for c in mgr.wait(jobs, timeout=30)}
     assert all(comps[j.token].ok for j in jobs)
     assert all(row_is(kv, i, k) for i, k in enumerate(ks))
@@ -657,7 +658,7 @@ def test_loads_cancelled_or_invalidated_while_their_reads_are_held(rig):
     assert ja is not None and jb is not None and jc is not None
     mgr.cancel(ja)
     mgr.invalidate(b)
-    assert len(mgr.disk._held_reads) == 3                 # still held: cancelling touched no reader
+    assert len(mgr.disk.readers._held_reads) == 3                 # still held: cancelling touched no reader
     comps = {x.job.token: x for x in mgr.wait(timeout=30)}
     assert set(comps) == {ja.token, jb.token, jc.token}   # each reported exactly once
     assert not comps[ja.token].ok and not comps[jb.token].ok

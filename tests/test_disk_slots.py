@@ -51,14 +51,16 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from prometheus_client import CollectorRegistry
 
-import tiered_kv.disk as disk_mod
+import tiered_kv.disk.readers as readers_mod
+import tiered_kv.disk.slots as slots_mod
 from disk_helpers import (NS, PYTHON, ROW, child_env, content, disk_config, drain, fill, flip_slot_byte, keys,
                           load_into, load_ok, make_kv, metric, metric_sum, put_raw, raw_index, readline, rig, row_is,
                           slot_file, store_one, store_seq)
 from fakes import sm_settings
 from tiered_kv import TierManager
 from tiered_kv.disk import DiskOptions, DiskStore
-from tiered_kv.diskformat import SLOTS_NAME, lmdb_key, pack_slot_entry, parse_header, slot_bytes_for
+from tiered_kv.disk.writer import Writer
+from tiered_kv.disk.format import SLOTS_NAME, lmdb_key, pack_slot_entry, parse_header, slot_bytes_for
 from tiered_kv.movers import CompletionQueue
 
 __all__ = ["rig"]
@@ -76,18 +78,18 @@ def expected_slots(disk_blocks: int, batch_cfg: int = 64, row: int = ROW) -> tup
 
 def index_slots(disk: DiskStore) -> dict[bytes, int]:
     """Block key -> slot of every committed slot entry, read through the open store's own environment."""
-    env = disk._env
+    env = disk.db.env
     assert env is not None
     out: dict[bytes, int] = {}
-    disk._rw.acquire_shared()
+    disk.db.rw.acquire_shared()
     try:
-        with env.begin(db=disk._blocks) as txn:
+        with env.begin(db=disk.db.blocks) as txn:
             for _, v in txn.cursor():
                 h = parse_header(v)
                 assert h.in_slot, f"{h.key!r} is stored inline"
                 out[h.key] = h.slot
     finally:
-        disk._rw.release_shared()
+        disk.db.rw.release_shared()
     return out
 
 
@@ -102,14 +104,14 @@ def raw_slots(path: Any) -> dict[bytes, int]:
 
 
 def free_slots(disk: DiskStore) -> set[int]:
-    with disk._slot_lock:
-        return set(disk._free_slots)
+    with disk.slots.lock:
+        return set(disk.slots.free)
 
 
 def pending_slots(disk: DiskStore) -> list[int]:
     """Slots dropped by a commit that is not durable yet (durability="batch")."""
-    with disk._slot_lock:
-        return sorted(i for _, i in disk._freed_unsynced)
+    with disk.slots.lock:
+        return sorted(i for _, i in disk.slots.freed_unsynced)
 
 
 def check_slots(mgr: TierManager) -> dict[bytes, int]:
@@ -123,7 +125,7 @@ def check_slots(mgr: TierManager) -> dict[bytes, int]:
     free = free_slots(disk)
     assert not free & set(used), f"live slots on the free list: {sorted(free & set(used))}"
     assert disk.slots_in_use == len(used), (disk.slots_in_use, len(used))
-    assert free | set(used) == set(range(disk._slots_len)), "a slot is neither free nor referenced (leak)"
+    assert free | set(used) == set(range(disk.slots.length)), "a slot is neither free nor referenced (leak)"
     assert mgr.disk_blocks == len(idx), (mgr.disk_blocks, len(idx))
     assert all(0 <= s < disk.opts.slots for s in used), used
     assert disk.slot_file_bytes() <= disk.opts.slots * disk.slot_bytes
@@ -140,7 +142,7 @@ def quiesce(mgr: TierManager) -> None:
 def offload_checksums(mgr: TierManager) -> None:
     """Every batch, however small, is checksummed on the disk tier's hash thread (as large batches are)."""
     assert mgr.disk is not None
-    mgr.disk.opts = dataclasses.replace(mgr.disk.opts, hash_offload_bytes=0)  # type: ignore[misc]
+    mgr.disk.writer.opts = dataclasses.replace(mgr.disk.writer.opts, hash_offload_bytes=0)  # type: ignore[misc]
 
 
 def corrupt_total(mgr: TierManager) -> float:
@@ -171,7 +173,7 @@ class ReaderHold:
                     self.go.wait(30)          # never hang a failing test
             return real(fd, buffers, offset, *a)
 
-        monkeypatch.setattr(disk_mod.os, "preadv", preadv)
+        monkeypatch.setattr(readers_mod.os, "preadv", preadv)
 
     def release(self) -> None:
         self.go.set()
@@ -180,13 +182,13 @@ class ReaderHold:
 def record_reads(disk: DiskStore) -> list:
     """Every Report a reader thread produces (the manager discards a cancelled promote's report)."""
     got: list = []
-    orig = disk._answer
+    orig = disk.readers._answer
 
     def answer(op, r):
         got.append(r)
         orig(op, r)
 
-    disk._answer = answer  # type: ignore[method-assign]
+    disk.readers._answer = answer  # type: ignore[method-assign]
     return got
 
 
@@ -357,17 +359,17 @@ def test_write_transaction_that_commits_nothing_does_not_free_dropped_slots(rig)
     store_one(mgr, kv, b"B", 1, flush=False)   # B's spill queues behind it
     gate.step()                                # T1: A deleted, slot 0 dropped
     gate.entered(2)                            # the writer holds [spill B], nothing placed yet
-    t1 = disk._env.info()["last_txnid"]
+    t1 = disk.db.env.info()["last_txnid"]
     assert pending_slots(disk) == [0] and disk.slots_in_use == 1
     mgr.invalidate(b"B")                       # B is cancelled before its payload is placed
     gate.step()                                # B's transaction: prevented, writes nothing
     gate.entered(3)                            # the writer holds [tomb B]
-    assert disk._env.info()["last_txnid"] == t1, "the prevented spill's transaction committed something"
+    assert disk.db.env.info()["last_txnid"] == t1, "the prevented spill's transaction committed something"
     early = (0 in free_slots(disk), disk.slots_in_use, pending_slots(disk))
     store_one(mgr, kv, b"C", 2, flush=False)   # C's spill queues behind [tomb B]
     gate.step()                                # [tomb B]: nothing to write either
     gate.entered(4)                            # the writer holds [spill C]
-    assert disk._env.info()["last_txnid"] == t1
+    assert disk.db.env.info()["last_txnid"] == t1
     c_in_zero_before_t1_durable = 0 in free_slots(disk)
     gate.open()
     quiesce(mgr)
@@ -388,14 +390,14 @@ def test_full_tier_evicting_continuously_never_grows_past_the_configured_slots(r
     batch, index_blocks, slots = expected_slots(disk_slots)
     assert (disk.opts.slots, disk.opts.batch_blocks) == (slots, batch)
     seen: list[tuple[int, int, int]] = []
-    orig = disk._alloc_slot
+    orig = disk.slots.alloc
 
     def alloc() -> int:
         i = orig()
         seen.append((i, disk.slots_in_use, disk.slot_file_bytes()))
         return i
 
-    disk._alloc_slot = alloc  # type: ignore[method-assign]
+    disk.slots.alloc = alloc  # type: ignore[method-assign]
     burst = min(12, index_blocks)              # a burst never exceeds what the index can evict
     total = 6 * burst
     stored: list[bytes] = []
@@ -443,7 +445,7 @@ def test_slot_file_grows_in_chunks_capped_at_the_configured_slots(tmp_path, monk
         calls.append((off, length))
         return real(fd, off, length)
 
-    monkeypatch.setattr(disk_mod.os, "posix_fallocate", fallocate)
+    monkeypatch.setattr(slots_mod.os, "posix_fallocate", fallocate)
     errors: list[str] = []
     path = tmp_path / "big"
     s, q = raw_store(path, block_bytes=block, slots=18, errors=errors)
@@ -478,7 +480,7 @@ def test_enospc_on_a_chunk_falls_back_to_one_slot_at_a_time(tmp_path, monkeypatc
         calls.append((off, length, "ok"))
         return real(fd, off, length)
 
-    monkeypatch.setattr(disk_mod.os, "posix_fallocate", fallocate)
+    monkeypatch.setattr(slots_mod.os, "posix_fallocate", fallocate)
     errors: list[str] = []
     s, q = raw_store(tmp_path / "d", block_bytes=ROW, slots=8, durability="batch", errors=errors)
     try:
@@ -776,14 +778,14 @@ def test_read_error_drops_the_entry_and_frees_its_slot(rig, monkeypatch):
             raise OSError(errno.EIO, "Input/output error")
         return real(fd, buffers, offset, *a)
 
-    monkeypatch.setattr(disk_mod.os, "preadv", failing)
+    monkeypatch.setattr(readers_mod.os, "preadv", failing)
     fill(kv, 5, b"sentinel")
     job, comp = load_into(mgr, kv, b"A", 5)
     assert job is not None and comp is not None and not comp.ok and "read failed" in (comp.error or "")
     assert row_is(kv, 5, b"sentinel")
     assert metric(mgr, "tiered_kv_errors_total", tier="disk", error="io_error") == 1
     assert corrupt_total(mgr) == 0
-    monkeypatch.setattr(disk_mod.os, "preadv", real)
+    monkeypatch.setattr(readers_mod.os, "preadv", real)
     quiesce(mgr)
     assert mgr.lookup([b"A"]) == 0
     assert set(check_slots(mgr)) == {b"B", b"C"}         # A's entry and slot are gone, nothing leaked
@@ -826,7 +828,7 @@ def test_unreadable_entry_removal_never_removes_a_newer_write_of_the_key(tmp_pat
                 raise OSError(errno.EIO, "Input/output error")
             return real(fd, buffers, offset, *a)
 
-        monkeypatch.setattr(disk_mod.os, "preadv", failing)
+        monkeypatch.setattr(readers_mod.os, "preadv", failing)
         read1 = uuid.uuid4()
         store.submit_promote(read1, b"A", t1, memoryview(bytearray(ROW)))
         assert entered.wait(30)                      # the reader holds t1's index record, mid-read
@@ -836,7 +838,7 @@ def test_unreadable_entry_removal_never_removes_a_newer_write_of_the_key(tmp_pat
         rep = q.get(30)                              # ... before it reports
         assert rep is not None and rep.token == read1 and not rep.ok and "read failed" in rep.error
         assert _flushed(store, q) == []              # this flush is queued after that delete
-        monkeypatch.setattr(disk_mod.os, "preadv", real)
+        monkeypatch.setattr(readers_mod.os, "preadv", real)
         dst = memoryview(bytearray(ROW))
         read2 = uuid.uuid4()
         store.submit_promote(read2, b"A", t2, dst)
@@ -855,8 +857,8 @@ def test_spill_cancelled_before_its_payload_is_written_takes_no_slot(rig):
     mgr = rig.open(kv, host_slots=4, durability="batch")
     disk = mgr.disk
     allocs: list[int] = []
-    orig = disk._alloc_slot
-    disk._alloc_slot = lambda: allocs.append(orig()) or allocs[-1]  # type: ignore[method-assign]
+    orig = disk.slots.alloc
+    disk.slots.alloc = lambda: allocs.append(orig()) or allocs[-1]  # type: ignore[method-assign]
     gate = rig.gate(mgr)
     store_one(mgr, kv, b"A", 0, flush=False)
     gate.entered(1)                            # the writer holds [spill A] before placing it
@@ -879,7 +881,7 @@ def test_spill_cancelled_after_its_payload_was_written_gives_its_slot_back_at_on
     mgr = rig.open(kv, host_slots=4, durability=durability)
     disk = mgr.disk
     written, go = threading.Event(), threading.Event()
-    orig_pwrite, orig_dropped = disk._pwrite, disk._slots_dropped
+    orig_pwrite, orig_dropped = disk.slots.pwrite, disk.slots.dropped
     dropped: list[int] = []
 
     def pwrite(slot, src):
@@ -891,8 +893,8 @@ def test_spill_cancelled_after_its_payload_was_written_gives_its_slot_back_at_on
         dropped.extend(slots)
         orig_dropped(slots, txn_id)
 
-    disk._pwrite = pwrite  # type: ignore[method-assign]
-    disk._slots_dropped = slots_dropped  # type: ignore[method-assign]
+    disk.slots.pwrite = pwrite  # type: ignore[method-assign]
+    disk.slots.dropped = slots_dropped  # type: ignore[method-assign]
     store_one(mgr, kv, b"A", 0, flush=False)
     assert written.wait(30)                    # A's payload is in slot 0, not published
     mgr.invalidate(b"A")
@@ -901,7 +903,7 @@ def test_spill_cancelled_after_its_payload_was_written_gives_its_slot_back_at_on
     assert dropped == [], "a never-published slot went through the dropped-slot path"
     assert pending_slots(disk) == [] and 0 in free_slots(disk) and disk.slots_in_use == 0
     assert metric(mgr, "tiered_kv_jobs_total", kind="spill", outcome="cancelled") == 1
-    disk._pwrite = orig_pwrite  # type: ignore[method-assign]
+    disk.slots.pwrite = orig_pwrite  # type: ignore[method-assign]
     store_one(mgr, kv, b"B", 1, flush=False)   # no sync in between: slot 0 is free already
     quiesce(mgr)
     assert check_slots(mgr) == {b"B": 0}
@@ -928,7 +930,7 @@ def test_reopen_serves_every_entry_and_frees_exactly_the_unreferenced_slots(rig,
     disk = mgr.disk
     rep = disk.recovery
     assert (rep.entries, rep.corrupt, rep.foreign, rep.purged) == (12, 0, 0, 0)
-    assert disk._slots_len == slots
+    assert disk.slots.length == slots
     assert rep.slots_free == slots - 12
     assert free_slots(disk) == set(range(slots)) - set(refs.values())
     assert disk.slots_in_use == 12
@@ -978,7 +980,7 @@ def test_reopen_after_a_process_kill_with_durability_none_serves_every_flushed_e
     disk = mgr.disk
     rep = disk.recovery
     assert (rep.entries, rep.corrupt, rep.foreign, rep.purged) == (12, 0, 0, 0)
-    assert free_slots(disk) == set(range(disk._slots_len)) - set(refs.values())
+    assert free_slots(disk) == set(range(disk.slots.length)) - set(refs.values())
     assert rep.slots_free == disk.opts.slots - 12 and disk.slots_in_use == 12
     for i, k in enumerate(expect):
         assert load_ok(mgr, kv, k, i % 8), k
@@ -1128,7 +1130,7 @@ class SlotMachine(RuleBasedStateMachine):
         assert (rep.entries, rep.corrupt, rep.foreign) == (len(refs), 0, 0)
         assert rep.slots_free == SM_SLOTS - len(refs)
         assert disk.slots_in_use == len(refs)
-        assert free_slots(disk) == set(range(disk._slots_len)) - set(refs.values())
+        assert free_slots(disk) == set(range(disk.slots.length)) - set(refs.values())
         for k in list(self.model):             # the host tier is gone: what is not on disk is gone
             if k not in refs:
                 del self.model[k]
@@ -1184,7 +1186,7 @@ class HashHold:
         self.keys: list[bytes] = []
         self.threads: list[str] = []
         self.finished = threading.Event()   # the hash thread no longer reads the batch's host slots
-        orig = disk._pack_entries
+        orig = disk.writer._pack_entries
 
         def pack(ops):
             self.keys = [op.key for op in ops]
@@ -1198,7 +1200,7 @@ class HashHold:
             finally:
                 self.finished.set()
 
-        disk._pack_entries = pack  # type: ignore[method-assign]
+        disk.writer._pack_entries = pack  # type: ignore[method-assign]
 
 
 def held_spill(rig, durability: str, fail: Optional[BaseException] = None, before_store=None):
@@ -1218,12 +1220,12 @@ def test_offloaded_checksums_run_beside_the_payload_writes_and_gate_publication(
     written = threading.Event()
 
     def watch_writes(disk):
-        orig = disk._pwrite
+        orig = disk.slots.pwrite
 
         def pwrite(slot, src):
             orig(slot, src)
             written.set()
-        disk._pwrite = pwrite  # type: ignore[method-assign]
+        disk.slots.pwrite = pwrite  # type: ignore[method-assign]
 
     kv, mgr, disk, hold = held_spill(rig, "batch", before_store=watch_writes)
     assert hold.threads[0].startswith("tiered-kv-hash"), hold.threads
@@ -1250,7 +1252,7 @@ def test_checksum_failure_on_the_hash_thread_fails_the_batch_and_gives_its_slots
     assert metric_sum(mgr, "tiered_kv_errors_total", tier="disk") >= 1
     assert index_slots(disk) == {} and disk.slots_in_use == 0 and free_slots(disk) >= {0}
     assert mgr.lookup([b"A"]) == 1                # the host copy still serves
-    disk._pack_entries = DiskStore._pack_entries.__get__(disk)  # type: ignore[method-assign]
+    disk.writer._pack_entries = Writer._pack_entries.__get__(disk.writer)  # type: ignore[method-assign]
     store_one(mgr, kv, b"B", 1)                   # the writer carries on
     quiesce(mgr)
     assert check_slots(mgr) == {b"B": 0}
@@ -1267,7 +1269,7 @@ def test_a_batch_whose_write_fails_answers_only_once_the_hash_thread_let_go_of_i
     hold = HashHold(disk)
     failed = threading.Event()
     reported: list[bool] = []                # per failed batch: had the hash thread finished?
-    orig_failed = disk._batch_failed
+    orig_failed = disk.writer._batch_failed
 
     def pwrite(slot, src):
         failed.set()
@@ -1277,8 +1279,8 @@ def test_a_batch_whose_write_fails_answers_only_once_the_hash_thread_let_go_of_i
         reported.append(hold.finished.is_set())
         orig_failed(batch, kind, msg)
 
-    disk._pwrite = pwrite  # type: ignore[method-assign]
-    disk._batch_failed = batch_failed  # type: ignore[method-assign]
+    disk.slots.pwrite = pwrite  # type: ignore[method-assign]
+    disk.writer._batch_failed = batch_failed  # type: ignore[method-assign]
     store_one(mgr, kv, b"A", 0, flush=False)
     assert hold.hashing.wait(30) and failed.wait(30)   # the write failed while A's checksum is held
     # the writer now waits for the hash thread: no failure report within a generous window

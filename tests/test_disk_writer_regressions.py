@@ -21,11 +21,12 @@ from typing import Any, Callable, Optional
 import lmdb
 import pytest
 
-import tiered_kv.disk as disk_mod
+import tiered_kv.disk.env as disk_mod
+import tiered_kv.disk.readers as readers_mod
 from disk_helpers import (NS, ROW, WriterGate, content, drain, make_kv, rig, store_one,  # noqa: F401
                           store_seq)
 from tiered_kv.disk import DiskOptions, DiskStore, FlushDone
-from tiered_kv.diskformat import lmdb_key, parse_header
+from tiered_kv.disk.format import lmdb_key, parse_header
 from tiered_kv.movers import CompletionQueue
 
 __all__ = ["rig"]
@@ -73,13 +74,13 @@ class Store:
 
     def index(self) -> dict[bytes, Any]:
         """Block key -> header of every committed entry (through the store's own environment)."""
-        env = self.s._env
-        self.s._rw.acquire_shared()
+        env = self.s.db.env
+        self.s.db.rw.acquire_shared()
         try:
-            with env.begin(db=self.s._blocks) as txn:
+            with env.begin(db=self.s.db.blocks) as txn:
                 return {parse_header(v).key: parse_header(v) for _, v in txn.cursor()}
         finally:
-            self.s._rw.release_shared()
+            self.s.db.rw.release_shared()
 
     def read_damaged(self, key: bytes, damage: Callable[[bytearray], bytes]) -> uuid.UUID:
         """Spill ``key`` durably, ``damage`` its index record, read it back: a corrupt miss.  Returns the
@@ -95,13 +96,13 @@ class Store:
 
     def rewrite_record(self, key: bytes, fn: Callable[[bytearray], bytes]) -> None:
         """Replace ``key``'s index record in place (models a bit flip in a data.mdb page)."""
-        self.s._rw.acquire_shared()
+        self.s.db.rw.acquire_shared()
         try:
-            with self.s._env.begin(write=True, db=self.s._blocks) as txn:
+            with self.s.db.env.begin(write=True, db=self.s.db.blocks) as txn:
                 lk = lmdb_key(key)
                 txn.put(lk, fn(bytearray(txn.get(lk))))
         finally:
-            self.s._rw.release_shared()
+            self.s.db.rw.release_shared()
 
 
 @pytest.fixture
@@ -189,7 +190,7 @@ def test_a_map_full_retry_does_not_publish_a_spill_cancelled_ahead_of_it_in_its_
     st = stores()
     gate = WriterGate(block_from=1)
     st.s.fault_hook = gate
-    st.s._env = EnvProxy(st.s._env, map_full_on=lmdb_key(b"x"))
+    st.s.db.env = EnvProxy(st.s.db.env, map_full_on=lmdb_key(b"x"))
     t0 = st.spill(b"first")
     gate.entered(1)                          # the writer holds batch 1 = [Spill(first)]
     t = st.spill(b"k")
@@ -199,7 +200,7 @@ def test_a_map_full_retry_does_not_publish_a_spill_cancelled_ahead_of_it_in_its_
     assert st.answer(t0).ok
     r = st.answer(t)
     assert st.answer(tx).ok
-    assert st.s._env.raised == 1, "the MapFullError was not injected"
+    assert st.s.db.env.raised == 1, "the MapFullError was not injected"
     assert st.flush() is True
     committed = b"k" in st.index()
     st.s.close()
@@ -218,10 +219,10 @@ def test_map_growth_failing_after_map_full_does_not_kill_the_writer(stores, monk
     the free-space probe or an lmdb.Error from set_mapsize escapes and kills the writer thread (the
     tier stops accepting spills for good; queued tombs/deletes are dropped unapplied)."""
     st = stores()
-    proxy = EnvProxy(st.s._env, map_full_on=lmdb_key(b"a"),
+    proxy = EnvProxy(st.s.db.env, map_full_on=lmdb_key(b"a"),
                      set_mapsize_error=lmdb.Error("mdb_env_set_mapsize: Cannot allocate memory")
                      if fault == "set_mapsize_error" else None)
-    st.s._env = proxy
+    st.s.db.env = proxy
     if fault == "statvfs_eio":
         import shutil
         real = shutil.disk_usage
@@ -322,13 +323,13 @@ def test_flush_is_false_when_a_spill_failed_before_it_was_asked_for(rig):
         if calls["n"] == 1:
             raise OSError(errno.EIO, "Input/output error")
 
-    orig = disk._fail_ops
+    orig = disk.writer._fail_ops
 
     def fail_ops(ops: Any, error: str) -> None:
         orig(ops, error)
         failed.set()
 
-    disk._fail_ops = fail_ops  # type: ignore[method-assign]
+    disk.writer._fail_ops = fail_ops  # type: ignore[method-assign]
     disk.fault_hook = hook
     store_one(mgr, kv, b"k", 0, flush=False)          # store done, its spill queued
     assert failed.wait(30)                            # its batch failed before flush() is called
@@ -361,7 +362,7 @@ def test_a_corrupt_read_removes_its_entry_even_when_a_second_read_would_pass(rig
             buffers[0][100] ^= 0x5A               # what this one read returned
         return n
 
-    monkeypatch.setattr(disk_mod.os, "preadv", preadv)
+    monkeypatch.setattr(readers_mod.os, "preadv", preadv)
     job = mgr.load(b"A", 5)
     assert job is not None
     got = [c for c in mgr.wait([job], timeout=30) if c.job is job]
@@ -371,13 +372,13 @@ def test_a_corrupt_read_removes_its_entry_even_when_a_second_read_would_pass(rig
     assert mgr.flush(timeout=30) is True
     drain(mgr)
     disk = mgr.disk
-    env = disk._env
-    disk._rw.acquire_shared()
+    env = disk.db.env
+    disk.db.rw.acquire_shared()
     try:
-        with env.begin(db=disk._blocks) as txn:
+        with env.begin(db=disk.db.blocks) as txn:
             committed = {parse_header(v).key for _, v in txn.cursor()}
     finally:
-        disk._rw.release_shared()
+        disk.db.rw.release_shared()
     assert mgr.disk_blocks == len(committed), (
         f"owner counts {mgr.disk_blocks} disk blocks, {len(committed)} committed entries hold slots "
         f"({sorted(committed)}): an orphan outside the capacity count")
@@ -393,7 +394,7 @@ def test_a_map_full_retry_does_not_publish_a_spill_cancelled_while_its_batch_wai
     st = stores()
     gate = WriterGate(block_from=1)
     st.s.fault_hook = gate
-    st.s._env = EnvProxy(st.s._env, map_full_on=lmdb_key(b"x"))
+    st.s.db.env = EnvProxy(st.s.db.env, map_full_on=lmdb_key(b"x"))
     t0 = st.spill(b"first")
     gate.entered(1)
     t = st.spill(b"k")
@@ -404,7 +405,7 @@ def test_a_map_full_retry_does_not_publish_a_spill_cancelled_while_its_batch_wai
     gate.step(2)                             # attempt 1 (MapFullError) and the retry
     gate.entered(4)                          # held before the tomb's batch: the retry has committed
     try:
-        assert st.s._env.raised == 1
+        assert st.s.db.env.raised == 1
         assert b"k" not in st.index(), "a spill cancelled before its transaction is committed"
     finally:
         gate.open()
@@ -426,32 +427,38 @@ def test_a_corrupt_read_of_a_record_without_a_header_still_removes_the_record(st
 
     st.read_damaged(b"k", bad_magic)
     assert st.answer(st.spill(b"n")).ok and st.flush()     # a later commit carries the removal
-    st.s._rw.acquire_shared()
+    st.s.db.rw.acquire_shared()
     try:
-        with st.s._env.begin(db=st.s._blocks) as txn:
+        with st.s.db.env.begin(db=st.s.db.blocks) as txn:
             assert txn.get(lmdb_key(b"k")) is None, "the headerless record is still in the index"
     finally:
-        st.s._rw.release_shared()
+        st.s.db.rw.release_shared()
 
 
 def test_a_tombstone_whose_transaction_aborts_keeps_the_cancellation_in_memory(stores):
-    """write_tombstone (any thread or process) shares _apply_tomb with the writer: deleting the entry
-    takes the token out of ``_cancelled``.  If that transaction's commit fails, the entry is still
-    there, so the in-memory cancellation must be too (``_undo``), or a later tomb op for the same
-    token would find it settled and keep nothing."""
+    """The writer's tomb op (``Tombs.apply``) deleting the entry takes the token out of ``cancelled``.
+    If that transaction's commit fails, the entry is still there, so the in-memory cancellation must
+    be too (``Tombs.undo``), or the retry of the same tomb op would find it settled and keep nothing."""
     st = stores()
     t = st.spill(b"k")
     assert st.answer(t).ok and st.flush()
-    with st.s._cancel_lock:
-        st.s._cancelled.add(t)               # what cancel() notes before its tomb op reaches the writer
-    real = st.s._env
-    st.s._env = EnvProxy(real)
-    st.s._env.fail_commit = True
+    seen: list[tuple[bool, bool]] = []
+    calls = {"n": 0}
+
+    def hook(point: str) -> None:     # at the start of each commit attempt, on the writer thread
+        calls["n"] += 1
+        if calls["n"] == 2:           # the retry, after the aborted attempt
+            seen.append((b"k" in st.index(), st.s.tombs.is_cancelled(t)))
+
+    real = st.s.db.env
+    st.s.db.env = EnvProxy(real)
+    st.s.db.env.fail_commit = True
+    st.s.fault_hook = hook
     try:
-        with pytest.raises(lmdb.MapFullError):
-            st.s.write_tombstone(t, b"k")
+        st.s.cancel(t, b"k")                 # the tomb op deletes the entry; its commit fails once
+        st.flush()
     finally:
-        st.s._env = real
-    assert b"k" in st.index()                # the delete was not committed ...
-    assert st.s._is_cancelled(t)             # ... and the cancellation it consumed is back
-    assert st.s.write_tombstone(t, b"k") is True and b"k" not in st.index()
+        st.s.fault_hook = None
+        st.s.db.env = real
+    assert seen == [(True, True)]            # the delete was not committed, and the cancellation is back
+    assert b"k" not in st.index()            # the retry removed it

@@ -1,4 +1,4 @@
-"""When queueing an op wakes the disk writer (``DiskStore._wake_writer``).
+"""When queueing an op wakes the disk writer (``Writer._wake_writer``, tiered_kv/disk/writer.py).
 
 The writer waits for a first op, then fills its batch until the batch is full,
 a flush comes, or ``batch_seconds`` pass.  A push wakes it only when that
@@ -12,7 +12,7 @@ changes what it does next:
    by a flush, which therefore never wait for the deadline;
 4. a recency touch wakes no one, not even a writer waiting for work: it
    leaves with the next op's batch, or the writer finds it on its idle
-   wake-up (``_IDLE_WAKE_S``).
+   wake-up (``IDLE_WAKE_S``).
 
 The deadline is set to minutes, so a missing wake-up shows as a test that does
 not finish (bounded waits of 30 s), not as a timing.  Ordering is observed
@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-import tiered_kv.disk as disk_mod
+import tiered_kv.disk.writer as disk_mod
 from disk_helpers import NS, ROW, content
 from tiered_kv.disk import DiskOptions, DiskStore, FlushDone
 from tiered_kv.movers import CompletionQueue
@@ -42,13 +42,13 @@ class Notifies:
 
     def __init__(self, store: DiskStore, monkeypatch: pytest.MonkeyPatch) -> None:
         self.count = 0
-        real = store._cond.notify
+        real = store.writer._cond.notify
 
         def notify(n: int = 1) -> None:
             self.count += 1
             real(n)
 
-        monkeypatch.setattr(store._cond, "notify", notify)
+        monkeypatch.setattr(store.writer._cond, "notify", notify)
 
 
 def open_store(path: Path, batch_blocks: int = 4, batch_bytes: int = 4 * ROW) -> DiskStore:
@@ -71,7 +71,7 @@ def store(tmp_path: Path) -> Any:
 def wait_until(pred: Any, what: str, store: DiskStore) -> None:
     deadline = time.monotonic() + 30
     while True:
-        with store._cond:
+        with store.writer._cond:
             if pred():
                 return
         assert time.monotonic() < deadline, what
@@ -80,7 +80,7 @@ def wait_until(pred: Any, what: str, store: DiskStore) -> None:
 
 def filling(store: DiskStore, n_ops: int) -> None:
     """Wait until the writer holds ``n_ops`` ops and sleeps on its batch deadline."""
-    wait_until(lambda: store._filling and store._fill[0] == n_ops and not store._ops,
+    wait_until(lambda: store.writer._filling and store.writer._fill[0] == n_ops and not store.writer._ops,
                f"the writer never held {n_ops} ops while filling", store)
 
 
@@ -100,7 +100,7 @@ def answers(store: DiskStore, n: int) -> list[Any]:
 
 
 def test_a_waiting_writer_is_woken_by_the_first_op(store, monkeypatch):
-    wait_until(lambda: not store._filling and not store._ops, "writer never idle", store)
+    wait_until(lambda: not store.writer._filling and not store.writer._ops, "writer never idle", store)
     n = Notifies(store, monkeypatch)
     spill(store, b"a")
     assert n.count == 1
@@ -114,8 +114,8 @@ def test_ops_that_leave_the_batch_short_do_not_wake_a_filling_writer(store, monk
     store.submit_touch(b"a")
     store.submit_delete(uuid.uuid4(), b"zz")  # 3 of 4: still short
     assert n.count == 0
-    with store._cond:
-        assert len(store._ops) == 2 and store._fill[0] == 1   # queued; the writer sleeps on
+    with store.writer._cond:
+        assert len(store.writer._ops) == 2 and store.writer._fill[0] == 1   # queued; the writer sleeps on
 
 
 def test_the_op_that_completes_a_batch_wakes_the_writer(store, monkeypatch):
@@ -171,15 +171,15 @@ def test_close_wakes_a_filling_writer_and_commits_what_it_held(tmp_path):
 
 
 def test_a_touch_does_not_wake_a_writer_waiting_for_work_the_next_op_takes_it_along(tmp_path, monkeypatch):
-    monkeypatch.setattr(disk_mod, "_IDLE_WAKE_S", LONG)   # no idle wake-up within the test
+    monkeypatch.setattr(disk_mod, "IDLE_WAKE_S", LONG)   # no idle wake-up within the test
     s = open_store(tmp_path / "d")
     try:
-        wait_until(lambda: not s._filling and not s._ops, "writer never idle", s)
+        wait_until(lambda: not s.writer._filling and not s.writer._ops, "writer never idle", s)
         n = Notifies(s, monkeypatch)
         s.submit_touch(b"a")
         assert n.count == 0
-        with s._cond:
-            assert len(s._ops) == 1 and not s._filling   # queued; the writer sleeps on
+        with s.writer._cond:
+            assert len(s.writer._ops) == 1 and not s.writer._filling   # queued; the writer sleeps on
         spill(s, b"b")
         assert n.count == 1
         filling(s, 2)                                    # the touch left with the spill's batch
@@ -188,10 +188,10 @@ def test_a_touch_does_not_wake_a_writer_waiting_for_work_the_next_op_takes_it_al
 
 
 def test_an_idle_writer_finds_a_queued_touch_on_its_idle_wake_up(tmp_path, monkeypatch):
-    monkeypatch.setattr(disk_mod, "_IDLE_WAKE_S", 0.01)
+    monkeypatch.setattr(disk_mod, "IDLE_WAKE_S", 0.01)
     s = open_store(tmp_path / "d")
     try:
-        wait_until(lambda: not s._filling and not s._ops, "writer never idle", s)
+        wait_until(lambda: not s.writer._filling and not s.writer._ops, "writer never idle", s)
         n = Notifies(s, monkeypatch)
         s.submit_touch(b"a")
         filling(s, 1)                                    # taken without being woken

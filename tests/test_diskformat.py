@@ -8,7 +8,7 @@ from typing import Optional
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiered_kv.diskformat import (HEADER_SIZE, CorruptEntry, EntryHeader, pack_header, pack_slot_entry,
+from tiered_kv.disk.format import (HEADER_SIZE, CorruptEntry, EntryHeader, pack_header, pack_slot_entry,
                                   parse_header, verify_entry)
 
 NS = b"ns|test"

@@ -10,8 +10,8 @@ import pytest
 from test_ops_common import (NS, ROW, Template, build_env, cli, content, keys, live_writer, load_bytes,
                              not_lmdb_dir, open_manager, raw, raw_all, raw_put, set_meta, snapshot, stored_keys,
                              token_of)
-from tiered_kv.archive import FRAME_OVERHEAD, _FILE_HDR, pack_frame, read_header
-from tiered_kv.diskformat import FORMAT_VERSION, HEADER_SIZE, lmdb_key
+from tiered_kv.tools.archive import FRAME_OVERHEAD, _FILE_HDR, pack_frame, read_header
+from tiered_kv.disk.format import FORMAT_VERSION, HEADER_SIZE, lmdb_key
 
 __all__ = ["live_writer"]
 
@@ -27,7 +27,7 @@ def tpl(tmp_path_factory):
 def archive(tpl, tmp_path_factory):
     """An export of the template (built once; tests copy it before damaging it)."""
     out = tmp_path_factory.mktemp("arch") / "a.tkv"
-    from tiered_kv.archive import export_archive
+    from tiered_kv.tools.archive import export_archive
     rep = export_archive(tpl.src, NS, out)
     assert rep.frames == N
     return out
@@ -332,7 +332,7 @@ def test_archive_header_records_what_import_checks(archive):
 def test_import_grows_a_full_map_and_still_commits_once(archive, tpl, tmp_path, monkeypatch):
     import contextlib
 
-    import tiered_kv.archive as A
+    import tiered_kv.tools.archive as A
     real = A.open_writable
 
     @contextlib.contextmanager
@@ -351,7 +351,7 @@ def test_import_grows_a_full_map_and_still_commits_once(archive, tpl, tmp_path, 
 
 
 def test_a_failed_write_pass_into_a_new_path_leaves_no_directory(archive, tmp_path, monkeypatch, capsys):
-    import tiered_kv.archive as A
+    import tiered_kv.tools.archive as A
 
     async def boom(*a, **kw):
         raise A.ArchiveError("the archive changed while it was imported; nothing was imported")
@@ -365,7 +365,7 @@ def test_a_failed_write_pass_into_a_new_path_leaves_no_directory(archive, tmp_pa
 
 def test_small_io_chunks_stream_the_same_archive(tpl, archive, tmp_path, monkeypatch):
     """Many overlapping aiofiles writes (export) and reads split inside frames (import) give the same result."""
-    import tiered_kv.archive as A
+    import tiered_kv.tools.archive as A
     monkeypatch.setattr(A, "WRITE_CHUNK", 5000)      # a write in flight while the next frames are packed
     monkeypatch.setattr(A, "CHUNK", 777)             # read-ahead chunks that split headers and values
     out = tmp_path / "small.tkv"

@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry
 
 from tiered_kv import TieredKVConfig, TierManager
 from tiered_kv.tools.cli import main
-from tiered_kv.diskformat import SLOTS_NAME, CorruptEntry, inline_value, lmdb_key, parse_header, slot_bytes_for
+from tiered_kv.disk.format import SLOTS_NAME, CorruptEntry, inline_value, lmdb_key, parse_header, slot_bytes_for
 
 ROW = 4096
 NS = "ops-test|u8|tp0"

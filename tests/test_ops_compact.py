@@ -11,8 +11,8 @@ import pytest
 
 from test_ops_common import (Template, cli, content, garbage_lmdb_dir, keys, load_bytes, not_lmdb_dir, open_manager,
                              raw_all, raw_put, set_meta, snapshot, LmdbReader)
-from tiered_kv.diskformat import lmdb_key
-from tiered_kv.ops import COMPACT_TMP_PREFIX
+from tiered_kv.disk.format import lmdb_key
+from tiered_kv.tools.ops import COMPACT_TMP_PREFIX
 
 N = 48
 
@@ -175,7 +175,7 @@ def test_an_lmdb_opener_waiting_through_the_swap_sees_the_new_file(tpl, tmp_path
     import sys
     import time
 
-    import tiered_kv.ops as ops
+    import tiered_kv.tools.ops as ops
 
     path = tpl.copy(tmp_path / "disk")
     left = _thin(path, tpl.keys)

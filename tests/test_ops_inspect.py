@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from tiered_kv.diskformat import FORMAT_VERSION, SLOTS_NAME
+from tiered_kv.disk.format import FORMAT_VERSION, SLOTS_NAME
 
 from test_ops_common import (NS, ROW, Template, cli, cli_subprocess, garbage_lmdb_dir, keys, live_writer,
                              not_lmdb_dir, open_manager, plain_lmdb_dir, raw_put, set_meta, snapshot, token_of)

@@ -14,7 +14,7 @@ import pytest
 
 from test_ops_common import (NS, PYTHON, REPO, ROW, build_env, cli, content, keys, load_bytes, open_manager, raw,
                              raw_put, token_of)
-from tiered_kv.diskformat import SLOTS_NAME, lmdb_key
+from tiered_kv.disk.format import SLOTS_NAME, lmdb_key
 
 BIG_ROW = 64 << 10      # a 64 KiB block (a realistic KV block size is far larger)
 
@@ -112,8 +112,8 @@ def test_import_refused_by_a_tiermanager_started_meanwhile_leaves_its_files_alon
     directory; when a TierManager took the path in between, hold_path refuses (exit 3, correct),
     but the cleanup (created/made) runs for that refusal too and deletes the live TierManager's
     directory (or its data.mdb, lock.mdb and tiered_kv.lock).  A refused command changes nothing."""
-    import tiered_kv.archive as archive_mod
-    from tiered_kv.archive import export_archive
+    import tiered_kv.tools.archive as archive_mod
+    from tiered_kv.tools.archive import export_archive
     src = build_env(tmp_path / "src", keys(2))
     export_archive(src, NS, tmp_path / "a.tkv")
     path = tmp_path / "new" / "disk"
@@ -177,7 +177,7 @@ def test_read_only_verify_beside_a_live_tiermanager_does_not_report_reused_slots
     stop the TierManager and --repair.  The DiskStore's own reader re-reads the index before
     blaming the bytes ("superseded"); verify (and export, which then counts 'skipped corrupt')
     must do the same."""
-    from tiered_kv.ops import verify
+    from tiered_kv.tools.ops import verify
     path = tmp_path / "disk"
     proc = _child(LIVE, str(path), NS, str(ROW), ready="ready")
     try:
@@ -228,7 +228,7 @@ mgr.close()
 
 KILLED_VERIFY = r"""
 import sys
-from tiered_kv.ops import verify
+from tiered_kv.tools.ops import verify
 def progress(done, total):           # inside verify's read transaction: wait here to be killed
     print("in txn", flush=True)
     sys.stdin.readline()

@@ -9,7 +9,7 @@ import pytest
 
 from test_ops_common import (NS, ROW, Template, cli, content, garbage_lmdb_dir, keys, live_writer, load_bytes,
                              not_lmdb_dir, open_manager, raw, raw_all, raw_put, set_meta, snapshot, token_of)
-from tiered_kv.diskformat import HEADER_SIZE, SLOTS_NAME, lmdb_key, parse_header, slot_bytes_for
+from tiered_kv.disk.format import HEADER_SIZE, SLOTS_NAME, lmdb_key, parse_header, slot_bytes_for
 
 __all__ = ["live_writer"]
 
@@ -132,7 +132,7 @@ def test_verify_bad_input(kind, repair, tpl, tmp_path, capsys):
 
 
 def test_verify_counts_entries_of_another_namespace_as_corrupt(tpl, tmp_path, capsys):
-    from tiered_kv.diskformat import pack_header
+    from tiered_kv.disk.format import pack_header
     import uuid
     path = tpl.copy(tmp_path / "disk")
     payload = content(b"x")

@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry
 from disk_helpers import WriterGate, flip, payload_offset, raw_blocks, rewrite_value
 from fakes import sm_settings
 from tiered_kv import TieredKVConfig
-from tiered_kv.diskformat import lmdb_key
+from tiered_kv.disk.format import lmdb_key
 from tiered_kv.errors import ConfigError, InvalidKeyError
 from tiered_kv.integrations.copier import SlabCopier
 from tiered_kv.integrations.scheduler import Lookup, SlabScheduler

@@ -88,7 +88,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from tiered_kv import TieredKVConfig, TierManager
-from tiered_kv.diskformat import SLOTS_NAME
+from tiered_kv.disk.format import SLOTS_NAME
 from tiered_kv.errors import BlockBusyError
 from tiered_kv.metrics import sample_total
 

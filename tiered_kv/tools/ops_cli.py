@@ -1,6 +1,6 @@
 """Operator commands for a disk tier (inspect, verify, compact, export, import).
 
-The work is done by :mod:`tiered_kv.ops` and :mod:`tiered_kv.archive`; this
+The work is done by :mod:`tiered_kv.tools.ops` and :mod:`tiered_kv.tools.archive`; this
 module parses arguments, prints, and turns refusals into exit statuses:
 
     0  done, nothing wrong

@@ -1,8 +1,8 @@
 """Operator tools for a disk tier directory: inspect, verify/repair, compact.
 
-These functions never print (``cli_ops.py`` does); they return plain data and
+These functions never print (``ops_cli.py`` does); they return plain data and
 raise :class:`OpsError` (with the process exit status to use) on bad input or
-when the path is in use.  Export/import live in :mod:`tiered_kv.archive`.
+when the path is in use.  Export/import live in :mod:`tiered_kv.tools.archive`.
 
 Safety rules (docs/operations.md):
 
@@ -21,6 +21,9 @@ Safety rules (docs/operations.md):
 * Nothing is opened (so no ``lock.mdb`` is created) until ``data.mdb`` carries
   LMDB's meta-page magic, and nothing is mapped beyond the end of a truncated
   ``data.mdb`` (that would be SIGBUS).
+
+Longer than most modules here: inspect, verify and compact share the holder checks and the
+read-only/writable opening above, and each is one screenful of its own.
 """
 
 from __future__ import annotations
@@ -42,9 +45,11 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 import lmdb
 
-from .disk import LOCK_NAME, MAX_DBS, MIN_MAP, SUBDBS
-from .diskformat import (FORMAT_VERSION, HEADER_SIZE, HEADER_STRUCT, SLOTS_NAME, CorruptEntry, SlotReader, lmdb_key,
-                         parse_header, verify_entry)
+from ..disk import lock
+from ..disk.env import MAX_DBS, MIN_MAP, MIN_READERS, SUBDBS, map_in_use
+from ..disk.format import (FORMAT_VERSION, HEADER_SIZE, HEADER_STRUCT, SLOTS_NAME, CorruptEntry, SlotReader, lmdb_key,
+                           parse_header, verify_entry)
+from ..disk.lock import LOCK_NAME
 
 __all__ = [
     "OpsError", "PathInUseError", "EXIT_OK", "EXIT_PROBLEMS", "EXIT_BAD_INPUT", "EXIT_IN_USE",
@@ -60,7 +65,7 @@ EXIT_PROBLEMS = 1    # verify found corrupt or orphaned entries (and was not ask
 EXIT_BAD_INPUT = 2   # missing path, not a disk tier, wrong format/namespace/block size, bad archive...
 EXIT_IN_USE = 3      # a TierManager (or another writing command) holds the path
 
-MAX_READERS = 126            # what DiskStore uses with its default 2 reader threads
+MAX_READERS = MIN_READERS    # what DiskStore uses with its default 2 reader threads
 LMDB_MAGIC = 0xBEEFC0DE      # mm_magic of an LMDB meta page: after the 16-byte page header
 LMDB_DATA_VERSION = 1
 COMPACT_TMP_PREFIX = ".compact-tmp-"
@@ -141,16 +146,9 @@ def env_users(path: PathLike) -> list[int]:
     return _proc_locks(lock, "POSIX")
 
 
-def _pid_in_file(fd: int) -> str:
-    try:
-        return os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 @contextlib.contextmanager
 def hold_path(path: PathLike) -> Iterator[None]:
-    """Take ``DIR/tiered_kv.lock`` exactly like DiskStore (flock LOCK_EX|LOCK_NB), hold it, release it.
+    """Take ``DIR/tiered_kv.lock`` exactly like DiskStore (:mod:`tiered_kv.disk.lock`), hold it, release it.
 
     Raises :class:`PathInUseError` naming the holder's pid when a TierManager
     (or another writing command) holds it.  Our pid is written into the file
@@ -158,29 +156,22 @@ def hold_path(path: PathLike) -> Iterator[None]:
     """
     p = Path(path)
     try:
-        fd = os.open(p / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = lock.take(p)
+    except lock.LockHeld as held:
+        who = "this process" if held.holder == str(os.getpid()) else f"pid {held.holder}"
+        raise PathInUseError(f"{str(p)!r} is in use by a TierManager or another tiered-kv command ({who} holds "
+                             f"{LOCK_NAME}); stop it first, nothing was changed", held.holder) from None
     except OSError as exc:
         raise OpsError(f"{str(p)!r}: cannot open the lock file {LOCK_NAME}: {exc.strerror}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = _pid_in_file(fd)
-        os.close(fd)
-        who = "this process" if holder == str(os.getpid()) else f"pid {holder}"
-        raise PathInUseError(f"{str(p)!r} is in use by a TierManager or another tiered-kv command ({who} holds "
-                             f"{LOCK_NAME}); stop it first, nothing was changed", holder) from None
     real = os.path.realpath(p)
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
         with _held_lock:
             _held.add(real)
         yield
     finally:
         with _held_lock:
             _held.discard(real)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+        lock.release(fd)
 
 
 # ============================================================================ opening
@@ -294,8 +285,7 @@ def _open_dbs(env: Any, path: Path, create: bool) -> dict[str, Any]:
 
 
 def _check_not_truncated(env: Any, path: Path) -> None:
-    info, est = env.info(), env.stat()
-    need = (info["last_pgno"] + 1) * est["psize"]
+    need = map_in_use(env)
     size = (path / "data.mdb").stat().st_size
     if size < need:
         raise OpsError(f"{str(path)!r}: data.mdb is truncated ({size} bytes < {need} in use); "

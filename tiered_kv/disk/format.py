@@ -36,7 +36,7 @@ from typing import NamedTuple, Optional, Union
 
 import xxhash
 
-from .jobs import uuid_from_int
+from ..jobs import uuid_from_int
 
 __all__ = ["FORMAT_VERSION", "HEADER_SIZE", "HEADER_STRUCT", "EntryHeader", "pack_header", "pack_slot_entry",
            "parse_header", "verify_entry", "lmdb_key", "CorruptEntry", "FLAG_SLOT", "SLOTS_NAME", "slot_bytes_for",

@@ -36,12 +36,15 @@ asynchronous writes; import reads frames with asynchronous read-ahead.
 
 Import is all or nothing: a first pass verifies the whole archive (header,
 every frame's checksum and the entry inside it with
-:func:`~tiered_kv.diskformat.verify_entry`, frame order, trailer) without
+:func:`~tiered_kv.disk.format.verify_entry`, frame order, trailer) without
 touching PATH; only then is the TierManager lock taken and every entry written
 in one LMDB write transaction, verifying each frame again as it is written (the
 file may have changed since), and committed only after the trailer checked out.
 A bad frame therefore publishes nothing, and the error names its index and
 byte offset.
+
+Longer than most modules here: the format (pack/parse), the streaming reader and the two
+directions share one layout, kept in one place so that they cannot drift apart.
 """
 
 from __future__ import annotations
@@ -62,10 +65,11 @@ import aiofiles
 import lmdb
 import xxhash
 
-from .disk import init_meta
-from .diskformat import (FORMAT_VERSION, HEADER_SIZE, CorruptEntry, SlotReader, inline_value, lmdb_key, pack_header,
-                         verify_entry)
-from .ops import (LOCK_NAME, OpenEnv, OpsError, PathLike, fsync_path, check_env_dir, check_meta, grow_map,
+from ..disk.env import init_meta
+from ..disk.format import (FORMAT_VERSION, HEADER_SIZE, CorruptEntry, SlotReader, inline_value, lmdb_key, pack_header,
+                           verify_entry)
+from ..disk.lock import LOCK_NAME
+from .ops import (OpenEnv, OpsError, PathLike, fsync_path, check_env_dir, check_meta, grow_map,
                   hold_path, open_readonly, open_writable, record_changed, stored_payload)
 
 __all__ = ["ARCHIVE_MAGIC", "ARCHIVE_VERSION", "ArchiveError", "ArchiveHeader", "ExportReport", "ImportReport",
@@ -374,7 +378,7 @@ async def export_async(path: PathLike, namespace: str, out: PathLike,
             raise OpsError(f"{str(oe.path)!r} holds namespace {ns.decode(errors='replace')!r}, not {namespace!r}")
         rep = ExportReport(str(oe.path), str(outp), namespace, bb)
         tmp = outp.with_name(f"{outp.name}.partial-{os.getpid()}")
-        from . import __version__
+        from .. import __version__
         info = {"tiered_kv": __version__, "source_path": str(oe.path.resolve()), "host": socket.gethostname()}
         try:
             async with aiofiles.open(tmp, "xb") as f:

@@ -1,0 +1,60 @@
+"""The path lock: one exclusive ``flock`` on ``DIR/tiered_kv.lock`` per disk tier directory.
+
+Owns taking it (never waiting), writing the holder's pid into it, and releasing it.  Invariants:
+a :class:`~tiered_kv.disk.DiskStore` and every writing operator tool take this same lock, so at
+most one of them writes a directory at a time; the holder's pid is in the file while it holds it,
+so that whoever is refused can name the holder.  Read-only tools never touch it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+from typing import Union
+
+__all__ = ["LOCK_NAME", "LockHeld", "take", "release", "holder_pid"]
+
+LOCK_NAME = "tiered_kv.lock"
+
+
+class LockHeld(Exception):
+    """Another process (or another holder in this one) has the lock; ``holder`` is its pid as written."""
+
+    def __init__(self, holder: str) -> None:
+        super().__init__(f"held by pid {holder}")
+        self.holder = holder
+
+
+def holder_pid(fd: int) -> str:
+    """The pid written into an open lock file ("unknown" if none can be read)."""
+    try:
+        return os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def take(directory: Union[str, "os.PathLike[str]"]) -> int:
+    """Take the lock of ``directory`` and write our pid into it; returns the fd to :func:`release`.
+
+    Raises :class:`OSError` when the lock file cannot be opened, :class:`LockHeld` when it is held.
+    """
+    fd = os.open(Path(directory) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = holder_pid(fd)
+        os.close(fd)
+        raise LockHeld(holder) from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+    except BaseException:
+        release(fd)
+        raise
+    return fd
+
+
+def release(fd: int) -> None:
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)

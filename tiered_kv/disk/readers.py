@@ -1,0 +1,321 @@
+"""The disk reader threads: promotes, read in file order and verified before they are answered.
+
+Owns the read queue, the reads held by :meth:`Readers.hold` until :meth:`Readers.start`, and the
+reader threads.  A reader takes the reads queued behind the first (up to ``read_batch_bytes``),
+looks them up in one read transaction and reads them in file order, runs of neighbouring slots by
+one ``preadv`` straight into the host slots: the kernel's readahead then sees a stream.
+Invariants:
+
+* each read is answered exactly once (also when the read path raises);
+* a read that finds its entry corrupt, or fails with an I/O error, also queues the entry's removal
+  with the writer (re-verified, resp. token-matched, there): the owner only forgets the key;
+* a reader that finds a slot's bytes changed under it (the entry was dropped and the slot reused
+  meanwhile) reports a miss, not corruption: it re-reads the index before blaming the bytes;
+* every read transaction runs under the environment's ``rw`` lock, shared (see env.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from typing import Any, Callable, Iterator, Union
+
+import lmdb
+
+from ..jobs import JobKind
+from ..movers import CompletionQueue, Report
+from .env import DiskEnv
+from .format import CorruptEntry, EntryHeader, lmdb_key, parse_header, verify_entry
+from .records import CORRUPT, READ_FAILED, Delete, DiskOptions, Promote, error_kind
+from .slots import SlotFile
+
+__all__ = ["Readers", "READ_BATCH_MAX"]
+
+log = logging.getLogger(__name__)
+
+READ_BATCH_MAX = 256   # reads a reader takes at once, at most: small blocks' lookups all come before the first read
+IOV_MAX_SLOTS = 1024 // 2   # slots per preadv, at most: IOV_MAX is 1024 and each slot after the first takes a pad too
+
+_Queued = Union[Promote, "list[Promote]", None]
+
+
+class Readers:
+    def __init__(self, opts: DiskOptions, out: CompletionQueue, db: DiskEnv, slots: SlotFile,
+                 push: Callable[[Any], None], on_error: Callable[[str, str], None],
+                 on_corrupt: Callable[[str], None]) -> None:
+        self.opts = opts
+        self._out = out
+        self._db = db
+        self._slots = slots
+        self._push = push
+        self._on_error = on_error
+        self._on_corrupt = on_corrupt
+        self._ns = opts.namespace.encode()
+        self._reads: "queue.SimpleQueue[_Queued]" = queue.SimpleQueue()
+        self._held_reads: list[Promote] = []   # hold(): handed to the readers by start()
+        self._threads = [threading.Thread(target=self._reader_main, name="tiered-kv-disk-reader", daemon=True)
+                         for _ in range(opts.num_readers)]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------ owner side
+    def submit(self, op: Promote) -> None:
+        """Queue a read now (wakes a reader if one waits)."""
+        self._reads.put(op)
+
+    def hold(self, op: Promote) -> None:
+        """Hold a read in the caller's thread until :meth:`start` (a list append: no lock, no wake-up)."""
+        self._held_reads.append(op)
+
+    def start(self) -> None:
+        """Hand the held reads to the readers, in batches of what one reader takes at once: one queue
+        item (at most one wake-up) per batch, and the reader that takes it sees the whole batch, so it
+        reads in file order from the start."""
+        held = self._held_reads
+        if not held:
+            return
+        self._held_reads = []
+        limit = self._read_limit()
+        for i in range(0, len(held), limit):
+            self._reads.put(held[i:i + limit])
+
+    def stop(self) -> None:
+        """The readers finish the reads queued before their stop sentinel (held ones included), then end."""
+        self.start()
+        for _ in self._threads:
+            self._reads.put(None)
+
+    def join(self) -> None:
+        for t in self._threads:
+            t.join()
+
+    def _read_limit(self) -> int:
+        return max(1, min(READ_BATCH_MAX, self.opts.read_batch_bytes // self.opts.block_bytes))
+
+    # ------------------------------------------------------------ reader threads
+    def _reader_main(self) -> None:
+        while True:
+            item = self._reads.get()
+            if item is None:
+                return
+            ops, stop = self._take_queued(item)
+            first = ops[0]
+            answered: set[uuid.UUID] = set()
+            try:
+                # a lone read skips the batch machinery: less time per read, same outcomes (ab_lone_read.py)
+                for op, r in (self._read_many(ops) if len(ops) > 1 else [(first, self._read(first))]):
+                    self._answer(op, r)
+                    answered.add(op.token)
+            except BaseException as exc:
+                # a bug or an interrupt inside the read path: every read taken is still answered
+                # once (failed, its entry removed like any unreadable one), and the reader goes on
+                self._on_error("reader_error", repr(exc))
+                for op in ops:
+                    if op.token not in answered:
+                        self._answer(op, Report(op.token, JobKind.PROMOTE, False, f"{READ_FAILED} ({exc!r})",
+                                                copied=False))
+                if not isinstance(exc, Exception):
+                    raise
+            if stop:   # this reader's stop sentinel came up behind the reads it took
+                return
+
+    def _answer(self, op: Promote, r: Report) -> None:
+        if not r.ok and r.error is not None:
+            # a bad entry stays out of the owner's index from now on: remove it here, where the
+            # reason is known, so that it holds no slot outside the capacity count
+            # token-matched (never a newer write of the key), and never re-read by the writer: the
+            # owner has forgotten the entry, so one kept because a second read found it good would
+            # hold a slot outside the capacity count, and a record whose length field is damaged
+            # would fail every later batch when the writer tried to read that many bytes
+            if r.error.startswith(CORRUPT):
+                self._push(Delete(op.expect, op.key, unparseable_too=True))
+            elif r.error.startswith(READ_FAILED):
+                self._push(Delete(op.expect, op.key))      # only if still the write that was read
+        self._out.put(r)
+
+    def _take_queued(self, first: Union[Promote, list[Promote]]) -> tuple[list[Promote], bool]:
+        """``first`` (a read, or a batch from :meth:`start`) and the reads queued behind it, up to
+        ``read_batch_bytes`` and ``READ_BATCH_MAX`` reads, a queued batch taken whole; True if a stop
+        sentinel came."""
+        ops = list(first) if isinstance(first, list) else [first]
+        limit = self._read_limit()
+        while len(ops) < limit:
+            try:
+                nxt = self._reads.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is None:
+                return ops, True
+            if isinstance(nxt, list):
+                ops += nxt
+            else:
+                ops.append(nxt)
+        return ops, False
+    def _read_many(self, ops: list[Promote]) -> Iterator[tuple[Promote, Report]]:
+        """The reads of a batch: index records in one read transaction, slots in file order, runs of
+        neighbouring slots in one ``preadv``; reports in file order, each run's as soon as it is verified.
+
+        Why: a slot nobody read lately comes from the device, and slots are
+        allocated in the writer's order, not the engine's.  In queue order the
+        reads are a shuffle of block-sized synchronous requests; in file order
+        on one descriptor the kernel's readahead sees a stream and keeps large
+        requests in flight ahead of the reader.  One transaction and one read
+        per run also take the GIL fewer times per block.  An LMDB error in the
+        lookups, or an I/O error reading several slots at once, sends the reads
+        concerned through :meth:`_read` one by one, which reports each its own
+        way; a lone slot's I/O error is its read's answer.
+        """
+        n = self.opts.block_bytes
+        sb = self._slots.slot_bytes
+        fd = self._slots.fd
+        # a run's reports get the reader's time since the report before (the first: since the batch began,
+        # its lookups included); an inline entry's, the time of its own lookup and copy
+        t_last = time.perf_counter()
+        todo: list[tuple[int, Promote, bytes, EntryHeader]] = []   # (slot, op, index record, header)
+        env = self._db.env
+        if env is None:
+            for op in ops:
+                yield op, self._read(op)
+            return
+        done: list[tuple[Promote, Report]] = []
+        try:
+            self._db.rw.acquire_shared()
+            try:
+                with env.begin(db=self._db.blocks, buffers=True) as txn:
+                    for op in ops:
+                        found = self._lookup(txn, op, time.perf_counter())
+                        if isinstance(found, Report):
+                            done.append((op, found))
+                        else:
+                            todo.append((found[1].slot, op, found[0], found[1]))
+            finally:
+                self._db.rw.release_shared()
+        except lmdb.Error:
+            for op in ops:
+                yield op, self._read(op)
+            return
+        yield from done
+        todo.sort(key=lambda x: x[0])
+        pad = memoryview(bytearray(sb - n)) if sb > n else None
+        most = max(1, min(IOV_MAX_SLOTS, self.opts.read_run_bytes // sb))
+        # The batch's first run is short (one slot by default).  The kernel serves a first request at a
+        # new offset as a standalone read (what was asked, no readahead); only the request after it,
+        # found sequential, opens the readahead window.  A short first read returns soonest and gets
+        # that second request out sooner (cold promotes got faster).  The price, once per batch: when
+        # the first stretch of neighbouring slots is short, that window reads past it.
+        first = min(most, self.opts.read_first_run_slots) or most
+        runs: list[list[tuple[int, Promote, bytes, EntryHeader]]] = []
+        for x in todo:
+            last = runs[-1] if runs else None
+            if (last is not None and len(last) < (first if len(runs) == 1 else most) and x[0] == last[-1][0] + 1
+                    and x[3].length == n and last[0][3].length == n):
+                last.append(x)
+            else:
+                runs.append([x])
+        for run in runs:
+            if run[0][3].length != n:   # a record that says another length: corrupt without reading
+                got = 0
+            else:
+                iov: list[memoryview] = []
+                for k, (_, op, _, _) in enumerate(run):
+                    if k and pad is not None:
+                        iov.append(pad)
+                    iov.append(op.dst)
+                try:
+                    got = os.preadv(fd, iov, run[0][0] * sb)   # straight into the host slots, no GIL
+                except OSError as exc:
+                    if len(run) == 1:   # that was the read: it failed
+                        yield run[0][1], self._read_failed(run[0][1], exc)
+                    else:               # find which slots fail: each on its own
+                        for _, op, _, _ in run:
+                            yield op, self._read(op)
+                    t_last = time.perf_counter()
+                    continue
+            # the run's reports leave together: the owner wakes once per run, not once per block
+            answers = []
+            for k, (_, op, value, h) in enumerate(run):
+                answers.append((op, self._verify(op, value, max(0, min(n, got - k * sb)), t_last, h)))
+                t_last = time.perf_counter()
+            yield from answers
+
+    def _lookup(self, txn: Any, op: Promote, t0: float) -> Union[Report, tuple[bytes, EntryHeader]]:
+        """Inside a read transaction: the read's answer (a Report), or its index record and header to read."""
+        n = self.opts.block_bytes
+        v = txn.get(lmdb_key(op.key))
+        if v is None:
+            return Report(op.token, JobKind.PROMOTE, False, "miss: absent", copied=False)
+        try:
+            h = parse_header(v)
+            if not h.in_slot:   # an inline entry (imported): verify and copy under the txn
+                h = verify_entry(v, self._ns, op.key, n)
+                if h.token != op.expect:
+                    return Report(op.token, JobKind.PROMOTE, False, "miss: superseded on disk", copied=False)
+                op.dst[:] = v[h.payload_offset:h.payload_offset + n]
+                return Report(op.token, JobKind.PROMOTE, True, None, n, time.perf_counter() - t0)
+        except CorruptEntry as exc:
+            self._on_corrupt(exc.reason)
+            return Report(op.token, JobKind.PROMOTE, False, f"{CORRUPT} ({exc})", copied=False)
+        if h.token != op.expect:
+            return Report(op.token, JobKind.PROMOTE, False, "miss: superseded on disk", copied=False)
+        return bytes(v), h   # the index record (small); the payload is read outside the txn
+
+    def _verify(self, op: Promote, value: bytes, got: int, t0: float, h: EntryHeader) -> Report:
+        """The answer for a slot read of ``got`` bytes into ``op.dst``, checked against its index record
+        (``h``: the record's header, parsed by the lookup)."""
+        n = self.opts.block_bytes
+        try:
+            verify_entry(value, self._ns, op.key, n, op.dst if got == n else op.dst[:got], h)
+        except CorruptEntry as exc:
+            try:
+                changed = self._index_changed(lmdb_key(op.key), value)
+            except lmdb.Error as lexc:
+                return self._read_failed(op, lexc)
+            if changed:
+                # dropped and its slot reused while we read: the bytes are someone else's, not damaged
+                return Report(op.token, JobKind.PROMOTE, False, "miss: superseded on disk", copied=False)
+            self._on_corrupt(exc.reason)
+            return Report(op.token, JobKind.PROMOTE, False, f"{CORRUPT} ({exc})", copied=False)
+        return Report(op.token, JobKind.PROMOTE, True, None, n, time.perf_counter() - t0)
+
+    def _read(self, op: Promote) -> Report:
+        """One read on its own (a lone read, or where a batch gives up): look up, ``preadv``, verify."""
+        env = self._db.env
+        t0 = time.perf_counter()
+        n = self.opts.block_bytes
+        if env is None:
+            return Report(op.token, JobKind.PROMOTE, False, "miss: disk tier closed", copied=False)
+        try:
+            self._db.rw.acquire_shared()
+            try:
+                with env.begin(db=self._db.blocks, buffers=True) as txn:
+                    found = self._lookup(txn, op, t0)
+            finally:
+                self._db.rw.release_shared()
+            if isinstance(found, Report):
+                return found
+            value, h = found
+            # preadv straight into the host slot, without the GIL
+            got = os.preadv(self._slots.fd, [op.dst], h.slot * self._slots.slot_bytes) if h.length == n else 0
+        except (lmdb.Error, OSError) as exc:
+            return self._read_failed(op, exc)
+        return self._verify(op, value, got, t0, h)
+
+    def _read_failed(self, op: Promote, exc: BaseException) -> Report:
+        """An LMDB or I/O error reading ``op``: counted and logged (once per kind), a miss."""
+        self._on_error(error_kind(exc), repr(exc))
+        return Report(op.token, JobKind.PROMOTE, False, f"{READ_FAILED} ({exc})", copied=False)
+
+    def _index_changed(self, lk: bytes, value: bytes) -> bool:
+        env = self._db.env
+        assert env is not None
+        self._db.rw.acquire_shared()
+        try:
+            with env.begin(db=self._db.blocks, buffers=True) as txn:
+                now = txn.get(lk)
+                return now is None or bytes(now) != value
+        finally:
+            self._db.rw.release_shared()

@@ -1,0 +1,127 @@
+"""What crosses between the owner and the disk tier's threads: options, queued ops, answers.
+
+Owns the plain records only (no I/O, no locks).  Invariants: an op is created on the owner's
+thread and answered exactly once, by a :class:`~tiered_kv.movers.Report` (spills, promotes) or a
+:class:`FlushDone`; a spill report whose error is :data:`SPILL_PREVENTED` was stopped by a tomb,
+not by a fault.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import lmdb
+
+__all__ = ["DiskOptions", "FlushDone", "StoredEntry", "SPILL_PREVENTED", "writable_view", "error_kind"]
+
+SPILL_PREVENTED = "cancelled before publish"   # a spill report's error: stopped by a tomb, not a fault
+CORRUPT, READ_FAILED = "miss: corrupt", "miss: read failed"   # promote report errors the reader acts on
+
+
+@dataclass(frozen=True)
+class DiskOptions:
+    path: Path
+    namespace: str
+    block_bytes: int
+    capacity_bytes: int
+    durability: str = "batch"
+    map_size_bytes: int = 0
+    queue_blocks: int = 256
+    batch_blocks: int = 64
+    batch_bytes: int = 64 << 20
+    batch_seconds: float = 0.005
+    num_readers: int = 2
+    slots: int = 0             # slots in the data file (0: capacity_bytes // block_bytes)
+    hash_offload_bytes: int = 1 << 20  # a batch with this many payload bytes is checksummed on a helper thread
+    read_batch_bytes: int = 64 << 20   # a reader takes queued reads up to this many bytes (256 reads), in file order
+    read_run_bytes: int = 4 << 20      # neighbouring slots read by one preadv, at most
+    read_first_run_slots: int = 1      # a batch's first run, in slots (0: as long as any run); see readers.py
+
+    def target_slots(self) -> int:
+        """Slots the data file may grow to (at least one)."""
+        return max(1, self.slots or self.capacity_bytes // self.block_bytes)
+
+
+@dataclass(frozen=True)
+class FlushDone:
+    token: uuid.UUID
+    ok: bool
+    error: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class StoredEntry:
+    key: bytes
+    token: uuid.UUID
+    length: int
+    seq: int
+
+
+def writable_view(t: Any) -> memoryview:
+    """A writable byte memoryview over a contiguous CPU tensor's storage (no numpy needed)."""
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+# ---- ops queued to the writer (spill, tomb, delete, touch, flush) and the readers (promote)
+@dataclass
+class Spill:
+    token: uuid.UUID
+    key: bytes
+    src: memoryview
+    nbytes: int
+    slot: int = -1         # the data-file slot holding the payload (writer thread)
+    seq: int = 0           # the entry's sequence number (writer thread)
+    entry: bytes = b""     # the index record to publish
+
+
+@dataclass
+class Tomb:
+    token: uuid.UUID
+    key: bytes
+
+
+@dataclass
+class Delete:
+    token: uuid.UUID
+    key: bytes
+    unparseable_too: bool = False   # a reader's removal of a corrupt read: a record with no header is dropped
+
+
+@dataclass
+class Touch:
+    key: bytes
+
+
+@dataclass
+class Flush:
+    token: uuid.UUID
+    failures_before: int = 0
+
+
+@dataclass
+class Promote:
+    token: uuid.UUID
+    key: bytes
+    expect: uuid.UUID
+    dst: memoryview
+
+
+def error_kind(exc: BaseException) -> str:
+    """The metric label of an LMDB or I/O error."""
+    if isinstance(exc, lmdb.MapFullError):
+        return "map_full"
+    err = getattr(exc, "errno", None)
+    text = str(exc)
+    if err == errno.ENOSPC or "No space left" in text:
+        return "disk_full"
+    if err in (errno.EROFS, errno.EACCES, errno.EPERM) or "Read-only" in text or "Permission denied" in text:
+        return "read_only"
+    if err == errno.EIO or "Input/output" in text:
+        return "io_error"
+    return "lmdb_error"

@@ -1,0 +1,134 @@
+"""Recovery on open: what a disk tier holds once a crash (or a clean close) is behind it.
+
+Owns :func:`recover` and its :class:`RecoveryReport`.  Runs once, before the writer and readers
+start.  Invariants on return:
+
+* every entry written under a tombstoned token is purged, and every tomb is dropped (no write
+  guarded by one can arrive any more: this process queued none yet);
+* entries of another namespace or block length, unparsable records, records whose slot lies past
+  the slot file's end, and the older of two records on one slot are removed;
+* every slot no remaining entry references is free; recency is the newer of an entry's write
+  sequence and its touch record;
+* the report is stored in ``meta`` (``last_recovery``) and the transaction synced (unless
+  durability is "none").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .env import DiskEnv
+from .format import CorruptEntry, lmdb_key, parse_header
+from .records import StoredEntry
+from .slots import SlotFile
+
+__all__ = ["RecoveryReport", "recover", "U64"]
+
+log = logging.getLogger(__name__)
+
+U64 = struct.Struct("<Q")   # a touch record: the entry's newest sequence number
+
+
+@dataclass
+class RecoveryReport:
+    seconds: float = 0.0
+    entries: int = 0
+    purged: int = 0            # entries written under a tombstoned token
+    corrupt: int = 0           # unparsable headers, slots past the file's end, a slot claimed twice (removed)
+    foreign: int = 0           # entries of another namespace/length (removed)
+    slots_free: int = 0        # free slots of the data file after recovery
+    tombs_dropped: int = 0     # tombstones garbage-collected
+    at: float = field(default_factory=time.time)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def recover(db: DiskEnv, slots: SlotFile, ns: bytes, block_bytes: int) -> tuple[list[StoredEntry], int, RecoveryReport]:
+    """Purge writes under tombstoned tokens, drop dead tombs, index what remains.
+
+    Returns the entries (oldest first), the highest sequence number seen, and the report.
+    """
+    t0 = time.perf_counter()
+    rep = RecoveryReport()
+    env = db.env
+    assert env is not None
+    seq = 0
+    entries: dict[bytes, StoredEntry] = {}
+    owner: dict[int, tuple[bytes, int]] = {}  # slot -> (LMDB key, seq) of the entry using it
+    file_bytes = os.fstat(slots.fd).st_size
+    sb = slots.slot_bytes
+    with env.begin(write=True, buffers=True) as txn:
+        tombs = {bytes(k): bytes(v) for k, v in txn.cursor(db=db.tombs)}
+        dead: list[bytes] = []
+        cur = txn.cursor(db=db.blocks)
+        for lk, v in cur:
+            lk = bytes(lk)
+            try:
+                h = parse_header(v)
+            except CorruptEntry:
+                rep.corrupt += 1
+                dead.append(lk)
+                continue
+            if h.namespace != ns or h.length != block_bytes or lmdb_key(h.key) != lk:
+                rep.foreign += 1
+                dead.append(lk)
+                continue
+            if h.token.bytes in tombs:
+                rep.purged += 1
+                dead.append(lk)
+                continue
+            if h.in_slot:
+                if h.slot * sb + h.length > file_bytes:
+                    rep.corrupt += 1   # the slot file was truncated under it
+                    dead.append(lk)
+                    continue
+                prev = owner.get(h.slot)
+                if prev is not None:
+                    # two entries on one slot (only a lost commit could do that): the older one's
+                    # bytes were overwritten, so it goes; the checksum still guards the newer one
+                    rep.corrupt += 1
+                    loser = prev[0] if prev[1] < h.seq else lk
+                    dead.append(loser)
+                    entries.pop(loser, None)
+                    if loser == lk:
+                        continue
+                owner[h.slot] = (lk, h.seq)
+            entries[lk] = StoredEntry(h.key, h.token, h.length, h.seq)
+            seq = max(seq, h.seq)
+        for lk in dead:
+            txn.delete(lk, db=db.blocks)
+        for tk in tombs:
+            txn.delete(tk, db=db.tombs)
+        rep.tombs_dropped = len(tombs)
+        # recency: a promote's touch may be newer than the write
+        touched = {}
+        for k, v in txn.cursor(db=db.touch):
+            k = bytes(k)
+            touched[k] = U64.unpack(bytes(v))[0] if len(v) == U64.size else None
+        for k, tseq in touched.items():
+            e = entries.get(k)
+            if tseq is None:   # a damaged touch record: it only ever held recency, so it is dropped
+                txn.delete(k, db=db.touch)
+                continue
+            if e is None:
+                txn.delete(k, db=db.touch)
+            elif tseq > e.seq:
+                entries[k] = StoredEntry(e.key, e.token, e.length, tseq)
+            seq = max(seq, tseq)
+        rep.entries = len(entries)
+        rep.slots_free = slots.recovered(owner)
+        rep.seconds = time.perf_counter() - t0
+        txn.put(b"last_recovery", json.dumps(rep.as_dict()).encode(), db=db.meta)
+    if db.durability != "none":
+        env.sync(True)
+    log.info("disk tier %s recovered in %.3f s: %d entries, %d purged under tombstones, %d corrupt, "
+             "%d foreign, %d tombstones dropped", db.path, rep.seconds, rep.entries, rep.purged,
+             rep.corrupt, rep.foreign, rep.tombs_dropped)
+    return sorted(entries.values(), key=lambda e: e.seq), seq, rep

@@ -1,0 +1,245 @@
+"""The disk tier's I/O side behind one facade: :class:`DiskStore` wires the parts and keeps the API.
+
+:class:`DiskStore` owns every LMDB transaction of its path; the manager owns the policy (which keys
+live on disk, leases, LRU, capacity) and talks to the store only through messages, exactly like
+the copy movers:
+
+* ``submit_spill`` / ``cancel`` / ``submit_delete`` / ``submit_touch`` / ``submit_flush`` queue an
+  op for the writer thread (writer.py) and never block.  Spill ops are bounded (``queue_blocks``):
+  a full queue sheds the spill.
+* ``submit_promote`` queues a read for a reader thread (readers.py); ``queue_promote`` holds it in
+  the caller's thread until ``start_reads`` hands everything held over as batches (the manager's
+  ``load()`` holds, its ``poll()`` hands over: no reader is woken inside the engine's call).
+* Each op is answered by one :class:`~tiered_kv.movers.Report` (spills, promotes) or
+  :class:`~tiered_kv.disk.records.FlushDone` on the manager's completion queue.
+
+The parts: lock.py (one store per path), env.py (LMDB environment, map growth), slots.py (the
+slot file holding the payloads), tombs.py (cancellations), recovery.py (on open, before the first
+read), writer.py, readers.py.  Invariant of the facade: open takes the path lock, then the
+environment, the slot file and recovery, in that order, and releases all of it if any step fails;
+``close()`` drains the writer and the readers before it releases anything.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any, Callable, Optional
+
+import lmdb
+
+from ..errors import DiskInUseError, DiskTierError
+from ..movers import CompletionQueue
+from . import lock
+from .env import DiskEnv
+from .readers import Readers
+from .records import Delete, DiskOptions, Flush, Promote, StoredEntry, Tomb, Touch
+from .recovery import RecoveryReport, recover
+from .slots import SlotFile
+from .tombs import Tombs
+from .writer import Writer
+
+__all__ = ["DiskStore"]
+
+
+class DiskStore:
+    """One LMDB environment per path, held exclusively by one store (file lock)."""
+
+    def __init__(self, opts: DiskOptions, completions: CompletionQueue,
+                 on_error: Callable[[str, str], None] = lambda kind, msg: None,
+                 on_prevented: Callable[[], None] = lambda: None,
+                 on_corrupt: Callable[[str], None] = lambda reason: None) -> None:
+        self.opts = opts
+        self._lock_fd = -1
+        self.db: Optional[DiskEnv] = None
+        self.slots: Optional[SlotFile] = None
+        self.recovery = RecoveryReport()
+        self.entries: list[StoredEntry] = []
+        seq = self._open(on_error)
+        assert self.db is not None and self.slots is not None
+        self.tombs = Tombs(self.db)
+        self.writer = Writer(opts, completions, self.db, self.slots, self.tombs, seq, on_error, on_prevented)
+        self.readers = Readers(opts, completions, self.db, self.slots, self.writer.push, on_error, on_corrupt)
+        self._closed = False
+
+    # ------------------------------------------------------------ open / close
+    def _open(self, on_error: Callable[[str, str], None]) -> int:
+        """Take the path, open the environment and the slot file, recover; the highest sequence number."""
+        o = self.opts
+        try:
+            o.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DiskTierError(f"disk_path {str(o.path)!r} cannot be created: {exc}") from exc
+        if not os.access(o.path, os.W_OK):
+            raise DiskTierError(f"disk_path {str(o.path)!r} is not writable")
+        try:
+            self._lock_fd = lock.take(o.path)
+        except lock.LockHeld as held:
+            raise DiskInUseError(f"disk_path {str(o.path)!r} is in use by another TierManager (pid {held.holder}); "
+                                 f"one manager per path") from None
+        except OSError as exc:
+            raise DiskTierError(f"disk_path {str(o.path)!r}: cannot open lock file: {exc}") from exc
+        try:
+            ns = o.namespace.encode()
+            self.db = DiskEnv(o.path, ns, o.block_bytes, o.durability, o.map_size_bytes, o.target_slots(),
+                              o.num_readers, on_error)
+            self.slots = SlotFile(o.path, o.block_bytes, o.target_slots(), o.durability, o.batch_blocks)
+            self.entries, seq, self.recovery = recover(self.db, self.slots, ns, o.block_bytes)
+            return seq
+        except lmdb.Error as exc:
+            self._release()
+            raise DiskTierError(f"disk_path {str(o.path)!r} is damaged: {exc}") from exc
+        except BaseException:
+            self._release()
+            raise
+
+    def close(self) -> None:
+        """Finish queued ops, sync, stop threads, release the path.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.writer.begin_close()
+        self.readers.stop()
+        self.writer.join()
+        self.readers.join()
+        self._release()
+
+    def _release(self) -> None:
+        if self.db is not None:
+            self.db.close()
+        if self.slots is not None:
+            self.slots.close()
+        if self._lock_fd >= 0:
+            lock.release(self._lock_fd)
+            self._lock_fd = -1
+
+    # ------------------------------------------------------------ owner-side API (never blocks on I/O)
+    def submit_spill(self, token: uuid.UUID, key: bytes, src: memoryview) -> bool:
+        """Queue a write of ``src`` (a leased host slot) under ``key``; False when the queue is full."""
+        return self.writer.submit_spill(token, key, src)
+
+    def cancel(self, token: uuid.UUID, key: bytes) -> None:
+        """Cancel the spill ``token``: never published; removed if it already was (token must match)."""
+        self.tombs.cancel(token)
+        self.writer.push(Tomb(token, key), front=True)
+
+    def submit_delete(self, token: uuid.UUID, key: bytes) -> None:
+        """Remove ``key``'s committed entry if it was written by ``token`` (eviction, invalidation)."""
+        self.writer.push(Delete(token, key), front=True)
+
+    def submit_touch(self, key: bytes) -> None:
+        self.writer.push(Touch(key))
+
+    def submit_flush(self, token: uuid.UUID) -> None:
+        self.writer.push(Flush(token, self.writer.failures))
+
+    def submit_promote(self, token: uuid.UUID, key: bytes, expect: uuid.UUID, dst: memoryview) -> None:
+        """Queue a read for a reader thread now (wakes one if it waits)."""
+        self.readers.submit(Promote(token, key, expect, dst))
+
+    def queue_promote(self, token: uuid.UUID, key: bytes, expect: uuid.UUID, dst: memoryview) -> None:
+        """Hold a read in the caller's thread until :meth:`start_reads` (a list append: no lock, no wake-up)."""
+        self.readers.hold(Promote(token, key, expect, dst))
+
+    def start_reads(self) -> None:
+        """Hand the reads held by :meth:`queue_promote` to the readers (see :meth:`Readers.start`)."""
+        self.readers.start()
+
+    @property
+    def queue_depth(self) -> int:
+        return self.writer.spills_queued
+
+    def spill_room(self) -> bool:
+        """Whether :meth:`submit_spill` would take a spill now.  Asked by the owner before it makes room
+        on disk for one: only the owner adds spills, so the room seen here can only grow until its
+        ``submit_spill`` (unless the writer dies meanwhile)."""
+        return self.writer.room()
+
+    def writer_alive(self) -> bool:
+        return self.writer.alive()
+
+    @property
+    def healthy(self) -> bool:
+        return self.writer.healthy
+
+    @property
+    def writer_error(self) -> Optional[BaseException]:
+        return self.writer.writer_error
+
+    @property
+    def tombstones(self) -> int:
+        """Durable tombs in the ``tombs`` sub-database after the last commit."""
+        return self.writer.tombstones
+
+    @property
+    def map_size(self) -> int:
+        return self.db.map_size if self.db is not None else 0
+
+    @property
+    def fault_hook(self) -> Optional[Callable[[str], None]]:
+        """Tests: called by the writer at a named point ("commit"); it may raise or block."""
+        return self.writer.fault_hook
+
+    @fault_hook.setter
+    def fault_hook(self, hook: Optional[Callable[[str], None]]) -> None:
+        self.writer.fault_hook = hook
+
+    def file_bytes(self) -> int:
+        """Size of LMDB's data.mdb (the index)."""
+        return self.db.file_bytes() if self.db is not None else 0
+
+    def slot_file_bytes(self) -> int:
+        return self.slots.file_bytes() if self.slots is not None else 0
+
+    def disk_bytes(self) -> int:
+        """What the tier takes on disk: the slot file and the index."""
+        return self.file_bytes() + self.slot_file_bytes()
+
+    @property
+    def slot_bytes(self) -> int:
+        assert self.slots is not None
+        return self.slots.slot_bytes
+
+    @property
+    def slots_in_use(self) -> int:
+        assert self.slots is not None
+        return self.slots.in_use
+
+    # ------------------------------------------------------------ read by tiered_kv.benchmarking.disk
+    # Its writer probe wraps ``_commit``/``_sync`` on the instance and reads the environment and its
+    # sub-databases by these names; they stay until that module reads ``writer``/``db`` instead.
+    @property
+    def _commit(self) -> Callable[[list[Any]], Any]:
+        return self.writer._commit
+
+    @_commit.setter
+    def _commit(self, fn: Callable[[list[Any]], Any]) -> None:
+        self.writer._commit = fn  # type: ignore[method-assign]
+
+    @property
+    def _sync(self) -> Callable[[], None]:
+        return self.writer._sync
+
+    @_sync.setter
+    def _sync(self, fn: Callable[[], None]) -> None:
+        self.writer._sync = fn  # type: ignore[method-assign]
+
+    @property
+    def _env(self) -> Any:
+        return self.db.env if self.db is not None else None
+
+    @property
+    def _meta(self) -> Any:
+        return self.db.meta if self.db is not None else None
+
+    @property
+    def _blocks(self) -> Any:
+        return self.db.blocks if self.db is not None else None
+
+    @property
+    def _tombs(self) -> Any:
+        return self.db.tombs if self.db is not None else None
+
+    @property
+    def _touch(self) -> Any:
+        return self.db.touch if self.db is not None else None

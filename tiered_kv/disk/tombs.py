@@ -1,0 +1,136 @@
+"""Tombstones: what keeps a cancelled spill from ever being published, in memory and on disk.
+
+Owns the in-memory sets (``cancelled``: tokens the owner cancelled whose tomb is not applied yet;
+``unsettled``: spills queued and not yet committed, prevented or failed), the durable ``tombs``
+sub-database, and the token-matched deletes.  A cancelled spill's whole path is here:
+:meth:`Tombs.cancel` (owner) -> :meth:`Tombs.prevents` (writer, before its ``put``) or
+:meth:`Tombs.apply` (writer, the tomb op) -> :meth:`Tombs.forget` (the spill failed).
+Invariants:
+
+* before each ``put`` the writer asks :meth:`Tombs.prevents` inside the same write transaction:
+  a spill whose token is cancelled in memory or tombstoned in ``tombs`` is never published;
+* a tomb deletes the committed entry of its key only if the stored writer token matches (never a
+  newer write of the same key); if the guarded write may still come, the tomb is made durable in
+  ``tombs`` and garbage-collected when that write is prevented (or by recovery);
+* every change to the in-memory sets made inside a write transaction is noted in an ``undo`` list
+  and put back by :meth:`Tombs.undo` if the transaction aborts, so a retry sees what the aborted
+  attempt saw.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import Any, Iterable, Optional
+
+from .env import DiskEnv
+from .format import CorruptEntry, lmdb_key, parse_header
+
+__all__ = ["Tombs", "Undo"]
+
+Undo = list[tuple[set[uuid.UUID], uuid.UUID]]
+
+
+class Tombs:
+    def __init__(self, db: DiskEnv) -> None:
+        self._db = db
+        self.lock = threading.Lock()
+        self.cancelled: set[uuid.UUID] = set()
+        self.unsettled: set[uuid.UUID] = set()
+
+    # ------------------------------------------------------------ owner thread
+    def cancel(self, token: uuid.UUID) -> None:
+        """The owner cancelled ``token`` (its tomb op follows through the writer's queue)."""
+        with self.lock:
+            self.cancelled.add(token)
+
+    def queued(self, token: uuid.UUID) -> None:
+        """A spill under ``token`` was queued: a tomb for it must be kept until it settles."""
+        with self.lock:
+            self.unsettled.add(token)
+
+    # ------------------------------------------------------------ writer thread
+    def is_cancelled(self, token: uuid.UUID) -> bool:
+        with self.lock:
+            return token in self.cancelled
+
+    def prevents(self, txn: Any, token: uuid.UUID, undo: Undo) -> bool:
+        """Inside the transaction that would publish spill ``token``: settle it, and True if a tomb (in
+        memory or durable) prevents it -- the tomb is then consumed."""
+        # settled from here on: a tomb later in this transaction finds the entry (and deletes it) or,
+        # if prevented, has nothing left to guard
+        self._discard(self.unsettled, token, undo)
+        if self.is_cancelled(token) or txn.get(token.bytes, db=self._db.tombs) is not None:
+            txn.delete(token.bytes, db=self._db.tombs)
+            self._discard(self.cancelled, token, undo)
+            return True
+        return False
+
+    def apply(self, txn: Any, token: uuid.UUID, key: bytes, frees: list[int], from_queue: bool = False,
+              undo: Optional[Undo] = None) -> bool:
+        """Inside ``txn``: delete ``key``'s entry if ``token`` wrote it, else keep the tomb durable unless
+        nothing it guards can still come.  What it changes in memory is noted in ``undo``."""
+        if self.delete_if_token(txn, key, token, frees):
+            self._discard(self.cancelled, token, undo)
+            return True
+        with self.lock:
+            settled = token not in self.unsettled
+        if from_queue and settled:
+            # this process's write under the token was committed and removed, prevented, or
+            # failed: nothing it guards can still be published, so nothing is kept
+            self._discard(self.cancelled, token, undo)
+            return False
+        # the guarded write may still come (queued here, or in another process): make the tomb durable
+        txn.put(token.bytes, key, db=self._db.tombs)
+        return False
+
+    def delete_if_token(self, txn: Any, key: bytes, token: uuid.UUID, frees: list[int],
+                        unparseable_too: bool = False) -> bool:
+        """Delete ``key``'s entry if ``token`` wrote it; True if it did.  ``unparseable_too``: also drop
+        a record whose header cannot be parsed (no write of anyone's makes one), without counting it as
+        the token's -- a tomb must not take it for the write it guards."""
+        db = self._db
+        lk = lmdb_key(key)
+        v = txn.get(lk, db=db.blocks)
+        if v is None:
+            return False
+        try:
+            h = parse_header(v)
+        except CorruptEntry:
+            if unparseable_too:
+                txn.delete(lk, db=db.blocks)
+                txn.delete(lk, db=db.touch)
+            return False
+        if h.token != token:
+            return False
+        if h.in_slot:
+            frees.append(h.slot)
+        txn.delete(lk, db=db.blocks)
+        txn.delete(lk, db=db.touch)
+        return True
+
+    def undo(self, undo: Undo) -> None:
+        """A transaction aborted: its changes to the in-memory sets are put back (only the writer
+        takes tokens out of them; the owner may have added some meanwhile, which stay)."""
+        if undo:
+            with self.lock:
+                for s, token in undo:
+                    s.add(token)
+            undo.clear()
+
+    def forget(self, tokens: Iterable[uuid.UUID]) -> None:
+        """These spills failed: no write under their tokens can come any more.  A durable tomb one of
+        them committed before the failure stays until the next recovery drops it (bounded by failed
+        batches; it guards a write that never comes)."""
+        with self.lock:
+            for token in tokens:
+                self.unsettled.discard(token)
+                self.cancelled.discard(token)
+
+    def _discard(self, s: set[uuid.UUID], token: uuid.UUID, undo: Optional[Undo]) -> None:
+        """Take ``token`` out of ``s``, noting it in ``undo`` (None: for good)."""
+        with self.lock:
+            if token in s:
+                s.discard(token)
+                if undo is not None:
+                    undo.append((s, token))

@@ -1,0 +1,419 @@
+"""The disk writer thread: the op queue, batches, the commit, failures and back-off, flushes.
+
+Owns the queue of spill/tomb/delete/touch/flush ops (bounded for spills: a full queue sheds) and
+every write transaction.  A batch is written in three steps: payloads into free slots (checksummed
+on a helper thread when large), ``fdatasync`` of the slot file, then one LMDB transaction
+publishing the index records; a crash before the commit leaves bytes in free slots that nothing
+references.  Invariants:
+
+* each op is answered once: spills by a Report after their batch commits (or fails), flushes by
+  :class:`~tiered_kv.disk.records.FlushDone` (False if any batch failed since it was queued);
+* a failed batch fails its spills and flushes and keeps its tomb/delete/touch ops queued, in order,
+  retried with back-off; once closing they get :data:`CLOSE_RETRIES` attempts, then are dropped;
+* a writer that dies answers everything queued and refuses further ops.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import shutil
+import threading
+import time
+import uuid
+from typing import Any, Callable, Optional
+
+import lmdb
+
+from ..jobs import JobKind
+from ..movers import CompletionQueue, Report
+from .env import DiskEnv
+from .format import HEADER_SIZE, lmdb_key, pack_slot_entry
+from .recovery import U64
+from .records import SPILL_PREVENTED, Delete, DiskOptions, Flush, FlushDone, Spill, Tomb, Touch, error_kind
+from .slots import SlotFile, SlotsExhausted
+from .tombs import Tombs, Undo
+
+__all__ = ["Writer", "CLOSE_RETRIES"]
+
+log = logging.getLogger(__name__)
+
+IDLE_WAKE_S = 1.0       # an idle writer looks for queued touches (which wake no one) this often
+DIRTY_SYNC_S = 0.5      # durability "batch": an idle writer syncs its last commit after this long
+CLOSE_RETRIES = 3       # attempts left to the kept ops of a failed batch once close() has begun
+MAP_FULL_ATTEMPTS = 4   # commits of one batch, growing the map between them, before it fails as map_full
+BACKOFF_MIN_S, BACKOFF_MAX_S = 0.01, 1.0   # a failing disk is retried this often: no spin, no long stall
+RECORD_SLACK = 1024     # map bytes a spill's index record may take beyond its header, namespace and key
+
+
+class Writer:
+    def __init__(self, opts: DiskOptions, out: CompletionQueue, db: DiskEnv, slots: SlotFile, tombs: Tombs,
+                 seq: int, on_error: Callable[[str, str], None], on_prevented: Callable[[], None]) -> None:
+        self.opts = opts
+        self._out = out
+        self._db = db
+        self._slots = slots
+        self._tombs = tombs
+        self._ns = opts.namespace.encode()
+        self._on_error = on_error
+        self._on_prevented = on_prevented
+        self._seq = seq
+        self._cond = threading.Condition(threading.Lock())
+        self._ops: collections.deque[Any] = collections.deque()
+        self.spills_queued = 0
+        self._filling = False   # the writer holds a partial batch and sleeps until its deadline (under _cond)
+        self._fill = [0, 0]     # ... of this many ops and spill bytes
+        self.accepting = True
+        self._closed = False
+        self._batch: list[Any] = []
+        self._dirty = False
+        self._hash_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None  # see _hasher()
+        self.failures = 0         # failed batches so far (a flush after one answers False)
+        self._close_failures = 0  # failed batches since close() began
+        self._sync_failed = False
+        self._backoff = 0.0
+        self.healthy = True
+        self.tombstones = 0
+        self.writer_error: Optional[BaseException] = None
+        self.fault_hook: Optional[Callable[[str], None]] = None  # tests: raise inside the writer at a named point
+        self._thread = threading.Thread(target=self._writer_main, name="tiered-kv-disk-writer", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ owner side (never blocks on I/O)
+    def submit_spill(self, token: uuid.UUID, key: bytes, src: memoryview) -> bool:
+        with self._cond:
+            if not self.accepting or self.spills_queued >= self.opts.queue_blocks:
+                return False
+            op = Spill(token, key, src, len(src))
+            self._ops.append(op)
+            self.spills_queued += 1
+            self._tombs.queued(token)
+            self._wake_writer(op)
+        return True
+
+    def push(self, op: Any, front: bool = False) -> None:
+        with self._cond:
+            if not self.accepting:
+                if isinstance(op, Flush):  # answer at once: nothing will commit any more
+                    self._out.put(FlushDone(op.token, False, "disk writer is gone"))
+                return
+            (self._ops.appendleft if front else self._ops.append)(op)
+            self._wake_writer(op)
+
+    def room(self) -> bool:
+        return self.accepting and self.spills_queued < self.opts.queue_blocks
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def begin_close(self) -> None:
+        """Drain what is queued, then stop (ops pushed until :meth:`join` returns still count)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def join(self) -> None:
+        self._thread.join()
+        self.accepting = False
+        if self._hash_pool is not None:
+            self._hash_pool.shutdown(wait=True)
+            self._hash_pool = None
+
+    # ------------------------------------------------------------ the queue
+    def _wake_writer(self, op: Any) -> None:
+        """Under ``_cond``, after queueing ``op``: wake the writer if it waits for work, or if it is
+        filling a batch and this op completes one (or is a flush).  A writer filling a batch otherwise
+        sleeps on to the batch deadline: one wake-up per op (a thread switch and a GIL hand-off each,
+        on the engine's cores) bought nothing, since the batch would not leave before the deadline.
+
+        A recency touch (one per promote) wakes no one: it leaves with the writer's next batch, which
+        the next other op or the idle wake-up (every ``IDLE_WAKE_S``) starts.  Waking the writer for
+        each promote burst ran its commits beside the readers and the owner's copies, and slowed warm
+        promotes.  A touch is recency for the next restart: a crash loses the touches still queued
+        (about a second's worth at most) on top of what the durability level loses, and those entries
+        then rank by their write sequence."""
+        kind = type(op)
+        if kind is Touch:
+            return
+        o = self.opts
+        if not self._filling or kind is Flush or self._fill[0] + len(self._ops) >= o.batch_blocks \
+                or self._fill[1] + self.spills_queued * o.block_bytes >= o.batch_bytes:
+            self._cond.notify()
+
+    def _take_batch(self) -> Optional[list[Any]]:
+        o = self.opts
+        with self._cond:
+            while not self._ops:
+                if self._closed:
+                    return None
+                self._cond.wait(timeout=DIRTY_SYNC_S if self._dirty else IDLE_WAKE_S)
+                if not self._ops and self._dirty:
+                    return []  # idle: time to sync a batch-mode commit
+            batch: list[Any] = []
+            nbytes = 0
+            deadline = time.monotonic() + o.batch_seconds
+            self._filling = True
+            try:
+                while True:
+                    while self._ops and len(batch) < o.batch_blocks and nbytes < o.batch_bytes:
+                        op = self._ops.popleft()
+                        if isinstance(op, Spill):
+                            self.spills_queued -= 1
+                            nbytes += op.nbytes
+                        batch.append(op)
+                        if isinstance(op, Flush):
+                            return batch
+                    self._fill[0], self._fill[1] = len(batch), nbytes
+                    if len(batch) >= o.batch_blocks or nbytes >= o.batch_bytes or self._closed:
+                        return batch
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return batch
+                    self._cond.wait(timeout=left)
+            finally:
+                self._filling = False
+
+    # ------------------------------------------------------------ the thread
+    def _writer_main(self) -> None:
+        try:
+            while True:
+                batch = self._take_batch()
+                if batch is None:
+                    break
+                if not batch:
+                    self._sync()
+                    continue
+                self._batch = batch
+                self._run_batch(batch)
+                self._batch = []
+            self._sync()
+        except BaseException as exc:  # the writer is dying: answer everything queued
+            self.writer_error = exc
+            self.healthy = False
+            log.exception("disk writer thread died")
+            self._on_error("writer_died", repr(exc))
+            with self._cond:
+                rest = self._batch + list(self._ops)
+                self._batch = []
+                self._ops.clear()
+                self.spills_queued = 0
+                self.accepting = False  # no further ops: they could never be answered
+            self._fail_ops(rest, f"disk writer died: {exc!r}")
+            if not isinstance(exc, Exception):
+                raise
+
+    def _run_batch(self, batch: list[Any]) -> None:
+        """Commit ``batch`` in one transaction; on failure fail its spills and keep its control ops."""
+        self._db.reader_check()
+        for _attempt in range(MAP_FULL_ATTEMPTS):
+            try:
+                self._db.grow_ahead(self._batch_bytes(batch))
+                results = self._commit(batch)
+            except lmdb.MapFullError:
+                try:
+                    grown = self._db.grow(self._batch_bytes(batch))
+                except Exception as exc:   # statvfs or set_mapsize failed: the batch fails, the writer goes on
+                    self._batch_failed(batch, self._classify(exc), f"growing the LMDB map: {exc!r}")
+                    return
+                if grown:
+                    continue
+                self._batch_failed(batch, "map_full", "LMDB map full and the disk has no room to grow it")
+                return
+            except Exception as exc:  # an I/O error, or a bug: the batch fails, the writer carries on
+                self._batch_failed(batch, self._classify(exc), repr(exc))
+                return
+            self.healthy = True
+            self._backoff = 0.0
+            self._dirty = self.opts.durability == "batch"
+            flushes = [op for op in batch if isinstance(op, Flush)]
+            if flushes:
+                self._sync()
+            for r in results:
+                self._out.put(r)
+            for f in flushes:
+                ok = self.failures == f.failures_before and not self._sync_failed
+                self._out.put(FlushDone(f.token, ok, None if ok else "a write covered by this flush failed"))
+            return
+        self._batch_failed(batch, "map_full", "LMDB map still full after growing")
+
+    def _batch_failed(self, batch: list[Any], kind: str, msg: str) -> None:
+        """Spills fail (they can be stored again); tombs, deletes and touches stay queued, in order.
+
+        Flushes in the batch answer False.  The next attempt waits a little
+        longer each time (up to ``BACKOFF_MAX_S``) so a persistent fault does not
+        spin.  Once the store is closing, the kept ops get ``CLOSE_RETRIES`` more
+        attempts and are then dropped (logged): a disk that fails every commit
+        must not keep ``close()`` -- and the host process's shutdown -- waiting
+        for ever.
+        """
+        self._degrade(kind, msg)
+        self.failures += 1
+        keep = [op for op in batch if isinstance(op, (Tomb, Delete, Touch))]
+        self._fail_ops([op for op in batch if not isinstance(op, (Tomb, Delete, Touch))],
+                       f"disk write failed ({kind}): {msg}")
+        self._backoff = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, self._backoff * 2))
+        dropped: list[Any] = []
+        with self._cond:
+            if self._closed:
+                self._close_failures += 1
+                if self._close_failures > CLOSE_RETRIES:
+                    dropped, keep = keep, []
+            self._ops.extendleft(reversed(keep))
+            if keep or not self._closed:
+                self._cond.wait(timeout=self._backoff)
+        if dropped:
+            log.error("disk tier %s: closing after %d failed commits; dropped %d tomb/delete/touch op(s) that "
+                      "could not be written (a tombstoned entry among them may be readable after reopen)",
+                      self.opts.path, self._close_failures, len(dropped))
+
+    def _batch_bytes(self, batch: list[Any]) -> int:
+        """The LMDB map space a batch's index records may take (payloads go to the slot file)."""
+        return sum(HEADER_SIZE + len(self._ns) + len(op.key) + RECORD_SLACK for op in batch if isinstance(op, Spill))
+
+    def _classify(self, exc: BaseException) -> str:
+        kind = error_kind(exc)
+        if kind == "io_error":
+            # LMDB reports a short write on a full disk as EIO: look at the free space
+            try:
+                if shutil.disk_usage(self.opts.path).free < 2 * self.opts.batch_bytes:
+                    return "disk_full"
+            except OSError:
+                pass
+        if isinstance(exc, SlotsExhausted):
+            return "slots_exhausted"
+        if kind == "lmdb_error" and not isinstance(exc, lmdb.Error):
+            return "writer_error"
+        return kind
+
+    # ------------------------------------------------------------ one commit
+    def _commit(self, batch: list[Any]) -> list[Report]:
+        """Write ``batch``'s payloads into free slots, sync them, then publish in one transaction.
+
+        Returns the reports to send once the transaction is committed.
+        """
+        env = self._db.env
+        assert env is not None
+        slots, tombs, db = self._slots, self._tombs, self._db
+        results: list[Report] = []
+        t0 = time.perf_counter()
+        if self.fault_hook is not None:
+            self.fault_hook("commit")
+        spills = [op for op in batch if isinstance(op, Spill)]
+        placed: list[int] = []      # slots taken by this batch, given back if it fails
+        frees: list[int] = []       # slots of entries this transaction drops
+        # the in-memory tomb state this transaction changes, put back if it aborts: a retry after
+        # MapFullError must see what the aborted attempt saw (see tombs.py)
+        undo: Undo = []
+        prevented = 0
+        hashing: Optional[concurrent.futures.Future[None]] = None
+        try:
+            todo: list[Spill] = []
+            for op in spills:
+                op.slot = -1
+                if tombs.is_cancelled(op.token):
+                    continue        # never written; the transaction below answers it
+                op.slot = slots.alloc()
+                placed.append(op.slot)
+                self._seq += 1
+                op.seq = self._seq
+                todo.append(op)
+            # checksums and writes run in C without the GIL, straight from the leased host slots; a
+            # large batch is checksummed on the hash thread while this one writes the same bytes
+            # (the slots stay leased until the batch's reports, so both read what is published)
+            if sum(op.nbytes for op in todo) >= self.opts.hash_offload_bytes:
+                hashing = self._hasher().submit(self._pack_entries, todo)
+            else:
+                self._pack_entries(todo)
+            for op in todo:
+                slots.pwrite(op.slot, op.src)
+            if placed and self.opts.durability != "none":
+                slots.sync()   # the bytes are durable before any index record points at them
+            if hashing is not None:
+                h, hashing = hashing, None
+                h.result()            # the index records, needed from here on
+            unused: list[int] = []
+            db.rw.acquire_shared()
+            try:
+                with env.begin(write=True, buffers=True) as txn:
+                    for op in batch:
+                        if isinstance(op, Spill):
+                            if tombs.prevents(txn, op.token, undo):
+                                if op.slot >= 0:
+                                    unused.append(op.slot)
+                                prevented += 1
+                                results.append(Report(op.token, JobKind.SPILL, False, SPILL_PREVENTED,
+                                                      copied=False))
+                                continue
+                            lk = lmdb_key(op.key)
+                            old = txn.replace(lk, op.entry, db=db.blocks)
+                            if old is not None:
+                                slots.note_dropped(old, frees)
+                            txn.delete(lk, db=db.touch)
+                            results.append(Report(op.token, JobKind.SPILL, True, None, op.nbytes, 0.0))
+                        elif isinstance(op, Tomb):
+                            tombs.apply(txn, op.token, op.key, frees, from_queue=True, undo=undo)
+                        elif isinstance(op, Delete):
+                            tombs.delete_if_token(txn, op.key, op.token, frees, op.unparseable_too)
+                        elif isinstance(op, Touch):
+                            self._seq += 1
+                            txn.put(lmdb_key(op.key), U64.pack(self._seq), db=db.touch)
+                    self.tombstones = txn.stat(db.tombs)["entries"]
+            finally:
+                db.rw.release_shared()
+        except BaseException:
+            if hashing is not None:   # let it stop reading the host slots before they are given up
+                concurrent.futures.wait([hashing])
+            slots.give_back(placed)   # nothing committed references them
+            tombs.undo(undo)
+            raise
+        slots.give_back(unused)
+        for _ in range(prevented):    # counted once committed: an aborted attempt prevented nothing
+            self._on_prevented()
+        # the last committed transaction, not this one's id: a transaction that changed nothing
+        # commits nothing (no meta write, no sync), so it must not count as "a later commit"
+        slots.dropped(frees, env.info()["last_txnid"])
+        dt = time.perf_counter() - t0
+        n = sum(1 for r in results if r.ok)
+        for r in results:
+            if r.ok:
+                r.seconds = dt / n
+        return results
+
+    def _pack_entries(self, ops: list[Spill]) -> None:
+        """The index record (header + xxh3 of the payload + slot) of each op."""
+        ns = self._ns
+        for op in ops:
+            op.entry = pack_slot_entry(ns, op.key, op.token, op.src, op.seq, op.slot)
+
+    def _hasher(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The hash thread (started on first use by the writer; stopped by :meth:`join`)."""
+        if self._hash_pool is None:
+            self._hash_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tiered-kv-hash")
+        return self._hash_pool
+
+    def _sync(self) -> None:
+        env = self._db.env
+        if env is None or self.opts.durability == "none" or not (self._dirty or self.opts.durability == "batch"):
+            return
+        try:
+            txn_id = env.info()["last_txnid"]
+            env.sync(True)
+            self._slots.synced(txn_id)
+            self._dirty = False
+            self._sync_failed = False
+        except lmdb.Error as exc:
+            self._sync_failed = True
+            self._degrade("sync_failed", repr(exc))
+
+    def _fail_ops(self, ops: list[Any], error: str) -> None:
+        self._tombs.forget(op.token for op in ops if isinstance(op, Spill))
+        for op in ops:
+            if isinstance(op, Spill):
+                self._out.put(Report(op.token, JobKind.SPILL, False, error, copied=False))
+            elif isinstance(op, Flush):
+                self._out.put(FlushDone(op.token, False, error))
+
+    def _degrade(self, kind: str, msg: str) -> None:
+        self.healthy = False
+        self._on_error(kind, msg)
