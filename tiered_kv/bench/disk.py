@@ -263,14 +263,14 @@ def _nominal_batch(block_bytes: int) -> int:
 
 
 class _WriterProbe:
-    """Times the disk writer's commits (instance-level wrap of DiskStore._commit/_sync; no library edit)."""
+    """Times the disk writer's commits (instance-level wrap of the writer's _commit/_sync; no library edit)."""
 
     def __init__(self, mgr: TierManager) -> None:
         disk = mgr.disk
         assert disk is not None, "disk tier failed to open"
         self.commits: list[tuple[float, float, int]] = []  # (end time, duration, spills committed ok)
         self.syncs: list[float] = []
-        orig_commit, orig_sync = disk._commit, disk._sync
+        orig_commit, orig_sync = disk.writer._commit, disk.writer._sync
         commits, syncs = self.commits, self.syncs
 
         def commit(batch: list[Any]) -> Any:
@@ -285,8 +285,8 @@ class _WriterProbe:
             orig_sync()
             syncs.append(time.perf_counter() - t)
 
-        disk._commit = commit  # type: ignore[method-assign]
-        disk._sync = sync  # type: ignore[method-assign]
+        disk.writer._commit = commit  # type: ignore[method-assign]
+        disk.writer._sync = sync  # type: ignore[method-assign]
 
     def summary(self, t0: float, t1: float) -> dict[str, Any]:
         inside = [c for c in self.commits if t0 <= c[0] <= t1]
@@ -787,8 +787,9 @@ def _tkv_evicting(d: Path, blocks: _Blocks, keys: Sequence[bytes], order: Sequen
         disk = mgr.disk
         assert disk is not None
         file_end = disk.disk_bytes()   # slot file + LMDB index
-        info = disk._env.info() if disk._env is not None else {}  # type: ignore[union-attr]
-        stat = disk._env.stat() if disk._env is not None else {}  # type: ignore[union-attr]
+        env = disk.db.env if disk.db is not None else None
+        info = env.info() if env is not None else {}
+        stat = env.stat() if env is not None else {}
         pages = _lmdb_pages(disk)
         tkv = {
             "seconds": t1 - t0, "gbps": _gbs(n * bb, t1 - t0), "flush_ok": ok, "pacing_waits": waits,

@@ -116,8 +116,7 @@ class Readers:
                 self._on_error("reader_error", repr(exc))
                 for op in ops:
                     if op.token not in answered:
-                        self._answer(op, Report(op.token, JobKind.PROMOTE, False, f"{READ_FAILED} ({exc!r})",
-                                                copied=False))
+                        self._answer(op, Report(op.token, JobKind.PROMOTE, False, f"{READ_FAILED} ({exc!r})"))
                 if not isinstance(exc, Exception):
                     raise
             if stop:   # this reader's stop sentinel came up behind the reads it took
@@ -247,20 +246,20 @@ class Readers:
         n = self.opts.block_bytes
         v = txn.get(lmdb_key(op.key))
         if v is None:
-            return Report(op.token, JobKind.PROMOTE, False, "miss: absent", copied=False)
+            return Report(op.token, JobKind.PROMOTE, False, "miss: absent")
         try:
             h = parse_header(v)
             if not h.in_slot:   # an inline entry (imported): verify and copy under the txn
                 h = verify_entry(v, self._ns, op.key, n)
                 if h.token != op.expect:
-                    return Report(op.token, JobKind.PROMOTE, False, "miss: superseded on disk", copied=False)
+                    return Report(op.token, JobKind.PROMOTE, False, "miss: superseded on disk")
                 op.dst[:] = v[h.payload_offset:h.payload_offset + n]
                 return Report(op.token, JobKind.PROMOTE, True, None, n, time.perf_counter() - t0)
         except CorruptEntry as exc:
             self._on_corrupt(exc.reason)
-            return Report(op.token, JobKind.PROMOTE, False, f"{CORRUPT} ({exc})", copied=False)
+            return Report(op.token, JobKind.PROMOTE, False, f"{CORRUPT} ({exc})")
         if h.token != op.expect:
-            return Report(op.token, JobKind.PROMOTE, False, "miss: superseded on disk", copied=False)
+            return Report(op.token, JobKind.PROMOTE, False, "miss: superseded on disk")
         return bytes(v), h   # the index record (small); the payload is read outside the txn
 
     def _verify(self, op: Promote, value: bytes, got: int, t0: float, h: EntryHeader) -> Report:
@@ -276,9 +275,9 @@ class Readers:
                 return self._read_failed(op, lexc)
             if changed:
                 # dropped and its slot reused while we read: the bytes are someone else's, not damaged
-                return Report(op.token, JobKind.PROMOTE, False, "miss: superseded on disk", copied=False)
+                return Report(op.token, JobKind.PROMOTE, False, "miss: superseded on disk")
             self._on_corrupt(exc.reason)
-            return Report(op.token, JobKind.PROMOTE, False, f"{CORRUPT} ({exc})", copied=False)
+            return Report(op.token, JobKind.PROMOTE, False, f"{CORRUPT} ({exc})")
         return Report(op.token, JobKind.PROMOTE, True, None, n, time.perf_counter() - t0)
 
     def _read(self, op: Promote) -> Report:
@@ -287,7 +286,7 @@ class Readers:
         t0 = time.perf_counter()
         n = self.opts.block_bytes
         if env is None:
-            return Report(op.token, JobKind.PROMOTE, False, "miss: disk tier closed", copied=False)
+            return Report(op.token, JobKind.PROMOTE, False, "miss: disk tier closed")
         try:
             self._db.rw.acquire_shared()
             try:
@@ -307,7 +306,7 @@ class Readers:
     def _read_failed(self, op: Promote, exc: BaseException) -> Report:
         """An LMDB or I/O error reading ``op``: counted and logged (once per kind), a miss."""
         self._on_error(error_kind(exc), repr(exc))
-        return Report(op.token, JobKind.PROMOTE, False, f"{READ_FAILED} ({exc})", copied=False)
+        return Report(op.token, JobKind.PROMOTE, False, f"{READ_FAILED} ({exc})")
 
     def _index_changed(self, lk: bytes, value: bytes) -> bool:
         env = self._db.env

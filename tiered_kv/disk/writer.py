@@ -342,8 +342,7 @@ class Writer:
                                 if op.slot >= 0:
                                     unused.append(op.slot)
                                 prevented += 1
-                                results.append(Report(op.token, JobKind.SPILL, False, SPILL_PREVENTED,
-                                                      copied=False))
+                                results.append(Report(op.token, JobKind.SPILL, False, SPILL_PREVENTED))
                                 continue
                             lk = lmdb_key(op.key)
                             old = txn.replace(lk, op.entry, db=db.blocks)
@@ -410,7 +409,7 @@ class Writer:
         self._tombs.forget(op.token for op in ops if isinstance(op, Spill))
         for op in ops:
             if isinstance(op, Spill):
-                self._out.put(Report(op.token, JobKind.SPILL, False, error, copied=False))
+                self._out.put(Report(op.token, JobKind.SPILL, False, error))
             elif isinstance(op, Flush):
                 self._out.put(FlushDone(op.token, False, error))
 

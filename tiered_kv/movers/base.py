@@ -53,9 +53,6 @@ class Report:
     error: Optional[str] = None
     nbytes: int = 0
     seconds: float = 0.0
-    # written by the disk tier's miss reports only (disk.py passes copied=False), read by nothing;
-    # the movers no longer set it.  Goes once disk.py stops passing it.
-    copied: bool = True
 
 
 class CompletionQueue:
