@@ -23,7 +23,6 @@ Invariants (docs/architecture.md has the table and where each is enforced):
 from __future__ import annotations
 
 import logging
-import operator
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional
@@ -33,15 +32,8 @@ from prometheus_client import CollectorRegistry
 
 from .config import TieredKVConfig
 from .core import CLOSE_TIMEOUT_S, TierCore
-from .errors import (
-    BlockBusyError,
-    ConfigError,
-    DeviceTensorError,
-    InvalidBlockError,
-    InvalidJobError,
-    InvalidKeyError,
-    ManagerClosedError,
-)
+from .checks import SUPPORTED_DTYPES, check_block, check_device_blocks, check_key, check_many, check_timeout
+from .errors import BlockBusyError, ConfigError, InvalidJobError, InvalidKeyError, ManagerClosedError
 from .jobs import Completion, Job, JobKind, JobState, StaleReason
 from .metrics import Metrics
 from .movers import CompletionQueue, Mover, Report, Transfer, make_mover
@@ -49,11 +41,6 @@ from .movers import CompletionQueue, Mover, Report, Transfer, make_mover
 __all__ = ["TierManager", "SUPPORTED_DTYPES", "MoverFactory"]
 
 log = logging.getLogger(__name__)
-
-SUPPORTED_DTYPES = frozenset(
-    getattr(torch, n) for n in ("float16", "bfloat16", "float32", "float64", "int8", "uint8",
-                                "float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)
-)
 
 MoverFactory = Callable[[torch.Tensor, torch.Tensor, CompletionQueue], Mover]
 
@@ -85,7 +72,7 @@ class TierManager:
                  mover_factory: Optional[MoverFactory] = None) -> None:
         if not isinstance(config, TieredKVConfig):
             raise ConfigError(f"config must be a TieredKVConfig, got {type(config).__name__}")
-        _check_device_blocks(device_blocks)
+        check_device_blocks(device_blocks)
         self.config = config
         self.num_blocks = int(device_blocks.shape[0])
         self.row_bytes = int(device_blocks[0].numel() * device_blocks.element_size())
@@ -328,7 +315,7 @@ class TierManager:
         timeout returns what was applied so far; check ``job.done``.
         """
         self._check_open()
-        timeout = _check_timeout(timeout)
+        timeout = check_timeout(timeout)
         if jobs is None:
             # quiescence: every store/load reported *and* every worker report in, so no slot or row is
             # still leased to a copy or a read (spills are flush()'s business).  A promote counts even
@@ -369,7 +356,7 @@ class TierManager:
         meanwhile are returned by the next ``poll()``.
         """
         self._check_open()
-        timeout = _check_timeout(timeout)
+        timeout = check_timeout(timeout)
         core = self._core
         if core.disk is None:
             return True
@@ -640,69 +627,11 @@ class TierManager:
         return self._check_key(key), self._check_block(block)
 
     def _check_many(self, keys: Any, blocks: Any) -> tuple[list[bytes], list[int]]:
-        """store_many()/load_many(): the same checks per key and row, plus equal lengths and no repeats."""
         self._check_open()
-        for name, v in (("keys", keys), ("blocks", blocks)):
-            if isinstance(v, (bytes, str)) or not isinstance(v, Iterable):
-                raise (InvalidKeyError if name == "keys" else InvalidBlockError)(
-                    f"{name} must be a sequence, got {type(v).__name__}: {v!r:.80}")
-        ks = [self._check_key(k) for k in keys]
-        bs = [self._check_block(b) for b in blocks]
-        if not ks:
-            raise InvalidKeyError("keys must not be empty")
-        if len(ks) != len(bs):
-            raise InvalidBlockError(f"{len(ks)} keys for {len(bs)} blocks: one device row per key")
-        if len(set(ks)) != len(ks):
-            dup = next(k for i, k in enumerate(ks) if k in ks[:i])
-            raise InvalidKeyError(f"key {dup!r:.80} appears twice in one call")
-        if len(set(bs)) != len(bs):
-            dup_b = next(b for i, b in enumerate(bs) if b in bs[:i])
-            raise InvalidBlockError(f"block {dup_b} appears twice in one call")
-        return ks, bs
+        return check_many(keys, blocks, self._max_key_bytes, self.num_blocks)
 
     def _check_key(self, key: Any) -> bytes:
-        if type(key) is not bytes:
-            raise InvalidKeyError(f"key must be bytes, got {type(key).__name__}: {key!r:.80}")
-        if not key:
-            raise InvalidKeyError("key must not be empty: b''")
-        if len(key) > self._max_key_bytes:   # the same bound store()'s inline check uses
-            raise InvalidKeyError(f"key of {len(key)} bytes exceeds max_key_bytes={self._max_key_bytes}: {key!r:.80}")
-        return key
+        return check_key(key, self._max_key_bytes)
 
     def _check_block(self, block: Any) -> int:
-        if isinstance(block, bool):
-            raise InvalidBlockError(f"block must be an int, got bool {block!r}")
-        try:
-            b = operator.index(block)
-        except TypeError:
-            raise InvalidBlockError(f"block must be an int, got {type(block).__name__}: {block!r:.80}") from None
-        if not 0 <= b < self.num_blocks:
-            raise InvalidBlockError(f"block {b} out of range [0, {self.num_blocks})")
-        return b
-
-
-def _check_timeout(timeout: Any) -> Optional[float]:
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
-        raise ConfigError(f"timeout must be None or a number >= 0, got {timeout!r}")
-    return float(timeout)
-
-
-def _check_device_blocks(t: Any) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise DeviceTensorError(f"device_blocks must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise DeviceTensorError(f"device_blocks dtype {t.dtype} is not supported; use one of "
-                                f"{sorted(str(d) for d in SUPPORTED_DTYPES)}")
-    if t.dim() < 2:
-        raise DeviceTensorError(f"device_blocks must be [num_blocks, ...] with >= 2 dims, got shape {tuple(t.shape)}")
-    if t.shape[0] < 1 or t[0].numel() < 1:
-        raise DeviceTensorError(f"device_blocks must have >= 1 non-empty row, got shape {tuple(t.shape)}")
-    if t.device.type not in ("cpu", "cuda"):
-        raise DeviceTensorError(f"device_blocks must be on cpu or cuda, got {t.device}")
-    if not t.is_contiguous():
-        raise DeviceTensorError(f"device_blocks rows must be contiguous, got shape {tuple(t.shape)} "
-                                f"strides {t.stride()}")
-    if t.requires_grad:
-        raise DeviceTensorError("device_blocks must not require grad")
+        return check_block(block, self.num_blocks)

@@ -466,7 +466,6 @@ def bench_store_latency(quick: Union[bool, str] = False, seed: int = 0, row_byte
 
     sides = _store_latency_sides(mgr, base, base.poll_reports, base_settle, rng, n_stores, segments, warmup_stores,
                                  n_rows, per_step, step_s)
-    seg_n = n_stores // segments
     mgr.wait(timeout=60)
     base_mover.close()
     base.poll_reports()

@@ -73,7 +73,6 @@ import contextlib
 import ctypes
 import datetime as _dt
 import gc
-import json
 import math
 import os
 import random

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import lmdb
 

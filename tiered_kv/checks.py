@@ -1,0 +1,91 @@
+"""Argument checks at the API boundary: a bad value raises an error from :mod:`tiered_kv.errors` naming it,
+before any state is touched.  Pure functions, shared by the front ends' public methods."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+from typing import Any, Optional
+
+import torch
+
+from .errors import ConfigError, DeviceTensorError, InvalidBlockError, InvalidKeyError
+
+__all__ = ["SUPPORTED_DTYPES", "check_key", "check_block", "check_many", "check_timeout", "check_device_blocks"]
+
+SUPPORTED_DTYPES = frozenset(
+    getattr(torch, n) for n in ("float16", "bfloat16", "float32", "float64", "int8", "uint8",
+                                "float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)
+)
+
+
+
+def check_key(key: Any, max_key_bytes: int) -> bytes:
+    if type(key) is not bytes:
+        raise InvalidKeyError(f"key must be bytes, got {type(key).__name__}: {key!r:.80}")
+    if not key:
+        raise InvalidKeyError("key must not be empty: b''")
+    if len(key) > max_key_bytes:   # the same bound store()'s inline check uses
+        raise InvalidKeyError(f"key of {len(key)} bytes exceeds max_key_bytes={max_key_bytes}: {key!r:.80}")
+    return key
+
+
+def check_block(block: Any, num_blocks: int) -> int:
+    """The row as an int (e.g. from a numpy integer), in ``[0, num_blocks)``."""
+    if isinstance(block, bool):
+        raise InvalidBlockError(f"block must be an int, got bool {block!r}")
+    try:
+        b = operator.index(block)
+    except TypeError:
+        raise InvalidBlockError(f"block must be an int, got {type(block).__name__}: {block!r:.80}") from None
+    if not 0 <= b < num_blocks:
+        raise InvalidBlockError(f"block {b} out of range [0, {num_blocks})")
+    return b
+
+
+def check_many(keys: Any, blocks: Any, max_key_bytes: int, num_blocks: int) -> tuple[list[bytes], list[int]]:
+    """``store_many``/``load_many``: each key and row checked, equal lengths, no key or row twice."""
+    for name, v in (("keys", keys), ("blocks", blocks)):
+        if isinstance(v, (bytes, str)) or not isinstance(v, Iterable):
+            raise (InvalidKeyError if name == "keys" else InvalidBlockError)(
+                f"{name} must be a sequence, got {type(v).__name__}: {v!r:.80}")
+    ks = [check_key(k, max_key_bytes) for k in keys]
+    bs = [check_block(b, num_blocks) for b in blocks]
+    if not ks:
+        raise InvalidKeyError("keys must not be empty")
+    if len(ks) != len(bs):
+        raise InvalidBlockError(f"{len(ks)} keys for {len(bs)} blocks: one device row per key")
+    if len(set(ks)) != len(ks):
+        dup = next(k for i, k in enumerate(ks) if k in ks[:i])
+        raise InvalidKeyError(f"key {dup!r:.80} appears twice in one call")
+    if len(set(bs)) != len(bs):
+        dup_b = next(b for i, b in enumerate(bs) if b in bs[:i])
+        raise InvalidBlockError(f"block {dup_b} appears twice in one call")
+    return ks, bs
+
+
+def check_timeout(timeout: Any) -> Optional[float]:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise ConfigError(f"timeout must be None or a number >= 0, got {timeout!r}")
+    return float(timeout)
+
+
+def check_device_blocks(t: Any) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise DeviceTensorError(f"device_blocks must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise DeviceTensorError(f"device_blocks dtype {t.dtype} is not supported; use one of "
+                                f"{sorted(str(d) for d in SUPPORTED_DTYPES)}")
+    if t.dim() < 2:
+        raise DeviceTensorError(f"device_blocks must be [num_blocks, ...] with >= 2 dims, got shape {tuple(t.shape)}")
+    if t.shape[0] < 1 or t[0].numel() < 1:
+        raise DeviceTensorError(f"device_blocks must have >= 1 non-empty row, got shape {tuple(t.shape)}")
+    if t.device.type not in ("cpu", "cuda"):
+        raise DeviceTensorError(f"device_blocks must be on cpu or cuda, got {t.device}")
+    if not t.is_contiguous():
+        raise DeviceTensorError(f"device_blocks rows must be contiguous, got shape {tuple(t.shape)} "
+                                f"strides {t.stride()}")
+    if t.requires_grad:
+        raise DeviceTensorError("device_blocks must not require grad")
