@@ -49,8 +49,13 @@ def check_many(keys: Any, blocks: Any, max_key_bytes: int, num_blocks: int) -> t
         if isinstance(v, (bytes, str)) or not isinstance(v, Iterable):
             raise (InvalidKeyError if name == "keys" else InvalidBlockError)(
                 f"{name} must be a sequence, got {type(v).__name__}: {v!r:.80}")
-    ks = [check_key(k, max_key_bytes) for k in keys]
-    bs = [check_block(b, num_blocks) for b in blocks]
+    ks, bs = list(keys), list(blocks)
+    for k in ks:   # check_key() inline for the common case: the engine calls this once per step
+        if type(k) is not bytes or not k or len(k) > max_key_bytes:
+            check_key(k, max_key_bytes)   # raises
+    for i, b in enumerate(bs):
+        if type(b) is not int or not 0 <= b < num_blocks:
+            bs[i] = check_block(b, num_blocks)
     if not ks:
         raise InvalidKeyError("keys must not be empty")
     if len(ks) != len(bs):

@@ -609,10 +609,13 @@ class TierManager:
         row_stores = self._row_stores
         for b in job.blocks:
             stores = row_stores.get(b)
-            if stores is not None and job in stores:
-                stores.remove(job)
-                if not stores:
+            if stores is None:
+                continue
+            if len(stores) == 1:   # the common case: one store reads the row
+                if stores[0] is job:
                     del row_stores[b]
+            elif job in stores:
+                stores.remove(job)
 
     # ------------------------------------------------------------ internals: arguments
     def _check_open(self) -> None:

@@ -45,6 +45,7 @@ TARGETS: dict[str, float] = {
     # the one table of targets (issue 2 section 8, issue 3 section 9), each named by what it measures;
     # :mod:`.report` applies them to the figures
     "lifecycles_per_cpu_s": 100_000,                # job lifecycles per CPU second of the one engine thread
+    "store_many_blocks_per_cpu_s": 500_000,         # blocks per CPU second through store_many(32 keys) -> poll
     "store_p99_us_copies_running": 50.0,            # store() p99 while copy workers move rows (CPU or CUDA)
     "host_copy_vs_raw_copy": 0.9,                   # host tier GB/s / a raw one-thread copy_ of the same rows
     "cuda_copy_vs_torch_copy": 0.9,                 # device<->host GB/s / torch's copy_ between the same buffers

@@ -262,8 +262,31 @@ def _run_lifecycles(mgr: Any, keys: list[bytes], blocks: list[int], batch: int,
 _run_tkv = _run_base = _run_lifecycles
 
 
+def _run_store_many(mgr: Any, keys: list[bytes], blocks: list[int], batch: int,
+                    cancel: bool) -> tuple[float, float, int, int]:
+    """tiered_kv's batched API: one ``store_many`` of ``batch`` keys, then one ``poll()``, per engine step.
+
+    Returns (wall s, CPU s, blocks reported, blocks not stored) like :func:`_run_lifecycles`, counted
+    per block so the two loops compare blocks per second."""
+    store_many, poll = mgr.store_many, mgr.poll
+    n = len(keys)
+    done = shed = 0
+    c0 = time.thread_time()
+    t0 = time.perf_counter()
+    for i in range(0, n, batch):
+        job = store_many(keys[i:i + batch], blocks[i:i + batch])
+        want = min(batch, n - i)
+        if job is None:
+            shed += want
+        else:
+            shed += want - len(job.keys)
+        for c in poll():
+            done += len(c.job.keys)
+    return time.perf_counter() - t0, time.thread_time() - c0, done, shed
+
+
 def _lifecycle_variant(name: str, cancel: bool, batch: int, n: int, repeats: int, warmup: int,
-                       rng: random.Random) -> dict[str, Any]:
+                       rng: random.Random, batched: bool = False) -> dict[str, Any]:
     mgr = _tkv_lifecycle_manager()
     base = UnsafeDictOffloader(_LC_SLOTS)
     blocks = [i % _LC_ROWS for i in range(n)]
@@ -276,7 +299,7 @@ def _lifecycle_variant(name: str, cancel: bool, batch: int, n: int, repeats: int
         for side in order:
             gc.collect()
             if side == "tkv":
-                dt, ct, done, shed = _run_tkv(mgr, keys, blocks, batch, cancel)
+                dt, ct, done, shed = (_run_store_many if batched else _run_tkv)(mgr, keys, blocks, batch, cancel)
             else:
                 dt, ct, done, shed = _run_base(base, keys, blocks, batch, cancel)
             if done != n or shed:
@@ -298,7 +321,9 @@ def _lifecycle_variant(name: str, cancel: bool, batch: int, n: int, repeats: int
     rate_t, rate_b = t["lifecycles_per_cpu_s"], b["lifecycles_per_cpu_s"]
     return {
         "name": name,
-        "sequence": ("store -> cancel -> late report -> poll" if cancel else "store -> worker report -> poll applied"),
+        "sequence": ("store -> cancel -> late report -> poll" if cancel else
+                     f"store_many({batch} keys) -> report -> poll" if batched else "store -> worker report -> poll applied"),
+        "batched": batched,
         "poll_every_n_stores": batch,
         "lifecycles_per_repeat": n,
         "repeats": repeats,
@@ -324,6 +349,9 @@ def bench_lifecycles(quick: Union[bool, str] = False, seed: int = 0) -> dict[str
             for batch in (1, 32):
                 name = f"{'store_cancel_late_report' if cancel else 'store_report_poll'}_poll_every_{batch}"
                 variants.append(_lifecycle_variant(name, cancel, batch, n, repeats, warmup, rng))
+        # the batched API: one job of 32 keys per engine step (per block, against the baseline's 32 stores)
+        variants.append(_lifecycle_variant("store_many_32_report_poll", False, 32, n, repeats, warmup, rng,
+                                           batched=True))
     return {
         "section": "lifecycles",
         "pinned_cpu": cpu,

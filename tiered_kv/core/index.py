@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Container, Iterator, Sequence
 from typing import Optional
 
 __all__ = ["TierIndex", "Entry", "EntryState"]
@@ -130,6 +130,50 @@ class TierIndex:
         entries[key] = entry
         return entry
 
+    def reserve_absent(self, keys: Sequence[bytes], writer: uuid.UUID, protect: Collection[bytes],
+                       elsewhere: Optional[Container[bytes]]) -> tuple[list[bytes], list[Entry], int]:
+        """:meth:`reserve` for each of ``keys`` in no tier yet, under one ``writer``.
+
+        A key present here is touched, a key in ``elsewhere`` (another tier) skipped, a
+        key repeated is reserved once.  Returns (keys reserved, their entries, keys that
+        found no evictable slot).  One call per job: the engine stores a step's blocks.
+        """
+        entries, lru, free = self._entries, self._lru, self._free
+        got: list[bytes] = []
+        new: list[Entry] = []
+        full = 0
+        for k in keys:
+            e = entries.get(k)
+            if e is not None:
+                if lru.get(k) is e:   # touch() written out
+                    lru.move_to_end(k)
+                continue
+            if elsewhere is not None and k in elsewhere:
+                continue
+            if not free and not self._evict_one(protect, k):
+                full += 1
+                continue
+            e = entries[k] = Entry(k, free.pop(), writer)
+            got.append(k)
+            new.append(e)
+        return got, new, full
+
+    def publish_all(self, entries: Sequence[Entry], skip: Optional[Container[int]] = None) -> list[Entry]:
+        """:meth:`publish` for each of ``entries`` (but the positions in ``skip``: only
+        :meth:`writer_done`); returns those now READY."""
+        lru = self._lru
+        out = []
+        for i, e in enumerate(entries):
+            e.writing = False
+            if not e.live or (skip is not None and i in skip):
+                self._maybe_free(e)
+                continue
+            e.state = _READY
+            if e.readers == 0:
+                lru[e.key] = e
+            out.append(e)
+        return out
+
     def publish(self, entry: Entry) -> bool:
         """The writer's copy landed: WRITING -> READY, if the entry is still in the index."""
         entry.writing = False
@@ -190,11 +234,22 @@ class TierIndex:
         The owner calls it between engine steps, so that the next step's reservations find free
         slots instead of evicting in the engine's call.  Returns how many entries it evicted.
         """
-        lru = self._lru
-        n = min(free - len(self._free), len(lru))
-        for _ in range(n):
-            self._evicted(lru.popitem(last=False)[1])
-        return max(n, 0)
+        lru, entries, slots = self._lru, self._entries, self._free
+        n = min(free - len(slots), len(lru))
+        if n <= 0:
+            return 0
+        on_evict = self._on_evict
+        pop = lru.popitem
+        for _ in range(n):   # _evicted() written out: once per block of a step
+            entry = pop(last=False)[1]
+            if on_evict is not None:
+                on_evict(entry)
+            entry.live = False
+            del entries[entry.key]
+            slots.append(entry.slot)
+            entry.slot = -1
+        self.evictions += n
+        return n
 
     def _evict_one(self, protect: Collection[bytes], key: bytes) -> bool:
         lru = self._lru

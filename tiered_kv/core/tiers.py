@@ -173,46 +173,37 @@ class TierCore:
         left, or when the jobs in flight are at ``max_inflight_jobs`` (shed).  The
         front end fills in the device side (``block``/``blocks``) and submits it.
         """
-        index, dindex = self.index, self.dindex
-        token: Optional[uuid.UUID] = None
-        got: list[bytes] = []
-        entries: list[Entry] = []
-        for k in keys:
-            e = index.get(k)
-            if e is not None:
-                index.touch(e)
-                continue
-            if dindex is not None and k in dindex:
-                continue
-            if token is None:
-                if len(self.jobs) >= self.max_inflight:
-                    return self.shed(_STORE, "inflight_limit")
-                token = self.take_token()
-            e = index.reserve(k, token, protect)
-            if e is None:
-                self.shed(_STORE, "host_full")
-                continue
-            got.append(k)
-            entries.append(e)
+        jobs = self.jobs
+        if len(jobs) >= self.max_inflight:
+            index, dindex = self.index, self.dindex
+            absent = False
+            for k in keys:
+                e = index.get(k)
+                if e is not None:
+                    index.touch(e)
+                elif dindex is None or k not in dindex:
+                    absent = True
+            return self.shed(_STORE, "inflight_limit") if absent else None
+        token = self.take_token()
+        got, entries, full = self.index.reserve_absent(keys, token, protect, self.dindex)
+        if full:
+            self.shed(_STORE, "host_full", full)
         if not entries:
+            self.token_pool.appendleft(token)   # not issued: the next job takes it, in order
             return None
-        job = Job(token, _STORE, got[0], -1, keys=tuple(got))  # type: ignore[arg-type]
+        job = Job(token, _STORE, got[0], -1, keys=tuple(got))
         job._entries = entries
-        self.jobs[token.int] = job  # type: ignore[union-attr]
+        jobs[token.int] = job
         self.n_in_flight[_STORE] += 1
         return job
 
     def publish_store(self, job: Job) -> list[Entry]:
         """A PENDING store's copies landed: its live parts become READY (and spill, write-through)."""
-        index = self.index
         dead = job._dead
-        out = []
-        for i, e in enumerate(job._entries):
-            if dead is not None and i in dead:
-                index.writer_done(e)
+        out = self.index.publish_all(job._entries, dead)
+        if dead is not None:
+            for _ in dead:
                 self.stale(_STORE, job.cancel_reason or StaleReason.SOURCE_REUSED, job.token)
-            elif index.publish(e):
-                out.append(e)
         if self.collect_published:
             self.published.extend(e.key for e in out)
         disk = self.disk
