@@ -199,8 +199,8 @@ class TierCore:
 
     def publish_store(self, job: Job) -> list[Entry]:
         """A PENDING store's copies landed: its live parts become READY (and spill, write-through)."""
+        out = self.index.publish_all(job._entries)   # a cancelled part's entry left the index already
         dead = job._dead
-        out = self.index.publish_all(job._entries, dead)
         if dead is not None:
             for reason in dead.values():
                 self.stale(_STORE, reason, job.token)
