@@ -18,6 +18,10 @@ Invariants (docs/architecture.md has the table and where each is enforced):
    (``_give_up_row``): its report is discarded and counted, never raised.
 3. A row with a load in flight is fenced (``_row_load``): ``free_block`` returns
    False, ``store``/``load`` on it raise, until the load's report was applied.
+
+Longer than the project's usual 500 lines: the public API's docstrings are the
+user's reference (README and docs/architecture.md point here), and the blocking
+calls (``wait``/``flush``/``close``) share ``_block_until`` with it.
 """
 
 from __future__ import annotations

@@ -5,22 +5,29 @@ The core owns the host index (slots, leases, LRU, evict-ahead), the disk tier
 :class:`~tiered_kv.jobs.Job` per token, covering a set of keys), the tokens,
 stale and shed accounting, spill and promote, write-through and write-back,
 flush and close, and the gauges.  It does no I/O: the disk store and the movers
-take token-tagged work and answer token-tagged reports, which :meth:`apply`
+take token-tagged work and answer token-tagged reports, which :meth:`TierCore.apply`
 matches by token on the owner thread.
 
 Front ends map their engine's calls onto it and keep only what their engine
-adds: :class:`~tiered_kv.manager.TierManager` the device rows (generations,
-fences, the mover); the vLLM scheduler side
+adds: :class:`~tiered_kv.manager.TierManager` the device rows (fences, the
+stores reading each row, the mover); the vLLM scheduler side
 (:class:`~tiered_kv.integrations.scheduler.SlabScheduler`) vLLM's key-set
-completions and the slab's rings.  A front end sets the two hooks
-``on_store``/``on_load`` (apply a report of its STORE/LOAD job) and
-``on_load_ready``/``cancel_hook``; everything else it calls here.
+completions and the slab's rings.  A front end sets the hooks ``on_store`` /
+``on_load`` (apply a report of its STORE/LOAD job), ``on_load_ready`` /
+``on_load_failed`` (a load's reads from disk landed / failed) and
+``cancel_hook`` (cancel one of its jobs); everything else it calls here.
 
 Invariants enforced here: a report is applied only to the live job its token
-names (else counted ``unknown_token``); a leased slot is never reused before the
-job's report is applied (the index's leases, taken and released only here); a
-cancelled store is never published (``publish_store`` skips non-PENDING jobs and
-dead parts); a spill is shed, never queued without bound (``DiskTier.start_spill``).
+names (else counted ``unknown_token``: :meth:`TierCore.apply`); a leased slot is
+never reused before the job's report is applied (the index's leases, taken and
+released only here); a cancelled store or part is never published (its entries
+leave the index when it is cancelled: :meth:`TierCore.cancel`,
+:meth:`TierCore.cancel_part`); a spill is shed, never queued without bound
+(:meth:`DiskTier.start_spill`).
+
+The module is longer than the project's usual 500 lines on purpose: it is one
+state machine (jobs, leases and the two indexes change together in every
+method), and splitting it would put the halves of one transition in two files.
 """
 
 from __future__ import annotations
