@@ -263,3 +263,23 @@ def flip_live_slot_byte(mgr, path, key):
         os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x5A]), at)
     finally:
         os.close(fd)
+
+
+def test_a_read_from_disk_for_load_many_never_evicts_another_key_of_the_same_load(disk_mgr):
+    """The host tier is full and the load's READY key is its least recently used block: the slot for
+    the load's other key, read back from disk, must come from another block, or the READY key would
+    be evicted between the lookup of the load and its lease."""
+    mgr, mover, kv = disk_mgr
+    _on_disk_only(mgr, mover, kv, [K[1]])
+    stored(mgr, mover, kv, [K[0]], [0])
+    assert mgr.flush(timeout=30)
+    for i in range(3):
+        stored(mgr, mover, kv, [f"fill-{i}".encode()], [50 + i])
+        assert mgr.flush(timeout=30)
+    assert mgr.host_used_slots == 4 and mgr.host_bytes(K[1]) is None
+    job = mgr.load_many([K[0], K[1]], [20, 21])   # K0 (host, LRU) and K1 (disk)
+    assert job is not None
+    _poll_until(mgr, lambda: mover.is_outstanding(job), "the load's copy never started")
+    mover.complete(job)
+    assert [c.ok for c in mgr.poll() if c.job is job] == [True]
+    assert row_matches(kv, 20, K[0]) and row_matches(kv, 21, K[1])

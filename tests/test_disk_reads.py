@@ -407,7 +407,8 @@ class Gate:
 def submit_as_one_batch(st_: Store, gate: Gate, ops: list[_Promote], release: bool = True) -> None:
     """Queue ``ops`` while the gate holds the reader after it took the first: it takes the rest at once."""
     for i, op in enumerate(ops):
-        st_.s.submit_promote(op.token, op.key, op.expect, op.dst)
+        st_.s.queue_promote(op.token, op.key, op.expect, op.dst)
+        st_.s.start_reads()
         if i == 0:
             assert gate.entered.wait(30)
     if release:
@@ -450,7 +451,8 @@ def test_an_exception_inside_a_reader_answers_every_read_it_took_and_the_reader_
     assert st_.slots() == {}
     st_.write(b"again")
     op = st_.op(b"again")
-    st_.s.submit_promote(op.token, op.key, op.expect, op.dst)
+    st_.s.queue_promote(op.token, op.key, op.expect, op.dst)
+    st_.s.start_reads()
     assert st_.answer(op.token).ok and bytes_ok(op, ROW)
 
 

@@ -272,6 +272,23 @@ def test_write_back_spills_only_once_the_host_fills_and_each_block_once(open_fro
     assert metric(f, "tiered_kv_jobs_total", kind="spill", outcome="ok") == spilled
 
 
+def test_write_back_with_a_disk_tier_smaller_than_the_host_spills_each_residency_once(open_front):
+    # every spill evicts a disk block whose key is still on the host: "spill what is not on disk"
+    # would rewrite the same blocks at every step
+    f = open_front(host_slots=8, disk_slots=4, write_mode="back", host_evict_ahead_blocks=0)
+    for k in keys(7):
+        store_all(f, [k])
+    for _ in range(4):
+        f.step()
+        assert f.flush()
+    spilled = metric(f, "tiered_kv_jobs_total", kind="spill", outcome="ok")
+    assert 4 <= spilled <= 7 and f.disk_blocks == 4
+    for _ in range(4):
+        f.step()
+        assert f.flush()
+    assert metric(f, "tiered_kv_jobs_total", kind="spill", outcome="ok") == spilled
+
+
 def test_write_through_sheds_spills_with_the_writer_queue_full_and_counts_them(open_front):
     f = open_front(host_slots=16, disk_slots=64, writer_queue_blocks=1, writer_batch_seconds=60.0)
     store_all(f, keys(4))                  # the writer holds its batch open: the queue is full after one

@@ -154,7 +154,7 @@ class Job:
         self._dentry: Any = None             # spill: the disk entry written; promote: the one read
         self._transfer: Any = None           # the mover's transfer (None while a load waits for promotes)
         self._waiters: Optional[list[Any]] = None   # promote: (load, part) waiting for it; load: promotes it waits for
-        self._dead: Optional[set[int]] = None  # store of several keys: the parts cancelled (their rows freed)
+        self._dead: Optional[dict[int, StaleReason]] = None  # store of several keys: parts cancelled, and why
 
     def _move(self, new: JobState) -> None:
         if new not in ALLOWED_MOVES[self.state]:

@@ -158,14 +158,14 @@ class TierIndex:
             new.append(e)
         return got, new, full
 
-    def publish_all(self, entries: Sequence[Entry], skip: Optional[Container[int]] = None) -> list[Entry]:
-        """:meth:`publish` for each of ``entries`` (but the positions in ``skip``: only
-        :meth:`writer_done`); returns those now READY."""
+    def publish_all(self, entries: Sequence[Entry]) -> list[Entry]:
+        """:meth:`publish` for each of ``entries``; returns those now READY (the others left the index
+        while they were written, and their slots are free now)."""
         lru = self._lru
         out = []
-        for i, e in enumerate(entries):
+        for e in entries:
             e.writing = False
-            if not e.live or (skip is not None and i in skip):
+            if not e.live:
                 self._maybe_free(e)
                 continue
             e.state = _READY

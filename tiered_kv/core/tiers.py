@@ -199,11 +199,11 @@ class TierCore:
 
     def publish_store(self, job: Job) -> list[Entry]:
         """A PENDING store's copies landed: its live parts become READY (and spill, write-through)."""
+        out = self.index.publish_all(job._entries)   # a cancelled part's entry left the index already
         dead = job._dead
-        out = self.index.publish_all(job._entries, dead)
         if dead is not None:
-            for _ in dead:
-                self.stale(_STORE, job.cancel_reason or StaleReason.SOURCE_REUSED, job.token)
+            for reason in dead.values():
+                self.stale(_STORE, reason, job.token)
         if self.collect_published:
             self.published.extend(e.key for e in out)
         disk = self.disk
@@ -242,14 +242,13 @@ class TierCore:
         leaves the index now, its slot stays leased until the report; the rest still publishes."""
         dead = job._dead
         if dead is None:
-            dead = job._dead = set()
+            dead = job._dead = {}
         if i in dead:
             return
-        dead.add(i)
+        dead[i] = reason
         if len(dead) == len(job._entries):
             self.cancel_hook(job, reason)
             return
-        job.cancel_reason = reason
         self.index.abort(job._entries[i])
 
     # ------------------------------------------------------------------ loads

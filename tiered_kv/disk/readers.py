@@ -63,10 +63,6 @@ class Readers:
             t.start()
 
     # ------------------------------------------------------------ owner side
-    def submit(self, op: Promote) -> None:
-        """Queue a read now (wakes a reader if one waits)."""
-        self._reads.put(op)
-
     def hold(self, op: Promote) -> None:
         """Hold a read in the caller's thread until :meth:`start` (a list append: no lock, no wake-up)."""
         self._held_reads.append(op)

@@ -7,9 +7,9 @@ the copy movers:
 * ``submit_spill`` / ``cancel`` / ``submit_delete`` / ``submit_touch`` / ``submit_flush`` queue an
   op for the writer thread (writer.py) and never block.  Spill ops are bounded (``queue_blocks``):
   a full queue sheds the spill.
-* ``submit_promote`` queues a read for a reader thread (readers.py); ``queue_promote`` holds it in
-  the caller's thread until ``start_reads`` hands everything held over as batches (the manager's
-  ``load()`` holds, its ``poll()`` hands over: no reader is woken inside the engine's call).
+* ``queue_promote`` holds a read in the caller's thread until ``start_reads`` hands everything held
+  over to the reader threads (readers.py) as batches (a front end's ``load()``/``lookup()`` holds,
+  its ``poll()``/``tick()`` hands over: no reader is woken inside the engine's call).
 * Each op is answered by one :class:`~tiered_kv.movers.Report` (spills, promotes) or
   :class:`~tiered_kv.disk.records.FlushDone` on the manager's completion queue.
 
@@ -132,10 +132,6 @@ class DiskStore:
 
     def submit_flush(self, token: uuid.UUID) -> None:
         self.writer.push(Flush(token, self.writer.failures))
-
-    def submit_promote(self, token: uuid.UUID, key: bytes, expect: uuid.UUID, dst: memoryview) -> None:
-        """Queue a read for a reader thread now (wakes one if it waits)."""
-        self.readers.submit(Promote(token, key, expect, dst))
 
     def queue_promote(self, token: uuid.UUID, key: bytes, expect: uuid.UUID, dst: memoryview) -> None:
         """Hold a read in the caller's thread until :meth:`start_reads` (a list append: no lock, no wake-up)."""
