@@ -48,7 +48,9 @@ class TieredKVConfig:
 
     namespace: scopes every key (model, dtype, block shape, rank).  A block
         stored under one namespace is never served under another.
-    host_capacity_bytes: size of the pinned host slab, preallocated at start.
+    host_capacity_bytes: size of the host slab in bytes (whole blocks of it are
+        used).  ``TierManager`` allocates it at start, pinned per ``pin_host_memory``;
+        the vLLM adapter sets it from its own options (docs/vllm.md).
     disk_path: directory of the LMDB disk tier, or ``None`` for no disk tier.
     disk_capacity_bytes: bytes of block data the disk tier may hold (LRU beyond).
     durability: ``"sync"`` | ``"batch"`` | ``"none"`` (see docs/architecture.md).
@@ -56,7 +58,11 @@ class TieredKVConfig:
         spills the least recently used host blocks not yet on disk once the host
         tier is 3/4 full (each host residency at most once; a block evicted
         from the host before its turn is not spilled).
-    max_inflight_jobs: bound on store/load jobs in flight; beyond it calls shed.
+    max_inflight_jobs: bound on jobs in flight.  A store or load is shed (counted,
+        ``reason="inflight_limit"``) when the jobs in flight of every kind -- spills
+        and promotes included -- have reached it; spills themselves are not shed by
+        it (``writer_queue_blocks`` bounds them).  The vLLM adapter never sheds the
+        loads vLLM was promised.
     num_copy_workers: worker threads of the CPU mover (ignored with CUDA).
     num_copy_streams: CUDA copy streams of the GPU mover.
     copy_batch_max: the movers queue the copies of ``store()``/``load()`` and
