@@ -1,8 +1,8 @@
 """Review of the tier core rewrite (TierCore + TierManager + SlabScheduler): forced interleavings.
 
-Tests marked ``xfail(strict=True)`` pin a bug of the current code (the reason names it): they turn
-red once the fix lands, and the marker goes then.  The others pin interleavings checked to be
-right that no other test forces: per-part cancellation of ``store_many`` and the slot leases it
+Two pin bugs a review found (each failed before its fix): every cancelled part of a store counted
+under its own stale reason; ``SlabScheduler.flush`` covering a spill that failed before it was
+asked for.  The others pin interleavings checked to be right that no other test forces: per-part cancellation of ``store_many`` and the slot leases it
 keeps, ``load_many`` waiting on several reads from disk (a read shared by two loads, one read
 failing after another landed, a key invalidated while it is read back), and a ``reset`` under
 the scheduler while a read-back is in flight.
@@ -61,9 +61,6 @@ def in_flight(mgr, kind):
 
 
 # =========================================================================== store_many: per-part cancellation
-@pytest.mark.xfail(strict=True, reason="BUG: cancel_part keeps one reason per job (job.cancel_reason, overwritten by "
-                   "the last part cancelled) and publish_store counts every dead part under it: a part whose row was "
-                   "freed is counted 'superseded' when another part was invalidated after it")
 def test_each_cancelled_part_is_counted_stale_under_its_own_reason(fake, kv):
     mgr, mover = fake
     for i in range(3):
@@ -156,6 +153,7 @@ class HeldReads:
         self.mgr = mgr
         self.store = mgr._core.disk.store
         self.held: dict[bytes, tuple[Any, ...]] = {}
+        self._queue = self.store.queue_promote
         self.store.queue_promote = self._hold   # the instance attribute shadows the method
 
     def _hold(self, token: uuid.UUID, key: bytes, expect: uuid.UUID, dst: memoryview) -> None:
@@ -164,7 +162,8 @@ class HeldReads:
     def land(self, key: bytes) -> None:
         """Let a reader thread read ``key`` for real, and apply its report."""
         args = self.held.pop(key)
-        self.store.submit_promote(*args)
+        self._queue(*args)
+        self.store.start_reads()
         deadline = time.monotonic() + 30
         while args[0].int in self.mgr._core.jobs:
             assert time.monotonic() < deadline, f"the read of {key!r} never landed"
@@ -289,9 +288,6 @@ def sched_store(s: SlabScheduler, slab: SharedSlab, keys: list[bytes]) -> None:
     s.tick()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: SlabScheduler.flush applies the arrived reports (core.apply_arrived) "
-                   "before core.flush snapshots spill_faults, so a spill that failed before flush() was asked for is "
-                   "not covered and flush() answers True (SlabTiers.flush and TierManager.flush snapshot first)")
 def test_scheduler_flush_is_false_when_a_spill_failed_before_it_was_asked_for(sched):
     s, slab = sched()
     disk = s.disk
