@@ -63,7 +63,8 @@ class DiskTierError(TieredKVError, RuntimeError):
 
 
 class DiskInUseError(DiskTierError):
-    """Another TierManager (in this or another process) holds the disk path."""
+    """Another owner of the disk path (a TierManager or vLLM engine, in this or another process, or a
+    writing operator tool) holds its lock."""
 
 
 class UnsupportedVersionError(TieredKVError, ImportError):

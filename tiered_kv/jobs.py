@@ -7,7 +7,8 @@ owner (engine) thread with a fresh UUID token; workers only ever see
 the answer by token, so a late, duplicate or foreign answer can never touch
 another job's state.
 
-State table (the only allowed moves; ``Job._move`` enforces it)::
+State table (the only allowed moves; ``Job._move`` checks them, and the hot paths that
+set a state directly do so only from a state they checked first)::
 
     PENDING     --report ok-------------> DONE        (reported ok)
     PENDING     --report failed---------> FAILED      (reported not ok)

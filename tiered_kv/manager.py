@@ -231,7 +231,9 @@ class TierManager:
     def load_many(self, keys: Sequence[bytes], blocks: Sequence[int]) -> Optional[Job]:
         """``load()`` of many keys as one job: ``keys[i]`` into device row ``blocks[i]``.
 
-        None (nothing started) unless every key is ready in a lower tier.  Every
+        None unless every key is ready in a lower tier (and then nothing started), or when
+        shed (a read from disk that finds no host slot: the reads already started for its
+        other keys finish as prefetches).  Every
         row is fenced until the job is reported; freeing any of them cancels the
         whole job (its copies may still land, so every row stays fenced until its
         report).  Keys only on disk are read back first; the copies start once all

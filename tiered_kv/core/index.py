@@ -2,7 +2,7 @@
 
 Pure Python, no tensors and no I/O.  The core keeps one for the host slab (a
 slot is a row of the slab) and one for the disk tier (a slot is a unit of
-capacity; the disk store places the bytes).  Invariants (tested in tests/test_host_index.py and the state machine):
+capacity; the disk store places the bytes).  Invariants (tested in tests/test_tier_index.py and the state machines):
 
 * a slot belongs to at most one :class:`Entry`; it returns to the free
   list only when its entry is out of the index *and* no worker may still
@@ -51,7 +51,7 @@ class Entry:
 
 
 class TierIndex:
-    """Key -> slot map of the host slab with leases and LRU eviction.
+    """Key -> entry map of one tier (the host slab, or the disk tier's capacity) with leases and LRU eviction.
 
     ``on_evict(entry)`` is called before an evicted entry leaves the index; it must not change this
     index (the owners' callbacks queue a disk delete or note the key).

@@ -3,8 +3,9 @@
 Owns the ``lmdb.Environment``, its sub-databases (:data:`SUBDBS`), the meta records
 (:func:`init_meta`, checked on open), and the map size.  Invariants (py-lmdb's rules):
 
-* the map is grown only with no transaction of this process active: every transaction of a
-  :class:`DiskEnv` runs under ``rw`` shared, :meth:`DiskEnv.grow` takes it exclusive;
+* the map is grown only with no transaction of this process active: every transaction once the
+  store's threads run is taken under ``rw`` shared, :meth:`DiskEnv.grow` takes it exclusive (the
+  meta check and recovery run before any thread starts);
 * ``writemap`` is never used, so a full disk is an error and not SIGBUS;
 * a data file shorter than the environment's last page is refused at open (:func:`map_in_use`).
 

@@ -102,7 +102,7 @@ class Readers:
             first = ops[0]
             answered: set[uuid.UUID] = set()
             try:
-                # a lone read skips the batch machinery: less time per read, same outcomes (ab_lone_read.py)
+                # a lone read skips the batch machinery: less time per read, same outcomes
                 for op, r in (self._read_many(ops) if len(ops) > 1 else [(first, self._read(first))]):
                     self._answer(op, r)
                     answered.add(op.token)

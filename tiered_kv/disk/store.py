@@ -1,6 +1,6 @@
 """The disk tier's I/O side behind one facade: :class:`DiskStore` wires the parts and keeps the API.
 
-:class:`DiskStore` owns every LMDB transaction of its path; the manager owns the policy (which keys
+:class:`DiskStore` owns every LMDB transaction of its path; the tier core (tiered_kv.core) owns the policy (which keys
 live on disk, leases, LRU, capacity) and talks to the store only through messages, exactly like
 the copy movers:
 
@@ -75,7 +75,7 @@ class DiskStore:
         try:
             self._lock_fd = lock.take(o.path)
         except lock.LockHeld as held:
-            raise DiskInUseError(f"disk_path {str(o.path)!r} is in use by another TierManager (pid {held.holder}); "
+            raise DiskInUseError(f"disk_path {str(o.path)!r} is in use by another owner (a TierManager, a vLLM engine or a writing operator tool; pid {held.holder}); "
                                  f"one manager per path") from None
         except OSError as exc:
             raise DiskTierError(f"disk_path {str(o.path)!r}: cannot open lock file: {exc}") from exc
