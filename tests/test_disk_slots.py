@@ -505,7 +505,8 @@ def test_enospc_on_a_chunk_falls_back_to_one_slot_at_a_time(tmp_path, monkeypatc
         for k, t in toks.items():
             dst = bytearray(ROW)
             rt = uuid.uuid4()
-            s.submit_promote(rt, k, t, memoryview(dst))
+            s.queue_promote(rt, k, t, memoryview(dst))
+            s.start_reads()
             assert await_token(q, rt).ok and bytes(dst) == content(k).numpy().tobytes(), k
     finally:
         s.close()
@@ -830,7 +831,8 @@ def test_unreadable_entry_removal_never_removes_a_newer_write_of_the_key(tmp_pat
 
         monkeypatch.setattr(readers_mod.os, "preadv", failing)
         read1 = uuid.uuid4()
-        store.submit_promote(read1, b"A", t1, memoryview(bytearray(ROW)))
+        store.queue_promote(read1, b"A", t1, memoryview(bytearray(ROW)))
+        store.start_reads()
         assert entered.wait(30)                      # the reader holds t1's index record, mid-read
         assert store.submit_spill(t2, b"A", v2)      # ... and a newer write of A commits meanwhile
         assert [(r.token, r.ok) for r in _flushed(store, q)] == [(t2, True)]
@@ -841,7 +843,8 @@ def test_unreadable_entry_removal_never_removes_a_newer_write_of_the_key(tmp_pat
         monkeypatch.setattr(readers_mod.os, "preadv", real)
         dst = memoryview(bytearray(ROW))
         read2 = uuid.uuid4()
-        store.submit_promote(read2, b"A", t2, dst)
+        store.queue_promote(read2, b"A", t2, dst)
+        store.start_reads()
         r = q.get(30)
         assert r is not None and r.token == read2 and r.ok, r
         assert bytes(dst) == bytes(v2)

@@ -89,7 +89,8 @@ class Store:
         assert self.answer(t).ok and self.flush()
         self.rewrite_record(key, damage)
         p = uuid.uuid4()
-        self.s.submit_promote(p, key, t, memoryview(bytearray(ROW)))
+        self.s.queue_promote(p, key, t, memoryview(bytearray(ROW)))
+        self.s.start_reads()
         r = self.answer(p)
         assert not r.ok and r.error.startswith("miss: corrupt")
         return t
