@@ -65,7 +65,7 @@ def test_cpu_job_over_two_tensors_marks_the_ring_after_its_copies(slab):
 def _sim_copier(slab: SharedSlab, tensors: list[torch.Tensor], monkeypatch) -> tuple[SlabCopier, FakeGPU]:
     gpu = FakeGPU()
     monkeypatch.setattr(copier_mod, "_copy_mover",
-                        lambda planes, out: CudaMover(planes, out, num_streams=1, runtime=gpu, batch_max=1))
+                        lambda planes, out, batch_max: CudaMover(planes, out, num_streams=1, runtime=gpu, batch_max=batch_max))
     return SlabCopier(slab, 0, tensors, metrics=Metrics(registry=CollectorRegistry(), namespace="t")), gpu
 
 
