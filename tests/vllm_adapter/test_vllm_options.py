@@ -192,30 +192,24 @@ def test_host_evict_ahead_blocks_leaves_slots_free_after_the_step(model_dir: str
 
 
 # ============================================================================= the worker applies them
-def test_copy_batch_max_queues_the_workers_copies_until_get_finished(model_dir: str, tmp_path: Path) -> None:
-    p = _pair(model_dir, tmp_path, copy_batch_max=4)
+@pytest.mark.parametrize(("batch", "held"), [(4, 1), (1, 0)], ids=["batch-4", "batch-1"])
+def test_copy_batch_max_decides_when_the_workers_copies_start(model_dir: str, tmp_path: Path, batch: int,
+                                                              held: int) -> None:
+    """copy_batch_max=4: the submit wakes no copy thread, vLLM's get_finished starts the copy; 1: the
+    submit starts it."""
+    p = _pair(model_dir, tmp_path, copy_batch_max=batch)
     try:
         mover = p.worker.copier._mover
         assert isinstance(mover, ThreadMover)
         out = p.mgr.prepare_store(keys(2), CTX)
         assert p.worker.submit_store(1, gpu_spec([3, 4]), out.store_spec)
-        assert len(mover._held) == 1 and mover._q.qsize() == 0   # no copy thread woken by the submit
-        p.worker.get_finished()                                   # the engine asks for results: it starts
+        assert len(mover._held) == held
+        if held:
+            assert mover._q.qsize() == 0     # nothing handed to the copy thread yet
+        got = p.worker.get_finished()        # the engine asks for results: queued copies start
         assert len(mover._held) == 0
         p.worker.wait({1})
-        assert [r.job_id for r in p.worker.get_finished()] == [1]
-    finally:
-        p.close()
-
-
-def test_copy_batch_max_1_starts_the_copy_at_submit(model_dir: str, tmp_path: Path) -> None:
-    p = _pair(model_dir, tmp_path, copy_batch_max=1)
-    try:
-        mover = p.worker.copier._mover
-        out = p.mgr.prepare_store(keys(2), CTX)
-        assert p.worker.submit_store(1, gpu_spec([3, 4]), out.store_spec)
-        assert len(mover._held) == 0
-        p.finish(1)
+        assert [r.job_id for r in got + p.worker.get_finished()] == [1]
     finally:
         p.close()
 
