@@ -11,7 +11,7 @@ started): the spec built by ``OffloadingSpecFactory`` from a real
 ``OffloadingConfig``, the manager and workers through vLLM's abstract interface,
 and (for the worker-side crash) vLLM's own ``OffloadingConnector`` in both roles
 via the ``Engine`` stand-in of test_vllm_adapter.py.  No sleeps order anything:
-copies are awaited with ``worker.wait``, spills with ``SlabTiers.flush``.
+copies are awaited with ``worker.wait``, spills with ``SlabScheduler.flush``.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from test_vllm_adapter import (  # noqa: E402
     tkv_extra,
 )
 from tiered_kv.errors import ConfigError, DiskInUseError  # noqa: E402
+from tiered_kv.jobs import JobKind  # noqa: E402
 from tiered_kv.integrations.vllm import TieredKVOffloadingManager  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -141,33 +142,28 @@ def test_data_parallel_replicas_on_one_disk_path_both_start(model_dir: str, tmp_
             m.shutdown()
 
 
-class _FailingRegion:
-    """A slab region whose next ``fail`` writes raise (a failed device->host copy); reads pass."""
+def _fail_stores(mover: Any, fail: list[int]) -> None:
+    """The copy worker's next ``fail[0]`` device->host copies raise (a failed store copy); loads pass."""
+    real = mover._memmove
 
-    def __init__(self, region: torch.Tensor, fail: list[int]) -> None:
-        self._region, self._fail = region, fail
-
-    def index_copy_(self, *a: Any) -> Any:
-        if self._fail[0] > 0:
-            self._fail[0] -= 1
+    def memmove(t: Any) -> None:
+        if t.kind is JobKind.STORE and fail[0] > 0:
+            fail[0] -= 1
             raise RuntimeError("simulated device->host copy fault")
-        return self._region.index_copy_(*a)
+        real(t)
 
-    def index_select(self, *a: Any) -> torch.Tensor:
-        return self._region.index_select(*a)
+    mover._memmove = memmove
 
 
 def test_a_failed_store_copy_becomes_a_miss_not_a_vllm_crash(model_dir: str, tmp_path: Path) -> None:
     """A store whose copy fails is reported to vLLM as success=False; vLLM 0.32's worker connector
     asserts ``transfer_result.success`` (OffloadingConnectorWorker.get_finished), so the engine dies.
-    The ring already records the failure and SlabTiers._finish_store never publishes a store the
+    The ring already records the failure and SlabScheduler._finish_store never publishes a store the
     rings mark failed, so the fault could degrade into a miss (architecture invariant 11)."""
     eng = Engine(model_dir, tkv_extra(tmp_path))
     try:
-        copier = eng.worker.copier
         fail = [1]
-        dev, region = copier._pairs[0]
-        copier._pairs[0] = (dev, _FailingRegion(region, fail))
+        _fail_stores(eng.worker.copier._mover, fail)
         eng.add("a", prompt_tokens(21, PROMPT_LEN), max_tokens=3)
         eng.run()                                    # AssertionError inside vLLM's worker connector today
         assert fail == [0] and "a" in eng.finished

@@ -17,7 +17,7 @@ filled with bytes that are a pure function of the tokens up to the block's end
 checked against what recomputing it would have produced.
 
 Determinism: every copy the worker submitted is waited for before the step goes
-on; disk reads are awaited through ``SlabTiers.flush`` (a wait point on the
+on; disk reads are awaited through ``SlabScheduler.flush`` (a wait point on the
 completion queue), never by sleeping.
 """
 
@@ -588,7 +588,7 @@ def test_failed_construction_leaves_no_slab_behind(model_dir: str, tmp_path: Pat
 
     Otherwise the file (host_bytes of /dev/shm by default) outlives the crashed engine.  Worker side: KV
     tensors wider than vLLM's worker_kv_bytes_per_block (ConfigError from SlabCopier); manager side: a
-    disk path held by another engine (DiskInUseError from SlabTiers).  In both cases the failing object
+    disk path held by another engine (DiskInUseError from SlabScheduler).  In both cases the failing object
     is the first to open the slab, so it created the file.
     """
     if side == "worker":

@@ -13,9 +13,22 @@ Invariants (the slab-ring protocol, see :mod:`.slab`):
 * a job is marked done in the rank's ring (``slab.mark_done(rank, seq, ok)``) only after all its
   copies completed -- the mover's report says so -- and before its result is returned to vLLM;
 * jobs run one after another in submission order: one copy worker (CPU) or one copy stream (CUDA),
-  each job put on it at its ``submit``, so two jobs touching the same slot or block never overlap.
-  (The ring protocol alone would not cover a store and a load of one device block in flight
-  together; the order does.)
+  so two jobs touching the same slot or block never overlap.  (The ring protocol alone would not
+  cover a store and a load of one device block in flight together; the order does.)  A batch (see
+  below) keeps the order too: the CUDA mover puts a batch's stores on the stream before its loads,
+  so a store submitted after a load first starts the copies queued before it.
+
+``batch_max`` (``copy_batch_max`` of the config, as under ``TierManager``): submitted jobs are
+queued and started together at the next point where the engine asks for results --
+:meth:`SlabCopier.finished` (vLLM's ``get_finished``) or :meth:`SlabCopier.wait` -- or once
+``batch_max`` are queued; ``1`` starts each job at its ``submit``.  vLLM 0.32's worker submits a
+step's deferred stores and its loads right after launching the forward pass and asks for results
+right after, so a step's copies start together once the engine made its calls: on CUDA behind one
+ordering barrier, on the CPU without waking the copy thread for each call.
+
+Pinning follows ``TierManager``'s rule (:func:`pin_decision`): with CUDA KV tensors (or
+``pin=True``) this process's mapping of the slab rows is registered as pinned memory
+(:meth:`SharedSlab.pin`) and unregistered at :meth:`SlabCopier.close`.
 """
 
 from __future__ import annotations
@@ -25,7 +38,7 @@ import queue
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -35,7 +48,7 @@ from ..metrics import Metrics
 from ..movers import CompletionQueue, CudaMover, Mover, Plane, Report, ThreadMover, Transfer
 from .slab import SharedSlab
 
-__all__ = ["SlabCopier", "CopyResult"]
+__all__ = ["SlabCopier", "CopyResult", "pin_decision"]
 
 log = logging.getLogger(__name__)
 
@@ -86,11 +99,30 @@ class _MarkThenPost(CompletionQueue):
         self._done.put(item)
 
 
-def _copy_mover(planes: Sequence[Plane], out: CompletionQueue) -> Mover:
-    """One worker or one stream, a job put on it at its submit: jobs run in submission order."""
+def pin_decision(pin: Optional[bool], device_is_cuda: bool) -> bool:
+    """Whether to pin the host slab: ``TierManager``'s rule for ``pin_host_memory``.
+
+    ``None`` pins when the KV tensors are on CUDA (and CUDA is available); ``True`` without
+    CUDA raises :class:`ConfigError`; ``False`` with CUDA tensors is honoured with a warning."""
+    if pin is None:
+        return bool(device_is_cuda and torch.cuda.is_available())
+    if pin and not torch.cuda.is_available():
+        raise ConfigError("pin_host_memory=True needs CUDA, and torch.cuda.is_available() is False")
+    if not pin and device_is_cuda:
+        log.warning("pin_host_memory=False with CUDA KV tensors: copies to and from a pageable host slab "
+                    "are synchronous, so each copy blocks the calling thread")
+    return bool(pin)
+
+
+def _on_cuda(tensors: Sequence[torch.Tensor]) -> bool:
+    return any(t.is_cuda for t in tensors)
+
+
+def _copy_mover(planes: Sequence[Plane], out: CompletionQueue, batch_max: int) -> Mover:
+    """One worker or one stream: jobs run in submission order."""
     if planes and planes[0][0].is_cuda:  # pragma: no cover - needs CUDA (the simulated device in the tests)
-        return CudaMover(planes, out, num_streams=1, batch_max=1)
-    return ThreadMover(planes, out, num_workers=1, batch_max=1)
+        return CudaMover(planes, out, num_streams=1, batch_max=batch_max)
+    return ThreadMover(planes, out, num_workers=1, batch_max=batch_max)
 
 
 class SlabCopier:
@@ -101,12 +133,18 @@ class SlabCopier:
     in :meth:`finished`) maps reports back to the engine's job ids.  A report it does not know (a
     duplicate or one after :meth:`close`) is discarded and counted, never raised; so is a submit
     that reuses the token of a job in flight.
+
+    ``batch_max``: jobs queued before they start (module docstring); ``pin``: ``pin_host_memory``
+    (:func:`pin_decision`), ``cudart`` the CUDA runtime that pins (default ``torch.cuda.cudart()``).
     """
 
     def __init__(self, slab: SharedSlab, rank: int, tensors: Sequence[torch.Tensor], *, metrics: Metrics,
-                 on_stale: Optional[Callable[[JobKind], None]] = None) -> None:
+                 on_stale: Optional[Callable[[JobKind], None]] = None, batch_max: int = 1,
+                 pin: Optional[bool] = False, cudart: Optional[Any] = None) -> None:
         if not 0 <= rank < slab.world_size:
             raise ConfigError(f"rank {rank} out of range [0, {slab.world_size})")
+        if isinstance(batch_max, bool) or not isinstance(batch_max, int) or batch_max < 1:
+            raise ConfigError(f"copy_batch_max must be an int >= 1, got {batch_max!r}")
         widths = []
         for i, t in enumerate(tensors):
             if t.dim() != 2 or t.dtype not in (torch.int8, torch.uint8):
@@ -130,8 +168,11 @@ class SlabCopier:
         self._done: "queue.SimpleQueue[Report]" = queue.SimpleQueue()
         self._finished: list[CopyResult] = []
         self._closed = False
+        self._loads_queued = False  # a load was submitted since the copies were last started
+        if pin_decision(pin, _on_cuda(tensors)):
+            slab.pin(cudart)
         self._sink = _MarkThenPost(slab, rank, self._done)
-        self._mover: Optional[Mover] = _copy_mover(planes, self._sink) if planes else None
+        self._mover: Optional[Mover] = _copy_mover(planes, self._sink, batch_max) if planes else None
 
     def submit(self, job_id: int, token: bytes, seq: int, store: bool, blocks: Sequence[int],
                slots: Sequence[int]) -> bool:
@@ -150,12 +191,22 @@ class SlabCopier:
         self._jobs[token] = job
         if self._mover is None:  # no KV tensor: nothing to copy, the job is done
             self._sink.put(Report(job, _STORE if store else _LOAD, True))
-        else:
-            self._mover.submit(Transfer(job, _STORE if store else _LOAD, rows, where))
+            return True
+        if store and self._loads_queued:
+            self._start()  # a batch's stores run before its loads (CUDA): keep the submission order
+        self._loads_queued |= not store
+        self._mover.submit(Transfer(job, _STORE if store else _LOAD, rows, where))
         return True
 
+    def _start(self) -> None:
+        """Start the queued copies (the engine asks for results, or a store follows a load)."""
+        self._loads_queued = False
+        if self._mover is not None:
+            self._mover.flush()
+
     def finished(self) -> list[CopyResult]:
-        """Owner thread: the jobs finished since the last call."""
+        """Owner thread: the jobs finished since the last call; starts the copies queued since then."""
+        self._start()
         if self._mover is not None:
             self._mover.harvest()  # CUDA: answers (and marks) the jobs whose end event was reached
         out, self._finished = self._finished, []
@@ -196,6 +247,8 @@ class SlabCopier:
         CUDA: waits for the copy stream (the caller asked to block), without a timeout."""
         want = set(job_ids)
         pending = {j for j in self._jobs.values() if j.job_id in want}
+        if pending:
+            self._start()
         if pending and isinstance(self._mover, CudaMover):
             self._mover.synchronize()
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -215,10 +268,11 @@ class SlabCopier:
         return len(self._jobs)
 
     def close(self) -> None:
-        """Finish queued copies and stop the copy worker.  Idempotent."""
+        """Finish queued copies, stop the copy worker and unpin the slab.  Idempotent."""
         if self._closed:
             return
         self._closed = True
         if self._mover is not None:
             self._mover.close()
+        self.slab.unpin()  # after the copies: none reads or writes the rows any more
         self.metrics.flush()

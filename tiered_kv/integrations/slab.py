@@ -37,7 +37,7 @@ import os
 import struct
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -86,6 +86,7 @@ class SharedSlab:
                                      offset=rows_off).view(num_slots, row_bytes)
         self._rows_addr = ctypes.addressof(ctypes.c_char.from_buffer(mm, rows_off))
         self.unlinked = False
+        self._pinned_by: Optional[Any] = None  # the CUDA runtime that registered the rows (pin())
 
     # ------------------------------------------------------------ open / close
     @classmethod
@@ -158,7 +159,8 @@ class SharedSlab:
                 pass
 
     def close(self) -> None:
-        """Drop this process's mapping (tensors made from :attr:`rows` must be gone)."""
+        """Drop this process's mapping (tensors made from :attr:`rows` must be gone); unpins first."""
+        self.unpin()
         mm, self._mm = self._mm, None
         if mm is None:
             return
@@ -168,6 +170,35 @@ class SharedSlab:
             mm.close()
         except BufferError:  # a view is still alive somewhere: the OS unmaps at exit
             log.debug("shared slab %s still has views; left mapped until exit", self.path)
+
+    # ------------------------------------------------------------ pinning (one process's mapping)
+    @property
+    def pinned(self) -> bool:
+        return self._pinned_by is not None
+
+    def pin(self, cudart: Optional[Any] = None) -> None:
+        """Register this process's mapping of the rows with CUDA as pinned memory (``cudaHostRegister``),
+        so that copies between them and a CUDA device are asynchronous DMA.  ``cudart``: the runtime
+        (default ``torch.cuda.cudart()``; tests pass a stand-in).  Undone by :meth:`unpin` and
+        :meth:`close`.  Idempotent; a failure raises :class:`ConfigError` with CUDA's error."""
+        if self._pinned_by is not None or self._mm is None:
+            return
+        rt = cudart if cudart is not None else torch.cuda.cudart()
+        n = self.num_slots * self.row_bytes
+        rc = rt.cudaHostRegister(self._rows_addr, n, 0)
+        if int(rc) != 0:
+            raise ConfigError(f"pin_host_memory: cudaHostRegister of the shared host slab {str(self.path)!r} "
+                              f"({n} bytes) failed with CUDA error {rc!r}")
+        self._pinned_by = rt
+
+    def unpin(self) -> None:
+        """Unregister what :meth:`pin` registered (a failure is logged: the mapping goes away anyway)."""
+        rt, self._pinned_by = self._pinned_by, None
+        if rt is None:
+            return
+        rc = rt.cudaHostUnregister(self._rows_addr)
+        if int(rc) != 0:
+            log.warning("cudaHostUnregister of the shared host slab %s failed with CUDA error %r", self.path, rc)
 
     # ------------------------------------------------------------ rings
     def mark_done(self, rank: int, seq: int, ok: bool = True) -> None:

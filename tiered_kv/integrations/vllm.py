@@ -28,6 +28,7 @@ This module imports vLLM; nothing else in tiered_kv does.  Supported: vLLM
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -80,7 +81,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 
 from ..config import TieredKVConfig  # noqa: E402
 from ..metrics import Metrics  # noqa: E402
-from .copier import SlabCopier  # noqa: E402
+from .copier import SlabCopier, pin_decision  # noqa: E402
 from .scheduler import Lookup, SlabScheduler  # noqa: E402
 from .slab import SharedSlab, slab_path  # noqa: E402
 
@@ -90,21 +91,36 @@ __all__ = [
     "TieredKVOffloadingWorker",
     "TieredKVLoadStoreSpec",
     "OPTIONS",
+    "CONFIG_KEYS",
+    "REFUSED_KEYS",
+    "VLLM_KEYS",
     "SUPPORTED_RANGE",
 ]
 
 log = logging.getLogger(__name__)
 
-#: the keys of ``kv_connector_extra_config`` tiered_kv reads, with their defaults
+#: TieredKVConfig fields read from ``kv_connector_extra_config`` under their own name, with
+#: TieredKVConfig's default and validation (``namespace``: derived from the engine when not given)
+CONFIG_KEYS = ("namespace", "disk_path", "durability", "write_mode", "max_inflight_jobs", "copy_batch_max",
+               "host_evict_ahead_blocks", "pin_host_memory", "max_key_bytes", "writer_queue_blocks",
+               "writer_batch_blocks", "writer_batch_bytes", "writer_batch_seconds", "disk_map_size_bytes")
+#: TieredKVConfig fields that cannot mean the same thing under vLLM: refused, saying what to use instead
+REFUSED_KEYS: dict[str, str] = {
+    "host_capacity_bytes": "set 'host_bytes' (the host slab EngineCore and every worker share)",
+    "disk_capacity_bytes": "set 'disk_bytes'",
+    "num_copy_workers": "a vLLM worker copies on one thread, so that its jobs run in submission order",
+    "num_copy_streams": "a vLLM worker copies on one CUDA stream, so that its jobs run in submission order",
+}
+#: keys vLLM itself reads from the extra config of an ``OffloadingConnector`` (0.30-0.33); left to vLLM
+VLLM_KEYS = frozenset({"spec_name", "spec_module_path", "cpu_bytes_to_use", "offload_prompt_only",
+                       "self_describing_kv_events", "block_size", "blocks_per_chunk", "canonical_layout"})
+_FIELDS = {f.name: f for f in dataclasses.fields(TieredKVConfig)}
+#: every key tiered_kv reads, with its default: the adapter's own keys, then the TieredKVConfig fields
 OPTIONS: dict[str, Any] = {
-    "host_bytes": None,             # required: bytes of the shared host slab
-    "disk_path": None,              # directory of the LMDB tier; None: host only
-    "disk_bytes": 0,                # bytes of block data the disk tier may hold (required with disk_path)
-    "durability": "batch",          # "sync" | "batch" | "none" (docs/architecture.md)
-    "namespace": None,              # derived from model, dtype, block layout and parallelism when None
-    "writer_queue_blocks": 256,     # spills queued for the disk writer before shedding
-    "writer_batch_seconds": 0.005,  # how long the writer gathers a batch
-    "shm_dir": "/dev/shm",          # where the shared slab file lives
+    "host_bytes": None,     # required (or vLLM's cpu_bytes_to_use): bytes of the shared host slab
+    "disk_bytes": 0,        # bytes of block data the disk tier may hold (required with disk_path)
+    "shm_dir": "/dev/shm",  # where the shared slab file lives
+    **{k: (None if _FIELDS[k].default is dataclasses.MISSING else _FIELDS[k].default) for k in CONFIG_KEYS},
 }
 # what the spec reads of vLLM's OffloadingConfig (0.30-0.33 all have them)
 _CONFIG_FIELDS = ("groups", "worker_kv_bytes_per_block", "parallel", "engine_id", "model", "extra_config")
@@ -132,6 +148,17 @@ def _option(extra: Mapping[str, Any], name: str) -> Any:
     return extra.get(name, OPTIONS[name])
 
 
+def _check_keys(extra: Mapping[str, Any]) -> None:
+    """Refuse a key tiered_kv does not read under vLLM (and vLLM does not read either), naming it."""
+    for key, value in extra.items():
+        if key in REFUSED_KEYS:
+            raise ConfigError(f"kv_connector_extra_config[{key!r}]={value!r} does not apply under vLLM: "
+                              f"{REFUSED_KEYS[key]}")
+        if key not in OPTIONS and key not in VLLM_KEYS:
+            raise ConfigError(f"unknown kv_connector_extra_config key {key!r} (value {value!r:.80}); "
+                              f"tiered_kv reads {sorted(OPTIONS)}, vLLM reads {sorted(VLLM_KEYS)}")
+
+
 def _positive_int(name: str, v: Any, allow_zero: bool = False) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < (0 if allow_zero else 1):
         raise ConfigError(f"kv_connector_extra_config[{name!r}] must be a {'non-negative' if allow_zero else 'positive'} "
@@ -149,6 +176,7 @@ class TieredKVOffloadingSpec(OffloadingSpec):
                                           f"{type(config).__name__} without {missing}; tiered_kv supports {_RANGE_TEXT}")
         super().__init__(config)
         extra = dict(self.extra_config)
+        _check_keys(extra)
         if len(config.groups) != 1:
             raise ConfigError(f"tiered_kv supports models with one KV cache group; this one has {len(config.groups)} "
                               f"(hybrid attention). Use vLLM's CPUOffloadingSpec for it.")
@@ -197,16 +225,21 @@ class TieredKVOffloadingSpec(OffloadingSpec):
             base = os.path.basename(str(config.model.name).rstrip("/"))[:48] or "model"
             namespace = f"vllm/{base}/{hashlib.sha256(desc.encode()).hexdigest()[:16]}"
         self.shm_dir = str(_option(extra, "shm_dir"))
-        self.tkv_config = TieredKVConfig(
-            namespace=namespace,
-            host_capacity_bytes=max(host_bytes, 1),
-            disk_path=disk_path,
-            disk_capacity_bytes=disk_bytes,
-            durability=_option(extra, "durability"),
-            writer_queue_blocks=_positive_int("writer_queue_blocks", _option(extra, "writer_queue_blocks")),
-            writer_batch_seconds=_option(extra, "writer_batch_seconds"),
-            pin_host_memory=False,
-        )
+        # the fields given keep their name; the others get TieredKVConfig's defaults and checks
+        given = {k: extra[k] for k in CONFIG_KEYS if k in extra}
+        given.update(namespace=namespace, disk_path=disk_path)
+        try:
+            self.tkv_config = TieredKVConfig(host_capacity_bytes=host_bytes, disk_capacity_bytes=disk_bytes,
+                                             **given)
+        except ConfigError as exc:
+            raise ConfigError(f"kv_connector_extra_config: {exc}") from None
+        ahead = self.tkv_config.host_evict_ahead_blocks
+        if ahead is not None and self.row_bytes > 0 and ahead >= self.num_slots:
+            # refused here, before vLLM starts its workers, not by the core in EngineCore
+            raise ConfigError(f"host_evict_ahead_blocks={ahead} must be below the host tier's {self.num_slots} "
+                              f"slots ({host_key}={host_bytes} / {self.row_bytes}-byte blocks)")
+        # pin_host_memory=True on a machine without CUDA is refused here; the workers pin (they know the device)
+        pin_decision(self.tkv_config.pin_host_memory, device_is_cuda=False)
         self.engine_id = str(config.engine_id)
         self._manager: Optional[TieredKVOffloadingManager] = None
         self._worker: Optional[TieredKVOffloadingWorker] = None
@@ -324,7 +357,9 @@ class TieredKVOffloadingWorker(OffloadingWorker):
         try:
             self.metrics = Metrics(namespace=spec.tkv_config.namespace)
             tensors = [t.tensor for t in kv_caches.tensors]
-            self.copier = SlabCopier(self.slab, spec.rank, tensors, metrics=self.metrics)
+            cfg = spec.tkv_config
+            self.copier = SlabCopier(self.slab, spec.rank, tensors, metrics=self.metrics,
+                                     batch_max=cfg.copy_batch_max, pin=cfg.pin_host_memory)
         except BaseException:
             self.slab.unlink()
             self.slab.close()
