@@ -271,7 +271,7 @@ def test_close_returns_while_the_disk_fails_every_commit(stores, op):
     """Invariant 11 / shutdown: with a persistent fault (EIO on every commit: a dead or read-only
     disk) and a control op queued (a promote's touch, an eviction's delete, an invalidation's tomb),
     ``_batch_failed`` re-queues the op and, once closed, skips its back-off: the writer retries the
-    same failing batch in a tight loop forever and ``close()`` (TierManager/SlabTiers.close) never
+    same failing batch in a tight loop forever and ``close()`` (TierManager/SlabScheduler.close) never
     returns."""
     st = stores()
     t = st.spill(b"k")

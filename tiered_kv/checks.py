@@ -3,6 +3,7 @@ before any state is touched.  Pure functions, shared by the front ends' public m
 
 from __future__ import annotations
 
+import logging
 import operator
 from collections.abc import Iterable
 from typing import Any, Optional
@@ -11,7 +12,10 @@ import torch
 
 from .errors import ConfigError, DeviceTensorError, InvalidBlockError, InvalidKeyError
 
-__all__ = ["SUPPORTED_DTYPES", "check_key", "check_block", "check_many", "check_timeout", "check_device_blocks"]
+log = logging.getLogger(__name__)
+
+__all__ = ["SUPPORTED_DTYPES", "check_key", "check_block", "check_many", "check_timeout", "check_device_blocks",
+           "pin_decision"]
 
 SUPPORTED_DTYPES = frozenset(
     getattr(torch, n) for n in ("float16", "bfloat16", "float32", "float64", "int8", "uint8",
@@ -94,3 +98,17 @@ def check_device_blocks(t: Any) -> None:
                                 f"strides {t.stride()}")
     if t.requires_grad:
         raise DeviceTensorError("device_blocks must not require grad")
+
+def pin_decision(pin: Optional[bool], device_is_cuda: bool) -> bool:
+    """Whether to pin the host slab (``pin_host_memory``), the same rule under every front end.
+
+    ``None`` pins when the KV tensors are on CUDA (and CUDA is available); ``True`` without
+    CUDA raises :class:`ConfigError`; ``False`` with CUDA tensors is honoured with a warning."""
+    if pin is None:
+        return bool(device_is_cuda and torch.cuda.is_available())
+    if pin and not torch.cuda.is_available():
+        raise ConfigError("pin_host_memory=True needs CUDA, and torch.cuda.is_available() is False")
+    if not pin and device_is_cuda:
+        log.warning("pin_host_memory=False with CUDA KV tensors: copies to and from a pageable host slab "
+                    "are synchronous, so each copy blocks the calling thread")
+    return bool(pin)

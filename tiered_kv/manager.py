@@ -36,7 +36,8 @@ from prometheus_client import CollectorRegistry
 
 from .config import TieredKVConfig
 from .core import CLOSE_TIMEOUT_S, TierCore
-from .checks import SUPPORTED_DTYPES, check_block, check_device_blocks, check_key, check_many, check_timeout
+from .checks import (SUPPORTED_DTYPES, check_block, check_device_blocks, check_key, check_many, check_timeout,
+                     pin_decision)
 from .errors import BlockBusyError, ConfigError, InvalidJobError, InvalidKeyError, ManagerClosedError
 from .jobs import Completion, Job, JobKind, JobState, StaleReason
 from .metrics import Metrics
@@ -94,14 +95,7 @@ class TierManager:
                               f"{self.row_bytes}-byte blocks)")
         self._device_blocks = device_blocks
         self._dev_rows = device_blocks.view(torch.uint8).view(self.num_blocks, self.row_bytes)
-        pin = config.pin_host_memory
-        if pin is None:
-            pin = bool(device_blocks.is_cuda and torch.cuda.is_available())
-        elif pin and not torch.cuda.is_available():
-            raise ConfigError("pin_host_memory=True needs CUDA, and torch.cuda.is_available() is False")
-        elif not pin and device_blocks.is_cuda:
-            log.warning("pin_host_memory=False with CUDA device_blocks: copies to and from a pageable host slab "
-                        "are synchronous, so store() and load() will block the calling thread for each copy")
+        pin = pin_decision(config.pin_host_memory, device_blocks.is_cuda)
         self._host_rows = torch.empty((num_slots, self.row_bytes), dtype=torch.uint8, pin_memory=pin)
         self.metrics = Metrics(registry, config.namespace)
         self._completions = CompletionQueue()

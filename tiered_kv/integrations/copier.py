@@ -26,7 +26,7 @@ step's deferred stores and its loads right after launching the forward pass and 
 right after, so a step's copies start together once the engine made its calls: on CUDA behind one
 ordering barrier, on the CPU without waking the copy thread for each call.
 
-Pinning follows ``TierManager``'s rule (:func:`pin_decision`): with CUDA KV tensors (or
+Pinning follows ``TierManager``'s rule (:func:`tiered_kv.checks.pin_decision`): with CUDA KV tensors (or
 ``pin=True``) this process's mapping of the slab rows is registered as pinned memory
 (:meth:`SharedSlab.pin`) and unregistered at :meth:`SlabCopier.close`.
 """
@@ -42,13 +42,14 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..checks import pin_decision
 from ..errors import ConfigError
 from ..jobs import JobKind, StaleReason
 from ..metrics import Metrics
 from ..movers import CompletionQueue, CudaMover, Mover, Plane, Report, ThreadMover, Transfer
 from .slab import SharedSlab
 
-__all__ = ["SlabCopier", "CopyResult", "pin_decision"]
+__all__ = ["SlabCopier", "CopyResult"]
 
 log = logging.getLogger(__name__)
 
@@ -99,20 +100,6 @@ class _MarkThenPost(CompletionQueue):
         self._done.put(item)
 
 
-def pin_decision(pin: Optional[bool], device_is_cuda: bool) -> bool:
-    """Whether to pin the host slab: ``TierManager``'s rule for ``pin_host_memory``.
-
-    ``None`` pins when the KV tensors are on CUDA (and CUDA is available); ``True`` without
-    CUDA raises :class:`ConfigError`; ``False`` with CUDA tensors is honoured with a warning."""
-    if pin is None:
-        return bool(device_is_cuda and torch.cuda.is_available())
-    if pin and not torch.cuda.is_available():
-        raise ConfigError("pin_host_memory=True needs CUDA, and torch.cuda.is_available() is False")
-    if not pin and device_is_cuda:
-        log.warning("pin_host_memory=False with CUDA KV tensors: copies to and from a pageable host slab "
-                    "are synchronous, so each copy blocks the calling thread")
-    return bool(pin)
-
 
 def _on_cuda(tensors: Sequence[torch.Tensor]) -> bool:
     return any(t.is_cuda for t in tensors)
@@ -135,7 +122,7 @@ class SlabCopier:
     that reuses the token of a job in flight.
 
     ``batch_max``: jobs queued before they start (module docstring); ``pin``: ``pin_host_memory``
-    (:func:`pin_decision`), ``cudart`` the CUDA runtime that pins (default ``torch.cuda.cudart()``).
+    (:func:`tiered_kv.checks.pin_decision`), ``cudart`` the CUDA runtime that pins (default ``torch.cuda.cudart()``).
     """
 
     def __init__(self, slab: SharedSlab, rank: int, tensors: Sequence[torch.Tensor], *, metrics: Metrics,

@@ -81,7 +81,8 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 
 from ..config import TieredKVConfig  # noqa: E402
 from ..metrics import Metrics  # noqa: E402
-from .copier import SlabCopier, pin_decision  # noqa: E402
+from ..checks import pin_decision  # noqa: E402
+from .copier import SlabCopier  # noqa: E402
 from .scheduler import Lookup, SlabScheduler  # noqa: E402
 from .slab import SharedSlab, slab_path  # noqa: E402
 
