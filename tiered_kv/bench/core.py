@@ -1,5 +1,8 @@
 """Benchmark of the tiered_kv core, each figure beside a baseline measured in the same run.
 
+Measurement code, not runtime (nothing here is imported by ``import tiered_kv``); long because
+each section carries its baseline and its own checks that the bytes really moved.
+
     tiered-kv bench --sections lifecycles,store_latency,host,cuda
 
 Sections (each a function returning a JSON-ready dict):
@@ -9,7 +12,8 @@ Sections (each a function returning a JSON-ready dict):
    report -> poll.  The mover is an in-process stub that answers each Transfer
    at once without copying, so only bookkeeping is timed.  Baseline: a
    plain-dict version of the unsafe original (vLLM 0.21 style, no tokens,
-   generations, leases, tombstones or metrics) doing the same operations.
+   leases, tombstones or metrics) doing the same operations.  (c) the batched
+   API: ``store_many`` of 32 keys -> report -> poll, in blocks per second.
    Each variant runs with a poll after every store (``poll/N = 1``) and with
    a poll after every 32 stores, as an engine step would (``poll/N = 32``).
    The engine thread is pinned to one CPU; rates are lifecycles per CPU second

@@ -1,5 +1,8 @@
 """Benchmark of the tiered_kv disk tier, each figure beside a baseline and a peer measured in the same run.
 
+Measurement code, not runtime (nothing here is imported by ``import tiered_kv``); long because
+each section carries its baseline, its peer and its own checks that the bytes really moved.
+
     tiered-kv bench [--quick]                 # every section, with the core and end to end
     tiered-kv bench --sections spill,promote,evicting,latency [--dir DIR]
 

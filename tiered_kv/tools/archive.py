@@ -5,7 +5,7 @@ An archive pre-warms another node's disk tier.  Layout (all integers little endi
     file header
       magic        8s  b"TKVARCH\\0"
       version      H   ARCHIVE_VERSION
-      entry_format H   diskformat.FORMAT_VERSION of the entries inside
+      entry_format H   disk.format.FORMAT_VERSION of the entries inside
       flags        I   0
       block_bytes  Q
       created      d   unix time of the export
