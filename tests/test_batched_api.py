@@ -39,7 +39,7 @@ def test_store_many_is_one_job_one_transfer_one_completion(fake, kv, metric):
     for i in range(4):
         fill_row(kv, i, K[i])
     job = mgr.store_many(K[:4], [0, 1, 2, 3])
-    assert job.keys == tuple(K[:4]) and job.blocks == (0, 1, 2, 3) and job.kind is JobKind.STORE
+    assert list(job.keys) == K[:4] and list(job.blocks) == [0, 1, 2, 3] and job.kind is JobKind.STORE
     assert len(mover.submitted) == 1 and mover.submitted[0].rows == [0, 1, 2, 3]
     mover.complete(job)
     out = mgr.poll()
@@ -104,7 +104,7 @@ def test_store_many_skips_stored_keys_and_sheds_what_finds_no_slot(kv, registry)
         assert mgr.store_many(K[:2] + K[4:6], [0, 1, 4, 5]) is None
         assert mgr_metric(mgr, "tiered_kv_shed_total", kind="store", reason="host_full") == 2
         job = mgr.store_many(K[4:8], [4, 5, 6, 7])   # K0/K1 evictable now; K2/K3 leased to ``a``
-        assert job.keys == (K[4], K[5]) and job.blocks == (4, 5)
+        assert list(job.keys) == [K[4], K[5]] and list(job.blocks) == [4, 5]
         assert mgr_metric(mgr, "tiered_kv_shed_total", kind="store", reason="host_full") == 4
         assert mgr.store_many(K[2:4], [2, 3]) is None   # being stored: nothing to do
         mover.complete(a)

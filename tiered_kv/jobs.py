@@ -26,6 +26,7 @@ import enum
 import itertools
 import os
 import uuid
+from collections.abc import Sequence
 from typing import Any, NamedTuple, Optional
 
 __all__ = ["Job", "JobKind", "JobState", "Completion", "StaleReason", "TokenFactory", "uuid_from_int"]
@@ -121,6 +122,9 @@ def uuid_from_int(value: int) -> uuid.UUID:
     return u
 
 
+_NO_ENTRIES: list[Any] = []  # never appended to: every job that leases entries gets its own list
+
+
 class Job:
     """One movement of a set of blocks between two tiers.  Read-only for callers.
 
@@ -138,9 +142,14 @@ class Job:
     __slots__ = ("token", "kind", "key", "block", "state", "cancel_reason", "error", "_owner", "keys", "blocks",
                  "_entries", "_dentry", "_transfer", "_waiters", "_dead")
 
+    _dentry: Any
+    _transfer: Any
+    _waiters: Optional[list[Any]]
+    _dead: Optional[dict[int, StaleReason]]
+
     def __init__(self, token: uuid.UUID, kind: JobKind, key: bytes, block: int, state: JobState = JobState.PENDING,
                  cancel_reason: Optional[StaleReason] = None, error: Optional[str] = None, _owner: object = None,
-                 keys: tuple[bytes, ...] = (), blocks: tuple[int, ...] = ()) -> None:
+                 keys: Sequence[bytes] = (), blocks: Sequence[int] = ()) -> None:
         self.token = token
         self.kind = kind
         self.key = key
@@ -149,13 +158,13 @@ class Job:
         self.cancel_reason = cancel_reason
         self.error = error
         self._owner = _owner
-        self.keys = keys or (key,)
-        self.blocks = blocks
-        self._entries: list[Any] = []        # host entries written (store/promote) or read (load/spill), per key
-        self._dentry: Any = None             # spill: the disk entry written; promote: the one read
-        self._transfer: Any = None           # the mover's transfer (None while a load waits for promotes)
-        self._waiters: Optional[list[Any]] = None   # promote: (load, part) waiting for it; load: promotes it waits for
-        self._dead: Optional[dict[int, StaleReason]] = None  # store of several keys: parts cancelled, and why
+        self.keys: Sequence[bytes] = keys or (key,)
+        self.blocks: Sequence[int] = blocks
+        self._entries: list[Any] = _NO_ENTRIES   # host entries written (store/promote) or read (load/spill), per key
+        # spill: the disk entry written, promote: the one read; the mover's transfer (None while a load waits
+        # for its reads); promote: (load, part) waiting for it, load: the promotes it waits for; a store of
+        # several keys: the parts cancelled, and why
+        self._dentry = self._transfer = self._waiters = self._dead = None
 
     def _move(self, new: JobState) -> None:
         if new not in ALLOWED_MOVES[self.state]:

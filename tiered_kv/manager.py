@@ -65,6 +65,13 @@ _WAKE_S = 0.5
 """A blocking call wakes at least this often, to notice a dead disk writer."""
 
 
+def _slots(entries: list[Any]) -> list[int]:
+    """The slots of a job's entries (one key written out: a list comprehension is a call of its own)."""
+    if len(entries) == 1:
+        return [entries[0].slot]
+    return [e.slot for e in entries]
+
+
 class TierManager:
     """Moves KV blocks between the engine's device rows, a pinned host slab and LMDB.
 
@@ -103,7 +110,8 @@ class TierManager:
         self._max_key_bytes = config.max_key_bytes
         self._deliver: list[Job] = []                 # cancelled jobs to report at the next poll
         self._outbox: list[Completion] = []           # applied, not yet returned by poll()/wait()
-        self._row_stores: dict[int, list[Job]] = {}   # row -> stores reading it (live jobs only)
+        # row -> the store reading it, or a list when several do (live jobs only): one store per row is the rule
+        self._row_stores: dict[int, Any] = {}
         self._row_load: dict[int, Job] = {}           # row -> the load writing it (live jobs only)
         self._key_loads: dict[bytes, list[Job]] = {}  # key -> loads of that key (live jobs only)
         self._closed = False
@@ -150,7 +158,7 @@ class TierManager:
         job = self._core.begin_store((key,))
         if job is None:
             return None
-        return self._submit_store(job, (block,))
+        return self._submit_store(job, [block])
 
     def store_many(self, keys: Sequence[bytes], blocks: Sequence[int]) -> Optional[Job]:
         """``store()`` of many keys as one job: ``keys[i]`` from device row ``blocks[i]``.
@@ -162,29 +170,31 @@ class TierManager:
         (``source_reused``/``superseded``), and the rest is stored.
         """
         keys, blocks = self._check_many(keys, blocks)
-        for b in blocks:
-            if b in self._row_load:
-                raise BlockBusyError(f"block {b} has a load in flight; its content is not there yet")
+        row_load = self._row_load
+        if row_load and not row_load.keys().isdisjoint(blocks):
+            b = next(b for b in blocks if b in row_load)
+            raise BlockBusyError(f"block {b} has a load in flight; its content is not there yet")
         job = self._core.begin_store(keys, keys if len(keys) > 1 else ())
         if job is None:
             return None
         if len(job.keys) != len(keys):
             row_of = dict(zip(keys, blocks))
-            return self._submit_store(job, tuple(row_of[k] for k in job.keys))
-        return self._submit_store(job, tuple(blocks))
+            return self._submit_store(job, [row_of[k] for k in job.keys])
+        return self._submit_store(job, blocks)
 
-    def _submit_store(self, job: Job, blocks: tuple[int, ...]) -> Job:
+    def _submit_store(self, job: Job, blocks: list[int]) -> Job:
         job.block = blocks[0]
         job.blocks = blocks
         job._owner = self._owner_tag
         row_stores = self._row_stores
         for b in blocks:
-            rs = row_stores.get(b)
-            if rs is None:
-                row_stores[b] = [job]
-            else:
-                rs.append(job)
-        t = job._transfer = Transfer(job.token, _STORE, list(blocks), [e.slot for e in job._entries])
+            rs = row_stores.setdefault(b, job)
+            if rs is not job:
+                if type(rs) is list:
+                    rs.append(job)
+                else:
+                    row_stores[b] = [rs, job]
+        t = job._transfer = Transfer(job.token, _STORE, blocks, _slots(job._entries))
         self._mover.submit(t)
         return job
 
@@ -234,9 +244,10 @@ class TierManager:
         of them landed, and the job fails if one read fails.
         """
         keys, blocks = self._check_many(keys, blocks)
-        for b in blocks:
-            if b in self._row_load:
-                raise BlockBusyError(f"block {b} already has a load in flight")
+        row_load = self._row_load
+        if row_load and not row_load.keys().isdisjoint(blocks):
+            b = next(b for b in blocks if b in row_load)
+            raise BlockBusyError(f"block {b} already has a load in flight")
         job = self._core.begin_load(keys)
         if job is None:
             return None
@@ -261,7 +272,7 @@ class TierManager:
 
     def _load_ready(self, job: Job) -> None:
         """Every host slot of ``job`` is READY and leased to it: queue its copies."""
-        t = job._transfer = Transfer(job.token, _LOAD, list(job.blocks), [e.slot for e in job._entries])
+        t = job._transfer = Transfer(job.token, _LOAD, list(job.blocks), _slots(job._entries))
         self._mover.submit(t)
 
     def cancel(self, job: Job) -> None:
@@ -598,8 +609,8 @@ class TierManager:
 
     def _give_up_row(self, block: int) -> None:
         stores = self._row_stores.pop(block, None)
-        if stores:
-            for job in stores:
+        if stores is not None:
+            for job in (stores if type(stores) is list else (stores,)):
                 if len(job.blocks) == 1:
                     self._cancel(job, _R_SOURCE_REUSED)
                 elif job.state is _PENDING:
@@ -609,13 +620,12 @@ class TierManager:
         row_stores = self._row_stores
         for b in job.blocks:
             stores = row_stores.get(b)
-            if stores is None:
-                continue
-            if len(stores) == 1:   # the common case: one store reads the row
-                if stores[0] is job:
-                    del row_stores[b]
-            elif job in stores:
+            if stores is job:   # the common case: one store reads the row
+                del row_stores[b]
+            elif type(stores) is list and job in stores:
                 stores.remove(job)
+                if len(stores) == 1:
+                    row_stores[b] = stores[0]
 
     # ------------------------------------------------------------ internals: arguments
     def _check_open(self) -> None:

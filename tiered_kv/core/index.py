@@ -139,11 +139,13 @@ class TierIndex:
         found no evictable slot).  One call per job: the engine stores a step's blocks.
         """
         entries, lru, free = self._entries, self._lru, self._free
+        get, pop = entries.get, free.pop
         got: list[bytes] = []
         new: list[Entry] = []
+        add_key, add_entry = got.append, new.append
         full = 0
         for k in keys:
-            e = entries.get(k)
+            e = get(k)
             if e is not None:
                 if lru.get(k) is e:   # touch() written out
                     lru.move_to_end(k)
@@ -153,9 +155,9 @@ class TierIndex:
             if not free and not self._evict_one(protect, k):
                 full += 1
                 continue
-            e = entries[k] = Entry(k, free.pop(), writer)
-            got.append(k)
-            new.append(e)
+            e = entries[k] = Entry(k, pop(), writer)
+            add_key(k)
+            add_entry(e)
         return got, new, full
 
     def publish_all(self, entries: Sequence[Entry]) -> list[Entry]:

@@ -191,14 +191,15 @@ class TierCore:
                 elif dindex is None or k not in dindex:
                     absent = True
             return self.shed(_STORE, "inflight_limit") if absent else None
-        token = self.take_token()
+        pool = self.token_pool
+        token = pool.popleft() if pool else self.tokens()
         got, entries, full = self.index.reserve_absent(keys, token, protect, self.dindex)
         if full:
             self.shed(_STORE, "host_full", full)
         if not entries:
-            self.token_pool.appendleft(token)   # not issued: the next job takes it, in order
+            pool.appendleft(token)   # not issued: the next job takes it, in order
             return None
-        job = Job(token, _STORE, got[0], -1, keys=tuple(got))
+        job = Job(token, _STORE, got[0], -1, keys=got)
         job._entries = entries
         jobs[token.int] = job
         self.n_in_flight[_STORE] += 1
