@@ -155,7 +155,7 @@ class TierManager:
             key, block = self._check_args(key, block)
         if block in self._row_load:
             raise BlockBusyError(f"block {block} has a load in flight; its content is not there yet")
-        job = self._core.begin_store((key,))
+        job = self._core.begin_store_one(key)
         if job is None:
             return None
         return self._submit_store(job, [block])

@@ -205,6 +205,33 @@ class TierCore:
         self.n_in_flight[_STORE] += 1
         return job
 
+    def begin_store_one(self, key: bytes) -> Optional[Job]:
+        """:meth:`begin_store` of one key, written out: the engine's ``store()`` calls it once per block,
+        and the general path's lists would be four more allocations per call (the garbage collector's
+        young generation fills that much sooner, and its pauses land in the engine's calls)."""
+        index = self.index
+        e = index.get(key)
+        if e is not None:
+            index.touch(e)
+            return None
+        dindex = self.dindex
+        if dindex is not None and key in dindex:
+            return None
+        jobs = self.jobs
+        if len(jobs) >= self.max_inflight:
+            return self.shed(_STORE, "inflight_limit")
+        pool = self.token_pool
+        token = pool.popleft() if pool else self.tokens()
+        e = index.reserve(key, token)
+        if e is None:
+            pool.appendleft(token)   # not issued: the next job takes it, in order
+            return self.shed(_STORE, "host_full")
+        job = Job(token, _STORE, key, -1)
+        job._entries = [e]
+        jobs[token.int] = job
+        self.n_in_flight[_STORE] += 1
+        return job
+
     def publish_store(self, job: Job) -> list[Entry]:
         """A PENDING store's copies landed: its live parts become READY (and spill, write-through)."""
         out = self.index.publish_all(job._entries)   # a cancelled part's entry left the index already
