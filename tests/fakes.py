@@ -317,3 +317,38 @@ def instrument_get(completions: CompletionQueue, on_enter: Callable[[Any], None]
         return orig(timeout)
 
     completions.get = get  # type: ignore[method-assign]
+
+
+# --------------------------------------------------------------------------- batched API over a disk tier
+def stored(mgr: TierManager, mover: "FakeMover", kv: torch.Tensor, keys: list[bytes], rows: list[int]) -> Job:
+    """``store_many(keys, rows)`` of freshly filled rows, answered and applied; the rows freed after."""
+    for k, r in zip(keys, rows):
+        fill_row(kv, r, k)
+    job = mgr.store_many(keys, rows)
+    assert job is not None
+    mover.complete(job)
+    mgr.poll()
+    for r in rows:
+        assert mgr.free_block(r)
+    return job
+
+
+def fake_disk_manager(path: Any) -> tuple[TierManager, "FakeMover", torch.Tensor]:
+    """A fake-mover manager with a 4-slot host tier over a 64-block disk tier at ``path``."""
+    kv = make_kv(64)
+    cfg = make_config(host_slots=4, disk_path=path, disk_capacity_bytes=64 * ROW_BYTES,
+                      host_evict_ahead_blocks=0, writer_batch_seconds=0.0)
+    mgr, mover = make_fake_manager(cfg, kv, CollectorRegistry())
+    return mgr, mover, kv
+
+
+def on_disk_only(mgr: TierManager, mover: "FakeMover", kv: torch.Tensor, keys: list[bytes]) -> None:
+    """Store ``keys`` (each spilled), then push them out of the 4-slot host tier: they are on disk only."""
+    for i, k in enumerate(keys):
+        stored(mgr, mover, kv, [k], [i])
+        assert mgr.flush(timeout=30)
+    for i in range(4):
+        stored(mgr, mover, kv, [f"filler-{i}".encode()], [40 + i])
+        assert mgr.flush(timeout=30)
+    assert all(mgr.host_bytes(k) is None for k in keys) and mgr.lookup(list(keys)) == len(keys)
+

@@ -10,28 +10,16 @@ from __future__ import annotations
 import time
 
 import pytest
-from prometheus_client import CollectorRegistry
 
 import os
 
 from tiered_kv.disk.format import SLOTS_NAME, lmdb_key, parse_header, slot_bytes_for
-from fakes import fill_row, host_matches, make_config, make_fake_manager, make_kv, mgr_metric, row_matches, snapshot
+from fakes import (fake_disk_manager, fill_row, host_matches, make_config, make_fake_manager, mgr_metric, on_disk_only,
+                   row_matches, snapshot, stored)
 from tiered_kv.errors import BlockBusyError, InvalidBlockError, InvalidKeyError
 from tiered_kv.jobs import JobKind, JobState
 
 K = [f"key-{i}".encode() for i in range(8)]
-
-
-def stored(mgr, mover, kv, keys, rows):
-    for k, r in zip(keys, rows):
-        fill_row(kv, r, k)
-    job = mgr.store_many(keys, rows)
-    assert job is not None
-    mover.complete(job)
-    mgr.poll()
-    for r in rows:
-        assert mgr.free_block(r)
-    return job
 
 
 def test_store_many_is_one_job_one_transfer_one_completion(fake, kv, metric):
@@ -187,23 +175,9 @@ def test_bad_batches_are_refused_naming_the_value_and_change_nothing(fake, kv, c
 # --------------------------------------------------------------------------- with a disk tier
 @pytest.fixture
 def disk_mgr(tmp_path):
-    kv = make_kv(64)
-    cfg = make_config(host_slots=4, disk_path=tmp_path / "d", disk_capacity_bytes=64 * 128,
-                      host_evict_ahead_blocks=0, writer_batch_seconds=0.0)
-    mgr, mover = make_fake_manager(cfg, kv, CollectorRegistry())
+    mgr, mover, kv = fake_disk_manager(tmp_path / "d")
     yield mgr, mover, kv
     mgr.close()
-
-
-def _on_disk_only(mgr, mover, kv, keys):
-    for i, k in enumerate(keys):
-        stored(mgr, mover, kv, [k], [i])
-        assert mgr.flush(timeout=30)
-    for i in range(4):                # push them out of the 4-slot host tier
-        stored(mgr, mover, kv, [f"filler-{i}".encode()], [40 + i])
-        assert mgr.flush(timeout=30)
-    assert all(mgr.host_bytes(k) is None for k in keys) and mgr.lookup(list(keys)) == len(keys)
-
 
 def _poll_until(mgr, cond, what):
     deadline = time.monotonic() + 30
@@ -215,7 +189,7 @@ def _poll_until(mgr, cond, what):
 
 def test_load_many_waits_for_every_read_from_disk_then_copies_once(disk_mgr):
     mgr, mover, kv = disk_mgr
-    _on_disk_only(mgr, mover, kv, K[:2])
+    on_disk_only(mgr, mover, kv, K[:2])
     job = mgr.load_many([K[0], K[1]], [20, 21])
     assert job is not None and not mover.is_outstanding(job)      # its reads first
     _poll_until(mgr, lambda: mover.is_outstanding(job), "the load's copy never started")
@@ -229,7 +203,7 @@ def test_load_many_waits_for_every_read_from_disk_then_copies_once(disk_mgr):
 
 def test_load_many_cancelled_while_it_waits_for_its_reads_is_reported_at_once(disk_mgr):
     mgr, mover, kv = disk_mgr
-    _on_disk_only(mgr, mover, kv, K[:2])
+    on_disk_only(mgr, mover, kv, K[:2])
     job = mgr.load_many([K[0], K[1]], [20, 21])
     assert mgr.free_block(20) is True            # no copy was queued: the rows are free at once
     assert mgr.free_block(21) is True
@@ -241,7 +215,7 @@ def test_load_many_cancelled_while_it_waits_for_its_reads_is_reported_at_once(di
 
 def test_load_many_fails_when_one_read_from_disk_fails(disk_mgr, tmp_path):
     mgr, mover, kv = disk_mgr
-    _on_disk_only(mgr, mover, kv, K[:2])
+    on_disk_only(mgr, mover, kv, K[:2])
     flip_live_slot_byte(mgr, tmp_path / "d", K[1])   # K1's bytes on disk fail verification: a miss
     job = mgr.load_many([K[0], K[1]], [20, 21])
     _poll_until(mgr, lambda: job.done, "the load was never reported")
@@ -270,7 +244,7 @@ def test_a_read_from_disk_for_load_many_never_evicts_another_key_of_the_same_loa
     the load's other key, read back from disk, must come from another block, or the READY key would
     be evicted between the lookup of the load and its lease."""
     mgr, mover, kv = disk_mgr
-    _on_disk_only(mgr, mover, kv, [K[1]])
+    on_disk_only(mgr, mover, kv, [K[1]])
     stored(mgr, mover, kv, [K[0]], [0])
     assert mgr.flush(timeout=30)
     for i in range(3):

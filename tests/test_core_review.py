@@ -25,7 +25,8 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from fakes import fill_row, host_matches, make_config, make_fake_manager, make_kv, mgr_metric, row_matches
+from fakes import (fake_disk_manager, fill_row, host_matches, make_config, make_fake_manager, mgr_metric, on_disk_only,
+                   row_matches)
 from tiered_kv import TieredKVConfig
 from tiered_kv.integrations.scheduler import Lookup, SlabScheduler
 from tiered_kv.integrations.slab import SharedSlab
@@ -34,18 +35,6 @@ from tiered_kv.metrics import Metrics, sample_total
 from tiered_kv.movers import Report
 
 K = [f"key-{i}".encode() for i in range(8)]
-
-
-def stored(mgr, mover, kv, keys, rows):
-    for k, r in zip(keys, rows):
-        fill_row(kv, r, k)
-    job = mgr.store_many(keys, rows)
-    assert job is not None
-    mover.complete(job)
-    mgr.poll()
-    for r in rows:
-        assert mgr.free_block(r)
-    return job
 
 
 def stale(mgr, kind, reason):
@@ -176,25 +165,12 @@ class HeldReads:
         self.mgr._completions.put(Report(token, JobKind.PROMOTE, False, error))
 
 
+
 @pytest.fixture
 def disk_mgr(tmp_path):
-    kv = make_kv(64)
-    cfg = make_config(host_slots=4, disk_path=tmp_path / "d", disk_capacity_bytes=64 * 128,
-                      host_evict_ahead_blocks=0, writer_batch_seconds=0.0)
-    mgr, mover = make_fake_manager(cfg, kv, CollectorRegistry())
+    mgr, mover, kv = fake_disk_manager(tmp_path / "d")
     yield mgr, mover, kv
     mgr.close()
-
-
-def on_disk_only(mgr, mover, kv, keys):
-    for i, k in enumerate(keys):
-        stored(mgr, mover, kv, [k], [i])
-        assert mgr.flush(timeout=30)
-    for i in range(4):                # push them out of the 4-slot host tier
-        stored(mgr, mover, kv, [f"filler-{i}".encode()], [40 + i])
-        assert mgr.flush(timeout=30)
-    assert all(mgr.host_bytes(k) is None for k in keys) and mgr.lookup(list(keys)) == len(keys)
-
 
 def test_a_read_shared_by_two_loads_failing_after_the_other_read_of_one_landed(disk_mgr):
     """Load A waits for K0's read; load B for K0's (the same read) and K1's.  A is cancelled, K1's read
