@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import selectors
@@ -443,3 +444,26 @@ os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x5A]), at)
 os.close(fd)
 print("flipped", flush=True)
 """
+
+
+def fail_first_batch(disk: Any) -> threading.Event:
+    """Make the disk store's first write batch fail with EIO; the event is set once its spills were
+    answered as failed (their reports queued), so a test can act between that and their application."""
+    failed = threading.Event()
+    calls = {"n": 0}
+
+    def hook(point: str) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError(errno.EIO, "Input/output error")
+
+    orig = disk.writer._fail_ops
+
+    def fail_ops(ops: Any, error: str) -> None:
+        orig(ops, error)                 # puts the spills' failed reports
+        failed.set()
+
+    disk.writer._fail_ops = fail_ops
+    disk.fault_hook = hook
+    return failed
+

@@ -14,9 +14,7 @@ that is started is waited for with a deadline, as tests/test_batched_api.py does
 
 from __future__ import annotations
 
-import errno
 import hashlib
-import threading
 import time
 import uuid
 from typing import Any
@@ -25,6 +23,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from disk_helpers import fail_first_batch
 from fakes import (fake_disk_manager, fill_row, host_matches, make_config, make_fake_manager, mgr_metric, on_disk_only,
                    row_matches)
 from tiered_kv import TieredKVConfig
@@ -266,23 +265,7 @@ def sched_store(s: SlabScheduler, slab: SharedSlab, keys: list[bytes]) -> None:
 
 def test_scheduler_flush_is_false_when_a_spill_failed_before_it_was_asked_for(sched):
     s, slab = sched()
-    disk = s.disk
-    failed = threading.Event()
-    calls = {"n": 0}
-
-    def hook(point: str) -> None:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise OSError(errno.EIO, "Input/output error")
-
-    orig = disk.writer._fail_ops
-
-    def fail_ops(ops: Any, error: str) -> None:
-        orig(ops, error)                 # puts the spill's failed report
-        failed.set()
-
-    disk.writer._fail_ops = fail_ops
-    disk.fault_hook = hook
+    failed = fail_first_batch(s.disk)
     sched_store(s, slab, [b"k"])         # published; write-through queues its spill
     assert failed.wait(30)               # its batch failed (report queued) before flush() is called
     flushed = s.flush(timeout=30)

@@ -23,7 +23,7 @@ import pytest
 
 import tiered_kv.disk.env as disk_mod
 import tiered_kv.disk.readers as readers_mod
-from disk_helpers import (NS, ROW, WriterGate, content, drain, make_kv, rig, store_one,  # noqa: F401
+from disk_helpers import (NS, ROW, WriterGate, content, drain, fail_first_batch, make_kv, rig, store_one,  # noqa: F401
                           store_seq)
 from tiered_kv.disk import DiskOptions, DiskStore, FlushDone
 from tiered_kv.disk.format import lmdb_key, parse_header
@@ -315,23 +315,7 @@ def test_flush_is_false_when_a_spill_failed_before_it_was_asked_for(rig):
     was submitted) is not covered: flush() returns True and the block is gone after reopen."""
     kv = make_kv(8)
     mgr = rig.open(kv, host_slots=8)
-    disk = mgr.disk
-    failed = threading.Event()
-    calls = {"n": 0}
-
-    def hook(point: str) -> None:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise OSError(errno.EIO, "Input/output error")
-
-    orig = disk.writer._fail_ops
-
-    def fail_ops(ops: Any, error: str) -> None:
-        orig(ops, error)
-        failed.set()
-
-    disk.writer._fail_ops = fail_ops  # type: ignore[method-assign]
-    disk.fault_hook = hook
+    failed = fail_first_batch(mgr.disk)
     store_one(mgr, kv, b"k", 0, flush=False)          # store done, its spill queued
     assert failed.wait(30)                            # its batch failed before flush() is called
     flushed = mgr.flush(timeout=30)
