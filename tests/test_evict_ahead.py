@@ -4,8 +4,8 @@
 blocks until ``host_evict_ahead_blocks`` slots are free, and refill a pool of
 tokens, so that the next step's ``store()``/``load()`` calls take a free slot
 and a ready token instead of evicting and building a UUID in the engine's call
-(docs/benchmarks.md: the first call of a step costs ~10x its warm cost on a
-shared VM, so every microsecond taken out of it counts ten times).
+(the first call of a step is the slow one on a shared VM, so work taken out of
+it counts more than its own cost).
 
 The state machines (tests/test_state_machine.py, tests/test_cuda_mover_state_machine.py)
 draw ``host_evict_ahead_blocks`` and model it exactly; these tests pin the edges.
