@@ -103,6 +103,47 @@ def test_store_many_skips_stored_keys_and_sheds_what_finds_no_slot(kv, registry)
         mgr.close()
 
 
+@pytest.mark.parametrize("new", [3, 12])   # a few keys, and more than the index turns into a set first
+def test_a_full_tier_never_evicts_a_key_the_same_call_names(kv, registry, new):
+    """The call names a stored key first (touched) and then more new keys than there are other evictable
+    slots: the last new key is shed, and the named key stays, however long the call."""
+    mgr, mover = make_fake_manager(make_config(host_slots=new + 1, host_evict_ahead_blocks=0), kv, registry)
+    try:
+        old = [f"old-{i}".encode() for i in range(new)]
+        stored(mgr, mover, kv, [K[0]] + old, list(range(new + 1)))
+        fresh = [f"new-{i}".encode() for i in range(new + 1)]
+        for i, k in enumerate(fresh):
+            fill_row(kv, 100 + i, k)
+        job = mgr.store_many([K[0]] + fresh, [99] + [100 + i for i in range(new + 1)])
+        assert list(job.keys) == fresh[:new]
+        assert mgr_metric(mgr, "tiered_kv_shed_total", kind="store", reason="host_full") == 1
+        mover.complete(job)
+        mgr.poll()
+        assert host_matches(mgr, K[0], kv) is not None and mgr.lookup(old) == 0
+        assert all(host_matches(mgr, k, kv) for k in fresh[:new])
+    finally:
+        mgr.close()
+
+
+def test_a_row_two_pending_stores_read_cancels_both_parts_when_freed(fake, kv, metric):
+    """store(K0, row 0), then store_many([K1, K2], [0, 1]) -- both read row 0 -- and row 0 is freed
+    before either copy ran: K0's job and K1's part are cancelled, K2 is stored."""
+    mgr, mover = fake
+    fill_row(kv, 0, K[0])
+    fill_row(kv, 1, K[2])
+    one = mgr.store(K[0], 0)
+    many = mgr.store_many([K[1], K[2]], [0, 1])
+    assert mgr.free_block(0)
+    fill_row(kv, 0, b"other")
+    mover.complete(one)
+    mover.complete(many)
+    out = {c.job: c.ok for c in mgr.poll()}
+    assert out == {one: False, many: True}
+    assert mgr.lookup([K[0]]) == 0 and mgr.lookup([K[1]]) == 0 and host_matches(mgr, K[2], kv)
+    assert metric("tiered_kv_stale_callbacks_total", kind="store", reason="source_reused") == 2
+    assert mgr.free_block(1) and mgr.host_used_slots == 1
+
+
 def test_a_late_report_of_a_cancelled_store_many_is_discarded(fake, kv, metric):
     mgr, mover = fake
     for i in range(2):
@@ -161,6 +202,10 @@ def test_load_many_of_a_key_in_no_tier_starts_nothing(fake, kv):
     ([], [], InvalidKeyError, "empty"),
     ([b"a", "b"], [0, 1], InvalidKeyError, "str"),
     ([b"a"], [10 ** 6], InvalidBlockError, "1000000"),
+    ([b"a", b"b"], [0, -1], InvalidBlockError, "-1"),          # torch would read the last row
+    ([b"a", b"", b"c"], [0, 1, 2], InvalidKeyError, "empty"),
+    ([b"a", b"b" * 1025], [0, 1], InvalidKeyError, "1025 bytes"),
+    ([b"a", b"b"], [0, True], InvalidBlockError, "bool"),
     (b"ab", [0, 1], InvalidKeyError, "bytes"),
 ])
 def test_bad_batches_are_refused_naming_the_value_and_change_nothing(fake, kv, call, keys, blocks, error, named):

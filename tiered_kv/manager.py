@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque as _deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional
 
@@ -63,6 +64,11 @@ _HELP_SLICE_S = 0.002
 """While blocking, the owner copies for at most this long before it applies the reports and checks again."""
 _WAKE_S = 0.5
 """A blocking call wakes at least this often, to notice a dead disk writer."""
+
+
+def _consume(it: Iterable[Any]) -> None:
+    """Run an iterator to its end in C (``collections.deque(it, maxlen=0)``)."""
+    _deque(it, 0)
 
 
 def _slots(entries: list[Any]) -> list[int]:
@@ -187,13 +193,16 @@ class TierManager:
         job.blocks = blocks
         job._owner = self._owner_tag
         row_stores = self._row_stores
-        for b in blocks:
-            rs = row_stores.setdefault(b, job)
-            if rs is not job:
-                if type(rs) is list:
-                    rs.append(job)
-                else:
-                    row_stores[b] = [rs, job]
+        if len(blocks) > 1 and row_stores.keys().isdisjoint(blocks):
+            row_stores.update(dict.fromkeys(blocks, job))   # no other store reads these rows: one C loop
+        else:
+            for b in blocks:
+                rs = row_stores.setdefault(b, job)
+                if rs is not job:
+                    if type(rs) is list:
+                        rs.append(job)
+                    else:
+                        row_stores[b] = [rs, job]
         t = job._transfer = Transfer(job.token, _STORE, blocks, _slots(job._entries))
         self._mover.submit(t)
         return job
@@ -618,7 +627,11 @@ class TierManager:
 
     def _drop_row_stores(self, job: Job) -> None:
         row_stores = self._row_stores
-        for b in job.blocks:
+        blocks = job.blocks
+        if len(blocks) > 1 and list(map(row_stores.get, blocks)).count(job) == len(blocks):
+            _consume(map(row_stores.pop, blocks))   # the job alone reads each of its rows: one C loop
+            return
+        for b in blocks:
             stores = row_stores.get(b)
             if stores is job:   # the common case: one store reads the row
                 del row_stores[b]

@@ -12,7 +12,7 @@ once here, so an update is one ``inc()``.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -34,6 +34,7 @@ ERROR_KINDS = (("device", "copy_failed"), ("host", "copy_failed"), ("disk", "cop
 _LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5)
 _LINKS = (("device", "host"), ("host", "device"), ("host", "disk"), ("disk", "host"))
 _KINDS = tuple(JobKind)
+_K0, _K1, _K2, _K3 = _KINDS
 
 
 def _bucket_bounds(child: Any) -> Optional[tuple[float, ...]]:
@@ -46,6 +47,17 @@ def _bucket_bounds(child: Any) -> Optional[tuple[float, ...]]:
             and child._is_observable()):
         return tuple(float(b) for b in bounds)
     return None
+
+
+def _adder(child: Any) -> Callable[[float], None]:
+    """How :meth:`Metrics.flush` adds a batched count to a counter child: its value's own ``inc`` when the
+    child has prometheus_client's layout (``_value``; what ``Counter.inc`` does for a count >= 0 with no
+    exemplar, less two checks and a call per add), else the public ``inc``."""
+    value = getattr(child, "_value", None)
+    if (callable(getattr(value, "inc", None)) and callable(getattr(child, "_is_observable", None))
+            and child._is_observable()):
+        return value.inc
+    return child.inc
 
 
 def sample_total(registry: CollectorRegistry, name: str, **labels: str) -> float:
@@ -66,6 +78,7 @@ class Metrics:
         self._pending: dict[Any, float] = {}
         self._observations: list[tuple[Any, float]] = []
         self._bucketing: dict[Any, Optional[tuple[float, ...]]] = {}  # histogram child -> its bounds (None: observe())
+        self._adders: dict[Any, Callable[[float], None]] = {}  # counter child -> how flush() adds to it
         self._levels: tuple[int, ...] = ()  # the values publish_levels() set last
         self._host_evictions = 0            # the host index's eviction total counted so far
         r = self.registry
@@ -155,8 +168,12 @@ class Metrics:
         """Apply batched counts and observations (called at the end of every ``poll()``)."""
         if self._pending:
             pending, self._pending = self._pending, {}
+            adders = self._adders
             for child, n in pending.items():
-                child.inc(n)
+                add = adders.get(child)
+                if add is None:
+                    add = adders[child] = _adder(child)
+                add(n)
         if self._observations:
             obs, self._observations = self._observations, []
             self._apply_observations(obs)
@@ -171,8 +188,20 @@ class Metrics:
         a child without that layout gets plain ``observe()`` calls, and
         ``tests/test_metrics_core.py`` checks that both give the same exposition.
         """
-        groups: dict[Any, list[Any]] = {}
         bucketing = self._bucketing
+        if len(obs) == 1:   # the common step: one job's copy time; its two adds straight away
+            child, v = obs[0]
+            bounds = bucketing.get(child, False)
+            if bounds is False:
+                bounds = bucketing[child] = _bucket_bounds(child)
+            if bounds is None:
+                child.observe(v)
+            else:
+                if v == v:   # a NaN lands in no bucket, as with observe()
+                    child._buckets[bisect_left(bounds, v)].inc(1)
+                child._sum.inc(v)
+            return
+        groups: dict[Any, list[Any]] = {}
         for child, v in obs:
             g = groups.get(child)
             if g is None:
@@ -209,7 +238,8 @@ class Metrics:
             self.count(self.evicted["host"], host_evictions - self._host_evictions)
             self._host_evictions = host_evictions
         self.flush()
-        values = (host_used_bytes, host_blocks, *[in_flight.get(k, 0) for k in _KINDS], *(disk or ()))
+        f = in_flight.get   # the four kinds written out: a comprehension is a call of its own, once per step
+        values = (host_used_bytes, host_blocks, f(_K0, 0), f(_K1, 0), f(_K2, 0), f(_K3, 0), *(disk or ()))
         old = self._levels
         if values == old:
             return

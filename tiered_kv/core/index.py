@@ -139,7 +139,7 @@ class TierIndex:
         found no evictable slot).  One call per job: the engine stores a step's blocks.
         """
         entries, lru, free = self._entries, self._lru, self._free
-        get, pop = entries.get, free.pop
+        get, pop, lru_get = entries.get, free.pop, lru.get
         got: list[bytes] = []
         new: list[Entry] = []
         add_key, add_entry = got.append, new.append
@@ -147,14 +147,17 @@ class TierIndex:
         for k in keys:
             e = get(k)
             if e is not None:
-                if lru.get(k) is e:   # touch() written out
+                if lru_get(k) is e:   # touch() written out
                     lru.move_to_end(k)
                 continue
             if elsewhere is not None and k in elsewhere:
                 continue
-            if not free and not self._evict_one(protect, k):
-                full += 1
-                continue
+            if not free:
+                if type(protect) is list and len(protect) > 8:
+                    protect = set(protect)   # a full tier evicts per key here, each a look-up in protect
+                if not self._evict_one(protect, k):
+                    full += 1
+                    continue
             e = entries[k] = Entry(k, pop(), writer)
             add_key(k)
             add_entry(e)
@@ -241,14 +244,14 @@ class TierIndex:
         if n <= 0:
             return 0
         on_evict = self._on_evict
-        pop = lru.popitem
+        pop, add = lru.popitem, slots.append
         for _ in range(n):   # _evicted() written out: once per block of a step
-            entry = pop(last=False)[1]
+            key, entry = pop(False)
             if on_evict is not None:
                 on_evict(entry)
             entry.live = False
-            del entries[entry.key]
-            slots.append(entry.slot)
+            del entries[key]
+            add(entry.slot)
             entry.slot = -1
         self.evictions += n
         return n

@@ -619,8 +619,9 @@ class TierCore:
                 self.index.evict_ahead(self.evict_ahead)
             pool = self.token_pool
             if len(pool) < TOKEN_POOL:
-                make = self.tokens   # popleft() takes the oldest: tokens are issued in the order made
-                pool.extend(make() for _ in range(TOKEN_POOL - len(pool)))
+                make, add = self.tokens, pool.append   # popleft() takes the oldest: tokens are issued in the order made
+                for _ in range(TOKEN_POOL - len(pool)):
+                    add(make())
         self.refresh_gauges()
 
     def refresh_gauges(self) -> None:
