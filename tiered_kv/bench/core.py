@@ -130,7 +130,7 @@ class UnsafeDictOffloader:
     ``pending[block_id] = job_id`` (keyed by a *location*), ``jobs[job_id] =
     (key, block, slot)``, an LRU ``OrderedDict`` key -> host slot with a free
     list, and a set of finished job ids that ``poll()`` hands to the engine.
-    No tokens, no row generations, no leases, no tombstones, no state machine,
+    No tokens, no leases, no tombstones, no state machine,
     no metrics, no input validation.  ``cancel`` forgets the pending record
     and reports the job finished at once; the late report then publishes the
     block anyway.  The original did ``del pending[bid]`` on completion, which
