@@ -9,12 +9,14 @@ import json
 import struct
 import subprocess
 from pathlib import Path
+from typing import Any, Optional
 
 import pytest
 
 from test_ops_common import (NS, PYTHON, REPO, ROW, build_env, cli, content, keys, load_bytes, open_manager, raw,
-                             raw_put, token_of)
-from tiered_kv.disk.format import SLOTS_NAME, lmdb_key
+                             raw_put, snapshot, token_of)
+from tiered_kv.disk.format import SLOTS_NAME, lmdb_key, parse_header
+from tiered_kv.tools.archive import FRAME_OVERHEAD, _FILE_HDR
 
 BIG_ROW = 64 << 10      # a 64 KiB block (a realistic KV block size is far larger)
 
@@ -24,6 +26,33 @@ def _child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + ((os.pathsep + env["PYTHONPATH"]) if env.get("PYTHONPATH") else "")
     return env
+
+
+def _archive_values(path: Path) -> dict[bytes, bytes]:
+    """Block key -> the stored value each frame of the archive at ``path`` carries (frames in order)."""
+    data = path.read_bytes()
+    _m, _v, _f, _fl, _bb, _cr, ns_len, info_len = _FILE_HDR.unpack_from(data, 0)
+    off = _FILE_HDR.size + ns_len + info_len + 8
+    out: dict[bytes, bytes] = {}
+    while data[off:off + 4] == b"TKVF":
+        (length,) = struct.unpack_from("<I", data, off + 12)
+        value = data[off + FRAME_OVERHEAD:off + FRAME_OVERHEAD + length]
+        out[parse_header(value).key] = value
+        off += FRAME_OVERHEAD + length
+    assert data[off:off + 4] == b"TKVE", "the archive does not end with its trailer"
+    return out
+
+
+def _serves(path: Path, row: int) -> tuple[dict[bytes, Optional[bytes]], Any]:
+    """Open a TierManager on ``path``: (key -> bytes it loads, or None on a miss) for the keys of this
+    module's environments, and its recovery report."""
+    mgr, kv = open_manager(path, row=row)
+    try:
+        assert mgr.disk is not None, "the disk tier was not opened"
+        got = {k: load_bytes(mgr, kv, k) for k in keys(3) + keys(3, "n")}
+        return got, mgr.disk.recovery
+    finally:
+        mgr.close()
 
 
 def _child(script: str, *args: str, ready: str) -> "subprocess.Popen[str]":
@@ -48,6 +77,10 @@ def test_a_bit_flipped_high_slot_number_is_reported_not_a_traceback(argv, tmp_pa
     v = bytearray(raw(path, inline=False)[lk])
     struct.pack_into("<Q", v, len(v) - 8, (1 << 48) - 1)
     raw_put(path, "blocks", lk, bytes(v))
+    raw_put(path, "touch", lk, struct.pack("<Q", 99))          # its recency record (goes with the entry)
+    good = {k: raw(path, inline=False)[lmdb_key(k)] for k in (b"k0000", b"k0002")}   # index records as stored
+    good_inline = {k: raw(path)[lmdb_key(k)] for k in good}    # ... and as self-contained entries
+    src = None
     if argv[0] == "export":
         args = ["export", str(path), "--namespace", NS, str(tmp_path / "a.tkv")]
     elif argv[0] == "import":
@@ -57,13 +90,50 @@ def test_a_bit_flipped_high_slot_number_is_reported_not_a_traceback(argv, tmp_pa
         args = ["import", str(path), str(tmp_path / "a.tkv")]
     else:
         args = [argv[0], str(path), *argv[1:]]
+    before = snapshot(path)
     rc, out, err = cli(capsys, *args, "--no-progress")      # raises OverflowError on the current code
+    after = raw(path, inline=False)
+    if argv[0] in ("verify", "export") and "--repair" not in argv:      # read-only: nothing changed
+        assert snapshot(path) == before, "a read-only command changed the disk tier"
     if argv == ["verify"]:
         assert rc == 1 and "truncated" in out, (rc, out, err)
+        assert "checked 3 entries" in out and "2 ok, 1 corrupt, 0 orphaned" in out, out
+        assert [ln.split()[:3] for ln in out.splitlines() if ln.startswith("  corrupt")] == \
+            [["corrupt", "truncated", "key=b'k0001'"]], out
+    elif argv == ["verify", "--repair"]:
+        assert rc == 0, (rc, out, err)
+        assert "repaired: removed 1 entries; check after repair: 2 ok, 0 corrupt, 0 orphaned" in out, out
+        # exactly the damaged entry (and its touch record) is gone; the good ones are untouched
+        assert set(after) == {lmdb_key(k) for k in good}
+        assert {k: after[lmdb_key(k)] for k in good} == good
+        assert raw(path, "touch") == {}
     elif argv[0] == "export":
         assert rc == 0 and "exported 2 entries" in out, (rc, out, err)
+        assert _archive_values(tmp_path / "a.tkv") == good_inline, "the archive does not hold the good entries as stored"
     else:
+        assert src is not None
         assert rc == 0, (rc, out, err)
+        assert "imported 3 of 4 entries" in out and "replaced corrupt local entries: 1;" in out, out
+        assert "already present (same key and writer): 0; kept local entry of another writer: 0;" in out, out
+        frames = _archive_values(tmp_path / "a.tkv")
+        imported = [b"n0000", b"n0001", b"n0002", b"k0001"]
+        assert sorted(frames) == sorted(imported)
+        assert frames == {k: raw(src)[lmdb_key(k)] for k in imported}   # the source's entries, as stored
+        # the archive's entries are stored byte for byte (inline), the damaged local entry replaced by
+        # the archive's k0001 (the source's writer token), the good local entries untouched
+        assert set(after) == {lmdb_key(k) for k in imported + list(good)}
+        assert {k: after[lmdb_key(k)] for k in imported} == frames
+        assert {k: after[lmdb_key(k)] for k in good} == good
+        assert token_of(path, b"k0001") == token_of(src, b"k0001")
+        assert raw(path, "touch") == {}, "the replaced entry's recency record was kept"
+    # what a TierManager opening the path afterwards serves: the right bytes or a miss, never wrong bytes
+    served, recovery = _serves(path, BIG_ROW)
+    expect = {k: content(k, BIG_ROW) for k in good}
+    if argv[0] == "import":
+        expect.update({k: content(k, BIG_ROW) for k in (b"n0000", b"n0001", b"n0002", b"k0001")})
+    assert served == {k: expect.get(k) for k in served}
+    # the damaged entry is still there for recovery to drop only where nothing removed it
+    assert (recovery.entries, recovery.corrupt) == (len(expect), 1 if argv in (["verify"], ["export"]) else 0)
 
 
 # ============================================================================ 2. a damaged touch record
@@ -92,14 +162,30 @@ def test_import_replaces_a_local_entry_that_recovery_will_purge(tmp_path, capsys
     dst = build_env(tmp_path / "dst", keys(3))                # same keys, other writer tokens
     rc, _, err = cli(capsys, "export", str(src), "--namespace", NS, str(tmp_path / "a.tkv"))
     assert rc == 0, err
-    raw_put(dst, "tombs", token_of(dst, b"k0001").bytes, b"k0001")
+    orphan = token_of(dst, b"k0001")
+    raw_put(dst, "tombs", orphan.bytes, b"k0001")
+    local = {k: raw(dst, inline=False)[lmdb_key(k)] for k in (b"k0000", b"k0002")}
     rc, out, err = cli(capsys, "import", str(dst), str(tmp_path / "a.tkv"), "--json", "--no-progress")
     assert rc == 0, err
     rep = json.loads(out)
     assert rep["kept_existing"] == 2, rep                     # 3 on the current code
+    assert {k: rep[k] for k in ("frames", "imported", "already_present", "kept_existing", "replaced_corrupt",
+                                "skipped_tombstoned")} == \
+        {"frames": 3, "imported": 0, "already_present": 0, "kept_existing": 2, "replaced_corrupt": 1,
+         "skipped_tombstoned": 0}, rep
+    after = raw(dst, inline=False)
+    assert set(after) == {lmdb_key(k) for k in keys(3)}
+    # k0001 is now the archive's entry byte for byte (the source's writer token, stored inline), the
+    # other two keep their local entries untouched
+    assert after[lmdb_key(b"k0001")] == raw(src)[lmdb_key(b"k0001")]
+    assert token_of(dst, b"k0001") == token_of(src, b"k0001") != orphan
+    assert {k: after[lmdb_key(k)] for k in local} == local
     mgr, kv = open_manager(dst)
     try:
-        assert load_bytes(mgr, kv, b"k0001") == content(b"k0001"), "the imported entry was lost"
+        rec = mgr.disk.recovery                               # the tomb guards nothing any more
+        assert (rec.entries, rec.purged, rec.tombs_dropped, rec.corrupt) == (3, 0, 1, 0), rec
+        for k in keys(3):
+            assert load_bytes(mgr, kv, k) == content(k), f"{k!r}: the imported entry was lost"
     finally:
         mgr.close()
 
