@@ -44,3 +44,22 @@ bench: $(VENV)/.installed
 
 clean:
 	rm -rf $(VENV) $(VVENV) build *.egg-info .pytest_cache .hypothesis
+
+# Mutation testing of the protocol modules (docs/testing.md): slow, so neither `test` nor CI runs it.
+# `make mutate MODULE=tiered_kv.core.index` runs one module's mutants only.  Results are kept in
+# mutants/ (gitignored): a later run tests only the mutants without a result; `rm -rf mutants` starts over.
+MUTMUT  ?= mutmut==3.8.1
+MODULE  ?=
+JOBS    ?= 2
+.PHONY: mutate
+mutate: $(VENV)/.installed
+	$(BIN)/pip install -q "$(MUTMUT)"
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTEST_TIMEOUT=90 \
+	    $(BIN)/mutmut run --max-children $(JOBS) $(if $(MODULE),"$(MODULE).*")
+	@$(BIN)/python -c 'import collections, glob, json; \
+	    from mutmut.stats import status_by_exit_code as status; \
+	    [print("%-28s killed %4d/%-4d survived %3d  timeout %3d  other %3d  not run %4d" % (f[8:-5], c["killed"], n, c["survived"], c["timeout"], n - c["killed"] - c["survived"] - c["timeout"], c["not checked"])) \
+	     for f in sorted(glob.glob("mutants/**/*.py.meta", recursive=True)) \
+	     for c in [collections.Counter(status[v] for v in json.load(open(f))["exit_code_by_key"].values())] \
+	     for n in [sum(c.values()) - c["not checked"]]]'
+	$(BIN)/mutmut results | { grep -v ': not checked$$' || true; }

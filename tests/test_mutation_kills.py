@@ -1,0 +1,413 @@
+"""Tests that kill mutants which survived ``make mutate`` (docs/testing.md).
+
+Each test names, in its docstring, the mutmut mutant(s) it kills (``mutmut show NAME`` prints the
+change) and asserts a behaviour of the real code that the mutant breaks.  They are deterministic:
+fake movers or none, no sleeps, no randomness.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+from fakes import (ROW_BYTES, fake_disk_manager, fill_row, make_config, make_fake_manager, make_kv, mgr_metric,
+                   on_disk_only, stored)
+
+from tiered_kv.core.index import EntryState, TierIndex
+from tiered_kv.core.tiers import WRITEBACK_PER_STEP
+from tiered_kv.errors import BlockBusyError
+from tiered_kv.jobs import JobKind, StaleReason
+
+
+def tok() -> uuid.UUID:
+    return uuid.uuid4()
+
+
+def ready(ix: TierIndex, key: bytes):
+    e = ix.reserve(key, tok())
+    assert e is not None and ix.publish(e)
+    return e
+
+
+# ---------------------------------------------------------------- core/index.py
+
+
+def test_coldest_returns_exactly_n_entries_when_more_are_evictable():
+    """Kills ``tiered_kv.core.index.xǁTierIndexǁcoldest__mutmut_2`` (``len(out) > n``: one entry too
+    many) and ``..._3`` (``return`` for ``break``: None instead of the list)."""
+    ix = TierIndex(4)
+    for k in (b"a", b"b", b"c", b"d"):
+        ready(ix, k)
+    assert [e.key for e in ix.coldest(1)] == [b"a"]
+    assert [e.key for e in ix.coldest(3)] == [b"a", b"b", b"c"]
+    assert ix.coldest(0) == []
+    assert [e.key for e in ix.coldest(9)] == [b"a", b"b", b"c", b"d"]
+
+
+def test_reserve_absent_touches_a_key_already_present():
+    """Kills ``tiered_kv.core.index.xǁTierIndexǁreserve_absent__mutmut_11`` (``lru_get(None)``: a
+    present key is not marked recently used, so it is the next one evicted)."""
+    evicted: list[bytes] = []
+    ix = TierIndex(2, on_evict=lambda e: evicted.append(e.key))
+    ready(ix, b"a")
+    ready(ix, b"b")
+    got, new, full = ix.reserve_absent([b"a"], tok(), (), None)
+    assert (got, new, full) == ([], [], 0)
+    assert [e.key for e in ix.coldest(2)] == [b"b", b"a"]
+    got, new, full = ix.reserve_absent([b"c"], tok(), (), None)
+    assert got == [b"c"] and full == 0
+    assert evicted == [b"b"]
+
+
+def test_reserve_absent_skips_a_key_of_another_tier_and_goes_on():
+    """Kills ``tiered_kv.core.index.xǁTierIndexǁreserve_absent__mutmut_18`` (``break`` for ``continue``
+    after a key found in ``elsewhere``: the keys after it are not reserved)."""
+    ix = TierIndex(4)
+    got, new, full = ix.reserve_absent([b"x", b"on-disk", b"y"], tok(), (), {b"on-disk"})
+    assert got == [b"x", b"y"] and [e.key for e in new] == [b"x", b"y"] and full == 0
+    assert b"on-disk" not in ix and all(e.state is EntryState.WRITING for e in new)
+
+
+def test_a_freed_entry_holds_no_slot_whichever_path_freed_it():
+    """Kills ``tiered_kv.core.index.xǁTierIndexǁ_maybe_free__mutmut_13`` (a slot freed by
+    ``remove``/``release``/``writer_done`` left as ``-2``): every path that gives a slot back marks the
+    entry slot-less the same way (``slot == -1``), as eviction does."""
+    evicted = []
+    ix = TierIndex(2, on_evict=evicted.append)
+    a = ready(ix, b"a")
+    ix.acquire(a)
+    ix.remove(a)
+    assert a.slot >= 0, "a reader still holds the slot"
+    ix.release(a)
+    w = ix.reserve(b"w", tok())
+    ix.abort(w)
+    ix.writer_done(w)
+    b = ready(ix, b"b")
+    ready(ix, b"c")
+    assert ix.reserve(b"d", tok()) is not None and evicted == [b]
+    assert (a.slot, w.slot, b.slot) == (-1, -1, -1)
+    assert ix.used_slots == 2
+
+
+def test_a_lease_misuse_names_the_entry_in_its_internal_error():
+    """Kills ``tiered_kv.core.index.xǁTierIndexǁacquire__mutmut_4`` and ``...release__mutmut_3`` (the
+    internal error raised without a message): the bug report must say which entry was misused."""
+    ix = TierIndex(2)
+    w = ix.reserve(b"being-written", tok())
+    with pytest.raises(AssertionError, match=r"acquire of Entry\(key=b'being-written', slot=\d+, writing"):
+        ix.acquire(w)
+    r = ready(ix, b"never-leased")
+    with pytest.raises(AssertionError, match=r"release without acquire: Entry\(key=b'never-leased'.*readers=0"):
+        ix.release(r)
+
+
+# ---------------------------------------------------------------- manager.py
+
+
+def test_store_many_and_load_many_refuse_a_fenced_row_naming_it_and_change_nothing(fake, kv):
+    """Kills ``tiered_kv.manager.xǁTierManagerǁstore_many__mutmut_6`` to ``..._13`` and
+    ``...load_many__mutmut_6`` to ``..._13`` (the fence check of the batched calls dropped, inverted,
+    or raising without naming the row): a batch with one row that a load is still writing raises
+    :class:`BlockBusyError` naming that row, and starts nothing; a batch on other rows starts."""
+    mgr, mover = fake
+    stored(mgr, mover, kv, [b"a", b"b"], [0, 1])
+    load = mgr.load(b"a", 7)
+    assert load is not None
+    before = (len(mover.submitted), mgr.jobs_in_flight, mgr.host_used_slots)
+    for rows in ([5, 7], [7, 6]):
+        with pytest.raises(BlockBusyError, match=r"^block 7 has a load in flight"):
+            mgr.store_many([b"x", b"y"], rows)
+        with pytest.raises(BlockBusyError, match=r"^block 7 already has a load in flight"):
+            mgr.load_many([b"a", b"b"], rows)
+    assert (len(mover.submitted), mgr.jobs_in_flight, mgr.host_used_slots) == before
+    # rows no load writes are fine, while the load is in flight
+    job = mgr.store_many([b"x", b"y"], [5, 6])
+    both = mgr.load_many([b"a", b"b"], [10, 11])
+    assert job is not None and job.blocks == [5, 6] and both is not None and both.blocks == (10, 11)
+    mover.complete_all()
+    assert [c.ok for c in mgr.poll()] == [True, True, True]
+    assert mgr.free_block(7)
+    assert mgr.load_many([b"x", b"y"], [7, 8]) is not None
+
+
+def test_store_many_of_two_keys_never_evicts_the_other_key_it_names(kv):
+    """Kills ``tiered_kv.manager.xǁTierManagerǁstore_many__mutmut_22`` (``len(keys) > 2``: a two-key call
+    does not protect its keys): the slot for the absent key must not be found by evicting the present
+    key the same call names; with nothing else evictable that key is shed."""
+    mgr, mover = make_fake_manager(make_config(host_slots=2, host_evict_ahead_blocks=0), kv)
+    try:
+        stored(mgr, mover, kv, [b"present"], [0])
+        fill_row(kv, 1, b"writing")
+        assert mgr.store(b"writing", 1) is not None       # the other slot, leased to a store in flight
+        fill_row(kv, 2, b"absent")
+        assert mgr.store_many([b"present", b"absent"], [3, 2]) is None
+        assert mgr.host_bytes(b"present") is not None and mgr.lookup([b"present"]) == 1
+        assert mgr_metric(mgr, "tiered_kv_shed_total", kind="store", reason="host_full") == 1
+    finally:
+        mover.complete_all()
+        mgr.close()
+
+
+def test_a_load_whose_read_from_disk_failed_counts_a_disk_copy_fault(tmp_path):
+    """Kills ``tiered_kv.manager.xǁTierManagerǁ_load_failed__mutmut_4``, ``..._17`` and ``..._18`` (the
+    fault counted under another tier label): a load failed by its read from disk (not a miss) is
+    reported failed with the read's error and counted as ``errors_total{tier="disk",error="copy_failed"}``."""
+    mgr, mover, kv = fake_disk_manager(tmp_path / "d")
+    try:
+        on_disk_only(mgr, mover, kv, [b"k"])
+        job = mgr.load(b"k", 9)
+        assert job is not None
+        (promote,) = [j for j in mgr._core.jobs.values() if j.kind is JobKind.PROMOTE]
+        mover.inject(promote.token, JobKind.PROMOTE, ok=False, error="EIO reading the slot file")
+        out = [c for c in mgr.wait([job], timeout=30) if c.job is job]
+        assert [(c.ok, c.error) for c in out] == [(False, "failed: EIO reading the slot file")]
+        assert mgr_metric(mgr, "tiered_kv_errors_total", tier="disk", error="copy_failed") == 1
+        assert mgr_metric(mgr, "tiered_kv_errors_total", tier="device", error="copy_failed") == 0
+        assert mgr.free_block(9)
+    finally:
+        mgr.close()
+
+
+# ---------------------------------------------------------------- core/tiers.py
+
+
+def _write_back_manager(path, host_slots: int = 32):
+    kv = make_kv(64)
+    cfg = make_config(host_slots=host_slots, disk_path=path, disk_capacity_bytes=128 * ROW_BYTES,
+                      host_evict_ahead_blocks=0, writer_batch_seconds=0.0, write_mode="back")
+    mgr, mover = make_fake_manager(cfg, kv)
+    return mgr, mover, kv
+
+
+def _spilling(mgr) -> list[bytes]:
+    return [j.key for j in mgr._core.jobs.values() if j.kind is JobKind.SPILL]
+
+
+def test_write_back_spills_at_most_its_per_step_budget_coldest_first(tmp_path):
+    """Kills ``tiered_kv.core.tiers.xǁTierCoreǁ_writeback__mutmut_11``, ``..._13``, ``..._20``, ``..._21``
+    and ``..._22`` (the per-step budget ignored, or counted wrong): a host tier filled past
+    ``WRITEBACK_FILL`` in one step starts exactly ``WRITEBACK_PER_STEP`` spills, the coldest entries."""
+    mgr, mover, kv = _write_back_manager(tmp_path / "d")
+    try:
+        keys = [b"wb-%02d" % i for i in range(24)]            # 24 of 32 slots: exactly WRITEBACK_FILL
+        for i, k in enumerate(keys):
+            fill_row(kv, i, k)
+        job = mgr.store_many(keys, list(range(24)))
+        assert job is not None and _spilling(mgr) == []
+        mover.complete(job)
+        mgr.poll()                                             # publishes, then one write-back pass
+        assert _spilling(mgr) == keys[:WRITEBACK_PER_STEP]
+    finally:
+        mgr.close()
+
+
+def test_write_back_starts_nothing_on_an_unusable_disk_nor_while_closing(tmp_path):
+    """Kills ``tiered_kv.core.tiers.xǁTierCoreǁ_writeback__mutmut_3`` and ``..._4`` (``and`` for ``or``
+    in the guard): with the disk writer gone, or once ``close()`` began, write-back starts no spill
+    (and so sheds none as ``disk_down``)."""
+    for closing in (False, True):
+        mgr, mover, kv = _write_back_manager(tmp_path / f"d{closing}")
+        try:
+            if closing:
+                mgr._core.closing = True
+            else:
+                mgr._core.disk.usable = False
+            keys = [b"x-%02d" % i for i in range(24)]
+            for i, k in enumerate(keys):
+                fill_row(kv, i, k)
+            mover.complete(mgr.store_many(keys, list(range(24))))
+            mgr.poll()
+            assert _spilling(mgr) == []
+            assert mgr_metric(mgr, "tiered_kv_shed_total", kind="spill", reason="disk_down") == 0
+        finally:
+            mgr._core.closing = False
+            mgr.close()
+
+
+def test_write_back_stops_when_the_writer_queue_is_full(tmp_path, monkeypatch):
+    """Kills ``tiered_kv.core.tiers.xǁTierCoreǁ_writeback__mutmut_14`` (``>`` for ``>=``): a writer queue
+    holding ``writer_queue_blocks`` spills already is full, and write-back queues none."""
+    mgr, mover, kv = _write_back_manager(tmp_path / "d")
+    try:
+        monkeypatch.setattr(type(mgr._core.disk.store), "queue_depth",
+                            property(lambda self: mgr.config.writer_queue_blocks))
+        keys = [b"q-%02d" % i for i in range(24)]
+        for i, k in enumerate(keys):
+            fill_row(kv, i, k)
+        mover.complete(mgr.store_many(keys, list(range(24))))
+        mgr.poll()
+        assert _spilling(mgr) == []
+    finally:
+        monkeypatch.undo()
+        mgr.close()
+
+
+def test_settling_or_abandoning_a_job_twice_is_a_no_op(fake, kv):
+    """Kills ``tiered_kv.core.tiers.xǁTierCoreǁsettle_cancelled__mutmut_3`` and
+    ``...abandon__mutmut_3`` (``jobs.pop(token)`` without a default: a second call raises KeyError)."""
+    mgr, mover = fake
+    core = mgr._core
+    fill_row(kv, 0, b"s")
+    store = mgr.store(b"s", 0)
+    core.cancel(store, StaleReason.CANCELLED)
+    core.settle_cancelled(store)
+    core.settle_cancelled(store)
+    stored(mgr, mover, kv, [b"l"], [1])
+    load = mgr.load(b"l", 2)
+    core.abandon(load)
+    core.abandon(load)
+    assert core.n_in_flight[JobKind.STORE] == 0 and core.n_in_flight[JobKind.LOAD] == 0
+    assert mgr.jobs_in_flight == 0 and mgr.host_used_slots == 1   # only l's slot: no lease left
+
+
+def test_drop_all_forgets_the_keys_only_on_disk_too(tmp_path):
+    """Kills ``tiered_kv.core.tiers.xǁTierCoreǁdrop_all__mutmut_3`` (``drop_key(None)`` for a disk entry):
+    after ``drop_all()`` no key is served from any tier."""
+    mgr, mover, kv = fake_disk_manager(tmp_path / "d")
+    try:
+        on_disk_only(mgr, mover, kv, [b"k0", b"k1"])
+        mgr._core.drop_all()
+        assert mgr.lookup([b"k0"]) == 0 and mgr.lookup([b"k1"]) == 0
+        assert mgr.host_blocks == 0 and mgr.disk_blocks == 0
+    finally:
+        mgr.close()
+
+
+def test_core_touch_marks_keys_recently_used_on_the_host_else_on_disk(tmp_path):
+    """Kills ``tiered_kv.core.tiers.xǁTierCoreǁtouch__mutmut_1`` to ``..._10`` (the scheduler front end's
+    ``touch``, which no other fast test reaches): a key on the host moves to the host LRU's hot end, a
+    key only on disk to the disk LRU's hot end, an unknown key changes nothing."""
+    mgr, mover, kv = fake_disk_manager(tmp_path / "d")
+    try:
+        on_disk_only(mgr, mover, kv, [b"d0", b"d1"])
+        core = mgr._core
+        host = [e.key for e in core.index.coldest(99)]
+        disk = [e.key for e in core.dindex.coldest(99)]
+        assert host[0] != host[-1] and b"d1" in disk and disk[-1] != b"d0"
+        core.touch([host[0], b"d0", b"nowhere"])
+        assert [e.key for e in core.index.coldest(99)] == host[1:] + host[:1]
+        assert [e.key for e in core.dindex.coldest(99)] == [k for k in disk if k != b"d0"] + [b"d0"]
+    finally:
+        mgr.close()
+
+
+def test_store_many_at_the_inflight_limit_sheds_only_when_a_key_is_absent_and_touches_present_ones(tmp_path):
+    """Kills ``tiered_kv.core.tiers.xǁTierCoreǁbegin_store__mutmut_4`` to ``..._9``, ``..._12`` and ``..._16``
+    (the ``max_inflight_jobs`` path of a batched store): at the limit a call naming an absent key is shed
+    once (``inflight_limit``); a call whose keys are all in a tier is not, and its host keys are touched."""
+    mgr, mover, kv = fake_disk_manager(tmp_path / "d")
+    try:
+        on_disk_only(mgr, mover, kv, [b"on-disk"])
+        mgr._core.max_inflight = 1
+        fill_row(kv, 0, b"busy")
+        assert mgr.store(b"busy", 0) is not None               # the one job in flight
+        host = [e.key for e in mgr._core.index.coldest(99)]
+        assert len(host) == 3
+        shed = lambda: mgr_metric(mgr, "tiered_kv_shed_total", kind="store", reason="inflight_limit")  # noqa: E731
+        assert mgr.store_many([host[0], b"on-disk"], [1, 2]) is None and shed() == 0
+        assert [e.key for e in mgr._core.index.coldest(99)] == host[1:] + host[:1]
+        assert mgr.store_many([host[1], b"new"], [1, 2]) is None and shed() == 1
+        assert [e.key for e in mgr._core.index.coldest(99)] == host[2:] + host[:2]
+    finally:
+        mover.complete_all()
+        mgr.close()
+
+
+def test_store_many_skips_a_key_only_on_disk_and_names_its_first_stored_key(tmp_path):
+    """Kills ``tiered_kv.core.tiers.xǁTierCoreǁbegin_store__mutmut_31`` (the disk index not passed as
+    ``elsewhere``: a key only on disk is stored again) and ``..._49`` (the job's ``key`` left None)."""
+    mgr, mover, kv = fake_disk_manager(tmp_path / "d")
+    try:
+        on_disk_only(mgr, mover, kv, [b"on-disk"])
+        fill_row(kv, 5, b"fresh")
+        job = mgr.store_many([b"on-disk", b"fresh"], [4, 5])
+        assert job is not None and job.keys == [b"fresh"] and job.key == b"fresh" and job.blocks == [5]
+        mover.complete(job)
+        assert [c.ok for c in mgr.poll()] == [True]
+    finally:
+        mgr.close()
+
+
+def test_the_core_collects_evicted_keys_only_when_asked(tmp_path):
+    """Kills ``tiered_kv.core.tiers.xǁTierCoreǁ_disk_evicted__mutmut_1`` (``or`` for ``and``): a front end
+    that did not ask for ``collect_evicted`` (TierManager) never accumulates evicted keys."""
+    kv = make_kv(64)
+    cfg = make_config(host_slots=2, disk_path=tmp_path / "d", disk_capacity_bytes=4 * ROW_BYTES,
+                      host_evict_ahead_blocks=0, writer_batch_seconds=0.0)
+    mgr, mover = make_fake_manager(cfg, kv)
+    try:
+        for i in range(8):                                   # 8 keys through a 2-slot host over a 4-block disk
+            stored(mgr, mover, kv, [b"e%d" % i], [i])
+            assert mgr.flush(timeout=30)
+        assert mgr.metrics.evicted["disk"]._value.get() > 0
+        assert mgr._core.evicted == []
+    finally:
+        mgr.close()
+
+
+def test_a_failure_report_without_an_error_and_a_miss_are_reported_as_such(fake, kv, tmp_path):
+    """Kills ``tiered_kv.manager.xǁTierManagerǁ_fail__mutmut_4``/``_5`` (the default error text changed)
+    and ``..._11``/``_12`` (a miss counted as a copy fault): a failed report with no error fails its job
+    with ``"failed"``; a load whose read from disk missed counts no ``copy_failed`` fault."""
+    mgr, mover = fake
+    fill_row(kv, 0, b"s")
+    job = mgr.store(b"s", 0)
+    mover._take(job)                                          # the copy's report, replaced by one with no error
+    mover.inject(job.token, JobKind.STORE, ok=False, error=None)
+    assert [(c.ok, c.error) for c in mgr.poll()] == [(False, "failed: failed")] and job.error == "failed"
+    dmgr, dmover, dkv = fake_disk_manager(tmp_path / "d")
+    try:
+        on_disk_only(dmgr, dmover, dkv, [b"k"])
+        load = dmgr.load(b"k", 9)
+        (promote,) = [j for j in dmgr._core.jobs.values() if j.kind is JobKind.PROMOTE]
+        dmover.inject(promote.token, JobKind.PROMOTE, ok=False, error="miss: gone")
+        out = [c for c in dmgr.wait([load], timeout=30) if c.job is load]
+        assert [(c.ok, c.error) for c in out] == [(False, "failed: miss: gone")]
+        assert mgr_metric(dmgr, "tiered_kv_errors_total", tier="disk", error="copy_failed") == 0
+    finally:
+        dmgr.close()
+
+
+def test_a_failed_read_from_disk_without_an_error_fails_its_load_as_a_miss(tmp_path):
+    """Kills ``tiered_kv.core.tiers.xǁTierCoreǁ_apply_promote__mutmut_49`` (the default error of a failed
+    promote changed): a read from disk that failed with no error text fails the load as a ``miss``,
+    which counts no copy fault."""
+    mgr, mover, kv = fake_disk_manager(tmp_path / "d")
+    try:
+        on_disk_only(mgr, mover, kv, [b"k"])
+        load = mgr.load(b"k", 9)
+        (promote,) = [j for j in mgr._core.jobs.values() if j.kind is JobKind.PROMOTE]
+        mover.inject(promote.token, JobKind.PROMOTE, ok=False, error=None)
+        out = [c for c in mgr.wait([load], timeout=30) if c.job is load]
+        assert [(c.ok, c.error) for c in out] == [(False, "failed: miss")]
+        assert mgr_metric(mgr, "tiered_kv_errors_total", tier="disk", error="copy_failed") == 0
+    finally:
+        mgr.close()
+
+
+def test_simple_block_until_waits_in_bounded_steps_and_honours_its_timeout(fake):
+    """Kills ``tiered_kv.core.tiers.xǁTierCoreǁsimple_block_until__mutmut_1`` to ``_4``, ``_8`` to ``_11``,
+    ``_16``, ``_17``, ``_20`` and ``_21`` (the scheduler front end's blocking loop: no deadline, a wrong
+    wait step, or no wait): without a timeout it waits on the completion queue in 0.5 s steps until
+    ``done()``; with one, in steps of at most 0.5 s and never past it.  The queue's ``get`` is replaced
+    by one that records its timeout and returns at once, so nothing here really sleeps."""
+    mgr, _ = fake
+    core = mgr._core
+    waits: list = []
+    core.completions.get = lambda timeout: waits.append(timeout)   # type: ignore[method-assign]
+    core.simple_block_until(lambda: True, None)
+    assert waits == []
+    answers = iter([False, False, True])
+    core.simple_block_until(lambda: next(answers), None)
+    assert waits == [0.5, 0.5]
+    waits.clear()
+    start = time.monotonic()
+
+    def never() -> bool:
+        assert time.monotonic() - start < 10, "simple_block_until ran past its timeout"
+        return False
+
+    core.simple_block_until(never, 0.6)
+    assert waits and waits[0] == 0.5 and all(0 < w <= 0.5 for w in waits)
+    assert time.monotonic() - start >= 0.6
