@@ -38,10 +38,11 @@ of the batch.  The device rules offer the side streams before the compute stream
 hypothesis tries (and shrinks towards) copies running ahead of the engine's queued
 work: the hazards.
 
-The model is plain Python (tests/host_model.py, shared with tests/test_state_machine.py):
-the host index (entries, LRU, slot leases, eviction), in-flight jobs, row fences,
-cancelled stores awaiting delivery, the engine's view of each row, and the counters;
-here also the mover (its queue, round robin, the armed copy error, the reports
+The model is plain Python (tests/host_model.py, shared with tests/test_state_machine.py, written
+from the spec rather than the code): which keys the host tier holds and which are readable, the
+jobs not yet answered and their states, cancelled stores awaiting delivery and the counters (slots
+in use, fences, evictable keys and table sizes derived from those); here also the engine's view
+of each row, the mover (its queue, round robin, the armed copy error, the reports
 answered at a flush) and where each job's copy sits on the simulated device: its
 side stream and the position of its end event there (so the model knows exactly
 when, and in which order, its report is harvested).  Checked:
@@ -95,7 +96,7 @@ from prometheus_client import CollectorRegistry
 
 from fake_cuda import FakeGPU, FakeStream
 from fakes import ROW_BYTES, fill_row, host_matches, make_config, make_kv, metric_samples, row_matches, sm_settings
-from host_model import Expected, MEntry, MJob, Model
+from host_model import Copy, Expected, MJob, Model
 from tiered_kv import Completion, Job, TierManager
 from tiered_kv.errors import BlockBusyError
 from tiered_kv.movers import CompletionQueue, CudaMover
@@ -116,6 +117,8 @@ class DJob(MJob):
     """A job of the model, with where its transfer is in the mover."""
 
     where: str = "queued"         # queued (in the mover's queue) | stream (on ``stream``) | answered (at a flush)
+    stream: Any = None            # on the device: the side stream of its copy ...
+    end: int = 0                  # ... and its end event is operation number ``end`` of ``stream``
     copy_ok: bool = True          # the report's ok (False: answered at a flush, cancelled or failed)
     ev_start: Any = None          # on the stream: the event recorded before its copy ...
     ev_end: Any = None            # ... and its own end event
@@ -203,7 +206,7 @@ class DeviceModel(Model):
         g.chunks.append(len(chunk))
 
     def on_device(self) -> list[DJob]:
-        return [mj for mj in self.records.values() if isinstance(mj, DJob) and mj.where == "stream"]
+        return [mj for mj in self.jobs.values() if isinstance(mj, DJob) and mj.where == "stream"]
 
     def harvest(self) -> list[DJob]:
         """CudaMover.harvest (after its flush): the reports it puts on the completion queue, in order --
@@ -229,6 +232,9 @@ inject_failure = st.integers(0, 11).map(lambda n: n == 0)
 
 
 class CudaMoverMachine(RuleBasedStateMachine):
+    """Guards the TierManager with the real CudaMover on a simulated device: the protocol against the spec's
+    model, and the copies' ordering against the engine's stream (see the module docstring)."""
+
     gpu: FakeGPU        # made by the initialize rule ``build``, with the manager
     mover: CudaMover
 
@@ -286,8 +292,8 @@ class CudaMoverMachine(RuleBasedStateMachine):
         """The engine (owning ``row``: given up by free_block, which returned True) queues a write of ``key``."""
         # the protocol: no load into the row in flight, no store reading it that free_block did not cancel
         # (queued in the mover or on the device) -- the flush's barrier waits for this write too
-        assert row not in self.model.row_load
-        assert not [mj for mj in self.model.records.values()
+        assert not self.model.fenced(row)
+        assert not [mj for mj in self.model.jobs.values()
                     if mj.kind == "store" and mj.row == row and mj.state == "pending"], "engine protocol violation"
         self.pending_writes[row] += 1
         self.gpu.kernel(lambda: self._engine_write(row, key))
@@ -296,7 +302,7 @@ class CudaMoverMachine(RuleBasedStateMachine):
     def _queue_read(self, row: int) -> None:
         """The engine queues a read of ``row`` if it owns it (no load in flight) and knows what it holds."""
         key = self.view[row]
-        if key is not None and row not in self.model.row_load:
+        if key is not None and not self.model.fenced(row):
             self.gpu.kernel(lambda: self._engine_read(row, key))
 
     def _snapshot(self) -> tuple[list[int], int]:
@@ -356,7 +362,7 @@ class CudaMoverMachine(RuleBasedStateMachine):
             self.gpu.copy_error = RuntimeError("CUDA error: injected")
         before = self._snapshot()
         job = self.m.store(key, row) if kind == "store" else self.m.load(key, row)
-        if not isinstance(expected, MEntry):
+        if not isinstance(expected, Copy):
             assert job is None, f"{kind}({key!r}, {row}) returned {job!r}; the model expected None"
             self._check_flushed(before, [])
             return
@@ -414,7 +420,7 @@ class CudaMoverMachine(RuleBasedStateMachine):
                 else:
                     hm = host_matches(self.m, mj.key, self.kv)
                     assert hm in (True, None), f"ok store of {mj.key!r}: wrong bytes in the host tier"
-                    assert (hm is True) == (model.ready(mj.key) is not None)
+                    assert (hm is True) == model.ready(mj.key)
             else:
                 assert err is not None and c.error is not None and c.error.startswith(err), (c.error, err)
                 if mj.kind == "load":
@@ -480,7 +486,7 @@ class CudaMoverMachine(RuleBasedStateMachine):
             self._polled(self.m.poll)   # what is still queued goes to the device
             self.gpu.run_all()
             self._polled(self.m.poll)
-            assert len([e for e in self.model.entries.values() if e.ready]) == min(warm, CAPACITY - ahead)
+            assert len(self.model.ready_keys()) == min(warm, CAPACITY - ahead)
 
     @rule(row=rows, fail=inject_failure, store=st.integers(0, 3).map(bool))
     def compute_and_store(self, row: int, fail: bool, store: bool = True) -> None:
@@ -488,7 +494,7 @@ class CudaMoverMachine(RuleBasedStateMachine):
         mostly: it also writes rows it does not store, so a load may follow a write with no store between."""
         with self._step():
             key = self._fresh_key()
-            if row in self.model.row_load:   # the engine must not; store() refuses it
+            if self.model.fenced(row):   # the engine must not; store() refuses it
                 with pytest.raises(BlockBusyError):
                     self.m.store(key, row)
                 return
@@ -498,13 +504,13 @@ class CudaMoverMachine(RuleBasedStateMachine):
             if store:
                 self._issue("store", key, row, fail)
 
-    @precondition(lambda self: self.model.entries)
+    @precondition(lambda self: self.model.host)
     @rule(data=st.data(), row=rows)
     def store_again(self, data: st.DataObject, row: int) -> None:
         """A key stored or being stored is not stored twice (store() returns None and touches it)."""
         with self._step():
-            key = data.draw(st.sampled_from(list(self.model.entries)), label="key")
-            if row in self.model.row_load:
+            key = data.draw(st.sampled_from(list(self.model.host)), label="key")
+            if self.model.fenced(row):
                 with pytest.raises(BlockBusyError):
                     self.m.store(key, row)
                 return
@@ -517,10 +523,10 @@ class CudaMoverMachine(RuleBasedStateMachine):
         queuing a last ``read`` of the row's old content or a last ``write`` into it (a sequence preempted):
         the load's copy must overtake neither."""
         with self._step():
-            ready = [k for k, e in self.model.entries.items() if e.ready]
+            ready = self.model.ready_keys()
             pool = ready if ready and data.draw(st.integers(0, 3), label="any key if 0") else self.keys
             key = data.draw(st.sampled_from(pool), label="key")
-            if row in self.model.row_load:   # the engine must not; load() refuses it
+            if self.model.fenced(row):   # the engine must not; load() refuses it
                 with pytest.raises(BlockBusyError):
                     self.m.load(key, row)
                 return
@@ -534,13 +540,13 @@ class CudaMoverMachine(RuleBasedStateMachine):
             assert self.m.free_block(row) is True
             self._issue("load", key, row, fail)
 
-    @precondition(lambda self: any(e.ready for e in self.model.entries.values()))
+    @precondition(lambda self: self.model.ready_keys())
     @rule(data=st.data(), last=st.sampled_from(("read", "write")))
     def reuse_row_for_a_load(self, data: st.DataObject, last: str) -> None:
         """The hazard of ``load``, more often: the engine's last read of (or write into) a row it owns is
         still queued when it gives the row up for a load."""
         with self._step():
-            candidates = [r for r in range(ROWS) if r not in self.model.row_load
+            candidates = [r for r in range(ROWS) if not self.model.fenced(r)
                           and (last == "write" or self.view[r] is not None)]
             if candidates:
                 self.load(data, data.draw(st.sampled_from(candidates), label="row"), False, last)
@@ -616,13 +622,11 @@ class CudaMoverMachine(RuleBasedStateMachine):
         if self.mgr is None:
             return
         m, s = self.model, self.mgr.debug_sizes()
-        assert s["jobs"] == len(m.records) == self.mgr.jobs_in_flight <= MAX_INFLIGHT
-        assert s["deliver"] == len(m.deliver)
-        assert s["host_entries"] == len(m.entries) == self.mgr.host_blocks <= CAPACITY
-        assert s["host_used_slots"] == m.used == self.mgr.host_used_slots <= CAPACITY
-        assert s["row_load"] == len(m.row_load)
-        assert s["row_stores"] == len(m.row_stores)
-        assert s["key_loads"] == len(m.key_loads)
+        want = m.sizes()
+        assert {k: s[k] for k in want} == want, f"debug_sizes {s}, the model says {want}"
+        assert self.mgr.jobs_in_flight == want["jobs"] <= MAX_INFLIGHT
+        assert self.mgr.host_blocks == want["host_entries"] <= CAPACITY
+        assert self.mgr.host_used_slots == want["host_used_slots"] <= CAPACITY
         # harvest() runs only inside poll/wait: every transfer queued or on a stream is still the mover's
         assert self.mover.in_flight() == m.in_flight(), (self.mover.in_flight(), len(m.queued), len(m.on_device()))
         assert (self.gpu.copy_error is not None) == m.armed, "the injected copy error is not consumed as modelled"
@@ -632,13 +636,14 @@ class CudaMoverMachine(RuleBasedStateMachine):
     def never_wrong_bytes(self) -> None:
         if self.mgr is None:
             return
-        for key, e in self.model.entries.items():
+        for key in self.model.host:
             hm = host_matches(self.mgr, key, self.kv)
-            assert hm is (True if e.ready else None), f"host tier: {key!r} is {hm}, the model says ready={e.ready}"
+            ready = self.model.ready(key)
+            assert hm is (True if ready else None), f"host tier: {key!r} is {hm}, the model says ready={ready}"
         assert not self.bad_reads, self.bad_reads
         for row, key in enumerate(self.view):
             # a row the engine owns, with no write of its own still queued, holds what the engine expects
-            if key is not None and row not in self.model.row_load and not self.pending_writes[row]:
+            if key is not None and not self.model.fenced(row) and not self.pending_writes[row]:
                 assert row_matches(self.kv, row, key), f"row {row} does not hold {key!r}"
 
     def teardown(self) -> None:
@@ -657,8 +662,9 @@ class CudaMoverMachine(RuleBasedStateMachine):
             assert self.mgr.jobs_in_flight == 0 and self.mover.in_flight() == 0
             s = self.mgr.debug_sizes()
             assert s["jobs"] == s["deliver"] == s["outbox"] == s["row_stores"] == s["row_load"] == s["key_loads"] == 0
-            assert s["host_used_slots"] == s["host_entries"] == len(self.model.entries)
-            assert all(e.ready for e in self.model.entries.values())
+            assert s["host_used_slots"] == s["host_entries"] == len(self.model.host)
+            assert len(self.model.ready_keys()) == len(self.model.host)
+            assert not self.model.unreported(list(self.mjobs.values()))
             self.never_wrong_bytes()
             self._metrics_agree(full=True)
         finally:

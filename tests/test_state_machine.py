@@ -6,9 +6,10 @@ with failures, skipped (cancel-hinted) copies, duplicate and unknown reports.
 The copy happens when the transfer is answered, so a stale worker really
 copies whatever the row/slot holds at that moment.
 
-The model is plain Python (tests/host_model.py, no tensors, no tokens): host entries with an LRU,
-slot leases, row fences, job states and the metric counters.  Checked after
-every step:
+The model is plain Python (tests/host_model.py), written from the spec, not the code: which
+keys the host tier holds and which are readable, the jobs not yet answered and their states, the
+cancelled stores awaiting delivery and the metric counters; slots in use, fences and table sizes
+are derived from those.  Checked after every step:
 
 * no exception escapes except ``BlockBusyError``, exactly when the model says;
 * store/load/lookup/free_block results equal the model's;
@@ -16,10 +17,12 @@ every step:
   with the right ok/error; an ok load's row holds the key's bytes;
 * every key READY in the host tier holds that key's bytes (never wrong bytes);
 * after every poll()/wait(): jobs_total{kind,outcome},
-  stale_callbacks_total{kind,reason}, evictions, lookup keys and hits equal
+  stale_callbacks_total{kind,reason}, shed_total{kind,reason},
+  errors_total{tier,error="copy_failed"}, evictions, lookup keys and hits equal
   the model's counters;
-* debug_sizes() equal the model's tables and stay bounded;
-  host_used_slots <= capacity.
+* debug_sizes() equal the sizes the model derives and stay bounded;
+  host_used_slots <= capacity;
+* teardown: every job issued was reported exactly once (the machine's count and the model's).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import pytest
 from hypothesis import strategies as st
@@ -36,7 +39,7 @@ from prometheus_client import CollectorRegistry
 
 from fakes import (fill_row, host_matches, make_config, make_fake_manager, make_kv, metric_samples, row_matches,
                    sm_settings)
-from host_model import MEntry, MJob, Model
+from host_model import Copy, MJob, Model
 from tiered_kv import Job, JobKind
 from tiered_kv.errors import BlockBusyError
 
@@ -46,6 +49,7 @@ CAPACITY = 4          # host slots: eviction and host_full shedding happen often
 MAX_INFLIGHT = 7      # inflight_limit shedding happens too
 OUTCOMES = ("ok", "failed", "cancelled", "shed")
 REASONS = ("unknown_token", "cancelled", "superseded", "source_reused")
+SHED = ("inflight_limit", "host_full")
 
 
 # ============================================================================ the model
@@ -57,18 +61,18 @@ class FakeMoverModel(Model):
     queue: list[tuple[uuid.UUID, str, bool]] = field(default_factory=list)   # put, not yet applied
     row_content: list[Optional[bytes]] = field(default_factory=list)         # row -> key, or None
 
-    def add_store(self, job: Job, key: bytes, row: int, e: MEntry) -> MJob:
-        return self.add(MJob(job, "store", key, row, e))
+    def add_store(self, job: Job, key: bytes, row: int, c: Copy) -> MJob:
+        return self.add(MJob(job, "store", key, row, c))
 
-    def add_load(self, job: Job, key: bytes, row: int, e: MEntry) -> MJob:
+    def add_load(self, job: Job, key: bytes, row: int, c: Copy) -> MJob:
         self.row_content[row] = None
-        return self.add(MJob(job, "load", key, row, e))
+        return self.add(MJob(job, "load", key, row, c))
 
     def poll(self) -> list[tuple[MJob, bool, Optional[str]]]:
         out: list[tuple[MJob, bool, Optional[str]]] = []
         queue, self.queue = self.queue, []
         for token, kind, ok in queue:
-            mj = self.records.get(token)
+            mj = self.jobs.get(token)
             if mj is None:
                 self.stale[(kind, "unknown_token")] += 1
                 continue
@@ -88,6 +92,9 @@ keys = st.sampled_from(KEYS)
 
 
 class TierMachine(RuleBasedStateMachine):
+    """Guards the TierManager's protocol on a fake mover (exactly-once reports, token match or discard,
+    leases, fences, LRU eviction, shedding, counters; see the module docstring) against the spec's model."""
+
     def __init__(self) -> None:
         super().__init__()
         self.kv = make_kv(ROWS, seed=99)
@@ -145,7 +152,7 @@ class TierMachine(RuleBasedStateMachine):
             self.model.row_content[row] = key
             e = self.model.store(key, row)
             job = self.mgr.store(key, row)
-            assert isinstance(e, MEntry) and job is not None
+            assert isinstance(e, Copy) and job is not None
             self.mjobs[job.token] = self.model.add_store(job, key, row, e)
             self.issued.append(job)
         for t in list(self.mover.outstanding)[::-1]:
@@ -168,7 +175,7 @@ class TierMachine(RuleBasedStateMachine):
     @rule(row=rows, key=keys, answer_now=st.booleans())
     def store(self, row: int, key: bytes, answer_now: bool) -> None:
         self.broken = True
-        if row not in self.model.row_load:
+        if not self.model.fenced(row):
             if self.model.row_content[row] is None:
                 # the engine computes a block before storing it
                 assert self.model.free_block(row) is True and self.mgr.free_block(row) is True
@@ -186,7 +193,7 @@ class TierMachine(RuleBasedStateMachine):
                     key, row, answer_now)
         self.broken = False
 
-    def _issue(self, call, kind: JobKind, expected: str, add, key: bytes, row: int, answer_now: bool) -> None:
+    def _issue(self, call, kind: JobKind, expected: Union[str, Copy], add, key: bytes, row: int, answer_now: bool) -> None:
         """Call ``mgr.store``/``mgr.load`` and check its answer against the model's ``expected``."""
         if expected == "busy":
             with pytest.raises(BlockBusyError):
@@ -259,20 +266,18 @@ class TierMachine(RuleBasedStateMachine):
     # -- invariants ------------------------------------------------------------
     @invariant()
     def tables_agree_and_are_bounded(self) -> None:
-        m, s = self.model, self.mgr.debug_sizes()
-        assert s["jobs"] == len(m.records) == self.mgr.jobs_in_flight <= MAX_INFLIGHT
-        assert s["deliver"] == len(m.deliver)
-        assert s["host_entries"] == len(m.entries) == self.mgr.host_blocks <= CAPACITY
-        assert s["host_used_slots"] == m.used == self.mgr.host_used_slots <= CAPACITY
-        assert s["row_load"] == len(m.row_load) <= ROWS
-        assert s["row_stores"] == len(m.row_stores) <= ROWS
-        assert s["key_loads"] == len(m.key_loads) <= len(KEYS)
+        want, s = self.model.sizes(), self.mgr.debug_sizes()
+        assert {k: s[k] for k in want} == want, f"debug_sizes {s}, the model says {want}"
+        assert self.mgr.jobs_in_flight == want["jobs"] <= MAX_INFLIGHT
+        assert self.mgr.host_blocks == want["host_entries"] <= CAPACITY
+        assert self.mgr.host_used_slots == want["host_used_slots"] <= CAPACITY
+        assert want["row_load"] <= ROWS and want["row_stores"] <= ROWS and want["key_loads"] <= len(KEYS)
 
     @invariant()
     def never_wrong_bytes_in_host_tier(self) -> None:
         for k in KEYS:
             hm = host_matches(self.mgr, k, self.kv)
-            assert (hm is not None) == (self.model.ready(k) is not None), k
+            assert (hm is not None) == self.model.ready(k), k
             assert hm in (None, True), f"host tier holds wrong bytes for {k!r}"
 
     def metrics_agree(self, full: bool = False) -> None:
@@ -282,7 +287,8 @@ class TierMachine(RuleBasedStateMachine):
         else:  # the same samples, collected from the four families only (the histograms are slow to collect)
             mx = self.mgr.metrics
             samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-                       for fam in (mx.jobs, mx.stale_callbacks, mx.evictions, mx.lookup_hits, mx.lookups)
+                       for fam in (mx.jobs, mx.stale_callbacks, mx.evictions, mx.lookup_hits, mx.lookups,
+                                   mx.shed_total, mx.errors)
                        for metric in fam.collect() for s in metric.samples}
         m = self.model
         for kind in ("store", "load"):
@@ -292,6 +298,12 @@ class TierMachine(RuleBasedStateMachine):
             for reason in REASONS:
                 got = samples.get(("tiered_kv_stale_callbacks_total", (("kind", kind), ("reason", reason))), 0.0)
                 assert got == m.stale[(kind, reason)], (kind, reason, got, m.stale)
+            for why in SHED:
+                got = samples.get(("tiered_kv_shed_total", (("kind", kind), ("reason", why))), 0.0)
+                assert got == m.shed[(kind, why)], (kind, why, got, m.shed)
+        for tier in ("host", "device"):
+            got = samples.get(("tiered_kv_errors_total", (("error", "copy_failed"), ("tier", tier))), 0.0)
+            assert got == m.errors[tier], (tier, got, m.errors)
         assert samples.get(("tiered_kv_evictions_total", (("tier", "host"),)), 0.0) == m.evictions
         assert samples.get(("tiered_kv_lookup_hits_total", (("tier", "host"),)), 0.0) == m.hits
         assert samples.get(("tiered_kv_lookup_keys_total", ()), 0.0) == m.asked
@@ -306,6 +318,7 @@ class TierMachine(RuleBasedStateMachine):
             self._check_completions(self.mgr.poll(), self.model.poll())
             missing = [j for j in self.issued if self.reported[j.token] != 1]
             assert not missing, f"jobs never reported: {missing}"
+            assert not self.model.unreported(list(self.mjobs.values()))
             s = self.mgr.debug_sizes()
             assert s["jobs"] == s["deliver"] == s["row_stores"] == s["row_load"] == s["key_loads"] == 0
             assert s["host_used_slots"] == s["host_entries"]
