@@ -207,6 +207,7 @@ def test_load_many_of_a_key_in_no_tier_starts_nothing(fake, kv):
     ([b"a", b"b" * 1025], [0, 1], InvalidKeyError, "1025 bytes"),
     ([b"a", b"b"], [0, True], InvalidBlockError, "bool"),
     (b"ab", [0, 1], InvalidKeyError, "bytes"),
+    ([b"a"], 3, InvalidBlockError, "blocks must be a sequence"),
 ])
 def test_bad_batches_are_refused_naming_the_value_and_change_nothing(fake, kv, call, keys, blocks, error, named):
     mgr, mover = fake

@@ -47,24 +47,19 @@ def check_block(block: Any, num_blocks: int) -> int:
     return b
 
 
+def _as_list(v: Any, name: str, error: type[Exception]) -> list[Any]:
+    """A copy of a sequence argument as a list (the caller may reuse its own), or ``error`` naming it."""
+    if type(v) is list:
+        return v[:]
+    if type(v) is tuple or not (isinstance(v, (bytes, str)) or not isinstance(v, Iterable)):
+        return list(v)
+    raise error(f"{name} must be a sequence, got {type(v).__name__}: {v!r:.80}")
+
+
 def check_many(keys: Any, blocks: Any, max_key_bytes: int, num_blocks: int) -> tuple[list[bytes], list[int]]:
     """``store_many``/``load_many``: each key and row checked, equal lengths, no key or row twice."""
-    if type(keys) is list:
-        ks = keys[:]
-    elif type(keys) is tuple:
-        ks = list(keys)
-    else:
-        if isinstance(keys, (bytes, str)) or not isinstance(keys, Iterable):
-            raise InvalidKeyError(f"keys must be a sequence, got {type(keys).__name__}: {keys!r:.80}")
-        ks = list(keys)
-    if type(blocks) is list:
-        bs = blocks[:]
-    elif type(blocks) is tuple:
-        bs = list(blocks)
-    else:
-        if isinstance(blocks, (bytes, str)) or not isinstance(blocks, Iterable):
-            raise InvalidBlockError(f"blocks must be a sequence, got {type(blocks).__name__}: {blocks!r:.80}")
-        bs = list(blocks)
+    ks = _as_list(keys, "keys", InvalidKeyError)
+    bs = _as_list(blocks, "blocks", InvalidBlockError)
     n = len(ks)
     # the common case in two plain loops and two sets: the engine calls this once per step, and on
     # CPython 3.11 the loops' specialized bytecode costs less than map() over builtins
