@@ -43,6 +43,10 @@ file may have changed since), and committed only after the trailer checked out.
 A bad frame therefore publishes nothing, and the error names its index and
 byte offset.
 
+Longer than the project's usual 500 lines: the layout above, its writer (export)
+and its reader (import) are one versioned contract, kept in one module so that a
+format change is one diff that both directions see.
+
 Longer than most modules here: the format (pack/parse), the streaming reader and the two
 directions share one layout, kept in one place so that they cannot drift apart.
 """
