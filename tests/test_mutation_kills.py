@@ -346,41 +346,31 @@ def test_the_core_collects_evicted_keys_only_when_asked(tmp_path):
         mgr.close()
 
 
-def test_a_failure_report_without_an_error_and_a_miss_are_reported_as_such(fake, kv, tmp_path):
-    """Kills ``tiered_kv.manager.xǁTierManagerǁ_fail__mutmut_4``/``_5`` (the default error text changed)
-    and ``..._11``/``_12`` (a miss counted as a copy fault): a failed report with no error fails its job
-    with ``"failed"``; a load whose read from disk missed counts no ``copy_failed`` fault."""
+def test_a_failure_report_without_an_error_is_reported_as_failed(fake, kv):
+    """Kills ``tiered_kv.manager.xǁTierManagerǁ_fail__mutmut_4``/``_5`` (the default error text changed):
+    a failed report with no error fails its job with ``"failed"``."""
     mgr, mover = fake
     fill_row(kv, 0, b"s")
     job = mgr.store(b"s", 0)
     mover._take(job)                                          # the copy's report, replaced by one with no error
     mover.inject(job.token, JobKind.STORE, ok=False, error=None)
     assert [(c.ok, c.error) for c in mgr.poll()] == [(False, "failed: failed")] and job.error == "failed"
-    dmgr, dmover, dkv = fake_disk_manager(tmp_path / "d")
-    try:
-        on_disk_only(dmgr, dmover, dkv, [b"k"])
-        load = dmgr.load(b"k", 9)
-        (promote,) = [j for j in dmgr._core.jobs.values() if j.kind is JobKind.PROMOTE]
-        dmover.inject(promote.token, JobKind.PROMOTE, ok=False, error="miss: gone")
-        out = [c for c in dmgr.wait([load], timeout=30) if c.job is load]
-        assert [(c.ok, c.error) for c in out] == [(False, "failed: miss: gone")]
-        assert mgr_metric(dmgr, "tiered_kv_errors_total", tier="disk", error="copy_failed") == 0
-    finally:
-        dmgr.close()
 
 
-def test_a_failed_read_from_disk_without_an_error_fails_its_load_as_a_miss(tmp_path):
-    """Kills ``tiered_kv.core.tiers.xǁTierCoreǁ_apply_promote__mutmut_49`` (the default error of a failed
-    promote changed): a read from disk that failed with no error text fails the load as a ``miss``,
-    which counts no copy fault."""
+@pytest.mark.parametrize("error,reported", [("miss: gone", "failed: miss: gone"), (None, "failed: miss")])
+def test_a_failed_read_from_disk_fails_its_load_as_a_miss_and_counts_no_copy_fault(tmp_path, error, reported):
+    """Kills ``tiered_kv.manager.xǁTierManagerǁ_fail__mutmut_11``/``_12`` (a miss counted as a copy fault)
+    and ``tiered_kv.core.tiers.xǁTierCoreǁ_apply_promote__mutmut_49`` (the default error of a failed
+    promote changed): a read from disk that failed, with its error text or none, fails the load as a
+    ``miss``, which counts no ``copy_failed`` fault."""
     mgr, mover, kv = fake_disk_manager(tmp_path / "d")
     try:
         on_disk_only(mgr, mover, kv, [b"k"])
         load = mgr.load(b"k", 9)
         (promote,) = [j for j in mgr._core.jobs.values() if j.kind is JobKind.PROMOTE]
-        mover.inject(promote.token, JobKind.PROMOTE, ok=False, error=None)
+        mover.inject(promote.token, JobKind.PROMOTE, ok=False, error=error)
         out = [c for c in mgr.wait([load], timeout=30) if c.job is load]
-        assert [(c.ok, c.error) for c in out] == [(False, "failed: miss")]
+        assert [(c.ok, c.error) for c in out] == [(False, reported)]
         assert mgr_metric(mgr, "tiered_kv_errors_total", tier="disk", error="copy_failed") == 0
     finally:
         mgr.close()
