@@ -2,7 +2,7 @@
 
 Owns the in-memory sets (``cancelled``: tokens the owner cancelled whose tomb is not applied yet;
 ``unsettled``: spills queued and not yet committed, prevented or failed), the durable ``tombs``
-sub-database, and the token-matched deletes.  A cancelled spill's whole path is here:
+sub-database (writer token -> the key whose write it guards), and the token-matched deletes.  A cancelled spill's whole path is here:
 :meth:`Tombs.cancel` (owner) -> :meth:`Tombs.prevents` (writer, before its ``put``) or
 :meth:`Tombs.apply` (writer, the tomb op) -> :meth:`Tombs.forget` (the spill failed).
 Invariants:
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable
 
 from .env import DiskEnv
 from .format import CorruptEntry, lmdb_key, parse_header
@@ -66,48 +66,46 @@ class Tombs:
             return True
         return False
 
-    def apply(self, txn: Any, token: uuid.UUID, key: bytes, frees: list[int], from_queue: bool = False,
-              undo: Optional[Undo] = None) -> bool:
-        """Inside ``txn``: delete ``key``'s entry if ``token`` wrote it, else keep the tomb durable unless
-        nothing it guards can still come.  What it changes in memory is noted in ``undo``."""
-        if self.delete_if_token(txn, key, token, frees):
-            self._discard(self.cancelled, token, undo)
-            return True
+    def apply(self, txn: Any, token: uuid.UUID, key: bytes, frees: list[int], undo: Undo) -> None:
+        """The tomb op of ``token`` (queued by the owner's cancel), inside ``txn``: delete ``key``'s entry
+        if ``token`` wrote it; keep the tomb durable if the guarded write may still come.  What it
+        changes in memory is noted in ``undo``."""
+        self.delete_if_token(txn, key, token, frees)
         with self.lock:
             settled = token not in self.unsettled
-        if from_queue and settled:
-            # this process's write under the token was committed and removed, prevented, or
+        if settled:
+            # this process's write under the token was committed (and just removed), prevented, or
             # failed: nothing it guards can still be published, so nothing is kept
             self._discard(self.cancelled, token, undo)
-            return False
-        # the guarded write may still come (queued here, or in another process): make the tomb durable
+            return
+        # the guarded write is still queued: the tomb is made durable (it names the key it guards),
+        # and stays cancelled in memory until that write is prevented
         txn.put(token.bytes, key, db=self._db.tombs)
-        return False
 
     def delete_if_token(self, txn: Any, key: bytes, token: uuid.UUID, frees: list[int],
-                        unparseable_too: bool = False) -> bool:
-        """Delete ``key``'s entry if ``token`` wrote it; True if it did.  ``unparseable_too``: also drop
-        a record whose header cannot be parsed (no write of anyone's makes one), without counting it as
-        the token's -- a tomb must not take it for the write it guards."""
+                        unparseable_too: bool = False) -> None:
+        """Delete ``key``'s entry (and its touch record) if ``token`` wrote it, noting its slot in
+        ``frees``.  ``unparseable_too``: also drop a record whose header cannot be parsed (no write of
+        anyone's makes one; a reader found it corrupt) -- a tomb must not take it for the write it
+        guards, so it stays otherwise."""
         db = self._db
         lk = lmdb_key(key)
         v = txn.get(lk, db=db.blocks)
         if v is None:
-            return False
+            return
         try:
             h = parse_header(v)
         except CorruptEntry:
             if unparseable_too:
                 txn.delete(lk, db=db.blocks)
                 txn.delete(lk, db=db.touch)
-            return False
+            return
         if h.token != token:
-            return False
+            return
         if h.in_slot:
             frees.append(h.slot)
         txn.delete(lk, db=db.blocks)
         txn.delete(lk, db=db.touch)
-        return True
 
     def undo(self, undo: Undo) -> None:
         """A transaction aborted: its changes to the in-memory sets are put back (only the writer
@@ -127,10 +125,9 @@ class Tombs:
                 self.unsettled.discard(token)
                 self.cancelled.discard(token)
 
-    def _discard(self, s: set[uuid.UUID], token: uuid.UUID, undo: Optional[Undo]) -> None:
-        """Take ``token`` out of ``s``, noting it in ``undo`` (None: for good)."""
+    def _discard(self, s: set[uuid.UUID], token: uuid.UUID, undo: Undo) -> None:
+        """Take ``token`` out of ``s``, noting it in ``undo``."""
         with self.lock:
             if token in s:
                 s.discard(token)
-                if undo is not None:
-                    undo.append((s, token))
+                undo.append((s, token))

@@ -351,7 +351,7 @@ class Writer:
                             txn.delete(lk, db=db.touch)
                             results.append(Report(op.token, JobKind.SPILL, True, None, op.nbytes, 0.0))
                         elif isinstance(op, Tomb):
-                            tombs.apply(txn, op.token, op.key, frees, from_queue=True, undo=undo)
+                            tombs.apply(txn, op.token, op.key, frees, undo)
                         elif isinstance(op, Delete):
                             tombs.delete_if_token(txn, op.key, op.token, frees, op.unparseable_too)
                         elif isinstance(op, Touch):
