@@ -615,6 +615,30 @@ def test_evicted_keys_reported_only_when_offloaded_nowhere(rig):
     assert tiers.prepare_store([]).evicted == []
 
 
+def test_a_host_eviction_of_a_key_the_disk_already_dropped_is_reported(rig):
+    """The disk tier may drop a key first (its one block taken by a later spill) while the key stays on
+    the host; the host eviction that follows is the key's last copy going, and must be reported."""
+    slab = rig.slab(num_slots=2, row_bytes=256)
+    tiers = rig.open(slab, disk=True, disk_blocks=1)
+    reported: list[bytes] = []
+
+    def store(k: bytes) -> None:
+        p = tiers.prepare_store([k])
+        assert p.keys == [k]
+        reported.extend(p.evicted)
+        worker_store(slab, [k], p.slots, p.seq)
+        tiers.complete_store([k])
+        assert tiers.flush(timeout=30)
+
+    store(A)
+    store(B)                     # B's spill takes the disk's one block: A is on the host only
+    assert tiers.state_of(A) == ("ready", None) and reported == []
+    store(C)                     # the host evicts A, its last copy
+    assert tiers.state_of(A) == (None, None)
+    reported.extend(tiers.prepare_store([]).evicted)
+    assert reported == [A]
+
+
 def test_evicted_key_stored_again_is_not_reported_evicted_in_the_same_call(rig):
     """A key gone from every tier that the engine stores again must not be listed both as stored
     and as evicted by that one prepare_store (the adapter would emit BlockStored then BlockRemoved)."""
