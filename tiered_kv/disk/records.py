@@ -56,9 +56,9 @@ class FlushDone:
 
 @dataclass(frozen=True)
 class StoredEntry:
+    """An entry recovery found on disk: its key, its writer's token, its recency (write or touch)."""
     key: bytes
     token: uuid.UUID
-    length: int
     seq: int
 
 

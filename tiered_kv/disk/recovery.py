@@ -100,7 +100,7 @@ def recover(db: DiskEnv, slots: SlotFile, ns: bytes, block_bytes: int) -> tuple[
                     if loser == lk:
                         continue
                 owner[h.slot] = (lk, h.seq)
-            entries[lk] = StoredEntry(h.key, h.token, h.length, h.seq)
+            entries[lk] = StoredEntry(h.key, h.token, h.seq)
             seq = max(seq, h.seq)
         for lk in dead:
             txn.delete(lk, db=db.blocks)
@@ -120,7 +120,7 @@ def recover(db: DiskEnv, slots: SlotFile, ns: bytes, block_bytes: int) -> tuple[
             if e is None:
                 txn.delete(k, db=db.touch)
             elif tseq > e.seq:
-                entries[k] = StoredEntry(e.key, e.token, e.length, tseq)
+                entries[k] = StoredEntry(e.key, e.token, tseq)
             seq = max(seq, tseq)
         rep.entries = len(entries)
         rep.slots_free = slots.recovered(owner)
