@@ -105,12 +105,13 @@ def test_of_two_records_on_one_slot_the_older_goes_and_the_scan_goes_on(d: Dir) 
 
 
 def test_a_touch_newer_than_the_write_orders_the_entries_and_dead_touches_go(d: Dir) -> None:
+    assert lmdb_key(b"a-bad") < lmdb_key(b"gone") < lmdb_key(b"k0")
     d.put(b"k0", slot=0, seq=1)
     d.put(b"k1", slot=1, seq=2)
     d.raw("touch", lmdb_key(b"k0"), U64.pack(7))       # k0 was read back after k1 was written
     d.raw("touch", lmdb_key(b"k1"), U64.pack(1))       # older than its write: the write counts
     d.raw("touch", lmdb_key(b"gone"), U64.pack(9))     # no entry: dropped, but its sequence is seen
-    d.raw("touch", lmdb_key(b"k2"), b"bad")            # damaged: dropped
+    d.raw("touch", lmdb_key(b"a-bad"), b"bad")         # damaged: dropped (and the scan goes on past it)
     entries, seq, _ = recover(d.db, d.slots, NS, BLOCK)
     assert [(e.key, e.seq) for e in entries] == [(b"k1", 2), (b"k0", 7)]
     assert seq == 9
