@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,12 +26,12 @@ FILE_SLOTS = 8          # the slot file holds slots 0..7
 
 
 class Dir:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, durability: str = "none") -> None:
         self.path = path
         with open(path / SLOTS_NAME, "wb") as f:
             f.truncate(FILE_SLOTS * slot_bytes_for(BLOCK))
-        self.db = DiskEnv(path, NS, BLOCK, "none", 0, 16, 1, self._error)
-        self.slots = SlotFile(path, BLOCK, 16, "none", 4)
+        self.db = DiskEnv(path, NS, BLOCK, durability, 0, 16, 1, self._error)
+        self.slots = SlotFile(path, BLOCK, 16, durability, 4)
         self.errors: list[tuple[str, str]] = []
 
     def _error(self, kind: str, msg: str) -> None:
@@ -122,3 +123,35 @@ def test_an_empty_directory_recovers_to_nothing(d: Dir) -> None:
     entries, seq, rep = recover(d.db, d.slots, NS, BLOCK)
     assert entries == [] and seq == 0 and rep.entries == 0 and rep.slots_free == 16
     assert os.path.getsize(d.path / SLOTS_NAME) == FILE_SLOTS * slot_bytes_for(BLOCK)
+
+
+class SyncSpy:
+    """The environment, with its ``sync`` calls recorded (DiskEnv reads ``env`` on each use)."""
+
+    def __init__(self, env: Any) -> None:
+        self._env = env
+        self.syncs = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._env, name)
+
+    def sync(self, force: bool = False) -> None:
+        self.syncs += 1
+        self._env.sync(force)
+
+
+@pytest.mark.parametrize("durability,syncs", [("none", 0), ("batch", 1), ("sync", 1)])
+def test_recovery_is_made_durable_unless_durability_is_none(tmp_path: Path, durability: str, syncs: int) -> None:
+    dd = Dir(tmp_path, durability)
+    try:
+        dd.put(b"k0", slot=0, seq=1)
+        spy = SyncSpy(dd.db.env)
+        dd.db.env = spy
+        before = time.perf_counter()
+        entries, _, rep = recover(dd.db, dd.slots, NS, BLOCK)
+        took = time.perf_counter() - before
+        dd.db.env = spy._env
+        assert len(entries) == 1 and spy.syncs == syncs
+        assert 0 <= rep.seconds <= took, "the report's duration is the recovery's own"
+    finally:
+        dd.close()
