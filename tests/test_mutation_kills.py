@@ -401,3 +401,59 @@ def test_simple_block_until_waits_in_bounded_steps_and_honours_its_timeout(fake)
     core.simple_block_until(never, 0.6)
     assert waits and waits[0] == 0.5 and all(0 < w <= 0.5 for w in waits)
     assert time.monotonic() - start >= 0.6
+
+
+# ---------------------------------------------------------------- core/disk_tier.py
+
+
+def _disk_manager(path, disk_blocks: int, **kw):
+    kv = make_kv(8)
+    cfg = make_config(host_slots=4, disk_path=path, disk_capacity_bytes=disk_blocks * ROW_BYTES,
+                      writer_batch_seconds=0.0, **kw)
+    return make_fake_manager(cfg, kv)[0]
+
+
+def test_a_writer_batch_is_bounded_by_writer_batch_bytes_in_whole_blocks(tmp_path):
+    """Kills ``tiered_kv.core.disk_tier.xǁDiskTierǁopen__mutmut_13`` and ``..._15`` (the byte bound
+    dropped, or divided into a fraction of a block): 2.5 blocks' worth of bytes is a batch of 2."""
+    mgr = _disk_manager(tmp_path / "d", 1024, writer_batch_blocks=64, writer_batch_bytes=5 * ROW_BYTES // 2)
+    try:
+        opts = mgr._core.disk.store.opts
+        assert (opts.batch_blocks, opts.batch_bytes) == (2, 2 * ROW_BYTES)
+        assert type(opts.batch_blocks) is int
+    finally:
+        mgr.close()
+
+
+@pytest.mark.parametrize("disk_blocks,index_blocks", [(31, 31), (32, 28), (64, 56)])
+def test_a_disk_tier_of_32_blocks_or_more_keeps_two_batches_of_headroom_inside_its_capacity(
+        tmp_path, disk_blocks, index_blocks):
+    """Kills ``tiered_kv.core.disk_tier.xǁDiskTierǁopen__mutmut_23`` (``>`` for ``>=``): from 32 blocks
+    on, the two writer batches a reused slot waits for come out of the capacity the index may fill."""
+    mgr = _disk_manager(tmp_path / "d", disk_blocks)
+    try:
+        assert mgr._core.dindex.num_slots == index_blocks
+        assert mgr_metric(mgr, "tiered_kv_tier_capacity_bytes", tier="disk") == index_blocks * ROW_BYTES
+    finally:
+        mgr.close()
+
+
+def test_a_spill_the_writer_refuses_after_room_was_checked_is_shed_holding_nothing(tmp_path, monkeypatch):
+    """Kills ``tiered_kv.core.disk_tier.xǁDiskTierǁstart_spill__mutmut_25`` to ``..._29``: the writer
+    queue had room, then refused the spill (it began closing meanwhile).  The spill is shed as
+    ``backpressure``, its disk entry is given back and the host entry's lease released."""
+    kv = make_kv(8)
+    cfg = make_config(host_slots=4, disk_path=tmp_path / "d", disk_capacity_bytes=64 * ROW_BYTES,
+                      writer_batch_seconds=0.0)
+    mgr, mover = make_fake_manager(cfg, kv)
+    try:
+        monkeypatch.setattr(mgr._core.disk.store, "submit_spill", lambda token, key, src: False)
+        stored(mgr, mover, kv, [b"refused"], [0])
+        assert mgr_metric(mgr, "tiered_kv_shed_total", kind="spill", reason="backpressure") == 1
+        assert b"refused" not in mgr._core.dindex and mgr._core.dindex.used_slots == 0
+        entry = mgr._core.index.get(b"refused")
+        assert entry is not None and entry.readers == 0 and entry.state is EntryState.READY
+        assert not entry.spilled, "a shed spill may be tried again"
+        assert mgr.flush(timeout=30)
+    finally:
+        mgr.close()

@@ -115,9 +115,9 @@ class DiskTier:
         if rep.foreign:
             m.corrupt_blocks.labels(reason="foreign").inc(rep.foreign)
         index = self.index
-        for e in self.store.entries:
-            d = index.get(e.key) or index.reserve(e.key, e.token)
-            if d is not None and d.writing:
+        for e in self.store.entries:   # distinct keys, oldest first: past capacity, the oldest are evicted
+            d = index.reserve(e.key, e.token)
+            if d is not None:          # None only if no entry were evictable; every one here is READY
                 index.publish(d)
         m.enable_disk_health(True)
 
