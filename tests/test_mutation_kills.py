@@ -414,12 +414,13 @@ def _disk_manager(path, disk_blocks: int, **kw):
 
 
 def test_a_writer_batch_is_bounded_by_writer_batch_bytes_in_whole_blocks(tmp_path):
-    """Kills ``tiered_kv.core.disk_tier.xǁDiskTierǁopen__mutmut_13`` and ``..._15`` (the byte bound
-    dropped, or divided into a fraction of a block): 2.5 blocks' worth of bytes is a batch of 2."""
+    """Kills ``tiered_kv.core.disk_tier.xǁDiskTierǁopen__mutmut_13``, ``..._15``, ``..._53`` and ``..._54``
+    (the byte bound dropped or divided into a fraction of a block, a batch option not passed on):
+    2.5 blocks' worth of bytes is a batch of 2, and the configured batch deadline reaches the writer."""
     mgr = _disk_manager(tmp_path / "d", 1024, writer_batch_blocks=64, writer_batch_bytes=5 * ROW_BYTES // 2)
     try:
         opts = mgr._core.disk.store.opts
-        assert (opts.batch_blocks, opts.batch_bytes) == (2, 2 * ROW_BYTES)
+        assert (opts.batch_blocks, opts.batch_bytes, opts.batch_seconds) == (2, 2 * ROW_BYTES, 0.0)
         assert type(opts.batch_blocks) is int
     finally:
         mgr.close()
