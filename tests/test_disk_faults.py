@@ -207,6 +207,8 @@ def test_spills_after_the_writer_died_are_shed_and_counted(rig):
     drain(mgr)
     assert metric_sum(mgr, "tiered_kv_shed_total", kind="spill") - shed0 == 5, \
         "spills that can no longer be written must be counted as shed"
+    assert metric(mgr, "tiered_kv_shed_total", kind="spill", reason="disk_down") == 5, \
+        "... as disk_down (the alert's reason), not as backpressure of a queue that will never drain"
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
@@ -527,11 +529,15 @@ def test_directory_remounted_read_only_runs_host_only_and_keeps_its_data(rig, tm
             rig.close(mgr)
 
 
-def test_directory_that_cannot_be_created_runs_host_only(rig, tmp_path):
+def test_directory_that_cannot_be_created_runs_host_only(rig, tmp_path, caplog):
     kv = make_kv(8)
     (tmp_path / "a-file").write_bytes(b"x")
-    mgr = rig.open(kv, path=tmp_path / "a-file" / "db")
+    with caplog.at_level(logging.ERROR, logger="tiered_kv.core.disk_tier"):
+        mgr = rig.open(kv, path=tmp_path / "a-file" / "db")
     _assert_host_only(mgr, kv)
+    # the operator is told why, naming the path and the OS error
+    assert any("open_failed" in r.getMessage() and "a-file" in r.getMessage() and "cannot be created" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
 def test_missing_directory_is_created(rig, tmp_path):
