@@ -40,6 +40,7 @@ from .core import CLOSE_TIMEOUT_S, TierCore
 from .checks import (SUPPORTED_DTYPES, check_block, check_device_blocks, check_key, check_many, check_timeout,
                      pin_decision)
 from .errors import BlockBusyError, ConfigError, InvalidJobError, InvalidKeyError, ManagerClosedError
+from .hostmem import prepare_host_memory
 from .jobs import Completion, Job, JobKind, JobState, StaleReason
 from .metrics import Metrics
 from .movers import CompletionQueue, Mover, Report, Transfer, make_mover
@@ -110,6 +111,8 @@ class TierManager:
         self._dev_rows = device_blocks.view(torch.uint8).view(self.num_blocks, self.row_bytes)
         pin = pin_decision(config.pin_host_memory, device_blocks.is_cuda)
         self._host_rows = torch.empty((num_slots, self.row_bytes), dtype=torch.uint8, pin_memory=pin)
+        #: what was done at start to make the slab's pages resident (``prefault_host_memory``)
+        self.host_memory = prepare_host_memory(self._host_rows, config.prefault_host_memory, pin)
         self.metrics = Metrics(registry, config.namespace)
         self._completions = CompletionQueue()
         self._owner_tag = object()

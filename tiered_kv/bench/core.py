@@ -616,6 +616,69 @@ def _host_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
     return out
 
 
+def _fresh_slab(block: int, ws: int, repeats: int) -> dict[str, Any]:
+    """The first pass of stores into a new manager's slab, as an engine's first steps meet it.
+
+    Each repeat builds a new TierManager (its slab a fresh allocation, never touched) and times its
+    construction and then one store() of every block and wait(); once with ``prefault_host_memory``
+    (the default) and once without, beside a raw one-thread copy_ of the same rows into memory that
+    was faulted in beforehand.  Sides alternate repeat by repeat."""
+    n = max(ws // block, 8)
+    nbytes = n * block
+    kv = torch.empty((n, block), dtype=torch.uint8)
+    kv.copy_((torch.arange(n) % 251).to(torch.uint8).unsqueeze(1).expand(n, block))
+    raw_dst = torch.zeros((n, block), dtype=torch.uint8)   # faulted in
+    secs: dict[str, list[float]] = {k: [] for k in ("prefault_start", "prefault_pass", "lazy_start", "lazy_pass", "raw")}
+    problems: list[str] = []
+    populated = ""
+
+    def tkv(prefault: bool) -> tuple[float, float]:
+        nonlocal populated
+        cfg = TieredKVConfig(namespace=f"bench|u8|fresh{block}", host_capacity_bytes=nbytes,
+                             host_evict_ahead_blocks=0, prefault_host_memory=prefault)
+        gc.collect()
+        t0 = time.perf_counter()
+        mgr = TierManager(cfg, kv)
+        t1 = time.perf_counter()
+        jobs = [mgr.store(b"fresh-%d" % i, i) for i in range(n)]
+        done = mgr.wait()
+        t2 = time.perf_counter()
+        if any(j is None for j in jobs) or len(done) != n or not all(c.ok for c in done):
+            problems.append(f"first pass (prefault={prefault}): {len(done)} completions of {n}")
+        if prefault:
+            populated = mgr.host_memory.populated
+        mgr.close()
+        del mgr
+        return t1 - t0, t2 - t1
+
+    def raw() -> float:
+        with _torch_threads(1):
+            t0 = time.perf_counter()
+            for i in range(n):
+                raw_dst[i].copy_(kv[i])
+            return time.perf_counter() - t0
+
+    for r in range(repeats):
+        for side in (("prefault", "lazy", "raw") if r % 2 == 0 else ("raw", "lazy", "prefault")):
+            if side == "raw":
+                gc.collect()
+                secs["raw"].append(raw())
+            else:
+                st, ps = tkv(side == "prefault")
+                secs[f"{side}_start"].append(st)
+                secs[f"{side}_pass"].append(ps)
+    del kv, raw_dst
+    gc.collect()
+    med = {k: summarize(v, "s") for k, v in secs.items()}
+    gbps = {k: nbytes / med[k]["median"] / 1e9 for k in ("prefault_pass", "lazy_pass", "raw")}
+    return {"block_bytes": block, "blocks": n, "bytes": nbytes, "repeats": repeats, "populated": populated,
+            "seconds": med, "gb_per_s": gbps,
+            "start_seconds_per_gib": {k: med[f"{k}_start"]["median"] * GiB / nbytes for k in ("prefault", "lazy")},
+            "ratio_first_pass_over_raw": _ratio(gbps["prefault_pass"], gbps["raw"]),
+            "ratio_first_pass_without_prefault_over_raw": _ratio(gbps["lazy_pass"], gbps["raw"]),
+            "problems": problems}
+
+
 def bench_host_throughput(quick: Union[bool, str] = False, seed: int = 0,
                           block_sizes: Sequence[int] = (256 * KiB, 2 * MiB, 8 * MiB)) -> dict[str, Any]:
     """Section 3: host tier store/load GB/s vs a raw single-thread ``copy_`` of the same bytes."""
@@ -630,6 +693,7 @@ def bench_host_throughput(quick: Union[bool, str] = False, seed: int = 0,
                    "GB = 1e9 bytes; GB/s from the median pass."),
         "torch_default_threads": torch.get_num_threads(),
         "sizes": [_host_size(b, ws, passes, warmup, rng, min_blocks) for b in block_sizes],
+        "fresh_slab": _fresh_slab(2 * MiB, ws // 2, max(passes // 2, 1)),
     }
 
 
@@ -1023,6 +1087,17 @@ def _fmt_host(h: dict[str, Any]) -> list[str]:
                          f"{x['tiered_kv']['gb_per_s_worst']:.2f}..{x['tiered_kv']['gb_per_s_best']:.2f}")
         if s["problems"]:
             lines.append(f"     problems: {s['problems'][:3]}")
+    fs = h.get("fresh_slab")
+    if fs:
+        g, ps = fs["gb_per_s"], fs["start_seconds_per_gib"]
+        lines.append(f"   first pass into a new manager's slab ({_size(fs['block_bytes'])} blocks, "
+                     f"{fs['bytes'] / MiB:.0f} MiB, median of {fs['repeats']}): {g['prefault_pass']:.2f} GB/s with "
+                     f"prefault_host_memory ({fs['ratio_first_pass_over_raw']:.3f}x raw copy_ {g['raw']:.2f}); "
+                     f"without it (huge pages still advised) {g['lazy_pass']:.2f} GB/s "
+                     f"({fs['ratio_first_pass_without_prefault_over_raw']:.3f}x); manager start {ps['prefault']:.3f} "
+                     f"s/GiB with, {ps['lazy']:.3f} without")
+        if fs["problems"]:
+            lines.append(f"     problems: {fs['problems'][:3]}")
     lines.append(_load_line(h))
     return lines
 

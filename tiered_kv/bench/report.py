@@ -27,6 +27,7 @@ __all__ = ["collect_figures", "format_table", "format_markdown", "format_details
 
 _ISSUE2 = "issue 2 section 8"
 _ISSUE3 = "issue 3 section 9"
+_ISSUE22 = "issue 22 section 2"
 
 
 def _evict_runs(e: dict[str, Any]) -> str:
@@ -127,6 +128,19 @@ def _core_figures(c: dict[str, Any]) -> list[dict[str, Any]]:
                     stats={"value": t["seconds_per_pass"], "baseline": b["seconds_per_pass"]}, source=_ISSUE2,
                     note=f"GB/s worst..best {t['gb_per_s_worst']:.2f}..{t['gb_per_s_best']:.2f}; vs raw copy_ "
                          f"with torch's default threads {x['ratio_tiered_kv_over_raw_default_threads']:.2f}x"))
+        fs = h.get("fresh_slab")
+        if fs:
+            g = fs["gb_per_s"]
+            out.append(_fig(
+                "host tier", "host.store.fresh_slab",
+                f"host store, first pass into a new manager's slab, {_size(fs['block_bytes'])} blocks", "GB/s",
+                g["prefault_pass"], g["raw"], "raw per-block torch copy_ into memory faulted in beforehand, one thread",
+                "raw copy_", target_on="ratio", threshold=TARGETS["host_copy_vs_raw_copy"],
+                stats={"value": fs["seconds"]["prefault_pass"], "baseline": fs["seconds"]["raw"]}, source=_ISSUE22,
+                note=f"with prefault_host_memory (populated by {fs['populated']}); without it (huge pages still advised) "
+                     f"{g['lazy_pass']:.2f} GB/s ({fs['ratio_first_pass_without_prefault_over_raw']:.2f}x); "
+                     f"manager start {fs['start_seconds_per_gib']['prefault']:.2f} s per GiB of slab with it, "
+                     f"{fs['start_seconds_per_gib']['lazy']:.2f} s without"))
     cu = c.get("cuda_copy")
     if cu is not None:
         if cu.get("skipped"):
@@ -353,6 +367,7 @@ def problems(result: dict[str, Any]) -> dict[str, list[str]]:
         for z in (c.get(key) or {}).get("sizes", []):
             for p in z["problems"]:
                 (wrong if "!=" in p else other).append(f"{key} {_size(z['block_bytes'])}: {p}")
+    other += [f"host fresh slab: {p}" for p in ((c.get("host_throughput") or {}).get("fresh_slab") or {}).get("problems", [])]
     d = s.get("disk") or {}
     for p in d.get("promote", []):
         if p["tkv_bad_rows"]:

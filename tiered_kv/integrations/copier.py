@@ -44,6 +44,7 @@ import torch
 
 from ..checks import pin_decision
 from ..errors import ConfigError
+from ..hostmem import prepare_host_memory
 from ..jobs import JobKind, StaleReason
 from ..metrics import Metrics
 from ..movers import CompletionQueue, CudaMover, Mover, Plane, Report, ThreadMover, Transfer
@@ -122,12 +123,14 @@ class SlabCopier:
     that reuses the token of a job in flight.
 
     ``batch_max``: jobs queued before they start (module docstring); ``pin``: ``pin_host_memory``
-    (:func:`tiered_kv.checks.pin_decision`), ``cudart`` the CUDA runtime that pins (default ``torch.cuda.cudart()``).
+    (:func:`tiered_kv.checks.pin_decision`), ``cudart`` the CUDA runtime that pins (default ``torch.cuda.cudart()``);
+    ``prefault``: ``prefault_host_memory`` (:mod:`tiered_kv.hostmem`), for this process's mapping of an
+    unpinned slab.
     """
 
     def __init__(self, slab: SharedSlab, rank: int, tensors: Sequence[torch.Tensor], *, metrics: Metrics,
                  on_stale: Optional[Callable[[JobKind], None]] = None, batch_max: int = 1,
-                 pin: Optional[bool] = False, cudart: Optional[Any] = None) -> None:
+                 pin: Optional[bool] = False, cudart: Optional[Any] = None, prefault: bool = False) -> None:
         if not 0 <= rank < slab.world_size:
             raise ConfigError(f"rank {rank} out of range [0, {slab.world_size})")
         if isinstance(batch_max, bool) or not isinstance(batch_max, int) or batch_max < 1:
@@ -156,8 +159,10 @@ class SlabCopier:
         self._finished: list[CopyResult] = []
         self._closed = False
         self._loads_queued = False  # a load was submitted since the copies were last started
-        if pin_decision(pin, _on_cuda(tensors)):
+        pinned = pin_decision(pin, _on_cuda(tensors))
+        if pinned:
             slab.pin(cudart)
+        self.host_memory = prepare_host_memory(slab.rows, prefault, pinned)
         self._sink = _MarkThenPost(slab, rank, self._done)
         self._mover: Optional[Mover] = _copy_mover(planes, self._sink, batch_max) if planes else None
 

@@ -103,8 +103,9 @@ log = logging.getLogger(__name__)
 #: TieredKVConfig fields read from ``kv_connector_extra_config`` under their own name, with
 #: TieredKVConfig's default and validation (``namespace``: derived from the engine when not given)
 CONFIG_KEYS = ("namespace", "disk_path", "durability", "write_mode", "max_inflight_jobs", "copy_batch_max",
-               "host_evict_ahead_blocks", "pin_host_memory", "max_key_bytes", "writer_queue_blocks",
-               "writer_batch_blocks", "writer_batch_bytes", "writer_batch_seconds", "disk_map_size_bytes")
+               "host_evict_ahead_blocks", "pin_host_memory", "prefault_host_memory", "max_key_bytes",
+               "writer_queue_blocks", "writer_batch_blocks", "writer_batch_bytes", "writer_batch_seconds",
+               "disk_map_size_bytes")
 #: TieredKVConfig fields that cannot mean the same thing under vLLM: refused, saying what to use instead
 REFUSED_KEYS: dict[str, str] = {
     "host_capacity_bytes": "set 'host_bytes' (the host slab EngineCore and every worker share)",
@@ -360,7 +361,8 @@ class TieredKVOffloadingWorker(OffloadingWorker):
             tensors = [t.tensor for t in kv_caches.tensors]
             cfg = spec.tkv_config
             self.copier = SlabCopier(self.slab, spec.rank, tensors, metrics=self.metrics,
-                                     batch_max=cfg.copy_batch_max, pin=cfg.pin_host_memory)
+                                     batch_max=cfg.copy_batch_max, pin=cfg.pin_host_memory,
+                                     prefault=cfg.prefault_host_memory)
         except BaseException:
             self.slab.unlink()
             self.slab.close()

@@ -1,0 +1,89 @@
+"""The host slab made resident at start (``prefault_host_memory``, tiered_kv.hostmem).
+
+Residency is read from the kernel (``mincore`` over the slab's pages), so these tests check what the
+call did to the memory, not how long it took."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import sys
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from fakes import ROW_BYTES, make_config, make_kv
+from tiered_kv import TierManager
+from tiered_kv import hostmem
+from tiered_kv.errors import ConfigError
+from tiered_kv.hostmem import prepare_host_memory
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux memory advice")
+
+PAGE = mmap.PAGESIZE
+
+
+def resident_fraction(t: torch.Tensor) -> float:
+    """The share of ``t``'s pages the kernel has mapped in (``mincore``)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    addr = t.data_ptr()
+    start = addr // PAGE * PAGE
+    length = addr + t.numel() * t.element_size() - start
+    pages = -(-length // PAGE)
+    vec = ctypes.create_string_buffer(pages)
+    assert libc.mincore(start, length, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec.raw) / pages
+
+
+def fresh(nbytes: int) -> torch.Tensor:
+    t = torch.empty(nbytes, dtype=torch.uint8)   # large: an mmap of its own, never touched
+    assert resident_fraction(t) < 0.5, "the allocator handed out memory already touched"
+    return t
+
+
+def test_a_fresh_slab_is_resident_after_prepare():
+    t = fresh(64 << 20)
+    r = prepare_host_memory(t)
+    assert r.populated in ("madvise", "touch") and r.nbytes == 64 << 20 and r.seconds >= 0
+    assert resident_fraction(t) == 1.0
+
+
+def test_the_fallback_touches_every_page_of_an_unaligned_slab(monkeypatch):
+    """Where MADV_POPULATE_WRITE is refused (kernels before 5.14), one byte of each page is written,
+    the partial first and last pages included."""
+    real = hostmem._madvise
+    monkeypatch.setattr(hostmem, "_madvise",
+                        lambda lib, a, n, adv: False if adv == hostmem.MADV_POPULATE_WRITE else real(lib, a, n, adv))
+    base = fresh(32 << 20)
+    t = base[PAGE // 2 + 3: PAGE // 2 + 3 + 31 * PAGE]     # starts and ends inside a page
+    assert prepare_host_memory(t).populated == "touch"
+    assert resident_fraction(t) == 1.0
+
+
+def test_nothing_is_populated_when_not_asked_or_pinned():
+    t = fresh(16 << 20)
+    assert prepare_host_memory(t, populate=False).populated == "no"
+    assert prepare_host_memory(t, pinned=True) == hostmem.HostMemory(16 << 20, False, "no", 0.0)
+    assert resident_fraction(t) < 0.5
+
+
+def test_a_manager_prefaults_its_slab_by_default_and_not_when_told():
+    kv = make_kv(8)
+    for prefault, want in ((True, 1.0), (False, 0.0)):
+        mgr = TierManager(make_config((32 << 20) // ROW_BYTES, prefault_host_memory=prefault), kv,
+                          registry=CollectorRegistry())
+        try:
+            got = resident_fraction(mgr._host_rows)
+            assert (got == 1.0) if want else got < 0.5, (prefault, got)
+            assert (mgr.host_memory.populated != "no") is prefault
+        finally:
+            mgr.close()
+
+
+@pytest.mark.parametrize("bad", [1, None, "yes"])
+def test_prefault_host_memory_must_be_a_bool(bad):
+    with pytest.raises(ConfigError, match="prefault_host_memory"):
+        make_config(8, prefault_host_memory=bad)

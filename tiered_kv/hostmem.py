@@ -1,0 +1,90 @@
+"""The host slab's memory, made ready at start instead of by the engine's first stores.
+
+A CPU slab from ``torch.empty`` (or a fresh ``mmap``) is only address space: each 4 KiB page is
+faulted in by the first copy that touches it, and on a VM that runs a first pass of stores at a
+tenth of ``copy_`` speed.  :func:`prepare_host_memory` asks for transparent huge pages where the
+kernel gives them on request (``MADV_HUGEPAGE``: 512 times fewer faults, here and in later passes)
+and then populates the range in one call (``MADV_POPULATE_WRITE``, Linux 5.14+), or by writing one
+byte per page where that call is missing.  Pinned (CUDA host) memory is resident already and is left
+alone.  Used by :class:`~tiered_kv.TierManager` for its slab and by the vLLM adapter's shared slab,
+under the config's ``prefault_host_memory``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import dataclasses
+import logging
+import mmap
+import sys
+import time
+from typing import Optional
+
+import torch
+
+__all__ = ["HostMemory", "prepare_host_memory"]
+
+log = logging.getLogger(__name__)
+
+_PAGE = mmap.PAGESIZE
+_HUGE = 2 << 20
+MADV_HUGEPAGE = 14            # linux/mman.h
+MADV_POPULATE_WRITE = 23      # linux/mman.h, Linux 5.14+
+
+
+@dataclasses.dataclass(frozen=True)
+class HostMemory:
+    """What :func:`prepare_host_memory` did to a slab of ``nbytes``."""
+    nbytes: int
+    huge_pages: bool      # MADV_HUGEPAGE was accepted for the slab's 2 MiB-aligned interior
+    populated: str        # "madvise", "touch" (one write per page), or "no" (not asked, pinned, empty)
+    seconds: float
+
+
+def _libc() -> Optional[ctypes.CDLL]:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    except OSError:
+        return None
+    lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    lib.madvise.restype = ctypes.c_int
+    return lib
+
+
+def _madvise(lib: Optional[ctypes.CDLL], addr: int, length: int, advice: int) -> bool:
+    return lib is not None and length > 0 and lib.madvise(addr, length, advice) == 0
+
+
+def prepare_host_memory(rows: torch.Tensor, populate: bool = True, pinned: bool = False) -> HostMemory:
+    """Make the CPU tensor ``rows`` (contiguous, any contents) ready for copies at full speed.
+
+    Its contents are undefined afterwards (the fallback writes zeros into one byte per page).
+    Never raises for an advice the kernel refuses: the slab then works as before, only slower
+    on its first pass."""
+    t0 = time.perf_counter()
+    nbytes = rows.numel() * rows.element_size()
+    if pinned or nbytes == 0 or rows.device.type != "cpu":
+        return HostMemory(nbytes, False, "no", 0.0)
+    if not rows.is_contiguous():
+        raise ValueError("prepare_host_memory needs a contiguous tensor")
+    lib = _libc()
+    addr = rows.data_ptr()
+    hstart = -(-addr // _HUGE) * _HUGE
+    hend = (addr + nbytes) // _HUGE * _HUGE
+    huge = _madvise(lib, hstart, hend - hstart, MADV_HUGEPAGE)
+    how = "no"
+    if populate:
+        pstart = addr // _PAGE * _PAGE
+        if _madvise(lib, pstart, addr + nbytes - pstart, MADV_POPULATE_WRITE):
+            how = "madvise"
+        else:
+            flat = rows.reshape(-1).view(torch.uint8)
+            flat[(-addr) % _PAGE::_PAGE].fill_(0)   # the first byte of every page the tensor starts a page in
+            flat[:1].fill_(0)                         # ... and of the page it begins in
+            how = "touch"
+    dt = time.perf_counter() - t0
+    log.debug("host memory of %d bytes: huge pages %s, populated %s in %.3f s", nbytes, huge, how, dt)
+    return HostMemory(nbytes, huge, how, dt)
