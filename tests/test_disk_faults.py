@@ -90,6 +90,55 @@ def test_disk_errors_are_counted_every_time_and_logged_once_per_kind(rig, caplog
     assert metric(mgr, "tiered_kv_errors_total", tier="disk", error="io_error") == 3
     logged = [r for r in caplog.records if "io_error" in r.getMessage()]
     assert len(logged) == 1, [r.getMessage() for r in logged]
+    assert "Input/output error" in logged[0].getMessage(), "the log says what the error was"
+
+
+@pytest.mark.parametrize("exc,free_batches,label", [
+    (OSError(errno.EIO, "Input/output error"), 100, "io_error"),
+    (OSError(errno.EIO, "Input/output error"), 2, "io_error"),           # exactly two batches free: not full
+    (lmdb.Error("mdb_put: Input/output error"), 1.99, "disk_full"),     # LMDB's short write on a full disk
+    (OSError(errno.ENOSPC, "No space left on device"), 100, "disk_full"),
+    (lmdb.Error("MDB_CORRUPTED: located page was wrong type"), 100, "lmdb_error"),
+    (RuntimeError("a bug in the batch code"), 100, "writer_error"),     # not LMDB's: named as the writer's own
+], ids=["eio", "eio-two-batches-free", "eio-disk-nearly-full", "enospc", "lmdb", "bug"])
+def test_a_failed_commit_is_counted_under_the_label_of_its_cause(rig, monkeypatch, exc, free_batches, label):
+    """An I/O error with less than two writer batches free on the device is a full disk (LMDB reports
+    the short write as EIO); an exception that is not LMDB's is the writer's own error."""
+    import shutil
+    from collections import namedtuple
+    from tiered_kv.disk import writer as writer_mod
+    kv = make_kv(8)
+    mgr = rig.open(kv, host_slots=8)
+    usage = namedtuple("usage", "total used free")
+    batch_bytes = mgr._core.disk.store.opts.batch_bytes
+    real = shutil.disk_usage
+    monkeypatch.setattr(writer_mod.shutil, "disk_usage",
+                        lambda p: usage(1 << 40, 0, int(free_batches * batch_bytes)) if str(p) == str(mgr._core.disk.store.opts.path) else real(p))
+    rig.gate(mgr, block_from=None, raise_at={1: exc})
+    store_one(mgr, kv, b"lost", 0, flush=False)
+    drain(mgr)
+    counted = {k: v for k, v in ((lab, metric(mgr, "tiered_kv_errors_total", tier="disk", error=lab))
+                                 for lab in ("io_error", "disk_full", "lmdb_error", "writer_error")) if v}
+    assert counted == {label: 1.0}
+
+
+def test_a_failing_disk_is_retried_less_often_each_time_until_a_commit_works(rig):
+    """Back-off after consecutive failed batches doubles from BACKOFF_MIN_S up to BACKOFF_MAX_S, and a
+    batch that commits resets it: a persistent fault neither spins nor stalls the writer for long."""
+    from tiered_kv.disk.writer import BACKOFF_MAX_S, BACKOFF_MIN_S
+    kv = make_kv(8)
+    mgr = rig.open(kv, host_slots=8)
+    n = 9
+    rig.gate(mgr, block_from=None, raise_at={i: OSError(errno.EIO, "Input/output error") for i in range(1, n + 1)})
+    writer = mgr._core.disk.store.writer
+    seen = []
+    for i in range(n):
+        store_one(mgr, kv, b"x%d" % i, i % 8, flush=False)
+        drain(mgr)
+        seen.append(writer._backoff)
+    assert seen == [min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2 ** i) for i in range(n)]
+    store_one(mgr, kv, b"works", 0)
+    assert writer._backoff == 0.0
 
 
 def test_flush_is_false_when_a_spill_it_covers_failed(rig):

@@ -325,6 +325,29 @@ def test_flush_is_false_when_a_spill_failed_before_it_was_asked_for(rig):
     assert not (flushed and on_disk == 0), "flush() returned True, and the block stored before it is lost"
 
 
+def test_a_flush_is_false_when_a_batch_fails_after_it_was_queued_even_after_an_earlier_failure(tmp_path):
+    """A flush compares the failed batches counted when it was queued with those when it is answered;
+    with one failure already behind, a second one after the flush was queued must still make it False
+    although the flush's own batch commits."""
+    st = Store(tmp_path / "d")
+    try:
+        eio = lambda: OSError(errno.EIO, "Input/output error")  # noqa: E731
+        gate = WriterGate(block_from=2, raise_at={1: eio(), 2: eio()})
+        st.s.fault_hook = gate
+        assert not st.answer(st.spill(b"first")).ok            # failure 1
+        second = st.spill(b"second")
+        gate.entered(2)                                         # the writer holds the second spill's batch
+        flushed = uuid.uuid4()
+        st.s.submit_flush(flushed)                              # queued behind it, after one failure
+        gate.open()
+        assert not st.answer(second).ok                         # failure 2
+        r = st.answer(flushed)
+        assert isinstance(r, FlushDone) and r.ok is False
+        assert gate.points.count("commit") == 3                 # the flush had a batch of its own
+    finally:
+        st.s.close()
+
+
 # ============================================================================ 6. transient corrupt read
 def test_a_corrupt_read_removes_its_entry_even_when_a_second_read_would_pass(rig, monkeypatch):
     """Invariants 9 and 12 / capacity (an entry that fails verification is removed; no slot is held
