@@ -307,6 +307,35 @@ def test_close_returns_while_the_disk_fails_every_commit(stores, op):
     assert not hung, f"close() still retrying after {state['after_close']} failed commits"
 
 
+def test_once_closing_a_failing_batch_gets_exactly_close_retries_more_attempts(tmp_path, monkeypatch):
+    """The attempt under way when close() begins, then CLOSE_RETRIES retries: the kept op is then
+    dropped (logged) and close() returns."""
+    from tiered_kv.disk.writer import CLOSE_RETRIES
+    st = Store(tmp_path / "d")
+    t = st.spill(b"k")
+    assert st.answer(t).ok and st.flush()
+    gate = WriterGate(block_from=1, raise_at={i: OSError(errno.EIO, "Input/output error") for i in range(1, 20)})
+    st.s.fault_hook = gate
+    writer = st.s.writer
+    closing = threading.Event()
+    real_begin = writer.begin_close
+
+    def begin_close() -> None:
+        real_begin()
+        closing.set()
+
+    monkeypatch.setattr(writer, "begin_close", begin_close)
+    st.s.cancel(t, b"k")                       # a tomb: a control op, kept and retried when its batch fails
+    gate.entered(1)                            # its first attempt holds in the writer
+    closer = threading.Thread(target=st.s.close, daemon=True)
+    closer.start()
+    assert closing.wait(30)                    # the writer is closing
+    gate.open()
+    closer.join(30)
+    assert not closer.is_alive()
+    assert gate.calls == 1 + CLOSE_RETRIES
+
+
 # ============================================================================ 5. flush after a failed spill
 def test_flush_is_false_when_a_spill_failed_before_it_was_asked_for(rig):
     """Durability contract (a spill submitted before flush() is durable when flush() returns True;
