@@ -334,6 +334,7 @@ def test_once_closing_a_failing_batch_gets_exactly_close_retries_more_attempts(t
     closer.join(30)
     assert not closer.is_alive()
     assert gate.calls == 1 + CLOSE_RETRIES
+    assert writer.writer_error is None and "writer_died" not in st.errors, "the op is dropped, the writer ends cleanly"
 
 
 # ============================================================================ 5. flush after a failed spill
