@@ -337,6 +337,47 @@ def test_once_closing_a_failing_batch_gets_exactly_close_retries_more_attempts(t
     assert writer.writer_error is None and "writer_died" not in st.errors, "the op is dropped, the writer ends cleanly"
 
 
+class _WriterKilled(BaseException):
+    """Not an Exception: the writer thread dies of it (answering what is queued)."""
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("how", ["closed", "died"])
+def test_a_flush_asked_of_a_writer_that_is_gone_is_answered_false_at_once(tmp_path, how):
+    """No flush is left unanswered: once the writer was closed, or died, a flush is refused at once
+    (it is never queued for a thread that will not take it)."""
+    st = Store(tmp_path / "d")
+    try:
+        if how == "closed":
+            st.s.close()
+        else:
+            st.s.fault_hook = lambda point: (_ for _ in ()).throw(_WriterKilled("killed"))
+            assert not st.answer(st.spill(b"k")).ok
+            st.s.writer._thread.join(30)
+            assert not st.s.writer_alive()
+        tok = uuid.uuid4()
+        st.s.submit_flush(tok)
+        r = st.q.get(0)                          # answered in the call: nothing to wait for
+        assert isinstance(r, FlushDone) and r.token == tok and r.ok is False and "gone" in (r.error or "")
+    finally:
+        st.s.close()
+
+
+def test_a_flush_whose_own_batch_fails_is_false(tmp_path):
+    """The flush's batch is the one that syncs what earlier batches committed (durability "batch"):
+    if it fails, those commits are not known durable, so the flush is False."""
+    st = Store(tmp_path / "d", durability="batch")
+    try:
+        assert st.answer(st.spill(b"k")).ok        # committed, not yet synced
+        st.s.fault_hook = WriterGate(block_from=None, raise_at={1: OSError(errno.EIO, "Input/output error")})
+        tok = uuid.uuid4()
+        st.s.submit_flush(tok)
+        r = st.answer(tok)
+        assert isinstance(r, FlushDone) and r.token == tok and r.ok is False and "Input/output" in (r.error or "")
+    finally:
+        st.s.close()
+
+
 # ============================================================================ 5. flush after a failed spill
 def test_flush_is_false_when_a_spill_failed_before_it_was_asked_for(rig):
     """Durability contract (a spill submitted before flush() is durable when flush() returns True;
