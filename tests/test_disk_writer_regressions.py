@@ -40,15 +40,22 @@ def payload(key: bytes) -> bytearray:
 class Store:
     """A DiskStore on ``path`` with every answer collected by token (answers kept for later asks)."""
 
-    def __init__(self, path: Path, *, durability: str = "batch", num_readers: int = 1, slots: int = 16) -> None:
+    def __init__(self, path: Path, *, durability: str = "batch", num_readers: int = 1, slots: int = 16,
+                 **opts: Any) -> None:
         self.q = CompletionQueue()
         self.errors: list[str] = []
+        self.messages: list[str] = []
         self.s = DiskStore(DiskOptions(path=path, namespace=NS, block_bytes=ROW, capacity_bytes=slots * ROW,
-                                       durability=durability, batch_blocks=16, batch_bytes=16 * ROW,
-                                       batch_seconds=0.0, slots=slots, num_readers=num_readers),
-                           self.q, on_error=lambda kind, msg: self.errors.append(kind))
+                                       durability=durability, batch_blocks=opts.pop("batch_blocks", 16),
+                                       batch_bytes=16 * ROW, batch_seconds=0.0, slots=slots,
+                                       num_readers=num_readers, **opts),
+                           self.q, on_error=self._on_error)
         self.seen: dict[uuid.UUID, Any] = {}
         self.bufs: list[bytearray] = []   # host slots stay alive while the writer reads them
+
+    def _on_error(self, kind: str, msg: str) -> None:
+        self.errors.append(kind)
+        self.messages.append(msg)
 
     def spill(self, key: bytes, token: Optional[uuid.UUID] = None) -> uuid.UUID:
         tok = token or uuid.uuid4()
@@ -378,6 +385,72 @@ def test_a_flush_whose_own_batch_fails_is_false(tmp_path):
         st.s.close()
 
 
+def test_the_spill_queue_takes_queue_blocks_spills_and_refuses_the_next(tmp_path):
+    st = Store(tmp_path / "d", queue_blocks=3, batch_blocks=1)
+    gate = WriterGate(block_from=1)
+    st.s.fault_hook = gate
+    try:
+        first = st.spill(b"held")
+        gate.entered(1)                                       # the writer holds the first spill's batch
+        queued = [st.spill(b"q%d" % i) for i in range(3)]     # the queue's three places
+        assert st.s.queue_depth == 3 and not st.s.spill_room()
+        assert st.s.submit_spill(uuid.uuid4(), b"over", memoryview(payload(b"over"))) is False
+        gate.open()
+        assert all(st.answer(t).ok for t in [first] + queued)
+        assert b"over" not in st.index() and st.s.spill_room()
+    finally:
+        gate.open()
+        st.s.close()
+
+
+@pytest.mark.parametrize("grow,label,words", [
+    (OSError(errno.ENOSPC, "No space left on device"), "disk_full", "growing the LMDB map"),
+    (False, "map_full", "no room to grow"),
+], ids=["growing-raises", "no-room-to-grow"])
+def test_a_full_map_that_cannot_grow_fails_its_batch_and_the_writer_carries_on(tmp_path, monkeypatch, grow, label,
+                                                                                 words):
+    st = Store(tmp_path / "d")
+    try:
+        def no_growth(need: int = 0) -> bool:
+            if isinstance(grow, BaseException):
+                raise grow
+            return grow
+
+        monkeypatch.setattr(st.s.db, "grow", no_growth)
+        st.s.fault_hook = WriterGate(block_from=None, raise_at={1: lmdb.MapFullError("MDB_MAP_FULL")})
+        assert not st.answer(st.spill(b"lost")).ok
+        assert st.errors == [label] and words in st.messages[0], st.messages
+        assert st.s.writer_alive()
+        assert st.answer(st.spill(b"later")).ok and st.flush()
+        assert set(st.index()) == {b"later"}
+    finally:
+        st.s.close()
+
+
+def test_an_idle_writer_syncs_its_last_commit_in_batch_mode(tmp_path):
+    """Durability "batch": a commit is not synced by itself; the writer syncs it once idle (after
+    DIRTY_SYNC_S) without any further op, so an OS crash loses at most that long of commits."""
+    st = Store(tmp_path / "d", durability="batch")
+    try:
+        synced = threading.Event()
+        env = st.s.db.env
+
+        class Spy:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(env, name)
+
+            def sync(self, force: bool = False) -> None:
+                env.sync(force)
+                synced.set()
+
+        st.s.db.env = Spy()
+        assert st.answer(st.spill(b"k")).ok
+        assert synced.wait(30), "no idle sync of the batch-mode commit"
+    finally:
+        st.s.db.env = env
+        st.s.close()
+
+
 # ============================================================================ 5. flush after a failed spill
 def test_flush_is_false_when_a_spill_failed_before_it_was_asked_for(rig):
     """Durability contract (a spill submitted before flush() is durable when flush() returns True;
@@ -413,7 +486,7 @@ def test_a_flush_is_false_when_a_batch_fails_after_it_was_queued_even_after_an_e
         gate.open()
         assert not st.answer(second).ok                         # failure 2
         r = st.answer(flushed)
-        assert isinstance(r, FlushDone) and r.ok is False
+        assert isinstance(r, FlushDone) and r.ok is False and "failed" in (r.error or "")
         assert gate.points.count("commit") == 3                 # the flush had a batch of its own
     finally:
         st.s.close()
