@@ -451,6 +451,25 @@ def test_an_idle_writer_syncs_its_last_commit_in_batch_mode(tmp_path):
         st.s.close()
 
 
+def test_writes_are_sequenced_so_a_reopen_keeps_their_order(tmp_path):
+    """Each write gets the next sequence number: recovery orders the entries by it (oldest first, the
+    LRU order the index is rebuilt in), not by their keys."""
+    st = Store(tmp_path / "d", batch_blocks=1)
+    order = [b"c", b"a", b"b"]
+    try:
+        for k in order:
+            assert st.answer(st.spill(k)).ok
+        assert st.flush()
+    finally:
+        st.s.close()
+    st = Store(tmp_path / "d")
+    try:
+        assert [e.key for e in st.s.entries] == order
+        assert [e.seq for e in st.s.entries] == [1, 2, 3]
+    finally:
+        st.s.close()
+
+
 # ============================================================================ 5. flush after a failed spill
 def test_flush_is_false_when_a_spill_failed_before_it_was_asked_for(rig):
     """Durability contract (a spill submitted before flush() is durable when flush() returns True;
