@@ -470,6 +470,52 @@ def test_writes_are_sequenced_so_a_reopen_keeps_their_order(tmp_path):
         st.s.close()
 
 
+def test_a_spill_cancelled_while_queued_is_answered_as_prevented(tmp_path):
+    """The store's contract with its owner: a spill its tomb stopped is reported not ok with the
+    error SPILL_PREVENTED (which is not a fault), and nothing of it is published."""
+    from tiered_kv.disk import SPILL_PREVENTED
+    st = Store(tmp_path / "d", batch_blocks=1)
+    gate = WriterGate(block_from=1)
+    st.s.fault_hook = gate
+    try:
+        held = st.spill(b"held")
+        gate.entered(1)
+        victim = st.spill(b"victim")
+        st.s.cancel(victim, b"victim")
+        gate.open()
+        assert st.answer(held).ok
+        r = st.answer(victim)
+        assert (r.ok, r.error) == (False, SPILL_PREVENTED)
+        assert st.flush() and set(st.index()) == {b"held"}
+    finally:
+        gate.open()
+        st.s.close()
+
+
+def test_a_key_written_again_drops_its_old_recency_record(tmp_path):
+    """A touch record holds the recency of a read-back; a new write of the key supersedes it (its own
+    sequence number is newer), so the old record is dropped with the old entry, not left behind."""
+    st = Store(tmp_path / "d", batch_blocks=1)
+    try:
+        assert st.answer(st.spill(b"k")).ok
+        st.s.submit_touch(b"k")
+        assert st.flush()
+
+        def touched() -> set[bytes]:
+            st.s.db.rw.acquire_shared()
+            try:
+                with st.s.db.env.begin() as txn:
+                    return {bytes(k) for k, _ in txn.cursor(db=st.s.db.touch)}
+            finally:
+                st.s.db.rw.release_shared()
+
+        assert touched() == {lmdb_key(b"k")}
+        assert st.answer(st.spill(b"k")).ok and st.flush()
+        assert touched() == set()
+    finally:
+        st.s.close()
+
+
 # ============================================================================ 5. flush after a failed spill
 def test_flush_is_false_when_a_spill_failed_before_it_was_asked_for(rig):
     """Durability contract (a spill submitted before flush() is durable when flush() returns True;
