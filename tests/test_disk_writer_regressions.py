@@ -516,6 +516,30 @@ def test_a_key_written_again_drops_its_old_recency_record(tmp_path):
         st.s.close()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_writer_that_dies_before_its_first_batch_refuses_spills_and_answers_flushes(tmp_path, monkeypatch):
+    """A writer that dies answers everything queued and refuses further ops -- also when it dies
+    before it ever took a batch."""
+    from tiered_kv.disk.writer import Writer
+
+    def die(self: Any) -> None:
+        raise _WriterKilled("killed before the first batch")
+
+    monkeypatch.setattr(Writer, "_take_batch", die)
+    st = Store(tmp_path / "d")
+    try:
+        st.s.writer._thread.join(30)
+        assert not st.s.writer_alive() and isinstance(st.s.writer_error, _WriterKilled)
+        assert "writer_died" in st.errors
+        assert st.s.submit_spill(uuid.uuid4(), b"k", memoryview(payload(b"k"))) is False
+        tok = uuid.uuid4()
+        st.s.submit_flush(tok)
+        r = st.q.get(0)
+        assert isinstance(r, FlushDone) and r.token == tok and r.ok is False
+    finally:
+        st.s.close()
+
+
 # ============================================================================ 5. flush after a failed spill
 def test_flush_is_false_when_a_spill_failed_before_it_was_asked_for(rig):
     """Durability contract (a spill submitted before flush() is durable when flush() returns True;
