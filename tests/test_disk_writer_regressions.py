@@ -446,6 +446,7 @@ def test_an_idle_writer_syncs_its_last_commit_in_batch_mode(tmp_path):
         st.s.db.env = Spy()
         assert st.answer(st.spill(b"k")).ok
         assert synced.wait(30), "no idle sync of the batch-mode commit"
+        assert st.answer(st.spill(b"after")).ok, "the writer goes on after an idle sync"
     finally:
         st.s.db.env = env
         st.s.close()
@@ -517,26 +518,41 @@ def test_a_key_written_again_drops_its_old_recency_record(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_a_writer_that_dies_before_its_first_batch_refuses_spills_and_answers_flushes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("when", ["before its first batch", "in an idle sync after a batch"])
+def test_a_writer_that_dies_outside_a_batch_refuses_spills_and_answers_flushes(tmp_path, monkeypatch, when):
     """A writer that dies answers everything queued and refuses further ops -- also when it dies
-    before it ever took a batch."""
+    outside a batch: before it ever took one, or syncing an earlier commit while idle."""
     from tiered_kv.disk.writer import Writer
 
-    def die(self: Any) -> None:
-        raise _WriterKilled("killed before the first batch")
+    def die(*a: Any) -> None:
+        raise _WriterKilled(f"killed {when}")
 
-    monkeypatch.setattr(Writer, "_take_batch", die)
-    st = Store(tmp_path / "d")
+    if when.startswith("before"):
+        monkeypatch.setattr(Writer, "_take_batch", die)
+    st = Store(tmp_path / "d", durability="batch")
     try:
+        if not when.startswith("before"):
+            assert st.answer(st.spill(b"k")).ok
+            env = st.s.db.env
+
+            class Dying:
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(env, name)
+
+                sync = die
+
+            st.s.db.env = Dying()
         st.s.writer._thread.join(30)
         assert not st.s.writer_alive() and isinstance(st.s.writer_error, _WriterKilled)
-        assert "writer_died" in st.errors
+        assert "writer_died" in st.errors and not st.s.healthy
         assert st.s.submit_spill(uuid.uuid4(), b"k", memoryview(payload(b"k"))) is False
         tok = uuid.uuid4()
         st.s.submit_flush(tok)
         r = st.q.get(0)
         assert isinstance(r, FlushDone) and r.token == tok and r.ok is False
     finally:
+        if not when.startswith("before"):
+            st.s.db.env = env
         st.s.close()
 
 
