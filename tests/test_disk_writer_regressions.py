@@ -77,6 +77,7 @@ class Store:
         self.s.submit_flush(tok)
         r = self.answer(tok)
         assert isinstance(r, FlushDone)
+        assert (r.error is None) if r.ok else bool(r.error), r   # a failed flush says why; a good one has no error
         return r.ok
 
     def index(self) -> dict[bytes, Any]:
@@ -406,7 +407,8 @@ def test_the_spill_queue_takes_queue_blocks_spills_and_refuses_the_next(tmp_path
 @pytest.mark.parametrize("grow,label,words", [
     (OSError(errno.ENOSPC, "No space left on device"), "disk_full", "growing the LMDB map"),
     (False, "map_full", "no room to grow"),
-], ids=["growing-raises", "no-room-to-grow"])
+    (True, "map_full", "still full after growing"),
+], ids=["growing-raises", "no-room-to-grow", "still-full-after-growing"])
 def test_a_full_map_that_cannot_grow_fails_its_batch_and_the_writer_carries_on(tmp_path, monkeypatch, grow, label,
                                                                                  words):
     st = Store(tmp_path / "d")
@@ -417,7 +419,10 @@ def test_a_full_map_that_cannot_grow_fails_its_batch_and_the_writer_carries_on(t
             return grow
 
         monkeypatch.setattr(st.s.db, "grow", no_growth)
-        st.s.fault_hook = WriterGate(block_from=None, raise_at={1: lmdb.MapFullError("MDB_MAP_FULL")})
+        from tiered_kv.disk.writer import MAP_FULL_ATTEMPTS
+        attempts = MAP_FULL_ATTEMPTS if grow is True else 1    # the map "grows", and is full again, each time
+        st.s.fault_hook = WriterGate(block_from=None, raise_at={i: lmdb.MapFullError("MDB_MAP_FULL")
+                                                                for i in range(1, attempts + 1)})
         assert not st.answer(st.spill(b"lost")).ok
         assert st.errors == [label] and words in st.messages[0], st.messages
         assert st.s.writer_alive()
@@ -545,6 +550,7 @@ def test_a_writer_that_dies_outside_a_batch_refuses_spills_and_answers_flushes(t
         st.s.writer._thread.join(30)
         assert not st.s.writer_alive() and isinstance(st.s.writer_error, _WriterKilled)
         assert "writer_died" in st.errors and not st.s.healthy
+        assert f"killed {when}" in st.messages[st.errors.index("writer_died")], "the log says what killed it"
         assert st.s.submit_spill(uuid.uuid4(), b"k", memoryview(payload(b"k"))) is False
         tok = uuid.uuid4()
         st.s.submit_flush(tok)
@@ -554,6 +560,40 @@ def test_a_writer_that_dies_outside_a_batch_refuses_spills_and_answers_flushes(t
         if not when.startswith("before"):
             st.s.db.env = env
         st.s.close()
+
+
+def test_a_batch_s_time_is_shared_out_among_its_spills(tmp_path):
+    """Each spill's report carries its share of its batch's write time (the transfer-time histogram
+    sums them): none is negative and together they are at most the batch's wall time."""
+    st = Store(tmp_path / "d")
+    gate = WriterGate(block_from=1)
+    st.s.fault_hook = gate
+    try:
+        first = st.spill(b"first")
+        gate.entered(1)
+        rest = [st.spill(b"k%d" % i) for i in range(4)]
+        t0 = time.perf_counter()
+        gate.open()
+        reports = [st.answer(t) for t in rest]
+        elapsed = time.perf_counter() - t0
+        assert st.answer(first).ok and all(r.ok for r in reports)
+        assert gate.calls == 2, "the four queued spills shared one batch"
+        assert all(r.seconds >= 0 for r in reports) and sum(r.seconds for r in reports) <= elapsed
+    finally:
+        gate.open()
+        st.s.close()
+
+
+def test_an_unclosed_store_does_not_keep_the_process_from_exiting(tmp_path):
+    """The writer is a daemon thread: a host process that exits without closing its manager exits
+    (recovery on the next open takes care of the rest)."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.path.insert(0, 'tests'); from pathlib import Path; import test_disk_writer_regressions as t; "
+            f"st = t.Store(Path({str(tmp_path / 'd')!r})); assert st.answer(st.spill(b'k')).ok")
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent, timeout=120,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 # ============================================================================ 5. flush after a failed spill
