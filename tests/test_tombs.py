@@ -86,11 +86,17 @@ def test_prevents_lets_a_spill_without_a_tomb_through_and_settles_it(db: DiskEnv
     assert _contents(db)["tombs"] == {other.bytes: OTHER}, "another token's tomb is not consumed"
 
 
-def test_prevents_in_an_aborted_transaction_is_undone(db: DiskEnv) -> None:
-    t = _token(0)
+def _queued_then_cancelled(db: DiskEnv, t: uuid.UUID) -> Tombs:
+    """Tombs of a spill under ``t`` that was queued, then cancelled by its owner."""
     tombs = Tombs(db)
     tombs.queued(t)
     tombs.cancel(t)
+    return tombs
+
+
+def test_prevents_in_an_aborted_transaction_is_undone(db: DiskEnv) -> None:
+    t = _token(0)
+    tombs = _queued_then_cancelled(db, t)
     undo: Undo = []
     _run(db, lambda txn: tombs.prevents(txn, t, undo))
     assert tombs.unsettled == set() and tombs.cancelled == set()
@@ -101,9 +107,7 @@ def test_prevents_in_an_aborted_transaction_is_undone(db: DiskEnv) -> None:
 # --------------------------------------------------------------------------- apply (the tomb op)
 def test_a_tomb_of_a_still_queued_write_is_made_durable_naming_its_key(db: DiskEnv) -> None:
     t = _token(0)
-    tombs = Tombs(db)
-    tombs.queued(t)
-    tombs.cancel(t)
+    tombs = _queued_then_cancelled(db, t)
     undo: Undo = []
     _run(db, lambda txn: tombs.apply(txn, t, KEY, [], undo))
     assert _contents(db)["tombs"] == {t.bytes: KEY}

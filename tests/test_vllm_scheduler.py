@@ -583,14 +583,9 @@ def test_eviction_never_takes_a_key_of_the_same_call(rig):
     assert tiers.lookup(A) == HIT
 
 
-def test_evicted_keys_reported_only_when_offloaded_nowhere(rig):
-    """With the disk tier (write-through): a host eviction of a key on disk is not reported; the key
-    is reported (once) when it leaves the disk too, by a later prepare_store."""
-    slab = rig.slab(num_slots=2, row_bytes=256)
-    tiers = rig.open(slab, disk=True, disk_blocks=2)
-    assert tiers.disk is not None
-    reported: list[bytes] = []
-
+def _durable_storer(tiers: SlabScheduler, slab: SharedSlab, reported: list[bytes]) -> Callable[[bytes], None]:
+    """A store of one key played through to the disk (prepare, worker copy, complete, flush), noting the
+    keys each prepare_store reports evicted in ``reported``."""
     def store(k: bytes) -> None:
         p = tiers.prepare_store([k])
         assert p.keys == [k]
@@ -598,7 +593,17 @@ def test_evicted_keys_reported_only_when_offloaded_nowhere(rig):
         worker_store(slab, [k], p.slots, p.seq)
         tiers.complete_store([k])
         assert tiers.flush(timeout=30)
+    return store
 
+
+def test_evicted_keys_reported_only_when_offloaded_nowhere(rig):
+    """With the disk tier (write-through): a host eviction of a key on disk is not reported; the key
+    is reported (once) when it leaves the disk too, by a later prepare_store."""
+    slab = rig.slab(num_slots=2, row_bytes=256)
+    tiers = rig.open(slab, disk=True, disk_blocks=2)
+    assert tiers.disk is not None
+    reported: list[bytes] = []
+    store = _durable_storer(tiers, slab, reported)
     store(A)
     store(B)
     assert tiers.state_of(A) == tiers.state_of(B) == ("ready", "ready")
@@ -621,15 +626,7 @@ def test_a_host_eviction_of_a_key_the_disk_already_dropped_is_reported(rig):
     slab = rig.slab(num_slots=2, row_bytes=256)
     tiers = rig.open(slab, disk=True, disk_blocks=1)
     reported: list[bytes] = []
-
-    def store(k: bytes) -> None:
-        p = tiers.prepare_store([k])
-        assert p.keys == [k]
-        reported.extend(p.evicted)
-        worker_store(slab, [k], p.slots, p.seq)
-        tiers.complete_store([k])
-        assert tiers.flush(timeout=30)
-
+    store = _durable_storer(tiers, slab, reported)
     store(A)
     store(B)                     # B's spill takes the disk's one block: A is on the host only
     assert tiers.state_of(A) == ("ready", None) and reported == []
