@@ -393,7 +393,9 @@ class Writer:
 
     def _sync(self) -> None:
         env = self._db.env
-        if env is None or self.opts.durability == "none" or not (self._dirty or self.opts.durability == "batch"):
+        # only "batch" commits wait for a sync (a flush's, or an idle writer's): LMDB syncs each "sync"
+        # commit itself, and "none" never syncs
+        if env is None or self.opts.durability != "batch":
             return
         try:
             txn_id = env.info()["last_txnid"]
