@@ -596,6 +596,36 @@ def test_an_unclosed_store_does_not_keep_the_process_from_exiting(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+def test_a_flush_whose_sync_fails_is_false_and_the_next_good_sync_clears_it(tmp_path):
+    """Durability "batch": the flush's sync makes the earlier commits durable; if LMDB's sync fails
+    the flush is False, the fault is counted as sync_failed with its cause, and once a sync works
+    again flushes are True again."""
+    st = Store(tmp_path / "d", durability="batch")
+    env = st.s.db.env
+    failing = {"on": True}
+
+    class FailingSync:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(env, name)
+
+        def sync(self, force: bool = False) -> None:
+            if failing["on"]:
+                raise lmdb.Error("mdb_env_sync: Input/output error")
+            env.sync(force)
+
+    try:
+        assert st.answer(st.spill(b"k")).ok
+        st.s.db.env = FailingSync()
+        assert st.flush() is False
+        assert st.errors == ["sync_failed"] and "mdb_env_sync: Input/output error" in st.messages[0]
+        failing["on"] = False
+        assert st.answer(st.spill(b"k2")).ok
+        assert st.flush() is True
+    finally:
+        st.s.db.env = env
+        st.s.close()
+
+
 # ============================================================================ 5. flush after a failed spill
 def test_flush_is_false_when_a_spill_failed_before_it_was_asked_for(rig):
     """Durability contract (a spill submitted before flush() is durable when flush() returns True;
