@@ -38,16 +38,20 @@ def resident_fraction(t: torch.Tensor) -> float:
     return sum(b & 1 for b in vec.raw) / pages
 
 
-def fresh(nbytes: int) -> torch.Tensor:
-    t = torch.empty(nbytes, dtype=torch.uint8)   # large: an mmap of its own, never touched
+FRESH = 64 << 20   # above glibc's largest mmap threshold (32 MiB): always a new mapping, never recycled heap
+
+
+def fresh(nbytes: int = FRESH) -> torch.Tensor:
+    assert nbytes >= FRESH
+    t = torch.empty(nbytes, dtype=torch.uint8)   # an mmap of its own, never touched
     assert resident_fraction(t) < 0.5, "the allocator handed out memory already touched"
     return t
 
 
 def test_a_fresh_slab_is_resident_after_prepare():
-    t = fresh(64 << 20)
+    t = fresh()
     r = prepare_host_memory(t)
-    assert r.populated in ("madvise", "touch") and r.nbytes == 64 << 20 and r.seconds >= 0
+    assert r.populated in ("madvise", "touch") and r.nbytes == FRESH and r.seconds >= 0
     assert resident_fraction(t) == 1.0
 
 
@@ -57,23 +61,23 @@ def test_the_fallback_touches_every_page_of_an_unaligned_slab(monkeypatch):
     real = hostmem._madvise
     monkeypatch.setattr(hostmem, "_madvise",
                         lambda lib, a, n, adv: False if adv == hostmem.MADV_POPULATE_WRITE else real(lib, a, n, adv))
-    base = fresh(32 << 20)
+    base = fresh()
     t = base[PAGE // 2 + 3: PAGE // 2 + 3 + 31 * PAGE]     # starts and ends inside a page
     assert prepare_host_memory(t).populated == "touch"
     assert resident_fraction(t) == 1.0
 
 
 def test_nothing_is_populated_when_not_asked_or_pinned():
-    t = fresh(16 << 20)
+    t = fresh()
     assert prepare_host_memory(t, populate=False).populated == "no"
-    assert prepare_host_memory(t, pinned=True) == hostmem.HostMemory(16 << 20, False, "no", 0.0)
+    assert prepare_host_memory(t, pinned=True) == hostmem.HostMemory(FRESH, False, "no", 0.0)
     assert resident_fraction(t) < 0.5
 
 
 def test_a_manager_prefaults_its_slab_by_default_and_not_when_told():
     kv = make_kv(8)
     for prefault, want in ((True, 1.0), (False, 0.0)):
-        mgr = TierManager(make_config((32 << 20) // ROW_BYTES, prefault_host_memory=prefault), kv,
+        mgr = TierManager(make_config(FRESH // ROW_BYTES, prefault_host_memory=prefault), kv,
                           registry=CollectorRegistry())
         try:
             got = resident_fraction(mgr._host_rows)
