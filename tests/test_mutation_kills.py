@@ -184,6 +184,15 @@ def _spilling(mgr) -> list[bytes]:
     return [j.key for j in mgr._core.jobs.values() if j.kind is JobKind.SPILL]
 
 
+def _store_24(mgr, mover, kv, prefix: bytes) -> None:
+    """One store_many of 24 fresh keys from rows 0..23, answered and applied (rows left fenced)."""
+    keys = [prefix + b"-%02d" % i for i in range(24)]
+    for i, k in enumerate(keys):
+        fill_row(kv, i, k)
+    mover.complete(mgr.store_many(keys, list(range(24))))
+    mgr.poll()
+
+
 def test_write_back_spills_at_most_its_per_step_budget_coldest_first(tmp_path):
     """Kills ``tiered_kv.core.tiers.xǁTierCoreǁ_writeback__mutmut_11``, ``..._13``, ``..._20``, ``..._21``
     and ``..._22`` (the per-step budget ignored, or counted wrong): a host tier filled past
@@ -213,11 +222,7 @@ def test_write_back_starts_nothing_on_an_unusable_disk_nor_while_closing(tmp_pat
                 mgr._core.closing = True
             else:
                 mgr._core.disk.usable = False
-            keys = [b"x-%02d" % i for i in range(24)]
-            for i, k in enumerate(keys):
-                fill_row(kv, i, k)
-            mover.complete(mgr.store_many(keys, list(range(24))))
-            mgr.poll()
+            _store_24(mgr, mover, kv, b"x")
             assert _spilling(mgr) == []
             assert mgr_metric(mgr, "tiered_kv_shed_total", kind="spill", reason="disk_down") == 0
         finally:
@@ -232,11 +237,7 @@ def test_write_back_stops_when_the_writer_queue_is_full(tmp_path, monkeypatch):
     try:
         monkeypatch.setattr(type(mgr._core.disk.store), "queue_depth",
                             property(lambda self: mgr.config.writer_queue_blocks))
-        keys = [b"q-%02d" % i for i in range(24)]
-        for i, k in enumerate(keys):
-            fill_row(kv, i, k)
-        mover.complete(mgr.store_many(keys, list(range(24))))
-        mgr.poll()
+        _store_24(mgr, mover, kv, b"q")
         assert _spilling(mgr) == []
     finally:
         monkeypatch.undo()
