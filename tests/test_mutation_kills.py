@@ -7,17 +7,23 @@ fake movers or none, no sleeps, no randomness.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 
 import pytest
-from fakes import (ROW_BYTES, fake_disk_manager, fill_row, make_config, make_fake_manager, make_kv, mgr_metric,
-                   on_disk_only, stored)
+from disk_helpers import WriterGate
+from fakes import (ROW_BYTES, fake_disk_manager, fill_row, instrument_get, make_config, make_fake_manager, make_kv,
+                   mgr_metric, on_disk_only, stored)
 
 from tiered_kv.core.index import EntryState, TierIndex
 from tiered_kv.core.tiers import WRITEBACK_PER_STEP
 from tiered_kv.errors import BlockBusyError
 from tiered_kv.jobs import JobKind, StaleReason
+
+
+class _WriterKilled(BaseException):
+    """Raised in the writer thread: not an Exception, so it ends the thread (a dying writer)."""
 
 
 def tok() -> uuid.UUID:
@@ -167,6 +173,88 @@ def test_a_load_whose_read_from_disk_failed_counts_a_disk_copy_fault(tmp_path):
         assert mgr.free_block(9)
     finally:
         mgr.close()
+
+
+def test_debug_sizes_names_each_table_with_its_size(tmp_path):
+    """Kills ``tiered_kv.manager.xǁTierManagerǁdebug_sizes__mutmut_*`` (a table left out, renamed, or
+    sized from another one): in a state where every table holds a known number of entries,
+    ``debug_sizes()`` names each one with its size."""
+    mgr, mover, kv = fake_disk_manager(tmp_path / "d")
+    try:
+        on_disk_only(mgr, mover, kv, [b"a", b"b"])        # host: filler-0..3; disk: a, b and the fillers
+        fill_row(kv, 10, b"p")
+        pending = mgr.store(b"p", 10)                     # a store in flight (its slot evicted filler-0)
+        cancelled = mgr.store_many([b"q", b"r"], [11, 12])  # another, cancelled: reported at the next poll
+        load = mgr.load(b"filler-3", 20)                  # a load in flight, fencing row 20
+        assert pending is not None and cancelled is not None and load is not None
+        mgr.cancel(cancelled)
+        assert mgr.debug_sizes() == {
+            "jobs": 3, "deliver": 1, "outbox": 0, "row_stores": 1, "row_load": 1, "key_loads": 1,
+            "flushes": 0, "host_entries": 2, "host_used_slots": 4, "disk_entries": 6, "disk_tombstones": 0,
+        }   # q and r left the host index when cancelled; their slots stay leased until their report
+        mover.complete_all()
+        mgr.wait()
+        assert mgr.flush(timeout=30)                      # p's spill (write-through) is applied too
+        assert mgr.debug_sizes() == {
+            "jobs": 0, "deliver": 0, "outbox": 0, "row_stores": 0, "row_load": 0, "key_loads": 0,
+            "flushes": 0, "host_entries": 2, "host_used_slots": 2, "disk_entries": 7,
+            "disk_tombstones": 0,
+        }
+    finally:
+        mgr.close()
+    host_only, mover = make_fake_manager(make_config(host_slots=4), make_kv(8))
+    try:
+        assert host_only.debug_sizes()["disk_entries"] == host_only.debug_sizes()["disk_tombstones"] == 0
+    finally:
+        host_only.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_flush_with_a_dead_writer_still_prepares_the_next_step(tmp_path):
+    """Kills ``tiered_kv.manager.xǁTierManagerǁflush__mutmut_7`` and ``..._8`` (``_poll(None)`` /
+    ``_poll(False)`` on the dead-writer path): ``flush()`` is an API call like ``poll()``, so its last
+    pass applies the reports *and* frees host slots ahead (``host_evict_ahead_blocks``) for the next step."""
+    kv = make_kv(16)
+    cfg = make_config(host_slots=4, disk_path=tmp_path / "d", disk_capacity_bytes=64 * ROW_BYTES,
+                      host_evict_ahead_blocks=1, writer_batch_seconds=0.0)
+    mgr, mover = make_fake_manager(cfg, kv)
+    try:
+        mgr.disk.fault_hook = WriterGate(block_from=None, raise_at={1: _WriterKilled("writer killed")})
+        stored(mgr, mover, kv, [b"first"], [0])           # its spill kills the writer
+        deadline = time.monotonic() + 30
+        while mgr.disk.writer_alive() and time.monotonic() < deadline:
+            mgr.wait(timeout=0.05)
+        assert not mgr.disk.writer_alive()
+        assert mgr.host_used_slots == 1
+        for i, k in enumerate((b"k1", b"k2", b"k3")):
+            fill_row(kv, 1 + i, k)
+            assert mgr.store(k, 1 + i) is not None
+        mover.complete_all()                              # reported, not yet applied: the host is full
+        assert mgr.host_used_slots == 4
+        assert mgr.flush(timeout=5) is False
+        assert mgr.lookup([b"k1", b"k2", b"k3"]) == 3
+        assert mgr.host_used_slots == 3 and mgr.lookup([b"first"]) == 0   # the coldest went ahead of need
+    finally:
+        mgr.close()
+
+
+def test_a_load_cancelled_by_freeing_its_row_says_so_in_its_cancel_reason(fake, kv):
+    """Kills ``tiered_kv.manager.xǁTierManagerǁfree_block__mutmut_8`` (``_cancel(job, None)``): the job's
+    public ``cancel_reason`` tells why it was cancelled -- ``cancelled`` by ``free_block``/``cancel``,
+    ``superseded`` by ``invalidate`` -- and its completion's error says the same."""
+    mgr, mover = fake
+    stored(mgr, mover, kv, [b"a", b"b", b"c"], [0, 1, 2])
+    freed, cancelled, invalidated = mgr.load(b"a", 10), mgr.load(b"b", 11), mgr.load(b"c", 12)
+    assert freed is not None and cancelled is not None and invalidated is not None
+    assert mgr.free_block(10) is False
+    mgr.cancel(cancelled)
+    mgr.invalidate(b"c")
+    assert freed.cancel_reason is StaleReason.CANCELLED
+    assert cancelled.cancel_reason is StaleReason.CANCELLED
+    assert invalidated.cancel_reason is StaleReason.SUPERSEDED
+    mover.complete_all()
+    out = {c.job.key: c.error for c in mgr.wait([freed, cancelled, invalidated], timeout=30)}
+    assert out == {b"a": "cancelled (cancelled)", b"b": "cancelled (cancelled)", b"c": "cancelled (superseded)"}
 
 
 # ---------------------------------------------------------------- core/tiers.py
@@ -402,6 +490,76 @@ def test_simple_block_until_waits_in_bounded_steps_and_honours_its_timeout(fake)
     core.simple_block_until(never, 0.6)
     assert waits and waits[0] == 0.5 and all(0 < w <= 0.5 for w in waits)
     assert time.monotonic() - start >= 0.6
+
+
+def test_a_late_answer_to_a_flush_that_timed_out_never_ends_a_later_flush(tmp_path):
+    """Kills ``tiered_kv.core.tiers.xǁTierCoreǁflush__mutmut_7`` (every flush marker sent with the token
+    ``None``): a flush that timed out gets its writer's answer later; arriving while a second flush
+    waits, it must not end that one, whose own spill is still held in the writer."""
+    kv = make_kv(16)
+    cfg = make_config(host_slots=8, disk_path=tmp_path / "d", disk_capacity_bytes=64 * ROW_BYTES,
+                      writer_batch_seconds=0.0)
+    mgr, mover = make_fake_manager(cfg, kv)
+    gate = WriterGate(block_from=1)
+    mgr.disk.fault_hook = gate
+    try:
+        stored(mgr, mover, kv, [b"a"], [0])                # a's spill: held at the writer's first commit
+        gate.entered(1)
+        assert mgr.flush(timeout=0.05) is False            # times out; its marker waits behind a's batch
+        stored(mgr, mover, kv, [b"b"], [1])                # b's spill, queued behind that marker
+        second = {"on": False}
+
+        def on_enter(timeout):
+            if second["on"]:
+                second["on"] = False
+                gate.step(2)       # a's batch, then the first marker's (a batch of its own) commit and
+                gate.entered(3)    # it is answered; b's batch is held: that answer is queued before the
+                #                    second flush reads the queue
+        instrument_get(mgr._completions, on_enter)
+        second["on"] = True
+        assert mgr.flush(timeout=0.5) is False, "b is not durable: its batch is still held"
+        gate.open()
+        assert mgr.flush(timeout=30) is True
+    finally:
+        gate.open()
+        mgr.close()
+
+
+def test_each_failed_spill_a_flush_is_first_to_apply_fails_that_flush(tmp_path):
+    """Kills ``tiered_kv.core.tiers.xǁTierCoreǁ_apply_spill__mutmut_25`` (``spill_faults = 1``: after the
+    first failure no later one moves the count): a spill whose write failed before a flush was asked for,
+    but whose report that flush is the first to apply, fails the flush -- the second such failure too."""
+    kv = make_kv(16)
+    cfg = make_config(host_slots=8, disk_path=tmp_path / "d", disk_capacity_bytes=64 * ROW_BYTES,
+                      writer_batch_seconds=0.0)
+    mgr, mover = make_fake_manager(cfg, kv)
+    failing = {"on": False}
+
+    def hook(point):
+        if failing["on"]:                      # one commit fails: the spill's, not the flush marker's
+            failing["on"] = False
+            raise OSError(5, "injected EIO")
+    mgr.disk.fault_hook = hook
+    failed = threading.Event()
+    put = mgr._completions.put
+
+    def observed_put(item):
+        put(item)
+        if getattr(item, "kind", None) is JobKind.SPILL and not item.ok:
+            failed.set()
+    mgr._completions.put = observed_put
+    try:
+        for n, (key, row) in enumerate(((b"a", 0), (b"b", 1)), 1):
+            failed.clear()
+            failing["on"] = True
+            stored(mgr, mover, kv, [key], [row])
+            assert failed.wait(30)             # its write failed; the report is queued, not applied
+            assert mgr.flush(timeout=30) is False, f"failure {n} applied by this flush"
+            assert mgr_metric(mgr, "tiered_kv_jobs_total", kind="spill", outcome="failed") == n
+        stored(mgr, mover, kv, [b"c"], [2])
+        assert mgr.flush(timeout=30) is True
+    finally:
+        mgr.close()
 
 
 # ---------------------------------------------------------------- core/disk_tier.py

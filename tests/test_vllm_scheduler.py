@@ -1206,3 +1206,26 @@ SlabSchedulerMachine.TestCase.settings = _SM_SETTINGS
 SlabSchedulerMachineWithCopyFailures.TestCase.settings = _SM_SETTINGS
 test_slab_tiers_state_machine = SlabSchedulerMachine.TestCase
 test_slab_tiers_state_machine_with_copy_failures = SlabSchedulerMachineWithCopyFailures.TestCase
+
+
+class _WriterDies(BaseException):
+    """Raised in the writer thread: not an Exception, so the thread ends (a dying writer)."""
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_flush_answers_at_once_without_a_disk_tier_and_false_once_the_writer_died(rig):
+    """``flush()`` through the scheduler front end: True at once with no disk tier (nothing to make
+    durable), False once the disk writer died (nothing queued will be written)."""
+    host_only = rig.open(rig.slab(name="h.slab"))
+    assert host_only.disk is None and host_only.flush(timeout=0) is True
+    slab = rig.slab(num_slots=4, row_bytes=256)
+    tiers = rig.open(slab, disk=True)
+    assert tiers.disk is not None
+    tiers.disk.fault_hook = WriterGate(block_from=None, raise_at={1: _WriterDies("writer killed")})
+    p = tiers.prepare_store([A])
+    worker_store(slab, [A], p.slots, p.seq)
+    tiers.complete_store([A])                  # published, its spill (write-through) kills the writer
+    tiers.disk.writer._thread.join(30)
+    assert not tiers.disk.writer_alive()
+    tiers.tick()                               # its failed spill is applied: this flush covers no failure
+    assert tiers.flush(timeout=5) is False
