@@ -59,31 +59,14 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 
+from tiered_kv.bench.trace import TraceError, load_trace  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+DEFAULT_TRACE = ROOT / "benchmarks" / "traces" / "mooncake_synthetic_trace.jsonl"
 BS, LAYERS, KV_HEADS, HEAD_SIZE = 16, ("layer0", "layer1"), 2, 8
 ROW_BYTES = 2 * BS * KV_HEADS * HEAD_SIZE * 4 * len(LAYERS)   # K and V, float32, both layers: 4096
 MANAGERS = ("vllm-lru", "vllm-arc", "tiered_kv")
 NO_CTX = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
-
-
-def load_trace(path: Path, limit: Optional[int]) -> list[list[int]]:
-    """The ``hash_ids`` of the first ``limit`` requests; a bad line is named."""
-    out: list[list[int]] = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if limit is not None and len(out) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                ids = json.loads(line)["hash_ids"]
-            except (ValueError, KeyError, TypeError) as exc:
-                raise SystemExit(f"{path}:{n}: not a Mooncake trace line with hash_ids ({exc})") from None
-            if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-                raise SystemExit(f"{path}:{n}: hash_ids must be a list of ints")
-            out.append(ids)
-    return out
 
 
 def model_dir() -> str:
@@ -200,7 +183,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         v = getattr(a, name)
         if v is not None and v < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {v}")
-    ids = load_trace(a.trace, a.requests)
+    try:
+        ids = load_trace(a.trace, a.requests)
+    except TraceError as exc:
+        p.error(str(exc))
     requests = [[make_offload_key(hashlib.sha256(i.to_bytes(8, "little")).digest(), 0) for i in r] for r in ids]
     model = model_dir()
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MANAGERS}

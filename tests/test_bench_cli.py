@@ -18,6 +18,7 @@ import pytest
 import tiered_kv.bench.common as bench_common
 import tiered_kv.bench.disk as bench_disk
 import tiered_kv.bench.plots as bench_plots
+import tiered_kv.bench.trace as bench_trace
 from tiered_kv.tools.cli import main
 
 FIGURE_KEYS = {"id", "section", "name", "unit", "better", "value", "baseline", "baseline_name", "vs", "ratio",
@@ -49,7 +50,7 @@ def test_smoke_run_exits_zero_and_writes_strict_json(smoke: dict[str, Any]) -> N
     assert smoke["rc"] == 0
     r = _strict_load(smoke["json"])
     assert r["benchmark"] == "tiered-kv bench" and r["mode"] == "smoke" and r["seed"] == 3
-    assert set(r["sections"]) == {"core", "disk", "e2e"}
+    assert set(r["sections"]) == {"core", "disk", "e2e", "trace"}
     assert r["problems"]["wrong_bytes"] == []
     # the scratch directory is removed afterwards
     assert not any((smoke["tmp"] / "scratch").glob("tkv-bench-disk-*"))
@@ -120,6 +121,7 @@ def test_every_figure_has_value_baseline_ratio_target_met(smoke: dict[str, Any])
     assert any(i.startswith("disk.spill.") for i in ids) and any(i.startswith("disk.promote.") for i in ids)
     assert any(i.startswith("disk.spill_vs_diskcache.") for i in ids)
     assert any(i.startswith("cuda.") for i in ids)
+    assert {"trace.refs_per_s.host", "trace.refs_per_s.disk"} <= ids
 
 
 def test_cuda_row_is_skipped_without_cuda(smoke: dict[str, Any]) -> None:
@@ -208,3 +210,30 @@ def test_evicting_aggregates_pairs_and_keeps_each_file_ratio_with_its_bytes(monk
     assert e["raw_circular"]["runs"] == raw
     assert e["ratios"]["tkv_steady_vs_raw_circular_runs"] == pytest.approx([2.0 / raw[0], 1.0 / raw[1], 3.0 / raw[2]])
     assert e["ratios"]["tkv_steady_vs_raw_circular"] == pytest.approx(2.0 / raw[1])  # ratio of the medians
+
+
+def test_the_trace_replay_gives_every_system_the_same_references(smoke: dict[str, Any]) -> None:
+    t = _strict_load(smoke["json"])["sections"]["trace"]
+    assert t["requests"] == 60 and t["block_refs"] == sum(len(r) for r in bench_trace.load_trace(t["trace"], 60))
+    for s in ("host", "disk", "dict"):
+        (run,) = t["runs"][s]
+        assert run["refs"] == t["block_refs"] and 0 < run["hits"] < run["refs"], s
+    # the host tier alone is an LRU of the baseline's size with no key shed: the same hits
+    host = t["runs"]["host"][0]
+    assert host["stores_shed"] == 0 and host["hits"] == t["runs"]["dict"][0]["hits"]
+    assert host["hits_host"] == host["hits"] and host["hits_disk"] == 0
+
+
+def test_a_malformed_trace_is_refused_naming_its_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "t.jsonl"
+    bad.write_text('{"hash_ids": [1, 2]}\n\n{"hash_ids": [3, -1]}\n')
+    with pytest.raises(bench_trace.TraceError, match=r"t\.jsonl:3: 'hash_ids' must be a list of non-negative ints"):
+        bench_trace.load_trace(bad)
+    bad.write_text('{"hash_ids": [1]}\nnot json\n')
+    with pytest.raises(bench_trace.TraceError, match=r"t\.jsonl:2: not JSON"):
+        bench_trace.load_trace(bad)
+    assert bench_trace.load_trace(bad, limit=1) == [[1]]
+    assert main(["bench", "--smoke", "--sections", "trace", "--trace", str(bad), "--no-details"]) == 2
+    assert "t.jsonl:2: not JSON" in capsys.readouterr().err
+    assert main(["bench", "--smoke", "--sections", "trace", "--trace", str(tmp_path / "none.jsonl")]) == 2
+    assert "no such file" in capsys.readouterr().err

@@ -33,6 +33,7 @@ _PARTS: dict[str, tuple[str, str]] = {
     "evicting": ("disk", "evicting"),
     "latency": ("disk", "latency"),
     "e2e": ("e2e", "e2e"),
+    "trace": ("trace", "trace"),
 }
 SECTIONS = tuple(_PARTS)
 DEFAULT_SECTIONS = {"full": SECTIONS, "quick": SECTIONS, "smoke": SECTIONS}
@@ -41,7 +42,7 @@ _FORMAT_VERSION = 1
 
 def run_bench(mode: str = "full", seed: int = 0, bench_dir: Optional[str] = None,
               sections: Optional[Sequence[str]] = None,
-              log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+              log: Callable[[str], None] = lambda s: None, trace: Optional[str] = None) -> dict[str, Any]:
     """Run the sections named (default: those of the mode) and return the whole result.
 
     The result may hold NaN where a figure could not be computed; ``report.clean`` makes it strict JSON.
@@ -49,6 +50,7 @@ def run_bench(mode: str = "full", seed: int = 0, bench_dir: Optional[str] = None
     import gc
 
     from . import core, disk, e2e, report
+    from . import trace as trace_part
     from .common import LoadMonitor, as_mode, machine_facts
 
     mode = as_mode(mode)
@@ -92,6 +94,11 @@ def run_bench(mode: str = "full", seed: int = 0, bench_dir: Optional[str] = None
                     result["sections"]["e2e"] = e2e.bench_e2e(mode, seed, log=log)
                 result["sections"]["e2e"]["background_load"] = lm.result
                 result["section_seconds"]["e2e"] = time.perf_counter() - t
+            if part("trace"):
+                t = time.perf_counter()
+                result["sections"]["trace"] = trace_part.bench_trace(mode, seed, trace, str(parent),
+                                                                     log=lambda s: log(f"trace: {s}"))
+                result["section_seconds"]["trace"] = time.perf_counter() - t
     finally:
         gc.unfreeze()
     result["background_load"] = whole.result
@@ -112,7 +119,8 @@ def add_bench_command(sub: Any) -> None:
                     "(seeded, warm-up discarded, interleaved, median/p90/p99/max): control-path lifecycles vs "
                     "the unsafe plain-dict original; host tier GB/s vs raw torch copy_; disk spill/promote vs "
                     "raw write+fsync/read and python-diskcache, also full and evicting; engine-thread latency "
-                    "with the disk writer saturated; the demo workload with no offload, host, host+disk; and, "
+                    "with the disk writer saturated; the demo workload with no offload, host, host+disk; a "
+                    "production trace replayed through the public API beside a plain dict LRU; and, "
                     "with CUDA, device<->host GB/s vs torch's copy and store() latency on a CUDA KV tensor.  "
                     "Missed targets do not fail the command.",
     )
@@ -124,6 +132,9 @@ def add_bench_command(sub: Any) -> None:
     p.add_argument("--dir", metavar="DIR", default=None,
                    help="parent of the disk benchmarks' scratch directory; its filesystem is the one measured "
                         "(default: the system temp dir)")
+    p.add_argument("--trace", metavar="PATH", default=None,
+                   help="Mooncake-format JSONL trace for the trace section (default: $TIERED_KV_TRACE, else "
+                        "benchmarks/traces/mooncake_synthetic_trace.jsonl of a source checkout)")
     p.add_argument("--sections", metavar="LIST", default=None,
                    help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
     p.add_argument("--from-json", metavar="PATH", default=None,
@@ -139,6 +150,7 @@ def _err(msg: str) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from . import report
+    from .trace import TraceError
 
     if args.plot:
         from .plots import matplotlib_missing
@@ -166,8 +178,13 @@ def _bench(args: argparse.Namespace) -> int:
             if unknown:
                 return _err(f"unknown sections {unknown}; known: {', '.join(SECTIONS)}")
         mode = "smoke" if args.smoke else ("quick" if args.quick else "full")
-        result = run_bench(mode, args.seed, args.dir, sections,
-                           log=lambda s: print(f"[bench] {s}", file=sys.stderr, flush=True))
+        if args.trace is not None and not Path(args.trace).is_file():
+            return _err(f"--trace {args.trace}: no such file")
+        try:
+            result = run_bench(mode, args.seed, args.dir, sections,
+                               log=lambda s: print(f"[bench] {s}", file=sys.stderr, flush=True), trace=args.trace)
+        except TraceError as exc:
+            return _err(str(exc))
     print(report.format_table(result))
     if not args.no_details and not args.from_json:
         print("\n\n==== details (median / p90 / p99 / max; each section's own report) ====\n")

@@ -55,6 +55,8 @@ TARGETS: dict[str, float] = {
     "promote_vs_diskcache": 2.0,                    # promote GB/s / diskcache get(), 2 MiB blocks
     "engine_call_p99_us_writer_saturated": 50.0,    # store()/lookup()/load() p99 with the disk writer saturated
     "disk_files_vs_capacity": 1.15,                 # slot file + data.mdb size / capacity, tier full and evicting
+    "trace_refs_per_s_host": 100_000,               # Mooncake trace replay through the public API, host tier only
+    "trace_refs_per_s_disk": 50_000,                # ... with the disk tier on
 }
 
 

@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 from . import core as _core
 from . import disk as _disk
+from . import trace as _trace
 from .common import TARGETS, GiB, KiB, MiB
 
 __all__ = ["collect_figures", "format_table", "format_markdown", "format_details", "clean", "problems"]
@@ -28,6 +29,7 @@ __all__ = ["collect_figures", "format_table", "format_markdown", "format_details
 _ISSUE2 = "issue 2 section 8"
 _ISSUE3 = "issue 3 section 9"
 _ISSUE22 = "issue 22 section 2"
+_ISSUE22_5 = "issue 22 section 5"
 
 
 def _evict_runs(e: dict[str, Any]) -> str:
@@ -337,6 +339,26 @@ def _e2e_figures(e: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+# ----------------------------------------------------------------------------- trace replay
+def _trace_figures(t: dict[str, Any]) -> list[dict[str, Any]]:
+    skipped = t.get("skipped")
+    out: list[dict[str, Any]] = []
+    for tier, lab, tgt in (("host", "host only", "trace_refs_per_s_host"),
+                           ("disk", "host + disk", "trace_refs_per_s_disk")):
+        x, b = t.get(tier, {}), t.get("dict", {})
+        out.append(_fig("trace replay", f"trace.refs_per_s.{tier}",
+                        f"Mooncake trace replay, {lab}: lookup/load_many/store_many/wait/free_block",
+                        "refs/s", (x.get("refs_per_s") or {}).get("median"), (b.get("refs_per_s") or {}).get("median"),
+                        "a plain OrderedDict LRU of the host tier's size: the same lookups and inserts, no jobs",
+                        "dict LRU", target_on="value", threshold=TARGETS[tgt], source=_ISSUE22_5,
+                        stats={"value": x.get("refs_per_s"), "baseline": b.get("refs_per_s")}, skipped=skipped,
+                        note="" if skipped else
+                        f"{t['block_refs']:,} block references, {t['row_bytes']}-byte rows; hit ratio "
+                        f"{x['hit_ratio']:.3f} (baseline {b['hit_ratio']:.3f}); per CPU second of the engine thread "
+                        f"{x['refs_per_cpu_s']['median']:,.0f}"))
+    return out
+
+
 def _median_run(mode: dict[str, Any], tier: str) -> Any:
     runs = sorted(r["hits_by_tier"][tier] for r in mode["runs"])
     return runs[len(runs) // 2] if runs else None
@@ -352,6 +374,8 @@ def collect_figures(result: dict[str, Any]) -> list[dict[str, Any]]:
         out += _disk_figures(s["disk"])
     if s.get("e2e"):
         out += _e2e_figures(s["e2e"])
+    if s.get("trace"):
+        out += _trace_figures(s["trace"])
     return out
 
 
@@ -521,6 +545,8 @@ def format_details(result: dict[str, Any]) -> str:
         parts.append(_disk.format_report(s["disk"]))
     if s.get("e2e"):
         parts.append(_format_e2e(s["e2e"]))
+    if s.get("trace"):
+        parts.append(_trace.format_trace(s["trace"]))
     return "\n\n".join(parts)
 
 

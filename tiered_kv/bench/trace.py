@@ -1,0 +1,264 @@
+"""Trace replay: the control path through the public API, on a production-style prefix-sharing trace.
+
+Owns one measurement, ``bench_trace``, and the trace reader ``load_trace`` (Mooncake's JSONL
+format: ``hash_ids`` per request, one id per 512-token block, equal ids are shared prefix blocks).
+
+The engine model: requests arrive in trace order, ``per_step`` of them per engine step.  Per
+request, ``lookup(keys)`` gives the cached prefix; ``load_many`` brings those blocks into the
+request's device rows and ``store_many`` offloads the rest (the blocks the engine computed).  At the
+end of the step the engine ``wait()``s for the step's jobs and ``free_block``s every row it used.
+Rows are tiny (``ROW_BYTES``) so the figure is the control path's cost, not the copies'; the default
+mover does the copies, as users run it.  Two managers: host tier only, and host + disk tier (LMDB
+in a scratch directory, write-through), each fresh per repeat (cold caches, empty disk tier).
+
+Baseline: the same request sequence against a plain ``OrderedDict`` LRU of the host tier's size
+(prefix lookup, touch of the hits, insert of the misses, no copies, no jobs): the least Python work
+a prefix cache can do per block reference.  Reported: block references per second of wall time
+(the figure), per CPU second of the engine thread, hit ratios per tier beside the baseline's.
+Nothing here asserts a timing; :mod:`.report` applies the targets.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence, Union
+
+from prometheus_client import CollectorRegistry
+
+from tiered_kv import TieredKVConfig, TierManager
+from tiered_kv.metrics import sample_total
+
+from .common import LoadMonitor, as_mode, summarize
+
+__all__ = ["bench_trace", "load_trace", "default_trace", "TraceError", "PLANS", "ROW_BYTES"]
+
+ROW_BYTES = 256
+HOST_SLOTS = 4096        # about 9% of the Mooncake trace's 43,924 distinct blocks
+DISK_SLOTS = 4 * HOST_SLOTS
+PER_STEP = 4             # requests per engine step
+
+PLANS: dict[str, dict[str, Optional[int]]] = {
+    "full": {"requests": None, "repeats": 3},
+    "quick": {"requests": 1000, "repeats": 1},
+    "smoke": {"requests": 60, "repeats": 1},
+}
+
+_TRACE_ENV = "TIERED_KV_TRACE"
+_TRACE_NAME = "mooncake_synthetic_trace.jsonl"
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be replayed; the message names the file and line."""
+
+
+def default_trace() -> Optional[Path]:
+    """``$TIERED_KV_TRACE``, else the Mooncake trace of a source checkout (``benchmarks/traces/``)."""
+    env = os.environ.get(_TRACE_ENV)
+    if env:
+        return Path(env)
+    p = Path(__file__).resolve().parents[2] / "benchmarks" / "traces" / _TRACE_NAME
+    return p if p.is_file() else None
+
+
+def load_trace(path: Union[str, Path], limit: Optional[int] = None) -> list[list[int]]:
+    """The ``hash_ids`` of each request of a Mooncake-format JSONL trace (the first ``limit``).
+
+    Raises :class:`TraceError` naming the line of a malformed record."""
+    out: list[list[int]] = []
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as exc:
+        raise TraceError(f"cannot read trace {path}: {exc}") from None
+    with f:
+        for n, line in enumerate(f, 1):
+            if limit is not None and len(out) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError as exc:
+                raise TraceError(f"{path}:{n}: not JSON ({exc})") from None
+            ids = rec.get("hash_ids") if isinstance(rec, dict) else None
+            if not isinstance(ids, list) or not all(type(i) is int and i >= 0 for i in ids):
+                raise TraceError(f"{path}:{n}: 'hash_ids' must be a list of non-negative ints, got {ids!r:.80}")
+            out.append(ids)
+    if not out:
+        raise TraceError(f"{path}: no requests")
+    return out
+
+
+def _keys(requests: list[list[int]]) -> list[list[bytes]]:
+    """One 16-byte key per hash id (the size of an xxh3-128 prefix-chain hash), shared across requests."""
+    cache: dict[int, bytes] = {}
+    out = []
+    for ids in requests:
+        row = []
+        for h in ids:
+            k = cache.get(h)
+            if k is None:
+                k = cache[h] = b"mooncake" + h.to_bytes(8, "little")
+            row.append(k)
+        out.append(row)
+    return out
+
+
+def _replay(mgr: TierManager, reqs: list[list[bytes]], per_step: int) -> dict[str, Any]:
+    """The engine loop of the module doc; the engine thread's wall and CPU time around it."""
+    lookup, load_many, store_many, wait, free = mgr.lookup, mgr.load_many, mgr.store_many, mgr.wait, mgr.free_block
+    refs = hits = 0
+    t0, c0 = time.perf_counter(), time.thread_time()
+    for s in range(0, len(reqs), per_step):
+        jobs = []
+        row = 0
+        for keys in reqs[s:s + per_step]:
+            n = lookup(keys)
+            end = row + len(keys)
+            if n:
+                j = load_many(keys[:n], list(range(row, row + n)))
+                if j is not None:
+                    jobs.append(j)
+            if n < len(keys):
+                j = store_many(keys[n:], list(range(row + n, end)))
+                if j is not None:
+                    jobs.append(j)
+            row = end
+            refs += len(keys)
+            hits += n
+        wait(jobs)
+        for r in range(row):
+            free(r)
+    wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    return {"refs": refs, "hits": hits, "wall_s": wall, "cpu_s": cpu,
+            "refs_per_s": refs / wall if wall > 0 else float("nan"),
+            "refs_per_cpu_s": refs / cpu if cpu > 0 else float("nan")}
+
+
+def _dict_replay(reqs: list[list[bytes]], slots: int) -> dict[str, Any]:
+    """The baseline: a plain OrderedDict LRU of ``slots`` blocks, the same lookups and inserts."""
+    lru: OrderedDict[bytes, None] = OrderedDict()
+    move, pop = lru.move_to_end, lru.popitem
+    refs = hits = 0
+    t0, c0 = time.perf_counter(), time.thread_time()
+    for keys in reqs:
+        n = 0
+        for k in keys:
+            if k not in lru:
+                break
+            n += 1
+        for k in keys[:n]:
+            move(k)
+        for k in keys[n:]:
+            if k in lru:
+                move(k)
+                continue
+            if len(lru) >= slots:
+                pop(last=False)
+            lru[k] = None
+        refs += len(keys)
+        hits += n
+    wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    return {"refs": refs, "hits": hits, "wall_s": wall, "cpu_s": cpu,
+            "refs_per_s": refs / wall if wall > 0 else float("nan"),
+            "refs_per_cpu_s": refs / cpu if cpu > 0 else float("nan")}
+
+
+def _manager(rows: int, disk_path: Optional[Path]) -> TierManager:
+    import torch
+
+    cfg = TieredKVConfig(namespace="bench/trace", host_capacity_bytes=HOST_SLOTS * ROW_BYTES,
+                         disk_path=disk_path, disk_capacity_bytes=DISK_SLOTS * ROW_BYTES if disk_path else 0)
+    return TierManager(cfg, torch.zeros(rows, ROW_BYTES, dtype=torch.uint8), registry=CollectorRegistry())
+
+
+def _tkv_run(reqs: list[list[bytes]], rows: int, disk_dir: Optional[Path]) -> dict[str, Any]:
+    mgr = _manager(rows, disk_dir)
+    try:
+        gc.collect()
+        r = _replay(mgr, reqs, PER_STEP)
+        reg = mgr.metrics.registry
+        r["hits_host"] = sample_total(reg, "tiered_kv_lookup_hits_total", tier="host")
+        r["hits_disk"] = sample_total(reg, "tiered_kv_lookup_hits_total", tier="disk")
+        r["stores_shed"] = sample_total(reg, "tiered_kv_shed_total", kind="store")
+        r["spills_shed"] = sample_total(reg, "tiered_kv_shed_total", kind="spill")
+        r["disk_blocks_end"] = mgr.disk_blocks
+    finally:
+        mgr.close()
+    return r
+
+
+def bench_trace(quick: Union[bool, str] = False, seed: int = 0, trace: Optional[Union[str, Path]] = None,
+                base_dir: Optional[str] = None, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Replay ``trace`` (default: :func:`default_trace`) host only, host+disk, and through the dict baseline.
+
+    ``seed`` is unused (the trace fixes the order); it is accepted like every section's.
+    Without a trace the section is skipped, saying why."""
+    mode = as_mode(quick)
+    plan = PLANS[mode]
+    path = Path(trace) if trace is not None else default_trace()
+    if path is None:
+        return {"skipped": f"no trace: pass --trace PATH or set {_TRACE_ENV} (benchmarks/traces/{_TRACE_NAME} "
+                           f"in a source checkout)"}
+    requests = load_trace(path, plan["requests"])
+    reqs = _keys(requests)
+    rows = PER_STEP * max(len(r) for r in reqs)
+    repeats = int(plan["repeats"] or 1)
+    systems = ("host", "disk", "dict")
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
+    scratch = Path(tempfile.mkdtemp(prefix="tkv-bench-trace-", dir=base_dir))
+    try:
+        with LoadMonitor() as lm:
+            for rep in range(repeats):
+                order = systems[rep % 3:] + systems[:rep % 3]
+                for s in order:
+                    if s == "dict":
+                        gc.collect()
+                        r = _dict_replay(reqs, HOST_SLOTS)
+                    else:
+                        d = scratch / f"disk-{rep}" if s == "disk" else None
+                        r = _tkv_run(reqs, rows, d)
+                        if d is not None:
+                            shutil.rmtree(d, ignore_errors=True)
+                    runs[s].append(r)
+                    log(f"trace {rep + 1}/{repeats} {s}: {r['refs_per_s']:,.0f} refs/s")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    out: dict[str, Any] = {
+        "trace": str(path), "requests": len(reqs), "block_refs": sum(map(len, reqs)),
+        "distinct_blocks": len({k for r in reqs for k in r}), "row_bytes": ROW_BYTES, "host_slots": HOST_SLOTS,
+        "disk_slots": DISK_SLOTS, "per_step": PER_STEP, "device_rows": rows, "repeats": repeats, "runs": runs,
+        "background_load": lm.result,
+    }
+    for s in systems:
+        rs = runs[s]
+        out[s] = {"refs_per_s": summarize([r["refs_per_s"] for r in rs], "refs/s"),
+                  "refs_per_cpu_s": summarize([r["refs_per_cpu_s"] for r in rs], "refs/s"),
+                  "hit_ratio": rs[0]["hits"] / rs[0]["refs"] if rs[0]["refs"] else float("nan")}
+        if s == "disk":
+            out[s]["hit_ratio_disk"] = rs[0]["hits_disk"] / rs[0]["refs"] if rs[0]["refs"] else float("nan")
+            out[s]["spills_shed"] = [r["spills_shed"] for r in rs]
+    return out
+
+
+def format_trace(t: dict[str, Any]) -> str:
+    """The section's own report (``tiered-kv bench`` details)."""
+    if t.get("skipped"):
+        return f"trace replay: skipped ({t['skipped']})"
+    lines = [f"trace replay: {t['requests']} requests, {t['block_refs']:,} block references "
+             f"({t['distinct_blocks']:,} distinct) from {t['trace']}; {t['row_bytes']}-byte rows, "
+             f"{t['host_slots']} host slots, {t['disk_slots']} disk slots, {t['per_step']} requests per step, "
+             f"median of {t['repeats']}"]
+    for s, name in (("host", "host only"), ("disk", "host + disk"), ("dict", "OrderedDict LRU (baseline)")):
+        x = t[s]
+        more = (f" (on disk {x['hit_ratio_disk']:.3f}), spills shed per run {x['spills_shed']}"
+                if s == "disk" else "")
+        lines.append(f"  {name:28s} {x['refs_per_s']['median']:>10,.0f} refs/s  "
+                     f"{x['refs_per_cpu_s']['median']:>10,.0f} refs/CPU s  hit ratio {x['hit_ratio']:.3f}{more}")
+    return "\n".join(lines)
