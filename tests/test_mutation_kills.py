@@ -12,6 +12,7 @@ import time
 import uuid
 
 import pytest
+import torch
 from disk_helpers import WriterGate
 from fakes import (ROW_BYTES, fake_disk_manager, fill_row, instrument_get, make_config, make_fake_manager, make_kv,
                    mgr_metric, on_disk_only, stored)
@@ -255,6 +256,38 @@ def test_a_load_cancelled_by_freeing_its_row_says_so_in_its_cancel_reason(fake, 
     mover.complete_all()
     out = {c.job.key: c.error for c in mgr.wait([freed, cancelled, invalidated], timeout=30)}
     assert out == {b"a": "cancelled (cancelled)", b"b": "cancelled (cancelled)", b"c": "cancelled (superseded)"}
+
+
+def test_lookup_takes_any_iterable_of_keys(fake, kv):
+    """Kills ``tiered_kv.manager.xǁTierManagerǁlookup__mutmut_7`` (a non-list argument replaced by None):
+    ``lookup`` accepts a tuple or a generator of keys as it does a list."""
+    mgr, mover = fake
+    stored(mgr, mover, kv, [b"a", b"b"], [0, 1])
+    want = [b"a", b"b", b"c"]
+    assert mgr.lookup(want) == mgr.lookup(tuple(want)) == mgr.lookup(k for k in want) == 2
+    assert mgr.lookup(iter([b"c", b"a"])) == 0
+
+
+def test_cancel_refuses_another_managers_job_whatever_its_state(kv):
+    """Kills ``tiered_kv.manager.xǁTierManagerǁcancel__mutmut_1`` (``and`` for ``or`` in the ownership
+    check, so only internal jobs of another manager were refused): a job another manager returned is
+    refused by ``cancel`` as not this manager's, pending or finished, and neither manager changes."""
+    from tiered_kv.errors import InvalidJobError
+    a, mover_a = make_fake_manager(make_config(), kv)
+    b, mover_b = make_fake_manager(make_config(), make_kv(8))
+    try:
+        pending = b.store(b"k", 0)
+        assert pending is not None
+        with pytest.raises(InvalidJobError, match=r"^not a job of this manager: "):
+            a.cancel(pending)
+        mover_b.complete_all()
+        assert [c.ok for c in b.wait([pending], timeout=30)] == [True]
+        with pytest.raises(InvalidJobError, match=r"^not a job of this manager: "):
+            a.cancel(pending)
+        assert b.lookup([b"k"]) == 1 and a.jobs_in_flight == 0
+    finally:
+        a.close()
+        b.close()
 
 
 # ---------------------------------------------------------------- core/tiers.py
@@ -559,6 +592,45 @@ def test_each_failed_spill_a_flush_is_first_to_apply_fails_that_flush(tmp_path):
         stored(mgr, mover, kv, [b"c"], [2])
         assert mgr.flush(timeout=30) is True
     finally:
+        mgr.close()
+
+
+def test_slot_views_alias_each_slot_and_refuse_use_after_release():
+    """Kills ``tiered_kv.core.tiers.xǁSlotViewsǁ__getitem____mutmut_2`` and ``..._3`` (the message of
+    the use-after-release assertion): a view is slot ``i``'s bytes of the slab itself, and once
+    released the views refuse to be used, saying so."""
+    from tiered_kv.core.tiers import SlotViews
+    rows = torch.zeros(4, 8, dtype=torch.int16)            # 16 bytes per slot
+    views = SlotViews(rows)
+    v = views[2]
+    assert len(v) == 16
+    v[:] = bytes(range(16))
+    assert rows[2].numpy().tobytes() == bytes(range(16)) and not rows[[0, 1, 3]].any()
+    views.release()
+    with pytest.raises(AssertionError, match=r"^slot views used after release\(\)$"):
+        views[0]
+
+
+def test_the_spills_in_flight_are_counted_one_by_one(tmp_path):
+    """Kills ``tiered_kv.core.tiers.xǁTierCoreǁstart_spill__mutmut_36`` to ``..._38`` (the count of spills
+    in flight set to 1, decremented, or raised by 2 when one starts): ``tiered_kv_jobs_in_flight
+    {kind="spill"}`` says how many spills were queued and not yet applied, and falls back to 0 once
+    they are -- which is also what ``close()`` waits for."""
+    kv = make_kv(16)
+    cfg = make_config(host_slots=8, disk_path=tmp_path / "d", disk_capacity_bytes=64 * ROW_BYTES,
+                      writer_batch_seconds=0.0)
+    mgr, mover = make_fake_manager(cfg, kv)
+    gate = WriterGate(block_from=1)
+    mgr.disk.fault_hook = gate
+    try:
+        for i, k in enumerate((b"a", b"b", b"c")):
+            stored(mgr, mover, kv, [k], [i])                 # write-through: each starts a spill
+            assert mgr_metric(mgr, "tiered_kv_jobs_in_flight", kind="spill") == i + 1
+        gate.open()
+        assert mgr.flush(timeout=30)
+        assert mgr_metric(mgr, "tiered_kv_jobs_in_flight", kind="spill") == 0
+    finally:
+        gate.open()
         mgr.close()
 
 
