@@ -634,6 +634,45 @@ def test_the_spills_in_flight_are_counted_one_by_one(tmp_path):
         mgr.close()
 
 
+def test_keys_shed_by_a_batched_store_are_counted_as_keys_in_both_counters(kv):
+    """Kills ``tiered_kv.core.tiers.xǁTierCoreǁshed__mutmut_6`` (the job-outcome counter raised by 1
+    for a shed of ``n`` keys): a ``store_many`` whose keys find no evictable slot counts each key it
+    sheds, in ``tiered_kv_shed_total`` and in ``tiered_kv_jobs_total{outcome="shed"}`` alike."""
+    mgr, mover = make_fake_manager(make_config(host_slots=2, host_evict_ahead_blocks=0), kv)
+    try:
+        first = mgr.store_many([b"a", b"b"], [0, 1])         # both slots leased to a store in flight
+        assert first is not None
+        assert mgr.store_many([b"c", b"d", b"e"], [2, 3, 4]) is None
+        mgr.poll()
+        assert mgr_metric(mgr, "tiered_kv_shed_total", kind="store", reason="host_full") == 3
+        assert mgr_metric(mgr, "tiered_kv_jobs_total", kind="store", outcome="shed") == 3
+    finally:
+        mover.complete_all()
+        mgr.close()
+
+
+def test_dropping_a_key_being_read_back_cancels_the_loads_waiting_for_it(tmp_path):
+    """Kills ``tiered_kv.core.tiers.xǁTierCoreǁcancel__mutmut_22`` to ``..._25`` (the loads waiting for a
+    cancelled promote not cancelled, or cancelled without their job or reason): the core's contract,
+    whatever its front end did first -- ``TierManager.invalidate`` cancels the key's loads itself
+    before ``drop_key``; here the core is called alone.  A load waiting for the read-back of a key that
+    is dropped is cancelled as superseded, its row unfenced, and no job is left waiting."""
+    mgr, mover, kv = fake_disk_manager(tmp_path / "d")
+    try:
+        on_disk_only(mgr, mover, kv, [b"k"])
+        load = mgr.load(b"k", 9)
+        assert load is not None and load._waiters            # waits for its promote
+        mgr._core.drop_key(b"k")
+        assert load.cancel_reason is StaleReason.SUPERSEDED
+        out = [c for c in mgr.wait([load], timeout=30) if c.job is load]
+        assert [(c.ok, c.error) for c in out] == [(False, "cancelled (superseded)")]
+        assert mgr.free_block(9) is True and mgr.lookup([b"k"]) == 0
+        mgr.wait(timeout=30)
+        assert mgr.jobs_in_flight == 0
+    finally:
+        mgr.close()
+
+
 # ---------------------------------------------------------------- core/disk_tier.py
 
 
