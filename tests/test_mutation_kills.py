@@ -27,6 +27,16 @@ class _WriterKilled(BaseException):
     """Raised in the writer thread: not an Exception, so it ends the thread (a dying writer)."""
 
 
+def hooked_disk_manager(tmp_path, hook, **over):
+    """A fake-mover manager over a 64-block disk tier whose writer calls ``hook`` at each commit."""
+    kv = make_kv(16)
+    opts = dict(host_slots=8, disk_path=tmp_path / "d", disk_capacity_bytes=64 * ROW_BYTES, writer_batch_seconds=0.0)
+    opts.update(over)
+    mgr, mover = make_fake_manager(make_config(**opts), kv)
+    mgr.disk.fault_hook = hook
+    return mgr, mover, kv
+
+
 def tok() -> uuid.UUID:
     return uuid.uuid4()
 
@@ -215,12 +225,9 @@ def test_flush_with_a_dead_writer_still_prepares_the_next_step(tmp_path):
     """Kills ``tiered_kv.manager.xǁTierManagerǁflush__mutmut_7`` and ``..._8`` (``_poll(None)`` /
     ``_poll(False)`` on the dead-writer path): ``flush()`` is an API call like ``poll()``, so its last
     pass applies the reports *and* frees host slots ahead (``host_evict_ahead_blocks``) for the next step."""
-    kv = make_kv(16)
-    cfg = make_config(host_slots=4, disk_path=tmp_path / "d", disk_capacity_bytes=64 * ROW_BYTES,
-                      host_evict_ahead_blocks=1, writer_batch_seconds=0.0)
-    mgr, mover = make_fake_manager(cfg, kv)
+    dies = WriterGate(block_from=None, raise_at={1: _WriterKilled("writer killed")})
+    mgr, mover, kv = hooked_disk_manager(tmp_path, dies, host_slots=4, host_evict_ahead_blocks=1)
     try:
-        mgr.disk.fault_hook = WriterGate(block_from=None, raise_at={1: _WriterKilled("writer killed")})
         stored(mgr, mover, kv, [b"first"], [0])           # its spill kills the writer
         deadline = time.monotonic() + 30
         while mgr.disk.writer_alive() and time.monotonic() < deadline:
@@ -529,12 +536,8 @@ def test_a_late_answer_to_a_flush_that_timed_out_never_ends_a_later_flush(tmp_pa
     """Kills ``tiered_kv.core.tiers.xǁTierCoreǁflush__mutmut_7`` (every flush marker sent with the token
     ``None``): a flush that timed out gets its writer's answer later; arriving while a second flush
     waits, it must not end that one, whose own spill is still held in the writer."""
-    kv = make_kv(16)
-    cfg = make_config(host_slots=8, disk_path=tmp_path / "d", disk_capacity_bytes=64 * ROW_BYTES,
-                      writer_batch_seconds=0.0)
-    mgr, mover = make_fake_manager(cfg, kv)
     gate = WriterGate(block_from=1)
-    mgr.disk.fault_hook = gate
+    mgr, mover, kv = hooked_disk_manager(tmp_path, gate)
     try:
         stored(mgr, mover, kv, [b"a"], [0])                # a's spill: held at the writer's first commit
         gate.entered(1)
@@ -562,17 +565,13 @@ def test_each_failed_spill_a_flush_is_first_to_apply_fails_that_flush(tmp_path):
     """Kills ``tiered_kv.core.tiers.xǁTierCoreǁ_apply_spill__mutmut_25`` (``spill_faults = 1``: after the
     first failure no later one moves the count): a spill whose write failed before a flush was asked for,
     but whose report that flush is the first to apply, fails the flush -- the second such failure too."""
-    kv = make_kv(16)
-    cfg = make_config(host_slots=8, disk_path=tmp_path / "d", disk_capacity_bytes=64 * ROW_BYTES,
-                      writer_batch_seconds=0.0)
-    mgr, mover = make_fake_manager(cfg, kv)
     failing = {"on": False}
 
     def hook(point):
         if failing["on"]:                      # one commit fails: the spill's, not the flush marker's
             failing["on"] = False
             raise OSError(5, "injected EIO")
-    mgr.disk.fault_hook = hook
+    mgr, mover, kv = hooked_disk_manager(tmp_path, hook)
     failed = threading.Event()
     put = mgr._completions.put
 
@@ -616,12 +615,8 @@ def test_the_spills_in_flight_are_counted_one_by_one(tmp_path):
     in flight set to 1, decremented, or raised by 2 when one starts): ``tiered_kv_jobs_in_flight
     {kind="spill"}`` says how many spills were queued and not yet applied, and falls back to 0 once
     they are -- which is also what ``close()`` waits for."""
-    kv = make_kv(16)
-    cfg = make_config(host_slots=8, disk_path=tmp_path / "d", disk_capacity_bytes=64 * ROW_BYTES,
-                      writer_batch_seconds=0.0)
-    mgr, mover = make_fake_manager(cfg, kv)
     gate = WriterGate(block_from=1)
-    mgr.disk.fault_hook = gate
+    mgr, mover, kv = hooked_disk_manager(tmp_path, gate)
     try:
         for i, k in enumerate((b"a", b"b", b"c")):
             stored(mgr, mover, kv, [k], [i])                 # write-through: each starts a spill
