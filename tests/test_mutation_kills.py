@@ -297,6 +297,22 @@ def test_cancel_refuses_another_managers_job_whatever_its_state(kv):
         b.close()
 
 
+def test_wait_refuses_one_job_or_a_non_iterable_naming_what_it_got(fake, kv):
+    """Kills ``tiered_kv.manager.xǁTierManagerǁwait__mutmut_21`` (``and`` for ``or``: a bare job or an
+    int passed on to ``list()``) and ``..._24`` (the message naming ``NoneType``): ``wait(job)`` -- a
+    common slip for ``wait([job])`` -- and ``wait(5)`` raise :class:`InvalidJobError` naming the type given."""
+    from tiered_kv.errors import InvalidJobError
+    mgr, mover = fake
+    job = mgr.store(b"k", 0)
+    assert job is not None
+    with pytest.raises(InvalidJobError, match=r"^jobs must be an iterable of Job or None, got Job: Job\(token="):
+        mgr.wait(job)
+    with pytest.raises(InvalidJobError, match=r"^jobs must be an iterable of Job or None, got int: 5$"):
+        mgr.wait(5)
+    mover.complete_all()
+    assert [c.ok for c in mgr.wait([job], timeout=30)] == [True]
+
+
 # ---------------------------------------------------------------- core/tiers.py
 
 
