@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from hypothesis import Phase, settings
 from prometheus_client import CollectorRegistry
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -19,10 +20,15 @@ from fakes import FakeMover, make_config, make_fake_manager  # noqa: E402
 from tiered_kv import TieredKVConfig, TierManager  # noqa: E402
 
 
+def _mutating() -> bool:
+    """``make mutate`` runs this test process against one mutant (mutmut names it in the environment)."""
+    return "__mutmut_" in os.environ.get("MUTANT_UNDER_TEST", "")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under ``make mutate``, a mutant's tests run fastest first: mutmut 3.8.1 hands them over in set
     order, and a killed mutant should cost its quickest failing test, not a state machine's run."""
-    if "__mutmut_" not in os.environ.get("MUTANT_UNDER_TEST", ""):
+    if not _mutating():
         return
     try:
         with open("mutmut-stats.json", encoding="utf-8") as f:   # mutmut runs the tests inside mutants/
@@ -30,6 +36,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     except (OSError, ValueError, KeyError):
         return
     items.sort(key=lambda item: durations.get(item.nodeid, 0.0))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Under ``make mutate``, Hypothesis does not shrink a failing example: the failure is all a mutant
+    needs, and shrinking a state machine's can take many minutes.  Done when the test runs, not at
+    import: mutmut imports the tests once, then forks a process per mutant."""
+    if not _mutating():
+        return
+    phases = (Phase.explicit, Phase.reuse, Phase.generate)
+    cls = getattr(item, "cls", None)
+    if cls is not None and isinstance(getattr(cls, "settings", None), settings):   # a state machine's TestCase
+        cls.settings = settings(cls.settings, phases=phases)
+    fn = getattr(item, "obj", None)
+    own = getattr(fn, "_hypothesis_internal_use_settings", None)
+    if isinstance(own, settings):                                               # an @given test
+        fn._hypothesis_internal_use_settings = settings(own, phases=phases)
 
 
 @pytest.fixture
