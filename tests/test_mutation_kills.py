@@ -313,6 +313,23 @@ def test_wait_refuses_one_job_or_a_non_iterable_naming_what_it_got(fake, kv):
     assert [c.ok for c in mgr.wait([job], timeout=30)] == [True]
 
 
+def test_every_call_after_close_says_the_manager_is_closed(kv):
+    """Kills ``tiered_kv.manager.xǁTierManagerǁ_check_open__mutmut_2`` and ``..._3`` (the message's
+    wording): each call on a closed manager raises :class:`ManagerClosedError` saying so."""
+    from tiered_kv.errors import ManagerClosedError
+    mgr, mover = make_fake_manager(make_config(), kv)
+    job = mgr.store(b"k", 0)
+    mover.complete_all()
+    mgr.close()
+    calls = [lambda: mgr.store(b"k", 1), lambda: mgr.load(b"k", 1), lambda: mgr.store_many([b"k"], [1]),
+             lambda: mgr.load_many([b"k"], [1]), lambda: mgr.lookup([b"k"]), lambda: mgr.cancel(job),
+             lambda: mgr.free_block(0), lambda: mgr.invalidate(b"k"), mgr.poll, mgr.wait, mgr.flush]
+    for call in calls:
+        with pytest.raises(ManagerClosedError, match=r"^the TierManager is closed$"):
+            call()
+    mgr.close()   # idempotent
+
+
 # ---------------------------------------------------------------- core/tiers.py
 
 
