@@ -330,6 +330,19 @@ def test_every_call_after_close_says_the_manager_is_closed(kv):
     mgr.close()   # idempotent
 
 
+def test_wait_with_a_timeout_waits_for_a_report_that_comes_before_it(fake, kv):
+    """Kills ``tiered_kv.manager.xǁTierManagerǁ_block_until__mutmut_25`` (``remaining <= 1``: a wait
+    gives up as soon as less than a second is left): ``wait([job], timeout=0.9)`` whose job is reported
+    while it waits returns with the job done."""
+    mgr, mover = fake
+    job = mgr.store(b"k", 0)
+    assert job is not None
+    mgr.poll()                                   # the copy is queued; no report yet
+    instrument_get(mgr._completions, lambda timeout: mover.complete_all())   # reported once wait() blocks
+    out = mgr.wait([job], timeout=0.9)
+    assert job.done and [c.ok for c in out if c.job is job] == [True]
+
+
 # ---------------------------------------------------------------- core/tiers.py
 
 
