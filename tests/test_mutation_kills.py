@@ -13,10 +13,12 @@ import uuid
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 from disk_helpers import WriterGate
 from fakes import (ROW_BYTES, fake_disk_manager, fill_row, instrument_get, make_config, make_fake_manager, make_kv,
                    mgr_metric, on_disk_only, stored)
 
+from tiered_kv import TierManager
 from tiered_kv.core.index import EntryState, TierIndex
 from tiered_kv.core.tiers import WRITEBACK_PER_STEP
 from tiered_kv.errors import BlockBusyError
@@ -341,6 +343,34 @@ def test_wait_with_a_timeout_waits_for_a_report_that_comes_before_it(fake, kv):
     instrument_get(mgr._completions, lambda timeout: mover.complete_all())   # reported once wait() blocks
     out = mgr.wait([job], timeout=0.9)
     assert job.done and [c.ok for c in out if c.job is job] == [True]
+
+
+def test_wait_without_a_timeout_on_a_polled_mover_sleeps_in_slices_until_its_events_complete():
+    """Kills ``tiered_kv.manager.xǁTierManagerǁ_block_until__mutmut_43`` and ``..._45`` (the slice a
+    polled mover's waiter sleeps computed from a missing deadline: ``min(slice, None)``): on a mover
+    whose reports appear only when it is polled (CUDA events; here the simulated device, where each
+    query runs one operation), ``wait()`` with no time limit sleeps in short slices and polls until
+    its jobs are reported."""
+    from fake_cuda import FakeGPU
+    from tiered_kv.movers import CudaMover
+    gpu = FakeGPU(progress_on_query=True)
+    made = []
+
+    def factory(dev, host, out):
+        made.append(CudaMover([(dev, host)], out, 1, runtime=gpu))
+        return made[0]
+    kv = make_kv(8)
+    mgr = TierManager(make_config(host_slots=8), kv, registry=CollectorRegistry(), mover_factory=factory)
+    try:
+        assert made[0].polled
+        for i in range(4):
+            fill_row(kv, i, b"k%d" % i)
+        jobs = [mgr.store(b"k%d" % i, i) for i in range(4)]
+        out = mgr.wait(jobs)
+        assert all(j.done for j in jobs) and sorted(c.ok for c in out) == [True] * 4
+        assert mgr.lookup([b"k0", b"k1", b"k2", b"k3"]) == 4
+    finally:
+        mgr.close()
 
 
 # ---------------------------------------------------------------- core/tiers.py
