@@ -373,6 +373,24 @@ def test_wait_without_a_timeout_on_a_polled_mover_sleeps_in_slices_until_its_eve
         mgr.close()
 
 
+def test_three_stores_reading_one_row_are_all_cancelled_by_freeing_it(fake, kv):
+    """Kills ``tiered_kv.manager.xǁTierManagerǁ_submit_store__mutmut_21`` and ``..._23`` (a third store
+    of a row already read by two nested in, or added as None to, the row's list): one device row
+    stored under three keys has three stores reading it; freeing the row cancels each of them, and
+    once reported none is left in the row table."""
+    mgr, mover = fake
+    fill_row(kv, 5, b"same")
+    jobs = [mgr.store(k, 5) for k in (b"x", b"y", b"z")]
+    assert all(j is not None for j in jobs)
+    assert mgr.debug_sizes()["row_stores"] == 1
+    assert mgr.free_block(5) is True
+    assert [j.cancel_reason for j in jobs] == [StaleReason.SOURCE_REUSED] * 3
+    mover.complete_all()
+    out = {c.job.key: c.error for c in mgr.wait(jobs, timeout=30)}
+    assert out == {k: "cancelled (source_reused)" for k in (b"x", b"y", b"z")}
+    assert mgr.debug_sizes()["row_stores"] == 0 and mgr.lookup([b"x"]) == 0
+
+
 # ---------------------------------------------------------------- core/tiers.py
 
 
