@@ -391,6 +391,22 @@ def test_three_stores_reading_one_row_are_all_cancelled_by_freeing_it(fake, kv):
     assert mgr.debug_sizes()["row_stores"] == 0 and mgr.lookup([b"x"]) == 0
 
 
+def test_stores_sharing_a_row_leave_the_row_table_as_each_is_reported(fake, kv):
+    """Kills ``tiered_kv.manager.xǁTierManagerǁ_drop_row_stores__mutmut_22`` and ``..._24`` (a store
+    reported while another store still reads its row is never taken off that row's list): the row
+    table holds live stores only -- one entry while either reads the row, none once both are reported."""
+    mgr, mover = fake
+    fill_row(kv, 3, b"same")
+    a, b = mgr.store(b"a", 3), mgr.store(b"b", 3)
+    assert a is not None and b is not None and mgr.debug_sizes()["row_stores"] == 1
+    mover.complete(a)
+    assert [c.ok for c in mgr.wait([a], timeout=30) if c.job is a] == [True]
+    assert mgr._row_stores == {3: b}
+    mover.complete(b)
+    mgr.wait([b], timeout=30)
+    assert mgr.debug_sizes()["row_stores"] == 0 and mgr.lookup([b"a", b"b"]) == 2
+
+
 # ---------------------------------------------------------------- core/tiers.py
 
 
