@@ -16,13 +16,13 @@ import torch
 from prometheus_client import CollectorRegistry
 from disk_helpers import WriterGate
 from fakes import (ROW_BYTES, fake_disk_manager, fill_row, instrument_get, make_config, make_fake_manager, make_kv,
-                   mgr_metric, on_disk_only, stored)
+                   mgr_metric, on_disk_only, row_matches, stored)
 
 from tiered_kv import TierManager
 from tiered_kv.core.index import EntryState, TierIndex
 from tiered_kv.core.tiers import WRITEBACK_PER_STEP
 from tiered_kv.errors import BlockBusyError
-from tiered_kv.jobs import JobKind, StaleReason
+from tiered_kv.jobs import JobKind, JobState, StaleReason
 
 
 class _WriterKilled(BaseException):
@@ -407,6 +407,27 @@ def test_stores_sharing_a_row_leave_the_row_table_as_each_is_reported(fake, kv):
     assert mgr.debug_sizes()["row_stores"] == 0 and mgr.lookup([b"a", b"b"]) == 2
 
 
+def test_close_lets_a_load_waiting_for_its_read_back_finish(tmp_path):
+    """Kills ``tiered_kv.manager.xǁTierManagerǁclose__mutmut_4`` (the wait for promotes skipped when
+    there is a disk tier): a load still waiting for its key's read from disk when ``close()`` is called
+    gets its read and then its copy before the mover stops: it ends done, with the bytes in its row."""
+    kv = make_kv(16)
+    cfg = make_config(host_slots=4, disk_path=tmp_path / "d", disk_capacity_bytes=64 * ROW_BYTES,
+                      host_evict_ahead_blocks=0, writer_batch_seconds=0.0)
+    mgr = TierManager(cfg, kv, registry=CollectorRegistry())     # the default (thread) mover
+    for i, k in enumerate([b"k", b"f0", b"f1", b"f2", b"f3"]):  # k, then 4 more: k is on disk only
+        fill_row(kv, i, k)
+        job = mgr.store(k, i)
+        assert job is not None and [c.ok for c in mgr.wait([job], timeout=30) if c.job is job] == [True]
+        assert mgr.free_block(i) and mgr.flush(timeout=30)
+    assert mgr.host_bytes(b"k") is None and mgr.lookup([b"k"]) == 1
+    kv[9].zero_()
+    load = mgr.load(b"k", 9)
+    assert load is not None and load._waiters
+    mgr.close()
+    assert load.state is JobState.DONE and row_matches(kv, 9, b"k")
+
+
 # ---------------------------------------------------------------- core/tiers.py
 
 
@@ -467,6 +488,19 @@ def test_write_back_starts_nothing_on_an_unusable_disk_nor_while_closing(tmp_pat
             mgr._core.closing = False
             mgr.close()
 
+
+
+def test_close_starts_no_write_back_spill_of_its_own(tmp_path):
+    """Kills ``tiered_kv.manager.xǁTierManagerǁclose__mutmut_2`` and ``..._3`` (``close()`` not marking
+    the core as closing before its last passes): ``close()`` lets the spills already running finish and
+    starts none, so a write-back manager closed with cold entries not yet spilled writes only the
+    spills its last step started."""
+    mgr, mover, kv = _write_back_manager(tmp_path / "d")
+    _store_24(mgr, mover, kv, b"c")
+    assert len(_spilling(mgr)) == WRITEBACK_PER_STEP          # 16 cold entries left for later steps
+    mgr.close()
+    assert mgr_metric(mgr, "tiered_kv_jobs_total", kind="spill", outcome="ok") == WRITEBACK_PER_STEP
+    assert mgr_metric(mgr, "tiered_kv_shed_total", kind="spill") == 0
 
 def test_write_back_stops_when_the_writer_queue_is_full(tmp_path, monkeypatch):
     """Kills ``tiered_kv.core.tiers.xǁTierCoreǁ_writeback__mutmut_14`` (``>`` for ``>=``): a writer queue
