@@ -428,6 +428,22 @@ def test_close_lets_a_load_waiting_for_its_read_back_finish(tmp_path):
     assert load.state is JobState.DONE and row_matches(kv, 9, b"k")
 
 
+@pytest.mark.timeout(60)
+def test_close_waits_a_bounded_time_for_a_read_from_disk_that_never_ends(tmp_path, monkeypatch):
+    """Kills ``tiered_kv.manager.xǁTierManagerǁclose__mutmut_6`` (the wait for reads from disk without a
+    time limit): a read that never finishes (a stuck disk; here its reads are never started) holds
+    ``close()`` for ``CLOSE_TIMEOUT_S`` at most -- a host process's shutdown must not hang on it."""
+    import tiered_kv.manager as manager_module
+    mgr, mover, kv = fake_disk_manager(tmp_path / "d")
+    on_disk_only(mgr, mover, kv, [b"k"])
+    monkeypatch.setattr(mgr.disk, "start_reads", lambda: None)
+    monkeypatch.setattr(manager_module, "CLOSE_TIMEOUT_S", 0.2)
+    load = mgr.load(b"k", 9)
+    assert load is not None and load._waiters
+    mgr.close()                            # returns: the mutant waits here for ever (the test's timeout)
+    assert mgr._closed
+
+
 # ---------------------------------------------------------------- core/tiers.py
 
 
