@@ -444,6 +444,21 @@ def test_close_waits_a_bounded_time_for_a_read_from_disk_that_never_ends(tmp_pat
     assert mgr._closed
 
 
+def test_a_device_tensor_of_one_row_is_enough():
+    """Kills ``tiered_kv.manager.xǁTierManagerǁ__init____mutmut_12`` (the row size read from row 1): a
+    KV tensor of a single block works -- its row size comes from row 0."""
+    kv = make_kv(1)
+    mgr, mover = make_fake_manager(make_config(host_slots=2), kv)
+    try:
+        assert mgr.num_blocks == 1 and mgr.row_bytes == ROW_BYTES
+        fill_row(kv, 0, b"only")
+        job = mgr.store(b"only", 0)
+        mover.complete_all()
+        assert [c.ok for c in mgr.wait([job], timeout=30)] == [True] and mgr.lookup([b"only"]) == 1
+    finally:
+        mgr.close()
+
+
 # ---------------------------------------------------------------- core/tiers.py
 
 
