@@ -459,6 +459,19 @@ def test_a_device_tensor_of_one_row_is_enough():
         mgr.close()
 
 
+def test_close_with_nothing_in_flight_never_sleeps(tmp_path):
+    """Kills ``tiered_kv.manager.xǁTierManagerǁclose__mutmut_9`` (the wait for reads from disk never
+    satisfied, so every ``close()`` of a manager with a disk tier slept its whole ``CLOSE_TIMEOUT_S``):
+    with no job in flight ``close()`` returns without once blocking on the completion queue."""
+    mgr, mover, kv = fake_disk_manager(tmp_path / "d")
+    stored(mgr, mover, kv, [b"k"], [0])
+    assert mgr.flush(timeout=30)
+    slept = []
+    instrument_get(mgr._completions, slept.append)
+    mgr.close()
+    assert slept == []
+
+
 # ---------------------------------------------------------------- core/tiers.py
 
 
