@@ -856,6 +856,23 @@ def test_dropping_a_key_being_read_back_cancels_the_loads_waiting_for_it(tmp_pat
         mgr.close()
 
 
+def test_a_load_that_may_not_promote_never_waits_for_a_read_back_already_running(tmp_path):
+    """Kills ``tiered_kv.core.tiers.xǁTierCoreǁbegin_load__mutmut_15`` (``and`` for ``or``: with
+    ``promote=False`` a key being read back from disk was waited for): the scheduler front end's loads
+    (``promote=False``) are for keys READY on the host only; a key whose read-back is still running is
+    not, and such a load is refused."""
+    mgr, mover, kv = fake_disk_manager(tmp_path / "d")
+    try:
+        on_disk_only(mgr, mover, kv, [b"k"])
+        load = mgr.load(b"k", 9)                          # starts the read-back
+        assert load is not None and load._waiters
+        core = mgr._core
+        assert core.begin_load([b"k"], promote=False) is None
+        assert core.n_in_flight[JobKind.LOAD] == 1
+    finally:
+        mgr.close()
+
+
 # ---------------------------------------------------------------- core/disk_tier.py
 
 
