@@ -873,6 +873,27 @@ def test_a_load_that_may_not_promote_never_waits_for_a_read_back_already_running
         mgr.close()
 
 
+def test_a_failed_flush_is_counted_as_a_disk_flush_failure(tmp_path):
+    """Kills ``tiered_kv.core.tiers.xǁTierCoreǁapply__mutmut_6``, ``..._7`` and ``..._10`` (the failed
+    flush counted under other labels): a flush whose own batch fails answers False and counts
+    ``tiered_kv_errors_total{tier="disk",error="flush_failed"}``."""
+    failing = {"on": False}
+
+    def hook(point):
+        if failing["on"]:
+            failing["on"] = False
+            raise OSError(5, "injected EIO")
+    mgr, mover, kv = hooked_disk_manager(tmp_path, hook)
+    try:
+        stored(mgr, mover, kv, [b"a"], [0])
+        assert mgr.flush(timeout=30) is True
+        failing["on"] = True                      # the next commit is the flush marker's own batch
+        assert mgr.flush(timeout=30) is False
+        assert mgr_metric(mgr, "tiered_kv_errors_total", tier="disk", error="flush_failed") == 1
+    finally:
+        mgr.close()
+
+
 # ---------------------------------------------------------------- core/disk_tier.py
 
 

@@ -1229,3 +1229,25 @@ def test_flush_answers_at_once_without_a_disk_tier_and_false_once_the_writer_die
     assert not tiers.disk.writer_alive()
     tiers.tick()                               # its failed spill is applied: this flush covers no failure
     assert tiers.flush(timeout=5) is False
+
+
+def test_published_keys_are_collected_only_when_asked(rig):
+    """``collect_published=True`` (vLLM's KV-cache events on): every key a store made READY is handed
+    out once by ``take_published()``, in the order published; without it nothing is collected."""
+    slab = rig.slab(num_slots=4, row_bytes=64)
+    cfg = TieredKVConfig(namespace="t", host_capacity_bytes=4 * 64)
+    tiers = SlabScheduler(cfg, slab, metrics=Metrics(registry=CollectorRegistry(), namespace="t"),
+                          collect_published=True)
+    rig.tiers.append(tiers)
+    p = tiers.prepare_store([A, B])
+    worker_store(slab, [A, B], p.slots, p.seq)
+    tiers.complete_store([A, B])
+    tiers.tick()
+    assert tiers.take_published() == [A, B] and tiers.take_published() == []
+    other_slab = rig.slab(name="o.slab")
+    other = rig.open(other_slab)
+    q = other.prepare_store([C])
+    worker_store(other_slab, [C], q.slots, q.seq)
+    other.complete_store([C])
+    other.tick()
+    assert other.take_published() == []
