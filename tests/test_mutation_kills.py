@@ -894,6 +894,27 @@ def test_a_failed_flush_is_counted_as_a_disk_flush_failure(tmp_path):
         mgr.close()
 
 
+def test_a_normal_close_logs_no_error_and_debug_logs_name_each_stale_report(tmp_path, caplog):
+    """Kills ``tiered_kv.core.tiers.xǁTierCoreǁend_step__mutmut_5`` (the writer check not told that the
+    manager is closing: every normal close logged "disk writer is gone" as an error) and ``..._1`` (the
+    DEBUG switch, refreshed each step, left off): at DEBUG a discarded report is logged with its token;
+    closing a healthy disk manager logs nothing at ERROR."""
+    import logging
+    caplog.set_level(logging.DEBUG, logger="tiered_kv")
+    mgr, mover, kv = fake_disk_manager(tmp_path / "d")
+    fill_row(kv, 0, b"k")
+    job = mgr.store(b"k", 0)
+    assert job is not None
+    mgr.poll()                                   # a step ends (the DEBUG switch is read again there)
+    mgr.cancel(job)
+    mover.complete_all()
+    mgr.wait([job], timeout=30)
+    assert any(r.levelno == logging.DEBUG and str(job.token) in r.getMessage() and "stale" in r.getMessage()
+               for r in caplog.records)
+    mgr.close()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
 # ---------------------------------------------------------------- core/disk_tier.py
 
 
