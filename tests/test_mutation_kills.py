@@ -915,6 +915,16 @@ def test_a_normal_close_logs_no_error_and_debug_logs_name_each_stale_report(tmp_
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
+def test_the_manager_keeps_no_list_of_published_keys(fake, kv):
+    """Kills ``tiered_kv.core.tiers.xǁTierCoreǁ__init____mutmut_3`` (the core collecting published keys
+    by default): only a front end that hands them out (the vLLM scheduler, with KV-cache events on)
+    asks for them; the manager never does, so a list of them would only grow."""
+    mgr, mover = fake
+    stored(mgr, mover, kv, [b"a", b"b", b"c"], [0, 1, 2])
+    assert mgr.lookup([b"a", b"b", b"c"]) == 3
+    assert mgr._core.published == [] and not mgr._core.collect_published
+
+
 # ---------------------------------------------------------------- core/disk_tier.py
 
 

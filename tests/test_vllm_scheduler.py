@@ -1251,3 +1251,13 @@ def test_published_keys_are_collected_only_when_asked(rig):
     other.complete_store([C])
     other.tick()
     assert other.take_published() == []
+
+
+def test_evicting_ahead_as_many_blocks_as_the_host_tier_holds_is_refused(rig):
+    """The core refuses ``host_evict_ahead_blocks`` not below the host tier's slots, naming both (the
+    scheduler front end has no check of its own; the vLLM spec checks before its workers start)."""
+    slab = rig.slab(num_slots=4, row_bytes=64)
+    with pytest.raises(ConfigError, match=r"^host_evict_ahead_blocks=4 must be below the host tier's 4 slots "
+                                          r"\(host_capacity_bytes=256 / 64-byte blocks\)$"):
+        rig.open(slab, host_evict_ahead_blocks=4)
+    assert rig.open(slab, host_evict_ahead_blocks=3).core.evict_ahead == 3
