@@ -915,14 +915,20 @@ def test_a_normal_close_logs_no_error_and_debug_logs_name_each_stale_report(tmp_
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
-def test_the_manager_keeps_no_list_of_published_keys(fake, kv):
-    """Kills ``tiered_kv.core.tiers.xǁTierCoreǁ__init____mutmut_3`` (the core collecting published keys
-    by default): only a front end that hands them out (the vLLM scheduler, with KV-cache events on)
-    asks for them; the manager never does, so a list of them would only grow."""
-    mgr, mover = fake
-    stored(mgr, mover, kv, [b"a", b"b", b"c"], [0, 1, 2])
-    assert mgr.lookup([b"a", b"b", b"c"]) == 3
-    assert mgr._core.published == [] and not mgr._core.collect_published
+def test_the_manager_keeps_no_list_of_published_or_evicted_keys(kv):
+    """Kills ``tiered_kv.core.tiers.xǁTierCoreǁ__init____mutmut_3``, ``..._36`` and ``..._43`` (the core
+    collecting published or evicted keys by default): only a front end that hands them out (the vLLM
+    scheduler) asks for them; the manager never does, so lists of them would only grow."""
+    mgr, mover = make_fake_manager(make_config(host_slots=2, host_evict_ahead_blocks=0), kv)
+    try:
+        for i, k in enumerate((b"a", b"b", b"c", b"d")):      # c and d evict a and b
+            stored(mgr, mover, kv, [k], [i])
+        assert mgr.lookup([b"c", b"d"]) == 2 and mgr.lookup([b"a"]) == 0
+        core = mgr._core
+        assert core.published == [] and core.evicted == []
+        assert not core.collect_published and not core.collect_evicted
+    finally:
+        mgr.close()
 
 
 # ---------------------------------------------------------------- core/disk_tier.py
