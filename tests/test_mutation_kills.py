@@ -931,6 +931,24 @@ def test_the_manager_keeps_no_list_of_published_or_evicted_keys(kv):
         mgr.close()
 
 
+def test_debug_logging_is_on_from_the_first_call(kv, caplog):
+    """Kills ``tiered_kv.core.tiers.xǁTierCoreǁ__init____mutmut_51`` (the DEBUG switch off until the first
+    step ends): with DEBUG enabled when the manager is made, a store shed in its very first call is
+    logged."""
+    import logging
+    caplog.set_level(logging.DEBUG, logger="tiered_kv")
+    mgr, mover = make_fake_manager(make_config(max_inflight_jobs=1), kv)
+    try:
+        fill_row(kv, 0, b"a")
+        fill_row(kv, 1, b"b")
+        assert mgr.store(b"a", 0) is not None and mgr.store(b"b", 1) is None   # the second one is shed
+        assert any(r.levelno == logging.DEBUG and "shed" in r.getMessage() and "inflight_limit" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        mover.complete_all()
+        mgr.close()
+
+
 # ---------------------------------------------------------------- core/disk_tier.py
 
 
