@@ -46,9 +46,6 @@ byte offset.
 Longer than the project's usual 500 lines: the layout above, its writer (export)
 and its reader (import) are one versioned contract, kept in one module so that a
 format change is one diff that both directions see.
-
-Longer than most modules here: the format (pack/parse), the streaming reader and the two
-directions share one layout, kept in one place so that they cannot drift apart.
 """
 
 from __future__ import annotations
