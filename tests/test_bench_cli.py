@@ -50,7 +50,7 @@ def test_smoke_run_exits_zero_and_writes_strict_json(smoke: dict[str, Any]) -> N
     assert smoke["rc"] == 0
     r = _strict_load(smoke["json"])
     assert r["benchmark"] == "tiered-kv bench" and r["mode"] == "smoke" and r["seed"] == 3
-    assert set(r["sections"]) == {"core", "disk", "e2e", "trace"}
+    assert set(r["sections"]) == {"core", "disk", "e2e", "trace", "step"}
     assert r["problems"]["wrong_bytes"] == []
     # the scratch directory is removed afterwards
     assert not any((smoke["tmp"] / "scratch").glob("tkv-bench-disk-*"))
@@ -64,6 +64,31 @@ def test_every_promote_load_is_a_promote(smoke: dict[str, Any]) -> None:
     for p in promotes:
         assert p["tkv_loads_already_in_host"] == 0, p["block_bytes"]
         assert p["tkv_misses"] == 0 and p["tkv_failed"] == 0
+
+
+def test_the_promote_baselines_and_one_at_a_time_loads_checked_their_bytes(smoke: dict[str, Any]) -> None:
+    """The fair baseline (pread + copy_ into rows) left every row right, and the loads made one at a
+    time were all promotes that landed the right bytes."""
+    for p in _strict_load(smoke["json"])["sections"]["disk"]["promote"]:
+        assert p["raw_copy_bad_rows"] == 0
+        assert p["figures"]["cold"]["raw_copy"]["n"] >= 1 and p["figures"]["warm"]["raw_copy"]["n"] >= 1
+        one = p["one_at_a_time"]["warm"]
+        assert one["blocks"] >= 1 and one["misses"] == 0 and one["failed"] == 0 and one["bad_rows"] == 0
+        assert one["tkv_us"]["n"] == 2 * one["blocks"] and one["raw_us"]["n"] == 2 * one["blocks"]
+
+
+def test_the_engine_step_drives_both_systems_through_the_same_workload(smoke: dict[str, Any]) -> None:
+    """Each step of each system made its lookups, one batched load and one batched store; tiered_kv's
+    stores were all accepted and spilled through the disk tier, and no load failed."""
+    st = _strict_load(smoke["json"])["sections"]["step"]
+    steps = st["steps"]
+    for t, b in zip(st["runs"]["tkv"], st["runs"]["dict"]):
+        assert t["counts"]["stores"] == b["counts"]["stores"] == steps and t["counts"]["stores_none"] == 0
+        assert t["counts"]["loads"] + t["counts"]["loads_skipped_busy"] + t["counts"]["loads_too_few_hits"] \
+            + t["counts"]["loads_none"] == steps
+        assert t["counts"]["loads"] > 0 and t["loads_failed"] == 0
+        assert t["spills_ok"] + t["spills_shed"] > 0
+        assert t["cpu_us"]["n"] == b["cpu_us"]["n"] == steps
 
 
 def test_evicting_runs_alternate_and_report_each_pair(smoke: dict[str, Any]) -> None:
@@ -121,7 +146,7 @@ def test_every_figure_has_value_baseline_ratio_target_met(smoke: dict[str, Any])
     assert any(i.startswith("disk.spill.") for i in ids) and any(i.startswith("disk.promote.") for i in ids)
     assert any(i.startswith("disk.spill_vs_diskcache.") for i in ids)
     assert any(i.startswith("cuda.") for i in ids)
-    assert {"trace.refs_per_s.host", "trace.refs_per_s.disk"} <= ids
+    assert {"trace.refs_per_s.host", "trace.refs_per_s.disk", "step.engine_cpu_us", "disk.promote_one.2097152.warm"} <= ids
 
 
 def test_cuda_row_is_skipped_without_cuda(smoke: dict[str, Any]) -> None:

@@ -34,6 +34,7 @@ _PARTS: dict[str, tuple[str, str]] = {
     "latency": ("disk", "latency"),
     "e2e": ("e2e", "e2e"),
     "trace": ("trace", "trace"),
+    "step": ("step", "step"),
 }
 SECTIONS = tuple(_PARTS)
 DEFAULT_SECTIONS = {"full": SECTIONS, "quick": SECTIONS, "smoke": SECTIONS}
@@ -50,6 +51,7 @@ def run_bench(mode: str = "full", seed: int = 0, bench_dir: Optional[str] = None
     import gc
 
     from . import core, disk, e2e, report
+    from . import step as step_part
     from . import trace as trace_part
     from .common import LoadMonitor, as_mode, machine_facts
 
@@ -99,6 +101,11 @@ def run_bench(mode: str = "full", seed: int = 0, bench_dir: Optional[str] = None
                 result["sections"]["trace"] = trace_part.bench_trace(mode, seed, trace, str(parent),
                                                                      log=lambda s: log(f"trace: {s}"))
                 result["section_seconds"]["trace"] = time.perf_counter() - t
+            if part("step"):
+                t = time.perf_counter()
+                result["sections"]["step"] = step_part.bench_step(mode, seed, str(parent),
+                                                                  log=lambda s: log(f"step: {s}"))
+                result["section_seconds"]["step"] = time.perf_counter() - t
     finally:
         gc.unfreeze()
     result["background_load"] = whole.result

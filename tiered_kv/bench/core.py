@@ -143,6 +143,7 @@ class UnsafeDictOffloader:
         self.pending: dict[int, int] = {}
         self.jobs: dict[int, tuple[bytes, int, int]] = {}
         self.storing: dict[bytes, int] = {}
+        self.loading: dict[int, int] = {}   # job id -> device row, of loads (host slot -> row)
         self.host: OrderedDict[bytes, int] = OrderedDict()
         self.free = list(range(num_slots))
         self.finished: set[int] = set()
@@ -173,12 +174,40 @@ class UnsafeDictOffloader:
         self._submit(job_id, block, slot)
         return job_id
 
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` are in the host tier."""
+        host = self.host
+        n = 0
+        for k in keys:
+            if k not in host:
+                break
+            n += 1
+        return n
+
+    def load(self, key: bytes, block: int) -> Optional[int]:
+        """Copy ``key``'s host slot into device row ``block``; None when it is not in the host tier."""
+        slot = self.host.get(key)
+        if slot is None:
+            return None
+        self.host.move_to_end(key)
+        job_id = self._next
+        self._next = job_id + 1
+        self.pending[block] = job_id
+        self.loading[job_id] = block
+        self._submit(job_id, block, slot)
+        return job_id
+
     def cancel(self, job_id: int) -> None:
         block = self.jobs[job_id][1]
         del self.pending[block]
         self.finished.add(job_id)
 
     def _complete(self, job_id: int, ok: bool) -> None:
+        lb = self.loading.pop(job_id, None)
+        if lb is not None:
+            self.pending.pop(lb, None)
+            self.finished.add(job_id)
+            return
         key, block, slot = self.jobs.pop(job_id)
         self.pending.pop(block, None)  # original: del self.pending[block]
         del self.storing[key]

@@ -80,6 +80,7 @@ import math
 import os
 import random
 import shutil
+import statistics
 import tempfile
 import threading
 import time
@@ -94,7 +95,7 @@ from tiered_kv.disk.format import SLOTS_NAME
 from tiered_kv.errors import BlockBusyError
 from tiered_kv.metrics import sample_total
 
-from .common import TARGETS, GiB, KiB, MiB, as_mode, filesystem_of, summarize
+from .common import GiB, KiB, MiB, as_mode, filesystem_of, summarize
 from .common import gbs as _gbs
 from .common import ratio as _ratio
 from .core import ImmediateMover
@@ -571,9 +572,57 @@ def _reopen_cold(base: Path, blocks: _Blocks, nbytes: int, rng: random.Random) -
     return out
 
 
+def _one_at_a_time(mgr: TierManager, dest: torch.Tensor, blocks: _Blocks, sets: Sequence[Sequence[bytes]],
+                   tdir: Path, n_one: int, raw: Callable[[bool, Sequence[int]], list[float]],
+                   rawf: Path) -> dict[str, Any]:
+    """One load from disk at a time, page cache warm: ``load(key, row)`` then ``wait([job])`` per block,
+    beside one ``pread`` + ``copy_`` per block; two rounds each, alternating, every sample kept."""
+    bb = blocks.block_bytes
+    # a set none of whose keys is in the host tier (each set loaded pushed the one before out)
+    ks = next((s for s in sets if all(mgr.host_bytes(k) is None for k in s)), None)
+    if ks is None:
+        return {"skipped": "every set had keys in the host tier"}
+    idx = list(range(min(n_one, len(ks))))
+    _read_through(tdir / SLOTS_NAME)
+    _read_through(rawf)
+    tkv_s: list[float] = []
+    raw_s: list[float] = []
+    misses = failed = bad = 0
+    pc = time.perf_counter
+    rows = dest.view(torch.uint8).view(dest.shape[0], -1)
+    for rnd in range(2):
+        if rnd == 1:   # the second round reloads the same keys: push them out of the host tier first
+            other = next(s for s in sets if s is not ks)
+            for i, k in enumerate(other[:mgr.num_host_slots]):
+                mgr.load(k, i % dest.shape[0])
+            mgr.wait()
+            if any(mgr.host_bytes(ks[i]) is not None for i in idx):
+                break
+        raw_first = rnd == 1
+        if raw_first:
+            raw_s += raw(False, idx)
+        _quiesce()
+        for i in idx:
+            t0 = pc()
+            job = mgr.load(ks[i], i)
+            if job is None:
+                misses += 1
+                continue
+            got = mgr.wait([job])
+            t1 = pc()
+            tkv_s.append(t1 - t0)
+            failed += sum(1 for c in got if c.job is job and not c.ok)
+            bad += not torch.equal(rows[i], blocks.rows[i])
+        if not raw_first:
+            raw_s += raw(False, idx)
+    return {"blocks": len(idx), "block_bytes": bb, "misses": misses, "failed": failed, "bad_rows": bad,
+            "tkv_us": summarize([x * 1e6 for x in tkv_s], "us"), "raw_us": summarize([x * 1e6 for x in raw_s], "us"),
+            "ratio_median": _ratio(statistics.median(tkv_s), statistics.median(raw_s)) if tkv_s and raw_s else None}
+
+
 def bench_promote(base: Path, blocks: _Blocks, *, n_blocks: Optional[int] = None, repeats: int = 5, warmup: int = 1,
                   seed: int = 0, with_diskcache: bool = True, warm_repeats: int = 3,
-                  recovery_bytes: int = 0, with_link: bool = True) -> dict[str, Any]:
+                  recovery_bytes: int = 0, with_link: bool = True, one_blocks: int = 32) -> dict[str, Any]:
     """Promote GB/s (keys only on disk, host tier cold) beside a raw file read and diskcache get, one block size.
 
     How the host tier is made cold: one manager (host tier of exactly one working set) spills
@@ -639,6 +688,35 @@ def bench_promote(base: Path, blocks: _Blocks, *, n_blocks: Optional[int] = None
             finally:
                 os.close(fd)
 
+        # the fair baseline of a promote: what an unverified hand-written path does -- pread each block
+        # into a buffer, then copy_ it into its device row (here rows of the same shape and dtype)
+        rdev = torch.zeros_like(dest_dev)
+        rrows = rdev.view(torch.uint8).view(n, bb)
+        stage = torch.empty(bb, dtype=torch.uint8)
+        stage_mv = _tensor_bytes(stage)
+
+        def raw_pread_copy(cold: bool, which: Sequence[int]) -> list[float]:
+            """Seconds of each block's pread + copy_ (the batch: their sum, no other work between)."""
+            if cold:
+                results["dropped"].append(_drop())
+            fd = os.open(rawf, os.O_RDONLY)
+            pc = time.perf_counter
+            out_s = []
+            try:
+                _quiesce(_hot_for(n * bb))
+                for i in which:
+                    t0 = pc()
+                    os.preadv(fd, [stage_mv], i * bb)
+                    rrows[i].copy_(stage)
+                    out_s.append(pc() - t0)
+            finally:
+                os.close(fd)
+            for i in which[:: max(1, len(which) // 8)]:   # outside the timer: the rows hold the blocks
+                if not torch.equal(rrows[i], blocks.rows[i]):
+                    results.setdefault("raw_bad_rows", 0)
+                    results["raw_bad_rows"] += 1
+            return out_s
+
         def dc_read(cold: bool) -> float:
             dc = diskcache_module()
             assert dc is not None
@@ -655,7 +733,7 @@ def bench_promote(base: Path, blocks: _Blocks, *, n_blocks: Optional[int] = None
             finally:
                 cache.close()
 
-        systems = ["tkv", "raw", "diskcache"] if use_dc else ["tkv", "raw"]
+        systems = ["tkv", "raw", "raw_copy", "diskcache"] if use_dc else ["tkv", "raw", "raw_copy"]
         # tiered_kv's systems: (manager, its device rows to check or None, directory, checks)
         managers: dict[str, tuple[TierManager, Optional[torch.Tensor], Path, list[dict[str, Any]]]] = {
             "tkv": (mgr, dest_dev, tdir, checks)}
@@ -690,10 +768,13 @@ def bench_promote(base: Path, blocks: _Blocks, *, n_blocks: Optional[int] = None
                         chks.append(chk)
                     elif s == "raw":
                         sec = raw_read(cold)
+                    elif s == "raw_copy":
+                        sec = sum(raw_pread_copy(cold, order))
                     else:
                         sec = dc_read(cold)
                     if rep >= wu:
                         figs[cache_state].setdefault(s, []).append(_gbs(n * bb, sec))
+        one = _one_at_a_time(mgr, dest_dev, blocks, sets, tdir, one_blocks, raw_pread_copy, rawf) if one_blocks else None
     finally:
         mgr.close()
         if lmgr is not None:
@@ -707,6 +788,10 @@ def bench_promote(base: Path, blocks: _Blocks, *, n_blocks: Optional[int] = None
         "drop_caches_worked": bool(dropped) and all(dropped),
         "raw_note": "raw: readinto() of each block from a file holding the same bytes, sequential, one thread, "
                     "into preallocated rows (unbuffered FileIO)",
+        "raw_copy_note": "raw_copy: pread() of each block from that file into one buffer, then copy_ into its row "
+                         "(rows of the device tensor's shape and dtype); no checksum",
+        "raw_copy_bad_rows": results.get("raw_bad_rows", 0),
+        "one_at_a_time": {"warm": one} if one else {},
         "diskcache_note": "diskcache: Cache.get(key) of every key (returns bytes)",
         "tkv_note": "tkv: load(key, row) of every key of a working set that is only on disk (pushed out of the "
                     "host tier by later sets, never read since it was written), then wait(); cold: page cache "
@@ -730,6 +815,7 @@ def bench_promote(base: Path, blocks: _Blocks, *, n_blocks: Optional[int] = None
         f = out["figures"][st]
         out["ratios"][st] = {
             "tkv_vs_raw": _ratio(f["tkv"]["median"], f["raw"]["median"]),
+            "tkv_vs_raw_pread_copy": _ratio(f["tkv"]["median"], f["raw_copy"]["median"]),
             "tkv_vs_diskcache": _ratio(f["tkv"]["median"], f["diskcache"]["median"]) if "diskcache" in f else None,
             "link_vs_raw": _ratio(f["link"]["median"], f["raw"]["median"]) if "link" in f else None,
         }
@@ -898,6 +984,7 @@ def bench_evicting(base: Path, blocks: _Blocks, *, capacity: int, total: int, se
 
 
 # ----------------------------------------------------------------------------- 4. engine-thread latency
+_SLOW_CALL_US = 50.0   # a call slower than this is "slow": the report says what made such calls slow
 def _call_stats(rows: list[tuple[float, float, float]], slow_us: float) -> dict[str, Any]:
     """Wall/CPU/GC summaries of (wall us, thread CPU us, GC us overlapping) rows, and what made slow calls slow."""
     slow = [r for r in rows if r[0] > slow_us]
@@ -1003,7 +1090,7 @@ def _latency_run(mgr: TierManager, blocks: _Blocks, rng: random.Random, disk_key
         "steps": step, "measured_seconds": seconds, "warmup_seconds_discarded": warmup_s,
         "stores_per_step": stores_per_step, "step_sleep_s": step_sleep_s, "load_every_steps": load_every,
         "calls_us": {k: summarize([r[0] for r in v], "us") for k, v in rows.items() if v},
-        "calls": {k: _call_stats(v, TARGETS["engine_call_p99_us_writer_saturated"]) for k, v in rows.items() if v},
+        "calls": {k: _call_stats(v, _SLOW_CALL_US) for k, v in rows.items() if v},
         "loads": n_loads, "loads_returning_none": load_none, "load_row_busy": busy_rows,
         "offered_store_gbps": n_stored * blocks.block_bytes / (time.perf_counter() - t_start) / 1e9,
     }
@@ -1238,7 +1325,15 @@ def format_report(r: dict[str, Any]) -> str:
                 for k, v in p["figures"][st].items():
                     lines.append(f"      {st:4} {k:10} {_dist(v)}")
                 ra = p["ratios"][st]
-                lines.append(f"      {st:4} ratio tkv/raw {_f(ra['tkv_vs_raw'])}  tkv/diskcache {_f(ra['tkv_vs_diskcache'])}")
+                lines.append(f"      {st:4} ratio tkv/raw {_f(ra['tkv_vs_raw'])}  tkv/raw_copy "
+                             f"{_f(ra.get('tkv_vs_raw_pread_copy'))}  tkv/diskcache {_f(ra['tkv_vs_diskcache'])}")
+            for st, one in (p.get("one_at_a_time") or {}).items():
+                if one.get("skipped"):
+                    lines.append(f"      {st:4} one at a time: skipped ({one['skipped']})")
+                    continue
+                lines.append(f"      {st:4} one at a time, us per block ({one['blocks']} blocks x 2 rounds): "
+                             f"load+wait {_dist(one['tkv_us'], '.0f')}; pread+copy_ {_dist(one['raw_us'], '.0f')}; "
+                             f"ratio of medians {_f(one['ratio_median'])}")
             ro = p.get("reopen_cold")
             if ro:
                 lines.append(f"      reopen on a cold page cache: open {_f(ro['open_seconds'])} s, recovery "

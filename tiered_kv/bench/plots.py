@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from .common import KiB, MiB
+from .common import TARGETS, KiB, MiB
 
 __all__ = ["write_plots", "matplotlib_missing"]
 
@@ -243,8 +243,18 @@ def _latency_plot(result: dict[str, Any], out: Path) -> Optional[Path]:
             labels.append(groups[gi])
         ax.set_yscale("log")
         if hi and lo:
-            ax.set_ylim(min(lo, 50) / 2, max(hi, 50) * 12)  # room for the legend above the markers
-        ax.axhline(50, color="red", linestyle="--", linewidth=1, label="target p99 <= 50 us")
+            ax.set_ylim(lo / 2, hi * 12)  # room for the legend above the markers
+        # the targets are ratios of the baseline's p99 (issue 22 section 4): a red segment over each call's group
+        factor = TARGETS["engine_call_p99_vs_no_disk"] if kind == "engine" else TARGETS["store_p99_vs_unsafe_copies_running"]
+        drawn = False
+        for gi, c in enumerate(calls):
+            if c == "poll":
+                continue
+            b99 = _n((series[1][2].get(c) or {}).get("p99"))
+            if b99 == b99 and b99 > 0:
+                ax.hlines(b99 * factor, gi - 0.45, gi + 0.45, colors="red", linestyles="--", linewidth=1,
+                          label=None if drawn else f"target: p99 <= {factor:g}x the baseline's p99")
+                drawn = True
         ax.set_xticks(xs_all)
         ax.set_xticklabels(labels)
         ax.set_ylabel("microseconds per call (log)")

@@ -1,0 +1,253 @@
+"""A realistic engine step through the batched API, with the disk tier on: the engine thread's cost.
+
+Owns one measurement, ``bench_step``.  Each engine step makes the calls a prefix-caching
+scheduler makes for a batch of requests:
+
+* 32 ``lookup()`` calls of 16 keys each (one per request of the batch: how much of its prefix
+  is cached);
+* one ``load_many()`` of 64 keys (the cached blocks of the requests that hit) into device rows;
+  some are in the host tier, some only on disk (a promote starts);
+* one ``store_many()`` of 64 keys (the blocks the engine computed this step);
+* one ``poll()``;
+
+then the engine "computes" for ``compute_s`` (a sleep: in a serving engine the forward pass runs
+on the GPU with the GIL released).  Rows are tiny (``ROW_BYTES``), so the figure is the control
+path's cost, not the copies'; the default mover copies and the disk writer spills every stored
+block (write-through) in their own threads meanwhile.
+
+The keys: requests are chains of 16 keys.  Each step stores four new chains (64 keys); lookups
+pick chains by a Zipf-like popularity over every chain stored so far, so popular old chains hit,
+and once the host tier has turned over, many hit only on disk.  The step's ``load_many`` takes
+the keys of the looked-up chains that are fully cached, 64 of them; its rows rotate over
+``LOAD_GROUPS`` groups, and a step whose group is still busy with an earlier load skips its load
+(counted).
+
+Figure: the engine thread's CPU time per step (``time.thread_time``: what the calls cost the
+scheduler, not time waiting for the GIL or a core), mean over the steps, with the wall time
+beside.  Baseline: the same step's calls on the unsafe plain-dict original
+(:class:`.core.UnsafeDictOffloader`: no tokens, leases, fences, tombstones, metrics or disk tier,
+answers at once without copying) -- the bookkeeping floor.  Nothing here asserts a timing;
+:mod:`.report` applies the target.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from tiered_kv import TieredKVConfig, TierManager
+from tiered_kv.metrics import sample_total
+
+from .common import LoadMonitor, as_mode, summarize
+from .core import UnsafeDictOffloader
+
+__all__ = ["bench_step", "format_step", "PLANS", "ROW_BYTES", "LOOKUPS", "KEYS_PER_LOOKUP", "STORES", "LOADS"]
+
+ROW_BYTES = 256
+LOOKUPS, KEYS_PER_LOOKUP, STORES, LOADS = 32, 16, 64, 64
+LOAD_GROUPS = 4
+HOST_SLOTS = 4096            # 64 steps of stores: older chains are only on disk
+DISK_SLOTS = 16 * HOST_SLOTS
+
+PLANS: dict[str, dict[str, Any]] = {
+    # steps timed, steps discarded first (the host tier fills, the disk tier starts writing), compute per step
+    "full": {"steps": 3000, "warmup": 200, "repeats": 3, "compute_s": 0.002},
+    "quick": {"steps": 600, "warmup": 100, "repeats": 1, "compute_s": 0.002},
+    "smoke": {"steps": 40, "warmup": 10, "repeats": 1, "compute_s": 0.0005},
+}
+
+
+class _Workload:
+    """The step's keys, the same for tiered_kv and the baseline (seeded)."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.chains: list[list[bytes]] = []
+        self._n = 0
+
+    def new_chains(self, n: int) -> list[list[bytes]]:
+        out = []
+        for _ in range(n):
+            c = [b"step:%012d:%02d" % (self._n, i) for i in range(KEYS_PER_LOOKUP)]
+            self._n += 1
+            out.append(c)
+        return out
+
+    def pick(self, n: int) -> list[list[bytes]]:
+        """``n`` chains stored at least two steps ago, popular ones (Zipf-like over their age rank) first."""
+        pool = self.chains[:-8]
+        if not pool:
+            return []
+        rnd = self.rng.random
+        m = len(pool)
+        # rank r with probability ~ 1/(r+1): r = m**u - 1 for uniform u (a log-uniform rank)
+        return [pool[m - int(m ** rnd())] for _ in range(n)]
+
+
+def _tkv_step(mgr: TierManager, w: _Workload, step: int, load_jobs: list[Any], counts: dict[str, int]) -> None:
+    picked = w.pick(LOOKUPS)
+    lookup = mgr.lookup
+    full: list[bytes] = []
+    seen: set[int] = set()   # two requests of a batch may share a chain: load it once
+    for c in picked:
+        if lookup(c) == KEYS_PER_LOOKUP and len(full) < LOADS and id(c) not in seen:
+            seen.add(id(c))
+            full += c
+    g = step % LOAD_GROUPS
+    if len(full) >= LOADS:
+        prev = load_jobs[g]
+        if prev is not None and not prev.done:
+            counts["loads_skipped_busy"] += 1
+        else:
+            base = STORES + g * LOADS
+            job = mgr.load_many(full[:LOADS], list(range(base, base + LOADS)))
+            load_jobs[g] = job
+            counts["loads" if job is not None else "loads_none"] += 1
+    else:
+        counts["loads_too_few_hits"] += 1
+    new = w.new_chains(STORES // KEYS_PER_LOOKUP)
+    keys = [k for c in new for k in c]
+    job = mgr.store_many(keys, list(range(STORES)))
+    counts["stores" if job is not None else "stores_none"] += 1
+    w.chains += new
+    mgr.poll()
+
+
+def _base_step(base: UnsafeDictOffloader, w: _Workload, step: int, counts: dict[str, int]) -> None:
+    picked = w.pick(LOOKUPS)
+    full: list[bytes] = []
+    seen: set[int] = set()
+    for c in picked:
+        if base.lookup(c) == KEYS_PER_LOOKUP and len(full) < LOADS and id(c) not in seen:
+            seen.add(id(c))
+            full += c
+    if len(full) >= LOADS:
+        g = step % LOAD_GROUPS
+        b0 = STORES + g * LOADS
+        for i, k in enumerate(full[:LOADS]):
+            base.load(k, b0 + i)
+        counts["loads"] += 1
+    else:
+        counts["loads_too_few_hits"] += 1
+    new = w.new_chains(STORES // KEYS_PER_LOOKUP)
+    for i, k in enumerate(k for c in new for k in c):
+        base.store(k, i)
+    counts["stores"] += 1
+    w.chains += new
+    base.poll()
+
+
+def _run(system: str, seed: int, steps: int, warmup: int, compute_s: float, disk_dir: Optional[Path]) -> dict[str, Any]:
+    w = _Workload(seed)
+    counts = {"loads": 0, "loads_none": 0, "loads_skipped_busy": 0, "loads_too_few_hits": 0,
+              "stores": 0, "stores_none": 0}
+    mgr: Optional[TierManager] = None
+    if system == "tkv":
+        cfg = TieredKVConfig(namespace="bench/step", host_capacity_bytes=HOST_SLOTS * ROW_BYTES,
+                             disk_path=disk_dir, disk_capacity_bytes=DISK_SLOTS * ROW_BYTES)
+        rows = STORES + LOAD_GROUPS * LOADS
+        mgr = TierManager(cfg, torch.zeros(rows, ROW_BYTES, dtype=torch.uint8), registry=CollectorRegistry())
+        load_jobs: list[Any] = [None] * LOAD_GROUPS
+
+        def one(s: int) -> None:
+            _tkv_step(mgr, w, s, load_jobs, counts)   # type: ignore[arg-type]
+    else:
+        base = UnsafeDictOffloader(HOST_SLOTS)
+
+        def one(s: int) -> None:
+            _base_step(base, w, s, counts)
+    cpu_us: list[float] = []
+    wall_us: list[float] = []
+    tt, pc = time.thread_time_ns, time.perf_counter_ns
+    sleep = time.sleep
+    try:
+        gc.collect()
+        for s in range(warmup + steps):
+            if s == warmup:
+                for k in counts:
+                    counts[k] = 0
+            c0, t0 = tt(), pc()
+            one(s)
+            c1, t1 = tt(), pc()
+            if s >= warmup:
+                cpu_us.append((c1 - c0) / 1e3)
+                wall_us.append((t1 - t0) / 1e3)
+            sleep(compute_s)
+        out: dict[str, Any] = {"cpu_us": summarize(cpu_us, "us"), "wall_us": summarize(wall_us, "us"),
+                               "counts": counts}
+        if mgr is not None:
+            mgr.wait(timeout=60)
+            reg = mgr.metrics.registry
+            out["hits_host"] = sample_total(reg, "tiered_kv_lookup_hits_total", tier="host")
+            out["hits_disk"] = sample_total(reg, "tiered_kv_lookup_hits_total", tier="disk")
+            out["promotes_ok"] = sample_total(reg, "tiered_kv_jobs_total", kind="promote", outcome="ok")
+            out["spills_ok"] = sample_total(reg, "tiered_kv_jobs_total", kind="spill", outcome="ok")
+            out["spills_shed"] = sample_total(reg, "tiered_kv_shed_total", kind="spill")
+            out["loads_failed"] = sample_total(reg, "tiered_kv_jobs_total", kind="load", outcome="failed")
+        return out
+    finally:
+        if mgr is not None:
+            mgr.close()
+
+
+def bench_step(quick: Union[bool, str] = False, seed: int = 0, base_dir: Optional[str] = None,
+               log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """The step of the module doc on tiered_kv (host + disk tier) and on the dict original, alternating."""
+    plan = PLANS[as_mode(quick)]
+    runs: dict[str, list[dict[str, Any]]] = {"tkv": [], "dict": []}
+    scratch = Path(tempfile.mkdtemp(prefix="tkv-bench-step-", dir=base_dir))
+    try:
+        with LoadMonitor() as lm:
+            for rep in range(plan["repeats"]):
+                for s in (("tkv", "dict") if rep % 2 == 0 else ("dict", "tkv")):
+                    d = scratch / f"disk-{rep}" if s == "tkv" else None
+                    r = _run(s, seed + rep, plan["steps"], plan["warmup"], plan["compute_s"], d)
+                    if d is not None:
+                        shutil.rmtree(d, ignore_errors=True)
+                    runs[s].append(r)
+                    log(f"step {rep + 1}/{plan['repeats']} {s}: mean {r['cpu_us']['mean']:.1f} us CPU per step")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    def med(s: str, what: str, stat: str) -> float:
+        xs = sorted(r[what][stat] for r in runs[s])
+        return xs[len(xs) // 2]
+
+    out: dict[str, Any] = {
+        "row_bytes": ROW_BYTES, "lookups": LOOKUPS, "keys_per_lookup": KEYS_PER_LOOKUP, "stores": STORES,
+        "loads": LOADS, "host_slots": HOST_SLOTS, "disk_slots": DISK_SLOTS, "steps": plan["steps"],
+        "warmup_steps": plan["warmup"], "repeats": plan["repeats"], "compute_s": plan["compute_s"],
+        "runs": runs, "background_load": lm.result,
+    }
+    for s in runs:
+        out[s] = {"cpu_us_mean": med(s, "cpu_us", "mean"), "cpu_us_p50": med(s, "cpu_us", "median"),
+                  "cpu_us_p99": med(s, "cpu_us", "p99"), "wall_us_mean": med(s, "wall_us", "mean"),
+                  "wall_us_p99": med(s, "wall_us", "p99")}
+    return out
+
+
+def format_step(r: dict[str, Any]) -> str:
+    """The section's own report (``tiered-kv bench`` details)."""
+    lines = [f"engine step: {r['lookups']} lookup() of {r['keys_per_lookup']} keys, load_many({r['loads']}), "
+             f"store_many({r['stores']}), poll(); {r['row_bytes']}-byte rows, host {r['host_slots']} slots + disk "
+             f"{r['disk_slots']} slots; {r['steps']} steps after {r['warmup_steps']} discarded, "
+             f"{r['compute_s'] * 1e3:g} ms compute (sleep) per step, median of {r['repeats']} runs"]
+    for s, name in (("tkv", "tiered_kv, host + disk"), ("dict", "dict original (baseline)")):
+        x = r[s]
+        lines.append(f"  {name:26s} CPU us/step mean {x['cpu_us_mean']:7.1f}  p50 {x['cpu_us_p50']:7.1f}  "
+                     f"p99 {x['cpu_us_p99']:7.1f}   wall us/step mean {x['wall_us_mean']:7.1f}  p99 {x['wall_us_p99']:7.1f}")
+    t = r["runs"]["tkv"][0]
+    c = t["counts"]
+    lines.append(f"  tiered_kv run 1: loads {c['loads']} (busy rows skipped {c['loads_skipped_busy']}, "
+                 f"too few hits {c['loads_too_few_hits']}, refused {c['loads_none']}), stores {c['stores']} "
+                 f"(refused {c['stores_none']}); lookup hits host {t['hits_host']:,.0f}, disk {t['hits_disk']:,.0f}; "
+                 f"promotes {t['promotes_ok']:,.0f}; spills {t['spills_ok']:,.0f}, shed {t['spills_shed']:,.0f}")
+    return "\n".join(lines)
