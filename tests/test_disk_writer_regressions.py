@@ -457,6 +457,46 @@ def test_an_idle_writer_syncs_its_last_commit_in_batch_mode(tmp_path):
         st.s.close()
 
 
+@pytest.mark.parametrize("durability", ["sync", "none"])
+def test_only_batch_durability_syncs_from_the_writer(tmp_path, durability):
+    """LMDB syncs each "sync" commit itself and "none" never syncs: the writer's own sync (a flush's, an
+    idle writer's) is for "batch" alone, so neither of the others ever calls it."""
+    st = Store(tmp_path / "d", durability=durability)
+    env = st.s.db.env
+    forced: list[Any] = []
+
+    class Spy:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(env, name)
+
+        def sync(self, force: bool = False) -> None:
+            forced.append(force)
+            env.sync(force)
+
+    try:
+        st.s.db.env = Spy()
+        assert st.answer(st.spill(b"k")).ok
+        assert st.flush() is True
+        assert st.answer(st.spill(b"k2")).ok
+        assert st.flush() is True
+        assert forced == []
+    finally:
+        st.s.db.env = env
+        st.s.close()
+
+
+def test_a_flush_leaves_a_batch_mode_writer_clean(tmp_path):
+    """The flush's sync made every commit durable: the writer is no longer dirty, so when idle it does
+    not sync again (a writer left dirty would sync every DIRTY_SYNC_S for as long as it is idle)."""
+    st = Store(tmp_path / "d", durability="batch")
+    try:
+        assert st.answer(st.spill(b"k")).ok
+        assert st.flush() is True
+        assert st.s.writer._dirty is False
+    finally:
+        st.s.close()
+
+
 def test_writes_are_sequenced_so_a_reopen_keeps_their_order(tmp_path):
     """Each write gets the next sequence number: recovery orders the entries by it (oldest first, the
     LRU order the index is rebuilt in), not by their keys."""
@@ -559,6 +599,33 @@ def test_a_writer_that_dies_outside_a_batch_refuses_spills_and_answers_flushes(t
     finally:
         if not when.startswith("before"):
             st.s.db.env = env
+        st.s.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_ops_queued_when_the_writer_dies_are_answered_failed_saying_why(tmp_path, monkeypatch):
+    """A spill and a flush queued behind a writer that then dies are each answered once, failed, with
+    the cause in the answer (the owner counts and logs it; a failed flush always says why)."""
+    from tiered_kv.disk.writer import Writer
+
+    go = threading.Event()
+
+    def take_then_die(self: Any) -> None:
+        assert go.wait(30)
+        raise _WriterKilled("killed with ops queued")
+
+    monkeypatch.setattr(Writer, "_take_batch", take_then_die)
+    st = Store(tmp_path / "d", durability="batch")
+    try:
+        tok = st.spill(b"k")
+        ftok = uuid.uuid4()
+        st.s.submit_flush(ftok)
+        go.set()
+        r = st.answer(tok)
+        assert r.ok is False and "disk writer died" in r.error and "killed with ops queued" in r.error
+        f = st.answer(ftok)
+        assert isinstance(f, FlushDone) and f.ok is False and "disk writer died" in f.error
+    finally:
         st.s.close()
 
 
