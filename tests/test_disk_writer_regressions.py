@@ -23,6 +23,7 @@ import pytest
 
 import tiered_kv.disk.env as disk_mod
 import tiered_kv.disk.readers as readers_mod
+import tiered_kv.disk.writer as writer_mod
 from disk_helpers import (NS, ROW, WriterGate, content, drain, fail_first_batch, make_kv, rig, store_one,  # noqa: F401
                           store_seq)
 from tiered_kv.disk import DiskOptions, DiskStore, FlushDone
@@ -493,6 +494,55 @@ def test_a_flush_leaves_a_batch_mode_writer_clean(tmp_path):
         assert st.answer(st.spill(b"k")).ok
         assert st.flush() is True
         assert st.s.writer._dirty is False
+    finally:
+        st.s.close()
+
+
+def test_a_dirty_idle_writer_waits_dirty_sync_s_not_the_idle_wake(tmp_path, monkeypatch):
+    """The idle sync of a batch-mode commit comes after DIRTY_SYNC_S, however long the idle wake-up
+    (IDLE_WAKE_S) is: an OS crash loses at most DIRTY_SYNC_S of commits."""
+    monkeypatch.setattr(writer_mod, "DIRTY_SYNC_S", 0.01)
+    monkeypatch.setattr(writer_mod, "IDLE_WAKE_S", 3600.0)
+    st = Store(tmp_path / "d", durability="batch")
+    env = st.s.db.env
+    synced = threading.Event()
+
+    class Spy:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(env, name)
+
+        def sync(self, force: bool = False) -> None:
+            env.sync(force)
+            synced.set()
+
+    try:
+        st.s.db.env = Spy()
+        assert st.answer(st.spill(b"k")).ok
+        assert synced.wait(20), "the dirty writer slept on to the idle wake-up instead of syncing"
+    finally:
+        st.s.db.env = env
+        st.s.close()
+
+
+def test_a_clean_idle_writer_takes_queued_touches_at_its_idle_wake(tmp_path, monkeypatch):
+    """A touch wakes no one: a clean idle writer takes it at its next idle wake-up (IDLE_WAKE_S), not
+    after DIRTY_SYNC_S, which is for a dirty writer only."""
+    monkeypatch.setattr(writer_mod, "DIRTY_SYNC_S", 3600.0)
+    monkeypatch.setattr(writer_mod, "IDLE_WAKE_S", 0.01)
+    took_touch = threading.Event()
+    run_batch = writer_mod.Writer._run_batch
+
+    def spy(self: Any, batch: list[Any]) -> None:
+        run_batch(self, batch)
+        if any(isinstance(op, writer_mod.Touch) for op in batch):
+            took_touch.set()
+
+    monkeypatch.setattr(writer_mod.Writer, "_run_batch", spy)
+    st = Store(tmp_path / "d", durability="sync")   # a "sync" writer is never dirty
+    try:
+        assert st.answer(st.spill(b"k")).ok
+        st.s.submit_touch(b"k")
+        assert took_touch.wait(20), "the touch waited for DIRTY_SYNC_S on a clean writer"
     finally:
         st.s.close()
 
