@@ -48,7 +48,7 @@ class Store:
         self.messages: list[str] = []
         self.s = DiskStore(DiskOptions(path=path, namespace=NS, block_bytes=ROW, capacity_bytes=slots * ROW,
                                        durability=durability, batch_blocks=opts.pop("batch_blocks", 16),
-                                       batch_bytes=16 * ROW, batch_seconds=0.0, slots=slots,
+                                       batch_bytes=opts.pop("batch_bytes", 16 * ROW), batch_seconds=0.0, slots=slots,
                                        num_readers=num_readers, **opts),
                            self.q, on_error=self._on_error)
         self.seen: dict[uuid.UUID, Any] = {}
@@ -544,6 +544,34 @@ def test_a_clean_idle_writer_takes_queued_touches_at_its_idle_wake(tmp_path, mon
         st.s.submit_touch(b"k")
         assert took_touch.wait(20), "the touch waited for DIRTY_SYNC_S on a clean writer"
     finally:
+        st.s.close()
+
+
+def test_a_batch_closes_when_it_reaches_batch_bytes(tmp_path, monkeypatch):
+    """writer_batch_bytes: a write transaction commits when its spills reach that many bytes -- the
+    spill that reaches it is the batch's last, the next queued one starts the next batch."""
+    from tiered_kv.disk.records import Spill
+
+    sizes: list[int] = []
+    run_batch = writer_mod.Writer._run_batch
+
+    def spy(self: Any, batch: list[Any]) -> None:
+        sizes.append(sum(1 for op in batch if isinstance(op, Spill)))
+        run_batch(self, batch)
+
+    monkeypatch.setattr(writer_mod.Writer, "_run_batch", spy)
+    st = Store(tmp_path / "d", batch_blocks=16, batch_bytes=2 * ROW)
+    gate = WriterGate(block_from=1)
+    st.s.fault_hook = gate
+    try:
+        toks = [st.spill(b"a")]
+        gate.entered(1)                     # the writer holds [a]; b, c, d queue behind it
+        toks += [st.spill(k) for k in (b"b", b"c", b"d")]
+        gate.open()
+        assert all(st.answer(t).ok for t in toks)
+        assert sizes[:3] == [1, 2, 1]
+    finally:
+        gate.open()
         st.s.close()
 
 

@@ -1173,7 +1173,7 @@ PLANS: dict[str, dict[str, Any]] = {
              # for a second or so, seen in the raw baseline too)
              "spill": [(2 * MiB, "batch", 5, True, 256 * MiB), (2 * MiB, "sync", 3, True, 256 * MiB),
                        (256 * KiB, "batch", 3, True, 128 * MiB), (256 * KiB, "sync", 3, False, 128 * MiB)],
-             "promote_bytes": 64 * MiB, "promote": [(2 * MiB, 5, 3, 64 * MiB), (256 * KiB, 3, 3, 0)],
+             "promote_bytes": 64 * MiB, "promote": [(2 * MiB, 5, 5, 64 * MiB), (256 * KiB, 3, 5, 0)],
              "evict_capacity": 256 * MiB, "evict_total": 2 * GiB, "evict_repeats": 3,
              "lat_seconds": 6.0, "lat_warmup": 1.0, "lat_idle_seconds": 3.0, "lat_disk_keys": 160,
              "sizes": [2 * MiB, 256 * KiB], "drop_caches": True},
