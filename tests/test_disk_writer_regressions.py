@@ -48,7 +48,8 @@ class Store:
         self.messages: list[str] = []
         self.s = DiskStore(DiskOptions(path=path, namespace=NS, block_bytes=ROW, capacity_bytes=slots * ROW,
                                        durability=durability, batch_blocks=opts.pop("batch_blocks", 16),
-                                       batch_bytes=opts.pop("batch_bytes", 16 * ROW), batch_seconds=0.0, slots=slots,
+                                       batch_bytes=opts.pop("batch_bytes", 16 * ROW),
+                                       batch_seconds=opts.pop("batch_seconds", 0.0), slots=slots,
                                        num_readers=num_readers, **opts),
                            self.q, on_error=self._on_error)
         self.seen: dict[uuid.UUID, Any] = {}
@@ -572,6 +573,45 @@ def test_a_batch_closes_when_it_reaches_batch_bytes(tmp_path, monkeypatch):
         assert sizes[:3] == [1, 2, 1]
     finally:
         gate.open()
+        st.s.close()
+
+
+def test_a_writer_waits_up_to_batch_seconds_to_fill_a_batch(tmp_path, monkeypatch):
+    """writer_batch_seconds: a writer holding a partial batch waits that long for more spills, so a
+    spill queued while it waits joins the same transaction (one commit, not one per spill)."""
+    from tiered_kv.disk.records import Spill
+
+    sizes: list[int] = []
+    run_batch = writer_mod.Writer._run_batch
+
+    def spy(self: Any, batch: list[Any]) -> None:
+        sizes.append(sum(1 for op in batch if isinstance(op, Spill)))
+        run_batch(self, batch)
+
+    monkeypatch.setattr(writer_mod.Writer, "_run_batch", spy)
+    st = Store(tmp_path / "d", batch_blocks=2, batch_seconds=0.9)
+    try:
+        a = st.spill(b"a")
+        deadline = time.monotonic() + 10
+        while not st.s.writer._filling and time.monotonic() < deadline:
+            time.sleep(0.001)   # until the writer holds [a] and waits for more
+        b = st.spill(b"b")
+        assert st.answer(a).ok and st.answer(b).ok
+        assert sizes == [2]
+    finally:
+        st.s.close()
+
+
+def test_an_idle_writer_is_woken_by_each_spill(tmp_path, monkeypatch):
+    """A writer that has finished its batches waits for work, and the next spill wakes it at once: it
+    does not sleep on to its idle wake-up (here an hour) believing it still fills a batch."""
+    monkeypatch.setattr(writer_mod, "IDLE_WAKE_S", 3600.0)
+    monkeypatch.setattr(writer_mod, "DIRTY_SYNC_S", 3600.0)
+    st = Store(tmp_path / "d", durability="sync")
+    try:
+        assert st.answer(st.spill(b"a")).ok
+        assert st.answer(st.spill(b"b"), timeout=20).ok
+    finally:
         st.s.close()
 
 
