@@ -7,6 +7,7 @@ fake movers or none, no sleeps, no randomness.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import uuid
@@ -1002,5 +1003,52 @@ def test_a_spill_the_writer_refuses_after_room_was_checked_is_shed_holding_nothi
         assert entry is not None and entry.readers == 0 and entry.state is EntryState.READY
         assert not entry.spilled, "a shed spill may be tried again"
         assert mgr.flush(timeout=30)
+    finally:
+        mgr.close()
+
+
+# ---------------------------------------------------------------------- the last core and writer functions
+def test_a_disk_tier_smaller_than_one_row_is_refused_naming_both_sizes(tmp_path):
+    """The manager refuses a disk tier smaller than one row before it allocates anything, naming the
+    capacity and the row size.  (``core.tiers.__init___70``, ``_71``: the core's copy of this check,
+    which no front end ever reached, is gone.)"""
+    from tiered_kv.errors import ConfigError
+    cfg = make_config(host_slots=4, disk_path=tmp_path / "d", disk_capacity_bytes=ROW_BYTES - 1)
+    with pytest.raises(ConfigError, match=rf"disk_capacity_bytes={ROW_BYTES - 1} holds no block of {ROW_BYTES} bytes"):
+        TierManager(cfg, make_kv(4), registry=CollectorRegistry())
+    assert not (tmp_path / "d").exists() or not any((tmp_path / "d").iterdir()), "nothing written for a refused tier"
+
+
+@pytest.mark.parametrize("slab", [torch.zeros(4, 2 * ROW_BYTES, dtype=torch.uint8)[:, ::2],   # not contiguous
+                                  torch.zeros(2, 4, ROW_BYTES, dtype=torch.uint8)],               # not [slots, bytes]
+                         ids=["strided", "3-d"])
+def test_slot_views_refuse_a_slab_that_is_not_a_contiguous_2d_tensor(slab):
+    """``core.tiers.SlotViews.__init___1``, ``_5``, ``_6``: either fault alone is refused (one view over
+    the whole slab, sliced per slot, would alias the wrong bytes), and the message gives the shape."""
+    from tiered_kv.core.tiers import SlotViews
+    with pytest.raises(ValueError, match=r"contiguous \[slots, bytes\] tensor, got " + re.escape(str(tuple(slab.shape)))):
+        SlotViews(slab)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("exc", [RuntimeError("a bug in the writer"), _WriterKilled("killed")], ids=["Exception", "BaseException"])
+def test_a_dying_writer_ends_quietly_on_an_exception_and_re_raises_anything_else(tmp_path, monkeypatch, exc):
+    """``disk.writer._writer_main_32``: a writer that dies of an ``Exception`` has logged and counted it
+    (``writer_died``) and answered what was queued, so its thread ends without an unhandled
+    exception; a ``BaseException`` (an interrupt, a ``SystemExit``) still propagates out of the thread."""
+    from tiered_kv.disk.writer import Writer
+
+    unhandled: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: unhandled.append(args.exc_value))
+
+    def die(self):
+        raise exc
+
+    monkeypatch.setattr(Writer, "_take_batch", die)
+    mgr, _, _ = hooked_disk_manager(tmp_path, None)
+    try:
+        mgr.disk.writer._thread.join(30)
+        assert not mgr.disk.writer_alive() and mgr.disk.writer_error is exc
+        assert unhandled == ([] if isinstance(exc, Exception) else [exc])
     finally:
         mgr.close()

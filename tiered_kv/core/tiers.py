@@ -141,9 +141,7 @@ class TierCore:
         self.dindex: Optional[TierIndex] = None
         metrics.capacity["host"].set(num_slots * self.row_bytes)
         if config.disk_path is not None:
-            if config.disk_capacity_bytes < self.row_bytes:
-                raise ConfigError(f"disk_capacity_bytes={config.disk_capacity_bytes} holds no block of "
-                                  f"{self.row_bytes} bytes")
+            # a disk capacity below one row is refused by each front end, before it allocates anything
             self.disk = DiskTier.open(config, self.row_bytes, self.completions, metrics, self._disk_evicted)
             self.dindex = None if self.disk is None else self.disk.index
 
