@@ -1,0 +1,189 @@
+"""Where the time of two missed targets goes: one load from disk at a time, and the engine step.
+
+    .venv/bin/python benchmarks/breakdown.py promote [--block-kib 2048]
+    .venv/bin/python benchmarks/breakdown.py step [--steps 600]
+
+``promote``: the parts of one ``load(key, row)`` + ``wait([job])`` of a key only on disk (page
+cache warm), each a median over 32 loads, timed by wrapping the methods that do them (the reader's
+index lookup and checksum, the owner's apply, the mover's copy); beside them, the same three
+operations done by hand on one thread -- ``pread`` into one hot buffer or into a different
+(cache-cold) slot each time, xxh3 over the block, ``copy_`` into a row -- which is what the
+``tiered-kv bench`` baseline (``pread`` + ``copy_`` into one buffer) pays, less the checksum.
+
+``step``: the engine thread's CPU time per call of ``tiered-kv bench``'s engine step (32
+``lookup`` x 16 keys, ``load_many(64)``, ``store_many(64)``, ``poll()``), with the disk tier on and
+off, beside the unsafe dict original's whole step.
+
+Diagnostics, not figures of record: wrapping methods adds a little to each part, and the figures
+move with the machine's load.  Nothing here is imported by the library or the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import xxhash
+from prometheus_client import CollectorRegistry
+
+from tiered_kv import TieredKVConfig, TierManager
+
+
+def _wrap(obj: Any, name: str, tag: str, marks: list[tuple[str, float]]) -> None:
+    f = getattr(obj, name)
+    pc = time.perf_counter
+
+    def w(*a: Any, **k: Any) -> Any:
+        marks.append((tag + ">", pc()))
+        try:
+            return f(*a, **k)
+        finally:
+            marks.append((tag + "<", pc()))
+    setattr(obj, name, w)
+
+
+def promote(block: int, n: int = 32) -> None:
+    from tiered_kv.core import tiers
+    from tiered_kv.disk import readers
+
+    marks: list[tuple[str, float]] = []
+    _wrap(readers.Readers, "_lookup", "lookup", marks)
+    _wrap(readers.Readers, "_verify", "verify", marks)
+    _wrap(tiers.TierCore, "apply", "apply", marks)
+    dev = torch.randint(0, 255, (n, block), dtype=torch.uint8)
+    orig = dev.clone()
+    d = Path(tempfile.mkdtemp(prefix="tkv-breakdown-"))
+    cfg = TieredKVConfig(namespace="breakdown", host_capacity_bytes=4 * block, disk_path=str(d / "kv"),
+                         disk_capacity_bytes=4 * n * block)
+    mgr = TierManager(cfg, dev, registry=CollectorRegistry())
+    _wrap(mgr._mover, "help_one", "copy", marks)
+    keys = [os.urandom(16) for _ in range(n)]
+    for i, k in enumerate(keys):
+        while mgr.jobs_in_flight >= 3:
+            mgr.wait(timeout=0.01)
+        mgr.store(k, i)
+    mgr.wait()
+    assert mgr.flush()
+    dev.zero_()
+    parts: dict[str, list[float]] = collections.defaultdict(list)
+    pc = time.perf_counter
+    for i, k in enumerate(keys):
+        if mgr.host_bytes(k) is not None:
+            continue
+        marks.clear()
+        t0 = pc()
+        job = mgr.load(k, i)
+        t1 = pc()
+        got = mgr.wait([job])
+        t2 = pc()
+        assert got[-1].ok and torch.equal(dev[i], orig[i])
+        m = dict((tag, t) for tag, t in marks if tag in ("lookup>", "lookup<", "verify>", "verify<"))
+        copies = [(a, b) for (ta, a), (tb, b) in zip(marks, marks[1:]) if ta == "copy>" and tb == "copy<" and b - a > 1e-5]
+        applies = [(a, b) for (ta, a), (tb, b) in zip(marks, marks[1:]) if ta == "apply>" and tb == "apply<"]
+        parts["load() call"].append(t1 - t0)
+        parts["until the reader looks it up"].append(m["lookup>"] - t1)
+        parts["LMDB lookup"].append(m["lookup<"] - m["lookup>"])
+        parts["pread into the host slot"].append(m["verify>"] - m["lookup<"])
+        parts["xxh3 over the block"].append(m["verify<"] - m["verify>"])
+        parts["slot -> row copy (owner thread)"].append(sum(b - a for a, b in copies))
+        parts["owner's applies"].append(sum(b - a for a, b in applies))
+        parts["whole load + wait"].append(t2 - t0)
+    mgr.close()
+    print(f"one load from disk at a time, {block >> 10} KiB blocks, page cache warm (median of {len(parts['load() call'])}):")
+    for k, v in parts.items():
+        print(f"  {k:34s} {statistics.median(v) * 1e6:8.0f} us")
+
+    # the same operations by hand, on one thread
+    p = d / "raw"
+    p.write_bytes(orig.numpy().tobytes())
+    fd = os.open(p, os.O_RDONLY)
+    hot = torch.empty(block, dtype=torch.uint8)
+    slots = torch.ones(n, block, dtype=torch.uint8)
+    rows = torch.ones(n, block, dtype=torch.uint8)
+
+    def by_hand(cold: bool) -> dict[str, float]:
+        xs: dict[str, list[float]] = collections.defaultdict(list)
+        with _one_thread():
+            for i in range(n):
+                buf = slots[i] if cold else hot
+                mv = memoryview(buf.numpy())
+                a = pc()
+                os.preadv(fd, [mv], i * block)
+                b = pc()
+                xxhash.xxh3_64(mv).intdigest()
+                c = pc()
+                rows[i].copy_(buf)
+                e = pc()
+                xs["pread"].append(b - a)
+                xs["xxh3"].append(c - b)
+                xs["copy_"].append(e - c)
+        return {k: statistics.median(v) * 1e6 for k, v in xs.items()}
+    by_hand(False)
+    for cold in (False, True):
+        r = by_hand(cold)
+        print(f"  by hand, {'a different slot each time' if cold else 'one hot buffer':26s} "
+              + "  ".join(f"{k} {v:6.0f} us" for k, v in r.items()))
+    os.close(fd)
+
+
+class _one_thread:
+    def __enter__(self) -> None:
+        self.n = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.set_num_threads(self.n)
+
+
+def step(steps: int) -> None:
+    import tiered_kv.bench.step as st
+
+    acc: dict[str, int] = collections.defaultdict(int)
+    tt = time.thread_time_ns
+    originals = {n: getattr(TierManager, n) for n in ("lookup", "load_many", "store_many", "poll")}
+
+    def wrap(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
+        def w(self: Any, *a: Any, **k: Any) -> Any:
+            c = tt()
+            try:
+                return f(self, *a, **k)
+            finally:
+                acc[name] += tt() - c
+        return w
+    for name, f in originals.items():
+        setattr(TierManager, name, wrap(name, f))
+    warm = 100
+    for disk in (True, False):
+        acc.clear()
+        d = Path(tempfile.mkdtemp(prefix="tkv-breakdown-")) / "disk" if disk else None
+        if not disk:
+            st.DISK_SLOTS = 0
+        r = st._run("tkv", 0, steps, warm, 0.002, d)
+        per = {k: v / (steps + warm) / 1e3 for k, v in acc.items()}
+        print(f"engine step, {'host + disk' if disk else 'host only  '}: CPU {r['cpu_us']['mean']:6.0f} us per step; "
+              + ", ".join(f"{k} {v:.0f}" for k, v in per.items()) + " us")
+    r = st._run("dict", 0, steps, warm, 0.002, None)
+    print(f"engine step, dict original: CPU {r['cpu_us']['mean']:6.0f} us per step")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=["promote", "step"])
+    ap.add_argument("--block-kib", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=600)
+    a = ap.parse_args()
+    if a.what == "promote":
+        promote(a.block_kib << 10)
+    else:
+        step(a.steps)
+
+
+if __name__ == "__main__":
+    main()
