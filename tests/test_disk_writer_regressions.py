@@ -38,6 +38,24 @@ def payload(key: bytes) -> bytearray:
     return bytearray(content(key, ROW).numpy().tobytes())
 
 
+class SyncSpy:
+    """Stands in for a store's LMDB environment: every attribute is the environment's, and each
+    ``sync`` is passed on, its ``force`` argument recorded and ``synced`` set."""
+
+    def __init__(self, env: Any) -> None:
+        self._env = env
+        self.forced: list[Any] = []
+        self.synced = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._env, name)
+
+    def sync(self, force: bool = False) -> None:
+        self._env.sync(force)
+        self.forced.append(force)
+        self.synced.set()
+
+
 class Store:
     """A DiskStore on ``path`` with every answer collected by token (answers kept for later asks)."""
 
@@ -438,21 +456,11 @@ def test_an_idle_writer_syncs_its_last_commit_in_batch_mode(tmp_path):
     """Durability "batch": a commit is not synced by itself; the writer syncs it once idle (after
     DIRTY_SYNC_S) without any further op, so an OS crash loses at most that long of commits."""
     st = Store(tmp_path / "d", durability="batch")
+    env = st.s.db.env
     try:
-        synced = threading.Event()
-        env = st.s.db.env
-
-        class Spy:
-            def __getattr__(self, name: str) -> Any:
-                return getattr(env, name)
-
-            def sync(self, force: bool = False) -> None:
-                env.sync(force)
-                synced.set()
-
-        st.s.db.env = Spy()
+        spy = st.s.db.env = SyncSpy(env)
         assert st.answer(st.spill(b"k")).ok
-        assert synced.wait(30), "no idle sync of the batch-mode commit"
+        assert spy.synced.wait(30), "no idle sync of the batch-mode commit"
         assert st.answer(st.spill(b"after")).ok, "the writer goes on after an idle sync"
     finally:
         st.s.db.env = env
@@ -465,23 +473,13 @@ def test_only_batch_durability_syncs_from_the_writer(tmp_path, durability):
     idle writer's) is for "batch" alone, so neither of the others ever calls it."""
     st = Store(tmp_path / "d", durability=durability)
     env = st.s.db.env
-    forced: list[Any] = []
-
-    class Spy:
-        def __getattr__(self, name: str) -> Any:
-            return getattr(env, name)
-
-        def sync(self, force: bool = False) -> None:
-            forced.append(force)
-            env.sync(force)
-
     try:
-        st.s.db.env = Spy()
+        spy = st.s.db.env = SyncSpy(env)
         assert st.answer(st.spill(b"k")).ok
         assert st.flush() is True
         assert st.answer(st.spill(b"k2")).ok
         assert st.flush() is True
-        assert forced == []
+        assert spy.forced == []
     finally:
         st.s.db.env = env
         st.s.close()
@@ -506,20 +504,10 @@ def test_a_dirty_idle_writer_waits_dirty_sync_s_not_the_idle_wake(tmp_path, monk
     monkeypatch.setattr(writer_mod, "IDLE_WAKE_S", 3600.0)
     st = Store(tmp_path / "d", durability="batch")
     env = st.s.db.env
-    synced = threading.Event()
-
-    class Spy:
-        def __getattr__(self, name: str) -> Any:
-            return getattr(env, name)
-
-        def sync(self, force: bool = False) -> None:
-            env.sync(force)
-            synced.set()
-
     try:
-        st.s.db.env = Spy()
+        spy = st.s.db.env = SyncSpy(env)
         assert st.answer(st.spill(b"k")).ok
-        assert synced.wait(20), "the dirty writer slept on to the idle wake-up instead of syncing"
+        assert spy.synced.wait(20), "the dirty writer slept on to the idle wake-up instead of syncing"
     finally:
         st.s.db.env = env
         st.s.close()
@@ -548,9 +536,8 @@ def test_a_clean_idle_writer_takes_queued_touches_at_its_idle_wake(tmp_path, mon
         st.s.close()
 
 
-def test_a_batch_closes_when_it_reaches_batch_bytes(tmp_path, monkeypatch):
-    """writer_batch_bytes: a write transaction commits when its spills reach that many bytes -- the
-    spill that reaches it is the batch's last, the next queued one starts the next batch."""
+def spill_counts_per_batch(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of spills in each batch the writer runs from now on (appended as each starts)."""
     from tiered_kv.disk.records import Spill
 
     sizes: list[int] = []
@@ -561,6 +548,13 @@ def test_a_batch_closes_when_it_reaches_batch_bytes(tmp_path, monkeypatch):
         run_batch(self, batch)
 
     monkeypatch.setattr(writer_mod.Writer, "_run_batch", spy)
+    return sizes
+
+
+def test_a_batch_closes_when_it_reaches_batch_bytes(tmp_path, monkeypatch):
+    """writer_batch_bytes: a write transaction commits when its spills reach that many bytes -- the
+    spill that reaches it is the batch's last, the next queued one starts the next batch."""
+    sizes = spill_counts_per_batch(monkeypatch)
     st = Store(tmp_path / "d", batch_blocks=16, batch_bytes=2 * ROW)
     gate = WriterGate(block_from=1)
     st.s.fault_hook = gate
@@ -579,16 +573,7 @@ def test_a_batch_closes_when_it_reaches_batch_bytes(tmp_path, monkeypatch):
 def test_a_writer_waits_up_to_batch_seconds_to_fill_a_batch(tmp_path, monkeypatch):
     """writer_batch_seconds: a writer holding a partial batch waits that long for more spills, so a
     spill queued while it waits joins the same transaction (one commit, not one per spill)."""
-    from tiered_kv.disk.records import Spill
-
-    sizes: list[int] = []
-    run_batch = writer_mod.Writer._run_batch
-
-    def spy(self: Any, batch: list[Any]) -> None:
-        sizes.append(sum(1 for op in batch if isinstance(op, Spill)))
-        run_batch(self, batch)
-
-    monkeypatch.setattr(writer_mod.Writer, "_run_batch", spy)
+    sizes = spill_counts_per_batch(monkeypatch)
     st = Store(tmp_path / "d", batch_blocks=2, batch_seconds=0.9)
     try:
         a = st.spill(b"a")
