@@ -986,6 +986,8 @@ def bench_evicting(base: Path, blocks: _Blocks, *, capacity: int, total: int, se
 
 # ----------------------------------------------------------------------------- 4. engine-thread latency
 _SLOW_CALL_US = 50.0   # a call slower than this is "slow": the report says what made such calls slow
+
+
 def _call_stats(rows: list[tuple[float, float, float]], slow_us: float) -> dict[str, Any]:
     """Wall/CPU/GC summaries of (wall us, thread CPU us, GC us overlapping) rows, and what made slow calls slow."""
     slow = [r for r in rows if r[0] > slow_us]

@@ -252,7 +252,7 @@ def _disk_figures(d: dict[str, Any]) -> list[dict[str, Any]]:
                           f"misses {p.get('link_misses', 0)}, failed {p.get('link_failed', 0)}, "
                           f"wrong blocks {p.get('link_bad_blocks', 0)}")))
             one = (p.get("one_at_a_time") or {}).get(st)
-            if one:
+            if one and not one.get("skipped"):
                 out.append(_fig(
                     "disk tier", f"disk.promote_one.{bb}.{st}", f"one load from disk at a time, {_size(bb)}, {state}",
                     "us", one["tkv_us"]["median"], one["raw_us"]["median"],
