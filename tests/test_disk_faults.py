@@ -22,7 +22,7 @@ import lmdb
 import pytest
 
 from disk_helpers import (ROW, disk_health, drain, fill, keys, load_ok, make_kv, metric, metric_sum,
-                          raw_keys, remount, rig, store_one, store_seq, tmpfs)
+                          raw_keys, remount, rig, row_is, store_one, store_seq, tmpfs)
 
 __all__ = ["rig"]
 
@@ -641,3 +641,34 @@ def test_nearly_full_disk_takes_one_slot_at_a_time(rig, monkeypatch):
     mgr = _spill_without_errors_and_read_back(rig, kv, 6, disk_slots=64)
     assert mgr.disk.slot_file_bytes() == 6 * ROW           # grown slot by slot, no further
     assert asked.count(ROW) == 6 and all(a == ROW or a > ROW for a in asked)
+
+
+def test_wait_with_a_timeout_returns_on_time_while_a_read_from_disk_is_stuck(rig, monkeypatch):
+    """``wait(jobs, timeout)`` is bounded whatever the disk does: a read that hangs (a failing disk)
+    runs in a reader thread, so the engine thread gets its call back with the load still pending, and
+    the load completes, with its bytes, once the read does."""
+    from tiered_kv.disk.readers import Readers
+
+    kv = make_kv(16)
+    mgr = rig.open(kv, host_slots=4, host_evict_ahead_blocks=0)
+    store_seq(mgr, kv, keys(5))                      # the 4-slot host tier keeps the last four: k0000 is on disk only
+    assert mgr.host_bytes(b"k0000") is None and mgr.lookup([b"k0000"]) == 1
+    entered, release = threading.Event(), threading.Event()
+    read = Readers._read
+
+    def stuck(self, op):
+        entered.set()
+        release.wait(60)
+        return read(self, op)
+
+    monkeypatch.setattr(Readers, "_read", stuck)
+    try:
+        job = mgr.load(b"k0000", 9)
+        assert job is not None
+        mgr.wait([job], timeout=0.05)
+        assert entered.wait(30), "the read never reached a reader"
+        assert not job.done, "wait() outlived its timeout: it waited for the stuck read"
+    finally:
+        release.set()
+    got = [c for c in mgr.wait([job], timeout=30) if c.job is job]
+    assert [c.ok for c in got] == [True] and row_is(kv, 9, b"k0000")
