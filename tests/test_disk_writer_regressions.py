@@ -754,6 +754,37 @@ def test_a_batch_s_time_is_shared_out_among_its_spills(tmp_path):
         st.s.close()
 
 
+def test_a_batch_s_spills_share_all_of_its_time(tmp_path):
+    """The shares add up to the whole batch: with the batch's transaction held 0.2 s inside its timed
+    window (a delay injected at the start of the commit, not a timing of the machine), the four
+    spills' seconds sum to at least that."""
+    calls: list[str] = []
+    held, go = threading.Event(), threading.Event()
+
+    def hook(point: str) -> None:
+        calls.append(point)
+        if len(calls) == 1:      # the first batch waits while four spills queue behind it
+            held.set()
+            go.wait(30)
+        elif len(calls) == 2:    # the four spills' batch: a known 0.2 s inside its commit
+            time.sleep(0.2)
+
+    st = Store(tmp_path / "d")
+    st.s.fault_hook = hook
+    try:
+        first = st.spill(b"first")
+        assert held.wait(30)
+        rest = [st.spill(b"k%d" % i) for i in range(4)]
+        go.set()
+        reports = [st.answer(t) for t in rest]
+        assert st.answer(first).ok and all(r.ok for r in reports)
+        assert len(calls) == 2, "the four queued spills shared one batch"
+        assert sum(r.seconds for r in reports) >= 0.2
+    finally:
+        go.set()
+        st.s.close()
+
+
 def test_an_unclosed_store_does_not_keep_the_process_from_exiting(tmp_path):
     """The writer is a daemon thread: a host process that exits without closing its manager exits
     (recovery on the next open takes care of the rest)."""
