@@ -10,13 +10,14 @@ no sleeps for ordering.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import lmdb
 import pytest
@@ -54,6 +55,17 @@ class SyncSpy:
         self._env.sync(force)
         self.forced.append(force)
         self.synced.set()
+
+
+@contextlib.contextmanager
+def sync_spy(st: "Store") -> Iterator[SyncSpy]:
+    """A :class:`SyncSpy` in place of ``st``'s environment for the block; the environment is back after."""
+    env = st.s.db.env
+    spy = st.s.db.env = SyncSpy(env)
+    try:
+        yield spy
+    finally:
+        st.s.db.env = env
 
 
 class Store:
@@ -456,14 +468,12 @@ def test_an_idle_writer_syncs_its_last_commit_in_batch_mode(tmp_path):
     """Durability "batch": a commit is not synced by itself; the writer syncs it once idle (after
     DIRTY_SYNC_S) without any further op, so an OS crash loses at most that long of commits."""
     st = Store(tmp_path / "d", durability="batch")
-    env = st.s.db.env
     try:
-        spy = st.s.db.env = SyncSpy(env)
-        assert st.answer(st.spill(b"k")).ok
-        assert spy.synced.wait(30), "no idle sync of the batch-mode commit"
-        assert st.answer(st.spill(b"after")).ok, "the writer goes on after an idle sync"
+        with sync_spy(st) as spy:
+            assert st.answer(st.spill(b"k")).ok
+            assert spy.synced.wait(30), "no idle sync of the batch-mode commit"
+            assert st.answer(st.spill(b"after")).ok, "the writer goes on after an idle sync"
     finally:
-        st.s.db.env = env
         st.s.close()
 
 
@@ -472,16 +482,14 @@ def test_only_batch_durability_syncs_from_the_writer(tmp_path, durability):
     """LMDB syncs each "sync" commit itself and "none" never syncs: the writer's own sync (a flush's, an
     idle writer's) is for "batch" alone, so neither of the others ever calls it."""
     st = Store(tmp_path / "d", durability=durability)
-    env = st.s.db.env
     try:
-        spy = st.s.db.env = SyncSpy(env)
-        assert st.answer(st.spill(b"k")).ok
-        assert st.flush() is True
-        assert st.answer(st.spill(b"k2")).ok
-        assert st.flush() is True
-        assert spy.forced == []
+        with sync_spy(st) as spy:
+            assert st.answer(st.spill(b"k")).ok
+            assert st.flush() is True
+            assert st.answer(st.spill(b"k2")).ok
+            assert st.flush() is True
+            assert spy.forced == []
     finally:
-        st.s.db.env = env
         st.s.close()
 
 
@@ -503,13 +511,11 @@ def test_a_dirty_idle_writer_waits_dirty_sync_s_not_the_idle_wake(tmp_path, monk
     monkeypatch.setattr(writer_mod, "DIRTY_SYNC_S", 0.01)
     monkeypatch.setattr(writer_mod, "IDLE_WAKE_S", 3600.0)
     st = Store(tmp_path / "d", durability="batch")
-    env = st.s.db.env
     try:
-        spy = st.s.db.env = SyncSpy(env)
-        assert st.answer(st.spill(b"k")).ok
-        assert spy.synced.wait(20), "the dirty writer slept on to the idle wake-up instead of syncing"
+        with sync_spy(st) as spy:
+            assert st.answer(st.spill(b"k")).ok
+            assert spy.synced.wait(20), "the dirty writer slept on to the idle wake-up instead of syncing"
     finally:
-        st.s.db.env = env
         st.s.close()
 
 
