@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, Union
 import lmdb
 
 from ..jobs import JobKind
-from ..movers import CompletionQueue, Report
+from ..reports import CompletionQueue, Report
 from .env import DiskEnv
 from .format import CorruptEntry, EntryHeader, lmdb_key, parse_header, verify_entry
 from .records import CORRUPT, READ_FAILED, Delete, DiskOptions, Promote, error_kind

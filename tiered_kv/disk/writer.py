@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 import lmdb
 
 from ..jobs import JobKind
-from ..movers import CompletionQueue, Report
+from ..reports import CompletionQueue, Report
 from .env import DiskEnv
 from .format import HEADER_SIZE, lmdb_key, pack_slot_entry
 from .recovery import U64

@@ -12,14 +12,14 @@ owner's maps: ``(token, what to move)`` in, ``(token, outcome)`` out.
 from __future__ import annotations
 
 import abc
-import queue
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from ..jobs import JobKind
+from ..reports import CompletionQueue, Report
 
 __all__ = ["Transfer", "Report", "CompletionQueue", "Mover", "Plane"]
 
@@ -40,44 +40,6 @@ class Transfer:
     rows: list[int]
     slots: list[int]
     cancelled: bool = False
-
-
-@dataclass(slots=True)
-class Report:
-    """A worker's one answer for one token: ``ok`` only if every copy of the transfer succeeded;
-    ``nbytes``: all bytes it moved."""
-
-    token: Any
-    kind: JobKind
-    ok: bool
-    error: Optional[str] = None
-    nbytes: int = 0
-    seconds: float = 0.0
-
-
-class CompletionQueue:
-    """Multi-producer, single-consumer queue of reports (movers -> owner)."""
-
-    def __init__(self) -> None:
-        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-
-    def put(self, item: Any) -> None:
-        self._q.put(item)
-
-    def drain(self) -> list[Any]:
-        """Every report queued so far (one consumer: ``qsize()`` items are there to take)."""
-        q = self._q
-        n = q.qsize()
-        if not n:
-            return []
-        get = q.get_nowait
-        return [get() for _ in range(n)]
-
-    def get(self, timeout: Optional[float]) -> Optional[Any]:
-        try:
-            return self._q.get(timeout=timeout) if timeout is None or timeout > 0 else self._q.get_nowait()
-        except queue.Empty:
-            return None
 
 
 class Mover(abc.ABC):
