@@ -25,6 +25,18 @@ def _mutating() -> bool:
     return "__mutmut_" in os.environ.get("MUTANT_UNDER_TEST", "")
 
 
+@pytest.fixture(autouse=True)
+def _disk_io_for_the_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """``disk_config`` (tests/disk_helpers.py) and ``make_config`` (tests/fakes.py) make managers with the library's default disk I/O, the
+    disk I/O process; a test marked ``disk_threads`` (or a module with ``pytestmark`` of it) gets the
+    in-process threads, whose writer and readers it can hook."""
+    import disk_helpers
+    io = "thread" if request.node.get_closest_marker("disk_threads") else None
+    disk_helpers.DEFAULT_DISK_IO = fakes.DEFAULT_DISK_IO = io
+    yield
+    disk_helpers.DEFAULT_DISK_IO = fakes.DEFAULT_DISK_IO = None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under ``make mutate``, a mutant's tests run fastest first: mutmut 3.8.1 hands them over in set
     order, and a killed mutant should cost its quickest failing test, not a state machine's run."""

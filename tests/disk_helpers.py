@@ -73,8 +73,14 @@ def keys(n: int, prefix: str = "k") -> list[bytes]:
 
 
 # --------------------------------------------------------------------------- config / metrics
+DEFAULT_DISK_IO: Optional[str] = None
+"""Set per test by conftest.py: "thread" for tests marked ``disk_threads``, else the library's default."""
+
+
 def disk_config(path: Any, *, host_slots: int = 16, disk_slots: int = 64, row_bytes: int = ROW,
                 namespace: str = NS, **kw: Any) -> TieredKVConfig:
+    if DEFAULT_DISK_IO is not None:
+        kw.setdefault("disk_io", DEFAULT_DISK_IO)
     return TieredKVConfig(namespace=namespace, host_capacity_bytes=host_slots * row_bytes, disk_path=path,
                           disk_capacity_bytes=disk_slots * row_bytes, **kw)
 
@@ -252,6 +258,7 @@ class Rig:
         g = WriterGate(**kw)
         self.gates.append(g)
         assert mgr.disk is not None
+        assert hasattr(mgr.disk, "writer"), "a writer gate needs the in-process writer: mark the test disk_threads"
         mgr.disk.fault_hook = g
         return g
 

@@ -296,7 +296,13 @@ class FakeMoverFactory:
         return self.mover
 
 
+DEFAULT_DISK_IO: Optional[str] = None
+"""Set per test by conftest.py: "thread" for tests marked ``disk_threads``, else the library's default."""
+
+
 def make_config(host_slots: int = 64, row_bytes: int = ROW_BYTES, **kw: Any) -> TieredKVConfig:
+    if DEFAULT_DISK_IO is not None and kw.get("disk_path") is not None:
+        kw.setdefault("disk_io", DEFAULT_DISK_IO)
     return TieredKVConfig(namespace=kw.pop("namespace", "test|fp16|tp0"), host_capacity_bytes=host_slots * row_bytes, **kw)
 
 

@@ -259,6 +259,7 @@ def test_load_many_cancelled_while_it_waits_for_its_reads_is_reported_at_once(di
     assert not mover.is_outstanding(job) and mgr.lookup([K[0], K[1]]) == 2
 
 
+@pytest.mark.disk_threads
 def test_load_many_fails_when_one_read_from_disk_fails(disk_mgr, tmp_path):
     mgr, mover, kv = disk_mgr
     on_disk_only(mgr, mover, kv, K[:2])

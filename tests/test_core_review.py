@@ -264,7 +264,7 @@ def sched_store(s: SlabScheduler, slab: SharedSlab, keys: list[bytes]) -> None:
 
 
 def test_scheduler_flush_is_false_when_a_spill_failed_before_it_was_asked_for(sched):
-    s, slab = sched()
+    s, slab = sched(disk_io="thread")   # fail_first_batch patches the writer
     failed = fail_first_batch(s.disk)
     sched_store(s, slab, [b"k"])         # published; write-through queues its spill
     assert failed.wait(30)               # its batch failed (report queued) before flush() is called

@@ -7,7 +7,9 @@ blocked, the host tier keeps serving, the fault is counted in
 
 Faults are injected with ``DiskStore.fault_hook`` (called by the writer thread at
 the start of every write transaction), a real tmpfs (root only, skipped
-otherwise), or by patching the free-space probe.
+otherwise), or by patching the free-space probe.  The hooks and patches reach into the writer
+and readers, so these managers run them as threads (``disk_io="thread"``, the ``disk_threads``
+mark); tests/test_disk_process.py has the faults of the disk I/O process.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import time
 
 import lmdb
 import pytest
+
+pytestmark = pytest.mark.disk_threads
 
 from disk_helpers import (ROW, disk_health, drain, fill, keys, load_ok, make_kv, metric, metric_sum,
                           raw_keys, remount, rig, row_is, store_one, store_seq, tmpfs)

@@ -279,6 +279,7 @@ def test_recovery_purges_writes_under_tombstoned_tokens_before_the_first_read(ri
 
 
 # ============================================================================ tombstones
+@pytest.mark.disk_threads
 def test_invalidated_queued_spill_is_tombstoned_durably_then_never_published(rig):
     kv = make_kv(8)
     mgr = rig.open(kv, host_slots=8, writer_batch_blocks=1)
@@ -306,6 +307,7 @@ def test_invalidated_queued_spill_is_tombstoned_durably_then_never_published(rig
     assert raw_tombs(rig.path) == {}
 
 
+@pytest.mark.disk_threads
 def test_cancelled_spill_already_in_the_writers_batch_is_never_published(rig):
     kv = make_kv(8)
     mgr = rig.open(kv, host_slots=8)
@@ -375,6 +377,7 @@ def test_a_tomb_of_a_committed_entry_behind_the_managers_back_is_a_miss(rig):
     assert raw_tombs(rig.path) == {}
 
 
+@pytest.mark.disk_threads
 @pytest.mark.slow
 def test_durable_tombstones_stay_bounded_in_a_long_run(rig):
     """Soak: stores, invalidations (many of them racing their own spill), loads and

@@ -52,6 +52,7 @@ class _ReadHeldAtSlotFile:
         return getattr(self._real, name)
 
 
+@pytest.mark.disk_threads
 def test_a_promote_in_flight_keeps_its_disk_entry_and_slot_under_eviction_pressure(tmp_path):
     """Guards the promote's lease on its disk entry (``TierCore.start_promote``: ``disk.index.acquire(d)``,
     released in ``_apply_promote``).
@@ -281,6 +282,7 @@ def _commits_ahead_of_their_sync(events: list[tuple[Any, ...]]) -> list[str]:
 _LMDB_FLAGS = {"sync": (True, True), "batch": (True, False), "none": (False, False)}
 
 
+@pytest.mark.disk_threads
 @pytest.mark.parametrize("durability", ["sync", "batch", "none"])
 def test_slot_bytes_are_synced_before_the_commit_that_publishes_them(tmp_path, monkeypatch, durability):
     """Guards the order in ``Writer._commit``: ``slots.sync()`` (``fdatasync`` of the slot file) before

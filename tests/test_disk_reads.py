@@ -630,6 +630,7 @@ def test_close_reads_what_is_still_held(tmp_path):
     assert st_.q.get(0.0) is None
 
 
+@pytest.mark.disk_threads
 def test_a_load_from_disk_starts_its_read_at_the_next_poll_not_in_the_call(rig, monkeypatch):
     mgr, kv, ks = _disk_only_keys(rig, 6)
     batches = record_batches(mgr.disk, monkeypatch)
@@ -653,6 +654,7 @@ def test_wait_alone_starts_the_held_reads(rig):
     assert all(row_is(kv, i, k) for i, k in enumerate(ks))
 
 
+@pytest.mark.disk_threads
 def test_loads_cancelled_or_invalidated_while_their_reads_are_held(rig):
     mgr, kv, ks = _disk_only_keys(rig, 3)
     a, b, c = ks
@@ -675,6 +677,7 @@ def test_loads_cancelled_or_invalidated_while_their_reads_are_held(rig):
         assert [x.ok for x in done if x.job is j] == [True] and row_is(kv, row, k)
 
 
+@pytest.mark.disk_threads
 def test_a_row_freed_while_its_load_waits_on_a_held_read_is_never_written(rig, monkeypatch):
     """free_block() of a load whose read is still held: True at once (the load's copy to the row was
     never queued, so nothing can land there); the next poll() reports the load cancelled and starts

@@ -63,6 +63,9 @@ from tiered_kv.disk.writer import Writer
 from tiered_kv.disk.format import SLOTS_NAME, lmdb_key, pack_slot_entry, parse_header, slot_bytes_for
 from tiered_kv.movers import CompletionQueue
 
+# the writer's own hooks and internals: the in-process threads (tests/test_disk_process.py has the process)
+pytestmark = pytest.mark.disk_threads
+
 __all__ = ["rig"]
 
 SB = slot_bytes_for(ROW)        # 4096: one block per slot in most tests

@@ -295,6 +295,7 @@ def test_reopen_with_smaller_capacity_evicts_the_oldest(rig):
     assert raw_keys(rig.path) == set(ks[2:])
 
 
+@pytest.mark.disk_threads
 def test_spills_are_shed_when_every_disk_slot_is_being_written(rig):
     kv = make_kv(8)
     mgr = rig.open(kv, host_slots=8, disk_slots=2)
@@ -462,6 +463,7 @@ def test_store_of_a_key_already_on_disk_is_a_no_op(rig):
     assert mgr.disk_blocks == 3
 
 
+@pytest.mark.disk_threads
 def test_load_of_a_disk_key_is_shed_when_every_host_slot_is_leased(rig):
     kv = make_kv(8)
     mgr = rig.open(kv, host_slots=1)

@@ -31,6 +31,9 @@ from tiered_kv.disk import DiskOptions, DiskStore, FlushDone
 from tiered_kv.disk.format import lmdb_key, parse_header
 from tiered_kv.movers import CompletionQueue
 
+# the writer's own hooks and internals: the in-process threads (tests/test_disk_process.py has the process)
+pytestmark = pytest.mark.disk_threads
+
 __all__ = ["rig"]
 
 

@@ -34,6 +34,9 @@ from disk_helpers import NS, ROW, content
 from tiered_kv.disk import DiskOptions, DiskStore, FlushDone
 from tiered_kv.movers import CompletionQueue
 
+# the writer's own hooks and internals: the in-process threads (tests/test_disk_process.py has the process)
+pytestmark = pytest.mark.disk_threads
+
 LONG = 600.0   # batch_seconds: a batch that waits for its deadline never leaves within the test
 
 

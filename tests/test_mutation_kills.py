@@ -223,6 +223,7 @@ def test_debug_sizes_names_each_table_with_its_size(tmp_path):
         host_only.close()
 
 
+@pytest.mark.disk_threads
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_flush_with_a_dead_writer_still_prepares_the_next_step(tmp_path):
     """Kills ``tiered_kv.manager.xǁTierManagerǁflush__mutmut_7`` and ``..._8`` (``_poll(None)`` /
@@ -721,6 +722,7 @@ def test_simple_block_until_waits_in_bounded_steps_and_honours_its_timeout(fake)
     assert time.monotonic() - start >= 0.6
 
 
+@pytest.mark.disk_threads
 def test_a_late_answer_to_a_flush_that_timed_out_never_ends_a_later_flush(tmp_path):
     """Kills ``tiered_kv.core.tiers.xǁTierCoreǁflush__mutmut_7`` (every flush marker sent with the token
     ``None``): a flush that timed out gets its writer's answer later; arriving while a second flush
@@ -750,6 +752,7 @@ def test_a_late_answer_to_a_flush_that_timed_out_never_ends_a_later_flush(tmp_pa
         mgr.close()
 
 
+@pytest.mark.disk_threads
 def test_each_failed_spill_a_flush_is_first_to_apply_fails_that_flush(tmp_path):
     """Kills ``tiered_kv.core.tiers.xǁTierCoreǁ_apply_spill__mutmut_25`` (``spill_faults = 1``: after the
     first failure no later one moves the count): a spill whose write failed before a flush was asked for,
@@ -874,6 +877,7 @@ def test_a_load_that_may_not_promote_never_waits_for_a_read_back_already_running
         mgr.close()
 
 
+@pytest.mark.disk_threads
 def test_a_failed_flush_is_counted_as_a_disk_flush_failure(tmp_path):
     """Kills ``tiered_kv.core.tiers.xǁTierCoreǁapply__mutmut_6``, ``..._7`` and ``..._10`` (the failed
     flush counted under other labels): a flush whose own batch fails answers False and counts
@@ -1030,6 +1034,7 @@ def test_slot_views_refuse_a_slab_that_is_not_a_contiguous_2d_tensor(slab):
         SlotViews(slab)
 
 
+@pytest.mark.disk_threads
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 @pytest.mark.parametrize("exc", [RuntimeError("a bug in the writer"), _WriterKilled("killed")], ids=["Exception", "BaseException"])
 def test_a_dying_writer_ends_quietly_on_an_exception_and_re_raises_anything_else(tmp_path, monkeypatch, exc):

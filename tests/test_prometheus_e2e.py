@@ -100,7 +100,8 @@ path, burst = sys.argv[1], int(sys.argv[2])
 ROW = 256
 kv = torch.zeros((64, ROW), dtype=torch.uint8)
 cfg = TieredKVConfig(namespace="alerts|u8|tp0", host_capacity_bytes=16 * ROW, disk_path=path,
-                     disk_capacity_bytes=256 * ROW, writer_queue_blocks=2, host_evict_ahead_blocks=0)
+                     disk_capacity_bytes=256 * ROW, writer_queue_blocks=2, host_evict_ahead_blocks=0,
+                     disk_io="thread")       # its fault hook runs inside the in-process writer
 mgr = TierManager(cfg, kv, registry=CollectorRegistry())
 reg = mgr.metrics.registry
 server = serve_metrics(0, registry=reg)

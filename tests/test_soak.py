@@ -365,6 +365,7 @@ def disk_soak(cycles: int, path: Path, checkpoints: int = 10) -> dict:
                 evicted=evicted, loads_ok=loads_ok)
 
 
+@pytest.mark.disk_threads
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_disk_soak_collects_tombstones_and_stays_flat(tmp_path):

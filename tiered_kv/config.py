@@ -17,13 +17,15 @@ from typing import Any, Literal, Optional, Union
 
 from .errors import ConfigError
 
-__all__ = ["TieredKVConfig", "Durability", "WriteMode"]
+__all__ = ["TieredKVConfig", "Durability", "WriteMode", "DiskIO"]
 
 Durability = Literal["sync", "batch", "none"]
 WriteMode = Literal["through", "back"]
+DiskIO = Literal["process", "thread"]
 
 _DURABILITY = ("sync", "batch", "none")
 _WRITE_MODES = ("through", "back")
+_DISK_IO = ("process", "thread")
 _MAX_NAMESPACE = 512
 
 
@@ -86,6 +88,14 @@ class TieredKVConfig:
     writer_batch_blocks / writer_batch_bytes / writer_batch_seconds: a disk
         write transaction commits when any of these is reached.
     disk_map_size_bytes: initial LMDB map size (``0``: derived from capacity).
+    disk_io: where the disk tier's writer and readers run.  ``"process"`` (the
+        default): in a child process of their own, which maps the host slab
+        (shared memory) and talks to the engine over a socket, so a busy engine
+        thread never slows them through the GIL; a crash of that process is a
+        fault (the disk tier misses, counted) and it is restarted.  ``"thread"``:
+        threads in the engine's process (fewer moving parts; the disk keeps up
+        only while the engine thread leaves the GIL free).  See
+        docs/architecture.md, "The disk I/O process".
     """
 
     namespace: str
@@ -107,6 +117,7 @@ class TieredKVConfig:
     writer_batch_bytes: int = 64 << 20
     writer_batch_seconds: float = 0.005
     disk_map_size_bytes: int = 0
+    disk_io: DiskIO = "process"
 
     def __post_init__(self) -> None:
         if not isinstance(self.namespace, str) or not self.namespace:
@@ -141,6 +152,8 @@ class TieredKVConfig:
         _check_int("writer_batch_bytes", self.writer_batch_bytes, 1)
         _check_float("writer_batch_seconds", self.writer_batch_seconds, 0.0, 60.0)
         _check_int("disk_map_size_bytes", self.disk_map_size_bytes, 0)
+        if self.disk_io not in _DISK_IO:
+            raise ConfigError(f"disk_io must be one of {_DISK_IO}, got {self.disk_io!r}")
 
     @property
     def disk_dir(self) -> Optional[Path]:
@@ -188,7 +201,7 @@ class TieredKVConfig:
 
 def _parse_env(name: str, raw: str, default: Any) -> Any:
     try:
-        if name in ("namespace", "durability", "write_mode"):
+        if name in ("namespace", "durability", "write_mode", "disk_io"):
             return raw
         if name == "disk_path":
             return raw or None

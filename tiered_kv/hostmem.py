@@ -19,11 +19,13 @@ import logging
 import mmap
 import sys
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
-__all__ = ["HostMemory", "prepare_host_memory"]
+from .errors import ConfigError
+
+__all__ = ["HostMemory", "prepare_host_memory", "register_pinned", "unregister_pinned"]
 
 log = logging.getLogger(__name__)
 
@@ -88,3 +90,22 @@ def prepare_host_memory(rows: torch.Tensor, populate: bool = True, pinned: bool 
     dt = time.perf_counter() - t0
     log.debug("host memory of %d bytes: huge pages %s, populated %s in %.3f s", nbytes, huge, how, dt)
     return HostMemory(nbytes, huge, how, dt)
+
+
+def register_pinned(rows: torch.Tensor, cudart: Optional[Any] = None) -> None:
+    """Pin a CPU tensor's existing memory (``cudaHostRegister``): a shared slab cannot come from
+    ``pin_memory=True``, which allocates memory of its own.  Undone by :func:`unregister_pinned`.
+    A failure raises :class:`~tiered_kv.errors.ConfigError` with CUDA's error."""
+    rt = cudart if cudart is not None else torch.cuda.cudart()
+    n = rows.numel() * rows.element_size()
+    rc = rt.cudaHostRegister(rows.data_ptr(), n, 0)
+    if int(rc) != 0:
+        raise ConfigError(f"pin_host_memory: cudaHostRegister of the host slab ({n} bytes) failed with CUDA error {rc!r}")
+
+
+def unregister_pinned(rows: torch.Tensor, cudart: Optional[Any] = None) -> None:
+    """Undo :func:`register_pinned` (a failure is logged: the memory goes away anyway)."""
+    rt = cudart if cudart is not None else torch.cuda.cudart()
+    rc = rt.cudaHostUnregister(rows.data_ptr())
+    if int(rc) != 0:
+        log.warning("cudaHostUnregister of the host slab failed with CUDA error %r", rc)

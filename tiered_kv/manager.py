@@ -27,6 +27,7 @@ calls (``wait``/``flush``/``close``) share ``_block_until`` with it.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque as _deque
 from collections.abc import Callable, Iterable, Sequence
@@ -40,7 +41,8 @@ from .core import CLOSE_TIMEOUT_S, TierCore
 from .checks import (SUPPORTED_DTYPES, check_block, check_device_blocks, check_key, check_many, check_timeout,
                      pin_decision)
 from .errors import BlockBusyError, ConfigError, InvalidJobError, InvalidKeyError, ManagerClosedError
-from .hostmem import prepare_host_memory
+from .disk.proc import SharedHost, make_shared_rows
+from .hostmem import prepare_host_memory, register_pinned, unregister_pinned
 from .jobs import Completion, Job, JobKind, JobState, StaleReason
 from .metrics import Metrics
 from .movers import CompletionQueue, Mover, Report, Transfer, make_mover
@@ -110,7 +112,23 @@ class TierManager:
         self._device_blocks = device_blocks
         self._dev_rows = device_blocks.view(torch.uint8).view(self.num_blocks, self.row_bytes)
         pin = pin_decision(config.pin_host_memory, device_blocks.is_cuda)
-        self._host_rows = torch.empty((num_slots, self.row_bytes), dtype=torch.uint8, pin_memory=pin)
+        self._host_fd = -1
+        self._host_pinned = False   # registered with CUDA here (a shared slab), unregistered at close
+        host: Optional[SharedHost] = None
+        if config.disk_path is not None and config.disk_io == "process":
+            # the disk I/O process maps the slab too: shared memory, pinned by registering it with CUDA
+            mm, self._host_fd = make_shared_rows(num_slots, self.row_bytes)
+            self._host_rows = torch.frombuffer(mm, dtype=torch.uint8).view(num_slots, self.row_bytes)
+            if pin:
+                try:
+                    register_pinned(self._host_rows)
+                except BaseException:
+                    self._close_host_fd()
+                    raise
+                self._host_pinned = True
+            host = SharedHost(self._host_fd, 0, num_slots, self.row_bytes, self._host_rows.data_ptr())
+        else:
+            self._host_rows = torch.empty((num_slots, self.row_bytes), dtype=torch.uint8, pin_memory=pin)
         #: what was done at start to make the slab's pages resident (``prefault_host_memory``)
         self.host_memory = prepare_host_memory(self._host_rows, config.prefault_host_memory, pin)
         self.metrics = Metrics(registry, config.namespace)
@@ -131,9 +149,11 @@ class TierManager:
         else:
             self._mover = mover_factory(self._dev_rows, self._host_rows, self._completions)
         try:
-            core = self._core = TierCore(config, self._host_rows, self.metrics, completions=self._completions)
+            core = self._core = TierCore(config, self._host_rows, self.metrics, completions=self._completions,
+                                         host=host)
         except BaseException:
             self._mover.close()
+            self._close_host_fd()
             raise
         core.on_store = self._apply_store
         core.on_load = self._apply_load
@@ -406,8 +426,18 @@ class TierManager:
         core.close_disk(self._block_until)
         self._poll()
         core.slot_views.release()
+        self._close_host_fd()
         self._closed = True
         log.info("tiered_kv manager closed: namespace=%s", self.config.namespace)
+
+    def _close_host_fd(self) -> None:
+        """The shared slab's file (the mapping stays while the tensor lives) and its CUDA registration."""
+        if self._host_pinned:
+            self._host_pinned = False
+            unregister_pinned(self._host_rows)
+        if self._host_fd >= 0:
+            os.close(self._host_fd)
+            self._host_fd = -1
 
     def __enter__(self) -> "TierManager":
         return self

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Optional, Union
 
 from ..config import TieredKVConfig
 from ..disk import SPILL_PREVENTED, DiskOptions, DiskStore
+from ..disk.proc import ProcessDiskStore, SharedHost
 from ..errors import DiskInUseError, DiskTierError
 from ..jobs import JobKind
 from ..metrics import Metrics
@@ -32,6 +34,8 @@ _SMALL_TIER_BLOCKS = 32
 """Below this many blocks a disk tier is a test or a toy: its writer headroom comes on top of the capacity."""
 _BATCH_FRACTION = 16
 """A writer batch is at most this fraction of the capacity, so that the headroom it needs stays small."""
+RESTART_BACKOFF_MIN_S, RESTART_BACKOFF_MAX_S = 1.0, 60.0
+"""A disk I/O process that cannot be restarted is tried again after this long, doubling."""
 
 
 class DiskErrors:
@@ -54,23 +58,34 @@ class DiskErrors:
 class DiskTier:
     """An open disk tier: ``store`` (the I/O threads) and ``index`` (capacity, leases, LRU).
 
-    ``usable`` turns False for good once the writer thread is gone: reads go on, spills are shed.
+    ``usable`` turns False once the writer is gone: reads go on, spills are shed.  With the
+    disk I/O process (``disk_io="process"``) a writer that is gone is a child that died, and
+    :meth:`restart` starts a new one (``usable`` again); a writer thread that died stays gone.
     """
 
-    def __init__(self, store: DiskStore, index: TierIndex, metrics: Metrics) -> None:
+    def __init__(self, store: Union[DiskStore, ProcessDiskStore], index: TierIndex, metrics: Metrics,
+                 reopen: Optional[Callable[[], Union[DiskStore, ProcessDiskStore]]] = None,
+                 on_error: Callable[[str, str], None] = lambda kind, msg: None) -> None:
         self.store = store
         self.index = index
         self.usable = True
         self._metrics = metrics
+        self._reopen = reopen
+        self._on_error = on_error
+        self._backoff = 0.0
+        self._retry_at = 0.0
+        self.restarts = 0
 
     @classmethod
     def open(cls, cfg: TieredKVConfig, row_bytes: int, completions: CompletionQueue, metrics: Metrics,
-             on_evict: Callable[[Entry], None]) -> Optional["DiskTier"]:
+             on_evict: Callable[[Entry], None], host: Optional[SharedHost] = None) -> Optional["DiskTier"]:
         """The tier, recovered; ``None`` when it could not open (counted, logged, host-only service).
 
         :class:`DiskInUseError` (another owner holds the path) is raised: that is a
         configuration mistake, not a fault to serve around.  ``on_evict(entry)`` is
-        called for each disk entry the index evicts (after the store was told).
+        called for each disk entry the index evicts (after the store was told).  With
+        ``cfg.disk_io == "process"`` and a shareable host slab (``host``) the store runs in
+        its own process (:class:`ProcessDiskStore`); otherwise as threads of this one.
         """
         disk_blocks = cfg.disk_capacity_bytes // row_bytes
         # A slot is reused only once the commit that dropped its entry is durable (one commit later
@@ -88,16 +103,27 @@ class DiskTier:
         m = metrics
         m.capacity["disk"].set(index_blocks * row_bytes)
         on_error = DiskErrors(metrics)
+        on_corrupt: Callable[[str], None] = lambda reason: m.corrupt_blocks.labels(reason=reason).inc()
+        if cfg.disk_io == "process" and host is None:
+            log.info("disk_io='process' needs a shareable host slab; this front end gave none: disk I/O on threads")
+
+        def make() -> Union[DiskStore, ProcessDiskStore]:
+            if cfg.disk_io == "process" and host is not None:
+                return ProcessDiskStore(opts, completions, host, on_error=on_error,
+                                        on_prevented=m.orphaned_prevented.inc, on_corrupt=on_corrupt)
+            return DiskStore(opts, completions, on_error=on_error, on_prevented=m.orphaned_prevented.inc,
+                             on_corrupt=on_corrupt)
+
         try:
-            store = DiskStore(opts, completions, on_error=on_error, on_prevented=m.orphaned_prevented.inc,
-                              on_corrupt=lambda reason: m.corrupt_blocks.labels(reason=reason).inc())
+            store = make()
         except DiskInUseError:
             raise
         except DiskTierError as exc:
             on_error("open_failed", str(exc))
             m.enable_disk_health(False)
             return None
-        tier = cls(store, TierIndex(index_blocks), metrics)
+        tier = cls(store, TierIndex(index_blocks), metrics, make if isinstance(store, ProcessDiskStore) else None,
+                   on_error)
         tier.index._on_evict = lambda d: tier._evicted(d, on_evict)
         tier._replay_recovered()
         log.info("tiered_kv disk tier at %s: %d blocks recovered in %.1f ms", cfg.disk_dir, len(tier.index),
@@ -106,6 +132,15 @@ class DiskTier:
 
     def _replay_recovered(self) -> None:
         """Export what recovery found and rebuild the LRU index (oldest first, so LRU order survives)."""
+        self._export_recovery()
+        index = self.index
+        for e in self.store.entries:   # distinct keys, oldest first: past capacity, the oldest are evicted
+            d = index.reserve(e.key, e.token)
+            if d is not None:          # None only if no entry were evictable; every one here is READY
+                index.publish(d)
+        self._metrics.enable_disk_health(True)
+
+    def _export_recovery(self) -> None:
         m, rep = self._metrics, self.store.recovery
         m.recovery_seconds.set(rep.seconds)
         m.recovery_purged.set(rep.purged)
@@ -114,12 +149,58 @@ class DiskTier:
             m.corrupt_blocks.labels(reason="recovery").inc(rep.corrupt)
         if rep.foreign:
             m.corrupt_blocks.labels(reason="foreign").inc(rep.foreign)
+
+    # ------------------------------------------------------------------ the I/O process's restart
+    @property
+    def down(self) -> bool:
+        """The disk I/O process died and every op it had was answered: time for :meth:`restart`."""
+        return self._reopen is not None and getattr(self.store, "down", False)
+
+    def restart(self, now: Optional[float] = None) -> bool:
+        """Start a new disk I/O process after the last one died; True once it runs.
+
+        Call only once the dead process's answers were applied (its spills aborted, its
+        promotes failed): the index then holds only READY entries, with no lease from the dead
+        process.  What the new process recovered is reconciled with the index: an entry the index
+        holds under the same writer token stays; one it holds but the disk lost leaves the index;
+        one on disk that the index no longer holds (invalidated, evicted, or deleted by an op the
+        dead process never committed) is deleted, token-matched -- nothing the owner dropped comes
+        back.  A failed start is counted and tried again after a back-off (1 s, doubling to 60 s),
+        with the tier down (spills shed as ``disk_down``, reads missing) meanwhile."""
+        assert self._reopen is not None
+        now = time.monotonic() if now is None else now
+        if now < self._retry_at:
+            return False
+        self.usable = False
+        self.store.close()   # the dead child's pipes and its share of the path lock
+        try:
+            store = self._reopen()
+        except (DiskTierError, DiskInUseError) as exc:
+            self._backoff = min(RESTART_BACKOFF_MAX_S, max(RESTART_BACKOFF_MIN_S, 2 * self._backoff))
+            self._retry_at = now + self._backoff
+            self._on_error("io_process_restart_failed", str(exc))
+            return False
+        self.store = store
+        self._export_recovery()
+        kept = {e.key: e.token for e in store.entries}
         index = self.index
-        for e in self.store.entries:   # distinct keys, oldest first: past capacity, the oldest are evicted
-            d = index.reserve(e.key, e.token)
-            if d is not None:          # None only if no entry were evictable; every one here is READY
-                index.publish(d)
-        m.enable_disk_health(True)
+        lost = 0
+        for d in index.entries():
+            if kept.get(d.key) == d.writer:
+                del kept[d.key]
+            else:
+                index.remove(d)
+                lost += 1
+        for key, token in kept.items():
+            store.submit_delete(token, key)
+        store.kick()
+        self._backoff = 0.0
+        self.usable = True
+        self.restarts += 1
+        log.warning("disk tier %s: disk I/O process restarted (pid %d); %d entr%s lost with the last one, "
+                    "%d on disk no longer wanted deleted", store.opts.path, store.pid, lost,
+                    "y" if lost == 1 else "ies", len(kept))
+        return True
 
     # ------------------------------------------------------------------ spills
     def start_spill(self, entry: Entry, hindex: TierIndex, token: uuid.UUID,
@@ -195,7 +276,7 @@ class DiskTier:
 
     # ------------------------------------------------------------------ health and gauges
     def check_writer(self, closing: bool) -> None:
-        """Stop accepting spills once the writer thread is gone (reads still work)."""
+        """Stop accepting spills once the writer is gone (reads still work)."""
         if self.usable and not closing and not self.store.writer_alive():
             log.error("disk writer is gone; the disk tier no longer accepts spills")
             self.usable = False

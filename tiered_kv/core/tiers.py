@@ -43,6 +43,7 @@ import torch
 
 from ..config import TieredKVConfig
 from ..disk import FlushDone, writable_view
+from ..disk.proc import SharedHost
 from ..errors import ConfigError
 from ..jobs import Job, JobKind, JobState, StaleReason, TokenFactory
 from ..metrics import Metrics
@@ -100,7 +101,8 @@ class TierCore:
 
     def __init__(self, config: TieredKVConfig, host_rows: torch.Tensor, metrics: Metrics, *,
                  completions: Optional[CompletionQueue] = None, token_start: int = 1,
-                 collect_evicted: bool = False, collect_published: bool = False) -> None:
+                 collect_evicted: bool = False, collect_published: bool = False,
+                 host: Optional[SharedHost] = None) -> None:
         self.config = config
         self.metrics = metrics
         self.row_bytes = int(host_rows.shape[1]) * host_rows.element_size()
@@ -142,7 +144,7 @@ class TierCore:
         metrics.capacity["host"].set(num_slots * self.row_bytes)
         if config.disk_path is not None:
             # a disk capacity below one row is refused by each front end, before it allocates anything
-            self.disk = DiskTier.open(config, self.row_bytes, self.completions, metrics, self._disk_evicted)
+            self.disk = DiskTier.open(config, self.row_bytes, self.completions, metrics, self._disk_evicted, host)
             self.dindex = None if self.disk is None else self.disk.index
 
     @staticmethod
@@ -609,9 +611,13 @@ class TierCore:
         self.log_debug = log.isEnabledFor(logging.DEBUG)
         disk = self.disk
         if disk is not None:
+            if disk.down and not self.closing:
+                self.apply_arrived()   # the dead I/O process's answers, before the index is reconciled
+                disk.restart()
             disk.check_writer(self.closing)
             if self.config.write_mode == "back":
                 self._writeback()
+            disk.store.kick()
         if last:
             if self.evict_ahead:
                 self.index.evict_ahead(self.evict_ahead)

@@ -3,19 +3,23 @@
 Owns taking it (never waiting), writing the holder's pid into it, and releasing it.  Invariants:
 a :class:`~tiered_kv.disk.DiskStore` and every writing operator tool take this same lock, so at
 most one of them writes a directory at a time; the holder's pid is in the file while it holds it,
-so that whoever is refused can name the holder.  Read-only tools never touch it.
+so that whoever is refused can name the holder.  Read-only tools never touch it.  A lock held
+while the pid written in it is gone is held by that owner's disk I/O process (disk/proc.py), which
+shares the lock and dies with its owner: :func:`take` waits for it (up to ``ORPHAN_WAIT_S``).
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import time
 from pathlib import Path
 from typing import Union
 
 __all__ = ["LOCK_NAME", "LockHeld", "take", "release", "holder_pid"]
 
 LOCK_NAME = "tiered_kv.lock"
+ORPHAN_WAIT_S = 10.0   # how long take() waits for the I/O process of a dead owner to exit
 
 
 class LockHeld(Exception):
@@ -40,12 +44,18 @@ def take(directory: Union[str, "os.PathLike[str]"]) -> int:
     Raises :class:`OSError` when the lock file cannot be opened, :class:`LockHeld` when it is held.
     """
     fd = os.open(Path(directory) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = holder_pid(fd)
-        os.close(fd)
-        raise LockHeld(holder) from None
+    deadline = time.monotonic() + ORPHAN_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError:
+            holder = holder_pid(fd)
+            if _gone(holder) and time.monotonic() < deadline:
+                time.sleep(0.01)   # its owner is dead: the owner's I/O process is exiting (see above)
+                continue
+            os.close(fd)
+            raise LockHeld(holder) from None
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
@@ -53,6 +63,23 @@ def take(directory: Union[str, "os.PathLike[str]"]) -> int:
         release(fd)
         raise
     return fd
+
+
+def _gone(holder: str) -> bool:
+    """Whether the pid written in the lock file names no live process."""
+    try:
+        pid = int(holder)
+    except ValueError:
+        return False
+    if pid <= 0 or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def release(fd: int) -> None:

@@ -29,7 +29,7 @@ from typing import Callable, Optional
 import lmdb
 
 from ..errors import DiskInUseError, DiskTierError
-from ..movers import CompletionQueue
+from ..reports import CompletionQueue
 from . import lock
 from .env import DiskEnv
 from .readers import Readers
@@ -48,9 +48,14 @@ class DiskStore:
     def __init__(self, opts: DiskOptions, completions: CompletionQueue,
                  on_error: Callable[[str, str], None] = lambda kind, msg: None,
                  on_prevented: Callable[[], None] = lambda: None,
-                 on_corrupt: Callable[[str], None] = lambda reason: None) -> None:
+                 on_corrupt: Callable[[str], None] = lambda reason: None, lock_fd: int = -1) -> None:
         self.opts = opts
+        # the path lock: taken here, or (the disk I/O process, proc.py) taken by the owner and shared,
+        # in which case it is never unlocked here (flock belongs to the shared open file)
         self._lock_fd = -1
+        self._lock_shared = lock_fd >= 0
+        if self._lock_shared:
+            self._lock_fd = lock_fd
         self.db: Optional[DiskEnv] = None
         self.slots: Optional[SlotFile] = None
         self.recovery = RecoveryReport()
@@ -73,7 +78,8 @@ class DiskStore:
         if not os.access(o.path, os.W_OK):
             raise DiskTierError(f"disk_path {str(o.path)!r} is not writable")
         try:
-            self._lock_fd = lock.take(o.path)
+            if not self._lock_shared:
+                self._lock_fd = lock.take(o.path)
         except lock.LockHeld as held:
             raise DiskInUseError(f"disk_path {str(o.path)!r} is in use by another owner (a TierManager, a vLLM engine or a writing operator tool; pid {held.holder}); "
                                  f"one manager per path") from None
@@ -110,7 +116,10 @@ class DiskStore:
         if self.slots is not None:
             self.slots.close()
         if self._lock_fd >= 0:
-            lock.release(self._lock_fd)
+            if self._lock_shared:
+                os.close(self._lock_fd)
+            else:
+                lock.release(self._lock_fd)
             self._lock_fd = -1
 
     # ------------------------------------------------------------ owner-side API (never blocks on I/O)
@@ -140,6 +149,10 @@ class DiskStore:
     def start_reads(self) -> None:
         """Hand the reads held by :meth:`queue_promote` to the readers (see :meth:`Readers.start`)."""
         self.readers.start()
+
+    def kick(self) -> None:
+        """The end of an owner's pass: nothing to do here (ops went to the threads as they came);
+        :class:`~tiered_kv.disk.proc.ProcessDiskStore` sends the pass's ops to its process."""
 
     @property
     def queue_depth(self) -> int:

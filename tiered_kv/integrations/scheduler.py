@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import enum
 import logging
+import os
 import uuid
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any, NamedTuple, Optional
@@ -34,6 +35,7 @@ from typing import Any, NamedTuple, Optional
 from ..config import TieredKVConfig
 from ..core import CLOSE_TIMEOUT_S, TierCore
 from ..core.index import EntryState
+from ..disk.proc import SharedHost
 from ..errors import InvalidKeyError
 from ..jobs import Job, JobKind, JobState, StaleReason
 from ..metrics import Metrics
@@ -84,8 +86,19 @@ class SlabScheduler:
         self.metrics = metrics
         # number jobs above anything already in the rings (a restarted scheduler on a used slab),
         # or an old mark would pass for one of ours
-        core = self.core = TierCore(config, slab.rows, metrics, token_start=slab.max_seq() + 1,
-                                    collect_evicted=True, collect_published=collect_published)
+        # the disk I/O process (disk_io="process") maps the slab's rows from its file; an fd of our own
+        # keeps it reachable for a restarted process after the engine unlinks the name
+        self._host_fd = -1
+        host: Optional[SharedHost] = None
+        if config.disk_path is not None and config.disk_io == "process":
+            self._host_fd = os.open(slab.path, os.O_RDWR | os.O_CLOEXEC)
+            host = SharedHost(self._host_fd, slab.rows_offset, slab.num_slots, slab.row_bytes, slab.rows.data_ptr())
+        try:
+            core = self.core = TierCore(config, slab.rows, metrics, token_start=slab.max_seq() + 1,
+                                        collect_evicted=True, collect_published=collect_published, host=host)
+        except BaseException:
+            self._close_host_fd()
+            raise
         core.on_store = self._apply_store
         core.on_load = self._apply_load
         core.cancel_hook = self._cancel_hook
@@ -330,6 +343,12 @@ class SlabScheduler:
         core.close_disk(core.simple_block_until)
         core.slot_views.release()
         core.refresh_gauges()
+        self._close_host_fd()
+
+    def _close_host_fd(self) -> None:
+        if self._host_fd >= 0:
+            os.close(self._host_fd)
+            self._host_fd = -1
 
     def take_published(self) -> list[bytes]:
         """Keys published by stores since the last call (``collect_published=True`` only)."""

@@ -85,6 +85,8 @@ class SharedSlab:
         self.rows = torch.frombuffer(mm, dtype=torch.uint8, count=num_slots * row_bytes,
                                      offset=rows_off).view(num_slots, row_bytes)
         self._rows_addr = ctypes.addressof(ctypes.c_char.from_buffer(mm, rows_off))
+        #: where the rows start in the file (the disk I/O process maps them from there)
+        self.rows_offset = rows_off
         self.unlinked = False
         self._pinned_by: Optional[Any] = None  # the CUDA runtime that registered the rows (pin())
 

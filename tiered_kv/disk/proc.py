@@ -1,0 +1,601 @@
+"""The disk store in a process of its own: the engine's GIL never stands between the disk and its work.
+
+A serving engine's scheduler thread runs Python nearly all the time.  With the writer and the
+readers as threads of that process, every LMDB call, ``pwrite`` and ``fdatasync`` gives the GIL
+up and must win it back from the engine thread, which costs up to the interpreter's switch
+interval (5 ms) each time: a busy engine left the writer a few hundred commits' worth of GIL per
+second and most spills were shed.  :class:`ProcessDiskStore` runs the same :class:`DiskStore`
+(writer, readers, tombs, recovery: one implementation) in a child process that maps the host
+slab (shared memory) and exchanges messages with the owner over two pipes:
+
+* owner -> child: the ops of :class:`DiskStore`'s owner-side API, each naming host slots by
+  number; they are buffered on the owner thread and written once per pass of ``poll()``
+  (:meth:`kick`, and at once by a flush or close) with a non-blocking write: a child that does not
+  read never blocks the engine (what cannot be written waits in a backlog for the next pass);
+* child -> owner: reports, flush answers, fault/corruption/prevented-write counts, log records and
+  a status snapshot (queue depth, health, tombs, map and file sizes), one frame per batch of them;
+  a receiver thread in the owner's process puts them on the owner's completion queue (one GIL
+  round trip per frame, not per op or per I/O call).
+
+Invariants:
+
+* every op sent is answered exactly once: by the child, or -- when the child dies -- by the
+  receiver thread, which answers every op still outstanding as failed (spills and promotes by a
+  failed :class:`Report`, flushes by a failed :class:`FlushDone`) before it marks the store down;
+* an op submitted to a store that is down is answered at once (promotes, flushes) or refused
+  (spills); tombs and deletes sent to a dead child are lost with it, and the tier's restart
+  (:meth:`tiered_kv.core.disk_tier.DiskTier.restart`) reconciles what the new child recovered
+  with the index: nothing the owner dropped comes back;
+* the owner never waits on the child except in :meth:`close` and at open (recovery), and
+  never holds a lock around I/O;
+* the child dies with its owner (``PR_SET_PDEATHSIG``); the path lock is taken by the owner and
+  shared with the child, so it is free only once both are gone (:func:`.lock.take` waits for the
+  child of an owner that is already dead).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import logging
+import mmap
+import os
+import pickle
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from ..errors import DiskInUseError, DiskTierError
+from ..jobs import JobKind
+from ..reports import CompletionQueue, Report
+from . import lock
+from .records import READ_FAILED, DiskOptions, FlushDone, StoredEntry
+from .recovery import RecoveryReport
+
+__all__ = ["SharedHost", "ProcessDiskStore", "child_main", "CHILD_DIED"]
+
+log = logging.getLogger(__name__)
+
+_LEN = struct.Struct("<I")
+_PIPE_BYTES = 1 << 20          # asked for each pipe (F_SETPIPE_SZ); the kernel may give less
+_READ_CHUNK = 1 << 20
+_STATUS_S = 0.25               # an idle child sends its status this often
+_OPEN_TIMEOUT_S = 600.0        # recovery of a large tier reads every index record
+_CLOSE_TIMEOUT_S = 120.0       # close() waits this long for the child to drain, then kills it
+_F_SETPIPE_SZ = 1031
+_PR_SET_PDEATHSIG = 1
+CHILD_DIED = "disk I/O process died"
+_PKG_DIR = str(Path(__file__).resolve().parent.parent)
+# the child imports tiered_kv.disk without the package's __init__ (which imports torch and the manager)
+_BOOT = ("import sys, types; p = types.ModuleType('tiered_kv'); p.__path__ = [{pkg!r}]; "
+         "sys.modules['tiered_kv'] = p; from tiered_kv.disk.proc import child_main; child_main()")
+
+
+@dataclass(frozen=True)
+class SharedHost:
+    """Where the host slab lives for another process: an open file (a memfd, or the vLLM adapter's
+    ``/dev/shm`` file) holding ``num_slots`` rows of ``row_bytes`` from ``offset`` on, and the
+    address of row 0 in this process (to turn a slot's memoryview into its number)."""
+    fd: int
+    offset: int
+    num_slots: int
+    row_bytes: int
+    base_addr: int
+
+
+def make_shared_rows(num_slots: int, row_bytes: int) -> tuple[mmap.mmap, int]:
+    """An anonymous shared memory file (memfd) of ``num_slots * row_bytes`` bytes, mapped here;
+    returns the mapping and the file's descriptor (the caller closes both)."""
+    n = num_slots * row_bytes
+    fd = os.memfd_create("tiered_kv-host-slab", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, n)
+        mm = mmap.mmap(fd, n, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return mm, fd
+
+
+# ---------------------------------------------------------------------------- framing
+def _frame(obj: Any) -> bytes:
+    body = pickle.dumps(obj, protocol=5)
+    return _LEN.pack(len(body)) + body
+
+
+class _Frames:
+    """Frames read from a blocking pipe: ``next()`` returns one decoded frame, raises EOFError at the end."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._buf = bytearray()
+
+    def next(self) -> Any:
+        buf = self._buf
+        while True:
+            if len(buf) >= 4:
+                (n,) = _LEN.unpack_from(buf)
+                if len(buf) >= 4 + n:
+                    obj = pickle.loads(memoryview(buf)[4:4 + n])
+                    del buf[:4 + n]
+                    return obj
+            chunk = os.read(self._fd, _READ_CHUNK)
+            if not chunk:
+                raise EOFError
+            buf += chunk
+
+
+def _bigger_pipe(fd: int) -> None:
+    try:
+        fcntl.fcntl(fd, _F_SETPIPE_SZ, _PIPE_BYTES)
+    except OSError:
+        pass   # capped by /proc/sys/fs/pipe-max-size: the default size works, in more writes
+
+
+# ---------------------------------------------------------------------------- the owner's side
+class ProcessDiskStore:
+    """The owner's handle on a :class:`DiskStore` running in a child process; the same owner-side API.
+
+    Raises like :class:`DiskStore` at open: :class:`DiskInUseError` when the path is held,
+    :class:`DiskTierError` when it cannot be opened (or the child cannot start)."""
+
+    def __init__(self, opts: DiskOptions, completions: CompletionQueue, host: SharedHost,
+                 on_error: Callable[[str, str], None] = lambda kind, msg: None,
+                 on_prevented: Callable[[], None] = lambda: None,
+                 on_corrupt: Callable[[str], None] = lambda reason: None) -> None:
+        self.opts = opts
+        self._out = completions
+        self._host = host
+        self._on_error = on_error
+        self._on_prevented = on_prevented
+        self._on_corrupt = on_corrupt
+        self._cmds: list[tuple[Any, ...]] = []
+        self._backlog = bytearray()
+        self._lock = threading.Lock()     # guards _outstanding and _down between the owner and the receiver
+        # token.int -> (kind, token) of every spill, promote and flush sent and not yet answered
+        self._outstanding: dict[int, tuple[str, uuid.UUID]] = {}
+        self._down = False                # the child is gone and every outstanding op was answered
+        self._closing = False
+        self._spills_sent = 0             # owner thread only
+        self._spills_answered = 0         # receiver thread only
+        self.status: dict[str, Any] = {}
+        self.exit_code: Optional[int] = None
+        self.recovery = RecoveryReport()
+        self.entries: list[StoredEntry] = []
+        self._lock_fd = self._take_lock()
+        try:
+            self._start()
+        except BaseException:
+            lock.release(self._lock_fd)
+            self._lock_fd = -1
+            raise
+
+    def _take_lock(self) -> int:
+        o = self.opts
+        try:
+            o.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DiskTierError(f"disk_path {str(o.path)!r} cannot be created: {exc}") from exc
+        if not os.access(o.path, os.W_OK):
+            raise DiskTierError(f"disk_path {str(o.path)!r} is not writable")
+        try:
+            return lock.take(o.path)
+        except lock.LockHeld as held:
+            raise DiskInUseError(f"disk_path {str(o.path)!r} is in use by another owner (a TierManager, a vLLM "
+                                 f"engine or a writing operator tool; pid {held.holder}); one manager per path") from None
+        except OSError as exc:
+            raise DiskTierError(f"disk_path {str(o.path)!r}: cannot open lock file: {exc}") from exc
+
+    def _start(self) -> None:
+        h = self._host
+        cmd_r, cmd_w = os.pipe()
+        rep_r, rep_w = os.pipe()
+        for fd in (cmd_r, rep_w):
+            _bigger_pipe(fd)
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", _BOOT.format(pkg=_PKG_DIR), str(cmd_r), str(rep_w), str(h.fd),
+                 str(self._lock_fd), str(os.getpid())],
+                pass_fds=(cmd_r, rep_w, h.fd, self._lock_fd), stdin=subprocess.DEVNULL, close_fds=True)
+        except OSError as exc:
+            for fd in (cmd_r, cmd_w, rep_r, rep_w):
+                os.close(fd)
+            raise DiskTierError(f"disk_path {str(self.opts.path)!r}: cannot start the disk I/O process: {exc}") from exc
+        os.close(cmd_r)
+        os.close(rep_w)
+        self._cmd_w, self._rep_r = cmd_w, rep_r
+        self.pid = self._proc.pid
+        frames = _Frames(rep_r)
+        try:
+            os.write(cmd_w, _frame((self.opts, h.offset, h.num_slots, h.row_bytes,
+                                    logging.getLogger("tiered_kv").getEffectiveLevel())))
+            first = self._first_frame(frames)
+        except BaseException:
+            self._kill()
+            raise
+        os.set_blocking(cmd_w, False)   # from here on the owner never waits for the child to read
+        self.recovery = first[2]
+        self.entries = [StoredEntry(k, uuid.UUID(int=t), s) for k, t, s in first[1]]
+        self.status = first[3]
+        self._receiver = threading.Thread(target=self._receive, args=(frames,), name="tiered-kv-disk-receiver",
+                                          daemon=True)
+        self._receiver.start()
+
+    def _first_frame(self, frames: _Frames) -> Any:
+        """The child's answer to its open: ``("ready", ...)``; its log records before it are re-logged."""
+        deadline = time.monotonic() + _OPEN_TIMEOUT_S
+        while True:
+            try:
+                items = frames.next()
+            except EOFError:
+                rc = self._proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                raise DiskTierError(f"disk_path {str(self.opts.path)!r}: the disk I/O process exited at open "
+                                    f"(status {rc})") from None
+            for msg in items:
+                if msg[0] == "ready":
+                    return msg
+                if msg[0] == "fail":
+                    cls = DiskInUseError if msg[1] == "in_use" else DiskTierError
+                    raise cls(msg[2])
+                self._dispatch([msg])
+
+    def _kill(self) -> None:
+        try:
+            self._proc.kill()
+            self._proc.wait(timeout=_CLOSE_TIMEOUT_S)
+        except OSError:
+            pass
+        for fd in (getattr(self, "_cmd_w", -1), getattr(self, "_rep_r", -1)):
+            if fd >= 0:
+                os.close(fd)
+        self._cmd_w = self._rep_r = -1
+
+    # ------------------------------------------------------------ the receiver thread
+    def _receive(self, frames: _Frames) -> None:
+        try:
+            while True:
+                try:
+                    items = frames.next()
+                except (EOFError, OSError):
+                    break
+                if self._dispatch(items):
+                    break
+        finally:
+            self._gone()
+
+    def _dispatch(self, items: list[Any]) -> bool:
+        """Apply one frame of the child's messages; True at its last (``closed``)."""
+        put, outstanding = self._out.put, self._outstanding
+        for it in items:
+            tag = it[0]
+            if tag == "r":
+                _, t, kind, ok, err, nbytes, secs = it
+                token = uuid.UUID(int=t)
+                with self._lock:
+                    outstanding.pop(t, None)
+                if kind == "spill":
+                    self._spills_answered += 1
+                put(Report(token, JobKind(kind), ok, err, nbytes, secs))
+            elif tag == "f":
+                _, t, ok, err = it
+                with self._lock:
+                    outstanding.pop(t, None)
+                put(FlushDone(uuid.UUID(int=t), ok, err))
+            elif tag == "s":
+                self.status = it[1]
+            elif tag == "e":
+                self._on_error(it[1], it[2])
+            elif tag == "p":
+                self._on_prevented()
+            elif tag == "c":
+                self._on_corrupt(it[1])
+            elif tag == "l":
+                logging.getLogger(it[1]).log(it[2], "%s", it[3])
+            elif tag == "closed":
+                return True
+        return False
+
+    def _gone(self) -> None:
+        """The child's reports end: answer everything outstanding as failed, then mark the store down."""
+        try:
+            self.exit_code = self._proc.wait(timeout=_CLOSE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:   # its pipe closed but it lives on: make sure it is gone
+            self._proc.kill()
+            self.exit_code = self._proc.wait()
+        with self._lock:
+            rest, self._outstanding = self._outstanding, {}
+            self._down = True
+        if not self._closing:
+            log.error("disk tier %s: the disk I/O process (pid %d) exited with status %s; %d op(s) in flight "
+                      "answered as failed", self.opts.path, self.pid, self.exit_code, len(rest))
+            self._on_error("io_process_died", f"pid {self.pid} exited with status {self.exit_code}")
+        self._answer_failed(rest.values())
+
+    def _answer_failed(self, ops: Any) -> None:
+        put = self._out.put
+        for what, token in ops:
+            if what == "spill":
+                self._spills_answered += 1
+                put(Report(token, JobKind.SPILL, False, CHILD_DIED))
+            elif what == "promote":
+                put(Report(token, JobKind.PROMOTE, False, f"{READ_FAILED} ({CHILD_DIED})"))
+            else:
+                put(FlushDone(token, False, CHILD_DIED))
+
+    # ------------------------------------------------------------ owner side (never blocks on I/O)
+    def _track(self, what: str, token: uuid.UUID) -> bool:
+        """Record an op that will be answered; False (nothing recorded) when the store is down."""
+        with self._lock:
+            if self._down:
+                return False
+            self._outstanding[token.int] = (what, token)
+            return True
+
+    def _slot(self, view: memoryview) -> int:
+        h = self._host
+        return (ctypes.addressof(ctypes.c_char.from_buffer(view)) - h.base_addr) // h.row_bytes
+
+    def submit_spill(self, token: uuid.UUID, key: bytes, src: memoryview) -> bool:
+        if not self.spill_room() or not self._track("spill", token):
+            return False
+        self._spills_sent += 1
+        self._cmds.append(("S", token.int, key, self._slot(src)))
+        return True
+
+    def cancel(self, token: uuid.UUID, key: bytes) -> None:
+        self._cmds.append(("C", token.int, key))
+
+    def submit_delete(self, token: uuid.UUID, key: bytes) -> None:
+        self._cmds.append(("D", token.int, key))
+
+    def submit_touch(self, key: bytes) -> None:
+        self._cmds.append(("T", key))
+
+    def submit_flush(self, token: uuid.UUID) -> None:
+        if not self._track("flush", token):
+            self._out.put(FlushDone(token, False, CHILD_DIED))
+            return
+        self._cmds.append(("F", token.int))
+        self.kick()
+
+    def queue_promote(self, token: uuid.UUID, key: bytes, expect: uuid.UUID, dst: memoryview) -> None:
+        if not self._track("promote", token):
+            self._answer_failed([("promote", token)])
+            return
+        self._cmds.append(("P", token.int, key, expect.int, self._slot(dst)))
+
+    def start_reads(self) -> None:
+        """Hand the held reads to the readers: the child starts them when this pass's frame arrives."""
+        self._cmds.append(("R",))
+        self.kick()
+
+    def kick(self) -> None:
+        """Write the ops buffered since the last call as one frame, without waiting: what the pipe
+        does not take now stays in the backlog for the next call."""
+        if self._cmds:
+            cmds, self._cmds = self._cmds, []
+            if self._down:
+                return          # answered already (spills, promotes, flushes) or lost with the child
+            self._backlog += _frame(cmds)
+        backlog = self._backlog
+        while backlog and self._cmd_w >= 0:
+            try:
+                n = os.write(self._cmd_w, backlog)
+            except BlockingIOError:
+                return
+            except OSError:     # the child is gone: the receiver answers what was outstanding
+                backlog.clear()
+                return
+            del backlog[:n]
+
+    @property
+    def queue_depth(self) -> int:
+        """Spills sent and not yet answered (queued in the child, or in its writer's batch)."""
+        return self._spills_sent - self._spills_answered
+
+    def spill_room(self) -> bool:
+        return not self._down and self.queue_depth < self.opts.queue_blocks and self.status.get("accepting", True)
+
+    def writer_alive(self) -> bool:
+        return not self._down and bool(self.status.get("writer_alive", True))
+
+    @property
+    def down(self) -> bool:
+        """The child is gone and every op it had was answered (the tier may start a new one)."""
+        return self._down
+
+    @property
+    def healthy(self) -> bool:
+        return not self._down and bool(self.status.get("healthy", True))
+
+    @property
+    def writer_error(self) -> Optional[str]:
+        return CHILD_DIED if self._down and not self._closing else self.status.get("writer_error")
+
+    @property
+    def tombstones(self) -> int:
+        return int(self.status.get("tombstones", 0))
+
+    @property
+    def map_size(self) -> int:
+        return int(self.status.get("map_size", 0))
+
+    def file_bytes(self) -> int:
+        return int(self.status.get("file_bytes", 0))
+
+    def slot_file_bytes(self) -> int:
+        return int(self.status.get("slot_file_bytes", 0))
+
+    def disk_bytes(self) -> int:
+        return self.file_bytes() + self.slot_file_bytes()
+
+    @property
+    def slot_bytes(self) -> int:
+        return int(self.status["slot_bytes"])
+
+    @property
+    def slots_in_use(self) -> int:
+        return int(self.status.get("slots_in_use", 0))
+
+    def close(self) -> None:
+        """Let the child finish what was sent, answer it, and exit; release the path.  Idempotent."""
+        if self._lock_fd < 0:
+            return
+        self._closing = True
+        self._cmds.append(("X",))
+        os.set_blocking(self._cmd_w, True)   # close waits for the child anyway
+        try:
+            self.kick()
+        finally:
+            self._receiver.join(_CLOSE_TIMEOUT_S)
+            if self._receiver.is_alive():   # the child does not finish: stop it (its ops are answered by _gone)
+                log.error("disk tier %s: the disk I/O process did not close within %.0f s; killed",
+                          self.opts.path, _CLOSE_TIMEOUT_S)
+                self._proc.kill()
+                self._receiver.join()
+            os.close(self._cmd_w)
+            os.close(self._rep_r)
+            self._cmd_w = self._rep_r = -1
+            lock.release(self._lock_fd)
+            self._lock_fd = -1
+
+    def kill_for_test(self, sig: int = signal.SIGKILL) -> None:
+        """Tests: send ``sig`` to the child (a crash of the I/O process)."""
+        os.kill(self.pid, sig)
+
+
+# ---------------------------------------------------------------------------- the child
+class _Forward(logging.Handler):
+    """The child's log records, sent to the owner to be logged there."""
+
+    def __init__(self, send: Callable[[tuple[Any, ...]], None]) -> None:
+        super().__init__()
+        self._send = send
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = self.format(record)
+        except Exception:  # pragma: no cover - a broken record: drop it, never kill the writer
+            return
+        self._send(("l", record.name, record.levelno, msg))
+
+
+def _status(store: Any) -> dict[str, Any]:
+    w = store.writer
+    err = store.writer_error
+    return {"queue_depth": store.queue_depth, "healthy": store.healthy, "writer_alive": store.writer_alive(),
+            "accepting": w.accepting, "writer_error": None if err is None else repr(err),
+            "tombstones": store.tombstones, "map_size": store.map_size, "file_bytes": store.file_bytes(),
+            "slot_file_bytes": store.slot_file_bytes(), "slot_bytes": store.slot_bytes,
+            "slots_in_use": store.slots_in_use}
+
+
+def child_main() -> None:
+    """The disk I/O process: ``argv`` = cmd fd, report fd, host slab fd, lock fd, owner pid."""
+    cmd_fd, rep_fd, host_fd, lock_fd, owner = (int(a) for a in sys.argv[1:6])
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != owner:    # the owner died before the line above
+        os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the engine's Ctrl-C is the engine's: close() stops us
+    from .store import DiskStore   # the disk package, imported here without torch (see _BOOT)
+
+    frames = _Frames(cmd_fd)
+    send_lock = threading.Lock()
+
+    def send(items: list[Any]) -> None:
+        data = _frame(items)
+        with send_lock:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(rep_fd, view):]
+
+    opts, offset, num_slots, row_bytes, level = frames.next()
+    q = CompletionQueue()
+    root = logging.getLogger("tiered_kv")
+    root.setLevel(level)
+    root.addHandler(_Forward(q.put))
+    root.propagate = False
+    mm = mmap.mmap(host_fd, offset + num_slots * row_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    rows = memoryview(mm)[offset:offset + num_slots * row_bytes]
+
+    def view(slot: int) -> memoryview:
+        return rows[slot * row_bytes:(slot + 1) * row_bytes]
+
+    try:
+        store = DiskStore(opts, q, on_error=lambda kind, msg: q.put(("e", kind, msg)),
+                          on_prevented=lambda: q.put(("p",)), on_corrupt=lambda reason: q.put(("c", reason)),
+                          lock_fd=lock_fd)
+    except DiskInUseError as exc:
+        send(q.drain() + [("fail", "in_use", str(exc))])
+        os._exit(2)
+    except Exception as exc:
+        send(q.drain() + [("fail", "tier", str(exc) if isinstance(exc, DiskTierError) else repr(exc))])
+        os._exit(2)
+    send(q.drain() + [("ready", [(e.key, e.token.int, e.seq) for e in store.entries], store.recovery,
+                       _status(store))])
+
+    stop = object()
+
+    def sender() -> None:
+        done = False
+        while not done:
+            first = q.get(_STATUS_S)
+            items = [] if first is None else [first]
+            items += q.drain()
+            out: list[Any] = []
+            for it in items:
+                if it is stop:
+                    done = True
+                elif type(it) is Report:
+                    out.append(("r", it.token.int, it.kind.value, it.ok, it.error, it.nbytes, it.seconds))
+                elif type(it) is FlushDone:
+                    out.append(("f", it.token.int, it.ok, it.error))
+                else:
+                    out.append(it)
+            out.append(("s", _status(store)))
+            if done:
+                out.append(("closed",))
+            send(out)
+
+    t = threading.Thread(target=sender, name="tiered-kv-disk-sender", daemon=True)
+    t.start()
+    UUID = uuid.UUID
+    try:
+        while True:
+            try:
+                cmds = frames.next()
+            except EOFError:   # the owner is gone without close(): finish what was sent, then exit
+                break
+            for c in cmds:
+                op = c[0]
+                if op == "S":
+                    if not store.submit_spill(UUID(int=c[1]), c[2], view(c[3])):
+                        q.put(Report(UUID(int=c[1]), JobKind.SPILL, False, "disk writer is not accepting spills"))
+                elif op == "P":
+                    store.queue_promote(UUID(int=c[1]), c[2], UUID(int=c[3]), view(c[4]))
+                elif op == "R":
+                    store.start_reads()
+                elif op == "C":
+                    store.cancel(UUID(int=c[1]), c[2])
+                elif op == "D":
+                    store.submit_delete(UUID(int=c[1]), c[2])
+                elif op == "T":
+                    store.submit_touch(c[1])
+                elif op == "F":
+                    store.submit_flush(UUID(int=c[1]))
+                elif op == "X":
+                    raise StopIteration
+    except StopIteration:
+        pass
+    store.close()
+    q.put(stop)
+    t.join()
+    os._exit(0)
