@@ -305,3 +305,19 @@ def test_child_died_is_the_reason_given_to_a_spill_it_took(rig: Rig) -> None:
     drain(mgr)
     assert seen == [CHILD_DIED]
     assert row_is(kv, 0, b"k")
+
+
+def test_a_manager_made_on_a_thread_that_ends_keeps_its_disk_process(rig: Rig) -> None:
+    """PR_SET_PDEATHSIG fires when the forking *thread* ends: the child is forked by the spawner."""
+    import threading
+
+    kv = make_kv(rows=4)
+    made = []
+    t = threading.Thread(target=lambda: made.append(rig.open(kv)))
+    t.start()
+    t.join()
+    mgr = made[0]
+    store = _child(mgr)
+    time.sleep(0.2)   # not an ordering: the window in which a wrongly armed signal would have landed
+    assert not _dead(store.pid) and not store.down
+    store_one(mgr, kv, b"k", 0)

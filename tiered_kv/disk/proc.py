@@ -28,19 +28,22 @@ Invariants:
   with the index: nothing the owner dropped comes back;
 * the owner never waits on the child except in :meth:`close` and at open (recovery), and
   never holds a lock around I/O;
-* the child dies with its owner (``PR_SET_PDEATHSIG``); the path lock is taken by the owner and
+* the child dies with its owner (``PR_SET_PDEATHSIG``, armed from a thread that lives as long as
+  the owner's process, :func:`_spawn`); the path lock is taken by the owner and
   shared with the child, so it is free only once both are gone (:func:`.lock.take` waits for the
   child of an owner that is already dead).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import fcntl
 import logging
 import mmap
 import os
 import pickle
+import queue
 import signal
 import struct
 import subprocess
@@ -102,6 +105,39 @@ def make_shared_rows(num_slots: int, row_bytes: int) -> tuple[mmap.mmap, int]:
         os.close(fd)
         raise
     return mm, fd
+
+
+# ---------------------------------------------------------------------------- starting the child
+_spawn_q: Optional["queue.SimpleQueue[Any]"] = None
+_spawn_lock = threading.Lock()
+
+
+def _spawn(argv: list[str], fds: tuple[int, ...]) -> "subprocess.Popen[bytes]":
+    """Start the child from one long-lived thread of this process.
+
+    The child asks for ``PR_SET_PDEATHSIG``, which Linux sends when the *thread* that forked it
+    ends, not the process: a manager made on a short-lived thread (an engine's start-up thread, a
+    test's helper) would otherwise lose its I/O process with that thread.  The spawner is a daemon
+    thread started on first use (not at import); it is never joined, so it outlives every
+    ``atexit`` handler and the child goes only with the process."""
+    global _spawn_q
+    with _spawn_lock:
+        if _spawn_q is None:
+            _spawn_q = queue.SimpleQueue()
+            threading.Thread(target=_spawner, args=(_spawn_q,), name="tiered-kv-disk-spawner", daemon=True).start()
+        q = _spawn_q
+    done: concurrent.futures.Future[subprocess.Popen[bytes]] = concurrent.futures.Future()
+    q.put((argv, fds, done))
+    return done.result()
+
+
+def _spawner(q: "queue.SimpleQueue[Any]") -> None:
+    while True:
+        argv, fds, done = q.get()
+        try:
+            done.set_result(subprocess.Popen(argv, pass_fds=fds, stdin=subprocess.DEVNULL, close_fds=True))
+        except BaseException as exc:   # handed to the caller, which raises it
+            done.set_exception(exc)
 
 
 # ---------------------------------------------------------------------------- framing
@@ -200,10 +236,9 @@ class ProcessDiskStore:
         for fd in (cmd_r, rep_w):
             _bigger_pipe(fd)
         try:
-            self._proc = subprocess.Popen(
+            self._proc = _spawn(
                 [sys.executable, "-c", _BOOT.format(pkg=_PKG_DIR), str(cmd_r), str(rep_w), str(h.fd),
-                 str(self._lock_fd), str(os.getpid())],
-                pass_fds=(cmd_r, rep_w, h.fd, self._lock_fd), stdin=subprocess.DEVNULL, close_fds=True)
+                 str(self._lock_fd), str(os.getpid())], (cmd_r, rep_w, h.fd, self._lock_fd))
         except OSError as exc:
             for fd in (cmd_r, cmd_w, rep_r, rep_w):
                 os.close(fd)
