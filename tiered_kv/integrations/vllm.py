@@ -105,7 +105,7 @@ log = logging.getLogger(__name__)
 CONFIG_KEYS = ("namespace", "disk_path", "durability", "write_mode", "max_inflight_jobs", "copy_batch_max",
                "host_evict_ahead_blocks", "pin_host_memory", "prefault_host_memory", "max_key_bytes",
                "writer_queue_blocks", "writer_batch_blocks", "writer_batch_bytes", "writer_batch_seconds",
-               "disk_map_size_bytes")
+               "disk_map_size_bytes", "disk_io")
 #: TieredKVConfig fields that cannot mean the same thing under vLLM: refused, saying what to use instead
 REFUSED_KEYS: dict[str, str] = {
     "host_capacity_bytes": "set 'host_bytes' (the host slab EngineCore and every worker share)",
