@@ -35,9 +35,11 @@ _PARTS: dict[str, tuple[str, str]] = {
     "e2e": ("e2e", "e2e"),
     "trace": ("trace", "trace"),
     "step": ("step", "step"),
+    "busy": ("busy", "busy"),
 }
 SECTIONS = tuple(_PARTS)
-DEFAULT_SECTIONS = {"full": SECTIONS, "quick": SECTIONS, "smoke": SECTIONS}
+# smoke (the tests' one shared run) leaves out busy: it runs for fixed seconds per row; tests/test_bench_busy.py runs it
+DEFAULT_SECTIONS = {"full": SECTIONS, "quick": SECTIONS, "smoke": tuple(s for s in SECTIONS if s != "busy")}
 _FORMAT_VERSION = 1
 
 
@@ -51,6 +53,7 @@ def run_bench(mode: str = "full", seed: int = 0, bench_dir: Optional[str] = None
     import gc
 
     from . import core, disk, e2e, report
+    from . import busy as busy_part
     from . import step as step_part
     from . import trace as trace_part
     from .common import LoadMonitor, as_mode, machine_facts
@@ -117,6 +120,12 @@ def run_bench(mode: str = "full", seed: int = 0, bench_dir: Optional[str] = None
                 result["sections"]["step"] = step_part.bench_step(mode, seed, str(parent),
                                                                   log=lambda s: log(f"step: {s}"))
                 result["section_seconds"]["step"] = time.perf_counter() - t
+            if part("busy"):
+                _settle()
+                t = time.perf_counter()
+                result["sections"]["busy"] = busy_part.bench_busy(mode, seed, str(parent),
+                                                                  log=lambda s: log(f"busy: {s}"))
+                result["section_seconds"]["busy"] = time.perf_counter() - t
     finally:
         gc.unfreeze()
     result["background_load"] = whole.result
@@ -140,7 +149,9 @@ def add_bench_command(sub: Any) -> None:
                     "at a time; engine-thread latency with the disk writer saturated vs no disk tier; the demo "
                     "workload with no offload, host, host+disk; a production trace replayed through the public API "
                     "beside a plain dict LRU; a realistic engine step (32 lookups, 64 loads, 64 stores, disk on) "
-                    "beside the unsafe dict original; and, "
+                    "beside the unsafe dict original; the disk tier beside an engine thread busy in Python "
+                    "(spills published, engine CPU per step, one load from disk) with its I/O in a child process vs in "
+                    "threads; and, "
                     "with CUDA, device<->host GB/s vs torch's copy and store() latency on a CUDA KV tensor.  "
                     "Missed targets do not fail the command.",
     )

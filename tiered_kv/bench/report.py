@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
+from . import busy as _busy
 from . import core as _core
 from . import disk as _disk
 from . import step as _step
@@ -33,6 +34,7 @@ _ISSUE22 = "issue 22 section 2"
 _ISSUE22_3 = "issue 22 section 3"
 _ISSUE22_4 = "issue 22 section 4"
 _ISSUE22_5 = "issue 22 section 5"
+_ISSUE26 = "issue 26"
 
 
 def _evict_runs(e: dict[str, Any]) -> str:
@@ -391,6 +393,92 @@ def _step_figures(r: dict[str, Any]) -> list[dict[str, Any]]:
                       f"/ p99 {t['wall_us_p99']:.0f} us; {r['row_bytes']}-byte rows")]
 
 
+# ----------------------------------------------------------------------------- busy engine (issue 26)
+def _busy_skip(*runs: Optional[dict[str, Any]]) -> Optional[str]:
+    """Why a figure over these runs cannot be computed (a run missing or in error), else None."""
+    for x in runs:
+        if x is None:
+            return "not run"
+        if x.get("error"):
+            return f"disk_io={x.get('disk_io')} did not run: {x['error']}"
+    return None
+
+
+def _shed_text(x: dict[str, Any]) -> str:
+    by = x.get("shed_by_reason") or {}
+    return f"{x['shed']:,.0f}" + (f" ({', '.join(f'{k} {v:,.0f}' for k, v in by.items())})" if by else "")
+
+
+def _busy_figures(r: dict[str, Any]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    sec = "busy engine"
+    tg = TARGETS
+    idle_label = next(e for e in _busy.ENGINES if e[1] == "sleep")
+    for io in _busy.DISK_IO:
+        base = _busy.find_row(r, io, idle_label[0])
+        for engine, kind, ms in _busy.ENGINES:
+            if kind != "busy":
+                continue
+            x = _busy.find_row(r, io, engine)
+            skipped = _busy_skip(x, base)
+            note = ""
+            if not skipped:
+                assert x is not None and base is not None
+                note = (f"{x['published']:,.0f} of {x['stores_done']:,.0f} stores published, shed {_shed_text(x)}, "
+                        f"{x['written_mb_s']:.0f} MB/s published (offered {x['offered_mb_s']:.0f}); idle engine: "
+                        f"shed {_shed_text(base)}; child processes started {x['child_processes_started']}")
+                if x["stores_refused"]:
+                    note += f"; stores refused {x['stores_refused']}"
+            out.append(_fig(
+                sec, f"busy.published_fraction.{io}.{engine}",
+                f"spills published / stores, engine busy {ms:g} ms, disk_io={io}", "fraction",
+                None if skipped else x["published_fraction"], None if skipped else base["published_fraction"],
+                f"the same steps with the engine thread sleeping {idle_label[2]:g} ms (GIL free), same disk_io",
+                "idle engine", target_on="value", threshold=tg["busy_published_fraction"], source=_ISSUE26,
+                note=note, skipped=skipped))
+    for engine, kind, ms in _busy.ENGINES:
+        p, t = _busy.find_row(r, "process", engine), _busy.find_row(r, "thread", engine)
+        skipped = _busy_skip(p, t)
+        what = f"{'busy' if kind == 'busy' else 'sleeping'} {ms:g} ms"
+        out.append(_fig(
+            sec, f"busy.engine_cpu_us.{engine}",
+            f"engine CPU per step, engine {what}, disk_io=process", "us",
+            None if skipped else p["engine_cpu_us"]["mean"], None if skipped else t["engine_cpu_us"]["mean"],
+            "the same steps with disk_io=thread (the writer and readers as threads of the engine's process)",
+            "disk_io=thread", better="lower", target_on="ratio", op="<=",
+            threshold=tg["busy_engine_cpu_process_vs_thread"], source=_ISSUE26, skipped=skipped,
+            stats=None if skipped else {"value": p["engine_cpu_us"], "baseline": t["engine_cpu_us"]},
+            note="" if skipped else
+            f"engine-thread CPU of {r['stores_per_step']} store() + wait + free_block + poll() per step, mean over "
+            f"{p['engine_cpu_us']['n']:,} steps; p99 {p['engine_cpu_us']['p99']:.0f} us (thread "
+            f"{t['engine_cpu_us']['p99']:.0f}); the library's calls only, not the engine's own work"))
+    pr = r.get("promote") or {}
+    for io in ("process", "thread"):
+        x = pr.get(io)
+        skipped = _busy_skip(x)
+        for stat, q in (("p50", "median"), ("p99", "p99")):
+            target = io == "process"
+            note = ""
+            if not skipped:
+                assert x is not None
+                note = (f"after the {r['promote_engine_ms']:g} ms of engine work until wait() returns, "
+                        f"{x['busy']['after_us']['n']} + {x['idle']['after_us']['n']} loads; load..wait {stat} "
+                        f"{x['busy']['total_us'][q]:.0f} us busy / {x['idle']['total_us'][q]:.0f} us idle; "
+                        f"child processes started {x['child_processes_started']}")
+                if not target:
+                    note = "disk_io=thread, for comparison with disk_io=process; " + note
+            out.append(_fig(
+                sec, f"busy.promote_{stat}.{io}",
+                f"one load from disk {stat}, engine busy {r.get('promote_engine_ms', 5):g} ms, disk_io={io}", "us",
+                None if skipped else x["busy"]["after_us"][q], None if skipped else x["idle"]["after_us"][q],
+                f"the same loads with the engine thread sleeping {r.get('promote_engine_ms', 5):g} ms, same disk_io",
+                "idle engine, loads", better="lower", target_on="ratio" if target else None, op="<=",
+                threshold=tg["busy_promote_busy_vs_idle"] if target else None, source=_ISSUE26 if target else None,
+                stats=None if skipped else {"value": x["busy"]["after_us"], "baseline": x["idle"]["after_us"]},
+                note=note, skipped=skipped))
+    return out
+
+
 def _median_run(mode: dict[str, Any], tier: str) -> Any:
     runs = sorted(r["hits_by_tier"][tier] for r in mode["runs"])
     return runs[len(runs) // 2] if runs else None
@@ -410,6 +498,8 @@ def collect_figures(result: dict[str, Any]) -> list[dict[str, Any]]:
         out += _trace_figures(s["trace"])
     if s.get("step"):
         out += _step_figures(s["step"])
+    if s.get("busy"):
+        out += _busy_figures(s["busy"])
     return out
 
 
@@ -455,6 +545,33 @@ def problems(result: dict[str, Any]) -> dict[str, list[str]]:
     for r in (st_.get("runs") or {}).get("tkv", []):
         if r.get("loads_failed"):
             other.append(f"engine step: {r['loads_failed']:.0f} loads failed")
+    bz = s.get("busy") or {}
+    for x in bz.get("rows", []):
+        tag = f"busy {x.get('disk_io')} {x.get('engine')}"
+        if x.get("error"):
+            other.append(f"{tag}: did not run: {x['error']}")
+            continue
+        if x["disk_io"] == "process" and x.get("child_processes_started") == 0:
+            other.append(f"{tag}: disk_io=process started no child process (the row measured in-process I/O)")
+        if not x["flush_ok"]:
+            other.append(f"{tag}: flush() did not finish or failed")
+        if x["spills_failed"] or x["disk_errors"]:
+            other.append(f"{tag}: {x['spills_failed']:.0f} spills failed, {x['disk_errors']:.0f} disk errors")
+        odd = {k: v for k, v in x["shed_by_reason"].items() if k != "backpressure"}
+        if odd or x["stores_refused"]:
+            other.append(f"{tag}: spills shed for {odd or 'no other reason'}, stores refused {x['stores_refused']} "
+                         f"({x['stores_shed_by_reason']})")
+    for io, p in (bz.get("promote") or {}).items():
+        if p.get("error"):
+            other.append(f"busy promote {io}: did not run: {p['error']}")
+            continue
+        if p["bad_rows"]:
+            wrong.append(f"busy promote {io}: {p['bad_rows']} rows with wrong bytes")
+        if p["misses"] or p["failed"] or p["already_in_host"]:
+            other.append(f"busy promote {io}: {p['misses']} misses, {p['failed']} failed, {p['already_in_host']} "
+                         f"keys already in the host tier")
+        if io == "process" and p.get("child_processes_started") == 0:
+            other.append(f"busy promote {io}: disk_io=process started no child process (measured in-process I/O)")
     e = s.get("e2e") or {}
     for mode, x in (e.get("modes") or {}).items():
         if x["corrupt_loads"]:
@@ -536,7 +653,7 @@ def format_table(result: dict[str, Any]) -> str:
                      f"{_met(f)}".rstrip())
     with_t = [f for f in figs if f["met"] is not None]
     lines += ["", f"targets met: {sum(f['met'] for f in with_t)} of {len(with_t)} "
-                  f"(targets from issues 2, 3 and 22, each figure's source in --json; ratio = tiered_kv / baseline)",
+                  f"(targets from issues 2, 3, 22 and 26, each figure's source in --json; ratio = tiered_kv / baseline)",
               "", "baselines (measured in the same process, interleaved with tiered_kv):"]
     lines += [f"  {k:<{wv}}{v}" for k, v in legend.items()]
     notes = [f for f in figs if f["note"]]
@@ -596,6 +713,8 @@ def format_details(result: dict[str, Any]) -> str:
         parts.append(_trace.format_trace(s["trace"]))
     if s.get("step"):
         parts.append(_step.format_step(s["step"]))
+    if s.get("busy"):
+        parts.append(_busy.format_busy(s["busy"]))
     return "\n\n".join(parts)
 
 
