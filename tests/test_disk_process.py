@@ -321,3 +321,24 @@ def test_a_manager_made_on_a_thread_that_ends_keeps_its_disk_process(rig: Rig) -
     time.sleep(0.2)   # not an ordering: the window in which a wrongly armed signal would have landed
     assert not _dead(store.pid) and not store.down
     store_one(mgr, kv, b"k", 0)
+
+
+def test_a_pass_with_nothing_for_the_disk_writes_nothing_to_the_child(rig: Rig,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine pays for the pipe only when it has ops to send (no frame per poll)."""
+    from tiered_kv.disk import proc
+
+    kv = make_kv(rows=8)
+    mgr = rig.open(kv, host_slots=8, disk_slots=64)
+    ks = keys(8, "n")
+    store_seq(mgr, kv, ks)
+    for i, k in enumerate(keys(8, "m")):
+        store_one(mgr, kv, k, i % 8)                # ks are on disk only
+    frames: list[object] = []
+    real = proc._frame
+    monkeypatch.setattr(proc, "_frame", lambda obj: (frames.append(obj), real(obj))[1])
+    for _ in range(20):
+        mgr.poll()
+    assert frames == []
+    assert load_ok(mgr, kv, ks[0], 0)               # a read: its promote and start go out in one frame
+    assert any(("R",) in f for f in frames)         # type: ignore[operator]

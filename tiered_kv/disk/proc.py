@@ -193,6 +193,7 @@ class ProcessDiskStore:
         self._on_prevented = on_prevented
         self._on_corrupt = on_corrupt
         self._cmds: list[tuple[Any, ...]] = []
+        self._reads_held = False          # promotes queued since the last start_reads()
         self._backlog = bytearray()
         self._lock = threading.Lock()     # guards _outstanding and _down between the owner and the receiver
         # token.int -> (kind, token) of every spill, promote and flush sent and not yet answered
@@ -405,11 +406,15 @@ class ProcessDiskStore:
             self._answer_failed([("promote", token)])
             return
         self._cmds.append(("P", token.int, key, expect.int, self._slot(dst)))
+        self._reads_held = True
 
     def start_reads(self) -> None:
-        """Hand the held reads to the readers: the child starts them when this pass's frame arrives."""
-        self._cmds.append(("R",))
-        self.kick()
+        """Hand the held reads to the readers: the child starts them when this pass's frame arrives
+        (a pass with none held sends nothing)."""
+        if self._reads_held:
+            self._reads_held = False
+            self._cmds.append(("R",))
+            self.kick()
 
     def kick(self) -> None:
         """Write the ops buffered since the last call as one frame, without waiting: what the pipe
