@@ -342,3 +342,29 @@ def test_a_pass_with_nothing_for_the_disk_writes_nothing_to_the_child(rig: Rig,
     assert frames == []
     assert load_ok(mgr, kv, ks[0], 0)               # a read: its promote and start go out in one frame
     assert any(("R",) in f for f in frames)         # type: ignore[operator]
+
+
+def test_an_entry_the_restarted_child_does_not_find_leaves_the_index(rig: Rig) -> None:
+    """The restart's reconcile drops what the disk lost while no child ran (here: a record removed
+    by hand, as an operator's repair or a recovery purge would), so lookup never promises it."""
+    from disk_helpers import raw_env
+    from tiered_kv.disk.format import lmdb_key
+
+    kv = make_kv(rows=8)
+    mgr = rig.open(kv, host_slots=8, disk_slots=64)
+    ks = keys(3, "lost")
+    store_seq(mgr, kv, ks)
+    for i, k in enumerate(keys(8, "over")):
+        store_one(mgr, kv, k, i % 8)                # ks are on disk only
+    assert mgr.lookup(ks) == 3
+    store = _child(mgr)
+    store.kill_for_test(signal.SIGKILL)
+    _wait_down(store)
+    with raw_env(mgr.config.disk_dir, write=True) as (env, dbs):
+        with env.begin(write=True) as txn:
+            assert txn.delete(lmdb_key(ks[1]), db=dbs["blocks"])
+    drain(mgr)                                      # the restart
+    assert not _child(mgr).down
+    assert mgr.lookup(ks) == 1                      # ks[1] is gone; the prefix stops there
+    assert mgr.load(ks[1], 0) is None
+    assert load_ok(mgr, kv, ks[0], 1) and load_ok(mgr, kv, ks[2], 2)
