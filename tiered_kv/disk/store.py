@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from pathlib import Path
 from typing import Callable, Optional
 
 import lmdb
@@ -39,7 +40,27 @@ from .slots import SlotFile
 from .tombs import Tombs
 from .writer import Writer
 
-__all__ = ["DiskStore"]
+__all__ = ["DiskStore", "take_path"]
+
+
+def take_path(path: Path) -> int:
+    """Make ``path`` if needed, check that it is writable and take its lock; returns the lock's fd.
+
+    Raises :class:`DiskInUseError` (naming the holder's pid) when another owner holds it, and
+    :class:`DiskTierError` when it cannot be made, written or locked."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DiskTierError(f"disk_path {str(path)!r} cannot be created: {exc}") from exc
+    if not os.access(path, os.W_OK):
+        raise DiskTierError(f"disk_path {str(path)!r} is not writable")
+    try:
+        return lock.take(path)
+    except lock.LockHeld as held:
+        raise DiskInUseError(f"disk_path {str(path)!r} is in use by another owner (a TierManager, a vLLM engine or a writing operator tool; pid {held.holder}); "
+                             f"one manager per path") from None
+    except OSError as exc:
+        raise DiskTierError(f"disk_path {str(path)!r}: cannot open lock file: {exc}") from exc
 
 
 class DiskStore:
@@ -71,20 +92,8 @@ class DiskStore:
     def _open(self, on_error: Callable[[str, str], None]) -> int:
         """Take the path, open the environment and the slot file, recover; the highest sequence number."""
         o = self.opts
-        try:
-            o.path.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise DiskTierError(f"disk_path {str(o.path)!r} cannot be created: {exc}") from exc
-        if not os.access(o.path, os.W_OK):
-            raise DiskTierError(f"disk_path {str(o.path)!r} is not writable")
-        try:
-            if not self._lock_shared:
-                self._lock_fd = lock.take(o.path)
-        except lock.LockHeld as held:
-            raise DiskInUseError(f"disk_path {str(o.path)!r} is in use by another owner (a TierManager, a vLLM engine or a writing operator tool; pid {held.holder}); "
-                                 f"one manager per path") from None
-        except OSError as exc:
-            raise DiskTierError(f"disk_path {str(o.path)!r}: cannot open lock file: {exc}") from exc
+        if not self._lock_shared:
+            self._lock_fd = take_path(o.path)
         try:
             ns = o.namespace.encode()
             self.db = DiskEnv(o.path, ns, o.block_bytes, o.durability, o.map_size_bytes, o.target_slots(),
