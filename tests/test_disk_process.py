@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tiered_kv.disk.proc import CHILD_DIED, ProcessDiskStore
 from tiered_kv.errors import DiskInUseError
@@ -32,6 +33,18 @@ pytestmark = pytest.mark.timeout(120)
 def _child(mgr) -> ProcessDiskStore:
     store = mgr.disk
     assert isinstance(store, ProcessDiskStore), type(store)
+    return store
+
+
+def _spill_to_a_stopped_child(mgr, kv: torch.Tensor, key: bytes, row: int = 0) -> ProcessDiskStore:  # type: ignore[no-untyped-def]
+    """Stop the child (SIGSTOP), store ``key`` and poll: its spill is sent and never answered."""
+    store = _child(mgr)
+    store.kill_for_test(signal.SIGSTOP)
+    fill(kv, row, key)
+    job = mgr.store(key, row)
+    assert job is not None
+    mgr.wait([job], timeout=30)                     # the host copy; its spill goes to the stopped child
+    mgr.poll()
     return store
 
 
@@ -86,13 +99,7 @@ def test_a_killed_child_answers_every_op_counts_it_and_is_restarted(rig: Rig) ->
     mgr = rig.open(kv, host_slots=8, disk_slots=64)
     before = keys(6, "old")
     store_seq(mgr, kv, before)                      # durable: they survive the crash
-    store = _child(mgr)
-    store.kill_for_test(signal.SIGSTOP)             # nothing it is sent now gets done
-    fill(kv, 0, b"inflight")
-    job = mgr.store(b"inflight", 0)
-    assert job is not None
-    mgr.wait([job], timeout=30)                     # the host copy; its spill goes to the stopped child
-    mgr.poll()
+    store = _spill_to_a_stopped_child(mgr, kv, b"inflight")
     assert store.queue_depth == 1                   # sent, never answered by the stopped child
     store.kill_for_test(signal.SIGKILL)
     _wait_down(store)
@@ -119,11 +126,7 @@ def test_a_killed_child_answers_every_op_counts_it_and_is_restarted(rig: Rig) ->
 def test_a_flush_waiting_when_the_child_dies_returns_false(rig: Rig) -> None:
     kv = make_kv(rows=4)
     mgr = rig.open(kv)
-    store = _child(mgr)
-    store.kill_for_test(signal.SIGSTOP)
-    fill(kv, 0, b"k")
-    mgr.wait([mgr.store(b"k", 0)], timeout=30)
-    mgr.poll()
+    store = _spill_to_a_stopped_child(mgr, kv, b"k")
     killer = subprocess.Popen([PYTHON, "-c", f"import os, signal, time; time.sleep(0.3); os.kill({store.pid}, 9)"])
     try:
         assert mgr.flush(timeout=60) is False
@@ -287,11 +290,7 @@ def test_the_childs_log_records_reach_the_engines_logging(rig: Rig, caplog: pyte
 def test_child_died_is_the_reason_given_to_a_spill_it_took(rig: Rig) -> None:
     kv = make_kv(rows=4)
     mgr = rig.open(kv)
-    store = _child(mgr)
-    store.kill_for_test(signal.SIGSTOP)
-    fill(kv, 0, b"k")
-    mgr.wait([mgr.store(b"k", 0)], timeout=30)
-    mgr.poll()
+    store = _spill_to_a_stopped_child(mgr, kv, b"k")
     seen = []
     orig = mgr._core._apply_spill
 
@@ -368,3 +367,47 @@ def test_an_entry_the_restarted_child_does_not_find_leaves_the_index(rig: Rig) -
     assert mgr.lookup(ks) == 1                      # ks[1] is gone; the prefix stops there
     assert mgr.load(ks[1], 0) is None
     assert load_ok(mgr, kv, ks[0], 1) and load_ok(mgr, kv, ks[2], 2)
+
+
+def test_a_python_that_cannot_start_the_child_falls_back_to_threads(rig: Rig, monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """An embedding whose ``sys.executable`` is not a Python (or cannot run the child) keeps its disk tier."""
+    import sys
+
+    from tiered_kv.disk import DiskStore
+
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    kv = make_kv(rows=4)
+    with caplog.at_level(logging.WARNING, logger="tiered_kv"):
+        mgr = rig.open(kv)
+    assert isinstance(mgr.disk, DiskStore)
+    assert metric(mgr, "tiered_kv_errors_total", tier="disk", error="io_process_start_failed") == 1
+    assert any("runs as threads" in r.getMessage() for r in caplog.records)
+    store_one(mgr, kv, b"k", 0)
+
+
+def test_a_restarted_child_that_dies_again_soon_is_restarted_after_a_back_off(rig: Rig) -> None:
+    """A crash loop: the first death restarts at once, a quick second one waits (1 s, doubling)."""
+    kv = make_kv(rows=4)
+    mgr = rig.open(kv)
+    tier = mgr._core.disk
+    assert tier is not None
+    first = _child(mgr)
+    first.kill_for_test(signal.SIGKILL)
+    _wait_down(first)
+    mgr.poll()
+    second = _child(mgr)
+    assert second is not first and not second.down and tier.restarts == 1
+    second.kill_for_test(signal.SIGKILL)
+    _wait_down(second)
+    mgr.poll()
+    assert _child(mgr) is second and not tier.usable          # waiting out the back-off
+    assert tier._retry_at - time.monotonic() > 0.5
+    fill(kv, 0, b"during")
+    mgr.wait([mgr.store(b"during", 0)], timeout=30)
+    mgr.poll()
+    assert metric(mgr, "tiered_kv_shed_total", kind="spill", reason="disk_down") == 1
+    tier._retry_at = 0.0                                      # the back-off is over
+    mgr.poll()
+    assert _child(mgr) is not second and tier.usable and tier.restarts == 2
+    store_one(mgr, kv, b"after", 1)

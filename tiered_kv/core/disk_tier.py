@@ -19,7 +19,7 @@ from typing import Optional, Union
 
 from ..config import TieredKVConfig
 from ..disk import SPILL_PREVENTED, DiskOptions, DiskStore
-from ..disk.proc import ProcessDiskStore, SharedHost
+from ..disk.proc import ProcessDiskStore, ProcessStartError, SharedHost
 from ..errors import DiskInUseError, DiskTierError
 from ..jobs import JobKind
 from ..metrics import Metrics
@@ -74,6 +74,8 @@ class DiskTier:
         self._on_error = on_error
         self._backoff = 0.0
         self._retry_at = 0.0
+        self._started_at = time.monotonic()
+        self._seen_death: object = None   # the dead store restart() has looked at (a back-off is decided once per death)
         self.restarts = 0
 
     @classmethod
@@ -115,7 +117,13 @@ class DiskTier:
                              on_corrupt=on_corrupt)
 
         try:
-            store = make()
+            try:
+                store = make()
+            except ProcessStartError as exc:   # this Python cannot run the child: the same store, as threads
+                log.warning("disk tier %s: %s; its I/O runs as threads of this process instead", cfg.disk_dir, exc)
+                on_error("io_process_start_failed", str(exc))
+                store = DiskStore(opts, completions, on_error=on_error, on_prevented=m.orphaned_prevented.inc,
+                                  on_corrupt=on_corrupt)
         except DiskInUseError:
             raise
         except DiskTierError as exc:
@@ -166,10 +174,20 @@ class DiskTier:
         one on disk that the index no longer holds (invalidated, evicted, or deleted by an op the
         dead process never committed) is deleted, token-matched -- nothing the owner dropped comes
         back.  A failed start is counted and tried again after a back-off (1 s, doubling to 60 s),
-        with the tier down (spills shed as ``disk_down``, reads missing) meanwhile."""
+        with the tier down (spills shed as ``disk_down``, reads missing) meanwhile; so is a
+        restarted process that dies again within 60 s of its start (a crash loop costs a recovery
+        scan per restart, not one per engine step).  A process that ran longer is restarted at once."""
         assert self._reopen is not None
         now = time.monotonic() if now is None else now
+        if self._seen_death is not self.store:   # the first look at this death
+            self._seen_death = self.store
+            if self.restarts and now - self._started_at < RESTART_BACKOFF_MAX_S:
+                self._backoff = min(RESTART_BACKOFF_MAX_S, max(RESTART_BACKOFF_MIN_S, 2 * self._backoff))
+                self._retry_at = now + self._backoff
+            else:
+                self._backoff = self._retry_at = 0.0
         if now < self._retry_at:
+            self.usable = False
             return False
         self.usable = False
         self.store.close()   # the dead child's pipes and its share of the path lock
@@ -194,7 +212,7 @@ class DiskTier:
         for key, token in kept.items():
             store.submit_delete(token, key)
         store.kick()
-        self._backoff = 0.0
+        self._started_at = now
         self.usable = True
         self.restarts += 1
         log.warning("disk tier %s: disk I/O process restarted (pid %d); %d entr%s lost with the last one, "

@@ -61,8 +61,9 @@ from ..reports import CompletionQueue, Report
 from . import lock
 from .records import READ_FAILED, DiskOptions, FlushDone, StoredEntry
 from .recovery import RecoveryReport
+from .store import take_path
 
-__all__ = ["SharedHost", "ProcessDiskStore", "child_main", "CHILD_DIED"]
+__all__ = ["SharedHost", "ProcessDiskStore", "ProcessStartError", "child_main", "CHILD_DIED"]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,12 @@ _PKG_DIR = str(Path(__file__).resolve().parent.parent)
 # the child imports tiered_kv.disk without the package's __init__ (which imports torch and the manager)
 _BOOT = ("import sys, types; p = types.ModuleType('tiered_kv'); p.__path__ = [{pkg!r}]; "
          "sys.modules['tiered_kv'] = p; from tiered_kv.disk.proc import child_main; child_main()")
+
+
+class ProcessStartError(DiskTierError):
+    """The disk I/O process could not be started, or exited before it said why (a Python that cannot
+    run it, an import error); a disk tier that the child opened and found unusable raises
+    :class:`DiskTierError` itself."""
 
 
 @dataclass(frozen=True)
@@ -206,29 +213,13 @@ class ProcessDiskStore:
         self.exit_code: Optional[int] = None
         self.recovery = RecoveryReport()
         self.entries: list[StoredEntry] = []
-        self._lock_fd = self._take_lock()
+        self._lock_fd = take_path(opts.path)
         try:
             self._start()
         except BaseException:
             lock.release(self._lock_fd)
             self._lock_fd = -1
             raise
-
-    def _take_lock(self) -> int:
-        o = self.opts
-        try:
-            o.path.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise DiskTierError(f"disk_path {str(o.path)!r} cannot be created: {exc}") from exc
-        if not os.access(o.path, os.W_OK):
-            raise DiskTierError(f"disk_path {str(o.path)!r} is not writable")
-        try:
-            return lock.take(o.path)
-        except lock.LockHeld as held:
-            raise DiskInUseError(f"disk_path {str(o.path)!r} is in use by another owner (a TierManager, a vLLM "
-                                 f"engine or a writing operator tool; pid {held.holder}); one manager per path") from None
-        except OSError as exc:
-            raise DiskTierError(f"disk_path {str(o.path)!r}: cannot open lock file: {exc}") from exc
 
     def _start(self) -> None:
         h = self._host
@@ -243,7 +234,7 @@ class ProcessDiskStore:
         except OSError as exc:
             for fd in (cmd_r, cmd_w, rep_r, rep_w):
                 os.close(fd)
-            raise DiskTierError(f"disk_path {str(self.opts.path)!r}: cannot start the disk I/O process: {exc}") from exc
+            raise ProcessStartError(f"disk_path {str(self.opts.path)!r}: cannot start the disk I/O process: {exc}") from exc
         os.close(cmd_r)
         os.close(rep_w)
         self._cmd_w, self._rep_r = cmd_w, rep_r
@@ -272,7 +263,7 @@ class ProcessDiskStore:
                 items = frames.next()
             except EOFError:
                 rc = self._proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-                raise DiskTierError(f"disk_path {str(self.opts.path)!r}: the disk I/O process exited at open "
+                raise ProcessStartError(f"disk_path {str(self.opts.path)!r}: the disk I/O process exited at open "
                                     f"(status {rc})") from None
             for msg in items:
                 if msg[0] == "ready":
