@@ -411,3 +411,99 @@ def test_a_restarted_child_that_dies_again_soon_is_restarted_after_a_back_off(ri
     mgr.poll()
     assert _child(mgr) is not second and tier.usable and tier.restarts == 2
     store_one(mgr, kv, b"after", 1)
+
+
+# --------------------------------------------------------------------------- the child's outbox
+def _outbox() -> tuple["proc._Outbox", list[list[tuple]]]:  # type: ignore[name-defined]
+    import pickle
+
+    from tiered_kv.disk import proc
+
+    frames: list[list[tuple]] = []
+    box = proc._Outbox(lambda data: frames.append(pickle.loads(data[4:])))
+    box.status = lambda: {"tombstones": 0}
+    box.inline = True
+    return box, frames
+
+
+def _report(kind: str, ok: bool = True) -> "Report":  # type: ignore[name-defined]
+    import uuid
+
+    from tiered_kv.jobs import JobKind
+    from tiered_kv.reports import Report
+    return Report(uuid.uuid4(), JobKind(kind), ok)
+
+
+def test_a_readers_answer_leaves_at_once_behind_what_was_queued_before_it() -> None:
+    from tiered_kv.disk.records import FlushDone
+
+    box, frames = _outbox()
+    spill = _report("spill")
+    box.put(spill)                                   # the writer's: waits for the sender thread
+    box.put(FlushDone(spill.token, True))
+    assert frames == []
+    read = _report("promote")
+    box.put(read)                                    # a reader's: sent now, with everything before it, in order
+    assert len(frames) == 1
+    tags = [(it[0], it[1]) for it in frames[0] if it[0] in "rf"]
+    assert tags == [("r", spill.token.int), ("f", spill.token.int), ("r", read.token.int)]
+    assert frames[0][-1][0] == "s"                   # not only reads: the status comes along
+
+
+def test_a_readers_answer_waits_for_a_frame_being_written_and_is_not_lost() -> None:
+    box, frames = _outbox()
+    assert box._sending.acquire()                    # another thread is writing a frame
+    read = _report("promote")
+    box.put(read)
+    assert frames == [] and box.pending()            # not blocked, not sent, still queued
+    box._sending.release()
+    assert box.send(block=True)                      # what the sender thread does next
+    assert [it[1] for it in frames[0] if it[0] == "r"] == [read.token.int]
+
+
+def test_frames_of_reads_alone_skip_the_status_only_while_it_is_fresh() -> None:
+    box, frames = _outbox()
+    box.put(_report("promote"))
+    box.put(_report("promote"))
+    assert [f[-1][0] for f in frames] == ["s", "r"]  # the first carries one, the next within 0.25 s not
+    box.status_at -= 1.0                             # the status is a second old
+    box.put(_report("promote"))
+    assert frames[-1][-1][0] == "s"
+
+
+def test_a_lone_held_read_runs_on_the_calling_thread_when_asked(tmp_path: Path) -> None:
+    """The child's command thread reads a lone promote itself; two held reads go to the readers."""
+    import threading
+    import uuid
+
+    from tiered_kv.disk import DiskOptions, DiskStore
+    from tiered_kv.reports import CompletionQueue
+
+    q = CompletionQueue()
+    store = DiskStore(DiskOptions(path=tmp_path / "d", namespace="x", block_bytes=4096, capacity_bytes=64 * 4096,
+                                  batch_seconds=0.0), q)
+    try:
+        src = bytearray(b"a" * 4096)
+        token = uuid.uuid4()
+        assert store.submit_spill(token, b"k", memoryview(src))
+        assert q.get(30).ok
+        seen: list[str] = []
+        real = store.readers._answer
+
+        def answer(op, r):  # type: ignore[no-untyped-def]
+            seen.append(threading.current_thread().name)
+            real(op, r)
+
+        store.readers._answer = answer
+        dst = bytearray(4096)
+        store.queue_promote(uuid.uuid4(), b"k", token, memoryview(dst))
+        store.start_reads(lone_here=True)
+        assert seen == [threading.current_thread().name] and bytes(dst) == bytes(src)
+        assert q.get(0).ok
+        for _ in range(2):
+            store.queue_promote(uuid.uuid4(), b"k", token, memoryview(bytearray(4096)))
+        store.start_reads(lone_here=True)
+        assert q.get(30).ok and q.get(30).ok
+        assert seen[1:] and all(name == "tiered-kv-disk-reader" for name in seen[1:])
+    finally:
+        store.close()

@@ -36,6 +36,7 @@ Invariants:
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import ctypes
 import fcntl
@@ -518,6 +519,78 @@ class _Forward(logging.Handler):
         self._send(("l", record.name, record.levelno, msg))
 
 
+class _Outbox(CompletionQueue):
+    """The child's completion queue: what its writer and readers answer, sent to the owner in frames.
+
+    Taking the queued items and writing their frame happen under one lock (``_sending``), so frames
+    leave in the order their items were put (a flush's answer never overtakes the spill reports
+    it covers).  The sender thread sends whatever is queued (waking at least every ``_STATUS_S``
+    with a status); a reader that answers a promote sends at once itself when no other frame is
+    being written, saving the owner's read a thread hand-off."""
+
+    def __init__(self, write: Callable[[bytes], None]) -> None:
+        super().__init__()
+        self._write = write
+        self._items: collections.deque[Any] = collections.deque()
+        self._cond = threading.Condition(threading.Lock())
+        self._sending = threading.Lock()
+        self.status: Callable[[], dict[str, Any]] = dict
+        self.inline = False   # readers send their promote answers themselves (once the store is open)
+        self.status_at = 0.0  # when the last status was sent (monotonic)
+
+    def put(self, item: Any) -> None:
+        inline = self.inline and type(item) is Report and item.kind is JobKind.PROMOTE
+        with self._cond:
+            self._items.append(item)
+            if not inline:   # the reader sends its own answer: waking the sender would only contend
+                self._cond.notify()
+        if inline:
+            if not self.send(block=False):   # another frame is being written: the sender takes this
+                with self._cond:
+                    self._cond.notify()
+
+    def drain(self) -> list[Any]:
+        with self._cond:
+            items = list(self._items)
+            self._items.clear()
+        return items
+
+    def wait(self, timeout: float) -> None:
+        with self._cond:
+            if not self._items:
+                self._cond.wait(timeout)
+
+    def pending(self) -> bool:
+        return bool(self._items)
+
+    def send(self, block: bool, last: Optional[list[Any]] = None) -> bool:
+        """Write one frame of everything queued (and ``last``), with a status; False when another
+        thread is writing one and ``block`` is False (that thread, or the sender, takes these)."""
+        if not self._sending.acquire(blocking=block):
+            return False
+        try:
+            out: list[Any] = []
+            reads_only = True   # only promote answers: the status need not come with them (it costs ~10 us)
+            for it in self.drain():
+                if type(it) is Report:
+                    out.append(("r", it.token.int, it.kind.value, it.ok, it.error, it.nbytes, it.seconds))
+                    reads_only = reads_only and it.kind is JobKind.PROMOTE
+                elif type(it) is FlushDone:
+                    out.append(("f", it.token.int, it.ok, it.error))
+                    reads_only = False
+                else:
+                    out.append(it)
+                    reads_only = False
+            now = time.monotonic()
+            if not (reads_only and out and last is None and now - self.status_at < _STATUS_S):
+                out.append(("s", self.status()))
+                self.status_at = now
+            self._write(_frame(out + (last or [])))
+        finally:
+            self._sending.release()
+        return True
+
+
 def _status(store: Any) -> dict[str, Any]:
     w = store.writer
     err = store.writer_error
@@ -539,17 +612,17 @@ def child_main() -> None:
     from .store import DiskStore   # the disk package, imported here without torch (see _BOOT)
 
     frames = _Frames(cmd_fd)
-    send_lock = threading.Lock()
+
+    def write(data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(rep_fd, view):]
 
     def send(items: list[Any]) -> None:
-        data = _frame(items)
-        with send_lock:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(rep_fd, view):]
+        write(_frame(items))
 
     opts, offset, num_slots, row_bytes, level = frames.next()
-    q = CompletionQueue()
+    q = _Outbox(write)
     root = logging.getLogger("tiered_kv")
     root.setLevel(level)
     root.addHandler(_Forward(q.put))
@@ -572,29 +645,16 @@ def child_main() -> None:
         os._exit(2)
     send(q.drain() + [("ready", [(e.key, e.token.int, e.seq) for e in store.entries], store.recovery,
                        _status(store))])
-
-    stop = object()
+    q.status = lambda: _status(store)
+    q.inline = True
+    stopping = threading.Event()
 
     def sender() -> None:
-        done = False
-        while not done:
-            first = q.get(_STATUS_S)
-            items = [] if first is None else [first]
-            items += q.drain()
-            out: list[Any] = []
-            for it in items:
-                if it is stop:
-                    done = True
-                elif type(it) is Report:
-                    out.append(("r", it.token.int, it.kind.value, it.ok, it.error, it.nbytes, it.seconds))
-                elif type(it) is FlushDone:
-                    out.append(("f", it.token.int, it.ok, it.error))
-                else:
-                    out.append(it)
-            out.append(("s", _status(store)))
-            if done:
-                out.append(("closed",))
-            send(out)
+        while not stopping.is_set():
+            q.wait(_STATUS_S)
+            if q.pending() or time.monotonic() - q.status_at >= _STATUS_S:   # not what a reader just sent
+                q.send(block=True)
+        q.send(block=True, last=[("closed",)])
 
     t = threading.Thread(target=sender, name="tiered-kv-disk-sender", daemon=True)
     t.start()
@@ -612,8 +672,8 @@ def child_main() -> None:
                         q.put(Report(UUID(int=c[1]), JobKind.SPILL, False, "disk writer is not accepting spills"))
                 elif op == "P":
                     store.queue_promote(UUID(int=c[1]), c[2], UUID(int=c[3]), view(c[4]))
-                elif op == "R":
-                    store.start_reads()
+                elif op == "R":   # a lone read runs on this thread: one hand-off less for it
+                    store.start_reads(lone_here=True)
                 elif op == "C":
                     store.cancel(UUID(int=c[1]), c[2])
                 elif op == "D":
@@ -627,6 +687,8 @@ def child_main() -> None:
     except StopIteration:
         pass
     store.close()
-    q.put(stop)
+    stopping.set()
+    with q._cond:
+        q._cond.notify()
     t.join()
     os._exit(0)

@@ -67,14 +67,19 @@ class Readers:
         """Hold a read in the caller's thread until :meth:`start` (a list append: no lock, no wake-up)."""
         self._held_reads.append(op)
 
-    def start(self) -> None:
+    def start(self, lone_here: bool = False) -> None:
         """Hand the held reads to the readers, in batches of what one reader takes at once: one queue
         item (at most one wake-up) per batch, and the reader that takes it sees the whole batch, so it
-        reads in file order from the start."""
+        reads in file order from the start.  ``lone_here``: a lone held read runs in the calling
+        thread instead (the disk I/O process's command thread: no hand-off; never the engine's
+        thread, whose ``wait(timeout=...)`` must not wait on a disk)."""
         held = self._held_reads
         if not held:
             return
         self._held_reads = []
+        if lone_here and len(held) == 1:
+            self._run(held)
+            return
         limit = self._read_limit()
         for i in range(0, len(held), limit):
             self._reads.put(held[i:i + limit])
@@ -99,24 +104,28 @@ class Readers:
             if item is None:
                 return
             ops, stop = self._take_queued(item)
-            first = ops[0]
-            answered: set[uuid.UUID] = set()
-            try:
-                # a lone read skips the batch machinery: less time per read, same outcomes
-                for op, r in (self._read_many(ops) if len(ops) > 1 else [(first, self._read(first))]):
-                    self._answer(op, r)
-                    answered.add(op.token)
-            except BaseException as exc:
-                # a bug or an interrupt inside the read path: every read taken is still answered
-                # once (failed, its entry removed like any unreadable one), and the reader goes on
-                self._on_error("reader_error", repr(exc))
-                for op in ops:
-                    if op.token not in answered:
-                        self._answer(op, Report(op.token, JobKind.PROMOTE, False, f"{READ_FAILED} ({exc!r})"))
-                if not isinstance(exc, Exception):
-                    raise
+            self._run(ops)
             if stop:   # this reader's stop sentinel came up behind the reads it took
                 return
+
+    def _run(self, ops: list[Promote]) -> None:
+        """Read, verify and answer ``ops`` (a reader thread's batch, or a lone read, see :meth:`start`)."""
+        first = ops[0]
+        answered: set[uuid.UUID] = set()
+        try:
+            # a lone read skips the batch machinery: less time per read, same outcomes
+            for op, r in (self._read_many(ops) if len(ops) > 1 else [(first, self._read(first))]):
+                self._answer(op, r)
+                answered.add(op.token)
+        except BaseException as exc:
+            # a bug or an interrupt inside the read path: every read taken is still answered
+            # once (failed, its entry removed like any unreadable one), and the reader goes on
+            self._on_error("reader_error", repr(exc))
+            for op in ops:
+                if op.token not in answered:
+                    self._answer(op, Report(op.token, JobKind.PROMOTE, False, f"{READ_FAILED} ({exc!r})"))
+            if not isinstance(exc, Exception):
+                raise
 
     def _answer(self, op: Promote, r: Report) -> None:
         if not r.ok and r.error is not None:

@@ -155,9 +155,9 @@ class DiskStore:
         """Hold a read in the caller's thread until :meth:`start_reads` (a list append: no lock, no wake-up)."""
         self.readers.hold(Promote(token, key, expect, dst))
 
-    def start_reads(self) -> None:
+    def start_reads(self, lone_here: bool = False) -> None:
         """Hand the reads held by :meth:`queue_promote` to the readers (see :meth:`Readers.start`)."""
-        self.readers.start()
+        self.readers.start(lone_here)
 
     def kick(self) -> None:
         """The end of an owner's pass: nothing to do here (ops went to the threads as they came);
