@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import mmap
 import sys
 
@@ -91,3 +92,43 @@ def test_a_manager_prefaults_its_slab_by_default_and_not_when_told():
 def test_prefault_host_memory_must_be_a_bool(bad):
     with pytest.raises(ConfigError, match="prefault_host_memory"):
         make_config(8, prefault_host_memory=bad)
+
+
+class _FakeCudart:
+    """Records cudaHostRegister/Unregister calls; answers ``rc``."""
+
+    def __init__(self, rc: int = 0) -> None:
+        self.rc = rc
+        self.calls: list[tuple] = []
+
+    def cudaHostRegister(self, addr: int, n: int, flags: int) -> int:  # noqa: N802 (CUDA's name)
+        self.calls.append(("register", addr, n, flags))
+        return self.rc
+
+    def cudaHostUnregister(self, addr: int) -> int:  # noqa: N802
+        self.calls.append(("unregister", addr))
+        return self.rc
+
+
+def test_a_shared_slab_is_pinned_in_place_and_unpinned_at_the_same_address() -> None:
+    """The disk I/O process needs the slab in shared memory, so it is registered with CUDA where it
+    lies instead of being allocated pinned (tiered_kv.hostmem.register_pinned)."""
+    from tiered_kv.hostmem import register_pinned, unregister_pinned
+
+    rows = torch.empty((4, 4096), dtype=torch.uint8)
+    rt = _FakeCudart()
+    register_pinned(rows, rt)
+    unregister_pinned(rows, rt)
+    assert rt.calls == [("register", rows.data_ptr(), 4 * 4096, 0), ("unregister", rows.data_ptr())]
+
+
+def test_a_refused_registration_names_cudas_error(caplog: pytest.LogCaptureFixture) -> None:
+    from tiered_kv.errors import ConfigError
+    from tiered_kv.hostmem import register_pinned, unregister_pinned
+
+    rows = torch.empty((2, 4096), dtype=torch.uint8)
+    with pytest.raises(ConfigError, match=r"cudaHostRegister of the host slab \(8192 bytes\) failed with CUDA error 2"):
+        register_pinned(rows, _FakeCudart(rc=2))
+    with caplog.at_level(logging.WARNING, logger="tiered_kv"):
+        unregister_pinned(rows, _FakeCudart(rc=1))
+    assert any("cudaHostUnregister" in r.getMessage() for r in caplog.records)

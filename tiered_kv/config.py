@@ -90,7 +90,7 @@ class TieredKVConfig:
     disk_map_size_bytes: initial LMDB map size (``0``: derived from capacity).
     disk_io: where the disk tier's writer and readers run.  ``"process"`` (the
         default): in a child process of their own, which maps the host slab
-        (shared memory) and talks to the engine over a socket, so a busy engine
+        (shared memory) and talks to the engine over two pipes, so a busy engine
         thread never slows them through the GIL; a crash of that process is a
         fault (the disk tier misses, counted) and it is restarted.  ``"thread"``:
         threads in the engine's process (fewer moving parts; the disk keeps up
