@@ -414,13 +414,13 @@ def test_a_restarted_child_that_dies_again_soon_is_restarted_after_a_back_off(ri
 
 
 # --------------------------------------------------------------------------- the child's outbox
-def _outbox() -> tuple["proc._Outbox", list[list[tuple]]]:  # type: ignore[name-defined]
+def _outbox() -> tuple["child._Outbox", list[list[tuple]]]:  # type: ignore[name-defined]
     import pickle
 
-    from tiered_kv.disk import proc
+    from tiered_kv.disk import child
 
     frames: list[list[tuple]] = []
-    box = proc._Outbox(lambda data: frames.append(pickle.loads(data[4:])))
+    box = child._Outbox(lambda data: frames.append(pickle.loads(data[4:])))
     box.status = lambda: {"tombstones": 0}
     box.inline = True
     return box, frames

@@ -17,6 +17,7 @@ import ctypes.util
 import dataclasses
 import logging
 import mmap
+import os
 import sys
 import time
 from typing import Any, Optional
@@ -25,7 +26,7 @@ import torch
 
 from .errors import ConfigError
 
-__all__ = ["HostMemory", "prepare_host_memory", "register_pinned", "unregister_pinned"]
+__all__ = ["HostMemory", "prepare_host_memory", "make_shared_rows", "register_pinned", "unregister_pinned"]
 
 log = logging.getLogger(__name__)
 
@@ -109,3 +110,17 @@ def unregister_pinned(rows: torch.Tensor, cudart: Optional[Any] = None) -> None:
     rc = rt.cudaHostUnregister(rows.data_ptr())
     if int(rc) != 0:
         log.warning("cudaHostUnregister of the host slab failed with CUDA error %r", rc)
+
+
+def make_shared_rows(num_slots: int, row_bytes: int) -> tuple[mmap.mmap, int]:
+    """An anonymous shared memory file (memfd) of ``num_slots * row_bytes`` bytes, mapped here;
+    returns the mapping and the file's descriptor (the caller closes both)."""
+    n = num_slots * row_bytes
+    fd = os.memfd_create("tiered_kv-host-slab", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, n)
+        mm = mmap.mmap(fd, n, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return mm, fd

@@ -41,8 +41,8 @@ from .core import CLOSE_TIMEOUT_S, TierCore
 from .checks import (SUPPORTED_DTYPES, check_block, check_device_blocks, check_key, check_many, check_timeout,
                      pin_decision)
 from .errors import BlockBusyError, ConfigError, InvalidJobError, InvalidKeyError, ManagerClosedError
-from .disk.proc import SharedHost, make_shared_rows
-from .hostmem import prepare_host_memory, register_pinned, unregister_pinned
+from .disk.proc import SharedHost
+from .hostmem import make_shared_rows, prepare_host_memory, register_pinned, unregister_pinned
 from .jobs import Completion, Job, JobKind, JobState, StaleReason
 from .metrics import Metrics
 from .movers import CompletionQueue, Mover, Report, Transfer, make_mover

@@ -1,4 +1,4 @@
-"""The disk tier's I/O side: a slot file and its LMDB index, one writer thread, reader threads.
+"""The disk tier's I/O side: a slot file and its LMDB index, one writer thread, reader threads (in a child process by default).
 
 One concern per module (each module's docstring states what it owns and its invariants):
 
@@ -10,7 +10,8 @@ One concern per module (each module's docstring states what it owns and its inva
 * :mod:`.slots`    -- the slot file and its allocator;
 * :mod:`.tombs`    -- cancellations: in-memory sets, durable tombs, token-matched deletes;
 * :mod:`.recovery` -- what open does before the first read;
-* :mod:`.writer`   -- the writer thread; :mod:`.readers` -- the reader threads.
+* :mod:`.writer`   -- the writer thread; :mod:`.readers` -- the reader threads;
+* :mod:`.proc`     -- the store in a process of its own (the owner's side); :mod:`.child` -- that process.
 """
 
 from .env import MAX_DBS, MIN_MAP, SUBDBS, init_meta

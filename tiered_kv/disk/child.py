@@ -1,0 +1,227 @@
+"""The disk I/O process itself: what runs in the child that :class:`~tiered_kv.disk.proc.ProcessDiskStore` starts.
+
+``child_main`` maps the host slab, opens the same :class:`~tiered_kv.disk.store.DiskStore` the
+threads mode uses (writer, readers, tombs, recovery) and pumps messages: ops from the owner's
+pipe onto the store, the store's answers back in frames.  Imported by the child without the
+package's ``__init__`` (no torch; see ``proc._BOOT``).  Invariants:
+
+* every answer the store gives is sent, in the order it was given: taking the queued answers and
+  writing their frame happen under one lock (``_Outbox.send``);
+* the status (queue, health, tombs, sizes) travels with every frame that carries anything but
+  promote answers, and at least every ``_STATUS_S`` otherwise;
+* the child dies with its owner (``PR_SET_PDEATHSIG``, checked against the owner's pid after it
+  is armed); ``SIGINT`` is the engine's, not ours: only ``close()`` (the ``X`` op) or the owner's
+  end stops the store.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import mmap
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from typing import Any, Callable, Optional
+
+from ..errors import DiskInUseError, DiskTierError
+from ..jobs import JobKind
+from ..reports import CompletionQueue, Report
+from .proc import _PR_SET_PDEATHSIG, _STATUS_S, _Frames, _frame
+from .records import FlushDone
+
+__all__ = ["child_main"]
+
+
+class _Forward(logging.Handler):
+    """The child's log records, sent to the owner to be logged there."""
+
+    def __init__(self, send: Callable[[tuple[Any, ...]], None]) -> None:
+        super().__init__()
+        self._send = send
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = self.format(record)
+        except Exception:  # pragma: no cover - a broken record: drop it, never kill the writer
+            return
+        self._send(("l", record.name, record.levelno, msg))
+
+
+class _Outbox(CompletionQueue):
+    """The child's completion queue: what its writer and readers answer, sent to the owner in frames.
+
+    Taking the queued items and writing their frame happen under one lock (``_sending``), so frames
+    leave in the order their items were put (a flush's answer never overtakes the spill reports
+    it covers).  The sender thread sends whatever is queued (waking at least every ``_STATUS_S``
+    with a status); a reader that answers a promote sends at once itself when no other frame is
+    being written, saving the owner's read a thread hand-off."""
+
+    def __init__(self, write: Callable[[bytes], None]) -> None:
+        super().__init__()
+        self._write = write
+        self._items: collections.deque[Any] = collections.deque()
+        self._cond = threading.Condition(threading.Lock())
+        self._sending = threading.Lock()
+        self.status: Callable[[], dict[str, Any]] = dict
+        self.inline = False   # readers send their promote answers themselves (once the store is open)
+        self.status_at = 0.0  # when the last status was sent (monotonic)
+
+    def put(self, item: Any) -> None:
+        inline = self.inline and type(item) is Report and item.kind is JobKind.PROMOTE
+        with self._cond:
+            self._items.append(item)
+            if not inline:   # the reader sends its own answer: waking the sender would only contend
+                self._cond.notify()
+        if inline:
+            if not self.send(block=False):   # another frame is being written: the sender takes this
+                with self._cond:
+                    self._cond.notify()
+
+    def drain(self) -> list[Any]:
+        with self._cond:
+            items = list(self._items)
+            self._items.clear()
+        return items
+
+    def wait(self, timeout: float) -> None:
+        with self._cond:
+            if not self._items:
+                self._cond.wait(timeout)
+
+    def pending(self) -> bool:
+        return bool(self._items)
+
+    def send(self, block: bool, last: Optional[list[Any]] = None) -> bool:
+        """Write one frame of everything queued (and ``last``), with a status; False when another
+        thread is writing one and ``block`` is False (that thread, or the sender, takes these)."""
+        if not self._sending.acquire(blocking=block):
+            return False
+        try:
+            out: list[Any] = []
+            reads_only = True   # only promote answers: the status need not come with them (it costs ~10 us)
+            for it in self.drain():
+                if type(it) is Report:
+                    out.append(("r", it.token.int, it.kind.value, it.ok, it.error, it.nbytes, it.seconds))
+                    reads_only = reads_only and it.kind is JobKind.PROMOTE
+                elif type(it) is FlushDone:
+                    out.append(("f", it.token.int, it.ok, it.error))
+                    reads_only = False
+                else:
+                    out.append(it)
+                    reads_only = False
+            now = time.monotonic()
+            if not (reads_only and out and last is None and now - self.status_at < _STATUS_S):
+                out.append(("s", self.status()))
+                self.status_at = now
+            self._write(_frame(out + (last or [])))
+        finally:
+            self._sending.release()
+        return True
+
+
+def _status(store: Any) -> dict[str, Any]:
+    w = store.writer
+    err = store.writer_error
+    return {"queue_depth": store.queue_depth, "healthy": store.healthy, "writer_alive": store.writer_alive(),
+            "accepting": w.accepting, "writer_error": None if err is None else repr(err),
+            "tombstones": store.tombstones, "map_size": store.map_size, "file_bytes": store.file_bytes(),
+            "slot_file_bytes": store.slot_file_bytes(), "slot_bytes": store.slot_bytes,
+            "slots_in_use": store.slots_in_use}
+
+
+def child_main() -> None:
+    """The disk I/O process: ``argv`` = cmd fd, report fd, host slab fd, lock fd, owner pid."""
+    cmd_fd, rep_fd, host_fd, lock_fd, owner = (int(a) for a in sys.argv[1:6])
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != owner:    # the owner died before the line above
+        os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the engine's Ctrl-C is the engine's: close() stops us
+    from .store import DiskStore   # the disk package, imported here without torch (see _BOOT)
+
+    frames = _Frames(cmd_fd)
+
+    def write(data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(rep_fd, view):]
+
+    def send(items: list[Any]) -> None:
+        write(_frame(items))
+
+    opts, offset, num_slots, row_bytes, level = frames.next()
+    q = _Outbox(write)
+    root = logging.getLogger("tiered_kv")
+    root.setLevel(level)
+    root.addHandler(_Forward(q.put))
+    root.propagate = False
+    mm = mmap.mmap(host_fd, offset + num_slots * row_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    rows = memoryview(mm)[offset:offset + num_slots * row_bytes]
+
+    def view(slot: int) -> memoryview:
+        return rows[slot * row_bytes:(slot + 1) * row_bytes]
+
+    try:
+        store = DiskStore(opts, q, on_error=lambda kind, msg: q.put(("e", kind, msg)),
+                          on_prevented=lambda: q.put(("p",)), on_corrupt=lambda reason: q.put(("c", reason)),
+                          lock_fd=lock_fd)
+    except DiskInUseError as exc:
+        send(q.drain() + [("fail", "in_use", str(exc))])
+        os._exit(2)
+    except Exception as exc:
+        send(q.drain() + [("fail", "tier", str(exc) if isinstance(exc, DiskTierError) else repr(exc))])
+        os._exit(2)
+    send(q.drain() + [("ready", [(e.key, e.token.int, e.seq) for e in store.entries], store.recovery,
+                       _status(store))])
+    q.status = lambda: _status(store)
+    q.inline = True
+    stopping = threading.Event()
+
+    def sender() -> None:
+        while not stopping.is_set():
+            q.wait(_STATUS_S)
+            if q.pending() or time.monotonic() - q.status_at >= _STATUS_S:   # not what a reader just sent
+                q.send(block=True)
+        q.send(block=True, last=[("closed",)])
+
+    t = threading.Thread(target=sender, name="tiered-kv-disk-sender", daemon=True)
+    t.start()
+    UUID = uuid.UUID
+    try:
+        while True:
+            try:
+                cmds = frames.next()
+            except EOFError:   # the owner is gone without close(): finish what was sent, then exit
+                break
+            for c in cmds:
+                op = c[0]
+                if op == "S":
+                    if not store.submit_spill(UUID(int=c[1]), c[2], view(c[3])):
+                        q.put(Report(UUID(int=c[1]), JobKind.SPILL, False, "disk writer is not accepting spills"))
+                elif op == "P":
+                    store.queue_promote(UUID(int=c[1]), c[2], UUID(int=c[3]), view(c[4]))
+                elif op == "R":   # a lone read runs on this thread: one hand-off less for it
+                    store.start_reads(lone_here=True)
+                elif op == "C":
+                    store.cancel(UUID(int=c[1]), c[2])
+                elif op == "D":
+                    store.submit_delete(UUID(int=c[1]), c[2])
+                elif op == "T":
+                    store.submit_touch(c[1])
+                elif op == "F":
+                    store.submit_flush(UUID(int=c[1]))
+                elif op == "X":
+                    raise StopIteration
+    except StopIteration:
+        pass
+    store.close()
+    stopping.set()
+    with q._cond:
+        q._cond.notify()
+    t.join()
+    os._exit(0)
