@@ -127,11 +127,23 @@ def test_a_flush_waiting_when_the_child_dies_returns_false(rig: Rig) -> None:
     kv = make_kv(rows=4)
     mgr = rig.open(kv)
     store = _spill_to_a_stopped_child(mgr, kv, b"k")
-    killer = subprocess.Popen([PYTHON, "-c", f"import os, signal, time; time.sleep(0.3); os.kill({store.pid}, 9)"])
+    import threading
+
+    def kill_once_the_flush_waits() -> None:   # polls for the state, not a guessed time
+        deadline = time.monotonic() + 30
+        while not any(what == "flush" for what, _ in list(store._outstanding.values())):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.001)
+        store.kill_for_test(signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_once_the_flush_waits)
+    killer.start()
     try:
         assert mgr.flush(timeout=60) is False
     finally:
-        killer.wait()
+        killer.join()
+    assert metric(mgr, "tiered_kv_errors_total", tier="disk", error="io_process_died") == 1
 
 
 def test_a_key_invalidated_while_the_child_is_dead_does_not_come_back(rig: Rig) -> None:
