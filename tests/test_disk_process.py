@@ -36,6 +36,24 @@ def _child(mgr) -> ProcessDiskStore:
     return store
 
 
+def _stored(rig: Rig, n: int, prefix: str, *, disk_only: bool = False) -> tuple[torch.Tensor, "TierManager", list[bytes]]:  # type: ignore[name-defined]
+    """A manager of 8 host and 64 disk slots with ``n`` keys stored and flushed; ``disk_only``: then
+    pushed out of the host tier, so that loading one reads it from disk."""
+    kv = make_kv(rows=8)
+    mgr = rig.open(kv, host_slots=8, disk_slots=64)
+    ks = keys(n, prefix)
+    store_seq(mgr, kv, ks)
+    if disk_only:
+        _push_out_of_host(mgr, kv, prefix)
+    return kv, mgr, ks
+
+
+def _push_out_of_host(mgr, kv: torch.Tensor, prefix: str) -> None:  # type: ignore[no-untyped-def]
+    """Store 8 more keys (flushed): what the host tier held before is on disk only."""
+    for i, k in enumerate(keys(8, prefix + "-over")):
+        store_one(mgr, kv, k, i % 8)
+
+
 def _spill_to_a_stopped_child(mgr, kv: torch.Tensor, key: bytes, row: int = 0) -> ProcessDiskStore:  # type: ignore[no-untyped-def]
     """Stop the child (SIGSTOP), store ``key`` and poll: its spill is sent and never answered."""
     store = _child(mgr)
@@ -95,10 +113,7 @@ def test_a_busy_engine_thread_sheds_no_spill_while_the_disk_has_headroom(rig: Ri
 
 # --------------------------------------------------------------------------- a crash of the child
 def test_a_killed_child_answers_every_op_counts_it_and_is_restarted(rig: Rig) -> None:
-    kv = make_kv(rows=8)
-    mgr = rig.open(kv, host_slots=8, disk_slots=64)
-    before = keys(6, "old")
-    store_seq(mgr, kv, before)                      # durable: they survive the crash
+    kv, mgr, before = _stored(rig, 6, "old")        # durable: they survive the crash
     store = _spill_to_a_stopped_child(mgr, kv, b"inflight")
     assert store.queue_depth == 1                   # sent, never answered by the stopped child
     store.kill_for_test(signal.SIGKILL)
@@ -112,9 +127,7 @@ def test_a_killed_child_answers_every_op_counts_it_and_is_restarted(rig: Rig) ->
     # what was durable before the crash is served by the new process, byte for byte
     for i, k in enumerate(before):
         mgr.free_block(i % 8)
-    evict = keys(8, "fill")
-    for i, k in enumerate(evict):                   # push the old keys out of the host tier
-        store_one(mgr, kv, k, i % 8)
+    _push_out_of_host(mgr, kv, "fill")
     for k in before:
         assert load_ok(mgr, kv, k, 0), k
         mgr.free_block(0)
@@ -147,10 +160,7 @@ def test_a_flush_waiting_when_the_child_dies_returns_false(rig: Rig) -> None:
 
 
 def test_a_key_invalidated_while_the_child_is_dead_does_not_come_back(rig: Rig) -> None:
-    kv = make_kv(rows=8)
-    mgr = rig.open(kv, host_slots=8, disk_slots=64)
-    ks = keys(4, "inv")
-    store_seq(mgr, kv, ks)
+    kv, mgr, ks = _stored(rig, 4, "inv")
     store = _child(mgr)
     store.kill_for_test(signal.SIGKILL)
     _wait_down(store)
@@ -159,8 +169,7 @@ def test_a_key_invalidated_while_the_child_is_dead_does_not_come_back(rig: Rig) 
     drain(mgr)
     assert not _child(mgr).down
     assert mgr.flush(timeout=30) is True
-    for i, k in enumerate(keys(8, "push")):
-        store_one(mgr, kv, k, i % 8)
+    _push_out_of_host(mgr, kv, "push")
     assert mgr.load(ks[0], 0) is None               # not in any tier
     assert load_ok(mgr, kv, ks[1], 1)
     path = mgr.config.disk_dir
@@ -205,12 +214,7 @@ def test_a_child_that_cannot_be_restarted_leaves_the_tier_down_and_is_retried(ri
 
 
 def test_a_promote_in_flight_when_the_child_dies_is_a_miss_never_wrong_bytes(rig: Rig) -> None:
-    kv = make_kv(rows=8)
-    mgr = rig.open(kv, host_slots=8, disk_slots=64)
-    ks = keys(8, "p")
-    store_seq(mgr, kv, ks)
-    for i, k in enumerate(keys(8, "q")):
-        store_one(mgr, kv, k, i % 8)                # ks are now on disk only
+    kv, mgr, ks = _stored(rig, 8, "p", disk_only=True)
     store = _child(mgr)
     store.kill_for_test(signal.SIGSTOP)
     kv[3].fill_(0xAB)
@@ -227,10 +231,7 @@ def test_a_promote_in_flight_when_the_child_dies_is_a_miss_never_wrong_bytes(rig
 # --------------------------------------------------------------------------- never blocking the engine
 def test_a_child_that_stops_reading_never_blocks_the_engine(rig: Rig) -> None:
     """More ops than the pipe holds while the child is stopped: every call returns; all are done later."""
-    kv = make_kv(rows=8)
-    mgr = rig.open(kv, host_slots=8, disk_slots=64)
-    ks = keys(8, "t")
-    store_seq(mgr, kv, ks)
+    kv, mgr, ks = _stored(rig, 8, "t")
     store = _child(mgr)
     store.kill_for_test(signal.SIGSTOP)
     try:
@@ -339,12 +340,7 @@ def test_a_pass_with_nothing_for_the_disk_writes_nothing_to_the_child(rig: Rig,
     """The engine pays for the pipe only when it has ops to send (no frame per poll)."""
     from tiered_kv.disk import proc
 
-    kv = make_kv(rows=8)
-    mgr = rig.open(kv, host_slots=8, disk_slots=64)
-    ks = keys(8, "n")
-    store_seq(mgr, kv, ks)
-    for i, k in enumerate(keys(8, "m")):
-        store_one(mgr, kv, k, i % 8)                # ks are on disk only
+    kv, mgr, ks = _stored(rig, 8, "n", disk_only=True)
     frames: list[object] = []
     real = proc._frame
     monkeypatch.setattr(proc, "_frame", lambda obj: (frames.append(obj), real(obj))[1])
@@ -361,12 +357,7 @@ def test_an_entry_the_restarted_child_does_not_find_leaves_the_index(rig: Rig) -
     from disk_helpers import raw_env
     from tiered_kv.disk.format import lmdb_key
 
-    kv = make_kv(rows=8)
-    mgr = rig.open(kv, host_slots=8, disk_slots=64)
-    ks = keys(3, "lost")
-    store_seq(mgr, kv, ks)
-    for i, k in enumerate(keys(8, "over")):
-        store_one(mgr, kv, k, i % 8)                # ks are on disk only
+    kv, mgr, ks = _stored(rig, 3, "lost", disk_only=True)
     assert mgr.lookup(ks) == 3
     store = _child(mgr)
     store.kill_for_test(signal.SIGKILL)
