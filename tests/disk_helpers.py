@@ -169,15 +169,15 @@ def spy_spills(mgr: TierManager) -> list[tuple[uuid.UUID, bytes]]:
     seen: list[tuple[uuid.UUID, bytes]] = []
     disk = mgr.disk
     assert disk is not None
-    orig = disk.submit_spill
+    orig = disk.submit_spills
 
-    def submit_spill(token: uuid.UUID, key: bytes, src: memoryview) -> bool:
-        ok = orig(token, key, src)
+    def submit_spills(tokens: list[uuid.UUID], keys: list[bytes], slots: list[int], view: Any) -> bool:
+        ok = orig(tokens, keys, slots, view)
         if ok:
-            seen.append((token, key))
+            seen.extend(zip(tokens, keys))
         return ok
 
-    disk.submit_spill = submit_spill  # type: ignore[method-assign]
+    disk.submit_spills = submit_spills  # type: ignore[method-assign]
     return seen
 
 

@@ -144,7 +144,7 @@ def test_a_flush_waiting_when_the_child_dies_returns_false(rig: Rig) -> None:
 
     def kill_once_the_flush_waits() -> None:   # polls for the state, not a guessed time
         deadline = time.monotonic() + 30
-        while not any(what == "flush" for what, _ in list(store._outstanding.values())):
+        while not any(op[0] == "flush" for op in list(store._outstanding.values())):
             if time.monotonic() > deadline:
                 return
             time.sleep(0.001)

@@ -22,6 +22,7 @@ from fakes import (ROW_BYTES, fake_disk_manager, fill_row, instrument_get, make_
 from tiered_kv import TierManager
 from tiered_kv.core.index import EntryState, TierIndex
 from tiered_kv.core.tiers import WRITEBACK_PER_STEP
+from tiered_kv.disk import DiskStore
 from tiered_kv.errors import BlockBusyError
 from tiered_kv.jobs import JobKind, JobState, StaleReason
 
@@ -36,6 +37,9 @@ def hooked_disk_manager(tmp_path, hook, **over):
     opts = dict(host_slots=8, disk_path=tmp_path / "d", disk_capacity_bytes=64 * ROW_BYTES, writer_batch_seconds=0.0)
     opts.update(over)
     mgr, mover = make_fake_manager(make_config(**opts), kv)
+    if not isinstance(mgr.disk, DiskStore):
+        mgr.close()
+        raise AssertionError("a writer hook needs the disk I/O on threads: mark the test disk_threads")
     mgr.disk.fault_hook = hook
     return mgr, mover, kv
 
@@ -486,7 +490,9 @@ def _write_back_manager(path, host_slots: int = 32):
 
 
 def _spilling(mgr) -> list[bytes]:
-    return [j.key for j in mgr._core.jobs.values() if j.kind is JobKind.SPILL]
+    """The keys being spilled, in the order their jobs started (a job is named by each of its keys' tokens)."""
+    jobs = {id(j): j for j in mgr._core.jobs.values() if j.kind is JobKind.SPILL}
+    return [k for j in jobs.values() for k in j.keys]
 
 
 def _store_24(mgr, mover, kv, prefix: bytes) -> None:
@@ -802,8 +808,9 @@ def test_slot_views_alias_each_slot_and_refuse_use_after_release():
         views[0]
 
 
+@pytest.mark.disk_threads
 def test_the_spills_in_flight_are_counted_one_by_one(tmp_path):
-    """Kills ``tiered_kv.core.tiers.xǁTierCoreǁstart_spill__mutmut_36`` to ``..._38`` (the count of spills
+    """Kills ``tiered_kv.core.tiers.xǁTierCoreǁstart_spills`` mutants (once ``start_spill``'s 36 to 38: the count of spills
     in flight set to 1, decremented, or raised by 2 when one starts): ``tiered_kv_jobs_in_flight
     {kind="spill"}`` says how many spills were queued and not yet applied, and falls back to 0 once
     they are -- which is also what ``close()`` waits for."""
@@ -991,7 +998,7 @@ def test_a_disk_tier_of_32_blocks_or_more_keeps_two_batches_of_headroom_inside_i
 
 
 def test_a_spill_the_writer_refuses_after_room_was_checked_is_shed_holding_nothing(tmp_path, monkeypatch):
-    """Kills ``tiered_kv.core.disk_tier.xǁDiskTierǁstart_spill__mutmut_25`` to ``..._29``: the writer
+    """Kills ``tiered_kv.core.disk_tier.xǁDiskTierǁstart_spills`` mutants (once ``start_spill``'s 25 to 29): the writer
     queue had room, then refused the spill (it began closing meanwhile).  The spill is shed as
     ``backpressure``, its disk entry is given back and the host entry's lease released."""
     kv = make_kv(8)
@@ -999,7 +1006,7 @@ def test_a_spill_the_writer_refuses_after_room_was_checked_is_shed_holding_nothi
                       writer_batch_seconds=0.0)
     mgr, mover = make_fake_manager(cfg, kv)
     try:
-        monkeypatch.setattr(mgr._core.disk.store, "submit_spill", lambda token, key, src: False)
+        monkeypatch.setattr(mgr._core.disk.store, "submit_spills", lambda tokens, keys, slots, view: False)
         stored(mgr, mover, kv, [b"refused"], [0])
         assert mgr_metric(mgr, "tiered_kv_shed_total", kind="spill", reason="backpressure") == 1
         assert b"refused" not in mgr._core.dindex and mgr._core.dindex.used_slots == 0

@@ -161,9 +161,9 @@ class Job:
         self.keys: Sequence[bytes] = keys or (key,)
         self.blocks: Sequence[int] = blocks
         self._entries: list[Any] = _NO_ENTRIES   # host entries written (store/promote) or read (load/spill), per key
-        # spill: the disk entry written, promote: the one read; the mover's transfer (None while a load waits
-        # for its reads); promote: (load, part) waiting for it, load: the promotes it waits for; a store of
-        # several keys: the parts cancelled, and why
+        # spill: the disk entries written (one per key, each under its own token), promote: the one read;
+        # the mover's transfer (None while a load waits for its reads); promote: (load, part) waiting for
+        # it, load: the promotes it waits for; a store or spill of several keys: the parts cancelled, and why
         self._dentry = self._transfer = self._waiters = self._dead = None
 
     def _move(self, new: JobState) -> None:

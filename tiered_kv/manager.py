@@ -448,7 +448,8 @@ class TierManager:
     # ------------------------------------------------------------ read-only views
     @property
     def jobs_in_flight(self) -> int:
-        """Jobs whose worker report has not been applied (including cancelled and internal ones)."""
+        """Jobs whose worker report has not been applied (including cancelled and internal ones; a spill
+        job counts once per block it writes, each under its own token)."""
         return len(self._jobs)
 
     @property

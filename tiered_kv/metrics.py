@@ -151,15 +151,16 @@ class Metrics:
         """Observe into a bound histogram child; applied by :meth:`flush`."""
         self._observations.append((child, value))
 
-    def moved(self, kind: JobKind, link: tuple[str, str], nbytes: int, seconds: float) -> None:
-        """A job finished ok: count it, its bytes on ``link`` and its copy time (batched, as :meth:`count`).
+    def moved(self, kind: JobKind, link: tuple[str, str], nbytes: int, seconds: float, n: int = 1) -> None:
+        """A job finished ok: count it (``n``: a spill job counts each block it wrote), its bytes on
+        ``link`` and its copy time (batched, as :meth:`count`).
 
         :meth:`count` twice and :meth:`observe` once, written out: three calls' overhead less on the poll
         path, which runs this once per job.
         """
         p = self._pending
         c = self.job_outcome[(kind, "ok")]
-        p[c] = p.get(c, 0) + 1
+        p[c] = p.get(c, 0) + n
         c = self.link_bytes[link]
         p[c] = p.get(c, 0) + nbytes
         self._observations.append((self.link_seconds[link], seconds))

@@ -18,7 +18,11 @@ __all__ = ["Report", "CompletionQueue"]
 @dataclass(slots=True)
 class Report:
     """A worker's one answer for one token: ``ok`` only if every copy of the transfer succeeded;
-    ``nbytes``: all bytes it moved."""
+    ``nbytes``: all bytes it moved.
+
+    A job of several parts answered as one (the disk writer's spill groups): ``failed`` maps each
+    part that failed to its error, the others succeeded; ``None`` when every part shares ``ok`` and
+    ``error``."""
 
     token: Any
     kind: JobKind
@@ -26,6 +30,7 @@ class Report:
     error: Optional[str] = None
     nbytes: int = 0
     seconds: float = 0.0
+    failed: Optional[dict[int, str]] = None
 
 
 class CompletionQueue:

@@ -221,48 +221,61 @@ class DiskTier:
         return True
 
     # ------------------------------------------------------------------ spills
-    def start_spill(self, entry: Entry, hindex: TierIndex, token: uuid.UUID,
-                    src: memoryview) -> Union[Entry, str, None]:
-        """Queue the write of READY host ``entry`` (its slot's bytes ``src``) under ``token``.
+    def start_spills(self, entries: list[Entry], hindex: TierIndex, make_token: Callable[[], uuid.UUID],
+                     view: Callable[[int], memoryview]) -> tuple[list[Entry], list[Entry], list[tuple[Entry, str]]]:
+        """Queue the writes of READY host ``entries`` (host slot ``s``'s bytes are ``view(s)``) as one
+        store request, each under a new token.
 
-        Returns the new disk entry, with ``entry``'s slot leased to the write until its
-        report is applied; ``None`` when the key is on disk already; or the shed reason
-        (``"disk_down"``, ``"disk_full"``, ``"backpressure"``) with nothing left held.  The
-        writer queue is asked first: reserving a disk entry may evict one, and a spill
-        that is then shed must not have cost the tier a block.
+        Returns the host entries written, their new disk entries (the host slots leased to the
+        writes until their report is applied), and each entry shed with why (``"disk_down"``,
+        ``"disk_full"``, ``"backpressure"``), nothing left held for those.  A key on disk
+        already is neither.  The writer queue's room is asked first: reserving a disk entry may
+        evict one, and a spill that is then shed must not have cost the tier a block.
         """
-        if entry.key in self.index:
-            return None
-        if not self.usable:
-            return "disk_down"
-        store = self.store
-        if not store.spill_room():
-            return "backpressure"
-        d = self.index.reserve(entry.key, token)
-        if d is None:
-            return "disk_full"
-        hindex.acquire(entry)
-        if not store.submit_spill(token, entry.key, src):
-            hindex.release(entry)
-            self.index.writer_done(d)
-            self.index.abort(d)
-            return "backpressure"
-        return d
+        index, store = self.index, self.store
+        hosts: list[Entry] = []
+        disks: list[Entry] = []
+        shed: list[tuple[Entry, str]] = []
+        room = store.spill_room() if self.usable else 0
+        for e in entries:
+            if e.key in index:
+                continue
+            if room <= 0:
+                shed.append((e, "backpressure" if self.usable else "disk_down"))
+                continue
+            d = index.reserve(e.key, make_token())
+            if d is None:
+                shed.append((e, "disk_full"))
+                continue
+            hosts.append(e)
+            disks.append(d)
+            room -= 1
+        if not hosts:
+            return hosts, disks, shed
+        for e in hosts:
+            hindex.acquire(e)
+        if not store.submit_spills([d.writer for d in disks], [e.key for e in hosts], [e.slot for e in hosts], view):
+            for e, d in zip(hosts, disks):
+                hindex.release(e)
+                index.writer_done(d)
+                index.abort(d)
+                shed.append((e, "backpressure"))
+            return [], [], shed
+        return hosts, disks, shed
 
-    def finish_spill(self, d: Entry, r: Report) -> bool:
-        """A live spill's report: the entry is published, or dropped when the write failed; counted.
+    def finish_spill(self, d: Entry, ok: bool, error: Optional[str]) -> bool:
+        """One live spill's outcome: the entry is published, or dropped when the write failed (counted).
 
         Returns True when the write failed by a fault (not stopped by a tomb): ``flush()``
-        answers False when it applies one."""
-        m = self._metrics
-        if r.ok:
+        answers False when it applies one.  The caller counts the spills that succeeded."""
+        if ok:
             self.index.publish(d)
-            m.moved(JobKind.SPILL, ("host", "disk"), r.nbytes, r.seconds)
             return False
         self.index.writer_done(d)
         self.index.abort(d)
+        m = self._metrics
         m.count(m.job_outcome[(JobKind.SPILL, "failed")])
-        return r.error != SPILL_PREVENTED
+        return error != SPILL_PREVENTED
 
     # ------------------------------------------------------------------ promotes
     def finish_promote(self, hindex: TierIndex, entry: Entry, d: Entry, r: Report) -> None:
@@ -288,7 +301,8 @@ class DiskTier:
         self.store.cancel(d.writer, d.key)
 
     def _evicted(self, d: Entry, then: Callable[[Entry], None]) -> None:
-        self._metrics.evicted["disk"].inc()
+        m = self._metrics
+        m.count(m.evicted["disk"])
         self.store.submit_delete(d.writer, d.key)
         then(d)
 

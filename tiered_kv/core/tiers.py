@@ -2,7 +2,8 @@
 
 The core owns the host index (slots, leases, LRU, evict-ahead), the disk tier
 (:class:`~tiered_kv.core.disk_tier.DiskTier`), the job records (a
-:class:`~tiered_kv.jobs.Job` per token, covering a set of keys), the tokens,
+:class:`~tiered_kv.jobs.Job` per token, covering a set of keys; a spill job is
+found under each of its keys' tokens), the tokens,
 stale and shed accounting, spill and promote, write-through and write-back,
 flush and close, and the gauges.  It does no I/O: the disk store and the movers
 take token-tagged work and answer token-tagged reports, which :meth:`TierCore.apply`
@@ -22,8 +23,8 @@ names (else counted ``unknown_token``: :meth:`TierCore.apply`); a leased slot is
 never reused before the job's report is applied (the index's leases, taken and
 released only here); a cancelled store or part is never published (its entries
 leave the index when it is cancelled: :meth:`TierCore.cancel`,
-:meth:`TierCore.cancel_part`); a spill is shed, never queued without bound
-(:meth:`DiskTier.start_spill`).
+:meth:`TierCore.cancel_part`, :meth:`TierCore.cancel_spill_part`); a spill is shed,
+never queued without bound (:meth:`DiskTier.start_spills`).
 
 The module is longer than the project's usual 500 lines on purpose: it is one
 state machine (jobs, leases and the two indexes change together in every
@@ -56,6 +57,7 @@ __all__ = ["TierCore", "SlotViews", "EVICT_AHEAD_MAX", "TOKEN_POOL", "CLOSE_TIME
 log = logging.getLogger(__name__)
 
 _STORE, _LOAD, _SPILL, _PROMOTE = JobKind.STORE, JobKind.LOAD, JobKind.SPILL, JobKind.PROMOTE
+_HOST_DISK = ("host", "disk")
 _PENDING, _CANCELLING, _DONE, _FAILED, _CANCELLED = (JobState.PENDING, JobState.CANCELLING, JobState.DONE,
                                                    JobState.FAILED, JobState.CANCELLED)
 _READY = EntryState.READY
@@ -241,10 +243,8 @@ class TierCore:
                 self.stale(_STORE, reason, job.token)
         if self.collect_published:
             self.published.extend(e.key for e in out)
-        disk = self.disk
-        if disk is not None and self.config.write_mode == "through":
-            for e in out:
-                self.start_spill(e)
+        if self.disk is not None and self.config.write_mode == "through" and out:
+            self.start_spills(out)
         return out
 
     def drop_store(self, job: Job, failed: bool) -> None:
@@ -422,9 +422,10 @@ class TierCore:
             for e in job._entries:
                 self.index.abort(e)
         elif kind is _SPILL:
-            assert self.disk is not None
-            self.disk.index.abort(job._dentry)
-            self.disk.store.cancel(job.token, job.key)
+            dead = job._dead
+            for i, d in enumerate(job._dentry):
+                if dead is None or i not in dead:
+                    self._tomb_spill(d)
         elif kind is _PROMOTE:
             self.index.abort(job._entries[0])
             for w, _ in list(job._waiters or ()):
@@ -448,9 +449,35 @@ class TierCore:
             if d is not None:
                 spill = self.jobs.get(d.writer.int) if d.state is not _READY else None
                 if spill is not None:
-                    self.cancel(spill, _R_SUPERSEDED)
+                    self.cancel_spill_part(spill, d, _R_SUPERSEDED)
                 else:
                     disk.forget(d)
+
+    def cancel_spill_part(self, job: Job, d: Entry, reason: StaleReason) -> None:
+        """Cancel the write of disk entry ``d``, one part of the PENDING spill ``job`` (its key was
+        invalidated): tombstoned and out of the index now; its host slot stays leased until the
+        job's report; the other parts still publish.  The last live part cancels the whole job."""
+        if job.state is not _PENDING:
+            return
+        parts = job._dentry
+        i = next(i for i, x in enumerate(parts) if x is d)
+        dead = job._dead
+        if dead is None:
+            dead = job._dead = {}
+        if i in dead:
+            return
+        if len(dead) + 1 == len(parts):
+            self.cancel(job, reason)
+            return
+        dead[i] = reason
+        self._tomb_spill(d)
+
+    def _tomb_spill(self, d: Entry) -> None:
+        """A spill's write is cancelled: its disk entry leaves the index, a tomb stops its write."""
+        disk = self.disk
+        assert disk is not None
+        disk.index.abort(d)
+        disk.store.cancel(d.writer, d.key)
 
     def drop_all(self) -> None:
         """:meth:`drop_key` for every key of every tier."""
@@ -496,18 +523,32 @@ class TierCore:
             apply(r)
 
     def _apply_spill(self, job: Job, r: Report) -> None:
+        """A spill job's one report, for each of its parts: the host slot's lease goes; a cancelled
+        part is counted stale, a live one published or dropped by its own outcome (``r.failed``)."""
         disk = self.disk
         assert disk is not None
-        self.index.release(job._entries[0])
-        if job.state is not _PENDING:
-            self.stale(_SPILL, job.cancel_reason or _R_CANCELLED, job.token)
-            disk.index.writer_done(job._dentry)
-            job._move(_CANCELLED)
-            self.metrics.count(self.metrics.job_outcome[(_SPILL, "cancelled")])
-            return
-        job._move(_DONE if r.ok else _FAILED)
-        if disk.finish_spill(job._dentry, r):
-            self.spill_faults += 1
+        release, jobs, dindex = self.index.release, self.jobs, disk.index
+        live = job.state is _PENDING
+        job._move(_CANCELLED if not live else _DONE if r.ok else _FAILED)
+        dead, failed = job._dead, r.failed
+        ok_parts = 0
+        for i, d in enumerate(job._dentry):
+            release(job._entries[i])
+            if i:
+                jobs.pop(d.writer.int, None)   # the first part's token was the report's
+            if not live or (dead is not None and i in dead):
+                why = dead.get(i) if dead is not None else None
+                self.stale(_SPILL, why or job.cancel_reason or _R_CANCELLED, d.writer)
+                dindex.writer_done(d)
+                m = self.metrics
+                m.count(m.job_outcome[(_SPILL, "cancelled")])
+            elif r.ok or (failed is not None and i not in failed):
+                disk.finish_spill(d, True, None)
+                ok_parts += 1
+            elif disk.finish_spill(d, False, r.error if failed is None else failed[i]):
+                self.spill_faults += 1
+        if ok_parts:
+            self.metrics.moved(_SPILL, _HOST_DISK, ok_parts * self.row_bytes, r.seconds, ok_parts)
 
     def _apply_promote(self, job: Job, r: Report) -> None:
         disk = self.disk
@@ -538,22 +579,26 @@ class TierCore:
                 self.on_load_failed(w, (r.error or "miss") if not r.ok else "superseded")
 
     # ------------------------------------------------------------------ disk
-    def start_spill(self, entry: Entry) -> None:
-        """Write a READY host entry to disk (an internal SPILL job); shed and counted when it cannot."""
+    def start_spills(self, entries: list[Entry]) -> None:
+        """Write READY host entries to disk as one internal SPILL job (a token per key, one report);
+        each that cannot be is shed and counted."""
         disk = self.disk
         assert disk is not None
-        token = self.tokens()
-        d = disk.start_spill(entry, self.index, token, self.slot_views[entry.slot])
-        if type(d) is str:
-            self.shed(_SPILL, d)
+        hosts, disks, shed = disk.start_spills(entries, self.index, self.tokens, self.slot_views.__getitem__)
+        for e in entries:
+            e.spilled = True  # this residency is on disk or on its way: write-back never spills it again
+        for e, why in shed:
+            e.spilled = False
+            self.shed(_SPILL, why)
+        if not hosts:
             return
-        entry.spilled = True  # this residency is on disk or on its way: write-back never spills it again
-        if d is not None:
-            job = Job(token, _SPILL, entry.key, -1)
-            job._entries = [entry]
-            job._dentry = d
-            self.jobs[token.int] = job
-            self.n_in_flight[_SPILL] += 1
+        job = Job(disks[0].writer, _SPILL, hosts[0].key, -1, keys=[e.key for e in hosts])
+        job._entries = hosts
+        job._dentry = disks
+        jobs = self.jobs
+        for d in disks:   # every part's token names the job: an invalidated key finds its write
+            jobs[d.writer.int] = job
+        self.n_in_flight[_SPILL] += 1
 
     def start_promote(self, key: bytes, d: Entry, protect: Collection[bytes] = ()) -> Optional[Job]:
         """Read ``key`` (its READY disk entry ``d``) into a new host slot (an internal PROMOTE job).
@@ -588,13 +633,15 @@ class TierCore:
         if (disk is None or not disk.usable or self.closing
                 or index.used_slots < index.num_slots * WRITEBACK_FILL):
             return
-        budget = WRITEBACK_PER_STEP
+        budget = min(WRITEBACK_PER_STEP, self.config.writer_queue_blocks - disk.store.queue_depth)
+        todo = []
         for entry in index.coldest(EVICT_AHEAD_MAX):
-            if budget == 0 or disk.store.queue_depth >= self.config.writer_queue_blocks:
+            if len(todo) >= budget:
                 break
             if not entry.spilled and entry.key not in disk.index:
-                self.start_spill(entry)
-                budget -= 1
+                todo.append(entry)
+        if todo:
+            self.start_spills(todo)
 
     def _host_evicted(self, entry: Entry) -> None:
         if self.dindex is None or self.dindex.ready(entry.key) is None:

@@ -106,7 +106,7 @@ class _Outbox(CompletionQueue):
             reads_only = True   # only promote answers: the status need not come with them (it costs ~10 us)
             for it in self.drain():
                 if type(it) is Report:
-                    out.append(("r", it.token.int, it.kind.value, it.ok, it.error, it.nbytes, it.seconds))
+                    out.append(("r", it.token.int, it.kind.value, it.ok, it.error, it.nbytes, it.seconds, it.failed))
                     reads_only = reads_only and it.kind is JobKind.PROMOTE
                 elif type(it) is FlushDone:
                     out.append(("f", it.token.int, it.ok, it.error))
@@ -200,9 +200,10 @@ def child_main() -> None:
                 break
             for c in cmds:
                 op = c[0]
-                if op == "S":
-                    if not store.submit_spill(UUID(int=c[1]), c[2], view(c[3])):
-                        q.put(Report(UUID(int=c[1]), JobKind.SPILL, False, "disk writer is not accepting spills"))
+                if op == "S":   # one owner job's spills: one report back
+                    tokens = [UUID(int=t) for t in c[1]]
+                    if not store.submit_spills(tokens, c[2], c[3], view):
+                        q.put(Report(tokens[0], JobKind.SPILL, False, "disk writer is not accepting spills"))
                 elif op == "P":
                     store.queue_promote(UUID(int=c[1]), c[2], UUID(int=c[3]), view(c[4]))
                 elif op == "R":   # a lone read runs on this thread: one hand-off less for it

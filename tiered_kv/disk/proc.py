@@ -188,8 +188,8 @@ class ProcessDiskStore:
         self._reads_held = False          # promotes queued since the last start_reads()
         self._backlog = bytearray()
         self._lock = threading.Lock()     # guards _outstanding and _down between the owner and the receiver
-        # token.int -> (kind, token) of every spill, promote and flush sent and not yet answered
-        self._outstanding: dict[int, tuple[str, uuid.UUID]] = {}
+        # token.int -> (kind, token, spills) of every spill group, promote and flush sent and not yet answered
+        self._outstanding: dict[int, tuple[str, uuid.UUID, int]] = {}
         self._down = False                # the child is gone and every outstanding op was answered
         self._closing = False
         self._spills_sent = 0             # owner thread only
@@ -288,13 +288,13 @@ class ProcessDiskStore:
         for it in items:
             tag = it[0]
             if tag == "r":
-                _, t, kind, ok, err, nbytes, secs = it
+                _, t, kind, ok, err, nbytes, secs, failed = it
                 token = uuid.UUID(int=t)
                 with self._lock:
-                    outstanding.pop(t, None)
+                    op = outstanding.pop(t, None)
                 if kind == "spill":
-                    self._spills_answered += 1
-                put(Report(token, JobKind(kind), ok, err, nbytes, secs))
+                    self._spills_answered += 1 if op is None else op[2]
+                put(Report(token, JobKind(kind), ok, err, nbytes, secs, failed))
             elif tag == "f":
                 _, t, ok, err = it
                 with self._lock:
@@ -332,9 +332,9 @@ class ProcessDiskStore:
 
     def _answer_failed(self, ops: Any) -> None:
         put = self._out.put
-        for what, token in ops:
+        for what, token, parts in ops:
             if what == "spill":
-                self._spills_answered += 1
+                self._spills_answered += parts
                 put(Report(token, JobKind.SPILL, False, CHILD_DIED))
             elif what == "promote":
                 put(Report(token, JobKind.PROMOTE, False, f"{READ_FAILED} ({CHILD_DIED})"))
@@ -342,12 +342,13 @@ class ProcessDiskStore:
                 put(FlushDone(token, False, CHILD_DIED))
 
     # ------------------------------------------------------------ owner side (never blocks on I/O)
-    def _track(self, what: str, token: uuid.UUID) -> bool:
-        """Record an op that will be answered; False (nothing recorded) when the store is down."""
+    def _track(self, what: str, token: uuid.UUID, parts: int = 1) -> bool:
+        """Record an op that will be answered (``parts`` spills under ``token``); False (nothing
+        recorded) when the store is down."""
         with self._lock:
             if self._down:
                 return False
-            self._outstanding[token.int] = (what, token)
+            self._outstanding[token.int] = (what, token, parts)
             return True
 
     def _slot(self, view: memoryview) -> int:
@@ -355,10 +356,17 @@ class ProcessDiskStore:
         return (ctypes.addressof(ctypes.c_char.from_buffer(view)) - h.base_addr) // h.row_bytes
 
     def submit_spill(self, token: uuid.UUID, key: bytes, src: memoryview) -> bool:
-        if not self.spill_room() or not self._track("spill", token):
+        return self.submit_spills([token], [key], [self._slot(src)], None)
+
+    def submit_spills(self, tokens: list[uuid.UUID], keys: list[bytes], slots: list[int],
+                      view: Optional[Callable[[int], memoryview]]) -> bool:
+        """As :meth:`DiskStore.submit_spills`: one op for the child (which maps the same slots), one
+        report back."""
+        n = len(tokens)
+        if self.spill_room() < n or not self._track("spill", tokens[0], n):
             return False
-        self._spills_sent += 1
-        self._cmds.append(("S", token.int, key, self._slot(src)))
+        self._spills_sent += n
+        self._cmds.append(("S", [t.int for t in tokens], keys, slots))
         return True
 
     def cancel(self, token: uuid.UUID, key: bytes) -> None:
@@ -379,7 +387,7 @@ class ProcessDiskStore:
 
     def queue_promote(self, token: uuid.UUID, key: bytes, expect: uuid.UUID, dst: memoryview) -> None:
         if not self._track("promote", token):
-            self._answer_failed([("promote", token)])
+            self._answer_failed([("promote", token, 1)])
             return
         self._cmds.append(("P", token.int, key, expect.int, self._slot(dst)))
         self._reads_held = True
@@ -416,8 +424,10 @@ class ProcessDiskStore:
         """Spills sent and not yet answered (queued in the child, or in its writer's batch)."""
         return self._spills_sent - self._spills_answered
 
-    def spill_room(self) -> bool:
-        return not self._down and self.queue_depth < self.opts.queue_blocks and self.status.get("accepting", True)
+    def spill_room(self) -> int:
+        if self._down or not self.status.get("accepting", True):
+            return 0
+        return max(0, self.opts.queue_blocks - self.queue_depth)
 
     def writer_alive(self) -> bool:
         return not self._down and bool(self.status.get("writer_alive", True))

@@ -17,7 +17,10 @@ from typing import Any, Optional
 
 import lmdb
 
-__all__ = ["DiskOptions", "FlushDone", "StoredEntry", "SPILL_PREVENTED", "writable_view", "error_kind"]
+from ..jobs import JobKind
+from ..reports import Report
+
+__all__ = ["DiskOptions", "FlushDone", "StoredEntry", "SpillGroup", "SPILL_PREVENTED", "writable_view", "error_kind"]
 
 SPILL_PREVENTED = "cancelled before publish"   # a spill report's error: stopped by a tomb, not a fault
 CORRUPT, READ_FAILED = "miss: corrupt", "miss: read failed"   # promote report errors the reader acts on
@@ -78,6 +81,41 @@ class Spill:
     slot: int = -1         # the data-file slot holding the payload (writer thread)
     seq: int = 0           # the entry's sequence number (writer thread)
     entry: bytes = b""     # the index record to publish
+    group: Optional["SpillGroup"] = None   # the owner's job of several spills this one is part ``part`` of
+    part: int = 0
+
+
+class SpillGroup:
+    """The spills of one owner job, each under its own token, answered as one :class:`Report` under
+    the first part's token once every part is answered (``Report.failed`` names the parts that failed).
+
+    One report per group instead of one per block: the owner applies, counts and frees a step's
+    write-through spills in one pass.  Writer thread only (each part is answered there once)."""
+
+    __slots__ = ("token", "left", "nbytes", "seconds", "failed")
+
+    def __init__(self, token: uuid.UUID, parts: int) -> None:
+        self.token = token
+        self.left = parts
+        self.nbytes = 0
+        self.seconds = 0.0
+        self.failed: Optional[dict[int, str]] = None
+
+    def answer(self, part: int, r: Report) -> Optional[Report]:
+        """Record part ``part``'s report; the group's report once it was the last one, else None."""
+        self.left -= 1
+        if r.ok:
+            self.nbytes += r.nbytes
+            self.seconds += r.seconds
+        else:
+            if self.failed is None:
+                self.failed = {}
+            self.failed[part] = r.error or "failed"
+        if self.left:
+            return None
+        failed = self.failed
+        first = None if failed is None else next(iter(failed.values()))
+        return Report(self.token, JobKind.SPILL, failed is None, first, self.nbytes, self.seconds, failed)
 
 
 @dataclass

@@ -4,13 +4,13 @@
 live on disk, leases, LRU, capacity) and talks to the store only through messages, exactly like
 the copy movers:
 
-* ``submit_spill`` / ``cancel`` / ``submit_delete`` / ``submit_touch`` / ``submit_flush`` queue an
+* ``submit_spills`` / ``cancel`` / ``submit_delete`` / ``submit_touch`` / ``submit_flush`` queue an
   op for the writer thread (writer.py) and never block.  Spill ops are bounded (``queue_blocks``):
-  a full queue sheds the spill.
+  a full queue sheds the spills.
 * ``queue_promote`` holds a read in the caller's thread until ``start_reads`` hands everything held
   over to the reader threads (readers.py) as batches (a front end's ``load()``/``lookup()`` holds,
   its ``poll()``/``tick()`` hands over: no reader is woken inside the engine's call).
-* Each op is answered by one :class:`~tiered_kv.movers.Report` (spills, promotes) or
+* Each op is answered by one :class:`~tiered_kv.movers.Report` (a job's spills together, promotes) or
   :class:`~tiered_kv.disk.records.FlushDone` on the manager's completion queue.
 
 The parts: lock.py (one store per path), env.py (LMDB environment, map growth), slots.py (the
@@ -134,7 +134,15 @@ class DiskStore:
     # ------------------------------------------------------------ owner-side API (never blocks on I/O)
     def submit_spill(self, token: uuid.UUID, key: bytes, src: memoryview) -> bool:
         """Queue a write of ``src`` (a leased host slot) under ``key``; False when the queue is full."""
-        return self.writer.submit_spill(token, key, src)
+        return self.writer.submit_spills([token], [key], [src])
+
+    def submit_spills(self, tokens: list[uuid.UUID], keys: list[bytes], slots: list[int],
+                      view: Callable[[int], memoryview]) -> bool:
+        """Queue the writes of one owner job, each under its own token, from the leased host slots
+        ``slots`` (``view(slot)``: a slot's bytes); all or none: False when the queue has no room for
+        them all.  Answered by one report under ``tokens[0]`` whose ``failed`` names the parts that
+        failed (:class:`~tiered_kv.disk.records.SpillGroup`)."""
+        return self.writer.submit_spills(tokens, keys, [view(s) for s in slots])
 
     def cancel(self, token: uuid.UUID, key: bytes) -> None:
         """Cancel the spill ``token``: never published; removed if it already was (token must match)."""
@@ -167,10 +175,10 @@ class DiskStore:
     def queue_depth(self) -> int:
         return self.writer.spills_queued
 
-    def spill_room(self) -> bool:
-        """Whether :meth:`submit_spill` would take a spill now.  Asked by the owner before it makes room
-        on disk for one: only the owner adds spills, so the room seen here can only grow until its
-        ``submit_spill`` (unless the writer dies meanwhile)."""
+    def spill_room(self) -> int:
+        """How many spills :meth:`submit_spills` would take now.  Asked by the owner before it makes room
+        on disk for them: only the owner adds spills, so the room seen here can only grow until its
+        ``submit_spills`` (unless the writer dies meanwhile)."""
         return self.writer.room()
 
     def writer_alive(self) -> bool:

@@ -31,7 +31,7 @@ from ..reports import CompletionQueue, Report
 from .env import DiskEnv
 from .format import HEADER_SIZE, lmdb_key, pack_slot_entry
 from .recovery import U64
-from .records import SPILL_PREVENTED, Delete, DiskOptions, Flush, FlushDone, Spill, Tomb, Touch, error_kind
+from .records import SPILL_PREVENTED, Delete, DiskOptions, Flush, FlushDone, Spill, SpillGroup, Tomb, Touch, error_kind
 from .slots import SlotFile, SlotsExhausted
 from .tombs import Tombs, Undo
 
@@ -81,14 +81,21 @@ class Writer:
         self._thread.start()
 
     # ------------------------------------------------------------ owner side (never blocks on I/O)
-    def submit_spill(self, token: uuid.UUID, key: bytes, src: memoryview) -> bool:
+    def submit_spills(self, tokens: list[uuid.UUID], keys: list[bytes], srcs: list[memoryview]) -> bool:
+        """Queue the spills of one owner job (all or none): answered by one report under ``tokens[0]``
+        (a :class:`SpillGroup` when there are several); False when the queue has no room for them all."""
+        n = len(tokens)
+        group = SpillGroup(tokens[0], n) if n > 1 else None
         with self._cond:
-            if not self.accepting or self.spills_queued >= self.opts.queue_blocks:
+            if not self.accepting or self.spills_queued + n > self.opts.queue_blocks:
                 return False
-            op = Spill(token, key, src, len(src))
-            self._ops.append(op)
-            self.spills_queued += 1
-            self._tombs.queued(token)
+            add, queued = self._ops.append, self._tombs.queued
+            for i in range(n):
+                src = srcs[i]
+                op = Spill(tokens[i], keys[i], src, len(src), group=group, part=i)
+                add(op)
+                queued(op.token)
+            self.spills_queued += n
             self._wake_writer(op)
         return True
 
@@ -101,8 +108,9 @@ class Writer:
             (self._ops.appendleft if front else self._ops.append)(op)
             self._wake_writer(op)
 
-    def room(self) -> bool:
-        return self.accepting and self.spills_queued < self.opts.queue_blocks
+    def room(self) -> int:
+        """How many more spills the queue takes now."""
+        return max(0, self.opts.queue_blocks - self.spills_queued) if self.accepting else 0
 
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -229,8 +237,9 @@ class Writer:
             flushes = [op for op in batch if isinstance(op, Flush)]
             if flushes:
                 self._sync()
-            for r in results:
-                self._out.put(r)
+            answer = self._answer
+            for op, r in results:
+                answer(op, r)
             for f in flushes:
                 ok = self.failures == f.failures_before and not self._sync_failed
                 self._out.put(FlushDone(f.token, ok, None if ok else "a write covered by this flush failed"))
@@ -287,7 +296,7 @@ class Writer:
         return kind
 
     # ------------------------------------------------------------ one commit
-    def _commit(self, batch: list[Any]) -> list[Report]:
+    def _commit(self, batch: list[Any]) -> list[tuple[Spill, Report]]:
         """Write ``batch``'s payloads into free slots, sync them, then publish in one transaction.
 
         Returns the reports to send once the transaction is committed.
@@ -295,7 +304,7 @@ class Writer:
         env = self._db.env
         assert env is not None
         slots, tombs, db = self._slots, self._tombs, self._db
-        results: list[Report] = []
+        results: list[tuple[Spill, Report]] = []
         t0 = time.perf_counter()
         if self.fault_hook is not None:
             self.fault_hook("commit")
@@ -342,14 +351,14 @@ class Writer:
                                 if op.slot >= 0:
                                     unused.append(op.slot)
                                 prevented += 1
-                                results.append(Report(op.token, JobKind.SPILL, False, SPILL_PREVENTED))
+                                results.append((op, Report(op.token, JobKind.SPILL, False, SPILL_PREVENTED)))
                                 continue
                             lk = lmdb_key(op.key)
                             old = txn.replace(lk, op.entry, db=db.blocks)
                             if old is not None:
                                 slots.note_dropped(old, frees)
                             txn.delete(lk, db=db.touch)
-                            results.append(Report(op.token, JobKind.SPILL, True, None, op.nbytes, 0.0))
+                            results.append((op, Report(op.token, JobKind.SPILL, True, None, op.nbytes, 0.0)))
                         elif isinstance(op, Tomb):
                             tombs.apply(txn, op.token, op.key, frees, undo)
                         elif isinstance(op, Delete):
@@ -373,8 +382,8 @@ class Writer:
         # commits nothing (no meta write, no sync), so it must not count as "a later commit"
         slots.dropped(frees, env.info()["last_txnid"])
         dt = time.perf_counter() - t0
-        n = sum(1 for r in results if r.ok)
-        for r in results:
+        n = sum(1 for _, r in results if r.ok)
+        for _, r in results:
             if r.ok:
                 r.seconds = dt / n
         return results
@@ -411,9 +420,19 @@ class Writer:
         self._tombs.forget(op.token for op in ops if isinstance(op, Spill))
         for op in ops:
             if isinstance(op, Spill):
-                self._out.put(Report(op.token, JobKind.SPILL, False, error))
+                self._answer(op, Report(op.token, JobKind.SPILL, False, error))
             elif isinstance(op, Flush):
                 self._out.put(FlushDone(op.token, False, error))
+
+    def _answer(self, op: Spill, r: Report) -> None:
+        """Send a spill's report, or its group's once its last part is answered (writer thread)."""
+        g = op.group
+        if g is None:
+            self._out.put(r)
+            return
+        done = g.answer(op.part, r)
+        if done is not None:
+            self._out.put(done)
 
     def _degrade(self, kind: str, msg: str) -> None:
         self.healthy = False
