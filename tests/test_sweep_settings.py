@@ -10,8 +10,8 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
 
-MACHINES = ("tests/test_state_machine.py", "tests/test_cuda_mover_state_machine.py")
-SWEEP_MAX = 1000   # examples per machine: 500 take about a minute for both on 2 cores
+MACHINES = ("tests/test_state_machine.py", "tests/test_cuda_mover_state_machine.py", "tests/test_spill_group_machine.py")
+SWEEP_MAX = 1000   # examples per machine: 500 take about a minute and a half for the three on 2 cores
 
 
 def test_state_machine_settings_sweep_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -68,7 +68,7 @@ def _test_recipe() -> str:
 
 
 def test_make_test_ends_with_a_bounded_random_sweep_whose_seed_is_printed() -> None:
-    """``make test`` runs, after the main run, both state machines on a fixed, bounded budget of random
+    """``make test`` runs, after the main run, the state machines on a fixed, bounded budget of random
     examples, under a seed it echoes before the run and again on failure, passed as --hypothesis-seed."""
     recipe = _test_recipe()
     lines = recipe.splitlines()
