@@ -106,6 +106,7 @@ def test_attach_with_other_geometry_raises_naming_both(tmp_path, opened, other):
     p = tmp_path / "x.slab"
     a = opened(p, 4, 64, 2)
     a.rows.fill_(3)
+    other = dict(other)   # the parameter's dict is shared by every run of this case (mutmut runs it twice)
     ring = other.pop("ring_size", RING_SIZE)
     with pytest.raises(ConfigError) as ei:
         SharedSlab.open(p, other["num_slots"], other["row_bytes"], other["world_size"], ring_size=ring, timeout=5)
