@@ -16,6 +16,7 @@ import signal
 import subprocess
 import textwrap
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -156,6 +157,40 @@ def test_a_flush_waiting_when_the_child_dies_returns_false(rig: Rig) -> None:
         assert mgr.flush(timeout=60) is False
     finally:
         killer.join()
+    assert metric(mgr, "tiered_kv_errors_total", tier="disk", error="io_process_died") == 1
+
+
+def test_the_store_is_down_only_once_the_dead_childs_answers_are_queued(rig: Rig) -> None:
+    """The owner restarts a store that is ``down`` right after applying what arrived, and the
+    restart's reconciliation needs the dead child's answers applied first: ``down`` turns True only
+    after the receiver has queued them (forced: the receiver is held between the two)."""
+    import threading
+
+    kv = make_kv(rows=4)
+    mgr = rig.open(kv)
+    store = _spill_to_a_stopped_child(mgr, kv, b"k")
+    held, go = threading.Event(), threading.Event()
+    answer = store._answer_failed
+
+    def answer_when_let(ops) -> None:  # type: ignore[no-untyped-def]
+        ops = list(ops)
+        held.set()
+        assert go.wait(30)
+        answer(ops)
+
+    store._answer_failed = answer_when_let  # type: ignore[method-assign]
+    store.kill_for_test(signal.SIGKILL)
+    try:
+        assert held.wait(30), "the receiver never saw the child go"
+        assert not store.down, "down before the dead child's answers were queued"
+        assert not store.submit_spill(uuid.uuid4(), b"late", memoryview(bytearray(kv[0].numel())))
+    finally:
+        go.set()
+    _wait_down(store)
+    got = mgr._core.completions.drain()
+    assert [(r.kind.value, r.ok) for r in got] == [("spill", False)], got
+    for r in got:
+        mgr._core.apply(r)
     assert metric(mgr, "tiered_kv_errors_total", tier="disk", error="io_process_died") == 1
 
 

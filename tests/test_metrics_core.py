@@ -262,6 +262,14 @@ def _histogram_samples(registry, name):
                   if s.name.startswith(name) and not s.name.endswith("_created"))
 
 
+def _assert_same_exposition(batched, direct) -> None:
+    for name in ("tiered_kv_transfer_seconds", "tiered_kv_jobs_total", "tiered_kv_transfer_bytes_total"):
+        got, want = _histogram_samples(batched.registry, name), _histogram_samples(direct.registry, name)
+        assert [g[:2] for g in got] == [w[:2] for w in want], name
+        for g, w in zip(got, want):  # counts exact; a _sum may differ in the last bit (added per batch)
+            assert g[2] == (pytest.approx(w[2], rel=1e-12) if g[0].endswith("_sum") else w[2]), g
+
+
 @pytest.mark.parametrize("per_flush", [1, 3, len(_SECONDS)])
 def test_batched_observations_expose_what_one_observe_each_would(per_flush):
     """Bucketing in flush() (bisect, one add per bucket) exposes the same samples, edges included."""
@@ -275,12 +283,27 @@ def test_batched_observations_expose_what_one_observe_each_would(per_flush):
             direct.job_outcome[(JobKind.STORE, "ok")].inc()
             direct.link_bytes[link].inc(100)
         batched.flush()
-    for name in ("tiered_kv_transfer_seconds", "tiered_kv_jobs_total", "tiered_kv_transfer_bytes_total"):
-        got, want = _histogram_samples(batched.registry, name), _histogram_samples(direct.registry, name)
-        assert [g[:2] for g in got] == [w[:2] for w in want], name
-        for g, w in zip(got, want):  # counts exact; a _sum may differ in the last bit (added per batch)
-            assert g[2] == (pytest.approx(w[2], rel=1e-12) if g[0].endswith("_sum") else w[2]), g
+    _assert_same_exposition(batched, direct)
     assert sample(batched.registry, "tiered_kv_transfer_seconds_count", src="device", dst="host") == len(_SECONDS)
+
+
+@pytest.mark.parametrize("per_flush", [1, 4])
+def test_a_job_of_several_blocks_is_counted_and_observed_once_per_block(per_flush):
+    """``moved(..., n)`` (a spill job's blocks) exposes what ``n`` jobs of one block each would."""
+    from tiered_kv.metrics import Metrics
+    batched, direct = Metrics(CollectorRegistry()), Metrics(CollectorRegistry())
+    link = ("host", "disk")
+    seconds = [(3e-4, 3), (0.005, 64), (2.5, 1), (7e-5, 2)]
+    for i in range(0, len(seconds), per_flush):
+        for v, n in seconds[i:i + per_flush]:
+            batched.moved(JobKind.SPILL, link, 100 * n, v, n)
+            for _ in range(n):
+                direct.link_seconds[link].observe(v)
+                direct.job_outcome[(JobKind.SPILL, "ok")].inc()
+                direct.link_bytes[link].inc(100)
+        batched.flush()
+    _assert_same_exposition(batched, direct)
+    assert sample(batched.registry, "tiered_kv_transfer_seconds_count", src="host", dst="disk") == 70
 
 
 def test_batched_observations_fall_back_to_observe_without_the_bucket_layout():
@@ -303,3 +326,11 @@ def test_batched_observations_fall_back_to_observe_without_the_bucket_layout():
         m.observe(child, v)
     m.flush()
     assert child.seen == [0.1, 0.2, 0.3]
+    m.link_seconds[("host", "disk")] = child        # a job of two blocks: observed twice
+    m.moved(JobKind.SPILL, ("host", "disk"), 0, 0.5, 2)
+    m.flush()
+    assert child.seen == [0.1, 0.2, 0.3, 0.5, 0.5]
+    m.moved(JobKind.SPILL, ("host", "disk"), 0, 0.25, 2)
+    m.observe(child, 0.75)
+    m.flush()
+    assert child.seen == [0.1, 0.2, 0.3, 0.5, 0.5, 0.25, 0.25, 0.75]

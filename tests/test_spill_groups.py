@@ -14,20 +14,26 @@ import time
 import uuid
 
 import pytest
+import torch
 from disk_helpers import WriterGate, drain, raw_keys, raw_token, raw_tombs, spy_spills
-from fakes import make_config, make_fake_manager, make_kv, mgr_metric, stored
+from fakes import ROW_BYTES, make_config, make_fake_manager, make_kv, mgr_metric, stored
+from prometheus_client import CollectorRegistry
 
+from tiered_kv import TieredKVConfig
 from tiered_kv.disk.records import SPILL_PREVENTED, SpillGroup
+from tiered_kv.integrations.scheduler import Lookup, SlabScheduler
+from tiered_kv.integrations.slab import SharedSlab
 from tiered_kv.jobs import JobKind, JobState
+from tiered_kv.metrics import Metrics
 from tiered_kv.reports import Report
 
-ROW_BYTES = 4096
 KEYS = [b"g%d" % i for i in range(6)]
 
 
-def _manager(tmp_path, *, hook=None, **over):
+def _manager(tmp_path, *, hook=None, disk_blocks=256, **over):
+    """A fake-mover manager: 16 host slots, a disk tier of ``disk_blocks`` (32: writer batches of 2)."""
     kv = make_kv(16)
-    opts = dict(host_slots=16, disk_path=tmp_path / "d", disk_capacity_bytes=256 * ROW_BYTES,
+    opts = dict(host_slots=16, disk_path=tmp_path / "d", disk_capacity_bytes=disk_blocks * ROW_BYTES,
                 writer_batch_seconds=0.0, host_evict_ahead_blocks=0)
     opts.update(over)
     mgr, mover = make_fake_manager(make_config(**opts), kv)
@@ -303,3 +309,122 @@ def test_a_group_through_the_io_process_is_answered_whole_and_frees_its_queue_ro
     finally:
         mgr.close()
     assert raw_keys(tmp_path / "d") == set(KEYS)
+
+
+class WriterKilled(BaseException):
+    """Not an Exception: the writer thread dies of it (as in tests/test_disk_faults.py)."""
+
+
+# ---------------------------------------------------------------- metrics
+@pytest.mark.disk_threads
+def test_spill_copy_latency_is_observed_once_per_block(tmp_path):
+    """``tiered_kv_transfer_seconds`` is "the duration of one block copy" (metrics.py, the dashboard's
+    "Transfer latency p50 / p99 per link" panel): a spill job of N blocks is N observations, each
+    its share of the writer's time, not one of their sum (N-fold quantiles, an N-fold smaller count)."""
+    mgr, mover, kv = _manager(tmp_path)
+    try:
+        stored(mgr, mover, kv, KEYS, list(range(len(KEYS))))
+        assert mgr.flush(timeout=30)
+        drain(mgr)
+        assert mgr_metric(mgr, "tiered_kv_jobs_total", kind="spill", outcome="ok") == len(KEYS)
+        n = mgr_metric(mgr, "tiered_kv_transfer_seconds_count", src="host", dst="disk")
+        assert n == len(KEYS), f"{len(KEYS)} blocks copied host->disk, {n:.0f} latency observation(s)"
+    finally:
+        mgr.close()
+
+
+# ---------------------------------------------------------------- a group across writer batches
+@pytest.mark.disk_threads
+def test_a_part_committed_in_an_earlier_batch_of_its_group_then_invalidated_never_stays(tmp_path):
+    """Batches of 2 blocks: the group's first batch commits (K0, K1 published on disk, the owner not
+    told: the group answers after its last part), the writer holds the second; K0 is invalidated
+    then (its tomb must delete the committed record), and stored again while still held."""
+    gate = WriterGate(block_from=2)
+    mgr, mover, kv = _manager(tmp_path, hook=gate, disk_blocks=32)
+    k = KEYS[:4]
+    try:
+        stored(mgr, mover, kv, k, [0, 1, 2, 3])
+        (job,) = _spill_jobs(mgr).values()
+        gate.entered(2)                       # batch 1 committed, batch 2 held
+        mgr.invalidate(k[0])
+        mgr.invalidate(k[1])
+        assert mgr.lookup([k[0]]) == 0 and mgr.lookup([k[1]]) == 0
+        stored(mgr, mover, kv, [k[1]], [5])   # stored again: its own new write
+        gate.open()
+        assert mgr.flush(timeout=30)
+        drain(mgr)
+        assert mgr.lookup([k[0]]) == 0 and k[0] not in mgr._core.dindex
+        for key in k[1:]:
+            assert mgr._core.dindex.ready(key) is not None, key
+        assert mgr_metric(mgr, "tiered_kv_jobs_total", kind="spill", outcome="cancelled") == 2
+        assert mgr_metric(mgr, "tiered_kv_jobs_total", kind="spill", outcome="ok") == 3
+        assert not mgr._core.jobs and mgr.disk.queue_depth == 0
+        assert all(e.readers == 0 for e in mgr._core.index.entries())
+        assert mgr._core.dindex.used_slots == len(mgr._core.dindex)
+    finally:
+        gate.open()
+        mgr.close()
+    assert raw_keys(tmp_path / "d") == set(k[1:])
+
+
+@pytest.mark.disk_threads
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_the_writer_dying_between_two_batches_of_a_group_publishes_the_committed_parts_only(tmp_path):
+    """The group's first batch commits, the writer thread dies at the second: one report, the
+    committed parts published (they are on disk), the others failed; nothing leaks."""
+    gate = WriterGate(block_from=None, raise_at={2: WriterKilled("writer killed")})
+    mgr, mover, kv = _manager(tmp_path, hook=gate, disk_blocks=32)
+    k = KEYS[:4]
+    try:
+        stored(mgr, mover, kv, k, [0, 1, 2, 3])
+        deadline = time.monotonic() + 30
+        while mgr._core.jobs:
+            mgr.wait(timeout=0.05)
+            assert time.monotonic() < deadline, mgr.debug_sizes()
+        dix = mgr._core.dindex
+        assert dix.ready(k[0]) is not None and dix.ready(k[1]) is not None
+        assert k[2] not in dix and k[3] not in dix
+        assert mgr_metric(mgr, "tiered_kv_jobs_total", kind="spill", outcome="ok") == 2
+        assert mgr_metric(mgr, "tiered_kv_jobs_total", kind="spill", outcome="failed") == 2
+        assert mgr_metric(mgr, "tiered_kv_jobs_in_flight", kind="spill") == 0
+        assert mgr._core.spill_faults == 2
+        assert all(e.readers == 0 for e in mgr._core.index.entries())
+        assert mgr.flush(timeout=5) is False
+    finally:
+        mgr.close()
+    assert raw_keys(tmp_path / "d") == set(k[:2])
+
+
+# ---------------------------------------------------------------- the vLLM scheduler front end
+A, B, C = b"key-A", b"key-B", b"key-C"
+
+
+def test_scheduler_reset_while_a_group_is_held_publishes_nothing_and_frees_everything(tmp_path):
+    slab = SharedSlab.open(tmp_path / "x.slab", 4, 256, 1)
+    cfg = TieredKVConfig(namespace="t", host_capacity_bytes=4 * 256, disk_path=tmp_path / "disk",
+                         disk_capacity_bytes=32 * 256, writer_batch_seconds=0.0, disk_io="thread")
+    tiers = SlabScheduler(cfg, slab, metrics=Metrics(registry=CollectorRegistry(), namespace="t"))
+    gate = WriterGate(block_from=2)
+    tiers.disk.fault_hook = gate
+    try:
+        p = tiers.prepare_store([A, B, C])
+        assert p.keys == [A, B, C]
+        for key, s in zip(p.keys, p.slots):
+            slab.rows[s] = torch.full((256,), 7, dtype=torch.uint8)
+        slab.mark_done(0, p.seq)
+        tiers.complete_store(p.keys)          # write-through: one spill job of 3 blocks, 2 batches
+        tiers.tick()
+        gate.entered(2)                       # A, B committed on disk; C held
+        tiers.reset()
+        assert all(tiers.lookup(key) is Lookup.MISS for key in (A, B, C))
+        gate.open()
+        assert tiers.flush(timeout=30)
+        tiers.tick()
+        sizes = tiers.debug_sizes()
+        assert sizes["disk_jobs"] == 0 and sizes["host_used_slots"] == 0, sizes
+        assert tiers.disk_blocks == 0 and not tiers.core.jobs
+    finally:
+        gate.open()
+        tiers.close()
+        slab.close()
+    assert raw_keys(tmp_path / "disk") == set()

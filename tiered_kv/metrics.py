@@ -76,7 +76,7 @@ class Metrics:
     def __init__(self, registry: Optional[CollectorRegistry] = None, namespace: str = "") -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self._pending: dict[Any, float] = {}
-        self._observations: list[tuple[Any, float]] = []
+        self._observations: list[tuple[Any, float, int]] = []   # (histogram child, value, how many times)
         self._bucketing: dict[Any, Optional[tuple[float, ...]]] = {}  # histogram child -> its bounds (None: observe())
         self._adders: dict[Any, Callable[[float], None]] = {}  # counter child -> how flush() adds to it
         self._levels: tuple[int, ...] = ()  # the values publish_levels() set last
@@ -149,11 +149,11 @@ class Metrics:
 
     def observe(self, child: Any, value: float) -> None:
         """Observe into a bound histogram child; applied by :meth:`flush`."""
-        self._observations.append((child, value))
+        self._observations.append((child, value, 1))
 
     def moved(self, kind: JobKind, link: tuple[str, str], nbytes: int, seconds: float, n: int = 1) -> None:
-        """A job finished ok: count it (``n``: a spill job counts each block it wrote), its bytes on
-        ``link`` and its copy time (batched, as :meth:`count`).
+        """A job finished ok: count it, its bytes on ``link`` and its copy time (batched, as :meth:`count`).
+        ``n``: a spill job's blocks, each counted and observed on its own, at ``seconds`` each.
 
         :meth:`count` twice and :meth:`observe` once, written out: three calls' overhead less on the poll
         path, which runs this once per job.
@@ -163,7 +163,7 @@ class Metrics:
         p[c] = p.get(c, 0) + n
         c = self.link_bytes[link]
         p[c] = p.get(c, 0) + nbytes
-        self._observations.append((self.link_seconds[link], seconds))
+        self._observations.append((self.link_seconds[link], seconds, n))
 
     def flush(self) -> None:
         """Apply batched counts and observations (called at the end of every ``poll()``)."""
@@ -179,45 +179,46 @@ class Metrics:
             obs, self._observations = self._observations, []
             self._apply_observations(obs)
 
-    def _apply_observations(self, obs: list[tuple[Any, float]]) -> None:
+    def _apply_observations(self, obs: list[tuple[Any, float, int]]) -> None:
         """Bucket the observations per histogram child here, then add each bucket's count once.
 
-        The same samples as one ``observe()`` each, at a fraction of the cost:
-        ``observe()`` walks the bucket bounds in Python and takes two locks per
-        sample.  The per-bucket adds use the child's ``_buckets``/``_sum``
-        values (prometheus_client's layout since 0.0.x, mutex or mmap backed);
-        a child without that layout gets plain ``observe()`` calls, and
-        ``tests/test_metrics_core.py`` checks that both give the same exposition.
+        The same samples as one ``observe()`` each (``(child, v, n)``: ``v`` observed ``n`` times), at a
+        fraction of the cost: ``observe()`` walks the bucket bounds in Python and takes two locks per
+        sample.  The per-bucket adds use the child's ``_buckets``/``_sum`` values (prometheus_client's
+        layout since 0.0.x, mutex or mmap backed); a child without that layout gets plain
+        ``observe()`` calls, and ``tests/test_metrics_core.py`` checks that both give the same exposition.
         """
         bucketing = self._bucketing
         if len(obs) == 1:   # the common step: one job's copy time; its two adds straight away
-            child, v = obs[0]
+            child, v, n = obs[0]
             bounds = bucketing.get(child, False)
             if bounds is False:
                 bounds = bucketing[child] = _bucket_bounds(child)
             if bounds is None:
-                child.observe(v)
+                for _ in range(n):
+                    child.observe(v)
             else:
                 if v == v:   # a NaN lands in no bucket, as with observe()
-                    child._buckets[bisect_left(bounds, v)].inc(1)
-                child._sum.inc(v)
+                    child._buckets[bisect_left(bounds, v)].inc(n)
+                child._sum.inc(v * n)
             return
         groups: dict[Any, list[Any]] = {}
-        for child, v in obs:
+        for child, v, n in obs:
             g = groups.get(child)
             if g is None:
                 bounds = bucketing.get(child, False)
                 if bounds is False:
                     bounds = bucketing[child] = _bucket_bounds(child)
                 if bounds is None:
-                    child.observe(v)
+                    for _ in range(n):
+                        child.observe(v)
                     continue
                 g = groups[child] = [bounds, {}, 0.0]
             if v == v:  # a NaN lands in no bucket, as with observe()
                 counts = g[1]
                 i = bisect_left(g[0], v)
-                counts[i] = counts.get(i, 0) + 1
-            g[2] += v
+                counts[i] = counts.get(i, 0) + n
+            g[2] += v * n
         for child, (_, counts, total) in groups.items():
             child._sum.inc(total)
             buckets = child._buckets

@@ -547,8 +547,9 @@ class TierCore:
                 ok_parts += 1
             elif disk.finish_spill(d, False, r.error if failed is None else failed[i]):
                 self.spill_faults += 1
-        if ok_parts:
-            self.metrics.moved(_SPILL, _HOST_DISK, ok_parts * self.row_bytes, r.seconds, ok_parts)
+        if ok_parts:   # the writer's time, shared by the blocks it wrote (cancelled parts included)
+            written = len(job._dentry) - (0 if failed is None else len(failed))
+            self.metrics.moved(_SPILL, _HOST_DISK, ok_parts * self.row_bytes, r.seconds / written, ok_parts)
 
     def _apply_promote(self, job: Job, r: Report) -> None:
         disk = self.disk

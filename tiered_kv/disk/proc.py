@@ -187,10 +187,11 @@ class ProcessDiskStore:
         self._cmds: list[tuple[Any, ...]] = []
         self._reads_held = False          # promotes queued since the last start_reads()
         self._backlog = bytearray()
-        self._lock = threading.Lock()     # guards _outstanding and _down between the owner and the receiver
+        self._lock = threading.Lock()     # guards _outstanding and _dead between the owner and the receiver
         # token.int -> (kind, token, spills) of every spill group, promote and flush sent and not yet answered
         self._outstanding: dict[int, tuple[str, uuid.UUID, int]] = {}
-        self._down = False                # the child is gone and every outstanding op was answered
+        self._dead = False                # the child is gone: no op is recorded from here on
+        self._down = False                # ... and every op it had was answered (set after those answers)
         self._closing = False
         self._spills_sent = 0             # owner thread only
         self._spills_answered = 0         # receiver thread only
@@ -323,12 +324,15 @@ class ProcessDiskStore:
             self.exit_code = self._proc.wait()
         with self._lock:
             rest, self._outstanding = self._outstanding, {}
-            self._down = True
+            self._dead = True
         if not self._closing:
             log.error("disk tier %s: the disk I/O process (pid %d) exited with status %s; %d op(s) in flight "
                       "answered as failed", self.opts.path, self.pid, self.exit_code, len(rest))
             self._on_error("io_process_died", f"pid {self.pid} exited with status {self.exit_code}")
         self._answer_failed(rest.values())
+        # only now: the owner restarts a store that is down once it has applied what arrived, and the
+        # restart's reconciliation needs these answers applied first
+        self._down = True
 
     def _answer_failed(self, ops: Any) -> None:
         put = self._out.put
@@ -346,7 +350,7 @@ class ProcessDiskStore:
         """Record an op that will be answered (``parts`` spills under ``token``); False (nothing
         recorded) when the store is down."""
         with self._lock:
-            if self._down:
+            if self._dead:
                 return False
             self._outstanding[token.int] = (what, token, parts)
             return True
