@@ -213,6 +213,36 @@ def test_a_key_invalidated_while_the_child_is_dead_does_not_come_back(rig: Rig) 
     assert ks[1] in raw_keys(path)
 
 
+@pytest.mark.parametrize("evict, backing_off", [(False, False), (True, False), (False, True)])
+def test_a_key_dropped_while_the_child_is_dead_stays_gone_when_close_comes_first(rig: Rig, evict: bool,
+                                                                                  backing_off: bool) -> None:
+    """The child dies; before any pass could restart it (or while the restart backs off: a restarted
+    child died again at once), a key (in the host tier and on disk, or only on disk) is invalidated,
+    then the manager closes: ``close()`` starts the process once more to reconcile the disk with the
+    index, so the dropped key is not found by the next open."""
+    from disk_helpers import raw_keys
+
+    kv, mgr, ks = _stored(rig, 3, "closing", disk_only=evict)
+    if backing_off:
+        _child(mgr).kill_for_test(signal.SIGKILL)
+        _wait_down(_child(mgr))
+        drain(mgr)                                  # restarted at once: the first death
+        assert not _child(mgr).down
+    store = _child(mgr)
+    store.kill_for_test(signal.SIGKILL)
+    _wait_down(store)
+    if backing_off:
+        drain(mgr)                                  # dead again within 60 s: no restart for a while
+        assert _child(mgr) is store and not mgr._core.disk.usable
+    mgr.invalidate(ks[1])                           # its tomb has no process to go to
+    path = mgr.config.disk_dir
+    rig.close(mgr)
+    on_disk = raw_keys(path)
+    assert ks[1] not in on_disk and {ks[0], ks[2]} <= on_disk
+    mgr = rig.open(make_kv(rows=8), host_slots=8, disk_slots=64)
+    assert mgr.lookup([ks[1]]) == 0 and mgr.lookup([ks[0]]) == 1
+
+
 def test_a_child_that_cannot_be_restarted_leaves_the_tier_down_and_is_retried(rig: Rig,
                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     kv = make_kv(rows=4)

@@ -164,7 +164,7 @@ class DiskTier:
         """The disk I/O process died and every op it had was answered: time for :meth:`restart`."""
         return self._reopen is not None and getattr(self.store, "down", False)
 
-    def restart(self, now: Optional[float] = None) -> bool:
+    def restart(self, now: Optional[float] = None, force: bool = False) -> bool:
         """Start a new disk I/O process after the last one died; True once it runs.
 
         Call only once the dead process's answers were applied (its spills aborted, its
@@ -176,7 +176,8 @@ class DiskTier:
         back.  A failed start is counted and tried again after a back-off (1 s, doubling to 60 s),
         with the tier down (spills shed as ``disk_down``, reads missing) meanwhile; so is a
         restarted process that dies again within 60 s of its start (a crash loop costs a recovery
-        scan per restart, not one per engine step).  A process that ran longer is restarted at once."""
+        scan per restart, not one per engine step).  A process that ran longer is restarted at once;
+        so is any with ``force`` (the owner closing: the last chance to delete what it dropped)."""
         assert self._reopen is not None
         now = time.monotonic() if now is None else now
         if self._seen_death is not self.store:   # the first look at this death
@@ -186,7 +187,7 @@ class DiskTier:
                 self._retry_at = now + self._backoff
             else:
                 self._backoff = self._retry_at = 0.0
-        if now < self._retry_at:
+        if now < self._retry_at and not force:
             self.usable = False
             return False
         self.usable = False

@@ -712,6 +712,13 @@ class TierCore:
         self.closing = True
         n = self.n_in_flight
         block_until(lambda: n[_SPILL] == 0, CLOSE_TIMEOUT_S)
+        if disk.down:
+            # the I/O process died and no pass restarted it (the owner was closing, or in the restart's
+            # back-off): a key invalidated or evicted meanwhile is still on disk, its delete lost with the
+            # process.  One more start reconciles the disk with the index and deletes it, so that the
+            # next open does not find it
+            self.apply_arrived()
+            disk.restart(force=True)
         disk.store.close()
         self.apply_arrived()
 
