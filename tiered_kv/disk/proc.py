@@ -330,9 +330,7 @@ class ProcessDiskStore:
                       "answered as failed", self.opts.path, self.pid, self.exit_code, len(rest))
             self._on_error("io_process_died", f"pid {self.pid} exited with status {self.exit_code}")
         self._answer_failed(rest.values())
-        # only now: the owner restarts a store that is down once it has applied what arrived, and the
-        # restart's reconciliation needs these answers applied first
-        self._down = True
+        self._down = True   # only now: a restart's reconciliation needs these answers applied first
 
     def _answer_failed(self, ops: Any) -> None:
         put = self._out.put
@@ -347,8 +345,7 @@ class ProcessDiskStore:
 
     # ------------------------------------------------------------ owner side (never blocks on I/O)
     def _track(self, what: str, token: uuid.UUID, parts: int = 1) -> bool:
-        """Record an op that will be answered (``parts`` spills under ``token``); False (nothing
-        recorded) when the store is down."""
+        """Record an op to be answered (``parts`` spills under ``token``); False when the child is gone."""
         with self._lock:
             if self._dead:
                 return False
