@@ -39,13 +39,15 @@ def resident_fraction(t: torch.Tensor) -> float:
     return sum(b & 1 for b in vec.raw) / pages
 
 
-FRESH = 64 << 20   # above glibc's largest mmap threshold (32 MiB): always a new mapping, never recycled heap
+FRESH = 64 << 20
 
 
 def fresh(nbytes: int = FRESH) -> torch.Tensor:
-    assert nbytes >= FRESH
-    t = torch.empty(nbytes, dtype=torch.uint8)   # an mmap of its own, never touched
-    assert resident_fraction(t) < 0.5, "the allocator handed out memory already touched"
+    """``nbytes`` of memory no one has touched: an anonymous mapping of its own (``torch.empty`` of
+    this size is usually one too, but the allocator may hand out recycled, already resident memory)."""
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    t = torch.frombuffer(mm, dtype=torch.uint8)   # holds the mapping for as long as the tensor lives
+    assert resident_fraction(t) == 0.0
     return t
 
 
