@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry
 sys.path.insert(0, os.path.dirname(__file__))
 
 import fakes  # noqa: E402
+
+pytest_plugins = ["redis_servers"]   # real redis-server processes for the remote tier's tests
 from fakes import FakeMover, make_config, make_fake_manager  # noqa: E402
 from tiered_kv import TieredKVConfig, TierManager  # noqa: E402
 

@@ -96,6 +96,28 @@ class TieredKVConfig:
         threads in the engine's process (fewer moving parts; the disk keeps up
         only while the engine thread leaves the GIL free).  See
         docs/architecture.md, "The disk I/O process".
+    remote_url: a Redis or Valkey server shared by several serving machines
+        (docs/remote.md), or ``None`` for no remote tier: ``redis://``,
+        ``rediss://`` (TLS), ``unix://`` or ``redis+cluster://h1:p1,h2:p2``
+        (``rediss+cluster://``).  Credentials come from the URL or from the
+        ``TIERED_KV_REMOTE_USERNAME`` / ``TIERED_KV_REMOTE_PASSWORD`` environment
+        variables and are never logged.  Each block a store publishes is also
+        written there; a lookup that misses locally asks the server.
+    remote_ttl_seconds: remote values expire after this long; ``None``: never
+        (the server's ``maxmemory`` policy evicts).
+    remote_tomb_ttl_seconds: how long a remote tombstone (an invalidated key, a
+        cancelled write) refuses writes from every machine; must exceed the
+        longest a write can be in flight, ``remote_write_deadline_seconds`` plus two
+        ``remote_timeout_seconds``.
+    remote_timeout_seconds: socket timeout of one round trip to the server.
+    remote_queue_blocks: bound of the remote writes queued (shed beyond).
+    remote_batch_blocks: commands per pipelined round trip.
+    remote_write_deadline_seconds: a remote write not sent this long after it was
+        queued is dropped (counted).
+    remote_prefetch_blocks: a lookup asks the server for at most this many keys
+        past what the local tiers hold.
+    remote_miss_ttl_seconds: a key the server did not hold is not asked for again
+        for this long (a lookup answers a miss meanwhile).
     """
 
     namespace: str
@@ -118,6 +140,15 @@ class TieredKVConfig:
     writer_batch_seconds: float = 0.005
     disk_map_size_bytes: int = 0
     disk_io: DiskIO = "process"
+    remote_url: Optional[str] = dataclasses.field(default=None, repr=False)   # may hold a password
+    remote_ttl_seconds: Optional[int] = 3600
+    remote_tomb_ttl_seconds: int = 120
+    remote_timeout_seconds: float = 1.0
+    remote_queue_blocks: int = 256
+    remote_batch_blocks: int = 32
+    remote_write_deadline_seconds: float = 10.0
+    remote_prefetch_blocks: int = 64
+    remote_miss_ttl_seconds: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.namespace, str) or not self.namespace:
@@ -154,6 +185,29 @@ class TieredKVConfig:
         _check_int("disk_map_size_bytes", self.disk_map_size_bytes, 0)
         if self.disk_io not in _DISK_IO:
             raise ConfigError(f"disk_io must be one of {_DISK_IO}, got {self.disk_io!r}")
+        if self.remote_url is not None:
+            from .remote.url import parse_url
+
+            if not isinstance(self.remote_url, str):
+                raise ConfigError(f"remote_url must be a str or None, got {type(self.remote_url).__name__}")
+            try:
+                parse_url(self.remote_url)   # the one check of its forms; names it with the password redacted
+            except ConfigError as exc:
+                raise ConfigError(f"remote_url: {exc}") from None
+        if self.remote_ttl_seconds is not None:
+            _check_int("remote_ttl_seconds", self.remote_ttl_seconds, 1, 1 << 31)
+        _check_int("remote_tomb_ttl_seconds", self.remote_tomb_ttl_seconds, 1, 1 << 31)
+        _check_float("remote_timeout_seconds", self.remote_timeout_seconds, 0.001, 600.0)
+        _check_int("remote_queue_blocks", self.remote_queue_blocks, 1, 1 << 20)
+        _check_int("remote_batch_blocks", self.remote_batch_blocks, 1, 1 << 16)
+        _check_float("remote_write_deadline_seconds", self.remote_write_deadline_seconds, 0.001, 3600.0)
+        _check_int("remote_prefetch_blocks", self.remote_prefetch_blocks, 0, 1 << 16)
+        _check_float("remote_miss_ttl_seconds", self.remote_miss_ttl_seconds, 0.0, 3600.0)
+        longest = self.remote_write_deadline_seconds + 2 * self.remote_timeout_seconds
+        if self.remote_tomb_ttl_seconds <= longest:
+            raise ConfigError(f"remote_tomb_ttl_seconds={self.remote_tomb_ttl_seconds} must exceed the longest a remote "
+                              f"write can be in flight (remote_write_deadline_seconds + 2 * remote_timeout_seconds = "
+                              f"{longest:g} s), or a late write could land after its tombstone expired")
 
     @property
     def disk_dir(self) -> Optional[Path]:
@@ -203,6 +257,10 @@ def _parse_env(name: str, raw: str, default: Any) -> Any:
     try:
         if name in ("namespace", "durability", "write_mode", "disk_io"):
             return raw
+        if name == "remote_url":
+            return raw or None
+        if name == "remote_ttl_seconds":
+            return None if raw.strip().lower() in ("", "none", "0") else int(raw, 0)
         if name == "disk_path":
             return raw or None
         if name == "host_evict_ahead_blocks":

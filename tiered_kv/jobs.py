@@ -37,6 +37,8 @@ class JobKind(str, enum.Enum):
     LOAD = "load"        # host slot -> device row
     SPILL = "spill"      # host slot -> disk
     PROMOTE = "promote"  # disk -> host slot
+    PUT = "put"          # host slot -> remote store
+    FETCH = "fetch"      # remote store -> host slot
 
     def __str__(self) -> str:
         return self.value

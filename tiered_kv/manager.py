@@ -231,7 +231,12 @@ class TierManager:
         return job
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` are ready in a lower tier (host or disk)."""
+        """How many leading ``keys`` are ready in a lower tier (host or disk).
+
+        With a remote tier, the keys past those (up to ``remote_prefetch_blocks``) are asked from the
+        server at the next ``poll()``/``wait()``, without waiting: those it holds are host hits for
+        a later lookup once they landed; those it misses are not asked again for
+        ``remote_miss_ttl_seconds``."""
         if self._closed:
             self._check_open()  # raises
         if type(keys) is not list:
@@ -390,20 +395,22 @@ class TierManager:
         return out
 
     def flush(self, timeout: Optional[float] = None) -> bool:
-        """Block until every spill submitted so far is durable (at the configured level) or discarded.
+        """Block until every spill submitted so far is durable (at the configured level) or discarded,
+        and every remote write in flight is answered.
 
-        Returns True at once without a disk tier; False on timeout or when the
+        Returns True at once without a disk or remote tier; False on timeout or when the
         disk tier failed to commit a write it covers (the fault is counted): a
         batch that failed after it was asked for, or a spill whose failure had
-        not been applied by an earlier ``poll()``.  Completions applied
-        meanwhile are returned by the next ``poll()``.
+        not been applied by an earlier ``poll()``; likewise a remote write that
+        failed by a fault (a write a tombstone refused is no fault).  Completions
+        applied meanwhile are returned by the next ``poll()``.
         """
         self._check_open()
         timeout = check_timeout(timeout)
         core = self._core
-        if core.disk is None:
+        if core.disk is None and core.remote is None:
             return True
-        if not core.disk.store.writer_alive():
+        if core.disk is not None and not core.disk.store.writer_alive():
             self._poll(True)
             return False
         # a spill that failed before the flush was queued, but whose report this call is the first to

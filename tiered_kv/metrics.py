@@ -19,11 +19,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .jobs import JobKind, StaleReason
 
-__all__ = ["Metrics", "sample_total", "TIERS", "OUTCOMES", "SHED_REASONS", "CORRUPT_REASONS", "ERROR_KINDS"]
+__all__ = ["Metrics", "sample_total", "TIERS", "OUTCOMES", "SHED_REASONS", "CORRUPT_REASONS", "ERROR_KINDS",
+           "REFUSED_REASONS"]
 
 TIERS = ("device", "host", "disk")
 OUTCOMES = ("ok", "failed", "cancelled", "shed")
-SHED_REASONS = ("inflight_limit", "host_full", "disk_full", "backpressure", "disk_down")
+SHED_REASONS = ("inflight_limit", "host_full", "disk_full", "backpressure", "disk_down", "remote_down")
 # label values known in advance, exported at 0 from the start (dashboards and alerts see a series)
 CORRUPT_REASONS = ("truncated", "bad_magic", "bad_version", "wrong_namespace", "wrong_key", "wrong_length",
                    "checksum", "recovery", "foreign", "bad_flags", "bad_slot", "slot_entry")
@@ -32,9 +33,10 @@ ERROR_KINDS = (("device", "copy_failed"), ("host", "copy_failed"), ("disk", "cop
                ("disk", "map_full"), ("disk", "disk_full"), ("disk", "read_only"), ("disk", "io_error"),
                ("disk", "lmdb_error"), ("disk", "writer_error"), ("disk", "slots_exhausted"), ("disk", "reader_error"))
 _LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5)
-_LINKS = (("device", "host"), ("host", "device"), ("host", "disk"), ("disk", "host"))
+_LINKS = (("device", "host"), ("host", "device"), ("host", "disk"), ("disk", "host"), ("host", "remote"),
+          ("remote", "host"))
 _KINDS = tuple(JobKind)
-_K0, _K1, _K2, _K3 = _KINDS
+REFUSED_REASONS = ("tomb", "token")
 
 
 def _bucket_bounds(child: Any) -> Optional[tuple[float, ...]]:
@@ -118,6 +120,14 @@ class Metrics:
         self.writer_queue = Gauge("tiered_kv_writer_queue_blocks", "Spills queued for the disk writer.", multiprocess_mode="livesum", registry=r)
         self.tombstones = Gauge("tiered_kv_disk_tombstones", "Durable tombstones in the disk tier.", multiprocess_mode="livesum", registry=r)
         self.disk_map_bytes = Gauge("tiered_kv_disk_map_bytes", "Size of the LMDB map.", multiprocess_mode="livesum", registry=r)
+        self.remote_refused = Counter("tiered_kv_remote_refused_writes_total",
+                                      "Remote writes the server refused: a tombstone for the key (invalidated on some machine) "
+                                      "or for the writer's token (its job was cancelled).", ["reason"], registry=r)
+        self.remote_corrupt = Counter("tiered_kv_remote_corrupt_values_total",
+                                      "Remote values that failed verification (served as misses, deleted if unchanged).",
+                                      ["reason"], registry=r)
+        self.remote_queue = Gauge("tiered_kv_remote_queue_blocks", "Remote writes queued and not yet answered.",
+                                  multiprocess_mode="livesum", registry=r)
         self.info = Gauge("tiered_kv_info", "Constant 1, labelled with the manager's namespace.", ["namespace"], multiprocess_mode="livemax", registry=r)
         self.info.labels(namespace=namespace).set(1)
 
@@ -130,7 +140,7 @@ class Metrics:
         self.used = {t: self.tier_used_bytes.labels(tier=t) for t in TIERS}
         self.capacity = {t: self.tier_capacity_bytes.labels(tier=t) for t in TIERS}
         self.blocks = {t: self.tier_blocks.labels(tier=t) for t in TIERS}
-        self.hits = {t: self.lookup_hits.labels(tier=t) for t in TIERS}
+        self.hits = {t: self.lookup_hits.labels(tier=t) for t in (*TIERS, "remote")}
         self.evicted = {t: self.evictions.labels(tier=t) for t in TIERS}
         self.health = {t: self.healthy.labels(tier=t) for t in ("device", "host")}
         for t in ("device", "host"):
@@ -141,6 +151,7 @@ class Metrics:
             self.corrupt_blocks.labels(reason=reason)
         for tier, error in ERROR_KINDS:
             self.errors.labels(tier=tier, error=error)
+        self.refused = {why: self.remote_refused.labels(reason=why) for why in REFUSED_REASONS}
 
     def count(self, child: Any, n: float = 1) -> None:
         """Add to a bound counter child; applied by :meth:`flush` (the owner thread's per-job path)."""
@@ -226,11 +237,13 @@ class Metrics:
                 buckets[i].inc(c)
 
     def publish_levels(self, host_used_bytes: int, host_blocks: int, in_flight: Mapping[JobKind, int],
-                       disk: Optional[tuple[int, int, int, int, int, int]] = None, host_evictions: int = 0) -> None:
+                       disk: Optional[tuple[int, int, int, int, int, int]] = None, host_evictions: int = 0,
+                       remote: Optional[tuple[int, int]] = None) -> None:
         """Once per poll/step: flush batched counts, then set the level gauges whose value changed.
 
         ``disk`` is (used bytes, blocks, writer queue, tombstones, map bytes,
-        healthy) for an owner with a disk tier.  ``host_evictions`` is the host
+        healthy) for an owner with a disk tier, ``remote`` (queued writes, healthy) for one with a
+        remote tier.  ``host_evictions`` is the host
         index's running eviction total (``TierIndex.evictions``): what it grew
         by since the last call is added to ``tiered_kv_evictions_total{tier="host"}``,
         so no owner counts evictions one by one.  Unchanged values cost one tuple
@@ -240,8 +253,7 @@ class Metrics:
             self.count(self.evicted["host"], host_evictions - self._host_evictions)
             self._host_evictions = host_evictions
         self.flush()
-        f = in_flight.get   # the four kinds written out: a comprehension is a call of its own, once per step
-        values = (host_used_bytes, host_blocks, f(_K0, 0), f(_K1, 0), f(_K2, 0), f(_K3, 0), *(disk or ()))
+        values = (host_used_bytes, host_blocks, *[in_flight.get(k, 0) for k in _KINDS], *(disk or ()), *(remote or ()))
         old = self._levels
         if values == old:
             return
@@ -250,6 +262,8 @@ class Metrics:
         if disk is not None:
             gauges += [self.used["disk"], self.blocks["disk"], self.writer_queue, self.tombstones, self.disk_map_bytes,
                        self.health["disk"]]
+        if remote is not None:
+            gauges += [self.remote_queue, self.health["remote"]]
         for i, (g, v) in enumerate(zip(gauges, values)):
             if i >= len(old) or old[i] != v:
                 g.set(v)
@@ -258,6 +272,16 @@ class Metrics:
         """Export the disk tier's health (only managers configured with one)."""
         self.health["disk"] = self.healthy.labels(tier="disk")
         self.health["disk"].set(1 if healthy else 0)
+
+    def enable_remote_health(self, healthy: bool) -> None:
+        """Export the remote tier's health (only managers configured with one)."""
+        self.health["remote"] = self.healthy.labels(tier="remote")
+        self.health["remote"].set(1 if healthy else 0)
+        from .remote.records import REMOTE_ERROR_KINDS
+        for error in REMOTE_ERROR_KINDS:
+            self.errors.labels(tier="remote", error=error)
+        for reason in CORRUPT_REASONS[:9]:
+            self.remote_corrupt.labels(reason=reason)
 
     def error(self, tier: str, error: str) -> None:
         self.errors.labels(tier=tier, error=error).inc()

@@ -51,13 +51,16 @@ from ..metrics import Metrics
 from ..movers import CompletionQueue, Report
 from .disk_tier import DiskTier
 from .index import Entry, EntryState, TierIndex
+from .remote_tier import RemoteTier
 
 __all__ = ["TierCore", "SlotViews", "EVICT_AHEAD_MAX", "TOKEN_POOL", "CLOSE_TIMEOUT_S"]
 
 log = logging.getLogger(__name__)
 
 _STORE, _LOAD, _SPILL, _PROMOTE = JobKind.STORE, JobKind.LOAD, JobKind.SPILL, JobKind.PROMOTE
+_PUT, _FETCH = JobKind.PUT, JobKind.FETCH
 _HOST_DISK = ("host", "disk")
+_HOST_REMOTE, _REMOTE_HOST = ("host", "remote"), ("remote", "host")
 _PENDING, _CANCELLING, _DONE, _FAILED, _CANCELLED = (JobState.PENDING, JobState.CANCELLING, JobState.DONE,
                                                    JobState.FAILED, JobState.CANCELLED)
 _READY = EntryState.READY
@@ -143,11 +146,20 @@ class TierCore:
         self.cancel_hook: Callable[[Job, StaleReason], None] = self.cancel
         self.disk: Optional[DiskTier] = None
         self.dindex: Optional[TierIndex] = None
+        self.remote: Optional[RemoteTier] = None
+        self.put_faults = 0     # remote writes that failed by a fault (applied reports): flush() looks at them too
         metrics.capacity["host"].set(num_slots * self.row_bytes)
         if config.disk_path is not None:
             # a disk capacity below one row is refused by each front end, before it allocates anything
             self.disk = DiskTier.open(config, self.row_bytes, self.completions, metrics, self._disk_evicted, host)
             self.dindex = None if self.disk is None else self.disk.index
+        if config.remote_url is not None:
+            try:
+                self.remote = RemoteTier.open(config, self.row_bytes, self.completions, metrics)
+            except BaseException:
+                if self.disk is not None:
+                    self.disk.store.close()
+                raise
 
     @staticmethod
     def _no_front_end(job: Job, r: Report) -> None:  # pragma: no cover - a front end always sets its hooks
@@ -193,6 +205,12 @@ class TierCore:
                 elif dindex is None or k not in dindex:
                     absent = True
             return self.shed(_STORE, "inflight_limit") if absent else None
+        if self.remote is not None:   # a key being fetched: the engine's own block wins
+            index = self.index
+            for k in keys:
+                e = index.get(k)
+                if e is not None and e.state is not _READY and self.remote_pending(e):
+                    self._supersede_fetch(e)
         pool = self.token_pool
         token = pool.popleft() if pool else self.tokens()
         got, entries, full = self.index.reserve_absent(keys, token, protect, self.dindex)
@@ -214,8 +232,10 @@ class TierCore:
         index = self.index
         e = index.get(key)
         if e is not None:
-            index.touch(e)
-            return None
+            if e.state is _READY or not self.remote_pending(e):
+                index.touch(e)
+                return None
+            self._supersede_fetch(e)
         dindex = self.dindex
         if dindex is not None and key in dindex:
             return None
@@ -243,8 +263,11 @@ class TierCore:
                 self.stale(_STORE, reason, job.token)
         if self.collect_published:
             self.published.extend(e.key for e in out)
-        if self.disk is not None and self.config.write_mode == "through" and out:
-            self.start_spills(out)
+        if out:
+            if self.disk is not None and self.config.write_mode == "through":
+                self.start_spills(out)
+            if self.remote is not None:
+                self.start_puts(out)
         return out
 
     def drop_store(self, job: Job, failed: bool) -> None:
@@ -380,6 +403,8 @@ class TierCore:
                 end = run(keys, n + 1)
                 host += end - n - 1
                 n = end
+        if self.remote is not None and n < len(keys):
+            self._probe_remote(keys, n)
         m = self.metrics  # counted like the per-job counters: applied at the end of the step
         m.count(m.lookups, len(keys))
         if host:
@@ -387,6 +412,20 @@ class TierCore:
         if n > host:
             m.count(m.hits["disk"], n - host)
         return n
+
+    def _probe_remote(self, keys: Sequence[bytes], n: int) -> None:
+        """Ask the server for the keys past the local prefix ``keys[:n]`` (at most ``remote_prefetch_blocks``)
+        with this step's fetch; they are host hits once it lands.  Stops at the first key the server
+        missed lately or that finds no host slot (the prefix ends there)."""
+        remote = self.remote
+        assert remote is not None
+        index, dindex = self.index, self.dindex
+        for k in keys[n:n + remote.prefetch]:
+            e = index.get(k)
+            if e is not None or (dindex is not None and k in dindex):
+                continue   # local (ready, being stored, or being fetched already)
+            if not remote.want(k, self.take_token):
+                break
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Mark ``keys`` recently used where they are (host, else disk)."""
@@ -430,6 +469,16 @@ class TierCore:
             self.index.abort(job._entries[0])
             for w, _ in list(job._waiters or ()):
                 self.cancel_hook(w, reason)
+        elif kind is _PUT:
+            assert self.remote is not None
+            for key, token in zip(job.keys, job._dentry):
+                self.remote.put_done(key, token)
+                self.remote.store.cancel(token, key)
+        elif kind is _FETCH:
+            for e in job._entries:
+                self.index.abort(e)
+            for k in job.keys:
+                self.remote.fetched(k, job.token)
 
     def drop_key(self, key: bytes) -> None:
         """Forget ``key`` in every tier: the job writing it is cancelled (only its part, for a store of
@@ -440,9 +489,19 @@ class TierCore:
                 w = self.jobs.get(entry.writer.int)
                 if w is not None and w.kind is _STORE and len(w._entries) > 1:
                     self.cancel_part(w, w._entries.index(entry), _R_SUPERSEDED)
-                elif w is not None:
+                elif w is not None and w.kind is not _FETCH:   # a fetch's part: out of the index is enough
                     self.cancel_hook(w, _R_SUPERSEDED)
             self.index.remove(entry)
+        remote = self.remote
+        if remote is not None:
+            got = remote.invalidate(key)
+            if got is not None:   # this owner's write of it is in flight: that part is discarded
+                token, put = got
+                if put.state is _PENDING:
+                    dead = put._dead
+                    if dead is None:
+                        dead = put._dead = {}
+                    dead[put._dentry.index(token)] = _R_SUPERSEDED
         disk = self.disk
         if disk is not None:
             d = disk.index.get(key)
@@ -511,8 +570,12 @@ class TierCore:
             self.on_load(job, r)
         elif kind is _SPILL:
             self._apply_spill(job, r)
-        else:
+        elif kind is _PROMOTE:
             self._apply_promote(job, r)
+        elif kind is _PUT:
+            self._apply_put(job, r)
+        else:
+            self._apply_fetch(job, r)
 
     def apply_arrived(self) -> None:
         """Start the reads held since the last call, then apply every report that has arrived."""
@@ -578,6 +641,138 @@ class TierCore:
             else:
                 self.abandon(w)
                 self.on_load_failed(w, (r.error or "miss") if not r.ok else "superseded")
+
+    # ------------------------------------------------------------------ remote
+    def start_puts(self, entries: list[Entry]) -> None:
+        """Write READY host entries to the remote tier as one internal PUT job (a token per key, one
+        report); what does not fit in its queue is shed and counted."""
+        remote = self.remote
+        assert remote is not None
+        hosts, tokens, shed = remote.start_puts(entries, self.index, self.tokens, self.slot_views.__getitem__)
+        if shed:
+            self.shed(_PUT, "remote_down" if not remote.store.available else "backpressure", shed)
+        if not hosts:
+            return
+        job = Job(tokens[0], _PUT, hosts[0].key, -1, keys=[e.key for e in hosts])
+        job._entries = hosts
+        job._dentry = tokens
+        self.jobs[tokens[0].int] = job   # the report's token; an invalidated key finds its part by key
+        putting = remote.putting
+        for e, t in zip(hosts, tokens):
+            putting[e.key] = (t, job)
+        self.n_in_flight[_PUT] += 1
+
+    def _apply_put(self, job: Job, r: Report) -> None:
+        """A put job's one report: the host slots' leases go; each part is counted by its own outcome
+        (a part whose key was invalidated meanwhile is counted stale)."""
+        remote = self.remote
+        assert remote is not None
+        release, m = self.index.release, self.metrics
+        live = job.state is _PENDING
+        job._move(_CANCELLED if not live else _DONE if r.ok else _FAILED)
+        dead, failed = job._dead, r.failed
+        ok_parts = 0
+        for i, (e, token) in enumerate(zip(job._entries, job._dentry)):
+            release(e)
+            remote.put_done(e.key, token)
+            if not live or (dead is not None and i in dead):
+                why = dead.get(i) if dead is not None else None
+                self.stale(_PUT, why or job.cancel_reason or _R_CANCELLED, token)
+                m.count(m.job_outcome[(_PUT, "cancelled")])
+            elif r.ok or (failed is not None and i not in failed):
+                ok_parts += 1
+            else:
+                error = r.error if failed is None else failed[i]
+                if remote.refused(error):
+                    m.count(m.job_outcome[(_PUT, "cancelled")])
+                else:
+                    m.count(m.job_outcome[(_PUT, "failed")])
+                    self.put_faults += 1
+        if ok_parts:
+            m.moved(_PUT, _HOST_REMOTE, ok_parts * self.row_bytes, r.seconds / len(job._entries), ok_parts)
+
+    def want_remote(self, key: bytes) -> bool:
+        """Ask the server for ``key`` (in no local tier) with this step's probe; True while it is being
+        asked (a lookup answers "ask again later"), False when it will not be (a miss)."""
+        remote = self.remote
+        return remote is not None and remote.want(key, self.take_token)
+
+    def remote_pending(self, entry: Entry) -> bool:
+        """Whether a host entry that is not READY is being fetched from the server."""
+        if self.remote is None:
+            return False
+        j = self.jobs.get(entry.writer.int)
+        return j is not None and j.kind is _FETCH
+
+    def _supersede_fetch(self, e: Entry) -> None:
+        """The engine stores a key whose fetch is in flight: its own block wins, the fetch's part is
+        discarded when its answer comes (counted stale)."""
+        self.index.remove(e)
+        assert self.remote is not None
+        self.remote.superseded(e.key)
+
+    def _start_probe(self) -> None:
+        """Submit the step's wanted keys as one FETCH job that first asks which of them the server holds."""
+        remote = self.remote
+        assert remote is not None
+        got = remote.take_wanted()
+        if got is None:
+            return
+        token, keys = got
+        job = Job(token, _FETCH, keys[0], -1, keys=keys)
+        job._entries = []   # a probe: no host slot yet (the fetch that follows has one per key)
+        self.jobs[token.int] = job
+        self.n_in_flight[_FETCH] += 1
+
+    def _apply_fetch(self, job: Job, r: Report) -> None:
+        """A FETCH job's report.  A probe's: the keys the server holds are fetched (a new FETCH job, host
+        slots reserved now), those it lacks remembered as missed.  A fetch's: each part found is
+        published on the host; a part invalidated or stored by the engine meanwhile is counted stale."""
+        remote = self.remote
+        assert remote is not None
+        m = self.metrics
+        live = job.state is _PENDING
+        job._move(_CANCELLED if not live else _DONE if r.ok else _FAILED)
+        failed = r.failed
+        entries = job._entries
+        if not entries:   # the probe
+            if live:
+                got = remote.probe_answered(job.token, job.keys, r, self.index, self.dindex, self.take_token,
+                                            self.slot_views.__getitem__)
+                if got is not None:
+                    token, keys, hosts = got
+                    fetch = Job(token, _FETCH, keys[0], -1, keys=keys)
+                    fetch._entries = hosts
+                    self.jobs[token.int] = fetch
+                    self.n_in_flight[_FETCH] += 1
+            faults = sum(1 for why in (failed or {}).values() if not remote.missing(why))
+            if faults:
+                m.count(m.job_outcome[(_FETCH, "failed")], faults)
+            return
+        index = self.index
+        found = faults = 0
+        now = time.monotonic()
+        for i, e in enumerate(entries):
+            remote.fetched(e.key, job.token)
+            if not e.live:
+                index.writer_done(e)
+                self.stale(_FETCH, job.cancel_reason or _R_SUPERSEDED, job.token)
+            elif r.ok or (failed is not None and i not in failed):
+                index.publish(e)
+                found += 1
+            else:
+                index.writer_done(e)
+                index.abort(e)
+                error = r.error if failed is None else failed[i]
+                if remote.missing(error):
+                    remote.note_miss(e.key, now)
+                else:
+                    faults += 1
+        if found:
+            m.count(m.hits["remote"], found)
+            m.moved(_FETCH, _REMOTE_HOST, found * self.row_bytes, r.seconds / len(entries), found)
+        if faults:   # a part the server did not hold is a miss, not a failure
+            m.count(m.job_outcome[(_FETCH, "failed")], faults)
 
     # ------------------------------------------------------------------ disk
     def start_spills(self, entries: list[Entry]) -> None:
@@ -666,6 +861,11 @@ class TierCore:
             if self.config.write_mode == "back":
                 self._writeback()
             disk.store.kick()
+        remote = self.remote
+        if remote is not None:
+            if remote.want_token is not None:
+                self._start_probe()
+            remote.store.kick()
         if last:
             if self.evict_ahead:
                 self.index.evict_ahead(self.evict_ahead)
@@ -679,19 +879,33 @@ class TierCore:
     def refresh_gauges(self) -> None:
         """Push batched counters and the gauge values that changed (once per step, not per job)."""
         disk = self.disk
+        remote = self.remote
         self.metrics.publish_levels(self.index.used_slots * self.row_bytes, len(self.index), self.n_in_flight,
-                                    None if disk is None else disk.levels(self.row_bytes), self.index.evictions)
+                                    None if disk is None else disk.levels(self.row_bytes), self.index.evictions,
+                                    None if remote is None else remote.levels())
 
     # ------------------------------------------------------------------ flush and close
     def flush(self, block_until: Callable[[Callable[[], bool], Optional[float]], None],
               timeout: Optional[float]) -> bool:
-        """Block (through the front end's ``block_until``) until every spill queued so far is durable.
+        """Block (through the front end's ``block_until``) until every spill queued so far is durable,
+        and every remote write in flight answered.
 
         False on timeout, with a dead writer, or when a write it covers failed: a batch
-        failing after the flush was queued, or a spill failure this call is the first to apply."""
-        disk = self.disk
+        failing after the flush was queued, or a spill or remote write failure (a fault, not a
+        write a tombstone refused) this call is the first to apply."""
+        disk, remote = self.disk, self.remote
+        ok = True
+        if remote is not None:
+            faults = self.put_faults
+            remote.store.kick()
+            n = self.n_in_flight
+            deadline = None if timeout is None else time.monotonic() + timeout
+            block_until(lambda: n[_PUT] == 0, timeout)
+            ok = n[_PUT] == 0 and self.put_faults == faults
+            if deadline is not None:
+                timeout = max(0.0, deadline - time.monotonic())
         if disk is None:
-            return True
+            return ok
         if not disk.store.writer_alive():
             return False
         faults = self.spill_faults
@@ -702,14 +916,22 @@ class TierCore:
             block_until(lambda: self._flushes[token] is not None or not disk.store.writer_alive(), timeout)
         finally:
             done = self._flushes.pop(token)
-        return bool(done is not None and done.ok and self.spill_faults == faults)
+        return bool(ok and done is not None and done.ok and self.spill_faults == faults)
 
     def close_disk(self, block_until: Callable[[Callable[[], bool], Optional[float]], None]) -> None:
-        """Wait (bounded) for the spills in flight, then stop the disk store's threads."""
+        """Wait (bounded) for the spills and remote writes in flight, then stop the disk and remote
+        stores' threads."""
+        self.closing = True
+        remote = self.remote
+        if remote is not None:
+            remote.store.kick()
+            n = self.n_in_flight
+            block_until(lambda: n[_PUT] == 0 and n[_FETCH] == 0, CLOSE_TIMEOUT_S)
+            remote.store.close()
+            self.apply_arrived()
         disk = self.disk
         if disk is None:
             return
-        self.closing = True
         n = self.n_in_flight
         block_until(lambda: n[_SPILL] == 0, CLOSE_TIMEOUT_S)
         if disk.down:

@@ -46,7 +46,7 @@ __all__ = ["SlabScheduler", "Lookup", "Prepared", "token_seq"]
 
 log = logging.getLogger(__name__)
 
-_STORE, _LOAD, _PROMOTE = JobKind.STORE, JobKind.LOAD, JobKind.PROMOTE
+_STORE, _LOAD, _PROMOTE, _FETCH = JobKind.STORE, JobKind.LOAD, JobKind.PROMOTE, JobKind.FETCH
 _PENDING = JobState.PENDING
 _READY = EntryState.READY
 _SEQ_MASK = (1 << 48) - 1
@@ -63,6 +63,7 @@ class Lookup(enum.Enum):
     MISS = "miss"
     HIT = "hit"
     PENDING = "pending"   # on disk, being read back into the host slab
+    RETRY = "retry"       # asked from the remote tier: ask again at a later step
 
 
 class Prepared(NamedTuple):
@@ -134,9 +135,14 @@ class SlabScheduler:
                     m.count(m.hits["host"])
                     return Lookup.HIT
                 return Lookup.PENDING if entry.live else Lookup.MISS
+            if core.remote_pending(entry):
+                return Lookup.RETRY   # asked from the server: a hit or a miss at a later step
             return Lookup.MISS  # being stored from the device: not offloaded yet
         d = core.dindex.ready(key) if core.dindex is not None else None
-        if d is None or core.start_promote(key, d, protect) is None:
+        if d is None:
+            # not held here: the remote tier (if any) is asked with the step's other keys
+            return Lookup.RETRY if core.want_remote(key) else Lookup.MISS
+        if core.start_promote(key, d, protect) is None:
             return Lookup.MISS
         m.count(m.hits["disk"])
         return Lookup.PENDING
@@ -314,13 +320,17 @@ class SlabScheduler:
 
     @property
     def pending_work(self) -> bool:
-        """True while a disk read-back is in flight: a request waits on it, so the engine must keep stepping.
+        """True while a disk read-back or a remote fetch is in flight (or wanted for the next step): a
+        request waits on it, so the engine must keep stepping.
 
         Quarantined and awaiting jobs do not count: they settle at the next step whatever
         happens, and asking for steps on their behalf could spin an idle engine if the
         engine never ran one of them.
         """
-        return self.core.n_in_flight[_PROMOTE] > 0
+        core = self.core
+        remote = core.remote
+        return (core.n_in_flight[_PROMOTE] > 0 or core.n_in_flight[_FETCH] > 0
+                or (remote is not None and remote.want_token is not None))
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until every spill queued so far is durable (tests and shutdown)."""

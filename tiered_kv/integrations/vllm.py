@@ -105,7 +105,9 @@ log = logging.getLogger(__name__)
 CONFIG_KEYS = ("namespace", "disk_path", "durability", "write_mode", "max_inflight_jobs", "copy_batch_max",
                "host_evict_ahead_blocks", "pin_host_memory", "prefault_host_memory", "max_key_bytes",
                "writer_queue_blocks", "writer_batch_blocks", "writer_batch_bytes", "writer_batch_seconds",
-               "disk_map_size_bytes", "disk_io")
+               "disk_map_size_bytes", "disk_io", "remote_url", "remote_ttl_seconds", "remote_tomb_ttl_seconds",
+               "remote_timeout_seconds", "remote_queue_blocks", "remote_batch_blocks", "remote_write_deadline_seconds",
+               "remote_prefetch_blocks", "remote_miss_ttl_seconds")
 #: TieredKVConfig fields that cannot mean the same thing under vLLM: refused, saying what to use instead
 REFUSED_KEYS: dict[str, str] = {
     "host_capacity_bytes": "set 'host_bytes' (the host slab EngineCore and every worker share)",
@@ -126,7 +128,8 @@ OPTIONS: dict[str, Any] = {
 }
 # what the spec reads of vLLM's OffloadingConfig (0.30-0.33 all have them)
 _CONFIG_FIELDS = ("groups", "worker_kv_bytes_per_block", "parallel", "engine_id", "model", "extra_config")
-_RESULT = {Lookup.HIT: LookupResult.HIT, Lookup.MISS: LookupResult.MISS, Lookup.PENDING: LookupResult.HIT_PENDING}
+_RESULT = {Lookup.HIT: LookupResult.HIT, Lookup.MISS: LookupResult.MISS, Lookup.PENDING: LookupResult.HIT_PENDING,
+           Lookup.RETRY: LookupResult.RETRY}
 
 
 class TieredKVLoadStoreSpec(LoadStoreSpec):

@@ -1,0 +1,246 @@
+"""The remote tier as the core sees it: the store's handle, and what this owner knows of the server.
+
+The server is shared by many machines, so no index of it is kept here: a lookup that misses the
+local tiers asks the server, in two FETCH jobs: a probe of the step's keys (does the server hold
+them?), then, for those it holds, the read into host slots reserved only then -- so a miss, the
+common answer for a new prompt, costs no host slot and evicts nothing.  What the server did not
+hold is remembered for ``remote_miss_ttl_seconds``, so that an engine retrying a lookup every step
+does not ask again each time.  Each block a store publishes is also written there (a PUT job of
+the step's keys, one token per key, like a spill job): write-through from host, beside the disk.
+
+Owner thread only; the store's I/O threads never see this object.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+from ..config import TieredKVConfig
+from ..errors import ConfigError
+from ..metrics import Metrics
+from ..reports import CompletionQueue, Report
+from ..remote.records import (FETCH_CORRUPT, FETCH_MISS, PUT_CANCELLED, PUT_REFUSED_TOKEN, PUT_REFUSED_TOMB,
+                              RemoteOptions)
+from .index import Entry, TierIndex
+
+__all__ = ["RemoteTier", "MISSED_MAX"]
+
+log = logging.getLogger(__name__)
+
+MISSED_MAX = 1 << 16
+"""At most this many keys the server missed are remembered (the oldest quarter goes beyond it)."""
+
+
+class RemoteTier:
+    """An open remote tier: ``store`` (the I/O threads), the puts in flight by key, the recent misses,
+    and the keys this step wants fetched."""
+
+    def __init__(self, store: Any, metrics: Metrics, miss_ttl: float, prefetch: int) -> None:
+        self.store = store
+        self.miss_ttl = miss_ttl
+        self.prefetch = prefetch
+        # key -> (its token, the PUT job) of this owner's write of it in flight; only the job's first token is
+        # in TierCore.jobs (the report's), so that a job of many blocks is one job against max_inflight_jobs
+        self.putting: dict[bytes, tuple[uuid.UUID, Any]] = {}
+        self.missed: dict[bytes, float] = {}        # key -> when the server last missed it (monotonic)
+        # key -> the token of the probe or fetch asking the server for it (or of this step's probe)
+        self.asking: dict[bytes, uuid.UUID] = {}
+        # the probe being gathered this step (submitted by TierCore.end_step)
+        self.want_token: Optional[uuid.UUID] = None
+        self.want_keys: list[bytes] = []
+        self._metrics = metrics
+
+    @classmethod
+    def open(cls, cfg: TieredKVConfig, row_bytes: int, completions: CompletionQueue,
+             metrics: Metrics) -> "RemoteTier":
+        """The tier, its I/O threads started.  An unreachable server is not an error (the tier misses
+        until it is reachable); a malformed URL or a missing ``redis`` package is (:class:`ConfigError`)."""
+        try:
+            from ..remote.store import RemoteStore
+        except ImportError as exc:   # pragma: no cover - the package is part of tiered_kv; redis is checked below
+            raise ConfigError(f"remote_url is set but the remote tier cannot be loaded: {exc}") from exc
+        assert cfg.remote_url is not None
+        opts = RemoteOptions(url=cfg.remote_url, namespace=cfg.namespace, block_bytes=row_bytes,
+                             ttl_seconds=cfg.remote_ttl_seconds, tomb_ttl_seconds=cfg.remote_tomb_ttl_seconds,
+                             timeout_s=cfg.remote_timeout_seconds, queue_blocks=cfg.remote_queue_blocks,
+                             batch_blocks=cfg.remote_batch_blocks,
+                             write_deadline_s=cfg.remote_write_deadline_seconds)
+        m = metrics
+        m.enable_remote_health(True)
+        logged: set[str] = set()
+
+        def on_error(kind: str, msg: str) -> None:   # any thread: prometheus_client's own locks
+            m.error("remote", kind)
+            if kind not in logged:
+                logged.add(kind)
+                log.error("remote tier error (%s): %s; further %s errors are counted, not logged", kind, msg, kind)
+
+        def on_refused(reason: str) -> None:
+            m.refused["token" if reason == PUT_REFUSED_TOKEN else "tomb"].inc()
+
+        def on_corrupt(reason: str) -> None:
+            m.remote_corrupt.labels(reason=reason).inc()
+
+        store = RemoteStore(opts, completions, on_error=on_error, on_refused=on_refused, on_corrupt=on_corrupt)
+        return cls(store, metrics, cfg.remote_miss_ttl_seconds, cfg.remote_prefetch_blocks)
+
+    # ------------------------------------------------------------------ puts
+    def start_puts(self, entries: list[Entry], hindex: TierIndex, make_token: Callable[[], uuid.UUID],
+                   view: Callable[[int], Any]) -> tuple[list[Entry], list[uuid.UUID], int]:
+        """Queue the writes of READY host ``entries`` as one store request, a new token each.
+
+        Returns the host entries written (their slots leased to the write until its report is
+        applied), their tokens, and how many were shed (no room: the server is down or slow)."""
+        store = self.store
+        room = store.put_room()
+        if room <= 0:
+            return [], [], len(entries)
+        hosts = entries[:room] if len(entries) > room else entries
+        tokens = [make_token() for _ in hosts]
+        if not store.submit_puts(tokens, [e.key for e in hosts], [view(e.slot) for e in hosts]):
+            return [], [], len(entries)
+        for e in hosts:
+            hindex.acquire(e)
+        return hosts, tokens, len(entries) - len(hosts)
+
+    @staticmethod
+    def refused(error: Optional[str]) -> bool:
+        """A put part that failed by design (a tombstone refused it, or it was cancelled before it was sent),
+        not by a fault."""
+        return error in (PUT_REFUSED_TOMB, PUT_REFUSED_TOKEN, PUT_CANCELLED)
+
+    @staticmethod
+    def missing(error: Optional[str]) -> bool:
+        """A fetch part the server did not hold (or held bad bytes of): a miss, not a fault."""
+        return error in (FETCH_MISS, FETCH_CORRUPT)
+
+    def put_done(self, key: bytes, token: uuid.UUID) -> None:
+        p = self.putting.get(key)
+        if p is not None and p[0] == token:
+            del self.putting[key]
+
+    # ------------------------------------------------------------------ fetches
+    def recently_missed(self, key: bytes, now: float) -> bool:
+        t = self.missed.get(key)
+        if t is None:
+            return False
+        if now - t < self.miss_ttl:
+            return True
+        del self.missed[key]
+        return False
+
+    def note_miss(self, key: bytes, now: float) -> None:
+        missed = self.missed
+        missed.pop(key, None)
+        missed[key] = now
+        if len(missed) > MISSED_MAX:   # forget the oldest quarter (insertion order is age order)
+            for k in list(missed)[:MISSED_MAX // 4]:
+                del missed[k]
+
+    def want(self, key: bytes, take_token: Callable[[], uuid.UUID]) -> bool:
+        """Ask the server for ``key`` (in no local tier): True while it is being asked (with this step's
+        probe, or by a probe or fetch in flight).  False when the server is unavailable, missed it
+        lately, or this step asks for ``remote_prefetch_blocks`` keys already.  Nothing local is
+        taken: a host slot is reserved only once the server said it holds the key."""
+        if key in self.asking:
+            return True
+        if (len(self.want_keys) >= self.prefetch or not self.store.available
+                or self.recently_missed(key, time.monotonic())):
+            return False
+        token = self.want_token
+        if token is None:
+            token = self.want_token = take_token()
+        self.want_keys.append(key)
+        self.asking[key] = token
+        return True
+
+    def take_wanted(self) -> Optional[tuple[uuid.UUID, list[bytes]]]:
+        """Submit this step's probe (does the server hold these keys?): (token, keys) when queued."""
+        token, keys = self.want_token, self.want_keys
+        if token is None:
+            return None
+        self.want_token, self.want_keys = None, []
+        asking = self.asking
+        keys = [k for k in keys if asking.get(k) == token]   # not invalidated or stored meanwhile
+        if not keys:
+            return None
+        if not self.store.submit_probe(token, keys):
+            for k in keys:
+                del asking[k]
+            return None
+        return token, keys
+
+    def probe_answered(self, token: uuid.UUID, keys: Sequence[bytes], r: Report, hindex: TierIndex,
+                       dindex: Optional[TierIndex], take_token: Callable[[], uuid.UUID],
+                       view: Callable[[int], Any]) -> Optional[tuple[uuid.UUID, list[bytes], list[Entry]]]:
+        """A probe's answer: the keys the server holds, still wanted and still in no local tier, get a
+        host slot each (WRITING) and are fetched as one job: (token, keys, entries) when queued.
+        The keys it does not hold are remembered as missed."""
+        asking, failed, now = self.asking, r.failed, time.monotonic()
+        found: list[bytes] = []
+        for i, k in enumerate(keys):
+            if asking.get(k) != token:
+                continue   # invalidated, or stored by the engine, meanwhile
+            if r.ok or (failed is not None and i not in failed):
+                if k in hindex or (dindex is not None and k in dindex):
+                    del asking[k]
+                else:
+                    found.append(k)
+            else:
+                del asking[k]
+                if self.missing(r.error if failed is None else failed[i]):
+                    self.note_miss(k, now)
+        if not found:
+            return None
+        fetch = take_token()
+        got: list[bytes] = []
+        entries: list[Entry] = []
+        for k in found:
+            e = hindex.reserve(k, fetch, found)
+            if e is None:   # every slot leased: the rest of the prefix is not fetched this time
+                for rest in found[len(got):]:
+                    del asking[rest]
+                break
+            got.append(k)
+            entries.append(e)
+            asking[k] = fetch
+        if not got:
+            return None
+        if not self.store.submit_fetch(fetch, got, [view(e.slot) for e in entries]):
+            for k, e in zip(got, entries):
+                del asking[k]
+                hindex.writer_done(e)
+                hindex.abort(e)
+            return None
+        return fetch, got, entries
+
+    def fetched(self, key: bytes, token: uuid.UUID) -> None:
+        """A fetch's answer for ``key`` was applied."""
+        if self.asking.get(key) == token:
+            del self.asking[key]
+
+    def superseded(self, key: bytes) -> None:
+        """``key`` is no longer asked for: invalidated, or the engine stores it itself."""
+        self.asking.pop(key, None)
+
+    # ------------------------------------------------------------------ removal
+    def invalidate(self, key: bytes) -> Optional[tuple[uuid.UUID, Any]]:
+        """``key`` is invalidated on this machine: a tombstone on the server stops every machine's
+        write of it and deletes its value.  Returns (token, PUT job) of this owner's write of it in
+        flight, if any."""
+        self.missed.pop(key, None)
+        self.asking.pop(key, None)
+        put = self.putting.pop(key, None)
+        if put is not None:
+            self.store.cancel(put[0], key)
+        self.store.invalidate(key)
+        return put
+
+    def levels(self) -> tuple[int, int]:
+        """The gauge values for :meth:`Metrics.publish_levels`."""
+        s = self.store
+        return s.queue_depth, 1 if s.available and s.healthy else 0

@@ -1,0 +1,263 @@
+"""The remote store's reader thread: fetch jobs, batched into pipelines of GETs, verified before copying.
+
+A fetched value is copied into the owner's view only after :func:`~tiered_kv.disk.format.verify_entry`
+accepted it (magic, version, namespace, key, length, checksum): a value that fails is a miss, is
+reported to ``on_corrupt`` and is deleted by the writer thread only if the server still holds the
+same bytes (its sha1), never a good value written since.  Invariant: every fetch job is answered
+exactly once; while the breaker is open, queued fetches are answered ``remote_down`` at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+import uuid
+from typing import Callable, Optional
+
+from ..disk.format import CorruptEntry, verify_entry
+from ..reports import CompletionQueue
+from .breaker import Breaker
+from .conn import BREAKER_KINDS, Conn, error_kind
+from .keys import KeyNames, sha1hex
+from .ops import FetchJob
+from .records import FETCH_CORRUPT, FETCH_MISS, REMOTE_DOWN, RemoteOptions
+from .writer import FALLBACK_WAKE_S, MAX_RESTARTS
+
+__all__ = ["Reader"]
+
+log = logging.getLogger(__name__)
+
+
+class Reader:
+    def __init__(self, opts: RemoteOptions, names: KeyNames, conn: Conn, breaker: Breaker, out: CompletionQueue,
+                 on_error: Callable[[str, str], None], on_corrupt: Callable[[str], None],
+                 drop: Callable[[bytes, str], None], name: str = "remote") -> None:
+        self.opts = opts
+        self.names = names
+        self.conn = conn
+        self.breaker = breaker
+        self._out = out
+        self._on_error = on_error
+        self._on_corrupt = on_corrupt
+        self._drop = drop
+        self.name = name
+        self.limit = max(opts.queue_blocks, opts.batch_blocks)   # fetch parts queued and unanswered
+        self._cond = threading.Condition(threading.Lock())
+        self._jobs: collections.deque[FetchJob] = collections.deque()
+        self._inflight: list[tuple[FetchJob, int]] = []
+        self._answered = 0        # parts of _inflight answered so far (a thread dying mid-batch answers the rest)
+        self.parts_pending = 0
+        self._wake = False
+        self._busy = False
+        self.accepting = True
+        self._closing = False
+        self._close_deadline = 0.0
+        self.restarts = 0
+        self.healthy = True
+        self.hook: Optional[Callable[[str], None]] = None   # tests: called with "read" between taking and sending
+        self._thread = self._start()
+
+    def _start(self) -> threading.Thread:
+        t = threading.Thread(target=self._run, name="tiered-kv-remote-reader", daemon=True)
+        t.start()
+        return t
+
+    # ------------------------------------------------------------ any thread, never blocks on I/O
+    def submit(self, token: uuid.UUID, keys: list[bytes], views: list[memoryview], probe: bool = False) -> bool:
+        n = len(keys)
+        with self._cond:
+            if not self.accepting or not self.breaker.closed or self.parts_pending + n > self.limit:
+                return False
+            self._jobs.append(FetchJob(token, keys, views, probe))
+            self.parts_pending += n
+            if self.parts_pending >= self.opts.batch_blocks:
+                self._notify()
+        return True
+
+    def kick(self) -> None:
+        with self._cond:
+            if self._jobs:
+                self._notify()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._notify()
+
+    def _notify(self) -> None:
+        self._wake = True
+        self._cond.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        with self._cond:
+            self._notify()
+            return self._cond.wait_for(lambda: not self._jobs and not self._busy, timeout)
+
+    def begin_close(self, deadline: float) -> None:
+        with self._cond:
+            self.accepting = False
+            self._closing = True
+            self._close_deadline = deadline
+            self._notify()
+
+    def join(self, timeout: float) -> bool:
+        self._thread.join(max(0.0, timeout))
+        return not self._thread.is_alive()
+
+    # ------------------------------------------------------------ reader thread
+    def _run(self) -> None:
+        try:
+            self._main()
+        except BaseException as e:  # noqa: BLE001 - answered, counted, restarted below
+            log.exception("%s: the remote reader thread died", self.name)
+            self._died(e)
+
+    def _main(self) -> None:
+        while True:
+            batch, down = self._next()
+            for job in down:
+                self._out.put(job.report())
+            if batch is None:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+                return
+            if batch:
+                if self.hook is not None:
+                    self.hook("read")
+                self._fetch(batch)
+
+    def _next(self) -> tuple[Optional[list[tuple[FetchJob, int]]], list[FetchJob]]:
+        """Wait for work: (parts to fetch or None to exit, jobs answered remote_down)."""
+        with self._cond:
+            self._busy = True
+            while True:
+                self._inflight = []
+                now = time.monotonic()
+                if not self.breaker.closed or (self._closing and now > self._close_deadline):
+                    down = self._take_all(REMOTE_DOWN)
+                    if self._closing:
+                        return None, down
+                    if down:
+                        return [], down
+                elif self._jobs and (self._wake or self._closing):
+                    return self._take(), []
+                elif self._closing:
+                    return None, []
+                if not self._jobs:
+                    self._wake = False
+                    self._busy = False
+                    self._cond.notify_all()   # wait_idle()
+                    self._cond.wait()
+                    self._busy = True
+                elif not self._cond.wait(FALLBACK_WAKE_S):
+                    self._wake = True
+
+    def _take(self) -> list[tuple[FetchJob, int]]:
+        batch: list[tuple[FetchJob, int]] = []
+        limit, jobs = self.opts.batch_blocks, self._jobs
+        while jobs and len(batch) < limit:
+            job = jobs[0]
+            take = min(limit - len(batch), len(job.keys) - job.next)
+            batch.extend((job, i) for i in range(job.next, job.next + take))
+            job.next += take
+            if job.next == len(job.keys):
+                jobs.popleft()
+        if not jobs:
+            self._wake = False
+        self._inflight = batch
+        self._answered = 0
+        return batch
+
+    def _take_all(self, reason: str) -> list[FetchJob]:
+        """Answer every queued part ``reason`` (under the lock); the jobs now complete."""
+        done = []
+        for job in self._jobs:
+            for i in range(job.next, len(job.keys)):
+                job.answer(i, reason)
+            self.parts_pending -= len(job.keys) - job.next
+            job.next = len(job.keys)
+            if not job.left:
+                done.append(job)
+        self._jobs.clear()
+        return done
+
+    def _fetch(self, batch: list[tuple[FetchJob, int]]) -> None:
+        names = self.names
+        cmds = [("EXISTS" if job.probe else "GET", names.value(job.keys[i])) for job, i in batch]
+        now = time.monotonic()
+        for job, _ in batch:
+            if not job.sent_at:
+                job.sent_at = now
+        try:
+            results = self.conn.round_trip(cmds)
+        except Exception as e:  # noqa: BLE001 - the whole trip failed: every part fails with its kind
+            results = [e] * len(batch)
+            self.conn.reset()
+        unreachable = 0
+        first_error = ""
+        ns, length = names.ns_bytes, self.opts.block_bytes
+        for (job, i), value in zip(batch, results):
+            nbytes = 0
+            if value is None or (job.probe and value == 0):
+                reason: Optional[str] = FETCH_MISS
+            elif job.probe and not isinstance(value, BaseException):
+                reason = None   # held (its bytes are verified when it is fetched)
+            elif isinstance(value, BaseException):
+                reason = error_kind(value)
+                msg = f"{type(value).__name__}: {value}"
+                first_error = first_error or msg
+                unreachable += reason in BREAKER_KINDS
+                self._on_error(reason, msg)
+            else:
+                key = job.keys[i]
+                try:
+                    hdr = verify_entry(value, ns, key, length=length)
+                except CorruptEntry as e:
+                    reason = FETCH_CORRUPT
+                    log.warning("%s: corrupt value for a key (%s): a miss, deleted if unchanged", self.name, e)
+                    self._on_corrupt(e.reason)
+                    self._drop(key, sha1hex(value))
+                else:
+                    job.views[i][:] = memoryview(value)[hdr.payload_offset:]
+                    reason, nbytes = None, length
+            r = job.answer(i, reason, nbytes)
+            self._answered += 1
+            if r is not None:
+                job.views = []   # the owner's slots: not written after the answer
+                self._out.put(r)
+        with self._cond:
+            self.parts_pending -= len(batch)
+            self._inflight = []
+        if unreachable and unreachable == len(batch):
+            self.breaker.failure(first_error)
+        else:
+            self.breaker.success()
+
+    def _died(self, e: BaseException) -> None:
+        self.conn.reset()
+        self._on_error("server_error", f"remote reader thread died: {type(e).__name__}: {e}")
+        with self._cond:
+            inflight, self._inflight = self._inflight, []
+            done = []
+            for job, i in inflight[self._answered:]:
+                if job.answer(i, REMOTE_DOWN) is not None:
+                    done.append(job)
+            self.parts_pending -= len(inflight)
+            restart = self.restarts < MAX_RESTARTS and not self._closing
+            if restart:
+                self.restarts += 1
+            else:
+                self.accepting = False
+                self.healthy = False
+                done += self._take_all(REMOTE_DOWN)
+            self._busy = False
+            self._cond.notify_all()
+        for job in done:
+            self._out.put(job.report())
+        if restart:
+            log.warning("%s: restarting the remote reader thread (%d of %d)", self.name, self.restarts, MAX_RESTARTS)
+            self._thread = self._start()
+        else:
+            log.error("%s: the remote reader thread is gone: the remote tier is off", self.name)

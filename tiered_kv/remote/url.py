@@ -1,0 +1,150 @@
+"""The remote tier's url: parsed into a :class:`RemoteTarget`, and redacted for every log line and error.
+
+Forms: ``redis://[user:pass@]host:port[/db]``, ``rediss://`` (TLS), ``unix:///path?db=N``, and the
+cluster forms ``redis+cluster://[user:pass@]h1:p1,h2:p2`` / ``rediss+cluster://...`` (the seeds).
+Credentials come from the url, else from ``TIERED_KV_REMOTE_USERNAME`` / ``TIERED_KV_REMOTE_PASSWORD``.
+A password is never logged: every message that names the url goes through :func:`redact_url`.
+TLS query parameters: ``ssl_ca_certs=PATH``, ``ssl_cert_reqs=none|optional|required``,
+``ssl_certfile=PATH``, ``ssl_keyfile=PATH``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+from urllib.parse import parse_qs, unquote
+
+from ..errors import ConfigError
+
+__all__ = ["RemoteTarget", "parse_url", "redact_url", "ENV_USERNAME", "ENV_PASSWORD", "DEFAULT_PORT"]
+
+ENV_USERNAME = "TIERED_KV_REMOTE_USERNAME"
+ENV_PASSWORD = "TIERED_KV_REMOTE_PASSWORD"
+DEFAULT_PORT = 6379
+SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+TLS_PARAMS = ("ssl_ca_certs", "ssl_cert_reqs", "ssl_certfile", "ssl_keyfile")
+_USERINFO = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)([^/?#]*)@")   # greedy: up to the last '@' of the netloc
+
+
+def redact_url(url: str) -> str:
+    """``url`` with the password (everything after the first ``:`` of the user info) as ``***``.
+
+    Works on malformed urls too (it is what error messages about them show)."""
+    if not isinstance(url, str):
+        return "<not a string>"
+    m = _USERINFO.match(url)
+    if not m:
+        return url
+    user, sep, _ = m.group(2).partition(":")
+    if not sep:
+        return url   # a lone user info is a user name (as redis-py reads it), no secret
+    return m.group(1) + user + ":***@" + url[m.end():]
+
+
+@dataclass(frozen=True)
+class RemoteTarget:
+    """Where the store connects and how; ``password`` never appears in ``repr``."""
+
+    scheme: str
+    cluster: bool
+    tls: bool
+    hosts: tuple[tuple[str, int], ...] = ()
+    unix_path: Optional[str] = None
+    db: int = 0
+    username: Optional[str] = None
+    password: Optional[str] = field(default=None, repr=False)
+    tls_options: tuple[tuple[str, str], ...] = ()
+    redacted: str = ""
+
+
+def _port(text: str, url: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise ConfigError(f"remote url {redact_url(url)!r}: port {text!r} is not a number") from None
+    if not 0 < port < 65536:
+        raise ConfigError(f"remote url {redact_url(url)!r}: port {port} out of range")
+    return port
+
+
+def _host_port(item: str, url: str) -> tuple[str, int]:
+    item = item.strip()
+    if not item:
+        raise ConfigError(f"remote url {redact_url(url)!r}: empty host")
+    if item.startswith("["):   # [ipv6]:port
+        host, _, rest = item[1:].partition("]")
+        return host, _port(rest[1:], url) if rest.startswith(":") else DEFAULT_PORT
+    host, sep, port = item.rpartition(":")
+    if not sep:
+        return item, DEFAULT_PORT
+    if not host:
+        raise ConfigError(f"remote url {redact_url(url)!r}: empty host in {item!r}")
+    return host, _port(port, url)
+
+
+def parse_url(url: str) -> RemoteTarget:
+    """Parse ``url``; :class:`~tiered_kv.errors.ConfigError` (naming it redacted) when malformed."""
+    if not isinstance(url, str) or "://" not in url:
+        raise ConfigError(f"remote url {redact_url(url)!r}: expected scheme://..., one of {', '.join(SCHEMES)}")
+    scheme, _, rest = url.partition("://")
+    scheme = scheme.lower()
+    if scheme not in SCHEMES:
+        raise ConfigError(f"remote url {redact_url(url)!r}: unknown scheme {scheme!r}, expected one of "
+                          f"{', '.join(SCHEMES)}")
+    if scheme == "unix":
+        netloc, tail = "", rest
+    else:
+        m = re.search(r"[/?#]", rest)
+        netloc, tail = (rest[:m.start()], rest[m.start():]) if m else (rest, "")
+    path, _, query = tail.partition("?")
+    if "#" in query:
+        query = query.partition("#")[0]
+    params = {k: v[-1] for k, v in parse_qs(query, keep_blank_values=True).items()}
+    username: Optional[str] = None
+    password: Optional[str] = None
+    userinfo, at, hostpart = netloc.rpartition("@")
+    if at:
+        user, sep, pw = userinfo.partition(":")
+        username = unquote(user) or None   # redis://:pass@host: no user name (the default user)
+        if sep:
+            password = unquote(pw)
+    username = username or os.environ.get(ENV_USERNAME) or None
+    if password is None:
+        password = os.environ.get(ENV_PASSWORD) or None
+    unknown = set(params) - {"db", *TLS_PARAMS}
+    if unknown:
+        raise ConfigError(f"remote url {redact_url(url)!r}: unknown parameter(s) {', '.join(sorted(unknown))}")
+    tls = scheme.startswith("rediss")
+    tls_options = tuple(sorted((k, v) for k, v in params.items() if k in TLS_PARAMS))
+    if tls_options and not tls:
+        raise ConfigError(f"remote url {redact_url(url)!r}: TLS parameters need rediss:// or rediss+cluster://")
+    if params.get("ssl_cert_reqs", "required") not in ("none", "optional", "required"):
+        raise ConfigError(f"remote url {redact_url(url)!r}: ssl_cert_reqs must be none, optional or required")
+    db_text = params.get("db")
+    if scheme != "unix" and path.strip("/"):
+        if db_text is not None:
+            raise ConfigError(f"remote url {redact_url(url)!r}: the database is given twice")
+        db_text = path.strip("/")
+    try:
+        db = int(db_text) if db_text not in (None, "") else 0
+    except ValueError:
+        raise ConfigError(f"remote url {redact_url(url)!r}: database {db_text!r} is not a number") from None
+    if db < 0:
+        raise ConfigError(f"remote url {redact_url(url)!r}: database {db} is negative")
+    common = dict(username=username, password=password, tls_options=tls_options, redacted=redact_url(url))
+    if scheme == "unix":
+        if not path.startswith("/"):
+            raise ConfigError(f"remote url {redact_url(url)!r}: expected unix:///absolute/path")
+        return RemoteTarget(scheme, False, False, unix_path=path, db=db, **common)   # type: ignore[arg-type]
+    cluster = scheme.endswith("+cluster")
+    items = [s for s in hostpart.split(",")] if hostpart else []
+    if not items:
+        raise ConfigError(f"remote url {redact_url(url)!r}: no host")
+    hosts = tuple(_host_port(s, url) for s in items)
+    if len(hosts) > 1 and not cluster:
+        raise ConfigError(f"remote url {redact_url(url)!r}: several hosts need redis+cluster:// or rediss+cluster://")
+    if cluster and db:
+        raise ConfigError(f"remote url {redact_url(url)!r}: a cluster has database 0 only")
+    return RemoteTarget(scheme, cluster, tls, hosts=hosts, db=db, **common)   # type: ignore[arg-type]

@@ -1,0 +1,440 @@
+"""The remote store's writer thread: puts and tombstone ops, in submission order, batched into pipelines.
+
+One queue holds both put parts and tombstone ops, so a cancel queued after a put of the same key is
+sent after it (in the same pipeline or a later one; a cluster keeps a key's commands on one node, in
+order, and follows its redirections in order).  Invariants:
+
+* every put part is answered exactly once (its job by one report): published, refused by a tombstone,
+  cancelled or expired before it was sent, failed with its error kind, or ``remote_down``;
+* a tombstone op is never shed while the server is reachable: one the server could not run is queued
+  again at the front; only an op the server keeps refusing (``TOMB_ATTEMPTS``) or, while the breaker
+  is open, the oldest beyond ``TOMB_CAP`` are dropped (logged and counted);
+* while the breaker is open, queued puts are answered ``remote_down`` at once and this thread probes.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+import uuid
+from typing import Any, Callable, Optional
+
+from ..disk.format import pack_header
+from ..reports import CompletionQueue
+from .breaker import Breaker
+from .conn import BREAKER_KINDS, Conn, error_kind
+from .keys import NOT_STAGED, PUBLISHED, REFUSED_TOKEN, REFUSED_TOMB, STAGE_TTL_S, KeyNames
+from .ops import CANCEL, CANCELLED, DONE, DROP, INVALIDATE, QUEUED, TAKEN, PutGroup, PutPart, TombOp
+from .records import PUT_CANCELLED, PUT_EXPIRED, PUT_REFUSED_TOKEN, PUT_REFUSED_TOMB, REMOTE_DOWN, RemoteOptions
+
+__all__ = ["Writer", "TOMB_CAP", "TOMB_ATTEMPTS", "FALLBACK_WAKE_S", "MAX_RESTARTS"]
+
+log = logging.getLogger(__name__)
+
+TOMB_CAP = 100_000        # tombstone ops kept while the breaker is open (a few hundred bytes each)
+TOMB_ATTEMPTS = 5         # a tombstone op the server refuses (OOM, script error) this often is dropped
+FALLBACK_WAKE_S = 0.05    # queued work nobody kick()ed is sent after this long anyway
+MAX_RESTARTS = 3          # an I/O thread that dies is restarted this often, then the store is unhealthy
+
+
+class Writer:
+    def __init__(self, opts: RemoteOptions, names: KeyNames, conn: Conn, breaker: Breaker, out: CompletionQueue,
+                 on_error: Callable[[str, str], None], on_refused: Callable[[str], None],
+                 name: str = "remote") -> None:
+        self.opts = opts
+        self.names = names
+        self.conn = conn
+        self.breaker = breaker
+        self._out = out
+        self._on_error = on_error
+        self._on_refused = on_refused
+        self.name = name
+        self._cond = threading.Condition(threading.Lock())
+        self._ops: collections.deque[Any] = collections.deque()
+        self._unsent: dict[bytes, list[PutPart]] = {}   # key -> its QUEUED parts (cancel / invalidate look here)
+        self._inflight: list[Any] = []
+        self._busy = False        # taken work not finished (wait_idle)
+        self._pause = 0.0         # back-off after a trip whose tombstone ops could not reach their node
+        self._pause_until = 0.0
+        self.puts_pending = 0     # put parts submitted and not answered
+        self.tombs_queued = 0
+        self.tombs_dropped = 0
+        self._wake = False
+        self.accepting = True
+        self._closing = False
+        self._close_deadline = 0.0
+        self.restarts = 0
+        self.healthy = True
+        self.hook: Optional[Callable[[str], None]] = None   # tests: called with "write" between taking and sending
+        self._ttl = int(opts.ttl_seconds or 0)
+        self._tomb_ttl = max(1, int(opts.tomb_ttl_seconds))
+        self._thread = self._start()
+
+    def _start(self) -> threading.Thread:
+        t = threading.Thread(target=self._run, name="tiered-kv-remote-writer", daemon=True)
+        t.start()
+        return t
+
+    # ------------------------------------------------------------ any thread, never blocks on I/O
+    def room(self) -> int:
+        if not self.accepting or not self.breaker.closed:
+            return 0
+        return max(0, self.opts.queue_blocks - self.puts_pending)
+
+    def submit(self, tokens: list[uuid.UUID], keys: list[bytes], views: list[memoryview]) -> bool:
+        n = len(keys)
+        now = time.monotonic()
+        with self._cond:
+            if not self.accepting or not self.breaker.closed or self.puts_pending + n > self.opts.queue_blocks:
+                return False
+            group = PutGroup(tokens[0], n)
+            add, unsent = self._ops.append, self._unsent
+            for i in range(n):
+                p = PutPart(group, i, tokens[i], keys[i], views[i], now)
+                add(p)
+                unsent.setdefault(p.key, []).append(p)
+            self.puts_pending += n
+            if len(self._ops) >= self.opts.batch_blocks:   # a full batch waits for no kick
+                self._notify()
+        return True
+
+    def cancel(self, token: uuid.UUID, key: bytes) -> None:
+        with self._cond:
+            for p in self._unsent.get(key, ()):
+                if p.token == token and p.state == QUEUED:
+                    p.state = CANCELLED
+            self._push_tomb(TombOp(CANCEL, key, token))
+
+    def invalidate(self, key: bytes) -> None:
+        with self._cond:
+            for p in self._unsent.get(key, ()):
+                if p.state == QUEUED:
+                    p.state = CANCELLED
+            self._push_tomb(TombOp(INVALIDATE, key))
+
+    def drop(self, key: bytes, sha: str) -> None:
+        """Delete the value of ``key`` if it still has sha1 ``sha`` (a reader found it corrupt)."""
+        with self._cond:
+            self._push_tomb(TombOp(DROP, key, sha=sha))
+            self._notify()
+
+    def _push_tomb(self, op: TombOp) -> None:
+        if not self.healthy or self._closing:
+            return
+        if self.tombs_queued >= TOMB_CAP and not self.breaker.closed:   # reachable: never shed, it drains
+            self._drop_oldest_tomb()
+        self._ops.append(op)
+        self.tombs_queued += 1
+
+    def _drop_oldest_tomb(self) -> None:
+        for i, op in enumerate(self._ops):
+            if isinstance(op, TombOp):
+                del self._ops[i]
+                self.tombs_queued -= 1
+                self.tombs_dropped += 1
+                log.warning("%s: %d tombstone ops queued while the server is away: dropped the oldest (%s)",
+                            self.name, TOMB_CAP, op.kind)
+                self._on_error("breaker_open", "tombstone queue overflow")
+                return
+
+    def kick(self) -> None:
+        with self._cond:
+            if self._ops:
+                self._notify()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._notify()
+
+    def _notify(self) -> None:
+        self._wake = True
+        self._cond.notify_all()
+
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._ops and not self._busy
+
+    def wait_idle(self, timeout: float) -> bool:
+        with self._cond:
+            self._notify()
+            return self._cond.wait_for(lambda: not self._ops and not self._busy, timeout)
+
+    def begin_close(self, deadline: float) -> None:
+        with self._cond:
+            self.accepting = False
+            self._closing = True
+            self._close_deadline = deadline
+            self._notify()
+
+    def join(self, timeout: float) -> bool:
+        self._thread.join(max(0.0, timeout))
+        return not self._thread.is_alive()
+
+    # ------------------------------------------------------------ writer thread
+    def _run(self) -> None:
+        try:
+            self._main()
+        except BaseException as e:  # noqa: BLE001 - answered, counted, restarted below
+            log.exception("%s: the remote writer thread died", self.name)
+            self._died(e)
+
+    def _main(self) -> None:
+        while True:
+            batch, answers, probe = self._next()
+            self._answer(answers)
+            if probe:
+                self._probe()
+                continue
+            if batch is None:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+                return
+            if batch:
+                if self.hook is not None:
+                    self.hook("write")
+                self._send(batch)
+
+    def _next(self) -> tuple[Optional[list[Any]], list[tuple[PutPart, str]], bool]:
+        """Wait for work; (batch to send or None to exit, puts to answer unsent, probe now?)."""
+        answers: list[tuple[PutPart, str]] = []
+        with self._cond:
+            self._busy = True
+            while True:
+                self._inflight = []
+                if not self.breaker.closed:
+                    self._take_all_puts(answers, REMOTE_DOWN)
+                    if self._closing:
+                        self._give_up_tombs("the store closed while the server was away")
+                        return None, answers, False
+                    wait = self.breaker.probe_in()
+                    if wait <= 0:
+                        return [], answers, True
+                    if answers:
+                        return [], answers, False
+                    self._cond.wait(wait)
+                    continue
+                now = time.monotonic()
+                if self._closing and (not self._ops or now > self._close_deadline):
+                    self._take_all_puts(answers, REMOTE_DOWN)
+                    self._give_up_tombs("close() timed out")
+                    return None, answers, False
+                if self._ops and self._pause_until > now:
+                    self._cond.wait(self._pause_until - now)
+                    continue
+                if self._ops and (self._wake or self._closing):
+                    batch = self._take(answers)
+                    if batch or answers:
+                        return batch, answers, False
+                    continue
+                if not self._ops:
+                    self._wake = False
+                    if answers:
+                        return [], answers, False
+                    self._busy = False
+                    self._cond.notify_all()   # wait_idle()
+                    self._cond.wait()
+                    self._busy = True
+                elif not self._cond.wait(FALLBACK_WAKE_S):
+                    self._wake = True   # queued, never kicked: send anyway
+
+    def _take(self, answers: list[tuple[PutPart, str]]) -> list[Any]:
+        """Up to ``batch_blocks`` ops from the front (under the lock); unsendable puts go to ``answers``."""
+        ops, batch, limit = self._ops, [], self.opts.batch_blocks
+        deadline = time.monotonic() - self.opts.write_deadline_s
+        while ops and len(batch) < limit:
+            op = ops.popleft()
+            if isinstance(op, PutPart):
+                self._forget(op)
+                if op.state == CANCELLED:
+                    answers.append((op, PUT_CANCELLED))
+                    continue
+                if op.queued_at < deadline:
+                    answers.append((op, PUT_EXPIRED))
+                    continue
+                op.state = TAKEN
+            else:
+                self.tombs_queued -= 1
+            batch.append(op)
+        if not ops:
+            self._wake = False
+        self._inflight = batch
+        return batch
+
+    def _take_all_puts(self, answers: list[tuple[PutPart, str]], reason: str) -> None:
+        keep: collections.deque[Any] = collections.deque()
+        for op in self._ops:
+            if isinstance(op, PutPart):
+                self._forget(op)
+                answers.append((op, PUT_CANCELLED if op.state == CANCELLED else reason))
+            else:
+                keep.append(op)
+        self._ops = keep
+
+    def _give_up_tombs(self, why: str) -> None:
+        if self.tombs_queued:
+            log.warning("%s: %s: %d tombstone ops not sent", self.name, why, self.tombs_queued)
+            self.tombs_dropped += self.tombs_queued
+        self._ops.clear()
+        self.tombs_queued = 0
+
+    def _forget(self, p: PutPart) -> None:
+        lst = self._unsent.get(p.key)
+        if lst is not None:
+            try:
+                lst.remove(p)
+            except ValueError:
+                pass
+            if not lst:
+                del self._unsent[p.key]
+
+    def _answer(self, answers: list[tuple[PutPart, str]]) -> None:
+        if not answers:
+            return
+        for p, reason in answers:
+            self._answer_put(p, False, reason)
+        with self._cond:
+            self.puts_pending -= len(answers)
+
+    def _answer_put(self, p: PutPart, ok: bool, reason: Optional[str], nbytes: int = 0) -> None:
+        if p.state == DONE:
+            return
+        p.state = DONE
+        p.view = memoryview(b"")   # the owner's slot: not read after the answer
+        r = p.group.answer(p.part, ok, reason, nbytes)
+        if r is not None:
+            self._out.put(r)
+
+    def _commands(self, op: Any, out: list[tuple[Any, ...]]) -> None:
+        """Append ``op``'s commands: a put's staging SET and publish script, a tombstone op's script."""
+        names, key = self.names, op.key
+        if isinstance(op, PutPart):
+            view, token = op.view, op.token
+            entry = b"".join((pack_header(names.ns_bytes, key, token, view, 0), view))
+            if not op.group.sent_at:
+                op.group.sent_at = time.monotonic()
+            tag, hexed = names.tag(key), token.hex     # one digest of the key for its four names
+            staged = f"{tag}:s:{hexed}"
+            out.append(("SET", staged, entry, "EX", STAGE_TTL_S))
+            out.append(self.conn.script("publish", [staged, tag + ":v", tag + ":t", f"{tag}:x:{hexed}"], [self._ttl]))
+            return
+        out.append(self._tomb_command(op))
+
+    def _tomb_command(self, op: TombOp) -> tuple[Any, ...]:
+        names, key = self.names, op.key
+        if op.kind == CANCEL:
+            return self.conn.script("cancel", [names.value(key), names.token_tomb(key, op.token)],
+                                    [op.token.bytes, self._tomb_ttl])
+        if op.kind == INVALIDATE:
+            return self.conn.script("invalidate", [names.value(key), names.tomb(key)], [self._tomb_ttl])
+        return self.conn.script("drop_if_same", [names.value(key)], [op.sha])
+
+    def _send(self, batch: list[Any]) -> None:
+        cmds: list[tuple[Any, ...]] = []
+        for op in batch:
+            self._commands(op, cmds)
+        try:
+            replies = self.conn.round_trip(cmds)
+        except Exception as e:  # noqa: BLE001 - the whole trip failed: every part fails with its kind
+            replies = [e] * len(cmds)
+            self.conn.reset()
+        # one result per op: a put's staging SET error if it failed, else its script's answer
+        results: list[Any] = []
+        at = 0
+        for op in batch:
+            if isinstance(op, PutPart):
+                staged, published = replies[at], replies[at + 1]
+                at += 2
+                results.append(staged if isinstance(staged, BaseException) else published)
+            else:
+                results.append(replies[at])
+                at += 1
+        retry: list[TombOp] = []
+        answered = unreachable = 0
+        first_error = ""
+        for op, r in zip(batch, results):
+            if isinstance(r, BaseException):
+                kind = error_kind(r)
+                msg = f"{type(r).__name__}: {r}"
+                first_error = first_error or msg
+                unreachable += kind in BREAKER_KINDS
+                self._on_error(kind, msg)
+                if isinstance(op, PutPart):
+                    self._answer_put(op, False, kind)
+                    answered += 1
+                else:
+                    op.attempts += kind not in BREAKER_KINDS
+                    if op.attempts < TOMB_ATTEMPTS:
+                        retry.append(op)
+                    else:
+                        self.tombs_dropped += 1
+                        log.warning("%s: %s of a key dropped after %d refusals (%s)", self.name, op.kind,
+                                    op.attempts, msg)
+            elif isinstance(op, PutPart):
+                answered += 1
+                if r == PUBLISHED:
+                    self._answer_put(op, True, None, len(op.view))
+                elif r in (REFUSED_TOMB, REFUSED_TOKEN):
+                    reason = PUT_REFUSED_TOMB if r == REFUSED_TOMB else PUT_REFUSED_TOKEN
+                    self._on_refused(reason)
+                    self._answer_put(op, False, reason)
+                elif r == NOT_STAGED:   # the SET succeeded, the value was gone: evicted (maxmemory) before the script
+                    self._on_error("oom", "the staged value was evicted before it was published")
+                    self._answer_put(op, False, "oom")
+                else:   # pragma: no cover - a script that answers something else
+                    self._on_error("script", f"publish answered {r!r}")
+                    self._answer_put(op, False, "script")
+        with self._cond:
+            self.puts_pending -= answered
+            if retry:
+                self._ops.extendleft(reversed(retry))
+                self.tombs_queued += len(retry)
+            self._inflight = []
+            if retry:   # do not spin on a node that is away (its tombstones come back at the front)
+                self._pause = min(1.0, max(0.01, self._pause * 2))
+                self._pause_until = time.monotonic() + self._pause
+            else:
+                self._pause = 0.0
+        if unreachable and unreachable == len(batch):
+            self.breaker.failure(first_error)
+        else:
+            self.breaker.success()
+
+    def _probe(self) -> None:
+        try:
+            self.conn.ping()
+        except Exception as e:  # noqa: BLE001 - still away
+            log.debug("%s: probe failed: %s: %s", self.name, type(e).__name__, e)
+            self.conn.reset()
+            self.breaker.probe_failed()
+        else:
+            self.breaker.success()
+
+    # ------------------------------------------------------------ a dead thread
+    def _died(self, e: BaseException) -> None:
+        self.conn.reset()
+        self._on_error("server_error", f"remote writer thread died: {type(e).__name__}: {e}")
+        with self._cond:
+            inflight, self._inflight = self._inflight, []
+            tombs = [op for op in inflight if isinstance(op, TombOp)]
+            self._ops.extendleft(reversed(tombs))
+            self.tombs_queued += len(tombs)
+            puts = [op for op in inflight if isinstance(op, PutPart) and op.state != DONE]
+            answers = [(p, REMOTE_DOWN) for p in puts]
+            restart = self.restarts < MAX_RESTARTS and not self._closing
+            if restart:
+                self.restarts += 1
+            else:
+                self.accepting = False
+                self.healthy = False
+                self._take_all_puts(answers, REMOTE_DOWN)
+                self._give_up_tombs("the writer thread is gone")
+            self._cond.notify_all()
+        self._answer(answers)
+        if restart:
+            log.warning("%s: restarting the remote writer thread (%d of %d)", self.name, self.restarts, MAX_RESTARTS)
+            self._thread = self._start()
+        else:
+            log.error("%s: the remote writer thread is gone: the remote tier is off", self.name)
