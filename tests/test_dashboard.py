@@ -2,9 +2,10 @@
 
 The dashboard: no hard-coded datasource uid (a ``datasource`` template
 variable instead), a unit on every panel, ``$__rate_interval`` in every
-rate, the panels issue 4 asks for, and only metric names tiered_kv exports.
-deploy/: the provisioning, compose file and Kubernetes example agree with
-each other and with the CLI.  Running every query against a real Prometheus
+rate, the panels issue 4 asks for, the remote tier's row, and only metric
+names tiered_kv exports.  deploy/: the provisioning, compose file and
+Kubernetes example agree with each other and with the CLI (the demo's remote
+tier included: a Redis/Valkey service, no password in any url).  Running every query against a real Prometheus
 is tests/test_prometheus_e2e.py's job; the helpers here are shared with it.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -31,6 +33,7 @@ TEST_RATE_INTERVAL = "10s"
 TEST_RANGE = "1m"
 _VAR = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)|\[\[(\w+)\]\]")
 _METRIC = re.compile(r"\btiered_kv_[a-z0-9_]+\b")
+REMOTE_ROW = "Remote tier (Redis/Valkey)"   # the dashboard's row of the remote tier
 _RANGE_FUNCS = re.compile(r"\b(rate|irate|increase|delta|idelta|deriv|changes|resets|[a-z]+_over_time)\s*\(")
 
 
@@ -53,6 +56,20 @@ def panel_queries(dash: dict[str, Any]) -> list[tuple[str, str]]:
         for t in p.get("targets", []):
             if t.get("expr"):
                 out.append((f"{p['title']} / {t.get('refId', '?')}", t["expr"]))
+    return out
+
+
+def row_panels(dash: dict[str, Any], title: str) -> list[dict[str, Any]]:
+    """The panels under the row ``title`` (an expanded row: those below it, up to the next row)."""
+    top = dash["panels"]
+    (i,) = [n for n, p in enumerate(top) if p["type"] == "row" and p["title"] == title]
+    if top[i].get("collapsed"):
+        return list(top[i]["panels"])
+    out = []
+    for p in top[i + 1:]:
+        if p["type"] == "row":
+            break
+        out.append(p)
     return out
 
 
@@ -153,7 +170,9 @@ def exported_metric_names() -> set[str]:
     from tiered_kv.metrics import Metrics
 
     reg = CollectorRegistry()
-    Metrics(reg, namespace="names").enable_disk_health(True)
+    m = Metrics(reg, namespace="names")
+    m.enable_disk_health(True)
+    m.enable_remote_health(True)
     names: set[str] = set()
     for fam in reg.collect():
         if fam.type == "counter":
@@ -260,6 +279,44 @@ def test_issue_panels_present(dash: dict[str, Any]) -> None:
     assert units["Tier occupancy"] == units["Prefix hit rate by tier"] == "percentunit"
 
 
+def test_remote_tier_row(dash: dict[str, Any]) -> None:
+    panels = row_panels(dash, REMOTE_ROW)
+    row_y = next(p["gridPos"]["y"] for p in dash["panels"] if p.get("title") == REMOTE_ROW)
+    assert panels and all(p["gridPos"]["y"] > row_y for p in panels)
+    exprs = {p["title"]: " ".join(t["expr"] for t in p["targets"]) for p in panels}
+    units = {p["title"]: p["fieldConfig"]["defaults"]["unit"] for p in panels}
+    everything = " ".join(exprs.values())
+    sel = 'job=~"$job", instance=~"$instance"'
+    for needle in (
+            # hit rate: remote hits / lookup keys, beside host and disk
+            f'tiered_kv_lookup_hits_total{{{sel}, tier="remote"}}', 'tier=~"host|disk"', "tiered_kv_lookup_keys_total",
+            # bytes both ways, latency p50/p99 from the histogram of the same links
+            f'tiered_kv_transfer_bytes_total{{{sel}, src="host", dst="remote"}}',
+            f'tiered_kv_transfer_bytes_total{{{sel}, src="remote", dst="host"}}',
+            "histogram_quantile(0.5, sum by (le, src, dst) (rate(tiered_kv_transfer_seconds_bucket",
+            "histogram_quantile(0.99, sum by (le, src, dst) (rate(tiered_kv_transfer_seconds_bucket",
+            # errors by kind, refused writes by reason, stale put/fetch callbacks, corrupt values
+            f'sum by (error) (rate(tiered_kv_errors_total{{{sel}, tier="remote"}}',
+            "sum by (reason) (rate(tiered_kv_remote_refused_writes_total",
+            f'tiered_kv_stale_callbacks_total{{{sel}, kind=~"put|fetch"}}',
+            "tiered_kv_remote_corrupt_values_total",
+            # the jobs and their shedding, the queue, the health
+            f'tiered_kv_jobs_total{{{sel}, kind=~"put|fetch"}}', f'tiered_kv_shed_total{{{sel}, kind="put"}}',
+            "tiered_kv_remote_queue_blocks", f'tiered_kv_healthy{{{sel}, tier="remote"}}'):
+        assert needle in everything, f"no panel of the remote row queries {needle}"
+    assert units["Remote hit rate"] == "percentunit"
+    assert units["Remote throughput"] == "Bps"
+    assert units["Remote latency p50 / p99"] == "s"
+    assert units["Remote tier health"] == "bool_yes_no"
+    assert units["Remote errors /s by kind"] == units["Remote refused writes and stale callbacks /s"] == "ops"
+    # every remote-only metric is shown in this row, and only here
+    remote_only = {"tiered_kv_remote_refused_writes_total", "tiered_kv_remote_corrupt_values_total",
+                   "tiered_kv_remote_queue_blocks"}
+    assert remote_only <= set(_METRIC.findall(everything))
+    outside = " ".join(e for w, e in panel_queries(dash) if w.split(" / ")[0] not in exprs)
+    assert not remote_only & set(_METRIC.findall(outside))
+
+
 def test_layout(dash: dict[str, Any]) -> None:
     ids = [p["id"] for p in iter_panels(dash)]
     assert len(ids) == len(set(ids))
@@ -332,15 +389,39 @@ def _parse_demo_args(args: list[str]) -> Any:
     return ns
 
 
+def _remote_args(args: list[str]) -> tuple[list[str], list[str]]:
+    """``args`` without ``--remote-url URL``, and those two."""
+    i = args.index("--remote-url")
+    return args[:i] + args[i + 2:], args[i:i + 2]
+
+
+def _check_cache_server(argv: list[str]) -> None:
+    """A Redis/Valkey server run as a cache: a memory bound, LRU eviction, no persistence.
+    ``argv``: the server's, or ``sh -c SCRIPT`` (the script is split as the shell would)."""
+    if argv[:2] == ["sh", "-c"]:
+        argv = shlex.split(" ".join(argv[2:]))
+    opts = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}
+    assert opts.get("--maxmemory") and opts.get("--maxmemory-policy") == "allkeys-lru", argv
+    assert opts.get("--save") == "" and opts.get("--appendonly") == "no", argv
+
+
 @needs_yaml
 def test_compose_file() -> None:
     compose = _compose()
     services = compose["services"]
-    assert set(services) == {"demo", "prometheus", "grafana"}
+    assert set(services) == {"demo", "redis", "prometheus", "grafana"}
     demo = services["demo"]
     assert (DEPLOY / demo["build"]["context"] / demo["build"]["dockerfile"]).is_file()
     ns = _parse_demo_args(demo["command"])
     assert ns.metrics_addr == "0.0.0.0" and ns.metrics_port is not None
+    # the remote tier: the redis service, on its default port, without a password in the url
+    assert ns.remote_url == "redis://redis:6379/0"
+    assert "redis" in demo["depends_on"]
+    redis = services["redis"]
+    assert re.fullmatch(r"(valkey/valkey:8|redis:7)(\.[\d.]+)?(-\w+)?", redis["image"]), redis["image"]
+    assert redis["command"][0] in ("valkey-server", "redis-server")
+    _check_cache_server(redis["command"])
+    assert "ports" not in redis, "the cache needs no port on the host"
     prom = _yaml(DEPLOY / "prometheus.yml")
     (job,) = prom["scrape_configs"]
     assert job["static_configs"][0]["targets"] == [f"demo:{ns.metrics_port}"]
@@ -349,10 +430,13 @@ def test_compose_file() -> None:
             assert (DEPLOY / src).exists(), src
             if dst.startswith("/etc/prometheus/"):
                 assert Path(dst).name in ("prometheus.yml", *prom["rule_files"])
-    # the image's default command is the compose command
+    # the image's default command is the compose command without the remote tier (it needs no server)
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     cmd = json.loads(re.search(r"^CMD (\[.*?\])", dockerfile, re.M | re.S).group(1).replace("\\\n", ""))  # type: ignore[union-attr]
-    assert cmd == demo["command"]
+    assert cmd == _remote_args(demo["command"])[0]
+    assert _parse_demo_args(cmd).remote_url is None
+    # ... and the image has the redis client the remote tier needs
+    assert re.search(r"^RUN pip install [^\n]*(\"redis[>=]|\.\[[^\]]*remote)", dockerfile, re.M), "no redis in the image"
     assert f"EXPOSE {ns.metrics_port}" in dockerfile
 
 
@@ -365,11 +449,19 @@ def test_compose_config_with_docker_if_available() -> None:
     assert r.returncode == 0, r.stderr
 
 
+REDIS_K8S = "tiered-kv-redis"   # deploy/k8s/redis.yaml's Deployment and Service
+
+
 def _k8s() -> dict[str, dict[str, Any]]:
+    """kind -> the demo's document of that kind; the remote tier's (``REDIS_K8S``) under "redis " + kind."""
     docs: dict[str, dict[str, Any]] = {}
     for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")):
-            docs[doc["kind"]] = doc
+            key = doc["kind"]
+            if doc.get("metadata", {}).get("name") == REDIS_K8S:
+                key = "redis " + key
+            assert key not in docs, f"two {key} documents under deploy/k8s"
+            docs[key] = doc
     return docs
 
 
@@ -402,10 +494,45 @@ def test_kubernetes_example() -> None:
 
 
 @needs_yaml
+def test_kubernetes_remote_tier() -> None:
+    """The demo's remote tier: redis.yaml's Service, its url in the demo's args, the password from a Secret."""
+    k = _k8s()
+    rdep, rsvc = k["redis Deployment"], k["redis Service"]
+    pod = rdep["spec"]["template"]
+    assert rdep["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert rsvc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    (container,) = pod["spec"]["containers"]
+    assert re.fullmatch(r"(valkey/valkey:8|redis:7)(\.[\d.]+)?(-\w+)?", container["image"]), container["image"]
+    _check_cache_server(container.get("command", []) + container.get("args", []))
+    (cport,) = container["ports"]
+    (sport,) = rsvc["spec"]["ports"]
+    assert sport["targetPort"] == cport["name"]
+    limit = container["resources"]["limits"]["memory"]
+    assert limit.endswith("Mi") and int(limit[:-2]) > 1024, "the memory limit must exceed --maxmemory 1gb"
+    # the demo points at the Service; the password comes from a Secret, never from the url
+    (demo,) = k["Deployment"]["spec"]["template"]["spec"]["containers"]
+    ns = _parse_demo_args(demo["args"])
+    assert ns.remote_url == f"redis://{rsvc['metadata']['name']}:{sport['port']}/0"
+    env = {e["name"]: e for e in demo.get("env", [])}
+    assert "secretKeyRef" in env["TIERED_KV_REMOTE_PASSWORD"]["valueFrom"]
+
+
+@needs_yaml
+def test_no_password_in_any_url_under_deploy() -> None:
+    from tiered_kv.remote.url import redact_url
+
+    for path in sorted(DEPLOY.rglob("*")):
+        if path.is_file():
+            for url in re.findall(r"\b(?:redis|rediss|valkey)(?:\+cluster)?://[^\s\"',\]]+", path.read_text()):
+                assert redact_url(url) == url, f"{path}: a password in {redact_url(url)}"
+
+
+@needs_yaml
 def test_alert_rules_shape() -> None:
     rules = [r for g in _yaml(DEPLOY / "alerts.yml")["groups"] for r in g["rules"]]
     names = {r["alert"] for r in rules}
-    assert {"TieredKVStaleCallbackSpike", "TieredKVSpillsShed", "TieredKVDiskErrors", "TieredKVTierUnhealthy"} <= names
+    assert {"TieredKVStaleCallbackSpike", "TieredKVSpillsShed", "TieredKVDiskErrors", "TieredKVTierUnhealthy",
+            "TieredKVRemoteTierDegraded", "TieredKVRemoteErrors"} <= names
     known = exported_metric_names()
     for r in rules:
         lhs, _, _ = split_comparison(r["expr"])  # one top-level threshold comparison each

@@ -1,9 +1,11 @@
 """grafana/ and deploy/ against a real Prometheus scraping the real demo.
 
-Starts ``tiered-kv demo --metrics-port P --disk-path DIR`` (a subprocess),
-then ``prometheus`` with deploy/prometheus.yml rewritten to scrape it every
-second (and deploy/alerts.yml loaded), waits for scrapes and rule
-evaluations, and runs through Prometheus' HTTP API (/api/v1/query):
+Starts a ``redis-server`` (tests/redis_servers.py) and ``tiered-kv demo
+--metrics-port P --disk-path DIR --remote-url redis://...`` (a subprocess: the
+demo with its remote tier, so that the remote panels have series), then
+``prometheus`` with deploy/prometheus.yml rewritten to scrape it every second
+(and deploy/alerts.yml loaded), waits for scrapes and rule evaluations, and
+runs through Prometheus' HTTP API (/api/v1/query):
 
 * every query of every dashboard panel and every template variable, with
   Grafana's variables substituted (``$__rate_interval`` -> 10s, ``$__range``
@@ -18,19 +20,23 @@ evaluations, and runs through Prometheus' HTTP API (/api/v1/query):
   TierManager with a disk tier, serving its metrics with
   :func:`tiered_kv.exposition.serve_metrics`) has been driven through a
   stale-callback burst, a corrupt block, shed spills, an I/O error and a dead
-  disk writer, and a third target has gone down -- exactly the expected alerts
-  active: ``pending`` for the rules of deploy/alerts.yml with a ``for:`` (1 to
-  15 minutes: none can fire within the test) and ``firing`` for those without.
-  To see the four with a ``for:`` fire too, the harness also loads a copy of
+  disk writer, its second TierManager (host and remote tiers, its own metrics
+  endpoint) has lost its redis-server (killed by the harness: its writes fail,
+  its circuit breaker opens), and a third target has gone down -- exactly the
+  expected alerts active: ``pending`` for the rules of deploy/alerts.yml with a
+  ``for:`` (1 to 15 minutes: none can fire within the test) and ``firing`` for
+  those without.
+  To see those with a ``for:`` fire too, the harness also loads a copy of
   deploy/alerts.yml whose ``for:`` durations are rewritten to ``0s`` (group
   ``tiered_kv_for_0s``, label ``harness="for-0s"``, see :func:`_rules_with_zero_for`),
   written into the test's temporary config directory; deploy/ is never changed.
 
 ``promtool check config``, ``check rules`` and ``check metrics`` (on the
-demo's exposition) must pass.  Skipped only when the ``prometheus`` binary is
-absent; CI installs Debian's package with ci/install_prometheus.sh.  No sleep
-orders anything: every wait polls the API (or reads a line from a child) for a
-condition, with a deadline.
+demo's exposition) must pass.  Skipped when the ``prometheus`` binary is
+absent (CI installs Debian's package with ci/install_prometheus.sh) or, as
+every test with a real server, when ``redis-server`` is (a failure under
+``CI``: ci/install_redis.sh).  No sleep orders anything: every wait polls the
+API (or reads a line from a child) for a condition, with a deadline.
 """
 
 from __future__ import annotations
@@ -59,12 +65,15 @@ from typing import Any, Optional
 import pytest
 import yaml
 
+from redis_servers import RedisServer, require_redis
 from test_dashboard import (
     DASHBOARDS,
     DEPLOY,
+    REMOTE_ROW,
     REPO,
     load_dashboard,
     panel_queries,
+    row_panels,
     split_comparison,
     substitute,
     variable_queries,
@@ -85,9 +94,11 @@ FAST_RULES = "alerts_for_0s.yml"  # the harness's copy of deploy/alerts.yml with
 HARNESS_LABELS = {"alertname", "job", "instance", "severity", "harness"}
 STALE_BURST = 6000        # stale callbacks the FAULTS process makes at once (see _expected_alerts)
 
-# A TierManager with a disk tier, its metrics served on a free port ("ready PORT"), driven through
-# faults on the command "faults" ("done {counters}").  Each step waits for its effect (wait/flush/
-# poll), so "done" comes once the registry holds every count; the writer gate is an Event, not a sleep.
+# A TierManager with a disk tier and one with a remote tier (host + remote, on the redis-server whose
+# url is argv[3]), each serving its metrics on a free port ("ready PORT RPORT"), driven through faults
+# on the command "faults" ("done {counters}"); the harness kills that redis-server just before.  Each
+# step waits for its effect (wait/flush/poll/until), so "done" comes once the registries hold every
+# count; the writer gate is an Event, not a sleep.
 FAULTS = r"""
 import json, os, sys, threading, time
 import torch
@@ -96,7 +107,7 @@ from tiered_kv import TierManager, TieredKVConfig
 from tiered_kv.disk.format import SLOTS_NAME
 from tiered_kv.exposition import serve_metrics
 
-path, burst = sys.argv[1], int(sys.argv[2])
+path, burst, remote_url = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 ROW = 256
 kv = torch.zeros((64, ROW), dtype=torch.uint8)
 cfg = TieredKVConfig(namespace="alerts|u8|tp0", host_capacity_bytes=16 * ROW, disk_path=path,
@@ -136,6 +147,49 @@ def hook(point):                         # DiskStore.fault_hook: runs in the wri
         raise SystemExit("disk writer killed by tests/test_prometheus_e2e.py")
 
 mgr.disk.fault_hook = hook
+
+# the remote tier's manager: its first writes reach the server (it is healthy while nothing is wrong)
+rkv = torch.zeros((16, ROW), dtype=torch.uint8)
+rcfg = TieredKVConfig(namespace="alerts-remote|u8|tp0", host_capacity_bytes=64 * ROW, remote_url=remote_url,
+                      remote_timeout_seconds=0.5)
+rmgr = TierManager(rcfg, rkv, registry=CollectorRegistry())
+rreg = rmgr.metrics.registry
+rserver = serve_metrics(0, registry=rreg)
+rn = 0
+
+def rstores():                           # 16 stores (one remote write job of 16 keys once they are in host)
+    global rn
+    jobs = []
+    for row in range(16):
+        rn += 1
+        rkv[row].fill_(rn % 251)
+        job = rmgr.store(b"rkey%08d" % rn, row)
+        assert job is not None, f"remote manager's store {rn} was shed"
+        jobs.append(job)
+    assert all(c.ok for c in rmgr.wait(jobs, timeout=30))
+    for row in range(16):
+        assert rmgr.free_block(row)
+
+def remote_healthy():
+    return rreg.get_sample_value("tiered_kv_healthy", {"tier": "remote"})
+
+rstores()
+assert rmgr.flush(timeout=30) is True, "the remote manager's first writes did not reach the server"
+rmgr.poll()
+assert remote_healthy() == 1
+
+def remote_faults():
+    # 6. the server is gone (the harness killed it): each write job fails (connection, 16 parts a round
+    #    trip) until 3 failed round trips in a row open the breaker: the remote tier is unhealthy
+    for _ in range(10):
+        rstores()
+        rmgr.flush(timeout=30)           # False: the writes failed
+        rmgr.poll()
+        if remote_healthy() == 0:
+            break
+    assert remote_healthy() == 0, "the remote tier's breaker never opened"
+    until(lambda: counts("tiered_kv_errors_total", "error", registry=rreg, tier="remote").get("breaker_open") == 1,
+          "the breaker_open count")
 
 def faults():
     # 1. stale callbacks: stores whose device row is given up before their copy is applied
@@ -179,6 +233,7 @@ def faults():
     mgr.poll()
     mgr.wait([store(4 + i) for i in range(3)], timeout=30)
     mgr.poll()
+    remote_faults()
 
 def until(cond, what, timeout=30.0):     # a bounded wait on a condition of another thread
     deadline = time.monotonic() + timeout
@@ -189,16 +244,16 @@ def until(cond, what, timeout=30.0):     # a bounded wait on a condition of anot
 def disk_errors():
     return counts("tiered_kv_errors_total", "error", tier="disk")
 
-def counts(name, label, **match):
+def counts(name, label, registry=reg, **match):
     out = {}
-    for fam in reg.collect():
+    for fam in registry.collect():
         for smp in fam.samples:
             if smp.name == name and smp.value and all(smp.labels.get(k) == v for k, v in match.items()):
                 key = smp.labels.get(label, "") if label else ""
                 out[key] = out.get(key, 0) + smp.value
     return out
 
-print("ready", server.port, flush=True)
+print("ready", server.port, rserver.port, flush=True)
 for line in sys.stdin:
     if line.strip() == "faults":
         faults()
@@ -208,9 +263,14 @@ for line in sys.stdin:
             "spills_shed": counts("tiered_kv_shed_total", "reason", kind="spill"),
             "corrupt": counts("tiered_kv_corrupt_blocks_total", "reason"),
             "healthy": {t: reg.get_sample_value("tiered_kv_healthy", {"tier": t}) for t in ("device", "host", "disk")},
+            "remote_errors": counts("tiered_kv_errors_total", "error", registry=rreg, tier="remote"),
+            "remote_healthy": {t: rreg.get_sample_value("tiered_kv_healthy", {"tier": t})
+                               for t in ("device", "host", "remote")},
         }), flush=True)
 server.close()
+rserver.close()
 mgr.close()
+rmgr.close()
 """
 
 
@@ -280,6 +340,8 @@ class Stack:
     faults: Optional[subprocess.Popen[str]] = None   # the FAULTS process (stdin/stdout: commands/answers)
     fault_instance: str = ""
     down: Optional[_DownTarget] = None
+    remote_instance: str = ""                          # the FAULTS process's remote-tier manager
+    remote_redis: Optional[RedisServer] = None         # its server, killed by the faults test
 
     def api(self, path: str, **params: str) -> Any:
         url = f"{self.prom_url}{path}" + (("?" + urllib.parse.urlencode(params)) if params else "")
@@ -395,11 +457,28 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         return "\n".join(f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-20:])
                          for p in sorted(logs.iterdir()))
 
+    # the remote tiers' servers: the demo's, and the FAULTS process's (killed by the faults test)
+    require_redis()
+    servers: list[RedisServer] = []
+    for name in ("redis-demo", "redis-faults"):
+        (tmp / name).mkdir()
+        servers.append(RedisServer(str(tmp / name)))
+    demo_redis, fault_redis = servers
+    try:
+        for s in servers:
+            s.start()
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+
     demo_port, prom_port = _free_port(), _free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    for var in ("TIERED_KV_REMOTE_USERNAME", "TIERED_KV_REMOTE_PASSWORD"):   # the test's servers have no password
+        env.pop(var, None)
     demo_cmd = [sys.executable, "-m", "tiered_kv.tools.cli", "demo", "--seconds", str(DEMO_SECONDS), "--no-progress",
-                "--metrics-port", str(demo_port), "--disk-path", str(tmp / "lmdb")]
+                "--metrics-port", str(demo_port), "--disk-path", str(tmp / "lmdb"), "--remote-url", demo_redis.url]
     demo = subprocess.Popen(demo_cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
                             stdout=open(logs / "demo.out", "wb"), stderr=open(logs / "demo.err", "wb"))
     prom: subprocess.Popen[bytes] | None = None
@@ -416,19 +495,21 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
         _wait("the demo's /metrics", demo_up, 60, tails)
 
-        faults = subprocess.Popen([sys.executable, "-c", FAULTS, str(tmp / "faults-lmdb"), str(STALE_BURST)],
+        faults = subprocess.Popen([sys.executable, "-c", FAULTS, str(tmp / "faults-lmdb"), str(STALE_BURST),
+                                   fault_redis.url],
                                   cwd=REPO, env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=open(logs / "faults.err", "wb"))
         ready = _readline(faults, 60, tails)
         assert ready.startswith("ready "), ready
         fault_instance = f"127.0.0.1:{int(ready.split()[1])}"
+        remote_instance = f"127.0.0.1:{int(ready.split()[2])}"
         down = _DownTarget()
 
         config_dir = tmp / "config"
         config_dir.mkdir()
         config = config_dir / "prometheus.yml"
         config.write_text(_harness_config((DEPLOY / "prometheus.yml").read_text(), f"127.0.0.1:{demo_port}",
-                                          [fault_instance, down.instance]))
+                                          [fault_instance, remote_instance, down.instance]))
         shutil.copy(DEPLOY / "alerts.yml", config_dir / "alerts.yml")
         (config_dir / FAST_RULES).write_text(_rules_with_zero_for((DEPLOY / "alerts.yml").read_text()))
         history = tmp / "stale-history.om"
@@ -450,7 +531,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
         _wait("prometheus to be ready", prom_ready, 30, tails)
         st = Stack(demo, prom, demo_url, prom_url, b"", config, logs, f"127.0.0.1:{demo_port}", faults,
-                   fault_instance, down)
+                   fault_instance, down, remote_instance, fault_redis)
 
         def scraped() -> bool:
             ok, res = st.query(f'count_over_time(up{{job="{JOB}"}}[1m])')
@@ -462,7 +543,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
         def faults_scraped() -> bool:       # both up, twice at least: increase() sees the faults' counts rise
             ok, res = st.query(f'sum_over_time(up{{job="{FAULT_JOB}"}}[1m]) >= 2')
-            return ok and {s["metric"]["instance"] for s in res} == {fault_instance, down.instance}
+            return ok and {s["metric"]["instance"] for s in res} == {fault_instance, remote_instance, down.instance}
 
         _wait(f"2 successful scrapes of each {FAULT_JOB} target", faults_scraped, 30, tails)
 
@@ -489,6 +570,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         if down is not None:
             down.go_down()
         _stop(demo, signal.SIGINT, 15)
+        for s in servers:
+            s.terminate()
 
 
 # ----------------------------------------------------------------------------- promtool
@@ -538,6 +621,24 @@ def test_headline_panel_shows_stale_callbacks(stack: Stack) -> None:
         return ok and any(float(s["value"][1]) > 0 for s in res)
 
     _wait(f"a non-zero rate on {where}", moving, 20, stack.diagnostics)
+
+
+def test_remote_row_shows_the_demo_traffic(stack: Stack) -> None:
+    """The demo writes the blocks it stores to its redis-server too: the remote row's write throughput
+    is not flat for it, and its remote tier is healthy."""
+    dash = load_dashboard(DASHBOARDS[0])
+    (panel,) = [p for p in row_panels(dash, REMOTE_ROW) if p["title"] == "Remote throughput"]
+    (expr,) = [t["expr"] for t in panel["targets"] if 'dst="remote"' in t["expr"]]
+    expr = substitute(expr, dash).replace('job=~".*"', f'job="{JOB}"')
+    assert f'job="{JOB}"' in expr, expr
+
+    def moving() -> bool:
+        ok, res = stack.query(expr)
+        return ok and any(float(s["value"][1]) > 0 for s in res)
+
+    _wait(f"a non-zero rate of {expr}", moving, 20, stack.diagnostics)
+    ok, res = stack.query(f'tiered_kv_healthy{{job="{JOB}", tier="remote"}}')
+    assert ok and [s["value"][1] for s in res] == ["1"], res
 
 
 # ----------------------------------------------------------------------------- alert rules
@@ -629,8 +730,12 @@ def _expected_alerts(stack: Stack, firing_after: dict[str, float]) -> dict[tuple
     * disk errors: the failed commit (io_error), the writer's death (writer_died);
     * one corrupt block, found by the checksum of its read;
     * the disk tier unhealthy (its writer is dead);
+    * the remote manager's tier degraded (its server was killed, its breaker is open), and its
+      remote errors (connection: 16 write parts in each of the 3 failed round trips) above 0.01/s
+      over 5 minutes;
     * the target that went down."""
     f, d = stack.fault_instance, stack.down.instance if stack.down else ""
+    r = stack.remote_instance
     keys = [("TieredKVStaleCallbackSpike", f, ()),
             ("TieredKVSpillsShed", f, (("reason", "backpressure"),)),
             ("TieredKVSpillsShed", f, (("reason", "disk_down"),)),
@@ -638,6 +743,8 @@ def _expected_alerts(stack: Stack, firing_after: dict[str, float]) -> dict[tuple
             ("TieredKVDiskErrors", f, (("error", "writer_died"),)),
             ("TieredKVCorruptBlocks", f, (("reason", "checksum"),)),
             ("TieredKVTierUnhealthy", f, (("tier", "disk"),)),
+            ("TieredKVRemoteTierDegraded", r, ()),
+            ("TieredKVRemoteErrors", r, (("error", "connection"),)),
             ("TieredKVTargetDown", d, ())]
     assert {k[0] for k in keys} == _alert_names(), "an alert rule the faults do not drive"
     return {k: ("firing" if firing_after[k[0]] == 0 else "pending") for k in keys}
@@ -649,7 +756,7 @@ def test_alert_states_follow_the_faults(stack: Stack) -> None:
     all firing -- and none for the healthy demo in either."""
     for_s = _for_seconds()
     # the premise of "pending" below: no `for:` elapses within the seconds the checks take (today
-    # four rules wait 1 to 15 minutes, two have none)
+    # six rules wait 1 to 15 minutes, two have none)
     assert all(v == 0 or v >= 60 for v in for_s.values()), for_s
     assert sum(v > 0 for v in for_s.values()) >= 1, "no rule with a for: -- the for-0s copy checks nothing"
     assert stack.faults is not None and stack.faults.stdin is not None and stack.down is not None
@@ -662,7 +769,10 @@ def test_alert_states_follow_the_faults(stack: Stack) -> None:
         active = _alerts(stack, rules_file)
         assert active == {}, f"{rules_file}: active while nothing is wrong: {active}\n{stack.diagnostics()}"
 
-    # 2. the faults, each counted where the alerts look for it (the FAULTS process reads its registry)
+    # 2. the faults, each counted where the alerts look for it (the FAULTS process reads its registries);
+    #    the remote manager's server dies first
+    assert stack.remote_redis is not None
+    stack.remote_redis.stop()
     stack.faults.stdin.write("faults\n")
     stack.faults.stdin.flush()
     done = _readline(stack.faults, 120, stack.diagnostics)
@@ -673,6 +783,10 @@ def test_alert_states_follow_the_faults(stack: Stack) -> None:
     assert counts["spills_shed"] == {"backpressure": 6, "disk_down": 3}, counts
     assert counts["corrupt"] == {"checksum": 1}, counts
     assert counts["healthy"] == {"device": 1, "host": 1, "disk": 0}, counts
+    assert counts["remote_healthy"] == {"device": 1, "host": 1, "remote": 0}, counts
+    remote_errors = dict(counts["remote_errors"])
+    assert remote_errors.pop("breaker_open") == 1 and set(remote_errors) == {"connection"}, counts
+    assert remote_errors["connection"] >= 30, f"too few to be sure of a rate above 0.01/s over 5m: {counts}"
     stack.down.go_down()
 
     # 3. the alerts: deploy/alerts.yml's rules pending or firing by their for:, the copy's all firing

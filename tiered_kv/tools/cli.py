@@ -12,22 +12,25 @@ from typing import Any, Optional, Sequence
 __all__ = ["main"]
 
 
-def _workload_config(args: argparse.Namespace, offload: str) -> Any:
+def _workload_config(args: argparse.Namespace, offload: str, remote: bool = False) -> Any:
     from .demo import WorkloadConfig
 
     return WorkloadConfig(seconds=args.seconds, steps=args.steps, seed=args.seed, offload=offload,
                           abort_rate=args.abort_rate, preempt_rate=args.preempt_rate,
                           device_blocks=args.device_blocks, host_blocks=args.host_blocks,
-                          disk_blocks=args.disk_blocks, disk_path=args.disk_path)
+                          disk_blocks=args.disk_blocks, disk_path=args.disk_path,
+                          remote_url=args.remote_url if remote else None)
 
 
-def _run_one(args: argparse.Namespace, offload: str, label: str) -> dict[str, Any]:
+def _run_one(args: argparse.Namespace, offload: str, label: str, remote: bool = False) -> dict[str, Any]:
     from prometheus_client import CollectorRegistry
     from tqdm import tqdm
 
-    from .demo import run_workload
+    from .demo import remote_url_for_display, run_workload
 
-    cfg = _workload_config(args, offload)
+    cfg = _workload_config(args, offload, remote)
+    if cfg.remote_url is not None:
+        print(f"{label}: remote tier at {remote_url_for_display(cfg.remote_url)}", file=sys.stderr, flush=True)
     registry = CollectorRegistry()
     server = None
 
@@ -89,22 +92,50 @@ _ROWS = [
     ("wall time", lambda s: f"{s['seconds']:.1f} s"),
 ]
 
+# Rows of runs with a remote tier (``--remote-url``), after "  hits on disk"; "-" for a run without one
+_REMOTE_AFTER = "  hits on disk"
+_REMOTE_ROWS = [
+    ("  hits on remote", lambda r: f"{r['hits']:,}"),
+    ("host->remote", lambda r: _fmt_bytes(r["bytes_written"])),
+    ("remote->host", lambda r: _fmt_bytes(r["bytes_read"])),
+    ("remote writes ok / shed", lambda r: f"{r['puts']['ok']:,} / {r['puts']['shed']:,}"),
+    ("remote writes refused", lambda r: ", ".join(f"{k}={v}" for k, v in r["refused_writes"].items() if v) or "0"),
+    ("remote corrupt values", lambda r: f"{r['corrupt_values']}"),
+    ("remote errors", lambda r: ", ".join(f"{k}={v}" for k, v in r["errors"].items()) or "0"),
+    ("remote tier healthy", lambda r: {None: "?", 1.0: "yes"}.get(r["healthy"], "no")),
+]
+
+
+def _rows(summaries: dict[str, dict[str, Any]]) -> list[tuple[str, Any]]:
+    if not any("remote" in s for s in summaries.values()):
+        return _ROWS
+    remote = [(label, lambda s, fn=fn: fn(s["remote"]) if "remote" in s else "-") for label, fn in _REMOTE_ROWS]
+    i = [label for label, _ in _ROWS].index(_REMOTE_AFTER) + 1
+    return _ROWS[:i] + remote + _ROWS[i:]
+
 
 def _print_table(summaries: dict[str, dict[str, Any]]) -> None:
     names = list(summaries)
-    w0 = max(len(r[0]) for r in _ROWS)
-    cells = {n: [fn(summaries[n]) for _, fn in _ROWS] for n in names}
+    rows = _rows(summaries)
+    w0 = max(len(r[0]) for r in rows)
+    cells = {n: [fn(summaries[n]) for _, fn in rows] for n in names}
     widths = {n: max(len(n), *(len(c) for c in cells[n])) for n in names}
     print("  ".join([" " * w0] + [n.rjust(widths[n]) for n in names]))
-    for i, (label, _) in enumerate(_ROWS):
+    for i, (label, _) in enumerate(rows):
         print("  ".join([label.ljust(w0)] + [cells[n][i].rjust(widths[n]) for n in names]))
 
 
 def _demo(args: argparse.Namespace) -> int:
-    modes = [("no offload", "none"), ("host", "host"), ("host+disk", "disk")] if args.compare else [("tiered-kv demo", "disk")]
+    remote = args.remote_url is not None
+    if args.compare:   # the remote tier is a fourth run, beside the three without it
+        modes = [("no offload", "none", False), ("host", "host", False), ("host+disk", "disk", False)]
+        if remote:
+            modes.append(("host+disk+remote", "disk", True))
+    else:
+        modes = [("tiered-kv demo", "disk", remote)]
     summaries: dict[str, dict[str, Any]] = {}
-    for label, mode in modes:
-        summaries[label] = _run_one(args, mode, label)
+    for label, mode, with_remote in modes:
+        summaries[label] = _run_one(args, mode, label, with_remote)
     print()
     _print_table(summaries)
     if args.json:
@@ -121,7 +152,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tiered-kv", description="KV-cache tiering for LLM serving.")
     p.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="run a seeded serving simulation through tiered_kv (CPU, no server)",
+    d = sub.add_parser("demo", help="run a seeded serving simulation through tiered_kv (CPU, no server needed)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     d.add_argument("--seconds", type=float, default=20.0, help="wall-clock length of the run")
     d.add_argument("--steps", type=int, default=None, help="stop after this many engine steps instead")
@@ -132,10 +163,15 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--host-blocks", type=int, default=160, help="slots in the host tier")
     d.add_argument("--disk-blocks", type=int, default=4096, help="blocks the disk tier may hold")
     d.add_argument("--disk-path", default=None, help="LMDB directory (default: a temporary one, removed at exit)")
+    d.add_argument("--remote-url", default=None, metavar="URL",
+                   help="also use a shared Redis/Valkey remote tier: redis://host:6379/0, rediss://..., "
+                        "redis+cluster://h1:p1,h2:p2 (a password: TIERED_KV_REMOTE_PASSWORD, not the url); "
+                        "default: none, no server needed")
     d.add_argument("--metrics-port", type=int, default=None, help="serve /metrics on this port while running")
     d.add_argument("--metrics-addr", default="127.0.0.1", help="address for --metrics-port")
     d.add_argument("--linger", type=float, default=0.0, help="keep /metrics up this long after the run")
-    d.add_argument("--compare", action="store_true", help="run no offload, host only and host+disk side by side")
+    d.add_argument("--compare", action="store_true",
+                   help="run no offload, host only and host+disk side by side (and host+disk+remote with --remote-url)")
     d.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(func=_demo)

@@ -9,6 +9,10 @@ pool runs out (or at random, at ``preempt_rate``).  Each block's KV content
 is a deterministic function of its prefix key, so every completed load is
 verified byte for byte.  The loop never sleeps: it calls ``poll()`` once per
 step like an engine.
+
+With ``remote_url`` the manager also has the shared remote tier (a Redis or
+Valkey server): every stored block is written there too, and a lookup that
+misses the local tiers asks the server.  Without it nothing needs a server.
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ from prometheus_client import CollectorRegistry
 from ..config import TieredKVConfig
 from ..jobs import Job, JobKind
 from ..manager import TierManager
-from ..metrics import SHED_REASONS, sample_total
+from ..metrics import OUTCOMES, REFUSED_REASONS, SHED_REASONS, sample_total
+from ..remote.records import REMOTE_ERROR_KINDS
 
 __all__ = ["WorkloadConfig", "run_workload", "block_content", "chain_keys", "summary_from_registry",
-           "OFFLOAD_MODES"]
+           "remote_summary", "remote_url_for_display", "OFFLOAD_MODES"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +66,7 @@ class WorkloadConfig:
     max_new_blocks: int = 5
     tokens_per_block: int = 16
     row_shape: tuple[int, ...] = (2, 16, 8, 64)  # K/V x tokens x heads x head_dim: 32 KiB of fp16
+    remote_url: Optional[str] = field(default=None, repr=False)  # a Redis/Valkey url (may hold a password)
 
     def __post_init__(self) -> None:
         if self.seconds is None and self.steps is None:
@@ -79,6 +85,8 @@ class WorkloadConfig:
             raise ValueError(f"device_blocks={self.device_blocks} too small for one request")
         if self.host_blocks < 1 or self.disk_blocks < 1 or self.users < 1 or self.system_prompts < 1:
             raise ValueError(f"sizes must be >= 1: {self}")
+        if self.remote_url is not None and self.offload == "none":
+            raise ValueError("remote_url needs a manager: offload must be host or disk")
 
 
 def chain_keys(parent: bytes, parts: list[bytes]) -> list[bytes]:
@@ -280,12 +288,14 @@ def run_workload(cfg: WorkloadConfig, registry: Optional[CollectorRegistry] = No
             disk_path = cfg.disk_path or (tmpdir := tempfile.mkdtemp(prefix="tiered-kv-demo-"))
         mcfg = TieredKVConfig(namespace=f"demo|fp16|{'x'.join(map(str, cfg.row_shape))}|tp0",
                               host_capacity_bytes=cfg.host_blocks * row_bytes,
-                              disk_path=disk_path, disk_capacity_bytes=cfg.disk_blocks * row_bytes if disk_path else 0)
+                              disk_path=disk_path, disk_capacity_bytes=cfg.disk_blocks * row_bytes if disk_path else 0,
+                              remote_url=cfg.remote_url)
         mgr = TierManager(mcfg, kv, registry=registry)
         if on_manager is not None:
             on_manager(mgr)
     t0 = time.perf_counter()
     eng = _Engine(cfg, mgr, kv)
+    remote_healthy: Optional[float] = None
     try:
         try:
             n = 0
@@ -306,6 +316,7 @@ def run_workload(cfg: WorkloadConfig, registry: Optional[CollectorRegistry] = No
         if mgr is not None:
             mgr.flush(timeout=30)
             mgr.poll()
+            remote_healthy = registry.get_sample_value("tiered_kv_healthy", {"tier": "remote"})
     finally:
         if mgr is not None:
             mgr.close()
@@ -313,6 +324,8 @@ def run_workload(cfg: WorkloadConfig, registry: Optional[CollectorRegistry] = No
             shutil.rmtree(tmpdir, ignore_errors=True)
     summary: dict[str, Any] = dict(eng.stats)
     summary.update(summary_from_registry(registry))
+    if cfg.remote_url is not None:
+        summary["remote"] = remote_summary(registry, remote_healthy)
     summary.update(
         offload=cfg.offload, seed=cfg.seed, seconds=time.perf_counter() - t0,
         tokens_per_block=cfg.tokens_per_block, block_bytes=row_bytes,
@@ -321,6 +334,32 @@ def run_workload(cfg: WorkloadConfig, registry: Optional[CollectorRegistry] = No
         recompute_tokens=eng.stats["blocks_computed"] * cfg.tokens_per_block,
     )
     return summary
+
+
+def remote_url_for_display(url: str) -> str:
+    """``url`` with its password masked: the only form of it the demo prints."""
+    from ..remote.url import redact_url
+
+    return redact_url(url)
+
+
+def remote_summary(registry: CollectorRegistry, healthy: Optional[float] = None) -> dict[str, Any]:
+    """The remote tier's figures (a run with ``remote_url``): ``healthy`` is its health at the end of the run."""
+    def total(name: str, **labels: str) -> float:
+        return sample_total(registry, name, **labels)
+
+    return {
+        "hits": int(total("tiered_kv_lookup_hits_total", tier="remote")),
+        "bytes_written": int(total("tiered_kv_transfer_bytes_total", src="host", dst="remote")),
+        "bytes_read": int(total("tiered_kv_transfer_bytes_total", src="remote", dst="host")),
+        "puts": {o: int(total("tiered_kv_jobs_total", kind="put", outcome=o)) for o in OUTCOMES},
+        "fetches": {o: int(total("tiered_kv_jobs_total", kind="fetch", outcome=o)) for o in OUTCOMES},
+        "refused_writes": {r: int(total("tiered_kv_remote_refused_writes_total", reason=r)) for r in REFUSED_REASONS},
+        "corrupt_values": int(total("tiered_kv_remote_corrupt_values_total")),
+        "errors": {e: int(v) for e in REMOTE_ERROR_KINDS
+                   if (v := total("tiered_kv_errors_total", tier="remote", error=e))},
+        "healthy": healthy,
+    }
 
 
 def summary_from_registry(registry: CollectorRegistry) -> dict[str, Any]:
