@@ -145,15 +145,19 @@ def build_model(model_dir: str, size: str = "tiny") -> bool:
 
 # ----------------------------------------------------------------------------- engine
 
-def offload_extra_config(host_bytes: int, disk_path: str | None, disk_bytes: int) -> dict[str, Any]:
+def offload_extra_config(host_bytes: int, disk_path: str | None, disk_bytes: int,
+                         remote_url: str | None = None) -> dict[str, Any]:
     """``kv_connector_extra_config`` for the tiered_kv adapter (the only place naming its keys)."""
-    return {
+    extra: dict[str, Any] = {
         "spec_name": "TieredKVOffloadingSpec",
         "spec_module_path": "tiered_kv.integrations.vllm",
         "host_bytes": int(host_bytes),
         "disk_path": disk_path,
         "disk_bytes": int(disk_bytes),
     }
+    if remote_url is not None:
+        extra["remote_url"] = remote_url
+    return extra
 
 
 def make_llm(model_dir: str, extra_config: dict[str, Any] | None, **overrides: Any):
@@ -295,7 +299,8 @@ def scenario_reload(llm, args) -> dict[str, Any]:
 
 def scenario_restart(llm, args) -> dict[str, Any]:
     """A once. Run after a 'reload' with the same --disk-path: a fresh engine whose
-    ``a.num_cached_tokens`` > 0 read A's blocks back from disk."""
+    ``a.num_cached_tokens`` > 0 read A's blocks back from disk; or, with the same --remote-url and
+    no disk, a second engine that got them from the first engine's writes to the shared server."""
     a = random_tokens(PROMPT_A_SEED, args.prompt_blocks * BLOCK_SIZE + 8)
     (rec,), t = generate(llm, [a], RELOAD_MAX_TOKENS)
     return {"prompt_a": a, "a": rec, "wall_s": {"a": t}}
@@ -389,6 +394,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", required=True, help="where to write the report")
     p.add_argument("--offload", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--disk-path", default=None)
+    p.add_argument("--remote-url", default=None, help="a Redis server shared by the engines (the remote tier)")
     p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny")
     p.add_argument("--prompt-blocks", type=int, default=6, help="reload/restart: full blocks in prompt A")
     p.add_argument("--host-bytes", type=int, default=64 << 20)
@@ -415,7 +421,8 @@ def run(args: argparse.Namespace, report: dict[str, Any]) -> None:
     timings = report["timings"]
     timings["model_build_s"] = time.perf_counter() - t0
 
-    extra = offload_extra_config(args.host_bytes, args.disk_path, args.disk_bytes) if args.offload else None
+    extra = (offload_extra_config(args.host_bytes, args.disk_path, args.disk_bytes, args.remote_url)
+             if args.offload else None)
     report["extra_config"] = extra
     overrides: dict[str, Any] = {"max_model_len": MODEL_SIZES[args.model_size]["max_model_len"]}
     if args.scenario == "chaos":

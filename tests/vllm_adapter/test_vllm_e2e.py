@@ -107,6 +107,29 @@ def test_restart_reads_back_from_disk(workdir: Path, figures: dict[str, Any]) ->
                                "spills": _metric(first, "tiered_kv_jobs_total", kind="spill", outcome="ok")}
 
 
+def test_a_second_engine_gets_the_first_engines_prefix_from_the_shared_remote_tier(
+        workdir: Path, figures: dict[str, Any], redis_url: str) -> None:
+    """Two engines in two processes, one Redis server, no disk: the second engine's only source of
+    A's KV is what the first engine wrote to the server."""
+    first = _run(workdir, "remote1", "--scenario", "reload", "--offload", "--remote-url", redis_url)
+    assert _metric(first, "tiered_kv_jobs_total", kind="put", outcome="ok") >= PROMPT_BLOCKS
+    again = _run(workdir, "remote2", "--scenario", "restart", "--offload", "--remote-url", redis_url)
+    res = again["result"]
+    assert res["a"]["num_cached_tokens"] == PROMPT_BLOCKS * BLOCK
+    # the same greedy output as the first engine's, and as an engine without offloading
+    assert res["a"]["token_ids"] == first["result"]["a_first"]["token_ids"]
+    if "no_offload" in figures:
+        assert res["a"]["token_ids"] == figures["no_offload"]["tokens"]
+    assert _metric(again, "tiered_kv_lookup_hits_total", tier="remote") >= PROMPT_BLOCKS
+    assert _metric(again, "tiered_kv_jobs_total", kind="fetch", outcome="ok") >= 1
+    assert _metric(again, "tiered_kv_remote_corrupt_values_total") == 0
+    assert _metric(again, "tiered_kv_errors_total") == 0
+    figures["remote_second_engine"] = {
+        "a_cached": res["a"]["num_cached_tokens"], "wall_s": res["wall_s"],
+        "puts": _metric(first, "tiered_kv_jobs_total", kind="put", outcome="ok"),
+        "remote_hits": _metric(again, "tiered_kv_lookup_hits_total", tier="remote")}
+
+
 def test_aborts_and_preemption(workdir: Path, figures: dict[str, Any]) -> None:
     r = _run(workdir, "chaos", "--scenario", "chaos", "--offload", "--disk-path", str(workdir / "chaos-disk"))
     res = r["result"]
