@@ -36,17 +36,23 @@ _PARTS: dict[str, tuple[str, str]] = {
     "trace": ("trace", "trace"),
     "step": ("step", "step"),
     "busy": ("busy", "busy"),
+    "remote": ("remote", "remote"),
 }
 SECTIONS = tuple(_PARTS)
-# smoke (the tests' one shared run) leaves out busy: it runs for fixed seconds per row; tests/test_bench_busy.py runs it
-DEFAULT_SECTIONS = {"full": SECTIONS, "quick": SECTIONS, "smoke": tuple(s for s in SECTIONS if s != "busy")}
+# smoke (the tests' one shared run) leaves out busy: it runs for fixed seconds per row (tests/test_bench_busy.py runs
+# it); and remote: it starts a redis-server of its own (tests/test_bench_remote.py runs it against the tests' server)
+DEFAULT_SECTIONS = {"full": SECTIONS, "quick": SECTIONS,
+                    "smoke": tuple(s for s in SECTIONS if s not in ("busy", "remote"))}
 _FORMAT_VERSION = 1
 
 
 def run_bench(mode: str = "full", seed: int = 0, bench_dir: Optional[str] = None,
               sections: Optional[Sequence[str]] = None,
-              log: Callable[[str], None] = lambda s: None, trace: Optional[str] = None) -> dict[str, Any]:
+              log: Callable[[str], None] = lambda s: None, trace: Optional[str] = None,
+              remote_url: Optional[str] = None) -> dict[str, Any]:
     """Run the sections named (default: those of the mode) and return the whole result.
+
+    ``remote_url``: the server of the remote section (default: a private ``redis-server`` it starts).
 
     The result may hold NaN where a figure could not be computed; ``report.clean`` makes it strict JSON.
     """
@@ -54,6 +60,7 @@ def run_bench(mode: str = "full", seed: int = 0, bench_dir: Optional[str] = None
 
     from . import core, disk, e2e, report
     from . import busy as busy_part
+    from . import remote as remote_part
     from . import step as step_part
     from . import trace as trace_part
     from .common import LoadMonitor, as_mode, machine_facts
@@ -126,6 +133,12 @@ def run_bench(mode: str = "full", seed: int = 0, bench_dir: Optional[str] = None
                 result["sections"]["busy"] = busy_part.bench_busy(mode, seed, str(parent),
                                                                   log=lambda s: log(f"busy: {s}"))
                 result["section_seconds"]["busy"] = time.perf_counter() - t
+            if part("remote"):
+                _settle()
+                t = time.perf_counter()
+                result["sections"]["remote"] = remote_part.bench_remote(mode, seed, remote_url, trace,
+                                                                        log=lambda s: log(f"remote: {s}"))
+                result["section_seconds"]["remote"] = time.perf_counter() - t
     finally:
         gc.unfreeze()
     result["background_load"] = whole.result
@@ -151,7 +164,9 @@ def add_bench_command(sub: Any) -> None:
                     "beside a plain dict LRU; a realistic engine step (32 lookups, 64 loads, 64 stores, disk on) "
                     "beside the unsafe dict original; the disk tier beside an engine thread busy in Python "
                     "(spills published, engine CPU per step, one load from disk) with its I/O in a child process vs in "
-                    "threads; and, "
+                    "threads; the remote tier (Redis/Valkey) put and get GB/s vs the same client's pipelined SET "
+                    "and GET+xxh3 of the same bytes, and two machines' hit ratio on the trace sharing one server vs "
+                    "host tiers only; and, "
                     "with CUDA, device<->host GB/s vs torch's copy and store() latency on a CUDA KV tensor.  "
                     "Missed targets do not fail the command.",
     )
@@ -166,6 +181,10 @@ def add_bench_command(sub: Any) -> None:
     p.add_argument("--trace", metavar="PATH", default=None,
                    help="Mooncake-format JSONL trace for the trace section (default: $TIERED_KV_TRACE, else "
                         "benchmarks/traces/mooncake_synthetic_trace.jsonl of a source checkout)")
+    p.add_argument("--remote-url", metavar="URL", default=None,
+                   help="Redis/Valkey server of the remote section (redis://HOST:PORT/DB, redis+cluster://...); only "
+                        "the keys the bench writes are deleted there (default: a private redis-server from PATH, "
+                        "else the section is skipped)")
     p.add_argument("--sections", metavar="LIST", default=None,
                    help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
     p.add_argument("--from-json", metavar="PATH", default=None,
@@ -211,9 +230,18 @@ def _bench(args: argparse.Namespace) -> int:
         mode = "smoke" if args.smoke else ("quick" if args.quick else "full")
         if args.trace is not None and not Path(args.trace).is_file():
             return _err(f"--trace {args.trace}: no such file")
+        if args.remote_url is not None:
+            from ..config import TieredKVConfig
+            from ..errors import ConfigError
+
+            try:
+                TieredKVConfig(namespace="bench", host_capacity_bytes=1, remote_url=args.remote_url)
+            except ConfigError as exc:
+                return _err(f"--remote-url: {exc}")
         try:
             result = run_bench(mode, args.seed, args.dir, sections,
-                               log=lambda s: print(f"[bench] {s}", file=sys.stderr, flush=True), trace=args.trace)
+                               log=lambda s: print(f"[bench] {s}", file=sys.stderr, flush=True), trace=args.trace,
+                               remote_url=args.remote_url)
         except TraceError as exc:
             return _err(str(exc))
     print(report.format_table(result))

@@ -22,6 +22,7 @@ from typing import Any, Optional
 from . import busy as _busy
 from . import core as _core
 from . import disk as _disk
+from . import remote as _remote
 from . import step as _step
 from . import trace as _trace
 from .common import TARGETS, GiB, KiB, MiB
@@ -35,6 +36,7 @@ _ISSUE22_3 = "issue 22 section 3"
 _ISSUE22_4 = "issue 22 section 4"
 _ISSUE22_5 = "issue 22 section 5"
 _ISSUE26 = "issue 26"
+_ISSUE_REMOTE = "remote tier issue (bench)"
 
 
 def _evict_runs(e: dict[str, Any]) -> str:
@@ -479,6 +481,61 @@ def _busy_figures(r: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+# ----------------------------------------------------------------------------- remote tier
+def _remote_figures(r: dict[str, Any]) -> list[dict[str, Any]]:
+    sec = "remote tier"
+    out: list[dict[str, Any]] = []
+    skipped = r.get("skipped")
+    batch = r.get("batch_blocks", "?")
+    base = {"put": (f"the same redis-py client class, pipelined SET EX of the same bytes, {batch} per pipeline",
+                    "raw SET"),
+            "get": (f"the same redis-py client class, pipelined GET of the same keys, {batch} per pipeline, "
+                    f"xxh3-64 of each value checked", "raw GET+xxh3")}
+    what = {"put": "store_many + wait + flush(): stored until every remote write answered",
+            "get": "a second manager's lookup until the fetch landed in its host tier"}
+    rows = r.get("sizes") or [{"block_bytes": bb, "blocks": n} for bb, n in r.get("plan_sizes") or []]
+    for x in rows:
+        bb = x["block_bytes"]
+        tgt = _remote.TARGET_VS_RAW if bb in _remote.TARGET_SIZES else None
+        for op in ("put", "get"):
+            f = x.get(op)
+            why = skipped or (None if f else "not run")
+            note = ""
+            if f:
+                pr = [p for p in f["paired_ratios"] if p is not None and math.isfinite(p)]
+                note = (f"{what[op]}; {x['blocks']} blocks ({_size(x['bytes'])}), median of {x['repeats']}"
+                        + (f" (paired ratios {min(pr):.2f}-{max(pr):.2f}x)" if len(pr) > 1 else "")
+                        + (f"; wrong rows {x['bad_rows']}" if op == "get" else "")
+                        + ("" if tgt else "; small blocks: no target"))
+            out.append(_fig(sec, f"remote.{op}.{bb}", f"remote {op}, {_size(bb)} blocks", "GB/s",
+                            f["tkv"]["median"] if f else None, f["raw"]["median"] if f else None, base[op][0],
+                            base[op][1], target_on="ratio" if tgt else None, threshold=tgt,
+                            stats={"value": f["tkv"], "baseline": f["raw"]} if f else None,
+                            source=_ISSUE_REMOTE if tgt else None, note=note, skipped=why))
+    t = r.get("trace") or {}
+    why = skipped or t.get("skipped") or (None if t else "not run")
+    for who, label in (("b", "machine B's"), ("pair", "both machines'")):
+        note = ""
+        if not why:
+            rm, ho = t["remote"], t["host_only"]
+            note = (f"requests alternate between two managers (A even, B odd) sharing one server; {t['requests']} "
+                    f"requests, {t['block_refs']:,} block references, {t['host_slots']} host slots each "
+                    f"({t['host_fraction']:.1%} of {t['distinct_blocks']:,} distinct blocks); blocks found after a "
+                    f"fetch {rm[who]['hits_after_fetch']:,}"
+                    + (f", remote hits A {rm['a']['remote_hits']:,.0f} / B {rm['b']['remote_hits']:,.0f}"
+                       if who == "pair" else f", remote hits {rm['b']['remote_hits']:,.0f}")
+                    + f"; host only: {ho[who]['hits']:,} hits"
+                    + (f"; one shared cache that never forgets: {t['unbounded_shared_hit_ratio']:.3f}"
+                       if "unbounded_shared_hit_ratio" in t else ""))
+        out.append(_fig(sec, f"remote.hit_ratio.{who}",
+                        f"Mooncake trace on two machines, {label} block hit ratio, host + remote", "fraction",
+                        None if why else t["remote"][who]["hit_ratio"],
+                        None if why else t["host_only"][who]["hit_ratio"],
+                        "the same replay without the remote tier (each machine's host tier only)", "host only",
+                        note=note, skipped=why))
+    return out
+
+
 def _median_run(mode: dict[str, Any], tier: str) -> Any:
     runs = sorted(r["hits_by_tier"][tier] for r in mode["runs"])
     return runs[len(runs) // 2] if runs else None
@@ -500,6 +557,8 @@ def collect_figures(result: dict[str, Any]) -> list[dict[str, Any]]:
         out += _step_figures(s["step"])
     if s.get("busy"):
         out += _busy_figures(s["busy"])
+    if s.get("remote"):
+        out += _remote_figures(s["remote"])
     return out
 
 
@@ -572,6 +631,27 @@ def problems(result: dict[str, Any]) -> dict[str, list[str]]:
                          f"keys already in the host tier")
         if io == "process" and p.get("child_processes_started") == 0:
             other.append(f"busy promote {io}: disk_io=process started no child process (measured in-process I/O)")
+    rm = s.get("remote") or {}
+    for z in rm.get("sizes", []):
+        tag = f"remote {_size(z['block_bytes'])}"
+        if z["bad_rows"]:
+            wrong.append(f"{tag}: {z['bad_rows']} rows with wrong bytes after the put and the fetch")
+        if z["raw_bad_values"]:
+            wrong.append(f"{tag}: the SET/GET baseline read {z['raw_bad_values']} values with wrong bytes")
+        other += [f"{tag}: {p}" for p in z["problems"]]
+    rt = rm.get("trace") or {}
+    for key in ("remote", "host_only"):
+        for who in ("a", "b"):
+            x = (rt.get(key) or {}).get(who)
+            if not x:
+                continue
+            tag = f"remote trace {key} {who.upper()}"
+            if x["wait_timeouts"] or x["stores_refused"] or x["flush_failed"]:
+                other.append(f"{tag}: {x['wait_timeouts']} fetch waits timed out, {x['stores_refused']} stores "
+                             f"refused, {x['flush_failed']} flushes failed")
+            if x["puts_shed"] or x["puts_failed"] or x["fetch_failed"]:
+                other.append(f"{tag}: {x['puts_shed']:.0f} puts shed, {x['puts_failed']:.0f} failed, "
+                             f"{x['fetch_failed']:.0f} fetch parts failed")
     e = s.get("e2e") or {}
     for mode, x in (e.get("modes") or {}).items():
         if x["corrupt_loads"]:
@@ -715,6 +795,8 @@ def format_details(result: dict[str, Any]) -> str:
         parts.append(_step.format_step(s["step"]))
     if s.get("busy"):
         parts.append(_busy.format_busy(s["busy"]))
+    if s.get("remote"):
+        parts.append(_remote.format_remote(s["remote"]))
     return "\n\n".join(parts)
 
 
