@@ -18,6 +18,11 @@ whose ``sys.path`` insert makes ``tests/`` importable):
 * ``redis_cluster_replicated`` (function): 3 masters + 3 replicas, ``cluster-node-timeout`` 1000 ms,
   for failover tests (:meth:`RedisCluster.kill_master`, :meth:`RedisCluster.failover`).
 
+Helpers: :func:`tls_args` (a TLS port with a throw-away CA, for ``redis_server_factory``),
+:meth:`RedisCluster.begin_migration` / :meth:`~RedisCluster.move_keys` / :meth:`~RedisCluster.finish_migration`
+(a slot migration in steps: ASK while it runs, MOVED after), :meth:`RedisServer.pause` (``CLIENT PAUSE``)
+and :meth:`RedisServer.sleep` (``DEBUG SLEEP``).
+
 Without ``redis-server`` on PATH the fixtures skip, except when the environment variable ``CI`` is
 set: CI installs it (ci/install_redis.sh), so there it is a failure.
 """
@@ -77,7 +82,8 @@ def tls_args(workdir: str) -> tuple[list[str], str, int]:
     openssl = shutil.which("openssl")
     if openssl is None:
         pytest.skip("openssl is not on PATH")
-    ca_key, ca, key, csr, crt = (os.path.join(workdir, n) for n in ("ca.key", "ca.pem", "srv.key", "srv.csr", "srv.pem"))
+    ca_key, ca, key, csr, crt = (os.path.join(workdir, n)
+                                 for n in ("ca.key", "ca.pem", "srv.key", "srv.csr", "srv.pem"))
     ext = os.path.join(workdir, "san.ext")
     with open(ext, "w", encoding="ascii") as f:
         f.write("subjectAltName=IP:127.0.0.1,DNS:localhost\n")

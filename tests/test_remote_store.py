@@ -29,6 +29,8 @@ from tiered_kv.remote.keys import KeyNames
 from tiered_kv.remote.url import ENV_PASSWORD, ENV_USERNAME, parse_url
 from tiered_kv.reports import CompletionQueue, Report
 
+pytest.importorskip("redis", reason="the remote tier needs the redis package (pip install redis hiredis)")
+
 BLOCK = 256
 NS = "test-ns"
 WAIT_S = 15.0
@@ -205,6 +207,22 @@ def test_round_trip_standalone(rig: Rig, redis_url: str, redis_server: RedisServ
     r, got = h.fetch(keys[3:5])
     assert r.ok and r.failed is None and got == data[3:5]
     assert h.errors == [] and h.corrupt == []
+
+
+def test_probe_says_which_keys_are_held(rig: Rig, redis_url: str, redis_server: RedisServer) -> None:
+    h = rig.open(redis_url)
+    keys, data = blocks(3)
+    assert h.put(keys[:2], data[:2])[1].ok
+    redis_server.client().set(h.names.value(keys[1]), b"garbage")   # held (a probe does not read it)
+    token = uuid.uuid4()
+    assert h.store.submit_probe(token, keys)
+    h.store.kick()
+    r = h.report()
+    assert r.token == token and r.kind == JobKind.FETCH and r.nbytes == 0
+    assert not r.ok and r.failed == {2: FETCH_MISS}
+    assert h.corrupt == [] and h.errors == []
+    r, got = h.fetch(keys[:2])                     # the fetch verifies: the garbage is a miss there
+    assert r.failed == {1: FETCH_CORRUPT} and got[0] == data[0]
 
 
 def test_round_trip_cluster_spreads_over_masters(rig: Rig, redis_cluster_url: str, redis_cluster: Any) -> None:
@@ -393,6 +411,20 @@ def test_invalidate_on_another_machine(rig: Rig, redis_url: str, redis_server: R
     rf, got = a.fetch(keys)
     assert rf.failed == {0: FETCH_MISS} and got[1] == data[1]
     assert b.put(keys[:1], data[:1])[1].failed == {0: PUT_REFUSED_TOMB}   # every machine's writes
+
+
+def test_wait_writes_covers_tombstone_ops(rig: Rig, redis_url: str, redis_server: RedisServer) -> None:
+    h = rig.open(redis_url)
+    gate = Gate("write")
+    h.store.set_test_hook(gate)
+    keys, _ = blocks(2)
+    h.store.invalidate(keys[0])
+    h.store.cancel(uuid.uuid4(), keys[1])
+    assert not h.store.wait_writes(0.05)           # held: not sent yet
+    gate.open()
+    assert h.store.wait_writes(WAIT_S)
+    raw = redis_server.client()
+    assert raw.exists(h.names.tomb(keys[0])) == 1 and len(raw.keys("*:x:*")) == 1
 
 
 def test_invalidate_drops_own_unsent_puts(rig: Rig, redis_url: str, redis_server: RedisServer) -> None:

@@ -9,6 +9,7 @@ deadline; the I/O threads are held by a :class:`Gate` where an ordering matters.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -18,6 +19,8 @@ import pytest
 from redis_servers import RedisCluster, RedisServer
 from test_remote_store import BLOCK, Gate, Rig, blocks, poll
 from tiered_kv.remote import REMOTE_DOWN
+
+pytest.importorskip("redis", reason="the remote tier needs the redis package (pip install redis hiredis)")
 
 FAST_BREAKER = dict(breaker_failures=1, breaker_backoff_min_s=0.05, breaker_backoff_max_s=0.2)
 
@@ -48,6 +51,17 @@ def test_server_down_at_start_then_up(rig: Rig, redis_server_factory: Any) -> No
     assert s.command("EXISTS", h.names.tomb(keys[0])) == 1, "the invalidate queued while down was lost"
     assert h.put(keys[1:], data[1:])[1].ok
     assert h.fetch(keys[1:])[1] == data[1:]
+
+
+def test_close_while_the_server_is_away_does_not_wait(rig: Rig, redis_server_factory: Any) -> None:
+    s: RedisServer = redis_server_factory(start=False)
+    h = rig.open(s.url, timeout_s=0.5, breaker_failures=1, breaker_backoff_min_s=30.0)
+    h.store.invalidate(b"k")
+    assert not h.store.wait_idle(0.05)             # a tombstone op waits for the server: not idle
+    t0 = time.monotonic()
+    h.store.close(timeout=5.0)
+    assert time.monotonic() - t0 < 2.0, "close() waited for a server that is away"
+    assert h.store.tombs_dropped == 1
 
 
 def test_server_killed_mid_batch_and_restarted_empty(rig: Rig, fresh_redis: RedisServer) -> None:

@@ -13,6 +13,7 @@ import random
 import uuid
 from typing import Optional
 
+import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
@@ -20,6 +21,8 @@ from fakes import sm_settings
 from redis_servers import RedisServer
 from test_remote_store import Handle, Rig
 from tiered_kv.remote import FETCH_CORRUPT, FETCH_MISS, PUT_REFUSED_TOKEN, PUT_REFUSED_TOMB
+
+pytest.importorskip("redis", reason="the remote tier needs the redis package (pip install redis hiredis)")
 
 BLOCK = 64
 KEYS = [b"key-%d" % i for i in range(4)]

@@ -888,7 +888,7 @@ class TierCore:
     def flush(self, block_until: Callable[[Callable[[], bool], Optional[float]], None],
               timeout: Optional[float]) -> bool:
         """Block (through the front end's ``block_until``) until every spill queued so far is durable,
-        and every remote write in flight answered.
+        and every remote write, invalidation and cancel queued so far answered by the server.
 
         False on timeout, with a dead writer, or when a write it covers failed: a batch
         failing after the flush was queued, or a spill or remote write failure (a fault, not a
@@ -902,6 +902,9 @@ class TierCore:
             deadline = None if timeout is None else time.monotonic() + timeout
             block_until(lambda: n[_PUT] == 0, timeout)
             ok = n[_PUT] == 0 and self.put_faults == faults
+            # an invalidation or a cancel has no report: wait until the writer sent it too
+            left = 1e9 if deadline is None else max(0.0, deadline - time.monotonic())
+            ok = remote.store.wait_writes(left) and ok
             if deadline is not None:
                 timeout = max(0.0, deadline - time.monotonic())
         if disk is None:

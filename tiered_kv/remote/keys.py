@@ -28,7 +28,8 @@ import xxhash
 
 from ..disk.format import HEADER_STRUCT
 
-__all__ = ["KeyNames", "TOKEN_OFFSET", "STAGE_TTL_S", "NOT_STAGED", "PUBLISH", "CANCEL", "INVALIDATE", "DROP_IF_SAME", "SCRIPTS",
+__all__ = ["KeyNames", "TOKEN_OFFSET", "STAGE_TTL_S", "NOT_STAGED", "KEY_TOMB_CHECK", "TOKEN_TOMB_CHECK",
+           "PUBLISH", "CANCEL", "INVALIDATE", "DROP_IF_SAME", "SCRIPTS",
            "PUBLISHED", "REFUSED_TOMB", "REFUSED_TOKEN", "sha1hex"]
 
 # offset of the writer token in an entry: magic 4s, version H, flags H, ns_len H, key_len H, length Q, seq Q
@@ -40,9 +41,10 @@ STAGE_TTL_S = 60          # a staged value outlives its script by this long at m
 
 # KEYS: staged value, value, key tomb, token tomb; ARGV: ttl seconds (0: none).  NOT_STAGED: the SET before
 # it failed (its own error says why) or the staged value was evicted (maxmemory with an allkeys policy).
-PUBLISH = """
-if redis.call('EXISTS', KEYS[3]) == 1 then redis.call('DEL', KEYS[1]); return 1 end
-if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('DEL', KEYS[1]); return 2 end
+# the two refusals, named so that tests can take one out of the script and see a model catch it
+KEY_TOMB_CHECK = "if redis.call('EXISTS', KEYS[3]) == 1 then redis.call('DEL', KEYS[1]); return 1 end"
+TOKEN_TOMB_CHECK = "if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('DEL', KEYS[1]); return 2 end"
+PUBLISH = KEY_TOMB_CHECK + "\n" + TOKEN_TOMB_CHECK + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 3 end
 redis.call('RENAME', KEYS[1], KEYS[2])
 local ttl = tonumber(ARGV[1])

@@ -139,7 +139,8 @@ class RemoteStore:
         self._r.kick()
 
     def close(self, timeout: float = 5.0) -> None:
-        """Send what is queued (for up to ``timeout``), answer the rest ``remote_down``, stop the threads; idempotent."""
+        """Send what is queued (for up to ``timeout``), answer the rest ``remote_down``, stop the threads.
+        Idempotent."""
         if self._closed or self._writer is None or self._reader is None:
             return
         self._closed = True
@@ -178,6 +179,12 @@ class RemoteStore:
         Not for the owner's hot path: tests, benchmarks and shutdown."""
         end = time.monotonic() + timeout
         return self._w.wait_idle(timeout) and self._r.wait_idle(max(0.0, end - time.monotonic()))
+
+    def wait_writes(self, timeout: float = 10.0) -> bool:
+        """Block until every write op queued so far -- puts, cancels, invalidations -- was sent and answered (kicks
+        the writer); False on timeout or while the breaker holds tombstone ops back.  For a blocking ``flush()``:
+        waiting for the put jobs' reports alone does not cover a cancel or an invalidate, which have none."""
+        return self._w.wait_idle(timeout)
 
     def set_test_hook(self, hook: Optional[Callable[[str], None]]) -> None:
         """Tests: ``hook("write")`` / ``hook("read")`` runs on the I/O thread between taking a batch and sending it."""

@@ -214,7 +214,10 @@ class Writer:
                         return [], answers, True
                     if answers:
                         return [], answers, False
+                    self._busy = bool(self._ops)   # tombstone ops wait for the server: not idle
+                    self._cond.notify_all()
                     self._cond.wait(wait)
+                    self._busy = True
                     continue
                 now = time.monotonic()
                 if self._closing and (not self._ops or now > self._close_deadline):
