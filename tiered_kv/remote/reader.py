@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
 import uuid
 from typing import Callable, Optional
@@ -19,6 +18,7 @@ from typing import Callable, Optional
 from ..disk.format import CorruptEntry, verify_entry
 from ..reports import CompletionQueue
 from .breaker import Breaker
+from .iothread import IOThread
 from .conn import BREAKER_KINDS, Conn, error_kind
 from .keys import KeyNames, sha1hex
 from .ops import FetchJob
@@ -30,10 +30,13 @@ __all__ = ["Reader"]
 log = logging.getLogger(__name__)
 
 
-class Reader:
+class Reader(IOThread):
+    role = "reader"
+
     def __init__(self, opts: RemoteOptions, names: KeyNames, conn: Conn, breaker: Breaker, out: CompletionQueue,
                  on_error: Callable[[str, str], None], on_corrupt: Callable[[str], None],
                  drop: Callable[[bytes, str], None], name: str = "remote") -> None:
+        super().__init__(name)
         self.opts = opts
         self.names = names
         self.conn = conn
@@ -42,27 +45,13 @@ class Reader:
         self._on_error = on_error
         self._on_corrupt = on_corrupt
         self._drop = drop
-        self.name = name
         self.limit = max(opts.queue_blocks, opts.batch_blocks)   # fetch parts queued and unanswered
-        self._cond = threading.Condition(threading.Lock())
         self._jobs: collections.deque[FetchJob] = collections.deque()
         self._inflight: list[tuple[FetchJob, int]] = []
         self._answered = 0        # parts of _inflight answered so far (a thread dying mid-batch answers the rest)
         self.parts_pending = 0
-        self._wake = False
-        self._busy = False
-        self.accepting = True
-        self._closing = False
-        self._close_deadline = 0.0
-        self.restarts = 0
-        self.healthy = True
         self.hook: Optional[Callable[[str], None]] = None   # tests: called with "read" between taking and sending
         self._thread = self._start()
-
-    def _start(self) -> threading.Thread:
-        t = threading.Thread(target=self._run, name="tiered-kv-remote-reader", daemon=True)
-        t.start()
-        return t
 
     # ------------------------------------------------------------ any thread, never blocks on I/O
     def submit(self, token: uuid.UUID, keys: list[bytes], views: list[memoryview], probe: bool = False) -> bool:
@@ -76,43 +65,10 @@ class Reader:
                 self._notify()
         return True
 
-    def kick(self) -> None:
-        with self._cond:
-            if self._jobs:
-                self._notify()
-
-    def wake(self) -> None:
-        with self._cond:
-            self._notify()
-
-    def _notify(self) -> None:
-        self._wake = True
-        self._cond.notify_all()
-
-    def wait_idle(self, timeout: float) -> bool:
-        with self._cond:
-            self._notify()
-            return self._cond.wait_for(lambda: not self._jobs and not self._busy, timeout)
-
-    def begin_close(self, deadline: float) -> None:
-        with self._cond:
-            self.accepting = False
-            self._closing = True
-            self._close_deadline = deadline
-            self._notify()
-
-    def join(self, timeout: float) -> bool:
-        self._thread.join(max(0.0, timeout))
-        return not self._thread.is_alive()
+    def _queued(self) -> bool:
+        return bool(self._jobs)
 
     # ------------------------------------------------------------ reader thread
-    def _run(self) -> None:
-        try:
-            self._main()
-        except BaseException as e:  # noqa: BLE001 - answered, counted, restarted below
-            log.exception("%s: the remote reader thread died", self.name)
-            self._died(e)
-
     def _main(self) -> None:
         while True:
             batch, down = self._next()

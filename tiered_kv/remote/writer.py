@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
 import uuid
 from typing import Any, Callable, Optional
@@ -24,6 +23,7 @@ from typing import Any, Callable, Optional
 from ..disk.format import pack_header
 from ..reports import CompletionQueue
 from .breaker import Breaker
+from .iothread import IOThread
 from .conn import BREAKER_KINDS, Conn, error_kind
 from .keys import NOT_STAGED, PUBLISHED, REFUSED_TOKEN, REFUSED_TOMB, STAGE_TTL_S, KeyNames
 from .ops import CANCEL, CANCELLED, DONE, DROP, INVALIDATE, QUEUED, TAKEN, PutGroup, PutPart, TombOp
@@ -39,10 +39,13 @@ FALLBACK_WAKE_S = 0.05    # queued work nobody kick()ed is sent after this long 
 MAX_RESTARTS = 3          # an I/O thread that dies is restarted this often, then the store is unhealthy
 
 
-class Writer:
+class Writer(IOThread):
+    role = "writer"
+
     def __init__(self, opts: RemoteOptions, names: KeyNames, conn: Conn, breaker: Breaker, out: CompletionQueue,
                  on_error: Callable[[str, str], None], on_refused: Callable[[str], None],
                  name: str = "remote") -> None:
+        super().__init__(name)
         self.opts = opts
         self.names = names
         self.conn = conn
@@ -50,32 +53,18 @@ class Writer:
         self._out = out
         self._on_error = on_error
         self._on_refused = on_refused
-        self.name = name
-        self._cond = threading.Condition(threading.Lock())
         self._ops: collections.deque[Any] = collections.deque()
         self._unsent: dict[bytes, list[PutPart]] = {}   # key -> its QUEUED parts (cancel / invalidate look here)
         self._inflight: list[Any] = []
-        self._busy = False        # taken work not finished (wait_idle)
         self._pause = 0.0         # back-off after a trip whose tombstone ops could not reach their node
         self._pause_until = 0.0
         self.puts_pending = 0     # put parts submitted and not answered
         self.tombs_queued = 0
         self.tombs_dropped = 0
-        self._wake = False
-        self.accepting = True
-        self._closing = False
-        self._close_deadline = 0.0
-        self.restarts = 0
-        self.healthy = True
         self.hook: Optional[Callable[[str], None]] = None   # tests: called with "write" between taking and sending
         self._ttl = int(opts.ttl_seconds or 0)
         self._tomb_ttl = max(1, int(opts.tomb_ttl_seconds))
         self._thread = self._start()
-
-    def _start(self) -> threading.Thread:
-        t = threading.Thread(target=self._run, name="tiered-kv-remote-writer", daemon=True)
-        t.start()
-        return t
 
     # ------------------------------------------------------------ any thread, never blocks on I/O
     def room(self) -> int:
@@ -139,47 +128,10 @@ class Writer:
                 self._on_error("breaker_open", "tombstone queue overflow")
                 return
 
-    def kick(self) -> None:
-        with self._cond:
-            if self._ops:
-                self._notify()
-
-    def wake(self) -> None:
-        with self._cond:
-            self._notify()
-
-    def _notify(self) -> None:
-        self._wake = True
-        self._cond.notify_all()
-
-    def idle(self) -> bool:
-        with self._cond:
-            return not self._ops and not self._busy
-
-    def wait_idle(self, timeout: float) -> bool:
-        with self._cond:
-            self._notify()
-            return self._cond.wait_for(lambda: not self._ops and not self._busy, timeout)
-
-    def begin_close(self, deadline: float) -> None:
-        with self._cond:
-            self.accepting = False
-            self._closing = True
-            self._close_deadline = deadline
-            self._notify()
-
-    def join(self, timeout: float) -> bool:
-        self._thread.join(max(0.0, timeout))
-        return not self._thread.is_alive()
+    def _queued(self) -> bool:
+        return bool(self._ops)
 
     # ------------------------------------------------------------ writer thread
-    def _run(self) -> None:
-        try:
-            self._main()
-        except BaseException as e:  # noqa: BLE001 - answered, counted, restarted below
-            log.exception("%s: the remote writer thread died", self.name)
-            self._died(e)
-
     def _main(self) -> None:
         while True:
             batch, answers, probe = self._next()

@@ -1,0 +1,91 @@
+"""What the remote store's two I/O threads share: their lock and wake-ups, idling, closing, and dying.
+
+:class:`IOThread` is the base of :class:`~tiered_kv.remote.writer.Writer` and
+:class:`~tiered_kv.remote.reader.Reader`.  A subclass keeps its queued work under ``_cond`` and says
+whether any is left (:meth:`IOThread._queued`); it runs its loop in ``_main`` and answers what a dying
+thread held in ``_died``.  The owner's calls here only take ``_cond`` briefly: none waits on the network.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+__all__ = ["IOThread"]
+
+log = logging.getLogger(__name__)
+
+
+class IOThread:
+    """One I/O thread of the remote store (``role``: "writer" or "reader")."""
+
+    role = "io"
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._cond = threading.Condition(threading.Lock())
+        self._busy = False        # taken work not finished (wait_idle)
+        self._wake = False
+        self.accepting = True
+        self._closing = False
+        self._close_deadline = 0.0
+        self.restarts = 0
+        self.healthy = True
+
+    def _start(self) -> threading.Thread:
+        t = threading.Thread(target=self._run, name=f"tiered-kv-remote-{self.role}", daemon=True)
+        t.start()
+        return t
+
+    def _queued(self) -> bool:   # pragma: no cover - every subclass says
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ any thread, never blocks on I/O
+    def kick(self) -> None:
+        """The owner's step ended: send what it queued."""
+        with self._cond:
+            if self._queued():
+                self._notify()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._notify()
+
+    def _notify(self) -> None:
+        self._wake = True
+        self._cond.notify_all()
+
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._queued() and not self._busy
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Block until everything queued so far was sent and answered; False on timeout."""
+        with self._cond:
+            self._notify()
+            return self._cond.wait_for(lambda: not self._queued() and not self._busy, timeout)
+
+    def begin_close(self, deadline: float) -> None:
+        with self._cond:
+            self.accepting = False
+            self._closing = True
+            self._close_deadline = deadline
+            self._notify()
+
+    def join(self, timeout: float) -> bool:
+        self._thread.join(max(0.0, timeout))
+        return not self._thread.is_alive()
+
+    # ------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        try:
+            self._main()
+        except BaseException as e:  # noqa: BLE001 - answered, counted, restarted by _died
+            log.exception("%s: the remote %s thread died", self.name, self.role)
+            self._died(e)
+
+    def _main(self) -> None:   # pragma: no cover - every subclass has its loop
+        raise NotImplementedError
+
+    def _died(self, e: BaseException) -> None:   # pragma: no cover - every subclass answers its work
+        raise NotImplementedError
