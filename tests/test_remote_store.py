@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from typing import Any, Optional
 
 import pytest
 
+from disk_helpers import WriterGate
 from redis_servers import RedisServer, tls_args
 from tiered_kv.disk.format import pack_header, parse_header
 from tiered_kv.errors import ConfigError
@@ -37,54 +37,21 @@ WAIT_S = 15.0
 
 
 # --------------------------------------------------------------------------- helpers (imported by the other files)
-class Gate:
-    """A store test hook that holds one I/O thread (``point`` "write" or "read") after it took a batch.
+class Gate(WriterGate):
+    """A store test hook that holds one I/O thread (``point`` "write" or "read") after it took a batch:
+    the disk writer's gate (tests/disk_helpers.py), counting only the calls at ``point``.
 
     ``block_from``: the first call at ``point`` (1-based) that blocks; later ones block too until
     :meth:`open`.  ``raise_at``: ``{call: exception}`` raised by that call (kills the thread)."""
 
     def __init__(self, point: str = "write", block_from: Optional[int] = 1,
                  raise_at: Optional[dict[int, BaseException]] = None, max_hold: float = 30.0) -> None:
+        super().__init__(block_from, raise_at, max_hold)
         self.point = point
-        self.block_from = block_from
-        self.raise_at = dict(raise_at or {})
-        self.max_hold = max_hold
-        self.calls = 0
-        self._cond = threading.Condition()
-        self._open = block_from is None
-        self._permits = 0
 
     def __call__(self, point: str) -> None:
-        if point != self.point:
-            return
-        with self._cond:
-            self.calls += 1
-            n = self.calls
-            self._cond.notify_all()
-            if self.block_from is not None and n >= self.block_from:
-                deadline = time.monotonic() + self.max_hold
-                while not self._open and self._permits == 0 and time.monotonic() < deadline:
-                    self._cond.wait(deadline - time.monotonic())
-                if self._permits and not self._open:
-                    self._permits -= 1
-            exc = self.raise_at.pop(n, None)
-        if exc is not None:
-            raise exc
-
-    def entered(self, n: int = 1, timeout: float = WAIT_S) -> None:
-        with self._cond:
-            if not self._cond.wait_for(lambda: self.calls >= n, timeout):
-                raise AssertionError(f"the {self.point} thread took {self.calls} batches, expected {n}")
-
-    def step(self, n: int = 1) -> None:
-        with self._cond:
-            self._permits += n
-            self._cond.notify_all()
-
-    def open(self) -> None:
-        with self._cond:
-            self._open = True
-            self._cond.notify_all()
+        if point == self.point:
+            super().__call__(point)
 
 
 class Handle:

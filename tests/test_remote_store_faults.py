@@ -11,27 +11,17 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from redis_servers import RedisCluster, RedisServer
-from test_remote_store import BLOCK, Gate, Rig, blocks, poll
+from test_remote_store import BLOCK, Gate, Rig, blocks, poll, rig  # noqa: F401  (rig: the fixture)
 from tiered_kv.remote import REMOTE_DOWN
 
 pytest.importorskip("redis", reason="the remote tier needs the redis package (pip install redis hiredis)")
 
 FAST_BREAKER = dict(breaker_failures=1, breaker_backoff_min_s=0.05, breaker_backoff_max_s=0.2)
-
-
-@pytest.fixture
-def rig() -> Iterator[Rig]:
-    r = Rig()
-    try:
-        yield r
-    finally:
-        r.close()
 
 
 def test_server_down_at_start_then_up(rig: Rig, redis_server_factory: Any) -> None:
