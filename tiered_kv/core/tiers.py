@@ -1,7 +1,8 @@
 """TierCore: every piece of tier bookkeeping, once, for every front end.
 
 The core owns the host index (slots, leases, LRU, evict-ahead), the disk tier
-(:class:`~tiered_kv.core.disk_tier.DiskTier`), the job records (a
+(:class:`~tiered_kv.core.disk_tier.DiskTier`), the remote tier's owner side
+(:class:`~tiered_kv.core.remote_tier.RemoteTier`: writes, probes and fetches), the job records (a
 :class:`~tiered_kv.jobs.Job` per token, covering a set of keys; a spill job is
 found under each of its keys' tokens), the tokens,
 stale and shed accounting, spill and promote, write-through and write-back,
@@ -414,9 +415,9 @@ class TierCore:
         return n
 
     def _probe_remote(self, keys: Sequence[bytes], n: int) -> None:
-        """Ask the server for the keys past the local prefix ``keys[:n]`` (at most ``remote_prefetch_blocks``)
-        with this step's fetch; they are host hits once it lands.  Stops at the first key the server
-        missed lately or that finds no host slot (the prefix ends there)."""
+        """Ask the server for the keys past the local prefix ``keys[:n]`` (at most ``remote_prefetch_blocks``
+        a step) with this step's probe; those it holds are fetched and are host hits once they land.
+        Stops at the first key the server missed lately (the prefix ends there)."""
         remote = self.remote
         assert remote is not None
         index, dindex = self.index, self.dindex
