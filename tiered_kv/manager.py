@@ -396,7 +396,7 @@ class TierManager:
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Block until every spill submitted so far is durable (at the configured level) or discarded,
-        and every remote write in flight is answered.
+        and every remote write, invalidation and cancel queued so far is answered by the server.
 
         Returns True at once without a disk or remote tier; False on timeout or when the
         disk tier failed to commit a write it covers (the fault is counted): a

@@ -37,6 +37,8 @@ _LINKS = (("device", "host"), ("host", "device"), ("host", "disk"), ("disk", "ho
           ("remote", "host"))
 _KINDS = tuple(JobKind)
 REFUSED_REASONS = ("tomb", "token")
+# what verify_entry can say of a remote value (the disk's reasons less those of recovery)
+REMOTE_CORRUPT_REASONS = tuple(r for r in CORRUPT_REASONS if r not in ("recovery", "foreign"))
 
 
 def _bucket_bounds(child: Any) -> Optional[tuple[float, ...]]:
@@ -280,7 +282,7 @@ class Metrics:
         from .remote.records import REMOTE_ERROR_KINDS
         for error in REMOTE_ERROR_KINDS:
             self.errors.labels(tier="remote", error=error)
-        for reason in CORRUPT_REASONS[:9]:
+        for reason in REMOTE_CORRUPT_REASONS:
             self.remote_corrupt.labels(reason=reason)
 
     def error(self, tier: str, error: str) -> None:
