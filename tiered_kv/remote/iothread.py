@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any, Callable, Optional
 
 __all__ = ["IOThread"]
 
@@ -20,6 +21,7 @@ class IOThread:
     """One I/O thread of the remote store (``role``: "writer" or "reader")."""
 
     role = "io"
+    point = "io"   # what the test hook is called with ("write" / "read")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -31,6 +33,7 @@ class IOThread:
         self._close_deadline = 0.0
         self.restarts = 0
         self.healthy = True
+        self.hook: Optional[Callable[[str], None]] = None   # tests: called between taking a batch and sending it
 
     def _start(self) -> threading.Thread:
         t = threading.Thread(target=self._run, name=f"tiered-kv-remote-{self.role}", daemon=True)
@@ -86,6 +89,20 @@ class IOThread:
 
     def _main(self) -> None:   # pragma: no cover - every subclass has its loop
         raise NotImplementedError
+
+    def _run_batch(self, batch: Optional[list[Any]], send: Callable[[list[Any]], None]) -> bool:
+        """One turn of a loop: ``batch`` None means the thread is done (False: stop); a non-empty
+        batch goes through the test hook (``hook(role-point)``), then ``send``."""
+        if batch is None:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+            return False
+        if batch:
+            if self.hook is not None:
+                self.hook(self.point)
+            send(batch)
+        return True
 
     def _died(self, e: BaseException) -> None:   # pragma: no cover - every subclass answers its work
         raise NotImplementedError

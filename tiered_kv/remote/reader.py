@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 class Reader(IOThread):
     role = "reader"
+    point = "read"
 
     def __init__(self, opts: RemoteOptions, names: KeyNames, conn: Conn, breaker: Breaker, out: CompletionQueue,
                  on_error: Callable[[str, str], None], on_corrupt: Callable[[str], None],
@@ -50,7 +51,6 @@ class Reader(IOThread):
         self._inflight: list[tuple[FetchJob, int]] = []
         self._answered = 0        # parts of _inflight answered so far (a thread dying mid-batch answers the rest)
         self.parts_pending = 0
-        self.hook: Optional[Callable[[str], None]] = None   # tests: called with "read" between taking and sending
         self._thread = self._start()
 
     # ------------------------------------------------------------ any thread, never blocks on I/O
@@ -74,15 +74,8 @@ class Reader(IOThread):
             batch, down = self._next()
             for job in down:
                 self._out.put(job.report())
-            if batch is None:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
+            if not self._run_batch(batch, self._fetch):
                 return
-            if batch:
-                if self.hook is not None:
-                    self.hook("read")
-                self._fetch(batch)
 
     def _next(self) -> tuple[Optional[list[tuple[FetchJob, int]]], list[FetchJob]]:
         """Wait for work: (parts to fetch or None to exit, jobs answered remote_down)."""

@@ -41,6 +41,7 @@ MAX_RESTARTS = 3          # an I/O thread that dies is restarted this often, the
 
 class Writer(IOThread):
     role = "writer"
+    point = "write"
 
     def __init__(self, opts: RemoteOptions, names: KeyNames, conn: Conn, breaker: Breaker, out: CompletionQueue,
                  on_error: Callable[[str, str], None], on_refused: Callable[[str], None],
@@ -61,7 +62,6 @@ class Writer(IOThread):
         self.puts_pending = 0     # put parts submitted and not answered
         self.tombs_queued = 0
         self.tombs_dropped = 0
-        self.hook: Optional[Callable[[str], None]] = None   # tests: called with "write" between taking and sending
         self._ttl = int(opts.ttl_seconds or 0)
         self._tomb_ttl = max(1, int(opts.tomb_ttl_seconds))
         self._thread = self._start()
@@ -139,15 +139,8 @@ class Writer(IOThread):
             if probe:
                 self._probe()
                 continue
-            if batch is None:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
+            if not self._run_batch(batch, self._send):
                 return
-            if batch:
-                if self.hook is not None:
-                    self.hook("write")
-                self._send(batch)
 
     def _next(self) -> tuple[Optional[list[Any]], list[tuple[PutPart, str]], bool]:
         """Wait for work; (batch to send or None to exit, puts to answer unsent, probe now?)."""
