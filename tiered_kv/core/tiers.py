@@ -30,6 +30,10 @@ never queued without bound (:meth:`DiskTier.start_spills`).
 The module is longer than the project's usual 500 lines on purpose: it is one
 state machine (jobs, leases and the two indexes change together in every
 method), and splitting it would put the halves of one transition in two files.
+The remote tier's transitions are here for the same reason (a fetch reserves and
+publishes host entries, a store supersedes a fetch, an invalidation discards a
+write's part); what concerns only the server -- the keys asked, missed and being
+written -- is in :mod:`~tiered_kv.core.remote_tier`.
 """
 
 from __future__ import annotations
