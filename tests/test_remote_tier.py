@@ -390,3 +390,20 @@ def test_a_server_that_is_not_there_is_no_error_at_construction(managers: Any) -
     assert metric(a, "tiered_kv_errors_total", tier="remote", error="connection") >= 1
     store_all(a, keys(2, "alone"))
     assert a.lookup(keys(2, "alone")) == 2
+
+
+def test_a_key_invalidated_while_it_is_probed_is_not_fetched(redis_url: str, managers: Any) -> None:
+    """The probe's answer (the server holds it) is applied after the invalidate: no slot, no fetch."""
+    a = managers(remote_config(redis_url))
+    b = managers(remote_config(redis_url))
+    k = b"probed-then-invalidated"
+    store_all(a, [k])
+    assert a.flush(timeout=DEADLINE_S)
+    b.lookup([k])
+    b.poll()                                    # the probe is sent; its answer is applied at a later poll
+    probe = next(j for j in b._core.jobs.values() if j.kind is JobKind.FETCH)
+    assert not probe._entries
+    b.invalidate(k)
+    until(lambda: b._core.n_in_flight[JobKind.FETCH] == 0, b, "the probe's answer")
+    assert b._core.index.used_slots == 0
+    assert metric(b, "tiered_kv_transfer_bytes_total", src="remote", dst="host") == 0
