@@ -39,8 +39,8 @@ import xxhash
 from ..jobs import uuid_from_int
 
 __all__ = ["FORMAT_VERSION", "HEADER_SIZE", "HEADER_STRUCT", "EntryHeader", "pack_header", "pack_slot_entry",
-           "parse_header", "verify_entry", "lmdb_key", "CorruptEntry", "FLAG_SLOT", "SLOTS_NAME", "slot_bytes_for",
-           "SlotReader", "inline_value"]
+           "parse_header", "verify_entry", "verify_split", "lmdb_key", "CorruptEntry", "FLAG_SLOT", "SLOTS_NAME",
+           "slot_bytes_for", "SlotReader", "inline_value"]
 
 FORMAT_VERSION = 2                    # 2: payloads in the slot file (1 kept them in LMDB)
 FLAG_SLOT = 1
@@ -126,8 +126,12 @@ def inline_value(value: Buffer, payload: Buffer) -> bytes:
     return pack_header(h.namespace, h.key, h.token, payload, h.seq) + bytes(payload)
 
 
-def parse_header(value: Buffer) -> EntryHeader:
-    """Parse without verifying the checksum (for tools and recovery scans)."""
+def parse_header(value: Buffer, apart: int = 0) -> EntryHeader:
+    """Parse without verifying the checksum (for tools and recovery scans).
+
+    ``apart``: an inline entry's payload was read apart from ``value`` (which holds the header,
+    namespace and key only), this many bytes of it.
+    """
     if len(value) < HEADER_SIZE:
         raise CorruptEntry("truncated", f"{len(value)} bytes < header {HEADER_SIZE}")
     magic, version, flags, ns_len, key_len, length, seq, token = _HDR.unpack_from(value, 0)
@@ -149,8 +153,8 @@ def parse_header(value: Buffer) -> EntryHeader:
         if slot >= 1 << 48:
             raise CorruptEntry("bad_slot", str(slot))
         return EntryHeader(ns, k, tok, length, seq, -1, slot)
-    if len(value) != end + length:
-        raise CorruptEntry("truncated", f"{len(value)} bytes, header says {end + length}")
+    if len(value) + apart != end + length:
+        raise CorruptEntry("truncated", f"{len(value) + apart} bytes, header says {end + length}")
     return EntryHeader(ns, k, tok, length, seq, end)
 
 
@@ -164,16 +168,7 @@ def verify_entry(value: Buffer, namespace: bytes, key: Optional[bytes], length: 
     parsed it to find the slot), not parsed again.
     """
     hdr = parse_header(value) if header is None else header
-    if hdr.namespace != namespace:
-        raise CorruptEntry("wrong_namespace", repr(hdr.namespace))
-    if key is not None and hdr.key != key:
-        raise CorruptEntry("wrong_key", repr(hdr.key))
-    if length is not None and hdr.length != length:
-        raise CorruptEntry("wrong_length", f"{hdr.length} != {length}")
-    (stored,) = _SUM.unpack_from(value, _HDR.size)
-    mv = memoryview(value)
-    h = xxhash.xxh3_64()
-    h.update(mv[:_HDR.size])
+    h, stored, mv = _check_fields(hdr, value, namespace, key, length)
     if hdr.in_slot:
         if payload is None:   # e.g. a slot entry inside an archive, which must hold inline entries
             raise CorruptEntry("slot_entry", f"slot {hdr.slot}: the payload is not here")
@@ -186,6 +181,37 @@ def verify_entry(value: Buffer, namespace: bytes, key: Optional[bytes], length: 
     if h.intdigest() != stored:
         raise CorruptEntry("checksum", f"stored {stored:#x}")
     return hdr
+
+
+def verify_split(head: Buffer, payload: Buffer, namespace: bytes, key: bytes, length: int) -> EntryHeader:
+    """:func:`verify_entry` of an inline entry read in two pieces: ``head`` (header, namespace and key)
+    and ``payload`` (its bytes, read straight into a host slot by the remote tier's reader).  The
+    header's length must be ``length`` (the payload's) and the head and payload together as long as
+    the header says, so the header's namespace and key end exactly where ``head`` does whenever this
+    returns: a value of another layout that happens to have the same total length is refused."""
+    hdr = parse_header(head, apart=len(payload))
+    h, stored, mv = _check_fields(hdr, head, namespace, key, length)
+    h.update(mv[HEADER_SIZE:])
+    h.update(payload)
+    if h.intdigest() != stored:
+        raise CorruptEntry("checksum", f"stored {stored:#x}")
+    return hdr
+
+
+def _check_fields(hdr: EntryHeader, value: Buffer, namespace: bytes, key: Optional[bytes],
+                  length: Optional[int]) -> tuple["xxhash.xxh3_64", int, memoryview]:
+    """Namespace, key and length checked; (the checksum's hasher fed the fixed fields, the stored sum, a view of ``value``)."""
+    if hdr.namespace != namespace:
+        raise CorruptEntry("wrong_namespace", repr(hdr.namespace))
+    if key is not None and hdr.key != key:
+        raise CorruptEntry("wrong_key", repr(hdr.key))
+    if length is not None and hdr.length != length:
+        raise CorruptEntry("wrong_length", f"{hdr.length} != {length}")
+    (stored,) = _SUM.unpack_from(value, _HDR.size)
+    mv = memoryview(value)
+    h = xxhash.xxh3_64()
+    h.update(mv[:_HDR.size])
+    return h, stored, mv
 
 
 class SlotReader:

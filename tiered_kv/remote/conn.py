@@ -1,27 +1,33 @@
 """One I/O thread's connection to the remote store: pipelined round trips, scripts, error kinds.
 
 Each I/O thread of a :class:`~tiered_kv.remote.store.RemoteStore` owns one :class:`Conn` (its own
-sockets: a big put batch never delays a fetch).  A round trip is one pipeline (``transaction=False``)
-whose answer is one result per command -- the value, or the exception that command got -- so every
-part of a batch fails or succeeds on its own; a failure of the whole trip raises.
+sockets: a big put batch never delays a fetch).  A round trip is one pipeline whose answer is one
+result per command -- the value, or the exception that command got -- so every part of a batch fails
+or succeeds on its own.  The trips run on links: connections that redis-py builds and connects (TLS,
+credentials, db, timeouts) but whose commands and replies :mod:`.resp` writes and reads, so that a
+block's payload goes out of and into its host slot without a copy (why: :mod:`.resp`).  Scripts are
+loaded and servers pinged through the redis-py client itself.
 
 redis-py does no retrying of its own here (``Retry(NoBackoff(), 0)``): the store's breaker decides.
-On a cluster, the pipeline is sent with ``allow_redirections=False`` and the store follows MOVED / ASK
-/ TRYAGAIN itself, one command at a time through the cluster client (which sends ``ASKING`` and
-updates its slot table), while a timed-out node's commands simply fail: redis-py's own follow-up
-would retry each of them, one read timeout apiece, stalling the thread for ``batch_blocks`` timeouts.
+On a cluster, each node's commands go down that node's link, and the store follows MOVED / ASK /
+TRYAGAIN itself, one command at a time through the cluster client (which sends ``ASKING`` and
+updates its slot table), while a timed-out node's commands simply fail: following up each of them
+would cost one read timeout apiece, stalling the thread for ``batch_blocks`` timeouts.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from ..errors import ConfigError
 from .keys import SCRIPTS, sha1hex
+from .resp import GetInto, Parts, Replies, pack
 from .url import RemoteTarget
 
-__all__ = ["Conn", "error_kind", "BREAKER_KINDS", "import_redis"]
+Cmd = Union[tuple[Any, ...], GetInto]   # a command: its arguments (a Parts among them), or a GET into a view
+
+__all__ = ["Conn", "Cmd", "error_kind", "BREAKER_KINDS", "import_redis", "route_key", "plain"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +87,7 @@ class Conn:
         self.name = name
         self._factory = factory
         self._client: Any = None
+        self._links: dict[str, _Link] = {}   # node name ("" standalone) -> the link its trips use
         self._redis = import_redis()
         self.shas = {name: sha1hex(src.encode()) for name, src in SCRIPTS.items()}
         self.cluster = target.cluster
@@ -115,7 +122,11 @@ class Conn:
         return r.Redis(host=host, port=port, db=t.db, health_check_interval=0, **common)
 
     def reset(self) -> None:
-        """Drop the client (its sockets) after a failed trip: the next one reconnects (a cluster: rediscovers)."""
+        """Drop the client and the links (their sockets) after a failed trip: the next one reconnects (a
+        cluster: rediscovers)."""
+        links, self._links = self._links, {}
+        for link in links.values():
+            link.close()
         c, self._client = self._client, None
         if c is not None:
             try:
@@ -149,8 +160,10 @@ class Conn:
         if self.use_evalsha:
             self.load_scripts()
 
-    def round_trip(self, cmds: list[tuple[Any, ...]]) -> list[Any]:
-        """Send ``cmds`` in one pipeline; a result or an exception per command.  Raises when the whole trip fails."""
+    def round_trip(self, cmds: list[Cmd]) -> list[Any]:
+        """Send ``cmds`` in one pipeline (a cluster: one per node); a result or an exception per command
+        (after a lost connection, that failure for each command not answered).  Raises only when the
+        client cannot be built (a cluster none of whose seeds answers)."""
         self.client()   # built first: it says whether this is a cluster
         results = self._cluster_trip(cmds) if self.cluster else self._plain_trip(cmds)
         if self.use_evalsha:
@@ -164,32 +177,137 @@ class Conn:
                     results[i] = r
         return results
 
-    def _plain_trip(self, cmds: list[tuple[Any, ...]]) -> list[Any]:
-        pipe = self.client().pipeline(transaction=False)
-        for c in cmds:
-            pipe.execute_command(*c)
-        return list(pipe.execute(raise_on_error=False))
+    def _link(self, pool: Any, name: str) -> "_Link":
+        link = self._links.get(name)
+        if link is None:
+            link = self._links[name] = _Link(pool)
+        return link
 
-    def _cluster_trip(self, cmds: list[tuple[Any, ...]]) -> list[Any]:
-        from redis.cluster import PipelineCommand
+    def _plain_trip(self, cmds: list[Cmd]) -> list[Any]:
+        link = self._link(self.client().connection_pool, "")
+        link.send(cmds)
+        return link.read(cmds)
+
+    def _cluster_trip(self, cmds: list[Cmd]) -> list[Any]:
+        """Each node's commands in one pipeline on its own link (all sent, then all read); MOVED / ASK /
+        TRYAGAIN followed one command at a time through the cluster client, in submission order.  After a
+        lost node the slot table is learnt again, and the commands whose slot another node serves now (a
+        failover) are sent there once more: every command the store sends may run twice."""
         rc = self.client()
-        stack = [PipelineCommand(c, {}, i) for i, c in enumerate(cmds)]
-        # ClusterPipeline.evalsha is blocked as a method, not as a queued command: routed by its first key
-        results = list(rc.pipeline().send_cluster_commands(stack, raise_on_error=False, allow_redirections=False))
-        redirect = _redirect_errors()
-        lost = False
+        results: list[Any] = [None] * len(cmds)
+        nodes = self._node_trips(rc, cmds, range(len(cmds)), results)
         from redis.exceptions import ConnectionError, TimeoutError
+        lost = [i for i, r in enumerate(results) if isinstance(r, (ConnectionError, TimeoutError))]
+        if lost:   # a node died or failed over: learn the new slot table, then send its commands where it says
+            try:
+                rc.nodes_manager.initialize()
+            except Exception:  # noqa: BLE001 - they keep their failure; the next trip fails and counts
+                log.debug("%s: refreshing the cluster's slot table failed", self.name, exc_info=True)
+            else:
+                moved = [i for i in lost if self._node_of(rc, cmds[i]) not in (None, nodes.get(i))]
+                self._node_trips(rc, cmds, moved, results)
+        redirect = _redirect_errors()
         for i, r in enumerate(results):
             if isinstance(r, redirect):     # MOVED / ASK / TRYAGAIN: follow it, in submission order
                 try:
-                    results[i] = rc.execute_command(*cmds[i])
+                    results[i] = rc.execute_command(*plain(cmds[i]))
                 except Exception as e:  # noqa: BLE001 - the command's own failure
                     results[i] = e
-            elif isinstance(r, (ConnectionError, TimeoutError)):
-                lost = True
-        if lost:   # a node died or failed over: learn the new slot table before the next trip
-            try:
-                rc.nodes_manager.initialize()
-            except Exception:  # noqa: BLE001 - the next trip fails and counts
-                log.debug("%s: refreshing the cluster's slot table failed", self.name, exc_info=True)
         return results
+
+    @staticmethod
+    def _node_of(rc: Any, cmd: Cmd) -> Optional[str]:
+        try:
+            return str(rc.nodes_manager.get_node_from_slot(rc.keyslot(route_key(cmd))).name)
+        except Exception:  # noqa: BLE001 - no node serves the slot
+            return None
+
+    def _node_trips(self, rc: Any, cmds: list[Cmd], which: Any, results: list[Any]) -> dict[int, str]:
+        """Send the commands ``which`` (indices), grouped by node, and store their replies in ``results``;
+        the node each went to."""
+        groups: dict[str, tuple[_Link, list[int]]] = {}
+        sent_to: dict[int, str] = {}
+        for i in which:
+            try:
+                node = rc.nodes_manager.get_node_from_slot(rc.keyslot(route_key(cmds[i])))
+                link = self._link(rc.get_redis_connection(node).connection_pool, node.name)
+            except Exception as e:  # noqa: BLE001 - a slot no node serves (CLUSTERDOWN): this command fails
+                results[i] = e
+                continue
+            groups.setdefault(node.name, (link, []))[1].append(i)
+            sent_to[i] = node.name
+        for link, idx in groups.values():
+            link.send([cmds[i] for i in idx])
+        for link, idx in groups.values():
+            for i, r in zip(idx, link.read([cmds[i] for i in idx])):
+                results[i] = r
+        return sent_to
+
+
+def route_key(cmd: Cmd) -> Any:
+    """The key a command is routed by on a cluster (every key of one of the store's commands shares its slot)."""
+    if isinstance(cmd, GetInto):
+        return cmd.name
+    return cmd[3] if cmd[0] in ("EVALSHA", "EVAL") else cmd[1]
+
+
+def plain(cmd: Cmd) -> tuple[Any, ...]:
+    """``cmd`` as redis-py's ``execute_command`` takes it (a :class:`Parts` joined, a :class:`GetInto` a plain GET)."""
+    if isinstance(cmd, GetInto):
+        return ("GET", cmd.name)
+    return tuple(a.join() if isinstance(a, Parts) else a for a in cmd)
+
+
+class _Link:
+    """One connection whose replies only :mod:`.resp` reads: built from a client's pool settings (host,
+    TLS, credentials, db, timeouts; ``connect`` is redis-py's), never returned to the pool.  A failed
+    send or read drops it (the stream is mid-reply); the next trip connects again."""
+
+    def __init__(self, pool: Any) -> None:
+        kw = dict(pool.connection_kwargs)
+        kw["protocol"] = 2   # what .resp speaks (redis-py may default to RESP3: HELLO 3)
+        self.conn = pool.connection_class(**kw)
+        self.replies: Optional[Replies] = None
+        self.failed: Optional[BaseException] = None
+
+    def send(self, cmds: list[Cmd]) -> None:
+        self.failed = None
+        try:
+            self.conn.send_packed_command(pack(cmds), check_health=False)
+        except Exception as e:  # noqa: BLE001 - every command of this trip fails with it
+            self._drop(e)
+
+    def read(self, cmds: list[Cmd]) -> list[Any]:
+        """A reply per command sent (an error reply as its exception); after a failure, the failure."""
+        out: list[Any] = []
+        if self.failed is None:
+            try:
+                r = self._replies()
+                for c in cmds:
+                    out.append(r.read(c if isinstance(c, GetInto) else None))
+            except Exception as e:  # noqa: BLE001 - this command and the ones after it fail with it
+                self._drop(e)
+        if len(out) < len(cmds):
+            out.extend([self.failed] * (len(cmds) - len(out)))
+        return out
+
+    def _replies(self) -> Replies:
+        sock = getattr(self.conn, "_sock", None)   # redis-py's connected socket (plain, unix or TLS)
+        if sock is None:
+            from redis.exceptions import ConnectionError
+            raise ConnectionError("the connection to the remote store is closed")
+        if self.replies is None or self.replies.sock is not sock:
+            from redis._parsers import BaseParser
+            self.replies = Replies(sock, BaseParser.parse_error)
+        return self.replies
+
+    def _drop(self, e: BaseException) -> None:
+        self.failed = e
+        self.close()
+
+    def close(self) -> None:
+        self.replies = None
+        try:
+            self.conn.disconnect()
+        except Exception:  # noqa: BLE001 - closing a broken connection
+            log.debug("closing a remote store connection failed", exc_info=True)

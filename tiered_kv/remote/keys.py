@@ -26,7 +26,7 @@ import uuid
 
 import xxhash
 
-from ..disk.format import HEADER_STRUCT
+from ..disk.format import HEADER_STRUCT, Buffer
 
 __all__ = ["KeyNames", "TOKEN_OFFSET", "STAGE_TTL_S", "NOT_STAGED", "KEY_TOMB_CHECK", "TOKEN_TOMB_CHECK",
            "PUBLISH", "CANCEL", "INVALIDATE", "DROP_IF_SAME", "SCRIPTS",
@@ -84,9 +84,13 @@ return 0
 SCRIPTS = {"publish": PUBLISH, "cancel": CANCEL, "invalidate": INVALIDATE, "drop_if_same": DROP_IF_SAME}
 
 
-def sha1hex(data: bytes) -> str:
-    """What Lua's ``redis.sha1hex`` returns for ``data`` (and what EVALSHA names a script by)."""
-    return hashlib.sha1(data).hexdigest()
+def sha1hex(*parts: Buffer) -> str:
+    """What Lua's ``redis.sha1hex`` returns for the concatenation of ``parts`` (and what EVALSHA names a
+    script by)."""
+    h = hashlib.sha1()
+    for p in parts:
+        h.update(p)
+    return h.hexdigest()
 
 
 class KeyNames:

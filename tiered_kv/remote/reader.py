@@ -1,9 +1,13 @@
 """The remote store's reader thread: fetch jobs, batched into pipelines of GETs, verified before copying.
 
-A fetched value is copied into the owner's view only after :func:`~tiered_kv.disk.format.verify_entry`
-accepted it (magic, version, namespace, key, length, checksum): a value that fails is a miss, is
-reported to ``on_corrupt`` and is deleted by the writer thread only if the server still holds the
-same bytes (its sha1), never a good value written since.  Invariant: every fetch job is answered
+A fetched value's payload is read from the socket straight into the owner's view (the host slot the
+core reserved for it, fenced until this part is answered), then verified there with
+:func:`~tiered_kv.disk.format.verify_split` (magic, version, namespace, key, length, checksum): a value
+that fails is a miss -- the core frees the slot, whose bytes were never published -- is reported to
+``on_corrupt`` and is deleted by the writer thread only if the server still holds the same bytes
+(its sha1), never a good value written since.  A value of another length (or one that came through
+a cluster redirection) arrives whole and is verified with
+:func:`~tiered_kv.disk.format.verify_entry` before it is copied.  Invariant: every fetch job is answered
 exactly once; while the breaker is open, queued fetches are answered ``remote_down`` at once.
 """
 
@@ -15,13 +19,14 @@ import time
 import uuid
 from typing import Callable, Optional
 
-from ..disk.format import CorruptEntry, verify_entry
+from ..disk.format import HEADER_SIZE, CorruptEntry, verify_entry, verify_split
 from ..reports import CompletionQueue
 from .breaker import Breaker
 from .iothread import IOThread
 from .conn import BREAKER_KINDS, Conn, error_kind
 from .keys import KeyNames, sha1hex
 from .ops import FetchJob
+from .resp import GetInto, Landed
 from .records import FETCH_CORRUPT, FETCH_MISS, REMOTE_DOWN, RemoteOptions
 from .writer import FALLBACK_WAKE_S, MAX_RESTARTS
 
@@ -134,7 +139,9 @@ class Reader(IOThread):
 
     def _fetch(self, batch: list[tuple[FetchJob, int]]) -> None:
         names = self.names
-        cmds = [("EXISTS" if job.probe else "GET", names.value(job.keys[i])) for job, i in batch]
+        head = HEADER_SIZE + len(names.ns_bytes)   # + the key: what precedes the payload in a value
+        cmds = [("EXISTS", names.value(job.keys[i])) if job.probe else
+                GetInto(names.value(job.keys[i]), head + len(job.keys[i]), job.views[i]) for job, i in batch]
         now = time.monotonic()
         for job, _ in batch:
             if not job.sent_at:
@@ -160,16 +167,18 @@ class Reader(IOThread):
                 unreachable += reason in BREAKER_KINDS
                 self._on_error(reason, msg)
             else:
-                key = job.keys[i]
+                key, view = job.keys[i], job.views[i]
                 try:
-                    hdr = verify_entry(value, ns, key, length=length)
+                    if isinstance(value, Landed):    # the payload is in the slot already
+                        verify_split(value.head, view, ns, key, length)
+                    else:
+                        view[:] = memoryview(value)[verify_entry(value, ns, key, length=length).payload_offset:]
                 except CorruptEntry as e:
                     reason = FETCH_CORRUPT
                     log.warning("%s: corrupt value for a key (%s): a miss, deleted if unchanged", self.name, e)
                     self._on_corrupt(e.reason)
-                    self._drop(key, sha1hex(value))
+                    self._drop(key, sha1hex(value.head, view) if isinstance(value, Landed) else sha1hex(value))
                 else:
-                    job.views[i][:] = memoryview(value)[hdr.payload_offset:]
                     reason, nbytes = None, length
             r = job.answer(i, reason, nbytes)
             self._answered += 1

@@ -27,6 +27,7 @@ from .iothread import IOThread
 from .conn import BREAKER_KINDS, Conn, error_kind
 from .keys import NOT_STAGED, PUBLISHED, REFUSED_TOKEN, REFUSED_TOMB, STAGE_TTL_S, KeyNames
 from .ops import CANCEL, CANCELLED, DONE, DROP, INVALIDATE, QUEUED, TAKEN, PutGroup, PutPart, TombOp
+from .resp import Parts
 from .records import PUT_CANCELLED, PUT_EXPIRED, PUT_REFUSED_TOKEN, PUT_REFUSED_TOMB, REMOTE_DOWN, RemoteOptions
 
 __all__ = ["Writer", "TOMB_CAP", "TOMB_ATTEMPTS", "FALLBACK_WAKE_S", "MAX_RESTARTS"]
@@ -260,7 +261,7 @@ class Writer(IOThread):
         names, key = self.names, op.key
         if isinstance(op, PutPart):
             view, token = op.view, op.token
-            entry = b"".join((pack_header(names.ns_bytes, key, token, view, 0), view))
+            entry = Parts(pack_header(names.ns_bytes, key, token, view, 0), view)   # the slot is sent in place
             if not op.group.sent_at:
                 op.group.sent_at = time.monotonic()
             tag, hexed = names.tag(key), token.hex     # one digest of the key for its four names
