@@ -9,7 +9,7 @@ block size (4 KiB and 256 KiB) and the same server in the same run, it times:
   commands of the payload alone, one thread -- what the network, the server and redis-py cost;
 * ``put evalsha`` / ``put eval``: :class:`~tiered_kv.remote.store.RemoteStore` puts (header + checksum,
   the conditional publish script sent by sha or by text), all queued then ``wait_idle()``;
-* ``fetch``: the store's fetches of those keys (GET, verify, copy into the caller's buffer).
+* ``fetch``: the store's fetches of those keys (GET read into the caller's buffer, then verified there).
 
 Each figure is the best of ``--rounds`` interleaved runs over ``--mib`` MiB of payload: GB/s of payload
 (10^9 bytes/s) and the server's CPU seconds per GB (``INFO cpu``: the shared, single-threaded resource).
