@@ -273,6 +273,8 @@ class _Link:
     def send(self, cmds: list[Cmd]) -> None:
         self.failed = None
         try:
+            if self._stale():
+                self.close()   # the server closed it while idle (its timeout, a proxy, a restart): reconnect
             self.conn.send_packed_command(pack(cmds), check_health=False)
         except Exception as e:  # noqa: BLE001 - every command of this trip fails with it
             self._drop(e)
@@ -290,6 +292,19 @@ class _Link:
         if len(out) < len(cmds):
             out.extend([self.failed] * (len(cmds) - len(out)))
         return out
+
+    def _stale(self) -> bool:
+        """An idle link whose socket has something to read -- EOF, or bytes no command asked for -- or whose
+        reply buffer is not empty cannot carry the next trip (what redis-py's pool checks before lending a
+        connection: ``can_read``, one poll without waiting)."""
+        if getattr(self.conn, "_sock", None) is None:
+            return False
+        if self.replies is not None and self.replies.buffered:
+            return True
+        try:
+            return bool(self.conn.can_read(timeout=0))
+        except Exception:  # noqa: BLE001 - a closed or broken socket: reconnect
+            return True
 
     def _replies(self) -> Replies:
         sock = getattr(self.conn, "_sock", None)   # redis-py's connected socket (plain, unix or TLS)

@@ -123,6 +123,11 @@ class Replies:
         self._start = 0
         self._end = 0
 
+    @property
+    def buffered(self) -> int:
+        """Bytes read from the socket and not parsed yet (0 between trips, unless the stream is off)."""
+        return self._end - self._start
+
     # ------------------------------------------------------------ the socket
     def _recv_into(self, view: memoryview) -> int:
         from redis.exceptions import ConnectionError, TimeoutError

@@ -108,8 +108,11 @@ class RemoteStore:
         return self._w.submit(tokens, keys, [self._bytes_view(v) for v in views])
 
     def submit_fetch(self, token: uuid.UUID, keys: list[bytes], views: list[memoryview]) -> bool:
-        """Queue one fetch job (``keys[i]`` into ``views[i]``, written only with verified bytes).  False when not
-        queued: breaker open, store closed, or too many fetch parts queued."""
+        """Queue one fetch job (``keys[i]`` into ``views[i]``).  A part answered ok holds verified bytes; a part
+        that failed may have been written with unverified ones (a value read into its view before it failed
+        verification, or cut off by a timeout or a lost connection), so the owner must not publish a failed
+        part's view (the core frees that host slot).  False when not queued: breaker open, store closed, or
+        too many fetch parts queued."""
         n = len(keys)
         if not n or len(views) != n:
             raise ValueError(f"submit_fetch: {n} keys, {len(views)} views")
