@@ -19,7 +19,6 @@ import random
 import select
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any, Optional
@@ -36,7 +35,7 @@ from tiered_kv.disk.format import pack_header  # noqa: E402
 from tiered_kv.jobs import JobKind  # noqa: E402
 from tiered_kv.remote import FETCH_CORRUPT  # noqa: E402
 from tiered_kv.remote.conn import Conn  # noqa: E402
-from tiered_kv.remote.resp import GetInto, Landed, Parts  # noqa: E402
+from tiered_kv.remote.resp import GetInto, Landed  # noqa: E402
 from tiered_kv.remote.url import parse_url  # noqa: E402
 
 GET_CMD = b"\r\n$3\r\nGET\r\n"   # how a GET's name travels in RESP (the proxy arms on the reader's link only)
