@@ -25,9 +25,11 @@ OPS = ("store", "load", "free", "cancel", "invalidate", "device")   # anything e
 def random_engine(mgr: TierManager, rng: random.Random, rows: int, steps: int, odds: Sequence[float], *,
                   compute: Callable[[int, bytes], None], row_holds: Callable[[int, bytes], bool],
                   host_holds: Callable[[bytes], Optional[bool]], device_tick: Callable[[random.Random], None],
-                  before_wait: Callable[[], None] = lambda: None, prefix: str = "rk") -> tuple[int, int]:
+                  before_wait: Callable[[], None] = lambda: None, prefix: str = "rk",
+                  after_wait: Callable[[], object] = lambda: None) -> tuple[int, int]:
     """Run ``steps`` engine operations, the chance of each of ``OPS`` given by ``odds`` (in that order;
-    the rest is a poll), then ``before_wait()`` and a final ``wait()``.  Returns (ok loads, ok stores)."""
+    the rest is a poll), then ``before_wait()``, a final ``wait()`` and ``after_wait()`` (with a disk tier:
+    a ``flush()``, for the spills the last stores started).  Returns (ok loads, ok stores)."""
     bounds = list(itertools.accumulate(odds))
     loading: dict[int, Job] = {}                 # row -> its load in flight
     live: dict[uuid.UUID, Job] = {}              # issued, not reported
@@ -83,6 +85,7 @@ def random_engine(mgr: TierManager, rng: random.Random, rows: int, steps: int, o
             apply(mgr.poll())
     before_wait()
     apply(mgr.wait(timeout=60))
+    after_wait()
     assert not live and not loading
     assert mgr.jobs_in_flight == 0
     return ok_loads, len(stored)

@@ -290,8 +290,8 @@ def test_ready_run_touches_the_leading_ready_entries_and_returns_where_it_stoppe
     w = idx.reserve(b"w", uuid.uuid4())           # WRITING: stops the run
     assert w is not None
     assert idx.ready_run([b"c", b"a", b"b", b"w", b"d"]) == 3
-    assert list(idx._lru) == [b"d", b"c", b"a"]    # c then a moved to the MRU end, b still leased
+    assert list(idx.policy.od) == [b"d", b"c", b"a"]    # c then a moved to the MRU end, b still leased
     assert idx.ready_run([b"c", b"a", b"b", b"w", b"d"], 4) == 5
-    assert list(idx._lru) == [b"c", b"a", b"d"]
+    assert list(idx.policy.od) == [b"c", b"a", b"d"]
     assert idx.ready_run([b"x", b"a"]) == 0 and idx.ready_run([]) == 0 and idx.ready_run([b"a"], 1) == 1
-    assert list(idx._lru) == [b"c", b"a", b"d"]    # nothing touched past a miss
+    assert list(idx.policy.od) == [b"c", b"a", b"d"]    # nothing touched past a miss

@@ -118,6 +118,18 @@ class TieredKVConfig:
         past what the local tiers hold.
     remote_miss_ttl_seconds: a key the server did not hold is not asked for again
         for this long (a lookup answers a miss meanwhile).
+    host_policy / disk_policy: which evictable block a tier gives up first
+        (docs/policies.md): ``"lru"`` (least recently used, the default),
+        ``"s3fifo"``, ``"arc"``, or ``"prefix"`` (tails of a prefix chain before
+        its heads, shared heads kept longest).  Leases are the index's, whatever
+        the policy: a block being written or read is never evicted.
+    host_admission / disk_admission: which new blocks enter a tier at all:
+        ``"all"`` (the default), ``"second_hit"`` (a block seen once before: a
+        bounded memory of recent keys) or ``"tinylfu"`` (a block seen more often
+        than the one it would evict).  A reference is a lookup that asked for
+        the key or a store of it.  A refused block costs nothing already stored:
+        on the disk tier it is simply not written (SSD wear), on the host tier
+        the store is shed (``reason="not_admitted"``).
     """
 
     namespace: str
@@ -149,6 +161,10 @@ class TieredKVConfig:
     remote_write_deadline_seconds: float = 10.0
     remote_prefetch_blocks: int = 64
     remote_miss_ttl_seconds: float = 1.0
+    host_policy: str = "lru"
+    disk_policy: str = "lru"
+    host_admission: str = "all"
+    disk_admission: str = "all"
 
     def __post_init__(self) -> None:
         if not isinstance(self.namespace, str) or not self.namespace:
@@ -203,6 +219,14 @@ class TieredKVConfig:
         _check_float("remote_write_deadline_seconds", self.remote_write_deadline_seconds, 0.001, 3600.0)
         _check_int("remote_prefetch_blocks", self.remote_prefetch_blocks, 0, 1 << 16)
         _check_float("remote_miss_ttl_seconds", self.remote_miss_ttl_seconds, 0.0, 3600.0)
+        from .core.policy import ADMISSIONS, POLICIES
+
+        for name in ("host_policy", "disk_policy"):
+            if getattr(self, name) not in POLICIES:
+                raise ConfigError(f"{name} must be one of {tuple(POLICIES)}, got {getattr(self, name)!r}")
+        for name in ("host_admission", "disk_admission"):
+            if getattr(self, name) not in ADMISSIONS:
+                raise ConfigError(f"{name} must be one of {tuple(ADMISSIONS)}, got {getattr(self, name)!r}")
         longest = self.remote_write_deadline_seconds + 2 * self.remote_timeout_seconds
         if self.remote_tomb_ttl_seconds <= longest:
             raise ConfigError(f"remote_tomb_ttl_seconds={self.remote_tomb_ttl_seconds} must exceed the longest a remote "
@@ -255,7 +279,8 @@ class TieredKVConfig:
 
 def _parse_env(name: str, raw: str, default: Any) -> Any:
     try:
-        if name in ("namespace", "durability", "write_mode", "disk_io"):
+        if name in ("namespace", "durability", "write_mode", "disk_io", "host_policy", "disk_policy",
+                    "host_admission", "disk_admission"):
             return raw
         if name == "remote_url":
             return raw or None

@@ -85,6 +85,7 @@ class Metrics:
         self._adders: dict[Any, Callable[[float], None]] = {}  # counter child -> how flush() adds to it
         self._levels: tuple[int, ...] = ()  # the values publish_levels() set last
         self._host_evictions = 0            # the host index's eviction total counted so far
+        self._refused = (0, 0)              # the host and disk indexes' admission refusals counted so far
         r = self.registry
         self.stale_callbacks = Counter(
             "tiered_kv_stale_callbacks_total",
@@ -100,7 +101,7 @@ class Metrics:
         self.tier_blocks = Gauge("tiered_kv_tier_blocks", "Blocks held per tier (ready or being written).", ["tier"], multiprocess_mode="livesum", registry=r)
         self.lookups = Counter("tiered_kv_lookup_keys_total", "Keys asked for by lookup().", registry=r)
         self.lookup_hits = Counter("tiered_kv_lookup_hits_total", "Keys found ready by lookup(), by tier.", ["tier"], registry=r)
-        self.evictions = Counter("tiered_kv_evictions_total", "Blocks evicted by LRU, by tier.", ["tier"], registry=r)
+        self.evictions = Counter("tiered_kv_evictions_total", "Blocks evicted by the tier's policy (host_policy, disk_policy), by tier.", ["tier"], registry=r)
         self.errors = Counter("tiered_kv_errors_total", "Faults absorbed (never raised to the engine), by tier and error.",
                               ["tier", "error"], registry=r)
         self.healthy = Gauge("tiered_kv_healthy", "1 when the tier serves normally, 0 when degraded.", ["tier"], multiprocess_mode="livemin", registry=r)
@@ -144,6 +145,10 @@ class Metrics:
         self.blocks = {t: self.tier_blocks.labels(tier=t) for t in TIERS}
         self.hits = {t: self.lookup_hits.labels(tier=t) for t in (*TIERS, "remote")}
         self.evicted = {t: self.evictions.labels(tier=t) for t in TIERS}
+        self.admission_refused = Counter(
+            "tiered_kv_admission_refused_total", "New blocks a tier's admission filter kept out (host: the store "
+            "was not made; disk: the block was not written).", ["tier"], registry=r)
+        self.refused_by = {t: self.admission_refused.labels(tier=t) for t in ("host", "disk")}
         self.health = {t: self.healthy.labels(tier=t) for t in ("device", "host")}
         for t in ("device", "host"):
             self.health[t].set(1)
@@ -237,6 +242,16 @@ class Metrics:
             buckets = child._buckets
             for i, c in counts.items():
                 buckets[i].inc(c)
+
+    def publish_refused(self, host_total: int, disk_total: int) -> None:
+        """The host and disk indexes' running totals of admission refusals: what grew since the last call
+        is added to ``tiered_kv_admission_refused_total``."""
+        old_h, old_d = self._refused
+        if host_total != old_h:
+            self.count(self.refused_by["host"], host_total - old_h)
+        if disk_total != old_d:
+            self.count(self.refused_by["disk"], disk_total - old_d)
+        self._refused = (host_total, disk_total)
 
     def publish_levels(self, host_used_bytes: int, host_blocks: int, in_flight: Mapping[JobKind, int],
                        disk: Optional[tuple[int, int, int, int, int, int]] = None, host_evictions: int = 0,

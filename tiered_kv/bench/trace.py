@@ -37,7 +37,7 @@ from tiered_kv.metrics import sample_total
 
 from .common import LoadMonitor, as_mode, summarize
 
-__all__ = ["bench_trace", "load_trace", "default_trace", "TraceError", "PLANS", "ROW_BYTES"]
+__all__ = ["bench_trace", "load_trace", "default_trace", "TraceError", "PLANS", "ROW_BYTES", "keys_of", "replay_engine"]
 
 ROW_BYTES = 256
 HOST_SLOTS = 4096        # about 9% of the Mooncake trace's 43,924 distinct blocks
@@ -95,7 +95,7 @@ def load_trace(path: Union[str, Path], limit: Optional[int] = None) -> list[list
     return out
 
 
-def _keys(requests: list[list[int]]) -> list[list[bytes]]:
+def keys_of(requests: list[list[int]]) -> list[list[bytes]]:
     """One 16-byte key per hash id (the size of an xxh3-128 prefix-chain hash), shared across requests."""
     cache: dict[int, bytes] = {}
     out = []
@@ -110,8 +110,12 @@ def _keys(requests: list[list[int]]) -> list[list[bytes]]:
     return out
 
 
-def _replay(mgr: TierManager, reqs: list[list[bytes]], per_step: int) -> dict[str, Any]:
-    """The engine loop of the module doc; the engine thread's wall and CPU time around it."""
+def replay_engine(mgr: TierManager, reqs: list[list[bytes]], per_step: int,
+                  hits_out: Optional[list[int]] = None, after_step: Optional[Callable[[], Any]] = None) -> dict[str, Any]:
+    """The engine loop of the module doc; the engine thread's wall and CPU time around it.  ``hits_out``:
+    each request's lookup answer is appended (``tiered-kv replay`` counts the prefill tokens saved);
+    ``after_step()`` runs after each step's ``wait()`` (``tiered-kv replay``: a ``flush()``).
+    One implementation for the bench's trace section and ``tiered-kv replay``."""
     lookup, load_many, store_many, wait, free = mgr.lookup, mgr.load_many, mgr.store_many, mgr.wait, mgr.free_block
     refs = hits = 0
     t0, c0 = time.perf_counter(), time.thread_time()
@@ -120,6 +124,8 @@ def _replay(mgr: TierManager, reqs: list[list[bytes]], per_step: int) -> dict[st
         row = 0
         for keys in reqs[s:s + per_step]:
             n = lookup(keys)
+            if hits_out is not None:
+                hits_out.append(n)
             end = row + len(keys)
             if n:
                 j = load_many(keys[:n], list(range(row, row + n)))
@@ -133,6 +139,8 @@ def _replay(mgr: TierManager, reqs: list[list[bytes]], per_step: int) -> dict[st
             refs += len(keys)
             hits += n
         wait(jobs)
+        if after_step is not None:
+            after_step()
         for r in range(row):
             free(r)
     wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
@@ -182,7 +190,7 @@ def _tkv_run(reqs: list[list[bytes]], rows: int, disk_dir: Optional[Path]) -> di
     mgr = _manager(rows, disk_dir)
     try:
         gc.collect()
-        r = _replay(mgr, reqs, PER_STEP)
+        r = replay_engine(mgr, reqs, PER_STEP)
         reg = mgr.metrics.registry
         r["hits_host"] = sample_total(reg, "tiered_kv_lookup_hits_total", tier="host")
         r["hits_disk"] = sample_total(reg, "tiered_kv_lookup_hits_total", tier="disk")
@@ -207,7 +215,7 @@ def bench_trace(quick: Union[bool, str] = False, seed: int = 0, trace: Optional[
         return {"skipped": f"no trace: pass --trace PATH or set {_TRACE_ENV} (benchmarks/traces/{_TRACE_NAME} "
                            f"in a source checkout)"}
     requests = load_trace(path, plan["requests"])
-    reqs = _keys(requests)
+    reqs = keys_of(requests)
     rows = PER_STEP * max(len(r) for r in reqs)
     repeats = int(plan["repeats"] or 1)
     systems = ("host", "disk", "dict")

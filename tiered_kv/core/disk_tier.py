@@ -25,6 +25,7 @@ from ..jobs import JobKind
 from ..metrics import Metrics
 from ..movers import CompletionQueue, Report
 from .index import Entry, TierIndex
+from .policy import make_admission, make_policy
 
 __all__ = ["DiskTier", "DiskErrors"]
 
@@ -130,7 +131,10 @@ class DiskTier:
             on_error("open_failed", str(exc))
             m.enable_disk_health(False)
             return None
-        tier = cls(store, TierIndex(index_blocks), metrics, make if isinstance(store, ProcessDiskStore) else None,
+        index = TierIndex(index_blocks, policy=make_policy(cfg.disk_policy, index_blocks),
+                          admission=None if cfg.disk_admission == "all"
+                          else make_admission(cfg.disk_admission, index_blocks))
+        tier = cls(store, index, metrics, make if isinstance(store, ProcessDiskStore) else None,
                    on_error)
         tier.index._on_evict = lambda d: tier._evicted(d, on_evict)
         tier._replay_recovered()
@@ -244,6 +248,8 @@ class DiskTier:
             if room <= 0:
                 shed.append((e, "backpressure" if self.usable else "disk_down"))
                 continue
+            if not index.admits(e.key):
+                continue   # not written (SSD wear): counted in index.refused, not shed
             d = index.reserve(e.key, make_token())
             if d is None:
                 shed.append((e, "disk_full"))

@@ -1,4 +1,4 @@
-"""A tier's index: keys -> entries in slots, with leases and LRU eviction.
+"""A tier's index: keys -> entries in slots, with leases, and eviction in its policy's order.
 
 Pure Python, no tensors and no I/O.  The core keeps one for the host slab (a
 slot is a row of the slab) and one for the disk tier (a slot is a unit of
@@ -8,7 +8,9 @@ capacity; the disk store places the bytes).  Invariants (tested in tests/test_ti
   list only when its entry is out of the index *and* no worker may still
   write it (``writing``) *and* no load reads it (``readers == 0``);
 * only READY entries with no readers are evictable, and never a key the
-  evicting call protects;
+  evicting call protects; which of them goes first is the policy's choice
+  (:mod:`.policy`: LRU by default), and the index tells the policy each change
+  of what is evictable, so a policy cannot pick a leased entry;
 * entries are objects that jobs hold directly: nothing keyed by a slot number
   outlives the job that leased it.
 """
@@ -17,9 +19,10 @@ from __future__ import annotations
 
 import enum
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Collection, Container, Iterator, Sequence
 from typing import Optional
+
+from .policy import LRU, Admission, Policy
 
 __all__ = ["TierIndex", "Entry", "EntryState"]
 
@@ -43,7 +46,7 @@ class Entry:
         self.readers = 0          # loads/spills reading the slot right now
         self.live = True          # present in the index
         self.writing = True       # a worker may still write the slot
-        self.spilled = False      # host index only: written to (or found on) disk once in this residency
+        self.spilled = False      # host index only: offered to disk once in this residency (written, found, refused)
 
     def __repr__(self) -> str:
         return (f"Entry(key={self.key!r}, slot={self.slot}, {self.state.value}, "
@@ -51,21 +54,25 @@ class Entry:
 
 
 class TierIndex:
-    """Key -> entry map of one tier (the host slab, or the disk tier's capacity) with leases and LRU eviction.
+    """Key -> entry map of one tier (the host slab, or the disk tier's capacity) with leases, evicting in
+    the order of its ``policy`` (:class:`~tiered_kv.core.policy.LRU` when None).
 
     ``on_evict(entry)`` is called before an evicted entry leaves the index; it must not change this
     index (the owners' callbacks queue a disk delete or note the key).
     """
 
-    def __init__(self, num_slots: int, on_evict: Optional[Callable[[Entry], None]] = None) -> None:
+    def __init__(self, num_slots: int, on_evict: Optional[Callable[[Entry], None]] = None,
+                 policy: Optional[Policy] = None, admission: Optional[Admission] = None) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.num_slots = num_slots
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._entries: dict[bytes, Entry] = {}
-        self._lru: OrderedDict[bytes, Entry] = OrderedDict()  # READY, readers == 0
+        self.policy: Policy = LRU() if policy is None else policy   # holds the READY entries with no reader
+        self.admission = admission   # None: every new key is admitted
         self._on_evict = on_evict
         self.evictions = 0
+        self.refused = 0             # new keys the admission filter kept out (running total, like evictions)
 
     # -- queries -------------------------------------------------------
     def __len__(self) -> int:
@@ -89,34 +96,54 @@ class TierIndex:
         return iter(list(self._entries.values()))
 
     def coldest(self, n: int) -> list[Entry]:
-        """Up to ``n`` evictable entries, least recently used first."""
-        out = []
-        for entry in self._lru.values():
-            if len(out) >= n:
-                break
-            out.append(entry)
-        return out
+        """Up to ``n`` evictable entries, the policy's next victims first."""
+        return self.policy.coldest(n)
 
     def ready_run(self, keys: Sequence[bytes], start: int = 0) -> int:
-        """Mark recently used the READY entries of ``keys[start:]`` up to the first key that is
-        not READY here, and return that key's index (``len(keys)`` when all are)."""
-        entries, lru = self._entries, self._lru
+        """A hit on each READY entry of ``keys[start:]`` up to the first key that is not READY here,
+        and return that key's index (``len(keys)`` when all are).  ``keys`` are a prefix in order: the
+        policy sees them as one chain (``link``) when ``start`` is 0."""
+        entries, policy = self._entries, self.policy
+        if start == 0:
+            policy.link(keys)
+        hit = policy.hit
         i, n = start, len(keys)
         while i < n:
             e = entries.get(keys[i])
             if e is None or e.state is not _READY:
                 break
-            if lru.get(e.key) is e:  # touch() written out
-                lru.move_to_end(e.key)
+            hit(e)
             i += 1
         return i
 
+    # -- admission ---------------------------------------------------------
+    def seen(self, keys: Sequence[bytes]) -> None:
+        """``keys`` were asked for (a lookup): references the admission filter counts."""
+        adm = self.admission
+        if adm is not None:
+            record = adm.record
+            for k in keys:
+                record(k)
+
+    def admits(self, key: bytes) -> bool:
+        """Whether a new entry for ``key`` may enter (asked just before reserving it; a refusal is counted
+        in ``refused``).  Promotes and fetches do not ask: they serve a lookup that found the key."""
+        adm = self.admission
+        if adm is None:
+            return True
+        victim = None
+        if not self._free:
+            cold = self.policy.coldest(1)
+            victim = cold[0].key if cold else None
+        if adm.admit(key, victim):
+            return True
+        self.refused += 1
+        return False
+
     # -- moves -------------------------------------------------------------
     def touch(self, entry: Entry) -> None:
-        """Mark recently used."""
-        lru = self._lru
-        if lru.get(entry.key) is entry:   # a READY entry leased to a reader is not in the LRU
-            lru.move_to_end(entry.key)
+        """A hit (a use the policy orders by)."""
+        self.policy.hit(entry)
 
     def reserve(self, key: bytes, writer: uuid.UUID, protect: Collection[bytes] = ()) -> Optional[Entry]:
         """A new WRITING entry for ``key`` in a free or evicted slot; None when full of leased slots."""
@@ -135,11 +162,14 @@ class TierIndex:
         """:meth:`reserve` for each of ``keys`` in no tier yet, under one ``writer``.
 
         A key present here is touched, a key in ``elsewhere`` (another tier) skipped, a
-        key repeated is reserved once.  Returns (keys reserved, their entries, keys that
-        found no evictable slot).  One call per job: the engine stores a step's blocks.
+        key the admission filter refuses skipped (counted in ``refused``), a key repeated is
+        reserved once.  Returns (keys reserved, their entries, keys that found no evictable
+        slot).  One call per job: the engine stores a step's blocks.
         """
-        entries, lru, free = self._entries, self._lru, self._free
-        get, pop, lru_get = entries.get, free.pop, lru.get
+        entries, policy, free = self._entries, self.policy, self._free
+        policy.link(keys)
+        get, pop, hit = entries.get, free.pop, policy.hit
+        admits = None if self.admission is None else self.admits
         got: list[bytes] = []
         new: list[Entry] = []
         add_key, add_entry = got.append, new.append
@@ -147,10 +177,11 @@ class TierIndex:
         for k in keys:
             e = get(k)
             if e is not None:
-                if lru_get(k) is e:   # touch() written out
-                    lru.move_to_end(k)
+                hit(e)
                 continue
             if elsewhere is not None and k in elsewhere:
+                continue
+            if admits is not None and not admits(k):
                 continue
             if not free:
                 if type(protect) is list and len(protect) > 8:
@@ -166,7 +197,7 @@ class TierIndex:
     def publish_all(self, entries: Sequence[Entry]) -> list[Entry]:
         """:meth:`publish` for each of ``entries``; returns those now READY (the others left the index
         while they were written, and their slots are free now)."""
-        lru = self._lru
+        insert = self.policy.insert
         out = []
         for e in entries:
             e.writing = False
@@ -175,7 +206,7 @@ class TierIndex:
                 continue
             e.state = _READY
             if e.readers == 0:
-                lru[e.key] = e
+                insert(e)
             out.append(e)
         return out
 
@@ -187,7 +218,7 @@ class TierIndex:
             return False
         entry.state = _READY
         if entry.readers == 0:
-            self._lru[entry.key] = entry
+            self.policy.insert(entry)
         return True
 
     def abort(self, entry: Entry) -> None:
@@ -203,8 +234,9 @@ class TierIndex:
         """Lease a READY entry's slot to a reader (load or spill)."""
         if entry.state is not _READY or not entry.live:
             raise AssertionError(f"acquire of {entry!r}")  # internal bug
+        if entry.readers == 0:
+            self.policy.lease(entry)
         entry.readers += 1
-        self._lru.pop(entry.key, None)
 
     def release(self, entry: Entry) -> None:
         """A reader finished; the slot becomes evictable (MRU) or is freed if removed."""
@@ -213,7 +245,7 @@ class TierIndex:
         entry.readers -= 1
         if entry.readers == 0:
             if entry.live and entry.state is _READY:
-                self._lru[entry.key] = entry
+                self.policy.unlease(entry)
             else:
                 self._maybe_free(entry)
 
@@ -223,8 +255,8 @@ class TierIndex:
             entry.live = False
             if self._entries.get(entry.key) is entry:
                 del self._entries[entry.key]
-            if self._lru.get(entry.key) is entry:
-                del self._lru[entry.key]
+            if entry.state is _READY:
+                self.policy.remove(entry)   # evictable or leased: the policy forgets it
         self._maybe_free(entry)
 
     # -- internals -------------------------------------------------------
@@ -234,42 +266,33 @@ class TierIndex:
             entry.slot = -1
 
     def evict_ahead(self, free: int) -> int:
-        """Evict least recently used entries until ``free`` slots are free or nothing is evictable.
+        """Evict the policy's victims until ``free`` slots are free or nothing is evictable.
 
         The owner calls it between engine steps, so that the next step's reservations find free
         slots instead of evicting in the engine's call.  Returns how many entries it evicted.
         """
-        lru, entries, slots = self._lru, self._entries, self._free
-        n = min(free - len(slots), len(lru))
-        if n <= 0:
-            return 0
-        on_evict = self._on_evict
-        pop, add = lru.popitem, slots.append
-        for _ in range(n):   # _evicted() written out: once per block of a step
-            key, entry = pop(False)
-            if on_evict is not None:
-                on_evict(entry)
-            entry.live = False
-            del entries[key]
-            add(entry.slot)
-            entry.slot = -1
-        self.evictions += n
-        return n
+        n = free - len(self._free)
+        victim = self.policy.victim
+        done = 0
+        while done < n:
+            entry = victim((), None)
+            if entry is None:
+                break
+            self._evicted(entry)
+            done += 1
+        return done
 
     def _evict_one(self, protect: Collection[bytes], key: bytes) -> bool:
-        lru = self._lru
-        for k, entry in lru.items():
-            if k == key or k in protect:
-                continue
-            del lru[k]
-            self._evicted(entry)
-            return True
-        return False
+        entry = self.policy.victim(protect, key)
+        if entry is None:
+            return False
+        self._evicted(entry)
+        return True
 
     def _evicted(self, entry: Entry) -> None:
-        """An entry just taken out of the LRU leaves the index; its slot is free at once.
+        """An entry the policy just gave up as its victim leaves the index; its slot is free at once.
 
-        ``remove()`` written out: the LRU holds live READY entries with no reader and no
+        ``remove()`` written out: the policy holds live READY entries with no reader and no
         writer, so nothing else can hold the slot (a full tier evicts once per reservation).
         """
         if self._on_evict is not None:
@@ -279,4 +302,3 @@ class TierIndex:
         self._free.append(entry.slot)
         entry.slot = -1
         self.evictions += 1
-

@@ -56,6 +56,7 @@ from ..metrics import Metrics
 from ..movers import CompletionQueue, Report
 from .disk_tier import DiskTier
 from .index import Entry, EntryState, TierIndex
+from .policy import make_admission, make_policy
 from .remote_tier import RemoteTier
 
 __all__ = ["TierCore", "SlotViews", "EVICT_AHEAD_MAX", "TOKEN_POOL", "CLOSE_TIMEOUT_S"]
@@ -133,7 +134,10 @@ class TierCore:
         self.collect_published = collect_published
         self.evicted: list[bytes] = []     # keys no longer in any tier (collect_evicted only)
         self.published: list[bytes] = []   # keys stores made READY (collect_published only)
-        self.index = TierIndex(num_slots, on_evict=self._host_evicted if collect_evicted else None)
+        self.index = TierIndex(num_slots, on_evict=self._host_evicted if collect_evicted else None,
+                               policy=make_policy(config.host_policy, num_slots),
+                               admission=None if config.host_admission == "all"
+                               else make_admission(config.host_admission, num_slots))
         # token.int -> job whose report has not been applied: an int key hashes in C, a UUID in Python
         self.jobs: dict[int, Job] = {}
         self.n_in_flight = {k: 0 for k in JobKind}
@@ -158,6 +162,9 @@ class TierCore:
             # a disk capacity below one row is refused by each front end, before it allocates anything
             self.disk = DiskTier.open(config, self.row_bytes, self.completions, metrics, self._disk_evicted, host)
             self.dindex = None if self.disk is None else self.disk.index
+        # a lookup's keys are references the admission filters count (only when one is on)
+        self.admitting = self.index.admission is not None or (self.dindex is not None and
+                                                               self.dindex.admission is not None)
         if config.remote_url is not None:
             try:
                 self.remote = RemoteTier.open(config, self.row_bytes, self.completions, metrics)
@@ -243,6 +250,8 @@ class TierCore:
             self._supersede_fetch(e)
         dindex = self.dindex
         if dindex is not None and key in dindex:
+            return None
+        if not index.admits(key):
             return None
         jobs = self.jobs
         if len(jobs) >= self.max_inflight:
@@ -398,6 +407,10 @@ class TierCore:
         run = self.index.ready_run
         n = host = run(keys)
         dindex = self.dindex
+        if self.admitting:
+            self.index.seen(keys)
+            if dindex is not None:
+                dindex.seen(keys)
         if dindex is not None:
             total = len(keys)
             while n < total:   # a key only on disk, then maybe host keys again
@@ -787,7 +800,7 @@ class TierCore:
         assert disk is not None
         hosts, disks, shed = disk.start_spills(entries, self.index, self.tokens, self.slot_views.__getitem__)
         for e in entries:
-            e.spilled = True  # this residency is on disk or on its way: write-back never spills it again
+            e.spilled = True  # on disk, on its way, or refused by the disk's admission: write-back never offers it again
         for e, why in shed:
             e.spilled = False
             self.shed(_SPILL, why)
@@ -885,6 +898,8 @@ class TierCore:
         """Push batched counters and the gauge values that changed (once per step, not per job)."""
         disk = self.disk
         remote = self.remote
+        if self.admitting:
+            self.metrics.publish_refused(self.index.refused, 0 if self.dindex is None else self.dindex.refused)
         self.metrics.publish_levels(self.index.used_slots * self.row_bytes, len(self.index), self.n_in_flight,
                                     None if disk is None else disk.levels(self.row_bytes), self.index.evictions,
                                     None if remote is None else remote.levels())

@@ -107,7 +107,8 @@ CONFIG_KEYS = ("namespace", "disk_path", "durability", "write_mode", "max_inflig
                "writer_queue_blocks", "writer_batch_blocks", "writer_batch_bytes", "writer_batch_seconds",
                "disk_map_size_bytes", "disk_io", "remote_url", "remote_ttl_seconds", "remote_tomb_ttl_seconds",
                "remote_timeout_seconds", "remote_queue_blocks", "remote_batch_blocks", "remote_write_deadline_seconds",
-               "remote_prefetch_blocks", "remote_miss_ttl_seconds")
+               "remote_prefetch_blocks", "remote_miss_ttl_seconds", "host_policy", "disk_policy", "host_admission",
+               "disk_admission")
 #: TieredKVConfig fields that cannot mean the same thing under vLLM: refused, saying what to use instead
 REFUSED_KEYS: dict[str, str] = {
     "host_capacity_bytes": "set 'host_bytes' (the host slab EngineCore and every worker share)",
@@ -124,6 +125,7 @@ OPTIONS: dict[str, Any] = {
     "host_bytes": None,     # required (or vLLM's cpu_bytes_to_use): bytes of the shared host slab
     "disk_bytes": 0,        # bytes of block data the disk tier may hold (required with disk_path)
     "shm_dir": "/dev/shm",  # where the shared slab file lives
+    "eviction_policy": None,   # vLLM's tiering spec's name for the host tier's policy ("lru", "arc"): host_policy
     **{k: (None if _FIELDS[k].default is dataclasses.MISSING else _FIELDS[k].default) for k in CONFIG_KEYS},
 }
 # what the spec reads of vLLM's OffloadingConfig (0.30-0.33 all have them)
@@ -233,6 +235,12 @@ class TieredKVOffloadingSpec(OffloadingSpec):
         # the fields given keep their name; the others get TieredKVConfig's defaults and checks
         given = {k: extra[k] for k in CONFIG_KEYS if k in extra}
         given.update(namespace=namespace, disk_path=disk_path)
+        alias = extra.get("eviction_policy")
+        if alias is not None:
+            if "host_policy" in given and given["host_policy"] != alias:
+                raise ConfigError(f"kv_connector_extra_config: eviction_policy={alias!r} and host_policy="
+                                  f"{given['host_policy']!r} disagree (eviction_policy is vLLM's name for host_policy)")
+            given["host_policy"] = alias
         try:
             self.tkv_config = TieredKVConfig(host_capacity_bytes=host_bytes, disk_capacity_bytes=disk_bytes,
                                              **given)

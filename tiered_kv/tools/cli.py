@@ -178,8 +178,11 @@ def _parser() -> argparse.ArgumentParser:
     from ..bench.cli import add_bench_command
     from .ops_cli import add_operator_commands
 
+    from .replay import add_replay_command
+
     add_operator_commands(sub)
     add_bench_command(sub)
+    add_replay_command(sub)
     return p
 
 

@@ -1,0 +1,884 @@
+"""Eviction and admission policies of a tier index, behind one small interface.
+
+A :class:`~tiered_kv.core.index.TierIndex` keeps the leases (which slot may be written or read, and
+when a slot is free); its policy only keeps the *order*: which of the evictable entries goes next.
+An entry is evictable while it is READY, live and has no reader; the index tells the policy every
+change of that, so a policy never sees, and never returns, a leased entry:
+
+==================  =========================================================================
+``insert(e)``       a new entry became READY with no reader (a store's or promote's copy landed)
+``hit(e)``          a lookup or a store found the key (``e`` may be leased: then nothing to move)
+``lease(e)``        its first reader took it: not evictable until ``unlease`` (a use, like a hit)
+``unlease(e)``      its last reader let go and it is still READY and live: evictable again
+``remove(e)``       it left the index for another reason than eviction (invalidated, aborted)
+``victim(p, k)``    choose, forget and return the next evictable entry whose key is not ``k`` and
+                    not in ``p`` (None: nothing evictable)
+``coldest(n)``      up to ``n`` evictable entries, the next victims first, forgetting none
+``link(keys)``      ``keys`` were seen in prefix order (a lookup's or a store's sequence)
+==================  =========================================================================
+
+Admission (:class:`Admission`) decides whether a new key enters a tier at all: ``admit(key, victim)``
+with the key the tier would evict for it (None when a slot is free).  A refused key costs nothing
+already stored: admission only gates new entries.
+
+Every call runs on the owner thread (the index's caller); nothing here locks.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import OrderedDict, deque
+from collections.abc import Collection, Sequence
+from itertools import chain
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:   # pragma: no cover
+    from .index import Entry
+
+__all__ = ["Policy", "LRU", "S3FIFO", "ARC", "PrefixLRU", "Admission", "AdmitAll", "SecondHit", "TinyLFU", "POLICIES", "ADMISSIONS", "make_policy", "make_admission"]
+
+
+class Policy:
+    """The order of one tier's evictable entries (see the module's table).  ``__init__(num_slots)``:
+    the tier's size, for policies that size their queues or ghost lists by it."""
+
+    name = "policy"
+
+    def __len__(self) -> int:   # pragma: no cover - every policy says
+        raise NotImplementedError
+
+    def insert(self, e: "Entry") -> None:   # pragma: no cover
+        raise NotImplementedError
+
+    def hit(self, e: "Entry") -> None:   # pragma: no cover
+        raise NotImplementedError
+
+    def lease(self, e: "Entry") -> None:   # pragma: no cover
+        raise NotImplementedError
+
+    def unlease(self, e: "Entry") -> None:   # pragma: no cover
+        raise NotImplementedError
+
+    def remove(self, e: "Entry") -> None:   # pragma: no cover
+        raise NotImplementedError
+
+    def victim(self, protect: Collection[bytes], key: Optional[bytes]) -> Optional["Entry"]:   # pragma: no cover
+        raise NotImplementedError
+
+    def coldest(self, n: int) -> list["Entry"]:   # pragma: no cover
+        raise NotImplementedError
+
+    def link(self, keys: Sequence[bytes]) -> None:
+        """Most policies ignore the prefix structure."""
+
+
+class LRU(Policy):
+    """Least recently used first; a lease takes the entry out and its release puts it back as most
+    recently used (a read is a use)."""
+
+    name = "lru"
+    __slots__ = ("od",)
+
+    def __init__(self, num_slots: int = 0) -> None:
+        self.od: OrderedDict[bytes, "Entry"] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.od)
+
+    def insert(self, e: "Entry") -> None:
+        self.od[e.key] = e
+
+    unlease = insert
+
+    def hit(self, e: "Entry") -> None:
+        od = self.od
+        if od.get(e.key) is e:   # a leased entry is not here: its release makes it the newest
+            od.move_to_end(e.key)
+
+    def lease(self, e: "Entry") -> None:
+        self.od.pop(e.key, None)
+
+    def remove(self, e: "Entry") -> None:
+        od = self.od
+        if od.get(e.key) is e:
+            del od[e.key]
+
+    def victim(self, protect: Collection[bytes], key: Optional[bytes]) -> Optional["Entry"]:
+        od = self.od
+        for k, e in od.items():
+            if k == key or k in protect:
+                continue
+            del od[k]
+            return e
+        return None
+
+    def coldest(self, n: int) -> list["Entry"]:
+        out: list["Entry"] = []
+        for e in self.od.values():
+            if len(out) >= n:
+                break
+            out.append(e)
+        return out
+
+
+class Admission:
+    """Whether a new key enters a tier: ``record(key)`` sees every reference to a key (lookups and
+    stores), ``admit(key, victim)`` answers for a key about to be inserted (``victim``: the key the
+    tier would evict for it, None while a slot is free)."""
+
+    name = "admission"
+
+    def record(self, key: bytes) -> None:
+        """Most filters count references; admitting everything needs none."""
+
+    def admit(self, key: bytes, victim: Optional[bytes]) -> bool:   # pragma: no cover
+        raise NotImplementedError
+
+
+class AdmitAll(Admission):
+    name = "all"
+
+    def __init__(self, num_slots: int = 0) -> None:
+        pass
+
+    def admit(self, key: bytes, victim: Optional[bytes]) -> bool:
+        return True
+
+
+# -- S3-FIFO ---------------------------------------------------------------------------------------
+
+_SMALL, _MAIN = 0, 1
+
+
+class S3FIFO(Policy):
+    """S3-FIFO (Yang et al., SOSP'23): a small FIFO (10% of the slots) that new keys enter, a main
+    FIFO, a ghost FIFO of the keys evicted from the small one (as many keys as slots), and a 2-bit
+    frequency per entry (a hit or a lease adds one, capped at 3).
+
+    A victim comes from the small FIFO while it holds at least its share (its oldest entry moves to
+    the main FIFO if it was used, else it is evicted and its key remembered in the ghost), else from
+    the main FIFO (a used entry loses one and goes round again, an unused one is evicted).  A new key
+    found in the ghost enters the main FIFO.  A leased entry leaves its FIFO, keeps its frequency and
+    returns to the newest end of the same FIFO when released.  Protected keys are invisible to one
+    ``victim`` call: they are passed over untouched and stay where they were.
+    """
+
+    name = "s3fifo"
+    __slots__ = ("small", "main", "ghost", "freq", "leased", "n_leased_small", "target", "ghost_max")
+
+    def __init__(self, num_slots: int = 0) -> None:
+        self.small: OrderedDict[bytes, "Entry"] = OrderedDict()   # oldest first
+        self.main: OrderedDict[bytes, "Entry"] = OrderedDict()
+        self.ghost: OrderedDict[bytes, None] = OrderedDict()
+        self.freq: dict[bytes, int] = {}        # every entry held, evictable or leased
+        self.leased: dict[bytes, int] = {}      # leased entry -> the FIFO it returns to
+        self.n_leased_small = 0
+        self.target = max(1, num_slots // 10)   # the small FIFO's share
+        self.ghost_max = max(1, num_slots)
+
+    def __len__(self) -> int:
+        return len(self.small) + len(self.main)
+
+    def insert(self, e: "Entry") -> None:
+        k = e.key
+        self.freq[k] = 0
+        if k in self.ghost:
+            del self.ghost[k]
+            self.main[k] = e
+        else:
+            self.small[k] = e
+
+    def hit(self, e: "Entry") -> None:
+        freq = self.freq
+        f = freq.get(e.key)
+        if f is not None and f < 3:   # None: not held (being written)
+            freq[e.key] = f + 1
+
+    def lease(self, e: "Entry") -> None:
+        k = e.key
+        if self.small.get(k) is e:
+            del self.small[k]
+            self.leased[k] = _SMALL
+            self.n_leased_small += 1
+        elif self.main.get(k) is e:
+            del self.main[k]
+            self.leased[k] = _MAIN
+        else:
+            return
+        self.hit(e)
+
+    def unlease(self, e: "Entry") -> None:
+        k = e.key
+        q = self.leased.pop(k, None)
+        if q is None:   # not leased here: a new entry as far as this policy knows
+            self.insert(e)
+        elif q == _SMALL:
+            self.n_leased_small -= 1
+            self.small[k] = e
+        else:
+            self.main[k] = e
+
+    def remove(self, e: "Entry") -> None:
+        k = e.key
+        if self.small.get(k) is e:
+            del self.small[k]
+        elif self.main.get(k) is e:
+            del self.main[k]
+        elif k in self.leased:
+            if self.leased.pop(k) == _SMALL:
+                self.n_leased_small -= 1
+        else:
+            return
+        del self.freq[k]
+
+    def victim(self, protect: Collection[bytes], key: Optional[bytes]) -> Optional["Entry"]:
+        small, main, freq = self.small, self.main, self.freq
+        held_small: list[tuple[bytes, "Entry"]] = []   # protected: passed over, put back where they were
+        held_main: list[tuple[bytes, "Entry"]] = []
+        try:
+            while True:
+                if small and (len(small) + self.n_leased_small >= self.target or not main):
+                    while small:   # evict from the small FIFO: used entries move to main
+                        k, e = small.popitem(last=False)
+                        if k == key or k in protect:
+                            held_small.append((k, e))
+                        elif freq[k] > 0:
+                            main[k] = e
+                        else:
+                            del freq[k]
+                            ghost = self.ghost
+                            ghost[k] = None
+                            if len(ghost) > self.ghost_max:
+                                ghost.popitem(last=False)
+                            return e
+                    continue
+                if main:
+                    while main:    # evict from the main FIFO: used entries go round once more
+                        k, e = main.popitem(last=False)
+                        if k == key or k in protect:
+                            held_main.append((k, e))
+                            continue
+                        f = freq[k]
+                        if f > 0:
+                            freq[k] = f - 1
+                            main[k] = e
+                        else:
+                            del freq[k]
+                            return e
+                    continue
+                return None
+        finally:
+            for q, held in ((small, held_small), (main, held_main)):
+                for k, e in reversed(held):
+                    q[k] = e
+                    q.move_to_end(k, last=False)
+
+    def coldest(self, n: int) -> list["Entry"]:
+        """The next ``n`` victims, computed on a view of the FIFOs (at most ``8 n + 64`` steps of
+        the eviction; past that the rest in FIFO order)."""
+        out: list["Entry"] = []
+        if n <= 0:
+            return out
+        freq = self.freq
+        s_it, m_it = iter(self.small.items()), iter(self.main.items())
+        s_left, m_left = len(self.small), len(self.main)
+        moved: deque[tuple[bytes, "Entry", int]] = deque()   # appended to main meanwhile, with its frequency
+        n_small = s_left + self.n_leased_small
+        budget = 8 * n + 64
+        while len(out) < n and budget > 0:
+            if s_left and (n_small >= self.target or not (m_left or moved)):
+                while s_left and budget > 0:
+                    budget -= 1
+                    k, e = next(s_it)
+                    s_left -= 1
+                    n_small -= 1
+                    f = freq[k]
+                    if f > 0:
+                        moved.append((k, e, f))
+                    else:
+                        out.append(e)
+                        break
+                continue
+            if m_left or moved:
+                while (m_left or moved) and budget > 0:
+                    budget -= 1
+                    if m_left:
+                        k, e = next(m_it)
+                        m_left -= 1
+                        f = freq[k]
+                    else:
+                        k, e, f = moved.popleft()
+                    if f > 0:
+                        moved.append((k, e, f - 1))
+                    else:
+                        out.append(e)
+                        break
+                continue
+            break
+        if len(out) < n and budget <= 0:   # out of steps: the rest in FIFO order
+            seen = {id(e) for e in out}
+            for e in chain((e for _, e in s_it), (e for _, e in m_it), (e for _, e, _ in moved)):
+                if len(out) >= n:
+                    break
+                if id(e) not in seen:
+                    seen.add(id(e))
+                    out.append(e)
+        return out
+
+
+# -- ARC -------------------------------------------------------------------------------------------
+
+class ARC(Policy):
+    """ARC (Megiddo & Modha, FAST'03) for ``c = num_slots``: T1 (used once) and T2 (used again) of
+    entries, least recently used first, B1 and B2 of the keys evicted from them, and the target size
+    ``p`` of T1.  A hit moves an entry to T2's newest end; a new key found in B1 (B2) grows (shrinks)
+    ``p`` and enters T2.  The victim follows REPLACE: T1's oldest while ``|T1| > p`` (or ``== p``
+    for a key in B2), else T2's oldest; the other list when all of one are protected.
+
+    ``victim(protect, key)`` adapts ``p`` for ``key`` when it is a ghost (it is the key about to be
+    inserted); ``insert`` does it for a ghost key that came without a victim (a slot was free).  A
+    leased entry leaves its list (still counted in its size) and returns to the newest end of it;
+    a hit while leased sends it to T2.
+    """
+
+    name = "arc"
+    __slots__ = ("c", "p", "t1", "t2", "b1", "b2", "leased", "n_leased", "adapted")
+
+    def __init__(self, num_slots: int = 0) -> None:
+        self.c = max(1, num_slots)
+        self.p = 0.0
+        self.t1: OrderedDict[bytes, "Entry"] = OrderedDict()
+        self.t2: OrderedDict[bytes, "Entry"] = OrderedDict()
+        self.b1: OrderedDict[bytes, None] = OrderedDict()
+        self.b2: OrderedDict[bytes, None] = OrderedDict()
+        self.leased: dict[bytes, int] = {}      # leased entry -> 1 (T1) or 2 (T2)
+        self.n_leased = [0, 0, 0]               # by list
+        self.adapted: OrderedDict[bytes, None] = OrderedDict()   # ghost keys whose victim adapted p
+
+    def __len__(self) -> int:
+        return len(self.t1) + len(self.t2)
+
+    def _adapt(self, k: bytes) -> bool:
+        """A miss on ``k``: move ``p`` if ``k`` is a ghost; whether it was."""
+        b1, b2 = self.b1, self.b2
+        if k in b1:
+            self.p = min(float(self.c), self.p + (1.0 if len(b1) >= len(b2) else len(b2) / len(b1)))
+        elif k in b2:
+            self.p = max(0.0, self.p - (1.0 if len(b2) >= len(b1) else len(b1) / len(b2)))
+        else:
+            return False
+        return True
+
+    def insert(self, e: "Entry") -> None:
+        k = e.key
+        b1, b2 = self.b1, self.b2
+        done = self.adapted.pop(k, 0) is None   # its victim adapted p already
+        if k in b1 or k in b2 or done:
+            if not done:
+                self._adapt(k)
+            b1.pop(k, None)
+            b2.pop(k, None)
+            self.t2[k] = e
+            return
+        c = self.c
+        l1 = len(self.t1) + self.n_leased[1] + len(b1)
+        if l1 >= c:
+            if b1:
+                b1.popitem(last=False)
+        elif b2 and l1 + len(self.t2) + self.n_leased[2] + len(b2) >= 2 * c:
+            b2.popitem(last=False)
+        self.t1[k] = e
+
+    def hit(self, e: "Entry") -> None:
+        k = e.key
+        t2 = self.t2
+        if self.t1.get(k) is e:
+            del self.t1[k]
+            t2[k] = e
+        elif t2.get(k) is e:
+            t2.move_to_end(k)
+        elif self.leased.get(k) == 1:
+            self.leased[k] = 2
+            self.n_leased[1] -= 1
+            self.n_leased[2] += 1
+
+    def lease(self, e: "Entry") -> None:
+        k = e.key
+        if self.t1.get(k) is e:
+            del self.t1[k]
+            q = 1
+        elif self.t2.get(k) is e:
+            del self.t2[k]
+            q = 2
+        else:
+            return
+        self.leased[k] = q
+        self.n_leased[q] += 1
+
+    def unlease(self, e: "Entry") -> None:
+        k = e.key
+        q = self.leased.pop(k, 0)
+        if q == 0:   # not leased here: a new entry as far as this policy knows
+            self.insert(e)
+            return
+        self.n_leased[q] -= 1
+        (self.t1 if q == 1 else self.t2)[k] = e
+
+    def remove(self, e: "Entry") -> None:
+        k = e.key
+        if self.t1.get(k) is e:
+            del self.t1[k]
+        elif self.t2.get(k) is e:
+            del self.t2[k]
+        elif k in self.leased:
+            self.n_leased[self.leased.pop(k)] -= 1
+
+    @staticmethod
+    def _oldest(od: "OrderedDict[bytes, Entry]", protect: Collection[bytes],
+                key: Optional[bytes]) -> Optional["Entry"]:
+        for k, e in od.items():
+            if k == key or k in protect:
+                continue
+            del od[k]
+            return e
+        return None
+
+    def victim(self, protect: Collection[bytes], key: Optional[bytes]) -> Optional["Entry"]:
+        t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
+        ghost = False
+        if key is not None:
+            ghost = key in self.adapted
+            if not ghost and self._adapt(key):
+                ghost = True
+                adapted = self.adapted
+                adapted[key] = None
+                if len(adapted) > self.c:
+                    adapted.popitem(last=False)
+        n1 = len(t1) + self.n_leased[1]
+        if key is not None and not ghost and n1 >= self.c:
+            e = self._oldest(t1, protect, key)   # T1 is the whole cache: its oldest goes, no ghost
+            if e is not None:
+                return e
+        in_b2 = key is not None and key in b2
+        from_t1 = n1 >= 1 and ((in_b2 and n1 == self.p) or n1 > self.p)
+        for od, ghosts in (((t1, b1), (t2, b2)) if from_t1 else ((t2, b2), (t1, b1))):
+            e = self._oldest(od, protect, key)
+            if e is not None:
+                ghosts[e.key] = None
+                if len(b1) + len(b2) > 2 * self.c:   # a safety net: REPLACE keeps them within 2c
+                    (b2 if b2 else b1).popitem(last=False)
+                return e
+        return None
+
+    def coldest(self, n: int) -> list["Entry"]:
+        """The next ``n`` victims by REPLACE for keys that are no ghosts."""
+        out: list["Entry"] = []
+        it1, it2 = iter(self.t1.values()), iter(self.t2.values())
+        r1, r2 = len(self.t1), len(self.t2)
+        n1 = r1 + self.n_leased[1]
+        p = self.p
+        while len(out) < n and (r1 or r2):
+            if (n1 >= 1 and n1 > p and r1) or not r2:
+                out.append(next(it1))
+                r1 -= 1
+                n1 -= 1
+            else:
+                out.append(next(it2))
+                r2 -= 1
+        return out
+
+
+# -- prefix-aware ----------------------------------------------------------------------------------
+
+_LEASED, _ORPHAN, _LEAF, _INNER = 0, 1, 2, 3
+
+
+class _Node:
+    __slots__ = ("entry", "parent", "t", "q", "orphan", "freq")
+
+    def __init__(self, entry: "Entry", t: int) -> None:
+        self.entry = entry
+        self.parent: Optional[bytes] = None   # the key before it in a prefix chain, when known
+        self.t = t                            # last use, on the policy's clock
+        self.q = _LEAF                        # the queue it is in (_LEASED: none)
+        self.orphan = False                   # its parent left this tier while it stayed
+        self.freq = 0                         # uses since it came (capped at 3): second chances as a leaf
+
+
+class PrefixLRU(Policy):
+    """Prefix-aware LRU for prefix caches: a block is only worth keeping while the blocks before it
+    in its chain are kept, so tails go before heads.
+
+    ``link(keys)`` tells each key its parent (the key before it).  The evictable entries are in three
+    queues, each least recently used first, and a victim comes from the first that has one:
+
+    1. orphans: a block whose parent left this tier while it stayed (a prefix lookup stops before it);
+    2. leaves: no child of it is in this tier (evictable or leased): the tails of the chains.  A
+       CLOCK: each use gives a leaf one more round (at most 3), so a reused block (a shared head, a
+       conversation's history) outlives a tail used once;
+    3. inner blocks (every leaf is protected or leased): their children become orphans.
+
+    When its last child leaves, a block becomes a leaf at the cold end of the leaves if it was used
+    no later than the coldest leaf (the rest of a cold chain goes next, tail first, unless a use gives
+    it another round), else at the hot end.  A head with many children stays an inner block while
+    any of them is here.  A block that comes back (a promote) adopts its children again; a key
+    evicted lately (a ghost, ``num_slots + 64`` of them) comes back with one round in hand.
+
+    Memory for links: parents of the entries held, and FIFOs of ``num_slots + 64`` keys not held
+    (links of keys linked by a lookup or a store before they are inserted, and of ghosts).
+    """
+
+    name = "prefix"
+    __slots__ = ("nodes", "children", "links", "links_max", "orphans", "leaves", "inner", "clock", "ghosts")
+
+    def __init__(self, num_slots: int = 0) -> None:
+        self.nodes: dict[bytes, _Node] = {}              # every entry held, evictable or leased
+        self.children: dict[bytes, set[bytes]] = {}      # parent key (held or not) -> its children held
+        self.links: OrderedDict[bytes, bytes] = OrderedDict()   # key not held -> its parent
+        self.links_max = max(1, num_slots) + 64
+        self.orphans: OrderedDict[bytes, _Node] = OrderedDict()
+        self.leaves: OrderedDict[bytes, _Node] = OrderedDict()
+        self.inner: OrderedDict[bytes, _Node] = OrderedDict()
+        self.clock = 0
+        self.ghosts: OrderedDict[bytes, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.orphans) + len(self.leaves) + len(self.inner)
+
+    def _queue(self, q: int) -> "OrderedDict[bytes, _Node]":
+        return self.orphans if q == _ORPHAN else self.leaves if q == _LEAF else self.inner
+
+    def _tick(self) -> int:
+        self.clock += 1
+        return self.clock
+
+    def _place(self, k: bytes, node: _Node) -> None:
+        """Put an evictable node at the hot end of the queue its state says."""
+        q = _ORPHAN if node.orphan else _INNER if self.children.get(k) else _LEAF
+        node.q = q
+        self._queue(q)[k] = node
+
+    def _requeue(self, k: bytes, node: _Node) -> None:
+        """An evictable node's state changed (orphaned, adopted, lost its last child)."""
+        if node.q == _LEASED:
+            return
+        del self._queue(node.q)[k]
+        if node.orphan or self.children.get(k):
+            self._place(k, node)
+            return
+        leaves = self.leaves   # a new leaf: the cold end when used no later than the coldest leaf
+        node.q = _LEAF
+        leaves[k] = node
+        for first in leaves.values():
+            if node.t <= first.t:
+                leaves.move_to_end(k, last=False)
+            break
+
+    def link(self, keys: Sequence[bytes]) -> None:
+        nodes, links = self.nodes, self.links
+        prev: Optional[bytes] = None
+        for k in keys:
+            if prev is not None and prev != k:
+                node = nodes.get(k)
+                if node is None:
+                    links[k] = prev
+                    links.move_to_end(k)
+                    if len(links) > self.links_max:
+                        links.popitem(last=False)
+                elif node.parent is None:
+                    self._adopt(k, node, prev)
+            prev = k
+
+    def _adopt(self, k: bytes, node: _Node, parent: bytes) -> None:
+        node.parent = parent
+        kids = self.children.get(parent)
+        if kids is None:
+            kids = self.children[parent] = set()
+        kids.add(k)
+        pn = self.nodes.get(parent)
+        if pn is not None and len(kids) == 1 and pn.q == _LEAF:
+            self._requeue(parent, pn)   # no longer a leaf
+
+    def insert(self, e: "Entry") -> None:
+        k = e.key
+        nodes = self.nodes
+        old = nodes.get(k)
+        if old is not None:   # not in the contract; keep the queues consistent anyway
+            self._drop(k, old, False)
+        node = nodes[k] = _Node(e, self._tick())
+        if k in self.ghosts:
+            del self.ghosts[k]
+            node.freq = 1
+        parent = self.links.pop(k, None)
+        if parent is not None and parent != k:
+            self._adopt(k, node, parent)
+        kids = self.children.get(k)
+        if kids:   # back in this tier: its children are no orphans any more
+            for c in kids:
+                cn = nodes[c]
+                if cn.orphan:
+                    cn.orphan = False
+                    self._requeue(c, cn)
+        self._place(k, node)
+
+    def hit(self, e: "Entry") -> None:
+        k = e.key
+        node = self.nodes.get(k)
+        if node is None or node.entry is not e:
+            return
+        node.t = self._tick()
+        if node.freq < 3:
+            node.freq += 1
+        if node.q == _ORPHAN or node.q == _INNER:   # a leaf's use is its frequency (CLOCK)
+            self._queue(node.q).move_to_end(k)
+
+    def lease(self, e: "Entry") -> None:
+        k = e.key
+        node = self.nodes.get(k)
+        if node is None or node.entry is not e or node.q == _LEASED:
+            return
+        del self._queue(node.q)[k]
+        node.q = _LEASED
+        node.t = self._tick()
+
+    def unlease(self, e: "Entry") -> None:
+        k = e.key
+        node = self.nodes.get(k)
+        if node is None or node.entry is not e:
+            self.insert(e)
+        elif node.q == _LEASED:
+            self._place(k, node)
+
+    def remove(self, e: "Entry") -> None:
+        node = self.nodes.get(e.key)
+        if node is not None and node.entry is e:
+            self._drop(e.key, node, False)
+
+    def _drop(self, k: bytes, node: _Node, evicted: bool) -> None:
+        """``node`` leaves the tier: its children become orphans, its parent may become a leaf."""
+        nodes, children = self.nodes, self.children
+        del nodes[k]
+        if node.q != _LEASED:
+            self._queue(node.q).pop(k, None)
+        kids = children.get(k)
+        if kids:   # kept (for a return of k) while any of them is held
+            for c in kids:
+                cn = nodes[c]
+                if not cn.orphan:
+                    cn.orphan = True
+                    self._requeue(c, cn)
+        parent = node.parent
+        if parent is not None:
+            sib = children.get(parent)
+            if sib is not None:
+                sib.discard(k)
+                if not sib:
+                    del children[parent]
+                    pn = nodes.get(parent)
+                    if pn is not None and pn.q == _INNER:
+                        self._requeue(parent, pn)
+        if evicted:
+            g = self.ghosts
+            g[k] = None
+            if len(g) > self.links_max:
+                g.popitem(last=False)
+        if parent is not None:
+            if evicted:   # remembered for a while: a promote of k links it again
+                links = self.links
+                links[k] = parent
+                if len(links) > self.links_max:
+                    links.popitem(last=False)
+
+    def victim(self, protect: Collection[bytes], key: Optional[bytes]) -> Optional["Entry"]:
+        for k, node in self.orphans.items():
+            if k != key and k not in protect:
+                self._drop(k, node, True)   # changes the queues: no next step of this loop
+                return node.entry
+        leaves = self.leaves
+        held: list[tuple[bytes, _Node]] = []   # protected: passed over, put back where they were
+        try:
+            while leaves:
+                k, node = leaves.popitem(last=False)
+                if k == key or k in protect:
+                    held.append((k, node))
+                elif node.freq > 0:            # used since it came: one more round
+                    node.freq -= 1
+                    leaves[k] = node
+                else:
+                    self._drop(k, node, True)
+                    return node.entry
+        finally:
+            for k, node in reversed(held):
+                leaves[k] = node
+                leaves.move_to_end(k, last=False)
+        for k, node in self.inner.items():
+            if k != key and k not in protect:
+                self._drop(k, node, True)
+                return node.entry
+        return None
+
+    def coldest(self, n: int) -> list["Entry"]:
+        """The next ``n`` victims: orphans, then leaves (their second chances and the parents a
+        leaf's eviction makes leaves foreseen, within ``8 n + 64`` steps), then inner blocks (the
+        children their eviction orphans not foreseen)."""
+        out: list["Entry"] = []
+        for node in self.orphans.values():
+            if len(out) >= n:
+                return out
+            out.append(node.entry)
+        nodes, children = self.nodes, self.children
+        gone: dict[bytes, int] = {}                 # parent -> children of it taken here
+        front: list[tuple[_Node, int]] = []         # new leaves at the cold end (last: first)
+        back: deque[tuple[_Node, int]] = deque()    # at the hot end: second chances, new leaves
+        taken: set[int] = set()
+        it = iter(self.leaves.values())
+        nxt = next(it, None)
+        budget = 8 * n + 64
+        while len(out) < n and budget > 0:
+            budget -= 1
+            if front:
+                node, f = front.pop()
+            elif nxt is not None:
+                node, f = nxt, nxt.freq
+                nxt = next(it, None)
+            elif back:
+                node, f = back.popleft()
+            else:
+                break
+            if f > 0:
+                back.append((node, f - 1))
+                continue
+            out.append(node.entry)
+            taken.add(id(node))
+            parent = node.parent
+            pn = None if parent is None else nodes.get(parent)
+            if pn is None or pn.q != _INNER:
+                continue
+            g = gone[parent] = gone.get(parent, 0) + 1
+            if g == len(children[parent]):            
+                head = front[-1][0] if front else nxt if nxt is not None else back[0][0] if back else None
+                (front if head is None or pn.t <= head.t else back).append((pn, pn.freq))
+        if len(out) < n:   # the rest in queue order (all of it unless the steps ran out)
+            rest = chain((nd for nd, _ in reversed(front)), () if nxt is None else (nxt,), it,
+                         (nd for nd, _ in back), self.inner.values())
+            for node in rest:
+                if len(out) >= n:
+                    break
+                if id(node) not in taken:
+                    taken.add(id(node))
+                    out.append(node.entry)
+        return out
+
+
+# -- admission -------------------------------------------------------------------------------------
+
+class SecondHit(Admission):
+    """Admits a key referenced before the reference that stores it: ``record`` counts references
+    in a bounded doorkeeper (the last ``4 num_slots`` distinct keys, at least 64), and ``admit`` wants
+    two of them (the one being admitted is recorded first)."""
+
+    name = "second_hit"
+    __slots__ = ("seen", "bound")
+
+    def __init__(self, num_slots: int = 0) -> None:
+        self.seen: OrderedDict[bytes, int] = OrderedDict()   # key -> references (1 or 2), newest last
+        self.bound = max(64, 4 * num_slots)
+
+    def record(self, key: bytes) -> None:
+        seen = self.seen
+        n = seen.get(key)
+        if n is None:
+            seen[key] = 1
+            if len(seen) > self.bound:
+                seen.popitem(last=False)
+        else:
+            seen[key] = 2
+            seen.move_to_end(key)
+
+    def admit(self, key: bytes, victim: Optional[bytes]) -> bool:
+        return self.seen.get(key, 0) >= 2
+
+
+_HALF = bytes(i >> 1 for i in range(256))
+_M64 = (1 << 64) - 1
+_SEEDS = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93)
+
+
+class TinyLFU(Admission):
+    """TinyLFU (Einziger et al.): a count-min sketch of 4 rows of 4-bit counters (a byte each, capped
+    at 15) behind a doorkeeper Bloom filter that takes a key's first reference.  Every ``10 num_slots``
+    references the counters halve and the doorkeeper clears (the counts age).  ``admit`` lets a key in
+    when no victim is named, else when it was referenced more often than the victim.
+    Hashes are CRC-32 based: the same keys give the same answers in every process."""
+
+    name = "tinylfu"
+    __slots__ = ("rows", "mask", "door", "door_mask", "window", "refs")
+
+    def __init__(self, num_slots: int = 0) -> None:
+        width = 16
+        while width < max(16, num_slots):
+            width <<= 1
+        self.rows = [bytearray(width) for _ in _SEEDS]
+        self.mask = width - 1
+        self.door = bytearray(width)          # 8 bits per slot of the tier
+        self.door_mask = 8 * width - 1
+        self.window = max(16, 10 * num_slots)
+        self.refs = 0
+
+    @staticmethod
+    def _hash(key: bytes) -> int:
+        h = zlib.crc32(key)
+        return ((h << 32) | zlib.crc32(key, h ^ 0x5BD1E995)) & _M64
+
+    def _in_door(self, h: int) -> bool:
+        door, m = self.door, self.door_mask
+        a, b = h & m, (h >> 32) & m
+        return bool(door[a >> 3] & (1 << (a & 7))) and bool(door[b >> 3] & (1 << (b & 7)))
+
+    def record(self, key: bytes) -> None:
+        h = self._hash(key)
+        if self._in_door(h):
+            mask = self.mask
+            for row, seed in zip(self.rows, _SEEDS):
+                i = (((h * seed) & _M64) >> 40) & mask
+                if row[i] < 15:
+                    row[i] += 1
+        else:
+            door, m = self.door, self.door_mask
+            a, b = h & m, (h >> 32) & m
+            door[a >> 3] |= 1 << (a & 7)
+            door[b >> 3] |= 1 << (b & 7)
+        self.refs += 1
+        if self.refs >= self.window:
+            self.age()
+
+    def age(self) -> None:
+        """Halve every counter and clear the doorkeeper (once a window)."""
+        self.refs = 0
+        self.rows = [row.translate(_HALF) for row in self.rows]
+        self.door = bytearray(len(self.door))
+
+    def frequency(self, key: bytes) -> int:
+        """The estimated references of ``key`` in the current window (the doorkeeper's one included)."""
+        h = self._hash(key)
+        mask = self.mask
+        est = min(row[(((h * seed) & _M64) >> 40) & mask] for row, seed in zip(self.rows, _SEEDS))
+        return est + self._in_door(h)
+
+    def admit(self, key: bytes, victim: Optional[bytes]) -> bool:
+        return victim is None or self.frequency(key) > self.frequency(victim)
+
+
+POLICIES: dict[str, type[Policy]] = {"lru": LRU, "s3fifo": S3FIFO, "arc": ARC, "prefix": PrefixLRU}
+ADMISSIONS: dict[str, type[Admission]] = {"all": AdmitAll, "second_hit": SecondHit, "tinylfu": TinyLFU}
+
+
+def make_policy(name: str, num_slots: int) -> Policy:
+    """The policy called ``name`` for a tier of ``num_slots`` slots (the config validated the name).
+    Every policy's constructor takes the tier's size (those that need none ignore it)."""
+    return POLICIES[name](num_slots)   # type: ignore[call-arg]
+
+
+def make_admission(name: str, num_slots: int) -> Admission:
+    """The admission filter called ``name`` for a tier of ``num_slots`` slots."""
+    return ADMISSIONS[name](num_slots)   # type: ignore[call-arg]

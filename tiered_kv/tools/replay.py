@@ -1,0 +1,334 @@
+"""``tiered-kv replay TRACE``: capacity planning from a real trace, through the real core.
+
+A Mooncake-format JSONL trace (``timestamp``, ``input_length``, ``output_length``, ``hash_ids``; one id
+per 512-token block, equal ids are shared prefix blocks) is replayed through a ``TierManager`` with
+tiny rows -- the engine loop of ``tiered-kv bench``'s trace section: per request ``lookup``, the hits
+loaded, the misses stored, one request a step (each sees what the one before stored, as the
+simulations do) -- under the chosen policies and admission filters,
+host tier (and disk tier when ``--disk`` is given) at the chosen sizes.  Beside it, at the same sizes,
+the offline simulations of :mod:`tiered_kv.tools.tracetools`: the same policies (what the replay should
+reach when nothing is shed), LRU, and Belady's offline bound, and what an unbounded cache would hit
+(every reuse in the trace: "the possible hits").  ``--model`` turns blocks into bytes, so the report
+reads "host N GiB + disk M GiB reach X% of the possible hits", and bytes written per tier (SSD wear).
+
+``--sweep PNG`` draws hit-ratio curves per policy and Belady's over host sizes (simulated: a sweep of
+the real core would take minutes per point); ``--json PATH`` writes every figure.  A malformed trace
+line is an error naming the file and the line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+__all__ = ["add_replay_command", "replay", "parse_size", "parse_model"]
+
+ROW_BYTES = 64            # the replay's rows: the control path, not the copies
+PER_STEP = 1              # requests per engine step: each request sees the blocks the one before stored
+DEFAULT_SWEEP = (0.01, 0.02, 0.05, 0.10)
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
+          "t": 1 << 40, "tib": 1 << 40, "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3, "tb": 1000 ** 4}
+
+
+def parse_size(text: str, distinct: int, block_bytes: int) -> int:
+    """A tier size in blocks: ``"4096"`` (blocks), ``"2%"`` (of the trace's distinct blocks) or ``"8GiB"``
+    (bytes of the model's blocks).  Raises ValueError naming the text."""
+    t = text.strip()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*%", t)
+    if m:
+        blocks = math.floor(float(m.group(1)) / 100 * distinct)
+    else:
+        m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([A-Za-z]*)", t)
+        if not m:
+            raise ValueError(f"size {text!r}: expected blocks (4096), a share of the distinct blocks (2%) or bytes (8GiB)")
+        num, unit = float(m.group(1)), m.group(2).lower()
+        if unit in ("", "blocks"):
+            if not num.is_integer():
+                raise ValueError(f"size {text!r}: a block count must be whole")
+            blocks = int(num)
+        elif unit in _UNITS:
+            blocks = int(num * _UNITS[unit]) // block_bytes
+        else:
+            raise ValueError(f"size {text!r}: unknown unit {m.group(2)!r} (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
+    if blocks < 1:
+        raise ValueError(f"size {text!r} is less than one block ({block_bytes} bytes, {distinct} distinct blocks)")
+    return blocks
+
+
+def parse_model(spec: Optional[str], dtype: Optional[str], tokens_per_block: int) -> tuple[int, str]:
+    """(bytes per block, a description): ``LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]`` or a Hugging Face
+    ``config.json`` path; None: Llama-3-8B's shape in bf16."""
+    from .tracetools import model_block_bytes, model_from_hf_config
+
+    if spec is None:
+        b = model_block_bytes(32, 8, 128, dtype or "bfloat16", tokens_per_block)
+        return b, f"Llama-3-8B shape (32 layers, 8 KV heads, head dim 128, {dtype or 'bfloat16'}), default"
+    parts = spec.split(",")
+    if len(parts) in (3, 4) and all(p.strip().isdigit() for p in parts[:3]):
+        layers, heads, hd = (int(p) for p in parts[:3])
+        dt = dtype or (parts[3].strip() if len(parts) == 4 else "bfloat16")
+        return (model_block_bytes(layers, heads, hd, dt, tokens_per_block),
+                f"{layers} layers, {heads} KV heads, head dim {hd}, {dt}")
+    shape = model_from_hf_config(spec, dtype=dtype, tokens_per_block=tokens_per_block)
+    return shape.block_bytes, (f"{spec}: {shape.layers} layers, {shape.kv_heads} KV heads, head dim {shape.head_dim}, "
+                               f"{shape.dtype}")
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} PiB"   # pragma: no cover
+
+
+def replay(requests: Sequence[Any], host_blocks: int, disk_blocks: int, *, host_policy: str = "lru",
+           disk_policy: str = "lru", host_admission: str = "all", disk_admission: str = "all",
+           write_mode: str = "through", scratch: Optional[str] = None, tokens_per_block: int = 512) -> dict[str, Any]:
+    """Replay ``requests`` (:class:`~tiered_kv.tools.tracetools.Request`) through a ``TierManager`` with
+    ``host_blocks`` host slots and, when ``disk_blocks`` > 0, a disk tier of that many blocks in a scratch
+    directory (removed after).  Returns counts (references, hits per tier, prefill tokens saved -- a hit
+    block's ``tokens_per_block``, a prompt's last block only its own tokens --, blocks written per tier,
+    shed, refused, evicted)."""
+    import torch
+    from prometheus_client import CollectorRegistry
+
+    from .. import TieredKVConfig, TierManager
+    from ..bench.trace import keys_of, replay_engine
+    from ..metrics import sample_total
+
+    reqs = keys_of([list(r.hash_ids) for r in requests])
+    rows = PER_STEP * max(len(k) for k in reqs)
+    tmp = tempfile.mkdtemp(prefix="tkv-replay-", dir=scratch) if disk_blocks else None
+    try:
+        cfg = TieredKVConfig(namespace="tiered-kv/replay", host_capacity_bytes=host_blocks * ROW_BYTES,
+                             disk_path=None if tmp is None else str(Path(tmp) / "disk"),
+                             disk_capacity_bytes=disk_blocks * ROW_BYTES, write_mode=write_mode,  # type: ignore[arg-type]
+                             host_policy=host_policy, disk_policy=disk_policy, host_admission=host_admission,
+                             disk_admission=disk_admission, host_evict_ahead_blocks=0, durability="none",
+                             max_inflight_jobs=max(4096, 4 * rows), writer_queue_blocks=max(256, rows))
+        mgr = TierManager(cfg, torch.zeros(rows, ROW_BYTES, dtype=torch.uint8), registry=CollectorRegistry())
+        for _ in range(8):   # the disk tier keeps room for write batches inside its capacity: add that room
+            held = mgr._core.dindex.num_slots if mgr._core.dindex is not None else disk_blocks
+            if held == disk_blocks:
+                break
+            mgr.close()
+            shutil.rmtree(str(Path(tmp) / "disk"), ignore_errors=True)   # type: ignore[arg-type]
+            cfg = cfg.replace(disk_capacity_bytes=cfg.disk_capacity_bytes + (disk_blocks - held) * ROW_BYTES)
+            mgr = TierManager(cfg, torch.zeros(rows, ROW_BYTES, dtype=torch.uint8), registry=CollectorRegistry())
+        try:
+            if held != disk_blocks:
+                raise ValueError(f"could not size a disk tier of {disk_blocks} blocks (it holds {held})")
+            per_request: list[int] = []
+            # with a disk tier, each step waits until its spills were written (no fsync: durability "none"),
+            # so that no hit is lost to a spill shed because the replay outran the writer
+            r = replay_engine(mgr, reqs, PER_STEP, per_request,
+                              after_step=None if tmp is None else lambda: mgr.flush(timeout=60))
+            mgr.flush(timeout=60)
+            mgr.poll()
+            reg = mgr.metrics.registry
+
+            def total(name: str, **labels: str) -> int:
+                return int(sample_total(reg, name, **labels))
+
+            out = {
+                "refs": r["refs"], "hits": r["hits"], "wall_s": r["wall_s"], "refs_per_s": r["refs_per_s"],
+                "tokens_saved": sum(min(n * tokens_per_block, q.input_length) for n, q in zip(per_request, requests)),
+                "input_tokens": sum(q.input_length for q in requests),
+                "host_hits": total("tiered_kv_lookup_hits_total", tier="host"),
+                "disk_hits": total("tiered_kv_lookup_hits_total", tier="disk"),
+                "host_blocks_written": total("tiered_kv_transfer_bytes_total", src="device", dst="host") // ROW_BYTES
+                + total("tiered_kv_transfer_bytes_total", src="disk", dst="host") // ROW_BYTES,
+                "disk_blocks_written": total("tiered_kv_transfer_bytes_total", src="host", dst="disk") // ROW_BYTES,
+                "stores_shed": total("tiered_kv_shed_total", kind="store"),
+                "spills_shed": total("tiered_kv_shed_total", kind="spill"),
+                "host_refused": total("tiered_kv_admission_refused_total", tier="host"),
+                "disk_refused": total("tiered_kv_admission_refused_total", tier="disk"),
+                "host_evictions": total("tiered_kv_evictions_total", tier="host"),
+                "disk_evictions": total("tiered_kv_evictions_total", tier="disk"),
+            }
+        finally:
+            mgr.close()
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    out["hit_ratio"] = out["hits"] / out["refs"] if out["refs"] else float("nan")
+    return out
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ..core.policy import ADMISSIONS, POLICIES
+    from .tracetools import TraceError, belady, read_trace, simulate, simulate_tiers, trace_stats
+
+    try:
+        requests = read_trace(args.trace, limit=args.requests)
+        block_bytes, model = parse_model(args.model, args.dtype, args.tokens_per_block)
+        stats = trace_stats(requests)
+        distinct = int(stats["distinct_blocks"])
+        host = parse_size(args.host, distinct, block_bytes)
+        disk = parse_size(args.disk, distinct, block_bytes) if args.disk else 0
+    except (TraceError, ValueError, OSError) as exc:
+        print(f"tiered-kv replay: {exc}", file=sys.stderr)
+        return 2
+    for name, value, known in (("--policy", args.policy, POLICIES),
+                               ("--disk-policy", args.disk_policy or args.policy, POLICIES),
+                               ("--host-admission", args.host_admission, ADMISSIONS),
+                               ("--disk-admission", args.disk_admission, ADMISSIONS)):
+        if value not in known:
+            print(f"tiered-kv replay: {name} {value!r}: known: {', '.join(sorted(known))}", file=sys.stderr)
+            return 2
+    disk_policy = args.disk_policy or args.policy
+    refs = int(stats["block_refs"])
+    say = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr))
+    say(f"trace {args.trace}: {len(requests)} requests, {refs} block references, {distinct} distinct blocks")
+    out: dict[str, Any] = {"trace": str(args.trace), "requests": len(requests), "block_refs": refs,
+                           "distinct_blocks": distinct, "block_bytes": block_bytes, "model": model,
+                           "host_blocks": host, "disk_blocks": disk, "host_policy": args.policy,
+                           "disk_policy": disk_policy, "host_admission": args.host_admission,
+                           "disk_admission": args.disk_admission, "write_mode": args.write_mode}
+    t0 = time.perf_counter()
+    say(f"replaying through the core: host {host} blocks" + (f", disk {disk} blocks" if disk else "") + " ...")
+    core = replay(requests, host, disk, host_policy=args.policy, disk_policy=disk_policy,
+                  host_admission=args.host_admission, disk_admission=args.disk_admission,
+                  write_mode=args.write_mode, scratch=args.scratch, tokens_per_block=args.tokens_per_block)
+    out["core"] = core
+    say(f"  {core['refs_per_s']:,.0f} block references/s ({time.perf_counter() - t0:.1f} s)")
+    say("simulating the same sizes: this policy, LRU, Belady, an unbounded cache ...")
+    if disk:
+        sim = simulate_tiers(requests, host, disk, args.policy, disk_policy, args.disk_admission,
+                             host_admission=args.host_admission, block_bytes=block_bytes, write_mode=args.write_mode)
+        lru = simulate_tiers(requests, host, disk, "lru", "lru", "all", block_bytes=block_bytes,
+                             write_mode=args.write_mode)
+        out["simulated"] = sim.as_dict()
+        out["lru"] = lru.as_dict()
+    else:
+        s1 = simulate(requests, host, args.policy, args.host_admission, block_bytes=block_bytes)
+        l1 = simulate(requests, host, "lru", "all", block_bytes=block_bytes)
+        out["simulated"] = s1.as_dict()
+        out["lru"] = l1.as_dict()
+    out["belady"] = belady(requests, host + disk, block_bytes=block_bytes).as_dict()
+    unbounded = simulate(requests, max(distinct, 1), "lru", "all", block_bytes=block_bytes)
+    out["possible"] = unbounded.as_dict()
+    possible = unbounded.hits
+    out["share_of_possible"] = core["hits"] / possible if possible else float("nan")
+    if args.sweep:
+        from ..bench.plots import matplotlib_missing
+
+        why = matplotlib_missing()
+        if why is not None:
+            print(f"tiered-kv replay: --sweep needs matplotlib (pip install 'tiered-kv[bench]'): {why}", file=sys.stderr)
+            return 2
+        from .tracetools import sweep
+
+        caps = [max(1, int(f * distinct)) for f in DEFAULT_SWEEP] if not args.sweep_sizes else \
+            [parse_size(s, distinct, block_bytes) for s in args.sweep_sizes.split(",")]
+        say(f"sweeping {len(caps)} host sizes x {len(POLICIES)} policies + Belady ...")
+        curves = sweep(requests, caps, list(POLICIES), admission=args.host_admission)
+        out["sweep"] = curves
+        _plot_sweep(curves, block_bytes, Path(args.sweep), str(args.trace))
+        say(f"wrote {args.sweep}")
+    _print(out)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=2, sort_keys=True, default=str)
+    return 0
+
+
+def _print(o: dict[str, Any]) -> None:
+    bb = o["block_bytes"]
+    core, sim, lru, bel, pos = o["core"], o["simulated"], o["lru"], o["belady"], o["possible"]
+    refs = o["block_refs"]
+    disk = o["disk_blocks"]
+    print(f"trace: {o['trace']} -- {o['requests']} requests, {refs} block references, "
+          f"{o['distinct_blocks']} distinct blocks")
+    print(f"model: {o['model']}: {_human(bb)} per block")
+    print(f"tiers: host {o['host_blocks']} blocks ({_human(o['host_blocks'] * bb)}, {o['host_policy']}, admission "
+          f"{o['host_admission']})" + (f", disk {disk} blocks ({_human(disk * bb)}, {o['disk_policy']}, admission "
+                                       f"{o['disk_admission']}, write-{o['write_mode']})" if disk else ", no disk tier"))
+    print()
+    rows = [("block hit ratio, all tiers", f"{core['hit_ratio']:.4f}", f"{sim['hit_ratio']:.4f}",
+             f"{lru['hit_ratio']:.4f}", f"{bel['hit_ratio']:.4f}", f"{pos['hit_ratio']:.4f}")]
+    if disk:
+        rows.append(("  host", f"{core['host_hits'] / refs:.4f}", f"{sim['host_hit_ratio']:.4f}",
+                     f"{lru['host_hit_ratio']:.4f}", "", ""))
+        rows.append(("  disk", f"{core['disk_hits'] / refs:.4f}", f"{sim['disk_hit_ratio']:.4f}",
+                     f"{lru['disk_hit_ratio']:.4f}", "", ""))
+        rows.append(("bytes written to disk", _human(core["disk_blocks_written"] * bb),
+                     _human(sim["disk_bytes_written"]), _human(lru["disk_bytes_written"]), "", ""))
+    rows.append(("bytes written to host", _human(core["host_blocks_written"] * bb),
+                 _human(sim.get("host_bytes_written", sim.get("bytes_written", 0))),
+                 _human(lru.get("host_bytes_written", lru.get("bytes_written", 0))), "", ""))
+    head = ("", "replay (core)", "simulated", "LRU", "Belady", "unbounded")
+    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+    for r in [head, *rows]:
+        print("  ".join(str(c).ljust(widths[0]) if i == 0 else str(c).rjust(widths[i]) for i, c in enumerate(r)))
+    print()
+    print(f"host {_human(o['host_blocks'] * bb)}" + (f" + disk {_human(disk * bb)}" if disk else "") +
+          f" reach {100 * o['share_of_possible']:.1f}% of the possible hits "
+          f"(an unbounded cache hits {100 * pos['hit_ratio']:.1f}% of block references; Belady at this size "
+          f"{100 * bel['hit_ratio']:.1f}%)")
+    ratio = core["hit_ratio"] / sim["hit_ratio"] if sim["hit_ratio"] else float("nan")
+    print(f"replay / simulated hit ratio: {ratio:.3f} (stores shed {core['stores_shed']}, spills shed "
+          f"{core['spills_shed']}); replay speed {core['refs_per_s']:,.0f} block references/s")
+
+
+def _plot_sweep(curves: dict[str, Any], block_bytes: int, path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    caps = curves["capacities"]
+    distinct = curves["distinct_blocks"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, ratios in curves["hit_ratio"].items():
+        ax.plot([100 * c / distinct for c in caps], ratios, marker="o",
+                linestyle="--" if name == "belady" else "-", label=name)
+    ax.set_xlabel(f"host tier, % of the trace's {distinct} distinct blocks")
+    ax.set_ylabel("block hit ratio")
+    ax.set_title(f"hit ratio by policy: {Path(title).name}")
+    ax.grid(True, alpha=0.3)
+    top = ax.secondary_xaxis("top", functions=(lambda p: p / 100 * distinct * block_bytes / (1 << 30),
+                                               lambda g: g * (1 << 30) / block_bytes / distinct * 100))
+    top.set_xlabel("GiB of host memory")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_replay_command(sub: Any) -> None:
+    from ..core.policy import ADMISSIONS, POLICIES
+
+    p = sub.add_parser("replay", help="replay a Mooncake-format trace through the core: hit ratio per tier beside "
+                                      "LRU and Belady's bound, bytes written, what a host/disk size reaches",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("trace", help="JSONL: timestamp, input_length, output_length, hash_ids (512-token blocks)")
+    p.add_argument("--requests", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--host", default="2%", help="host tier size: blocks (4096), share of distinct blocks (2%%), "
+                                                "or bytes (8GiB, of --model's blocks)")
+    p.add_argument("--disk", default=None, help="disk tier size, same forms (default: no disk tier)")
+    p.add_argument("--policy", default="lru", help=f"host tier policy: {', '.join(POLICIES)}")
+    p.add_argument("--disk-policy", default=None, help="disk tier policy (default: --policy)")
+    p.add_argument("--host-admission", default="all", help=f"host admission: {', '.join(ADMISSIONS)}")
+    p.add_argument("--disk-admission", default="all", help=f"disk admission: {', '.join(ADMISSIONS)}")
+    p.add_argument("--write-mode", default="through", choices=("through", "back"),
+                   help="the disk tier's write mode in the replay")
+    p.add_argument("--model", default=None, help="LAYERS,KV_HEADS,HEAD_DIM[,DTYPE] or a Hugging Face config.json "
+                                                 "(default: Llama-3-8B's shape, bf16)")
+    p.add_argument("--dtype", default=None, help="the KV cache dtype (overrides the model's)")
+    p.add_argument("--tokens-per-block", type=int, default=512)
+    p.add_argument("--sweep", metavar="PNG", default=None, help="also draw hit ratio by host size per policy")
+    p.add_argument("--sweep-sizes", default=None, help="host sizes of the sweep, comma separated (default 1%%,2%%,5%%,10%%)")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write every figure as JSON")
+    p.add_argument("--scratch", default=None, help="parent of the disk tier's scratch directory")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.set_defaults(func=_run)
