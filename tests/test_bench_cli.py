@@ -252,7 +252,7 @@ def test_the_trace_replay_gives_every_system_the_same_references(smoke: dict[str
 def test_a_malformed_trace_is_refused_naming_its_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "t.jsonl"
     bad.write_text('{"hash_ids": [1, 2]}\n\n{"hash_ids": [3, -1]}\n')
-    with pytest.raises(bench_trace.TraceError, match=r"t\.jsonl:3: 'hash_ids' must be a list of non-negative ints"):
+    with pytest.raises(bench_trace.TraceError, match=r"t\.jsonl:3: 'hash_ids' must be non-negative, got -1"):
         bench_trace.load_trace(bad)
     bad.write_text('{"hash_ids": [1]}\nnot json\n')
     with pytest.raises(bench_trace.TraceError, match=r"t\.jsonl:2: not JSON"):

@@ -512,13 +512,13 @@ def _replay(reqs: list[list[bytes]], slots: int, rows: int, url: Optional[str], 
 
 def _trace_part(url: str, clean: _Cleaner, run_id: str, trace: Optional[Union[str, Path]], requests: Optional[int],
                 log: Callable[[str], None]) -> dict[str, Any]:
-    from .trace import _TRACE_ENV, _TRACE_NAME, _keys, default_trace, load_trace
+    from .trace import _TRACE_ENV, _TRACE_NAME, default_trace, keys_of, load_trace
 
     path = Path(trace) if trace is not None else default_trace()
     if path is None:
         return {"skipped": f"no trace: pass --trace PATH or set {_TRACE_ENV} (benchmarks/traces/{_TRACE_NAME} "
                            f"in a source checkout)"}
-    reqs = _keys(load_trace(path, requests))
+    reqs = keys_of(load_trace(path, requests))
     distinct = len({k for r in reqs for k in r})
     longest = max(len(r) for r in reqs)
     want = math.ceil(TRACE_HOST_FRACTION * distinct)

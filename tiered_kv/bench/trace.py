@@ -21,8 +21,6 @@ Nothing here asserts a timing; :mod:`.report` applies the targets.
 from __future__ import annotations
 
 import gc
-import json
-import os
 import shutil
 import tempfile
 import time
@@ -35,9 +33,13 @@ from prometheus_client import CollectorRegistry
 from tiered_kv import TieredKVConfig, TierManager
 from tiered_kv.metrics import sample_total
 
+from ..tools.tracetools import TRACE_ENV as _TRACE_ENV
+from ..tools.tracetools import TRACE_NAME as _TRACE_NAME
+from ..tools.tracetools import TraceError, default_trace, read_trace
 from .common import LoadMonitor, as_mode, summarize
 
-__all__ = ["bench_trace", "load_trace", "default_trace", "TraceError", "PLANS", "ROW_BYTES", "keys_of", "replay_engine"]
+__all__ = ["bench_trace", "load_trace", "default_trace", "TraceError", "PLANS", "ROW_BYTES", "keys_of",
+           "replay_engine"]
 
 ROW_BYTES = 256
 HOST_SLOTS = 4096        # about 9% of the Mooncake trace's 43,924 distinct blocks
@@ -50,49 +52,13 @@ PLANS: dict[str, dict[str, Optional[int]]] = {
     "smoke": {"requests": 60, "repeats": 1},
 }
 
-_TRACE_ENV = "TIERED_KV_TRACE"
-_TRACE_NAME = "mooncake_synthetic_trace.jsonl"
-
-
-class TraceError(ValueError):
-    """A trace file that cannot be replayed; the message names the file and line."""
-
-
-def default_trace() -> Optional[Path]:
-    """``$TIERED_KV_TRACE``, else the Mooncake trace of a source checkout (``benchmarks/traces/``)."""
-    env = os.environ.get(_TRACE_ENV)
-    if env:
-        return Path(env)
-    p = Path(__file__).resolve().parents[2] / "benchmarks" / "traces" / _TRACE_NAME
-    return p if p.is_file() else None
-
 
 def load_trace(path: Union[str, Path], limit: Optional[int] = None) -> list[list[int]]:
-    """The ``hash_ids`` of each request of a Mooncake-format JSONL trace (the first ``limit``).
+    """The ``hash_ids`` of each request of a Mooncake-format JSONL trace (the first ``limit``): the one
+    reader, :func:`tiered_kv.tools.tracetools.read_trace`, needing only that field.
 
     Raises :class:`TraceError` naming the line of a malformed record."""
-    out: list[list[int]] = []
-    try:
-        f = open(path, encoding="utf-8")
-    except OSError as exc:
-        raise TraceError(f"cannot read trace {path}: {exc}") from None
-    with f:
-        for n, line in enumerate(f, 1):
-            if limit is not None and len(out) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError as exc:
-                raise TraceError(f"{path}:{n}: not JSON ({exc})") from None
-            ids = rec.get("hash_ids") if isinstance(rec, dict) else None
-            if not isinstance(ids, list) or not all(type(i) is int and i >= 0 for i in ids):
-                raise TraceError(f"{path}:{n}: 'hash_ids' must be a list of non-negative ints, got {ids!r:.80}")
-            out.append(ids)
-    if not out:
-        raise TraceError(f"{path}: no requests")
-    return out
+    return [list(r.hash_ids) for r in read_trace(path, limit, ids_only=True)]
 
 
 def keys_of(requests: list[list[int]]) -> list[list[bytes]]:

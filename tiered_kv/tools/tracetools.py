@@ -39,13 +39,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Optional, Union
 
-from ..bench.trace import TraceError, default_trace
 from ..core.index import Entry, EntryState
 from ..core.policy import ADMISSIONS, POLICIES, Admission, AdmitAll, Policy
 
 __all__ = [
     "BLOCK_TOKENS", "DTYPE_BYTES", "DEFAULT_BLOCK_BYTES", "Request", "SimResult", "TierSimResult", "ModelShape",
-    "TraceError", "read_trace", "write_trace", "trace_stats", "prefix_consistent", "simulate", "belady",
+    "TraceError", "default_trace", "TRACE_ENV", "TRACE_NAME", "read_trace", "write_trace", "trace_stats", "prefix_consistent", "simulate", "belady",
     "simulate_tiers", "sweep", "model_block_bytes", "model_from_hf_config", "gen_chat", "gen_agent", "main",
 ]
 
@@ -53,6 +52,23 @@ log = logging.getLogger(__name__)
 
 BLOCK_TOKENS = 512
 _FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+TRACE_ENV = "TIERED_KV_TRACE"
+TRACE_NAME = "mooncake_synthetic_trace.jsonl"
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be replayed; the message names the file and line."""
+
+
+def default_trace() -> Optional[Path]:
+    """``$TIERED_KV_TRACE``, else the Mooncake trace of a source checkout (``benchmarks/traces/``)."""
+    import os
+
+    env = os.environ.get(TRACE_ENV)
+    if env:
+        return Path(env)
+    p = Path(__file__).resolve().parents[2] / "benchmarks" / "traces" / TRACE_NAME
+    return p if p.is_file() else None
 
 # Bytes per element of the KV cache's dtype (aliases as Hugging Face configs and torch spell them).
 DTYPE_BYTES: dict[str, int] = {
@@ -80,13 +96,15 @@ def _bad(path: Union[str, Path], n: int, what: str) -> TraceError:
     return TraceError(f"{path}:{n}: {what}")
 
 
-def _parse(path: Union[str, Path], n: int, line: str) -> Request:
+def _parse(path: Union[str, Path], n: int, line: str, ids_only: bool = False) -> Request:
     try:
         rec = json.loads(line)
     except ValueError as exc:
         raise _bad(path, n, f"not JSON ({exc})") from None
     if not isinstance(rec, dict):
         raise _bad(path, n, f"expected a JSON object, got {type(rec).__name__}")
+    if ids_only:   # the bench's replays need the block ids alone: the other fields get neutral values
+        rec = {"timestamp": 0, "input_length": 0, "output_length": 0, **rec}
     for f in _FIELDS:
         if f not in rec:
             raise _bad(path, n, f"missing field {f!r}")
@@ -112,13 +130,14 @@ def _parse(path: Union[str, Path], n: int, line: str) -> Request:
     return Request(ts, rec["input_length"], rec["output_length"], tuple(ids))
 
 
-def read_trace(path: Union[str, Path], limit: Optional[int] = None) -> list[Request]:
-    """The requests of a Mooncake-format JSONL trace (the first ``limit``; blank lines are skipped).
+def read_trace(path: Union[str, Path], limit: Optional[int] = None, ids_only: bool = False) -> list[Request]:
+    """The requests of a Mooncake-format JSONL trace (the first ``limit``; blank lines are skipped): the one
+    trace reader (the bench's :func:`~tiered_kv.bench.trace.load_trace` is this with ``ids_only``).
 
-    Unlike :func:`tiered_kv.bench.trace.load_trace` (``hash_ids`` only), every field is kept and
-    checked.  Raises :class:`~tiered_kv.bench.trace.TraceError` naming the file and line of a line that
-    is not JSON, not an object, lacks a field, has a field of the wrong type or a negative value; and
-    naming the file when it cannot be read or holds no request."""
+    Every field is checked; ``ids_only``: only ``hash_ids`` is required (a missing timestamp or length
+    reads as 0).  Raises :class:`TraceError` naming the file and line of a line that is not JSON, not
+    an object, lacks a field, has a field of the wrong type or a negative value; and naming the file
+    when it cannot be read or holds no request."""
     if limit is not None and (type(limit) is not int or limit < 1):
         raise ValueError(f"limit must be a positive int or None, got {limit!r}")
     out: list[Request] = []
@@ -133,7 +152,7 @@ def read_trace(path: Union[str, Path], limit: Optional[int] = None) -> list[Requ
                     break
                 if not line.strip():
                     continue
-                out.append(_parse(path, n, line))
+                out.append(_parse(path, n, line, ids_only))
         except UnicodeDecodeError as exc:
             raise TraceError(f"{path}: not UTF-8 text ({exc})") from None
     if not out:
