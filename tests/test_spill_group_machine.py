@@ -28,9 +28,9 @@ ROWS = 16
 LOAD_ROW = 12          # store rows are 0..3; loads go here
 
 
-def _manager(path: Path, kv):
+def _manager(path: Path, kv, policy: str = "lru"):
     cfg = make_config(host_slots=4, disk_path=path, disk_capacity_bytes=64 * 128,
-                      writer_batch_seconds=0.0, host_evict_ahead_blocks=0)
+                      writer_batch_seconds=0.0, host_evict_ahead_blocks=0, host_policy=policy, disk_policy=policy)
     return make_fake_manager(cfg, kv)
 
 
@@ -59,12 +59,14 @@ def _load_checked(mgr, mover, kv, key: bytes, row: int) -> bool:
 
 
 class SpillGroupMachine(RuleBasedStateMachine):
+    policy = "lru"   # host_policy and disk_policy
+
     def __init__(self) -> None:
         super().__init__()
         self.dir = Path(tempfile.mkdtemp(prefix="tkv-spill-groups-"))
         self.path = self.dir / "d"
         self.kv = make_kv(ROWS)
-        self.mgr, self.mover = _manager(self.path, self.kv)
+        self.mgr, self.mover = _manager(self.path, self.kv, self.policy)
         self.gate = WriterGate(block_from=1, max_hold=30)
         self.mgr.disk.fault_hook = self.gate
         self.gone: set[bytes] = set()       # invalidated since last stored
@@ -125,7 +127,7 @@ class SpillGroupMachine(RuleBasedStateMachine):
             on_disk = raw_keys(self.path)
             assert not on_disk & self.gone, f"invalidated keys on disk: {sorted(on_disk & self.gone)}"
             kv = make_kv(ROWS)
-            mgr, mover = _manager(self.path, kv)
+            mgr, mover = _manager(self.path, kv, self.policy)
             try:
                 for k in sorted(on_disk):
                     assert _load_checked(mgr, mover, kv, k, LOAD_ROW), f"{k!r} on disk but not readable"
@@ -137,3 +139,16 @@ class SpillGroupMachine(RuleBasedStateMachine):
 
 SpillGroupMachine.TestCase.settings = sm_settings(60, 40)
 test_spill_group_state_machine = SpillGroupMachine.TestCase
+
+
+# the same machine with the host and disk tiers under each other eviction policy (fewer examples each):
+# the leases and tombstones are the index's, whatever order the policy evicts in
+def _under(policy: str) -> type:
+    m = type(f"SpillGroupMachine_{policy}", (SpillGroupMachine,), {"policy": policy})
+    m.TestCase.settings = sm_settings(20, 30)
+    return m.TestCase
+
+
+test_spill_group_state_machine_s3fifo = _under("s3fifo")
+test_spill_group_state_machine_arc = _under("arc")
+test_spill_group_state_machine_prefix = _under("prefix")

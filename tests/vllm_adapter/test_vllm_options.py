@@ -67,6 +67,17 @@ def test_every_config_field_is_either_a_key_or_refused_and_defaults_are_tieredkv
         assert tkv_vllm.OPTIONS[k] == (None if default is dataclasses.MISSING else default), k
 
 
+def test_vllms_eviction_policy_key_names_the_host_policy(model_dir: str, tmp_path: Path) -> None:
+    p = _pair(model_dir, tmp_path, eviction_policy="arc")
+    try:
+        assert p.mgr.tiers.config.host_policy == "arc" and p.mgr.tiers.index.policy.name == "arc"
+    finally:
+        p.close()
+    with pytest.raises(ConfigError, match="eviction_policy='arc' and host_policy='lru' disagree"):
+        OffloadingSpecFactory.create_spec(offloading_config(model_dir, tkv_extra(tmp_path, eviction_policy="arc",
+                                                                                  host_policy="lru")))
+
+
 def test_defaults_reach_the_scheduler_and_the_worker_unchanged(model_dir: str, tmp_path: Path) -> None:
     p = _pair(model_dir, tmp_path)
     try:
@@ -85,7 +96,8 @@ def test_defaults_reach_the_scheduler_and_the_worker_unchanged(model_dir: str, t
     ("namespace", "tenant-a/model"), ("durability", "sync"), ("write_mode", "back"), ("max_inflight_jobs", 3),
     ("copy_batch_max", 5), ("host_evict_ahead_blocks", 4), ("pin_host_memory", False), ("max_key_bytes", 100),
     ("writer_queue_blocks", 10), ("writer_batch_blocks", 7), ("writer_batch_bytes", 1 << 20),
-    ("writer_batch_seconds", 0.05), ("disk_map_size_bytes", 1 << 24),
+    ("writer_batch_seconds", 0.05), ("disk_map_size_bytes", 1 << 24), ("host_policy", "arc"),
+    ("disk_policy", "s3fifo"), ("host_admission", "tinylfu"), ("disk_admission", "second_hit"),
 ])
 def test_each_key_reaches_the_config_both_sides_use(model_dir: str, tmp_path: Path, key: str, value: Any) -> None:
     p = _pair(model_dir, tmp_path, **{key: value})
