@@ -95,6 +95,14 @@ def test_a_malformed_trace_line_is_named(tmp_path: Path, capsys: pytest.CaptureF
     assert f"{p}:2:" in capsys.readouterr().err
 
 
+def test_the_report_prints_every_column(small_trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", str(small_trace), "--host", "2%", "--disk", "4%", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    for label in ("block hit ratio, all tiers", "prefill tokens saved", "bytes written to disk", "bytes written to host",
+                  "replay (core)", "simulated", "Belady", "unbounded", "of the possible hits", "replay / simulated"):
+        assert label in out, label
+
+
 def test_bad_options_are_named(small_trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["replay", str(small_trace), "--policy", "mru", "--quiet"]) == 2
     assert "--policy 'mru'" in capsys.readouterr().err

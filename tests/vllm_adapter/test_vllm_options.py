@@ -70,7 +70,7 @@ def test_every_config_field_is_either_a_key_or_refused_and_defaults_are_tieredkv
 def test_vllms_eviction_policy_key_names_the_host_policy(model_dir: str, tmp_path: Path) -> None:
     p = _pair(model_dir, tmp_path, eviction_policy="arc")
     try:
-        assert p.mgr.tiers.config.host_policy == "arc" and p.mgr.tiers.index.policy.name == "arc"
+        assert p.mgr.tiers.config.host_policy == "arc" and p.mgr.tiers.core.index.policy.name == "arc"
     finally:
         p.close()
     with pytest.raises(ConfigError, match="eviction_policy='arc' and host_policy='lru' disagree"):

@@ -263,6 +263,9 @@ def _print(o: dict[str, Any]) -> None:
                      f"{lru['disk_hit_ratio']:.4f}", "", ""))
         rows.append(("bytes written to disk", _human(core["disk_blocks_written"] * bb),
                      _human(sim["disk_bytes_written"]), _human(lru["disk_bytes_written"]), "", ""))
+    rows.append(("prefill tokens saved", f"{core['tokens_saved'] / core['input_tokens']:.4f}",
+                 f"{sim['tokens_saved'] / sim['input_tokens']:.4f}", f"{lru['tokens_saved'] / lru['input_tokens']:.4f}",
+                 f"{bel['tokens_saved'] / bel['input_tokens']:.4f}", f"{pos['tokens_saved'] / pos['input_tokens']:.4f}"))
     rows.append(("bytes written to host", _human(core["host_blocks_written"] * bb),
                  _human(sim.get("host_bytes_written", sim.get("bytes_written", 0))),
                  _human(lru.get("host_bytes_written", lru.get("bytes_written", 0))), "", ""))
