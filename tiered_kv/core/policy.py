@@ -22,6 +22,10 @@ with the key the tier would evict for it (None when a slot is free).  A refused 
 already stored: admission only gates new entries.
 
 Every call runs on the owner thread (the index's caller); nothing here locks.
+
+Why one module of this size: every policy and filter here implements the one contract of the tables
+above, which the index relies on (a policy never returns a leased entry); kept beside it, each can be
+checked against it line by line, and tests/test_policies.py runs one contract machine over them all.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Trace tooling: read Mooncake-format traces, replay them through the eviction policies offline, bound
-them with Belady's optimum, size KV blocks from a model's config, and generate synthetic traces.
+them with Belady's optimum, and size KV blocks from a model's config.
 
 The cache model (every simulator here).  A trace is a list of requests; each request names its
 prompt's blocks (``hash_ids``, one per 512-token block; equal ids are equal prefix blocks).  Per
@@ -16,22 +16,20 @@ tokens the hits save and the bytes each tier writes (inserts x block bytes).  No
 real tier: policies from :data:`~tiered_kv.core.policy.POLICIES` are driven directly, holding fake
 :class:`~tiered_kv.core.index.Entry` objects that are READY and never leased.
 
-Command line (prints; everything else returns data)::
+Generating synthetic traces: :mod:`tiered_kv.tools.tracegen`.  The command line is ``tiered-kv replay``
+(:mod:`tiered_kv.tools.replay`).
 
-    python -m tiered_kv.tools.tracetools generate chat|agent OUT --requests N --seed S
-    python -m tiered_kv.tools.tracetools stats TRACE
-    python -m tiered_kv.tools.tracetools sweep TRACE [--fractions 0.01,0.02,0.05,0.1] [--policies lru,...]
+Why one module of this size: reading, simulating and bounding share the one cache model above (a
+simulator and Belady's bound must count the same hits over the same references) and its records
+(:class:`Request`, :class:`SimResult`); split, each half would restate it.
 """
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import json
 import logging
 import math
-import random
-import sys
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -45,7 +43,7 @@ from ..core.policy import ADMISSIONS, POLICIES, Admission, AdmitAll, Policy
 __all__ = [
     "BLOCK_TOKENS", "DTYPE_BYTES", "DEFAULT_BLOCK_BYTES", "Request", "SimResult", "TierSimResult", "ModelShape",
     "TraceError", "default_trace", "TRACE_ENV", "TRACE_NAME", "read_trace", "write_trace", "trace_stats", "prefix_consistent", "simulate", "belady",
-    "simulate_tiers", "sweep", "model_block_bytes", "model_from_hf_config", "gen_chat", "gen_agent", "main",
+    "simulate_tiers", "sweep", "model_block_bytes", "model_from_hf_config",
 ]
 
 log = logging.getLogger(__name__)
@@ -747,215 +745,3 @@ def model_from_hf_config(path_or_dict: Union[str, Path, Mapping[str, Any]], dtyp
     _positive("tokens_per_block", tokens_per_block)
     name = dtype.strip().lower()
     return ModelShape(layers, kv_heads, head_dim, name[6:] if name.startswith("torch.") else name, tokens_per_block)
-
-
-# ----------------------------------------------------------------------------------- generators
-
-class _Ids:
-    """Fresh block ids in order of first appearance (as Mooncake's remapped ids are)."""
-
-    def __init__(self) -> None:
-        self.next = 0
-
-    def take(self, n: int) -> list[int]:
-        out = list(range(self.next, self.next + n))
-        self.next += n
-        return out
-
-
-class _Context:
-    """A growing prompt: the ids of its full blocks (stable while it grows) and its length in tokens.
-    Each request re-sends the whole context; new full blocks and the partial last block get fresh ids
-    (the partial one's content changes as the context grows, so its prefix hash does)."""
-
-    __slots__ = ("stable", "tokens")
-
-    def __init__(self, stable: list[int], tokens: int) -> None:
-        self.stable = stable
-        self.tokens = tokens
-
-    def request(self, ids: _Ids, ts: int, output: int) -> Request:
-        full, part = divmod(self.tokens, BLOCK_TOKENS)
-        have = len(self.stable)
-        if full > have:
-            self.stable = self.stable + ids.take(full - have)
-        out = self.stable[:full] + (ids.take(1) if part else [])
-        return Request(ts, self.tokens, output, tuple(out))
-
-
-def _check_gen(n_requests: int, seed: int) -> None:
-    if type(n_requests) is not int or n_requests < 1:
-        raise ValueError(f"n_requests must be a positive int, got {n_requests!r}")
-    if type(seed) is not int:
-        raise ValueError(f"seed must be an int, got {seed!r}")
-
-
-def _lognormal(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
-    return max(lo, min(hi, int(rng.lognormvariate(math.log(median), sigma))))
-
-
-def _shared_prefixes(rng: random.Random, n: int, lo_blocks: int, hi_blocks: int) -> list[tuple[int, list[int]]]:
-    """``n`` shared prompts: (tokens, ids of their full blocks, given at first use)."""
-    return [(rng.randint(lo_blocks * BLOCK_TOKENS, hi_blocks * BLOCK_TOKENS), []) for _ in range(n)]
-
-
-def _prefix_start(ids: _Ids, prefix: tuple[int, list[int]]) -> _Context:
-    tokens, stable = prefix
-    full = tokens // BLOCK_TOKENS
-    if not stable:
-        stable.extend(ids.take(full))
-    return _Context(list(stable), tokens)
-
-
-def gen_chat(n_requests: int, seed: int) -> list[Request]:
-    """A seeded multi-turn chat trace (Mooncake format, 512-token blocks).
-
-    8 system prompts of 4-16 blocks (Zipf popularity: weight 1/rank); 256 sessions in flight,
-    interleaved at random (each request advances a uniformly chosen one); each turn re-sends the
-    conversation so far plus a user message (median 150 tokens; 8% pastes of 1.5k-8k), and its answer
-    (median 250 tokens, at most 2k) joins the context for the next turn.  A session ends after each
-    turn with probability 1/8, or when its context passes 24k tokens; a new one takes its place.  Poisson arrivals, mean 250 ms,
-    integer ms timestamps strictly increasing."""
-    _check_gen(n_requests, seed)
-    rng = random.Random(f"chat/{seed}")
-    ids = _Ids()
-    prompts = _shared_prefixes(rng, 8, 4, 16)
-    weights = [1.0 / (i + 1) for i in range(len(prompts))]
-
-    def user() -> int:
-        if rng.random() < 0.08:
-            return rng.randint(1500, 8000)
-        return _lognormal(rng, 150, 1.0, 5, 4000)
-
-    def new_session() -> _Context:
-        return _prefix_start(ids, rng.choices(prompts, weights)[0])
-
-    sessions = [new_session() for _ in range(256)]
-    out: list[Request] = []
-    ts = 0
-    for _ in range(n_requests):
-        i = rng.randrange(len(sessions))
-        s = sessions[i]
-        s.tokens += user()
-        answer = _lognormal(rng, 250, 0.8, 1, 2048)
-        out.append(s.request(ids, ts, answer))
-        s.tokens += answer
-        if rng.random() < 1 / 8 or s.tokens > 24_000:
-            sessions[i] = new_session()
-        ts += max(1, round(rng.expovariate(1 / 250)))
-    return out
-
-
-def gen_agent(n_requests: int, seed: int) -> list[Request]:
-    """A seeded agent (tool-calling loop) trace (Mooncake format, 512-token blocks).
-
-    128 agents in flight, interleaved at random.  An agent's context starts with one of 4 long shared
-    tool-description prefixes of 8-24 blocks (60% of agents, Zipf popularity) or a private system
-    prompt of 1-4 blocks, then a task (200-3k tokens).  Each step re-sends the full context; the
-    step's output (a tool call, median 120 tokens) and the tool's result (median 400 tokens; 10% file
-    reads of 2k-8k) join the context.  An agent stops after each step with probability 1/25 or once
-    its context passes 48k tokens; 5% of steps also fork a sub-agent that starts from the parent's
-    context (sharing it as a prefix) with its own sub-task.  Poisson arrivals, mean 50 ms."""
-    _check_gen(n_requests, seed)
-    rng = random.Random(f"agent/{seed}")
-    ids = _Ids()
-    tools = _shared_prefixes(rng, 4, 8, 24)
-    weights = [1.0 / (i + 1) for i in range(len(tools))]
-
-    def new_agent() -> _Context:
-        if rng.random() < 0.6:
-            c = _prefix_start(ids, rng.choices(tools, weights)[0])
-        else:
-            c = _Context([], rng.randint(BLOCK_TOKENS, 4 * BLOCK_TOKENS))
-        c.tokens += rng.randint(200, 3000)
-        return c
-
-    agents = [new_agent() for _ in range(128)]
-    out: list[Request] = []
-    ts = 0
-    for _ in range(n_requests):
-        i = rng.randrange(len(agents))
-        a = agents[i]
-        call = _lognormal(rng, 120, 0.7, 5, 1500)
-        out.append(a.request(ids, ts, call))
-        a.tokens += call
-        a.tokens += rng.randint(2000, 8000) if rng.random() < 0.1 else _lognormal(rng, 400, 1.0, 10, 6000)
-        if rng.random() < 0.05:   # a sub-agent from here: the parent's blocks so far are its prefix
-            j = rng.randrange(len(agents))
-            full = a.tokens // BLOCK_TOKENS
-            if full > len(a.stable):
-                a.stable = a.stable + ids.take(full - len(a.stable))
-            if j != i:
-                agents[j] = _Context(a.stable[:full], full * BLOCK_TOKENS + rng.randint(100, 1500))
-        if rng.random() < 1 / 25 or a.tokens > 48_000:
-            agents[i] = new_agent()
-        ts += max(1, round(rng.expovariate(1 / 50)))
-    return out
-
-
-GENERATORS = {"chat": gen_chat, "agent": gen_agent}
-
-
-# ------------------------------------------------------------------------------------------ CLI
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tiered_kv.tools.tracetools",
-                                description="Mooncake-format trace tools: generate, stats, policy sweeps.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("generate", help="write a seeded synthetic trace")
-    g.add_argument("kind", choices=sorted(GENERATORS))
-    g.add_argument("out", type=Path)
-    g.add_argument("--requests", type=int, default=20_000)
-    g.add_argument("--seed", type=int, default=0)
-    s = sub.add_parser("stats", help="shape of a trace")
-    s.add_argument("trace", type=Path, nargs="?")
-    w = sub.add_parser("sweep", help="hit ratios of each policy and Belady at fractions of the distinct blocks")
-    w.add_argument("trace", type=Path, nargs="?")
-    w.add_argument("--fractions", default="0.01,0.02,0.05,0.1")
-    w.add_argument("--policies", default=None, help="comma-separated (default: all of POLICIES)")
-    w.add_argument("--limit", type=int, default=None, help="first N requests only")
-    w.add_argument("--json", action="store_true", help="print JSON")
-    return p
-
-
-def _trace_arg(path: Optional[Path]) -> Path:
-    if path is not None:
-        return path
-    d = default_trace()
-    if d is None:
-        raise SystemExit("no trace given and no default trace found")
-    return d
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = _parser().parse_args(argv)
-    try:
-        if args.cmd == "generate":
-            reqs = GENERATORS[args.kind](args.requests, args.seed)
-            write_trace(args.out, reqs)
-            print(json.dumps({"out": str(args.out), **trace_stats(reqs)}, indent=1))
-        elif args.cmd == "stats":
-            print(json.dumps(trace_stats(read_trace(_trace_arg(args.trace))), indent=1))
-        else:
-            reqs = read_trace(_trace_arg(args.trace), args.limit)
-            distinct = len({h for r in reqs for h in r.hash_ids})
-            fr = [float(x) for x in args.fractions.split(",") if x.strip()]
-            caps = [max(1, round(f * distinct)) for f in fr]
-            pols = args.policies.split(",") if args.policies else None
-            res = sweep(reqs, caps, pols)
-            res["fractions"] = fr
-            if args.json:
-                print(json.dumps(res, indent=1))
-            else:
-                print(f"{len(reqs)} requests, {res['block_refs']:,} block refs, {distinct:,} distinct blocks")
-                print(f"{'policy':12s}" + "".join(f"{f:>9.0%}" for f in fr) + "    seconds")
-                for name, hr in res["hit_ratio"].items():
-                    print(f"{name:12s}" + "".join(f"{x:9.4f}" for x in hr) + f"  {res['seconds'][name]:9.2f}")
-    except (TraceError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
