@@ -127,9 +127,9 @@ class TieredKVConfig:
         ``"all"`` (the default), ``"second_hit"`` (a block seen once before: a
         bounded memory of recent keys) or ``"tinylfu"`` (a block seen more often
         than the one it would evict).  A reference is a lookup that asked for
-        the key or a store of it.  A refused block costs nothing already stored:
-        on the disk tier it is simply not written (SSD wear), on the host tier
-        the store is shed (``reason="not_admitted"``).
+        the key.  A refused block costs nothing already stored: on the disk tier
+        it is simply not written (SSD wear), on the host tier the store is not
+        made; both are counted in ``tiered_kv_admission_refused_total``.
     """
 
     namespace: str
