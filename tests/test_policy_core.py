@@ -26,12 +26,12 @@ HOST_SLOTS = 12
 DISK_SLOTS = 24
 
 
-def manager(tmp: Optional[Path], **kw: Any) -> TierManager:
+def manager(tmp: Optional[Path], host_slots: int = HOST_SLOTS, **kw: Any) -> TierManager:
     kv = make_kv(ROWS)
     disk: dict[str, Any] = {}
     if tmp is not None:
         disk = dict(disk_path=str(tmp / "disk"), disk_capacity_bytes=DISK_SLOTS * ROW_BYTES, disk_io="thread")
-    cfg = TieredKVConfig(namespace="policy-test", host_capacity_bytes=HOST_SLOTS * ROW_BYTES,
+    cfg = TieredKVConfig(namespace="policy-test", host_capacity_bytes=host_slots * ROW_BYTES,
                          host_evict_ahead_blocks=0, **disk, **kw)
     mgr = TierManager(cfg, kv, registry=CollectorRegistry())
     mgr._test_kv = kv   # type: ignore[attr-defined]
@@ -77,7 +77,8 @@ def test_every_policy_keeps_the_leases_under_a_random_engine(policy: str, admiss
     under ``policy`` (and ``admission`` on the disk tier: this engine makes no lookups, so a filter on the
     host would refuse every store): no load or host slot ever holds another key's bytes, every job is
     reported once."""
-    mgr = manager(tmp_path, host_policy=policy, disk_policy=policy, disk_admission=admission)
+    # 24 host slots: the engine's stores in flight (their copies wait for the next poll) leave room to evict
+    mgr = manager(tmp_path, host_slots=24, host_policy=policy, disk_policy=policy, disk_admission=admission)
     kv = mgr._test_kv   # type: ignore[attr-defined]
     with mgr:
         ok_loads, ok_stores = random_engine(

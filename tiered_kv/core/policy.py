@@ -72,6 +72,8 @@ class Policy:
     def coldest(self, n: int) -> list["Entry"]:   # pragma: no cover
         raise NotImplementedError
 
+    uses_links = False   # True: the index calls link() (the others ignore the prefix structure: no call)
+
     def link(self, keys: Sequence[bytes]) -> None:
         """Most policies ignore the prefix structure."""
 
@@ -109,6 +111,12 @@ class LRU(Policy):
 
     def victim(self, protect: Collection[bytes], key: Optional[bytes]) -> Optional["Entry"]:
         od = self.od
+        if not od:
+            return None
+        k, e = next(iter(od.items()))   # the oldest, in C: the common case (not protected) scans no further
+        if k != key and k not in protect:
+            del od[k]
+            return e
         for k, e in od.items():
             if k == key or k in protect:
                 continue
@@ -577,6 +585,8 @@ class PrefixLRU(Policy):
             if node.t <= first.t:
                 leaves.move_to_end(k, last=False)
             break
+
+    uses_links = True
 
     def link(self, keys: Sequence[bytes]) -> None:
         nodes, links = self.nodes, self.links
