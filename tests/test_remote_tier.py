@@ -7,6 +7,7 @@ nothing is ordered by sleeping.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -230,6 +231,39 @@ def test_a_block_the_engine_stores_while_it_is_fetched_is_stored(redis_url: str,
     until(lambda: b._core.n_in_flight[JobKind.FETCH] == 0, b, "the fetch's answer")
     assert metric(b, "tiered_kv_stale_callbacks_total", kind="fetch", reason="superseded") == 1
     assert b.lookup(ks) == 2 and load_equal(b, ks)
+
+
+def test_a_superseded_fetchs_slot_is_not_reused_before_its_bytes_land(redis_url: str, managers: Any) -> None:
+    """A fetch reads each payload straight into its reserved host slot.  Hold the fetch's GETs, let the
+    engine store the key itself (the fetch's part is superseded) and then fill the host tier with other
+    keys: the superseded part's slot stays leased to the fetch, so when its bytes land they overwrite no
+    other key's block."""
+    a = managers(remote_config(redis_url))
+    b = managers(remote_config(redis_url, host_slots=4, host_evict_ahead_blocks=0))
+    ks = keys(2, "lease")
+    store_all(a, ks)
+    assert a.flush(timeout=DEADLINE_S)
+    gate, reads = threading.Event(), []
+
+    def hold(point: str) -> None:
+        if point == "read":
+            reads.append(point)
+            if len(reads) == 2:          # the first read is the probe (EXISTS), the second the fetch (GET)
+                assert gate.wait(DEADLINE_S)
+    b._core.remote.store.set_test_hook(hold)
+    b.lookup(ks)
+    until(lambda: len(reads) == 2, b, "the fetch held before its GETs")
+    store_all(b, [ks[0]])                        # superseded: the engine's own block, in another slot
+    assert b.flush(timeout=DEADLINE_S)           # its remote write answered: its slot is evictable again
+    others = keys(3, "fill")
+    for k in others:                             # the two fetch slots are leased: these evict each other
+        store_all(b, [k])
+        assert b.flush(timeout=DEADLINE_S)
+    gate.set()
+    until(lambda: b._core.n_in_flight[JobKind.FETCH] == 0, b, "the fetch's answer")
+    held = [k for k in [ks[0], *others] if b.lookup([k]) == 1]
+    assert others[-1] in held and load_equal(b, held), "a block was overwritten by a fetch's bytes"
+    assert metric(b, "tiered_kv_stale_callbacks_total", kind="fetch", reason="superseded") == 1
 
 
 def test_a_key_stored_while_it_is_probed_is_not_fetched(redis_url: str, managers: Any) -> None:
