@@ -251,7 +251,7 @@ class TierCore:
         dindex = self.dindex
         if dindex is not None and key in dindex:
             return None
-        if not index.admits(key):
+        if index.admission is not None and not index.admits(key):   # no call per store without a filter
             return None
         jobs = self.jobs
         if len(jobs) >= self.max_inflight:
