@@ -8,7 +8,7 @@ those transfers are left for the owner's ``help_one``; ``hold(False)`` (in a
 ``finally``) hands whatever is left to the workers, so nothing is stranded
 when a wait times out or an exception escapes it.
 
-The worker queue is wrapped to record every transfer put on it: whether a
+The worker queue is wrapped to record every batch of transfers put on it: whether a
 copy was handed to the workers is then a fact the test reads, not a race it
 hopes to win.
 """
@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from disk_helpers import content, disk_config, keys, make_kv, row_is, store_seq
 from tiered_kv import TierManager
 from tiered_kv.jobs import JobKind
 from tiered_kv.movers import CompletionQueue, ThreadMover, Transfer
+from tiered_kv.movers import thread as thread_mod
 
 ROWS, ROW = 8, 4096
 
@@ -93,7 +95,7 @@ def test_held_transfers_are_run_by_help_one_in_order_and_never_reach_a_worker():
         for i in range(3):
             m.submit(_load(i))
         assert rq.puts == [] and rq.qsize() == 0
-        assert [m.help_one() for _ in range(4)] == [True, True, True, False]
+        assert [m.help_one() for _ in range(2)] == [True, False]   # one batch: all three, in order
         reports = [cq.get(0) for _ in range(3)]
         assert [r.token for r in reports] == ["t0", "t1", "t2"] and all(r.ok for r in reports)
         assert copies.made == [(threading.current_thread().name, dev[i].data_ptr()) for i in range(3)]
@@ -110,9 +112,10 @@ def test_turning_hold_off_hands_what_is_left_to_the_workers_each_answered_once()
         m.hold(True)
         for i in range(4):
             m.submit(_load(i))
-        assert m.help_one()                      # t0 on the owner
+        with mock.patch.object(thread_mod, "HELP_BYTES", 1):
+            assert m.help_one()                  # t0 on the owner (one transfer per call with this cap)
         m.hold(False)
-        assert [t.token for t in rq.puts] == ["t1", "t2", "t3"]
+        assert [[t.token for t in b] for b in rq.puts] == [["t1", "t2", "t3"]]   # one batch
         got = sorted(cq.get(30).token for _ in range(4))
         assert got == ["t0", "t1", "t2", "t3"] and cq.get(0) is None
         names = copies.threads()
@@ -120,7 +123,7 @@ def test_turning_hold_off_hands_what_is_left_to_the_workers_each_answered_once()
         assert sum(n.startswith("tiered-kv-copy") for n in names) == 3
         # off means off: a later submit goes straight to the workers
         m.submit(_load(4))
-        assert rq.puts[-1].token == "t4" and cq.get(30).token == "t4"
+        assert [t.token for t in rq.puts[-1]] == ["t4"] and cq.get(30).token == "t4"
     finally:
         m.close()
 
@@ -181,7 +184,7 @@ def _disk_only_fresh(disk_rig: Any, n: int) -> tuple[list[bytes], RecordingQueue
 
 def _handed_loads(rq: RecordingQueue) -> list[Transfer]:
     """The load copies put on the workers' queue."""
-    return [t for t in rq.puts if t is not None and t.kind is JobKind.LOAD]
+    return [t for b in rq.puts if b is not None for t in b if t.kind is JobKind.LOAD]
 
 
 def _loads(mgr: TierManager, ks: list[bytes]) -> list[tuple[Any, bytes, int]]:

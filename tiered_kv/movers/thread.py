@@ -1,9 +1,14 @@
-"""ThreadMover: copies on worker threads, for KV tensors without CUDA.
+"""ThreadMover: copies on worker threads, for KV tensors without CUDA, a batch of transfers at a time.
 
-Rows are copied with ``memmove`` between addresses precomputed per plane (through ctypes, which
-releases the GIL; ``Tensor.copy_`` of a large row costs more, its intra-op threads fighting the
-workers for the cores).  A worker that dies is replaced and its in-hand transfer is reported
-failed, so every transfer is answered exactly once.
+The owner's ``flush()`` hands the transfers queued since the last one to the workers as batches
+(stores, then loads, each batch at most :data:`BATCH_BYTES`).  A worker copies a batch's rows with
+torch index ops over all of its transfers at once -- one ``index_select`` (and, when neither side's
+rows are consecutive, one ``index_copy_`` per :data:`STAGE_BYTES` of rows) per plane, on a view of
+the rows as 16-byte elements -- so that no Python runs per block, the GIL is released for the whole
+copy, and torch's intra-op threads share it.  Transfers the batched copy cannot take (rows of a
+width no wide view fits, an injected per-row ``copy_fn``) are copied row by row, with ``memmove``
+between precomputed addresses (through ctypes, which releases the GIL).  A worker that dies is
+replaced and the transfers of its batch are reported failed, so every transfer is answered exactly once.
 """
 
 from __future__ import annotations
@@ -23,17 +28,102 @@ import torch
 from ..jobs import JobKind
 from .base import CompletionQueue, Mover, Plane, Report, Transfer, check_planes
 
-__all__ = ["ThreadMover", "CopyFn"]
+__all__ = ["ThreadMover", "CopyFn", "BatchFn", "batch_copy", "BATCH_BYTES", "STAGE_BYTES", "HELP_BYTES"]
 
 log = logging.getLogger(__name__)
 
 _STORE = JobKind.STORE  # a module constant: cheaper than the class attribute, on every copy
 
 CopyFn = Callable[[torch.Tensor, torch.Tensor], None]
+BatchFn = Callable[[torch.Tensor, list[int], torch.Tensor, list[int], torch.Tensor], None]
+"""``batch_fn(dst, dst_rows, src, src_rows, stage)``: ``dst[dst_rows[i]] = src[src_rows[i]]`` for every ``i``."""
+
+BATCH_BYTES = 16 << 20
+"""A batch a worker takes holds at most this many bytes (at least one transfer): a step's copies are
+spread over the workers, and its first transfers are reported before its last ones are copied."""
+
+STAGE_BYTES = 4 << 20
+"""Rows gathered per pass when neither side's rows are consecutive: they are gathered into a staging
+buffer of this size (per thread) and scattered from it while it is still in the CPU's cache."""
+
+HELP_BYTES = 4 << 20
+"""``help_one()`` copies at most this many bytes of held transfers per call (at least one transfer),
+so that the owner checks what it waits for between calls."""
+
+_WIDE = ((torch.complex128, 16), (torch.int64, 8))
+"""Element types the batched copy views rows as, widest first: torch's ``index_copy_`` copies an element
+at a time, so a byte row copies many times faster as 16-byte elements (narrower ones lose to ``memmove``
+per row: rows no wide view fits are copied row by row).  A copy of these elements moves their bits
+unchanged (no arithmetic touches them; the byte-for-byte tests use random rows)."""
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
+
+
+def _is_run(idx: list[int]) -> bool:
+    """Whether ``idx`` is ``i0, i0 + 1, ...`` (compared in C)."""
+    i0 = idx[0]
+    return idx[-1] - i0 == len(idx) - 1 and idx == list(range(i0, i0 + len(idx)))
+
+
+def batch_copy(dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor, src_rows: list[int],
+               stage: torch.Tensor) -> None:
+    """``dst[dst_rows[i]] = src[src_rows[i]]`` for every ``i`` with torch index ops, no Python per row.
+
+    ``dst`` and ``src`` are ``[rows, elements]`` of one dtype; ``stage`` is a contiguous buffer of the
+    same dtype and row width.  Consecutive destination rows (contiguous in memory): one
+    ``index_select`` into them; consecutive source rows: one ``index_copy_`` from them; neither: both,
+    through ``stage``, a stage-full of rows per pass (rows wider than the stage: one ``copy_`` each).
+    The destination rows must be distinct (the owner's leases and fences see to it)."""
+    n = len(dst_rows)
+    d0 = dst_rows[0]
+    if _is_run(dst_rows):
+        out = dst[d0:d0 + n]
+        if out.is_contiguous():
+            torch.index_select(src, 0, torch.tensor(src_rows), out=out)
+            return
+    s0 = src_rows[0]
+    if _is_run(src_rows):
+        dst.index_copy_(0, torch.tensor(dst_rows), src[s0:s0 + n])
+        return
+    k = int(stage.shape[0])
+    if k == 0:
+        for d, s in zip(dst_rows, src_rows):
+            dst[d].copy_(src[s])
+        return
+    dt, st = torch.tensor(dst_rows), torch.tensor(src_rows)
+    for i in range(0, n, k):
+        part = stage[:min(k, n - i)]
+        torch.index_select(src, 0, st[i:i + k], out=part)
+        dst.index_copy_(0, dt[i:i + k], part)
+
+
+def _rows_view(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """``t``'s rows as ``[rows, row bytes]`` uint8 without a copy, or None when they are not byte ranges."""
+    try:
+        return t.view(int(t.shape[0]), -1).view(torch.uint8)
+    except RuntimeError:
+        return None
+
+
+def _wide_planes(planes: list[Plane]) -> Optional[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per plane ``(device rows, host rows)`` viewed as the widest element of :data:`_WIDE` both fit, when
+    every plane is two CPU tensors whose rows are byte ranges of equal size that one fits; else None."""
+    out = []
+    for dev, host in planes:
+        if dev.is_cuda or host.is_cuda:
+            return None
+        d, h = _rows_view(dev), _rows_view(host)
+        if d is None or h is None or d.shape[1] != h.shape[1]:
+            return None
+        for dtype, w in _WIDE:
+            if all(int(x.shape[1]) % w == 0 and x.stride(0) % w == 0 and x.data_ptr() % w == 0 for x in (d, h)):
+                out.append((d.view(dtype), h.view(dtype)))
+                break
+        else:
+            return None
+    return out
 
 
 def _fast_planes(planes: list[Plane]) -> Optional[tuple[tuple[int, int, int, int, int], ...]]:
@@ -51,21 +141,25 @@ def _fast_planes(planes: list[Plane]) -> Optional[tuple[tuple[int, int, int, int
 
 
 class ThreadMover(Mover):
-    """Copies on worker threads; reports through ``completions``.
+    """Copies on worker threads, a batch of transfers at a time; reports through ``completions``.
 
-    ``copy_fn(dst_row, src_row)`` replaces the copy (tests inject torn or failing copies); by
-    default rows are copied with ``memmove`` between their addresses.  A transfer's copies run in
-    order on one thread; with ``num_workers=1`` transfers also run one after another in
-    submission order (unless the owner runs one itself in :meth:`help_one`).
+    By default a batch's rows are copied with :func:`batch_copy` (``batch_fn`` replaces it: tests
+    inject failing or gated batches); a batch whose batched copy raises is copied again transfer by
+    transfer, each answered by its own outcome.  ``copy_fn(dst_row, src_row)`` replaces the copy of
+    one row (tests inject torn or failing copies) and turns the batched copy off unless ``batch_fn``
+    is given; the row-by-row copy is a ``memmove`` between row addresses.  A transfer that names a
+    row or slot out of range, or rows and slots of different lengths, fails alone, before any copy.
 
     The owner keeps the transfers it submits in one queue (``_held``) and hands them to the
-    workers at :meth:`flush`, with two reasons to keep them:
+    workers at :meth:`flush`, as batches (a batch's stores, then its loads: with ``num_workers=1``
+    the stores of a flush are copied before its loads, and flushes in order), with two reasons to
+    keep them:
 
     * ``batch_max`` > 1: the queue goes to the workers at :meth:`flush` (the manager's
       ``poll()``/``wait()``) or once ``batch_max`` are queued.  An engine step's ``store()``
-      calls then wake no worker: the copies run during the step's forward pass instead of
-      competing with the engine thread for the GIL and the cores while it makes them.  ``1``:
-      each transfer goes to the workers in its ``submit``.
+      calls then wake no worker, and its copies are made together, during the step's forward pass,
+      instead of competing with the engine thread for the GIL and the cores while it makes them.
+      ``1``: each transfer goes to the workers in its ``submit``.
     * :meth:`hold`: while the owner blocks, what it submits stays with it for :meth:`help_one`
       and :meth:`flush` keeps it; what was queued before goes to the workers when the hold
       starts, what is left when it ends.
@@ -74,23 +168,28 @@ class ThreadMover(Mover):
     polled = False
 
     def __init__(self, planes: Sequence[Plane], completions: CompletionQueue, num_workers: int = 2,
-                 copy_fn: Optional[CopyFn] = None, batch_max: int = 1) -> None:
+                 copy_fn: Optional[CopyFn] = None, batch_max: int = 1,
+                 batch_fn: Optional[BatchFn] = None) -> None:
         if batch_max < 1:
             raise ValueError(f"batch_max must be >= 1, got {batch_max}")
         self._planes, self._block_bytes = check_planes(planes)
         self._batch_max = batch_max
         self._fast = _fast_planes(self._planes) if copy_fn is None else None
-        # bounds of rows and slots valid in every plane: never memmove out of bounds
+        self._wide = _wide_planes(self._planes) if copy_fn is None or batch_fn is not None else None
+        self._batch_fn: BatchFn = batch_fn or batch_copy
+        # bounds of rows and slots valid in every plane: never copy out of bounds
         self._nrows = min(int(d.shape[0]) for d, _ in self._planes)
         self._nslots = min(int(h.shape[0]) for _, h in self._planes)
         self._out = completions
-        self._q: queue.SimpleQueue[Optional[Transfer]] = queue.SimpleQueue()
+        self._q: queue.SimpleQueue[Optional[list[Transfer]]] = queue.SimpleQueue()
         self._copy = copy_fn or _copy
         self._closed = False
         self.helped = 0  # transfers run by the owner in help_one()
+        self.batches = 0  # batched copies made (one per direction of a batch)
         self._holding = False
         # owner thread only: submitted, not yet given to the workers (batched, or held: see hold())
         self._held: collections.deque[Transfer] = collections.deque()
+        self._local = threading.local()   # per thread: its staging buffer
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         for _ in range(num_workers):
@@ -104,7 +203,7 @@ class ThreadMover(Mover):
 
     def submit(self, t: Transfer) -> None:
         if self._batch_max == 1 and not self._holding:
-            self._q.put(t)
+            self._q.put([t])
             return
         held = self._held
         held.append(t)
@@ -112,13 +211,25 @@ class ThreadMover(Mover):
             self.flush()  # keeps them while the owner holds them
 
     def flush(self) -> None:
-        """Owner thread only: give the queued transfers to the workers (in submission order), unless
-        the owner holds them (:meth:`hold`)."""
+        """Owner thread only: give the queued transfers to the workers as batches (stores, then loads,
+        each in submission order), unless the owner holds them (:meth:`hold`)."""
         if self._held and not self._holding:
             held, self._held = self._held, collections.deque()
-            put = self._q.put
-            for t in held:
-                put(t)
+            put, block, cap = self._q.put, self._block_bytes, BATCH_BYTES
+            stores = [t for t in held if t.kind is _STORE]
+            loads = [t for t in held if t.kind is not _STORE] if len(stores) < len(held) else []
+            for ts in (stores, loads):
+                batch: list[Transfer] = []
+                nbytes = 0
+                for t in ts:
+                    size = len(t.rows) * block
+                    if batch and nbytes + size > cap:
+                        put(batch)
+                        batch, nbytes = [], 0
+                    batch.append(t)
+                    nbytes += size
+                if batch:
+                    put(batch)
 
     def hold(self, on: bool) -> None:
         """Owner thread only.  While on, transfers submitted stay with the owner for :meth:`help_one`
@@ -129,14 +240,14 @@ class ThreadMover(Mover):
         self._holding = on
 
     def help_one(self) -> bool:
-        """Run one transfer on the calling thread, a held one (see :meth:`hold`) before one queued for the
-        workers; False when there is none.
+        """Copy one batch on the calling thread: held transfers (see :meth:`hold`; up to
+        :data:`HELP_BYTES`, at least one) before a batch queued for the workers; False when there is none.
 
         The owner calls it while it blocks in ``wait()``: instead of sleeping until a worker wakes
         up for the copy (and then waking up itself for the report, a thread hand-off per copy that
-        costs more than the copy on a small VM), it makes the copy.  The transfer is answered
+        costs more than the copy on a small VM), it makes the copy.  Each transfer is answered
         exactly once either way: an exception that escapes the copy (not an ``Exception``, which
-        ``_do`` reports as a failed copy) is answered before it propagates.
+        is reported as a failed copy) answers the batch's unanswered transfers before it propagates.
         """
         if self._closed:
             return False
@@ -145,47 +256,140 @@ class ThreadMover(Mover):
             try:
                 # from the workers' queue into ``held`` by C calls alone: no bytecode runs between the
                 # take and the append, so an exception raised by a signal handler (run by CPython only
-                # between bytecodes) cannot fall between them and lose the transfer
-                held.extend(itertools.islice(iter(self._q.get_nowait, None), 1))
+                # between bytecodes) cannot fall between them and lose the batch
+                held.extend(itertools.chain.from_iterable(itertools.islice(iter(self._q.get_nowait, None), 1)))
             except queue.Empty:
                 return False
             if not held:  # that was a worker's stop sentinel: close() is under way, leave it to the workers
                 self._q.put(None)
                 return False
-        t = held[0]  # bound before it leaves the queue: from here on the except below answers for it
+        batch: list[Transfer] = []
+        answered = 0
+        put = self._out.put
         try:
-            held.popleft()
-            report = self._do(t)
-            self.helped += 1
-            self._out.put(report)
-        except BaseException as exc:
-            if held and held[0] is t:   # interrupted before it was taken: no worker may copy it later
+            nbytes, block = 0, self._block_bytes
+            while held and (not batch or nbytes < HELP_BYTES):
+                t = held[0]
+                batch.append(t)   # in the batch before it leaves the queue: the except below answers for it
                 held.popleft()
-            # answered failed; if the real report was put just before the interrupt, this second one
-            # finds no live token and is discarded (counted as unknown_token): never lost, never applied twice
-            self._out.put(Report(t.token, t.kind, False, f"copy interrupted: {exc!r}"))
+                nbytes += len(t.rows) * block
+            for report in self._do_batch(batch):
+                put(report)
+                answered += 1
+            self.helped += len(batch)
+        except BaseException as exc:
+            for t in batch[answered:]:
+                if held and held[0] is t:   # interrupted before it was taken: no worker may copy it later
+                    held.popleft()
+                # answered failed; if the real report was put just before the interrupt, this second one
+                # finds no live token and is discarded (counted as unknown_token): never lost, never applied twice
+                put(Report(t.token, t.kind, False, f"copy interrupted: {exc!r}"))
             raise
         return True
 
     def _run(self) -> None:
-        current: Optional[Transfer] = None
+        current: Optional[list[Transfer]] = None
+        answered = 0
         try:
             while True:
                 current = self._q.get()
                 if current is None:
                     return
-                self._out.put(self._do(current))
+                answered = 0
+                put = self._out.put
+                for report in self._do_batch(current):
+                    put(report)
+                    answered += 1
                 current = None
         except BaseException as exc:  # the thread is dying: answer for what it held, then replace it
             log.error("copy worker died: %r", exc)
-            if current is not None:
-                self._out.put(Report(current.token, current.kind, False, f"worker died: {exc!r}"))
+            for t in (current or [])[answered:]:
+                self._out.put(Report(t.token, t.kind, False, f"worker died: {exc!r}"))
             if not self._closed:
                 self._spawn()
             if not isinstance(exc, Exception):
                 raise
 
+    # ------------------------------------------------------------------ copies
+    def _do_batch(self, ts: list[Transfer]) -> list[Report]:
+        """Copy a batch; its reports, one per transfer, in the batch's order."""
+        out: list[Optional[Report]] = [None] * len(ts)
+        if self._wide is None:
+            return [self._do(t) for t in ts]
+        stores: list[int] = []
+        loads: list[int] = []
+        for i, t in enumerate(ts):
+            if t.cancelled:
+                out[i] = Report(t.token, t.kind, False, "cancelled before copy")
+                continue
+            error = self._check(t)
+            if error is not None:
+                out[i] = Report(t.token, t.kind, False, error)
+            elif not t.rows:
+                out[i] = Report(t.token, t.kind, True, None, 0, 0.0)
+            else:
+                (stores if t.kind is _STORE else loads).append(i)
+        if stores:
+            self._copy_batch(ts, stores, True, out)
+        if loads:
+            self._copy_batch(ts, loads, False, out)
+        return out  # type: ignore[return-value]  # every slot was filled
+
+    def _check(self, t: Transfer) -> Optional[str]:
+        rows, slots = t.rows, t.slots
+        if len(rows) != len(slots):
+            return f"copy failed: {len(rows)} rows for {len(slots)} slots"
+        if rows and not (0 <= min(rows) and max(rows) < self._nrows and 0 <= min(slots)
+                         and max(slots) < self._nslots):
+            return f"copy failed: a row or slot out of range ({self._nrows} rows, {self._nslots} slots)"
+        return None
+
+    def _copy_batch(self, ts: list[Transfer], idx: list[int], store: bool, out: list[Optional[Report]]) -> None:
+        rows: list[int] = []
+        slots: list[int] = []
+        for i in idx:
+            rows += ts[i].rows
+            slots += ts[i].slots
+        wide = self._wide
+        assert wide is not None
+        t0 = time.perf_counter()
+        try:
+            fn = self._batch_fn
+            for p, (dev, host) in enumerate(wide):
+                stage = self._stage(p, dev)
+                if store:
+                    fn(host, slots, dev, rows, stage)
+                else:
+                    fn(dev, rows, host, slots, stage)
+        except Exception as exc:   # copy each again on its own: each transfer answered by its own outcome
+            log.warning("a batched copy of %d transfers failed (%r); copying them one by one", len(idx), exc)
+            for i in idx:
+                out[i] = self._do(ts[i])
+            return
+        self.batches += 1
+        per_row = (time.perf_counter() - t0) / len(rows)
+        block = self._block_bytes
+        for i in idx:
+            t = ts[i]
+            m = len(t.rows)
+            out[i] = Report(t.token, t.kind, True, None, m * block, m * per_row)
+
+    def _stage(self, plane: int, like: torch.Tensor) -> torch.Tensor:
+        """This thread's staging rows for ``plane`` (views of one buffer of :data:`STAGE_BYTES`)."""
+        local = self._local
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = torch.empty(STAGE_BYTES, dtype=torch.uint8)
+            local.views = {}
+        v = local.views.get(plane)
+        if v is None:
+            width = int(like.shape[1])
+            k = STAGE_BYTES // (width * like.element_size())
+            v = local.views[plane] = buf[:k * width * like.element_size()].view(like.dtype).view(k, width)
+        return v
+
     def _do(self, t: Transfer) -> Report:
+        """Copy one transfer row by row."""
         if t.cancelled:
             return Report(t.token, t.kind, False, "cancelled before copy")
         t0 = time.perf_counter()
