@@ -304,3 +304,28 @@ def test_a_read_from_disk_for_load_many_never_evicts_another_key_of_the_same_loa
     mover.complete(job)
     assert [c.ok for c in mgr.poll() if c.job is job] == [True]
     assert row_matches(kv, 20, K[0]) and row_matches(kv, 21, K[1])
+
+
+def test_every_pending_load_of_a_key_is_superseded_by_its_invalidation(fake, kv, metric):
+    """The map of loads per key holds the one load of a key, or a list once another names it: both found."""
+    mgr, mover = fake
+    stored(mgr, mover, kv, K[:4], [0, 1, 2, 3])
+    a = mgr.load_many([K[0], K[1]], [10, 11])
+    b = mgr.load_many([K[1], K[2]], [12, 13])
+    c = mgr.load_many([K[3], K[0]], [14, 15])
+    d = mgr.load(K[1], 16)                        # a third load of K[1]
+    e = mgr.load_many([K[2], K[0]], [17, 18])
+    assert mgr.debug_sizes()["key_loads"] == 4
+    mgr.invalidate(K[1])                          # three loads name it
+    assert [j.state for j in (a, b, d)] == [JobState.CANCELLING] * 3
+    assert c.state is JobState.PENDING and e.state is JobState.PENDING
+    mgr.invalidate(K[3])                          # one load names it
+    assert c.state is JobState.CANCELLING and e.state is JobState.PENDING
+    for j in (b, c, e, d, a):
+        mover.complete(j)
+    out = {x.job.token: x.ok for x in mgr.poll()}
+    assert out == {a.token: False, b.token: False, c.token: False, d.token: False, e.token: True}
+    assert row_matches(kv, 17, K[2]) and row_matches(kv, 18, K[0])
+    assert metric("tiered_kv_stale_callbacks_total", kind="load", reason="superseded") == 4
+    assert mgr.debug_sizes()["key_loads"] == 0 and mgr.debug_sizes()["row_load"] == 0
+    assert mgr.lookup([K[0]]) == 1 and mgr.lookup([K[1]]) == 0 and mgr.lookup([K[3]]) == 0

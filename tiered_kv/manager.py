@@ -140,7 +140,8 @@ class TierManager:
         # row -> the store reading it, or a list when several do (live jobs only): one store per row is the rule
         self._row_stores: dict[int, Any] = {}
         self._row_load: dict[int, Job] = {}           # row -> the load writing it (live jobs only)
-        self._key_loads: dict[bytes, list[Job]] = {}  # key -> loads of that key (live jobs only)
+        # key -> the load of that key, or a list when several load it (live jobs only)
+        self._key_loads: dict[bytes, Any] = {}
         self._closed = False
         if mover_factory is None:
             self._mover: Mover = make_mover([(self._dev_rows, self._host_rows)], self._completions,
@@ -294,15 +295,27 @@ class TierManager:
         job.block = blocks[0]
         job.blocks = blocks
         job._owner = self._owner_tag
-        for b in blocks:
-            self._give_up_row(b)   # the load overwrites the row: stores still reading it lose their source
-            self._row_load[b] = job
-        for k in job.keys:
-            kl = self._key_loads.get(k)
-            if kl is None:
-                self._key_loads[k] = [job]
-            else:
-                kl.append(job)
+        row_stores = self._row_stores
+        if row_stores and not row_stores.keys().isdisjoint(blocks):
+            for b in blocks:
+                self._give_up_row(b)   # the load overwrites the row: stores still reading it lose their source
+        row_load = self._row_load
+        if len(blocks) == 1:
+            row_load[blocks[0]] = job
+        else:
+            row_load.update(dict.fromkeys(blocks, job))
+        key_loads = self._key_loads
+        keys = job.keys
+        if key_loads.keys().isdisjoint(keys):   # no other load of these keys: one C loop
+            key_loads.update(dict.fromkeys(keys, job))
+        else:
+            for k in keys:
+                kl = key_loads.setdefault(k, job)
+                if kl is not job:
+                    if type(kl) is list:
+                        kl.append(job)
+                    else:
+                        key_loads[k] = [kl, job]
         if not job._waiters:
             self._load_ready(job)
         return job
@@ -342,7 +355,8 @@ class TierManager:
         """Remove ``key`` from every tier; it is never served again until stored again."""
         self._check_open()
         key = self._check_key(key)
-        for job in list(self._key_loads.get(key, ())):
+        loads = self._key_loads.get(key)
+        for job in (list(loads) if type(loads) is list else () if loads is None else (loads,)):
             self._cancel(job, _R_SUPERSEDED)
         self._core.drop_key(key)
 
@@ -647,15 +661,24 @@ class TierManager:
 
     def _unfence_load(self, job: Job) -> None:
         row_load, key_loads = self._row_load, self._key_loads
-        for b in job.blocks:
-            if row_load.get(b) is job:
-                del row_load[b]
-        for k in job.keys:
+        blocks, keys = job.blocks, job.keys
+        if list(map(row_load.get, blocks)).count(job) == len(blocks):
+            _consume(map(row_load.pop, blocks))   # the common case, in one C loop
+        else:
+            for b in blocks:
+                if row_load.get(b) is job:
+                    del row_load[b]
+        if list(map(key_loads.get, keys)).count(job) == len(keys):
+            _consume(map(key_loads.pop, keys))    # the job alone loads each of its keys
+            return
+        for k in keys:
             loads = key_loads.get(k)
-            if loads is not None and job in loads:
+            if loads is job:
+                del key_loads[k]
+            elif type(loads) is list and job in loads:
                 loads.remove(job)
-                if not loads:
-                    del key_loads[k]
+                if len(loads) == 1:
+                    key_loads[k] = loads[0]
 
     def _give_up_row(self, block: int) -> None:
         stores = self._row_stores.pop(block, None)

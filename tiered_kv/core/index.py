@@ -19,12 +19,19 @@ from __future__ import annotations
 
 import enum
 import uuid
+from collections import deque
 from collections.abc import Callable, Collection, Container, Iterator, Sequence
-from typing import Optional
+from itertools import islice, repeat
+from typing import Any, Optional
 
 from .policy import LRU, Admission, Policy
 
 __all__ = ["TierIndex", "Entry", "EntryState"]
+
+
+def _consume(it: Iterator[Any]) -> None:
+    """Run an iterator to its end in C."""
+    deque(it, 0)
 
 
 class EntryState(enum.Enum):
@@ -59,7 +66,13 @@ class TierIndex:
 
     ``on_evict(entry)`` is called before an evicted entry leaves the index; it must not change this
     index (the owners' callbacks queue a disk delete or note the key).
+
+    A step's keys take batched paths where they can (new keys reserved together, the default policy's
+    victims evicted together): the same outcome as key by key, except which free slot each key gets
+    (``tests/test_index_batched.py`` runs both side by side).
     """
+
+    _batched = True   # False: every call key by key (the tests' reference)
 
     def __init__(self, num_slots: int, on_evict: Optional[Callable[[Entry], None]] = None,
                  policy: Optional[Policy] = None, admission: Optional[Admission] = None) -> None:
@@ -68,6 +81,8 @@ class TierIndex:
         self.num_slots = num_slots
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._entries: dict[bytes, Entry] = {}
+        #: ``get(key)``: the key's entry or None (the map's own ``get``: a C call, per key on every path)
+        self.get: Callable[[bytes], Optional[Entry]] = self._entries.get
         self.policy: Policy = LRU() if policy is None else policy   # holds the READY entries with no reader
         # the default policy's OrderedDict, for the two per-key loops of the engine's calls (ready_run,
         # reserve_absent), which write LRU.hit out instead of calling it once per key (the bench's
@@ -84,9 +99,6 @@ class TierIndex:
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
-
-    def get(self, key: bytes) -> Optional[Entry]:
-        return self._entries.get(key)
 
     def ready(self, key: bytes) -> Optional[Entry]:
         e = self._entries.get(key)
@@ -182,6 +194,21 @@ class TierIndex:
         entries, policy, free, lru = self._entries, self.policy, self._free, self._lru
         if policy.uses_links:
             policy.link(keys)
+        n = len(keys)
+        if (n > 1 and self._batched and (n <= len(free) or lru is not None) and self.admission is None
+                and list(map(entries.get, keys)).count(None) == n
+                and (elsewhere is None or not any(map(elsewhere.__contains__, keys))) and len(set(keys)) == n
+                and (n <= len(free) or self._evict_lru(n - len(free), protect))):
+            # the engine's step: new keys, free slots (evicted between steps, or here at once), no filter;
+            # the per-key work in C, slots taken in the order pop() would take them (ascending after a
+            # start or an eviction: the copies of a step then write consecutive slots)
+            got = list(keys)
+            slots = free[-n:]
+            slots.reverse()
+            del free[-n:]
+            new = list(map(Entry, got, slots, repeat(writer, n)))
+            entries.update(zip(got, new))
+            return got, new, 0
         get, pop, hit = entries.get, free.pop, policy.hit
         lru_get = None if lru is None else lru.get
         admits = None if self.admission is None else self.admits
@@ -278,6 +305,38 @@ class TierIndex:
             else:
                 self._maybe_free(entry)
 
+    def acquire_all(self, entries: Sequence[Entry]) -> None:
+        """:meth:`acquire` for each of ``entries`` (a load's, leased together)."""
+        lru, lease = self._lru, self.policy.lease
+        for e in entries:
+            if e.state is not _READY or not e.live:
+                raise AssertionError(f"acquire of {e!r}")  # internal bug
+            if e.readers == 0:
+                if lru is not None:
+                    lru.pop(e.key, None)   # LRU.lease written out
+                else:
+                    lease(e)
+            e.readers += 1
+
+    def release_all(self, entries: Sequence[Optional[Entry]]) -> None:
+        """:meth:`release` for each of ``entries`` that is not None (a load's, released together)."""
+        lru, unlease = self._lru, self.policy.unlease
+        for e in entries:
+            if e is None:
+                continue
+            n = e.readers
+            if n <= 0:
+                raise AssertionError(f"release without acquire: {e!r}")  # internal bug
+            e.readers = n - 1
+            if n == 1:
+                if e.live and e.state is _READY:
+                    if lru is not None:
+                        lru[e.key] = e   # LRU.unlease written out
+                    else:
+                        unlease(e)
+                else:
+                    self._maybe_free(e)
+
     def remove(self, entry: Entry) -> None:
         """Take the entry out of the index; its slot is freed once no lease holds it."""
         if entry.live:
@@ -301,6 +360,12 @@ class TierIndex:
         slots instead of evicting in the engine's call.  Returns how many entries it evicted.
         """
         n = free - len(self._free)
+        if n <= 0:
+            return 0
+        if self._lru is not None and self._batched:   # the default policy: its n oldest entries go together
+            before = self.evictions
+            self._evict_lru(n, ())
+            return self.evictions - before
         victim = self.policy.victim
         done = 0
         while done < n:
@@ -310,6 +375,26 @@ class TierIndex:
             self._evicted(entry)
             done += 1
         return done
+
+    def _evict_lru(self, n: int, protect: Collection[bytes]) -> bool:
+        """The default policy's ``n`` oldest entries leave together (fewer when fewer are evictable), the
+        dicts' work in C; False, evicting nothing, when one of them is in ``protect``."""
+        lru = self._lru
+        assert lru is not None
+        keys = list(islice(lru, n))
+        if protect and not set(keys).isdisjoint(protect):
+            return False
+        victims = list(map(lru.pop, keys))
+        on_evict = self._on_evict
+        if on_evict is not None:
+            _consume(map(on_evict, victims))
+        _consume(map(self._entries.__delitem__, keys))
+        self._free += [e.slot for e in reversed(victims)]   # pop() takes the oldest victim's slot first
+        for e in victims:   # _evicted, the rest of it
+            e.live = False
+            e.slot = -1
+        self.evictions += len(victims)
+        return len(victims) == n
 
     def _evict_one(self, protect: Collection[bytes], key: bytes) -> bool:
         entry = self.policy.victim(protect, key)

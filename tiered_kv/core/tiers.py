@@ -43,6 +43,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Collection, Sequence
+from operator import attrgetter
 from typing import Any, Optional
 
 import torch
@@ -70,6 +71,7 @@ _HOST_REMOTE, _REMOTE_HOST = ("host", "remote"), ("remote", "host")
 _PENDING, _CANCELLING, _DONE, _FAILED, _CANCELLED = (JobState.PENDING, JobState.CANCELLING, JobState.DONE,
                                                    JobState.FAILED, JobState.CANCELLED)
 _READY = EntryState.READY
+_state_of = attrgetter("state")
 _R_CANCELLED, _R_SUPERSEDED, _R_UNKNOWN = StaleReason.CANCELLED, StaleReason.SUPERSEDED, StaleReason.UNKNOWN_TOKEN
 
 EVICT_AHEAD_MAX = 64
@@ -335,7 +337,20 @@ class TierCore:
         once every promote it waits for landed, ``on_load_failed`` if one failed).
         """
         index, dindex, jobs = self.index, self.dindex, self.jobs
-        plan: list[Any] = []        # per key: its READY host entry, or the PROMOTE job to wait for
+        plan: list[Any]
+        if len(keys) > 1:
+            plan = list(map(index.get, keys))
+            if None not in plan and list(map(_state_of, plan)).count(_READY) == len(plan):   # all READY on the host
+                if bounded and len(jobs) >= self.max_inflight:
+                    return self.shed(_LOAD, "inflight_limit")
+                index.acquire_all(plan)
+                token = self.take_token()
+                job = Job(token, _LOAD, keys[0], -1, keys=tuple(keys))
+                job._entries = plan
+                jobs[token.int] = job
+                self.n_in_flight[_LOAD] += 1
+                return job
+        plan = []                   # per key: its READY host entry, or the PROMOTE job to wait for
         reads: list[int] = []       # the keys to read from disk (plan holds their disk entries)
         for k in keys:
             e = index.get(k)
@@ -383,10 +398,7 @@ class TierCore:
 
     def release_load(self, job: Job) -> None:
         """A load's report was applied (or it was given up before a copy was queued): free its leases."""
-        release = self.index.release
-        for e in job._entries:
-            if e is not None:
-                release(e)
+        self.index.release_all(job._entries)
         job._entries = []
         waits = job._waiters
         if waits:
