@@ -43,7 +43,8 @@ def _reports(q: CompletionQueue, n: int) -> list:
 
 # ---------------------------------------------------------------------------- batch_copy
 @pytest.mark.parametrize("dtype", [torch.complex128, torch.int64])
-@pytest.mark.parametrize("case", ["dst-run", "src-run", "scattered", "scattered-multipass", "wider-than-stage"])
+@pytest.mark.parametrize("case", ["both-runs", "dst-run", "src-run", "scattered", "scattered-multipass",
+                                  "wider-than-stage"])
 def test_batch_copy_moves_every_row_byte_for_byte(dtype, case):
     width = 64
     src_u8, dst_u8 = _random_rows(12, width, 1), _random_rows(10, width, 2)
@@ -53,6 +54,7 @@ def test_batch_copy_moves_every_row_byte_for_byte(dtype, case):
     stage_rows = {"scattered-multipass": 2, "wider-than-stage": 0}.get(case, 8)
     stage = torch.empty((stage_rows, elems), dtype=dtype)
     d_rows, s_rows = {
+        "both-runs": ([2, 3, 4, 5], [7, 8, 9, 10]),      # one range to another: one copy_
         "dst-run": ([3, 4, 5, 6], [11, 0, 7, 7]),        # a source row twice: both copies land
         "src-run": ([9, 1, 5], [4, 5, 6]),
         "scattered": ([8, 2, 6, 0], [10, 3, 1, 9]),

@@ -72,18 +72,21 @@ def batch_copy(dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor, src_ro
     """``dst[dst_rows[i]] = src[src_rows[i]]`` for every ``i`` with torch index ops, no Python per row.
 
     ``dst`` and ``src`` are ``[rows, elements]`` of one dtype; ``stage`` is a contiguous buffer of the
-    same dtype and row width.  Consecutive destination rows (contiguous in memory): one
-    ``index_select`` into them; consecutive source rows: one ``index_copy_`` from them; neither: both,
-    through ``stage``, a stage-full of rows per pass (rows wider than the stage: one ``copy_`` each).
+    same dtype and row width.  Consecutive rows on both sides: one ``copy_`` of the range; consecutive
+    destination rows (contiguous in memory): one ``index_select`` into them; consecutive source rows: one
+    ``index_copy_`` from them; neither: both, through ``stage``, a stage-full of rows per pass (rows wider
+    than the stage: one ``copy_`` each).
     The destination rows must be distinct (the owner's leases and fences see to it)."""
     n = len(dst_rows)
-    d0 = dst_rows[0]
+    d0, s0 = dst_rows[0], src_rows[0]
     if _is_run(dst_rows):
         out = dst[d0:d0 + n]
+        if _is_run(src_rows):   # one range to another: one copy_, at the memory's speed
+            out.copy_(src[s0:s0 + n])
+            return
         if out.is_contiguous():
             torch.index_select(src, 0, torch.tensor(src_rows), out=out)
             return
-    s0 = src_rows[0]
     if _is_run(src_rows):
         dst.index_copy_(0, torch.tensor(dst_rows), src[s0:s0 + n])
         return
