@@ -50,7 +50,7 @@ def test_smoke_run_exits_zero_and_writes_strict_json(smoke: dict[str, Any]) -> N
     assert smoke["rc"] == 0
     r = _strict_load(smoke["json"])
     assert r["benchmark"] == "tiered-kv bench" and r["mode"] == "smoke" and r["seed"] == 3
-    assert set(r["sections"]) == {"core", "disk", "e2e", "trace", "step"}
+    assert set(r["sections"]) == {"core", "disk", "e2e", "trace", "step", "copy_step"}
     assert r["problems"]["wrong_bytes"] == []
     # the scratch directory is removed afterwards
     assert not any((smoke["tmp"] / "scratch").glob("tkv-bench-disk-*"))
@@ -89,6 +89,32 @@ def test_the_engine_step_drives_both_systems_through_the_same_workload(smoke: di
         assert t["counts"]["loads"] > 0 and t["loads_failed"] == 0
         assert t["spills_ok"] + t["spills_shed"] > 0
         assert t["cpu_us"]["n"] == b["cpu_us"]["n"] == steps
+
+
+def test_the_copy_step_runs_each_api_and_the_baseline_with_real_copies(smoke: dict[str, Any]) -> None:
+    """Issue 25's step: each mode made every step's stores and loads (or counted why not), no copy failed,
+    and the figures carry the issue's targets."""
+    r = _strict_load(smoke["json"])
+    cs = r["sections"]["copy_step"]
+    steps = cs["steps"]
+    for compute in ("sleep", "busy"):
+        for mode in ("batched", "per_block", "dict"):
+            for run in cs["runs"][compute][mode]:
+                c = run["counts"]
+                assert run["cpu_us"]["n"] == steps
+                per = 1 if mode == "batched" else cs["stores"]
+                assert c["stores"] + c["stores_none"] == steps * per
+                assert c["loads"] + c["loads_none"] == (steps - c["loads_skipped_busy"]) * per, (mode, c)
+                assert run.get("copy_failed", 0) == 0
+    ids = {f["id"]: f for f in r["figures"]}
+    for compute in ("sleep", "busy"):
+        f = ids[f"copy_step.engine_cpu_us.{compute}"]
+        assert f["target"] == "<= 200 us" and f["value"] > 0 and f["baseline"] > 0 and f["source"] == "issue 25"
+    for d in ("store", "load"):
+        for size, target in ((65536, True), (262144, True), (2097152, False)):
+            f = ids[f"host.batched.{d}.{size}"]
+            assert (f["target"] is not None) is target and f["ratio"] > 0
+            assert ids[f"host.batched_scattered.{d}.{size}"]["target"] is None
 
 
 def test_evicting_runs_alternate_and_report_each_pair(smoke: dict[str, Any]) -> None:

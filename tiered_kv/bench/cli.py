@@ -35,6 +35,7 @@ _PARTS: dict[str, tuple[str, str]] = {
     "e2e": ("e2e", "e2e"),
     "trace": ("trace", "trace"),
     "step": ("step", "step"),
+    "copy_step": ("copy_step", "copy_step"),
     "busy": ("busy", "busy"),
     "remote": ("remote", "remote"),
 }
@@ -127,6 +128,12 @@ def run_bench(mode: str = "full", seed: int = 0, bench_dir: Optional[str] = None
                 result["sections"]["step"] = step_part.bench_step(mode, seed, str(parent),
                                                                   log=lambda s: log(f"step: {s}"))
                 result["section_seconds"]["step"] = time.perf_counter() - t
+            if part("copy_step"):
+                _settle()
+                t = time.perf_counter()
+                result["sections"]["copy_step"] = step_part.bench_copy_step(mode, seed,
+                                                                            log=lambda s: log(f"copy step: {s}"))
+                result["section_seconds"]["copy_step"] = time.perf_counter() - t
             if part("busy"):
                 _settle()
                 t = time.perf_counter()

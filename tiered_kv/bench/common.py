@@ -59,6 +59,9 @@ TARGETS: dict[str, float] = {
     "trace_refs_per_s_host": 100_000,               # Mooncake trace replay through the public API, host tier only
     "trace_refs_per_s_disk": 50_000,                # ... with the disk tier on
     "step_engine_cpu_us": 200.0,                    # engine-thread CPU per step: 32 lookups x 16, 64 stores, 64 loads
+    # issue 25: a step's copies as one batch
+    "host_batched_vs_large_copy": 0.9,              # store_many/load_many of 64 x 64/256 KiB GB/s / one large copy_
+    "copy_step_engine_cpu_us": 200.0,               # engine-thread CPU per step of 64 stores + 64 loads, copies on
     # issue 26: the disk tier beside an engine thread busy in Python (bench/busy.py)
     "busy_published_fraction": 0.99,               # spills published / stores, engine busy 5 and 20 ms (>=)
     "busy_engine_cpu_process_vs_thread": 1.05,     # engine-thread CPU per step, disk_io=process / thread (<=)

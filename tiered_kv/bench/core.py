@@ -558,6 +558,10 @@ def bench_store_latency(quick: Union[bool, str] = False, seed: int = 0, row_byte
 
 
 # ----------------------------------------------------------------------------- 3. host tier GB/s
+STEP_BLOCKS = 64
+"""Blocks per ``store_many``/``load_many`` call in the batched host passes (an engine step's stores)."""
+
+
 def _host_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random,
                min_blocks: int = 8) -> dict[str, Any]:
     n = max(ws // block, min_blocks)
@@ -571,8 +575,11 @@ def _host_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
     mgr = TierManager(cfg, kv)  # default mover, default num_copy_workers
     mover_name = type(mgr._mover).__name__
     store, load, wait = mgr.store, mgr.load, mgr.wait
-    secs: dict[str, list[float]] = {k: [] for k in ("tkv_store", "tkv_load", "raw1_store", "raw1_load",
-                                                    "rawN_store", "rawN_load")}
+    store_many, load_many, poll = mgr.store_many, mgr.load_many, mgr.poll
+    sides = ("tkv", "tkvB", "tkvS", "raw1", "rawN", "rawL")
+    secs: dict[str, list[float]] = {f"{side}_{d}": [] for side in sides for d in ("store", "load")}
+    shuffled = list(range(n))
+    rng.shuffle(shuffled)
     problems: list[str] = []
     check_rows = sorted(rng.sample(range(n), min(8, n)))
 
@@ -594,6 +601,46 @@ def _host_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
                 problems.append(f"row {n + r} != row {r} after load")
         return t1 - t0, t3 - t2
 
+    def batched_pass(keys: list[bytes], scatter: bool) -> tuple[float, float]:
+        """The engine's steps: store_many of STEP_BLOCKS rows, poll(), ...; then the loads likewise.
+        ``scatter``: rows in a shuffled order, and the keys loaded in another (scattered slots)."""
+        rows = shuffled if scatter else list(range(n))
+        jobs: list[Any] = []
+        done: list[Any] = []
+        t0 = time.perf_counter()
+        for i in range(0, n, STEP_BLOCKS):
+            jobs.append(store_many(keys[i:i + STEP_BLOCKS], rows[i:i + STEP_BLOCKS]))
+            done += poll()
+        done += wait()
+        t1 = time.perf_counter()
+        if any(j is None for j in jobs) or not all(c.ok for c in done) or sum(len(c.job.keys) for c in done) != n:
+            problems.append(f"batched store pass: {sum(j is None for j in jobs)} None, {len(done)} completions")
+        order = rows[::-1] if scatter else list(range(n))
+        lkeys = [keys[i] for i in order]
+        dst = [n + r for r in rows]
+        jobs, done = [], []
+        t2 = time.perf_counter()
+        for i in range(0, n, STEP_BLOCKS):
+            jobs.append(load_many(lkeys[i:i + STEP_BLOCKS], dst[i:i + STEP_BLOCKS]))
+            done += poll()
+        done += wait()
+        t3 = time.perf_counter()
+        if any(j is None for j in jobs) or not all(c.ok for c in done) or sum(len(c.job.keys) for c in done) != n:
+            problems.append(f"batched load pass: {sum(j is None for j in jobs)} None, {len(done)} completions")
+        for i in check_rows:  # untimed: the bytes really landed (load i put key order[i] into row n + rows[i])
+            if not torch.equal(kv[n + rows[i]], kv[rows[order[i]]]):
+                problems.append(f"batched pass: row {n + rows[i]} holds the wrong block")
+        return t1 - t0, t3 - t2
+
+    def large_pass() -> tuple[float, float]:
+        src, dst = kv[:n].view(-1), raw_dst.view(-1)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        t1 = time.perf_counter()
+        kv[n:].view(-1).copy_(dst)
+        t2 = time.perf_counter()
+        return t1 - t0, t2 - t1
+
     def raw_pass() -> tuple[float, float]:
         t0 = time.perf_counter()
         for i in range(n):
@@ -606,11 +653,15 @@ def _host_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
 
     for p in range(warmup + passes):
         keys = _keys(rng, n)
-        order = ("tkv", "raw1", "rawN") if p % 2 == 0 else ("rawN", "raw1", "tkv")
+        order = sides if p % 2 == 0 else sides[::-1]
         for side in order:
             gc.collect()
             if side == "tkv":
                 st, ld = tkv_pass(keys)
+            elif side in ("tkvB", "tkvS"):
+                st, ld = batched_pass(_keys(rng, n), side == "tkvS")   # keys of its own: none stored yet
+            elif side == "rawL":
+                st, ld = large_pass()
             elif side == "raw1":
                 with _torch_threads(1):
                     st, ld = raw_pass()
@@ -635,12 +686,20 @@ def _host_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
                            "problems": problems}
     for d in ("store", "load"):
         t, r1, rn = gbps(f"tkv_{d}"), gbps(f"raw1_{d}"), gbps(f"rawN_{d}")
+        tb, ts, rl = gbps(f"tkvB_{d}"), gbps(f"tkvS_{d}"), gbps(f"rawL_{d}")
         out[d] = {
             "tiered_kv": t,
             "baseline_raw_copy_1_thread": r1,
             "note_raw_copy_default_threads": rn,
             "ratio_tiered_kv_over_baseline": _ratio(t["gb_per_s"], r1["gb_per_s"]),
             "ratio_tiered_kv_over_raw_default_threads": _ratio(t["gb_per_s"], rn["gb_per_s"]),
+            # issue 25: a step's blocks as one call each way, against the memory's speed (one large copy_)
+            "tiered_kv_batched": tb,
+            "tiered_kv_batched_scattered": ts,
+            "baseline_one_large_copy": rl,
+            "ratio_batched_over_large_copy": _ratio(tb["gb_per_s"], rl["gb_per_s"]),
+            "ratio_batched_scattered_over_large_copy": _ratio(ts["gb_per_s"], rl["gb_per_s"]),
+            "ratio_per_block_over_large_copy": _ratio(t["gb_per_s"], rl["gb_per_s"]),
         }
     return out
 
@@ -709,8 +768,9 @@ def _fresh_slab(block: int, ws: int, repeats: int) -> dict[str, Any]:
 
 
 def bench_host_throughput(quick: Union[bool, str] = False, seed: int = 0,
-                          block_sizes: Sequence[int] = (256 * KiB, 2 * MiB, 8 * MiB)) -> dict[str, Any]:
-    """Section 3: host tier store/load GB/s vs a raw single-thread ``copy_`` of the same bytes."""
+                          block_sizes: Sequence[int] = (64 * KiB, 256 * KiB, 2 * MiB, 8 * MiB)) -> dict[str, Any]:
+    """Section 3: host tier store/load GB/s vs a raw single-thread ``copy_`` of the same bytes, and a step's
+    blocks as one ``store_many``/``load_many`` (then ``poll()``) vs one large ``copy_`` of the same bytes."""
     ws, passes, warmup, min_blocks = PLANS[as_mode(quick)]["host_throughput"]
     rng = random.Random(seed * 1000 + 3)
     return {
@@ -719,7 +779,11 @@ def bench_host_throughput(quick: Union[bool, str] = False, seed: int = 0,
         "method": ("tiered_kv: store() every block then wait(); load() each into another row then wait(). "
                    "baseline: per-block Tensor.copy_ of the same rows into a preallocated buffer and back, "
                    "one thread (torch.set_num_threads(1)); note: the same with torch's default threads. "
-                   "GB = 1e9 bytes; GB/s from the median pass."),
+                   f"batched: store_many() of {STEP_BLOCKS} rows then poll(), step after step, then wait(); the "
+                   "loads likewise into other rows (scattered: rows in a shuffled order, keys loaded in another); "
+                   "its baseline: one copy_ of the whole pass's bytes between two contiguous tensors, torch's "
+                   "default threads (the memory's speed). GB = 1e9 bytes; GB/s from the median pass."),
+        "step_blocks": STEP_BLOCKS,
         "torch_default_threads": torch.get_num_threads(),
         "sizes": [_host_size(b, ws, passes, warmup, rng, min_blocks) for b in block_sizes],
         "fresh_slab": _fresh_slab(2 * MiB, ws // 2, max(passes // 2, 1)),

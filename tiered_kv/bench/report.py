@@ -35,6 +35,7 @@ _ISSUE22 = "issue 22 section 2"
 _ISSUE22_3 = "issue 22 section 3"
 _ISSUE22_4 = "issue 22 section 4"
 _ISSUE22_5 = "issue 22 section 5"
+_ISSUE25 = "issue 25"
 _ISSUE26 = "issue 26"
 _ISSUE_REMOTE = "remote tier issue (bench)"
 
@@ -137,6 +138,26 @@ def _core_figures(c: dict[str, Any]) -> list[dict[str, Any]]:
                     stats={"value": t["seconds_per_pass"], "baseline": b["seconds_per_pass"]}, source=_ISSUE2,
                     note=f"GB/s worst..best {t['gb_per_s_worst']:.2f}..{t['gb_per_s_best']:.2f}; vs raw copy_ "
                          f"with torch's default threads {x['ratio_tiered_kv_over_raw_default_threads']:.2f}x"))
+            if "tiered_kv_batched" not in s["store"]:   # results saved before the batched passes
+                continue
+            for d in ("store", "load"):
+                x = s[d]
+                big = s["block_bytes"] <= 256 * KiB
+                for kind, key, label in (("batched", "tiered_kv_batched", "rows in order"),
+                                         ("batched_scattered", "tiered_kv_batched_scattered", "rows scattered")):
+                    t, b = x[key], x["baseline_one_large_copy"]
+                    tgt = kind == "batched" and big
+                    out.append(_fig(
+                        "host tier", f"host.{kind}.{d}.{s['block_bytes']}",
+                        f"host {d}, store_many/load_many of {h.get('step_blocks', 64)} x "
+                        f"{_size(s['block_bytes'])}, {label}", "GB/s", t["gb_per_s"], b["gb_per_s"],
+                        "one copy_ of the same bytes between two contiguous tensors, torch's default threads",
+                        "one large copy_", target_on="ratio" if tgt else None,
+                        threshold=TARGETS["host_batched_vs_large_copy"] if tgt else None,
+                        stats={"value": t["seconds_per_pass"], "baseline": b["seconds_per_pass"]},
+                        source=_ISSUE25 if tgt else None,
+                        note=f"GB/s worst..best {t['gb_per_s_worst']:.2f}..{t['gb_per_s_best']:.2f}; the per-block "
+                             f"API {x['tiered_kv']['gb_per_s']:.2f} GB/s ({x['ratio_per_block_over_large_copy']:.2f}x)"))
         fs = h.get("fresh_slab")
         if fs:
             g = fs["gb_per_s"]
@@ -395,6 +416,27 @@ def _step_figures(r: dict[str, Any]) -> list[dict[str, Any]]:
                       f"/ p99 {t['wall_us_p99']:.0f} us; {r['row_bytes']}-byte rows")]
 
 
+def _copy_step_figures(r: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for compute, what in (("sleep", "sleeping"), ("busy", "busy in Python")):
+        x = r[compute]
+        t, pb, b = x["batched"], x["per_block"], x["dict"]
+        c = r["runs"][compute]["batched"][0]["counts"]
+        out.append(_fig(
+            "engine step", f"copy_step.engine_cpu_us.{compute}",
+            f"engine step with copies, store_many({r['stores']}) + load_many({r['loads']}) + poll, "
+            f"{r['row_bytes'] // 1024} KiB rows, engine {what} {r['compute_s'] * 1e3:g} ms between steps", "us",
+            t["cpu_us_mean"], b["cpu_us_mean"],
+            "the unsafe plain-dict original: one store() and load() per block, its own copy workers (one transfer "
+            "per block), poll()", "dict original", better="lower", target_on="value", op="<=",
+            threshold=TARGETS["copy_step_engine_cpu_us"], source=_ISSUE25,
+            note=f"engine-thread CPU per step, mean of {r['steps']} steps (median of {r['repeats']} runs); p50 "
+                 f"{t['cpu_us_p50']:.0f} / p99 {t['cpu_us_p99']:.0f} us; the per-block API (64 store() + 64 load()) "
+                 f"{pb['cpu_us_mean']:.0f} us; run 1: {c['loads']} loads, {c['loads_none']} found their keys not yet "
+                 f"stored, {c['stores_none']} stores shed"))
+    return out
+
+
 # ----------------------------------------------------------------------------- busy engine (issue 26)
 def _busy_skip(*runs: Optional[dict[str, Any]]) -> Optional[str]:
     """Why a figure over these runs cannot be computed (a run missing or in error), else None."""
@@ -555,6 +597,8 @@ def collect_figures(result: dict[str, Any]) -> list[dict[str, Any]]:
         out += _trace_figures(s["trace"])
     if s.get("step"):
         out += _step_figures(s["step"])
+    if s.get("copy_step"):
+        out += _copy_step_figures(s["copy_step"])
     if s.get("busy"):
         out += _busy_figures(s["busy"])
     if s.get("remote"):
@@ -793,6 +837,8 @@ def format_details(result: dict[str, Any]) -> str:
         parts.append(_trace.format_trace(s["trace"]))
     if s.get("step"):
         parts.append(_step.format_step(s["step"]))
+    if s.get("copy_step"):
+        parts.append(_step.format_copy_step(s["copy_step"]))
     if s.get("busy"):
         parts.append(_busy.format_busy(s["busy"]))
     if s.get("remote"):

@@ -49,7 +49,7 @@ from tiered_kv.metrics import sample_total
 from .common import LoadMonitor, as_mode, summarize
 from .core import UnsafeDictOffloader
 
-__all__ = ["bench_step", "format_step", "PLANS", "ROW_BYTES", "LOOKUPS", "KEYS_PER_LOOKUP", "STORES", "LOADS"]
+__all__ = ["bench_step", "format_step", "bench_copy_step", "format_copy_step", "PLANS", "ROW_BYTES", "LOOKUPS", "KEYS_PER_LOOKUP", "STORES", "LOADS"]
 
 ROW_BYTES = 256
 LOOKUPS, KEYS_PER_LOOKUP, STORES, LOADS = 32, 16, 64, 64
@@ -250,4 +250,179 @@ def format_step(r: dict[str, Any]) -> str:
                  f"too few hits {c['loads_too_few_hits']}, refused {c['loads_none']}), stores {c['stores']} "
                  f"(refused {c['stores_none']}); lookup hits host {t['hits_host']:,.0f}, disk {t['hits_disk']:,.0f}; "
                  f"promotes {t['promotes_ok']:,.0f}; spills {t['spills_ok']:,.0f}, shed {t['spills_shed']:,.0f}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- issue 25: a step's copies
+COPY_ROW_BYTES = 64 * 1024
+"""A 16-token block of one layer of an 8-KV-head, 128-dim bf16 model."""
+COPY_LAG = 8                 # a step loads the keys stored this many steps before (their copies landed)
+COPY_HOST_STEPS = 32         # the host tier holds this many steps of stores: it is full and evicts
+COPY_MODES = ("batched", "per_block", "dict")
+COPY_PLANS: dict[str, dict[str, Any]] = {
+    "full": {"steps": 1500, "warmup": 150, "repeats": 3, "compute_s": 0.002},
+    "quick": {"steps": 500, "warmup": 100, "repeats": 1, "compute_s": 0.002},
+    "smoke": {"steps": 30, "warmup": 10, "repeats": 1, "compute_s": 0.0005},
+}
+
+
+def _spin(seconds: float, junk: list[int]) -> None:
+    """Compute in Python for ``seconds``: the GIL held, the caches filled with other data."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        sum(junk[::7])
+
+
+def _copy_run(mode: str, seed: int, steps: int, warmup: int, compute_s: float, busy: bool) -> dict[str, Any]:
+    """One run of the copy step: ``STORES`` stores and ``LOADS`` loads of ``COPY_ROW_BYTES`` rows per step."""
+    from tiered_kv.movers import ThreadMover, Transfer
+    from tiered_kv.jobs import JobKind
+
+    rows = STORES + LOAD_GROUPS * LOADS
+    kv = torch.zeros((rows, COPY_ROW_BYTES), dtype=torch.uint8)
+    kv[:STORES].copy_((torch.arange(STORES) + 1).to(torch.uint8).unsqueeze(1).expand(STORES, COPY_ROW_BYTES))
+    counts = {"stores": 0, "stores_none": 0, "loads": 0, "loads_none": 0, "loads_skipped_busy": 0}
+    slots = COPY_HOST_STEPS * STORES
+    mgr: Optional[TierManager] = None
+    base: Optional[UnsafeDictOffloader] = None
+    base_mover: Optional[ThreadMover] = None
+    stored: list[list[bytes]] = []
+    pending: list[Any] = [None] * LOAD_GROUPS   # per group of load rows: its last load (job, or list of jobs)
+    if mode == "dict":
+        base = UnsafeDictOffloader(slots)
+        base_mover = ThreadMover([(kv, torch.zeros((slots, COPY_ROW_BYTES), dtype=torch.uint8))], base.queue)
+        b = base
+
+        def submit(job_id: int, block: int, slot: int) -> None:
+            kind = JobKind.LOAD if job_id in b.loading else JobKind.STORE
+            base_mover.submit(Transfer(job_id, kind, [block], [slot]))   # type: ignore[union-attr]
+
+        base._submit = submit
+    else:
+        cfg = TieredKVConfig(namespace="bench/copy-step", host_capacity_bytes=slots * COPY_ROW_BYTES)
+        mgr = TierManager(cfg, kv, registry=CollectorRegistry())
+    finished: set[Any] = set()
+
+    def one(s: int) -> None:
+        keys = [b"c:%d:%d:%02d" % (seed, s, i) for i in range(STORES)]
+        g = s % LOAD_GROUPS
+        dst = list(range(STORES + g * LOADS, STORES + (g + 1) * LOADS))
+        src = stored[-COPY_LAG] if len(stored) >= COPY_LAG else None
+        prev = pending[g]
+        busy_rows = prev is not None and (any(j not in finished for j in prev) if type(prev) is list
+                                          else prev not in finished)
+        if mode == "batched":
+            assert mgr is not None
+            if src is not None and busy_rows:
+                counts["loads_skipped_busy"] += 1
+            elif src is not None:
+                job = mgr.load_many(src, dst)
+                pending[g] = job
+                counts["loads" if job is not None else "loads_none"] += 1
+            job = mgr.store_many(keys, list(range(STORES)))
+            counts["stores" if job is not None else "stores_none"] += 1
+            finished.update(c.job for c in mgr.poll())
+        elif mode == "per_block":
+            assert mgr is not None
+            if src is not None and busy_rows:
+                counts["loads_skipped_busy"] += 1
+            elif src is not None:
+                jobs = [mgr.load(k, r) for k, r in zip(src, dst)]
+                pending[g] = [j for j in jobs if j is not None]
+                counts["loads"] += len(pending[g])
+                counts["loads_none"] += len(jobs) - len(pending[g])
+            for i, k in enumerate(keys):
+                counts["stores" if mgr.store(k, i) is not None else "stores_none"] += 1
+            finished.update(c.job for c in mgr.poll())
+        else:
+            assert base is not None
+            if src is not None and busy_rows:
+                counts["loads_skipped_busy"] += 1
+            elif src is not None:
+                jobs = [base.load(k, r) for k, r in zip(src, dst)]
+                pending[g] = [j for j in jobs if j is not None]
+                counts["loads"] += len(pending[g])
+                counts["loads_none"] += len(jobs) - len(pending[g])
+            for i, k in enumerate(keys):
+                counts["stores" if base.store(k, i) is not None else "stores_none"] += 1
+            finished.update(base.poll_reports())
+        stored.append(keys)
+
+    junk = list(range(200_000))
+    cpu_us: list[float] = []
+    tt = time.thread_time_ns
+    try:
+        gc.collect()
+        for s in range(warmup + steps):
+            if s == warmup:
+                for k in counts:
+                    counts[k] = 0
+            c0 = tt()
+            one(s)
+            c1 = tt()
+            if s >= warmup:
+                cpu_us.append((c1 - c0) / 1e3)
+            if busy:
+                _spin(compute_s, junk)
+            else:
+                time.sleep(compute_s)
+        out: dict[str, Any] = {"cpu_us": summarize(cpu_us, "us"), "counts": counts}
+        if mgr is not None:
+            reg = mgr.metrics.registry
+            out["copy_failed"] = sample_total(reg, "tiered_kv_jobs_total", outcome="failed")
+        return out
+    finally:
+        if mgr is not None:
+            mgr.close()
+        if base_mover is not None:
+            base_mover.close()
+
+
+def bench_copy_step(quick: Union[bool, str] = False, seed: int = 0,
+                    log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Issue 25: the engine thread's CPU per step of ``STORES`` stores and ``LOADS`` loads of 64 KiB rows,
+    copies on (the default CPU mover), through the batched API, the per-block API and the unsafe dict
+    original (its own copy workers, one transfer per block), with the engine sleeping or busy in Python
+    between steps; the modes alternate run by run."""
+    plan = COPY_PLANS[as_mode(quick)]
+    out: dict[str, Any] = {"row_bytes": COPY_ROW_BYTES, "stores": STORES, "loads": LOADS, "lag_steps": COPY_LAG,
+                           "host_slots": COPY_HOST_STEPS * STORES, "steps": plan["steps"],
+                           "warmup_steps": plan["warmup"], "repeats": plan["repeats"], "compute_s": plan["compute_s"],
+                           "runs": {}}
+    with LoadMonitor() as lm:
+        for compute in ("sleep", "busy"):
+            runs: dict[str, list[dict[str, Any]]] = {m: [] for m in COPY_MODES}
+            for rep in range(plan["repeats"]):
+                for m in (COPY_MODES if rep % 2 == 0 else COPY_MODES[::-1]):
+                    r = _copy_run(m, seed + rep, plan["steps"], plan["warmup"], plan["compute_s"], compute == "busy")
+                    runs[m].append(r)
+                    log(f"copy step {compute} {rep + 1}/{plan['repeats']} {m}: mean {r['cpu_us']['mean']:.1f} us CPU")
+            out["runs"][compute] = runs
+            out[compute] = {m: {"cpu_us_mean": _median(r["cpu_us"]["mean"] for r in runs[m]),
+                                "cpu_us_p50": _median(r["cpu_us"]["median"] for r in runs[m]),
+                                "cpu_us_p99": _median(r["cpu_us"]["p99"] for r in runs[m])} for m in COPY_MODES}
+    out["background_load"] = lm.result
+    return out
+
+
+def _median(xs: Any) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2]
+
+
+def format_copy_step(r: dict[str, Any]) -> str:
+    lines = [f"engine step with copies: {r['stores']} stores + {r['loads']} loads of {r['row_bytes'] // 1024} KiB rows "
+             f"(keys stored {r['lag_steps']} steps before), then poll(); host {r['host_slots']} slots (full, evicting); "
+             f"{r['steps']} steps after {r['warmup_steps']} discarded, {r['compute_s'] * 1e3:g} ms compute per step, "
+             f"median of {r['repeats']} runs"]
+    names = {"batched": "tiered_kv store_many/load_many", "per_block": "tiered_kv store()/load() per block",
+             "dict": "dict original (baseline)"}
+    for compute in ("sleep", "busy"):
+        for m in COPY_MODES:
+            x = r[compute][m]
+            c = r["runs"][compute][m][0]["counts"]
+            lines.append(f"  {compute:5s} {names[m]:34s} CPU us/step mean {x['cpu_us_mean']:7.1f}  p50 "
+                         f"{x['cpu_us_p50']:7.1f}  p99 {x['cpu_us_p99']:7.1f}   run 1: loads {c['loads']} "
+                         f"(none {c['loads_none']}, rows busy {c['loads_skipped_busy']}), stores {c['stores']} "
+                         f"(none {c['stores_none']})")
     return "\n".join(lines)

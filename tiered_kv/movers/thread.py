@@ -57,6 +57,11 @@ per row: rows no wide view fits are copied row by row).  A copy of these element
 unchanged (no arithmetic touches them; the byte-for-byte tests use random rows)."""
 
 
+_FEW_ROWS = 2
+"""A batch of one transfer of at most this many rows is copied row by row: a ``memmove`` call costs
+less than building index tensors (the per-block API with ``copy_batch_max=1``)."""
+
+
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
@@ -317,7 +322,7 @@ class ThreadMover(Mover):
     def _do_batch(self, ts: list[Transfer]) -> list[Report]:
         """Copy a batch; its reports, one per transfer, in the batch's order."""
         out: list[Optional[Report]] = [None] * len(ts)
-        if self._wide is None:
+        if self._wide is None or (len(ts) == 1 and len(ts[0].rows) <= _FEW_ROWS):
             return [self._do(t) for t in ts]
         stores: list[int] = []
         loads: list[int] = []
