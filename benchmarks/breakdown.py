@@ -1,7 +1,9 @@
-"""Where the time of two missed targets goes: one load from disk at a time, and the engine step.
+"""Where the time of three missed targets goes: one load from disk at a time, the engine step, and
+a step's copies batched.
 
     .venv/bin/python benchmarks/breakdown.py promote [--block-kib 2048]
     .venv/bin/python benchmarks/breakdown.py step [--steps 600]
+    .venv/bin/python benchmarks/breakdown.py batched [--block-kib 64]
 
 ``promote``: the parts of one ``load(key, row)`` + ``wait([job])`` of a key only on disk (page
 cache warm), each a median over 32 loads, timed by wrapping the methods that do them (the reader's
@@ -13,6 +15,11 @@ operations done by hand on one thread -- ``pread`` into one hot buffer or into a
 ``step``: the engine thread's CPU time per call of ``tiered-kv bench``'s engine step (32
 ``lookup`` x 16 keys, ``load_many(64)``, ``store_many(64)``, ``poll()``), with the disk tier on and
 off, beside the unsafe dict original's whole step.
+
+``batched``: ``tiered-kv bench``'s batched host passes (``store_many`` of 64 blocks then ``poll()``,
+step after step, then ``wait()``; the loads likewise), split into the time in the engine's calls
+and in the final ``wait()``, beside one ``copy_`` of the pass's bytes; 128 MiB per pass, 4 passes
+(the first a warm-up).
 
 Diagnostics, not figures of record: wrapping methods adds a little to each part, and the figures
 move with the machine's load.  Nothing here is imported by the library or the tests.
@@ -173,14 +180,48 @@ def step(steps: int) -> None:
     print(f"engine step, dict original: CPU {r['cpu_us']['mean']:6.0f} us per step")
 
 
+def batched(block: int) -> None:
+    n = (128 << 20) // block
+    kv = torch.empty((2 * n, block), dtype=torch.uint8).fill_(1)
+    cfg = TieredKVConfig(namespace="breakdown/batched", host_capacity_bytes=n * block, host_evict_ahead_blocks=0)
+    mgr = TierManager(cfg, kv, registry=CollectorRegistry())
+    big = torch.empty(n * block, dtype=torch.uint8)
+    pc = time.perf_counter
+    try:
+        for p in range(4):
+            keys = [os.urandom(16) for _ in range(n)]
+            out = []
+            for rows0, call in ((0, mgr.store_many), (n, mgr.load_many)):
+                calls = polls = 0.0
+                t0 = pc()
+                for i in range(0, n, 64):
+                    a = pc()
+                    call(keys[i:i + 64], list(range(rows0 + i, rows0 + i + 64)))
+                    b = pc()
+                    mgr.poll()
+                    calls, polls = calls + b - a, polls + pc() - b
+                t1 = pc()
+                mgr.wait()
+                out.append(f"calls {calls * 1e3:5.1f} ms, polls {polls * 1e3:4.1f}, wait {(pc() - t1) * 1e3:5.1f}, "
+                           f"total {(pc() - t0) * 1e3:5.1f}")
+            a = pc()
+            big.copy_(kv[:n].view(-1))
+            print(f"pass {p}{' (warm-up)' if p == 0 else ''}: store {out[0]} | load {out[1]} | one large copy_ "
+                  f"{(pc() - a) * 1e3:.1f} ms")
+    finally:
+        mgr.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["promote", "step"])
-    ap.add_argument("--block-kib", type=int, default=2048)
+    ap.add_argument("what", choices=["promote", "step", "batched"])
+    ap.add_argument("--block-kib", type=int, default=None, help="default: 2048 (promote), 64 (batched)")
     ap.add_argument("--steps", type=int, default=600)
     a = ap.parse_args()
     if a.what == "promote":
-        promote(a.block_kib << 10)
+        promote((a.block_kib or 2048) << 10)
+    elif a.what == "batched":
+        batched((a.block_kib or 64) << 10)
     else:
         step(a.steps)
 
