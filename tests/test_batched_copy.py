@@ -440,3 +440,65 @@ def test_a_lone_transfer_of_one_or_two_rows_is_copied_row_by_row():
         assert m.batches == 1                            # only the transfer of three rows went batched
     finally:
         m.close()
+
+
+def test_a_flush_copies_on_the_owner_what_the_workers_left_from_an_earlier_flush():
+    """catch_up_s: batches the workers have not taken (starved of the GIL by a busy owner) are copied by
+    the owner at its next flush, oldest first; what that flush hands over stays for the workers."""
+    dev, host, q, m = _mover(workers=0, catch_up_s=0.0)   # no worker: nothing is ever taken but by the owner
+    try:
+        m.submit(Transfer("a", _STORE, [0, 1, 2], [0, 1, 2]))
+        m.flush()                                        # a queued; nothing older to copy
+        assert m.caught_up == 0 and q.drain() == [] and m._q.qsize() == 1
+        m.submit(Transfer("b", _LOAD, [10, 11, 12], [0, 1, 2]))
+        m.flush()                                        # a is copied here, b queued
+        assert m.caught_up == 1 and [r.token for r in q.drain()] == ["a"] and m._q.qsize() == 1
+        assert torch.equal(host[:3], dev[:3])
+        m.flush()                                        # nothing new: b is copied
+        assert m.caught_up == 2 and [(r.token, r.ok) for r in q.drain()] == [("b", True)]
+        assert torch.equal(dev[10:13], dev[:3]) and m._q.qsize() == 0
+    finally:
+        m.close()
+
+
+def test_without_catch_up_or_before_its_delay_a_flush_copies_nothing():
+    for kw in ({}, {"catch_up_s": 60.0}):
+        dev, host, q, m = _mover(workers=0, **kw)
+        try:
+            for i in range(3):
+                m.submit(Transfer(i, _STORE, [i, i + 4], [i, i + 4]))
+                m.flush()
+            assert m.caught_up == 0 and q.drain() == [] and m._q.qsize() == 3
+            while m.help_one():
+                pass
+            assert len(q.drain()) == 3
+        finally:
+            m.close()
+
+
+def test_the_managers_cpu_mover_catches_up_and_the_vllm_copier_does_not():
+    """The copier runs a rank's jobs one after another on one worker (a store after a load of the same
+    block relies on it): a batch copied by the owner could run beside the worker's."""
+    from tiered_kv.integrations.copier import _copy_mover
+    from tiered_kv.movers import CATCH_UP_S, make_mover
+    dev, host = torch.zeros((4, 32), dtype=torch.uint8), torch.zeros((4, 32), dtype=torch.uint8)
+    a = make_mover([(dev, host)], CompletionQueue(), 1, 1, 64)
+    b = _copy_mover([(dev, host)], CompletionQueue(), 64)
+    try:
+        assert a._catch_up_s == CATCH_UP_S and b._catch_up_s is None
+    finally:
+        a.close()
+        b.close()
+
+
+def test_transfers_handed_over_at_submit_are_caught_up_too():
+    dev, host, q, m = _mover(workers=0, catch_up_s=0.0)
+    m._batch_max = 1                                     # each submit hands its transfer over at once
+    try:
+        m.submit(Transfer("a", _STORE, [0, 1, 2], [0, 1, 2]))
+        m.submit(Transfer("b", _STORE, [4, 5, 6], [4, 5, 6]))
+        assert m._q.qsize() == 2
+        m.flush()
+        assert m.caught_up == 2 and sorted(r.token for r in q.drain()) == ["a", "b"]
+    finally:
+        m.close()

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from .base import CompletionQueue, Mover, Plane, Report, Transfer
 from .cuda import EVENT_BYTES, CudaMover, TorchCuda
-from .thread import ThreadMover
+from .thread import CATCH_UP_S, ThreadMover
 
 __all__ = ["Transfer", "Report", "CompletionQueue", "Mover", "Plane", "ThreadMover", "CudaMover", "TorchCuda",
            "EVENT_BYTES", "make_mover"]
@@ -26,4 +26,4 @@ def make_mover(planes: Sequence[Plane], completions: CompletionQueue, num_worker
     """A :class:`CudaMover` when the planes' device rows are on a CUDA device, else a :class:`ThreadMover`."""
     if planes and planes[0][0].is_cuda:  # pragma: no cover - needs CUDA
         return CudaMover(planes, completions, num_streams, batch_max=batch_max)
-    return ThreadMover(planes, completions, num_workers, batch_max=batch_max)
+    return ThreadMover(planes, completions, num_workers, batch_max=batch_max, catch_up_s=CATCH_UP_S)

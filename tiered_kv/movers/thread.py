@@ -28,7 +28,7 @@ import torch
 from ..jobs import JobKind
 from .base import CompletionQueue, Mover, Plane, Report, Transfer, check_planes
 
-__all__ = ["ThreadMover", "CopyFn", "BatchFn", "batch_copy", "BATCH_BYTES", "STAGE_BYTES", "HELP_BYTES"]
+__all__ = ["ThreadMover", "CopyFn", "BatchFn", "batch_copy", "BATCH_BYTES", "STAGE_BYTES", "HELP_BYTES", "CATCH_UP_S"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,11 @@ spread over the workers, and its first transfers are reported before its last on
 STAGE_BYTES = 4 << 20
 """Rows gathered per pass when neither side's rows are consecutive: they are gathered into a staging
 buffer of this size (per thread) and scattered from it while it is still in the CPU's cache."""
+
+CATCH_UP_S = 0.001
+"""The managers' CPU movers: a batch the workers have not taken this long after a flush gave it to them
+is copied by the owner at its next flush (see :meth:`ThreadMover.flush`): a worker free to run takes
+one within microseconds."""
 
 HELP_BYTES = 4 << 20
 """``help_one()`` copies at most this many bytes of held transfers per call (at least one transfer),
@@ -177,7 +182,7 @@ class ThreadMover(Mover):
 
     def __init__(self, planes: Sequence[Plane], completions: CompletionQueue, num_workers: int = 2,
                  copy_fn: Optional[CopyFn] = None, batch_max: int = 1,
-                 batch_fn: Optional[BatchFn] = None) -> None:
+                 batch_fn: Optional[BatchFn] = None, catch_up_s: Optional[float] = None) -> None:
         if batch_max < 1:
             raise ValueError(f"batch_max must be >= 1, got {batch_max}")
         self._planes, self._block_bytes = check_planes(planes)
@@ -194,6 +199,9 @@ class ThreadMover(Mover):
         self._closed = False
         self.helped = 0  # transfers run by the owner in help_one()
         self.batches = 0  # batched copies made (one per direction of a batch)
+        self.caught_up = 0   # help_one() calls a flush made for batches the workers had not taken (see flush)
+        self._put_at: collections.deque[float] = collections.deque(maxlen=1024)   # when each batch was queued
+        self._catch_up_s = catch_up_s
         self._holding = False
         # owner thread only: submitted, not yet given to the workers (batched, or held: see hold())
         self._held: collections.deque[Transfer] = collections.deque()
@@ -212,6 +220,7 @@ class ThreadMover(Mover):
     def submit(self, t: Transfer) -> None:
         if self._batch_max == 1 and not self._holding:
             self._q.put([t])
+            self._put_at.append(time.monotonic())
             return
         held = self._held
         held.append(t)
@@ -220,10 +229,26 @@ class ThreadMover(Mover):
 
     def flush(self) -> None:
         """Owner thread only: give the queued transfers to the workers as batches (stores, then loads,
-        each in submission order), unless the owner holds them (:meth:`hold`)."""
-        if self._held and not self._holding:
+        each in submission order), unless the owner holds them (:meth:`hold`).
+
+        With ``catch_up_s`` (the managers' movers: :data:`CATCH_UP_S`), batches given to the workers
+        at least that long ago that none has taken yet are copied here, on the calling thread, oldest first (``caught_up`` counts the calls): the
+        workers are starved of the GIL by an owner busy in Python, which gives it up only when the
+        interpreter forces a switch (every 5 ms).  Left to them, their backlog would grow step after
+        step until stores are shed for want of a free slot and loads find their keys not stored yet;
+        copied here, it stays within a step.  Workers that keep up (an owner that sleeps or waits on
+        a device between steps) take a batch within microseconds, and nothing is copied here."""
+        if self._holding:
+            return
+        behind = self._behind()
+        if self._held:
             held, self._held = self._held, collections.deque()
-            put, block, cap = self._q.put, self._block_bytes, BATCH_BYTES
+            block, cap, q, stamps, now = self._block_bytes, BATCH_BYTES, self._q, self._put_at, time.monotonic()
+
+            def put(b: list[Transfer]) -> None:
+                q.put(b)
+                stamps.append(now)
+
             stores = [t for t in held if t.kind is _STORE]
             loads = [t for t in held if t.kind is not _STORE] if len(stores) < len(held) else []
             for ts in (stores, loads):
@@ -238,6 +263,29 @@ class ThreadMover(Mover):
                     nbytes += size
                 if batch:
                     put(batch)
+        while behind > 0 or self._held:   # help_one takes the oldest queued batch (part of it: the rest stays held)
+            if not self._held:
+                behind -= 1
+            if not self.help_one():
+                break
+            self.caught_up += 1
+
+    def _behind(self) -> int:
+        """How many of the batches the workers have not taken were given to them at least ``catch_up_s``
+        ago (the queue is FIFO: the ``k`` left are the ``k`` put last); 0 without ``catch_up_s``."""
+        if self._catch_up_s is None:
+            return 0
+        k = self._q.qsize()
+        stamps = self._put_at
+        if not k or k > len(stamps):
+            return 0
+        limit = time.monotonic() - self._catch_up_s
+        n = 0
+        for i in range(len(stamps) - k, len(stamps)):
+            if stamps[i] > limit:
+                break
+            n += 1
+        return n
 
     def hold(self, on: bool) -> None:
         """Owner thread only.  While on, transfers submitted stay with the owner for :meth:`help_one`
