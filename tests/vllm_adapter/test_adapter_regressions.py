@@ -143,8 +143,10 @@ def test_data_parallel_replicas_on_one_disk_path_both_start(model_dir: str, tmp_
 
 
 def _fail_stores(mover: Any, fail: list[int]) -> None:
-    """The copy worker's next ``fail[0]`` device->host copies raise (a failed store copy); loads pass."""
+    """The copy worker's next ``fail[0]`` device->host copies raise (a failed store copy); loads pass.
+    Every transfer is copied row by row here (no batched copy), where the fault is injected."""
     real = mover._memmove
+    mover._wide = None
 
     def memmove(t: Any) -> None:
         if t.kind is JobKind.STORE and fail[0] > 0:
