@@ -300,6 +300,16 @@ DEFAULT_DISK_IO: Optional[str] = None
 """Set per test by conftest.py: "thread" for tests marked ``disk_threads``, else the library's default."""
 
 
+def reports(q: CompletionQueue, n: int) -> list[Report]:
+    """The next ``n`` reports on ``q`` (each waited for up to 30 s: a transfer never answered fails)."""
+    out = []
+    while len(out) < n:
+        r = q.get(timeout=30)
+        assert r is not None, "a transfer was never answered"
+        out.append(r)
+    return out
+
+
 def make_config(host_slots: int = 64, row_bytes: int = ROW_BYTES, **kw: Any) -> TieredKVConfig:
     if DEFAULT_DISK_IO is not None and kw.get("disk_path") is not None:
         kw.setdefault("disk_io", DEFAULT_DISK_IO)

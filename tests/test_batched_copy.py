@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import threading
 import uuid
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from prometheus_client import CollectorRegistry
 
-from fakes import fill_row, make_config, make_kv, row_matches
+from fakes import fill_row, make_config, make_kv, reports as _reports, row_matches
 from tiered_kv import TierManager
 from tiered_kv.jobs import JobKind
 from tiered_kv.metrics import sample_total
@@ -30,15 +30,6 @@ def _random_rows(n: int, width: int, seed: int) -> torch.Tensor:
     """Random bytes: as 16-byte elements they hold NaNs, infinities and denormals of every kind."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (n, width), generator=g, dtype=torch.uint8)
-
-
-def _reports(q: CompletionQueue, n: int) -> list:
-    out = []
-    while len(out) < n:
-        r = q.get(timeout=30)
-        assert r is not None, "a transfer was never answered"
-        out.append(r)
-    return out
 
 
 # ---------------------------------------------------------------------------- batch_copy
@@ -412,8 +403,8 @@ def test_a_store_given_up_before_its_batch_starts_is_copied_by_no_one_and_counte
     gate.open.set()
     for i in range(3):
         fill_row(kv, i, b"s%d" % i)
-    job = mgr.store_many([b"s0", b"s1", b"s2"], [0, 1, 2])
-    solo = mgr.store(b"solo", 3)
+    assert mgr.store_many([b"s0", b"s1", b"s2"], [0, 1, 2]) is not None
+    assert mgr.store(b"solo", 3) is not None
     assert mgr.free_block(3) is True             # before the flush: the solo store is cancelled
     assert mgr.free_block(1) is True             # one part of the batch job
     done = {c.job.key: c for c in mgr.wait()}

@@ -10,19 +10,10 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from fakes import fill_row, make_config, make_kv
+from fakes import fill_row, make_config, make_kv, reports as _reports
 from tiered_kv import TierManager
 from tiered_kv.jobs import JobKind
 from tiered_kv.movers import CompletionQueue, ThreadMover, Transfer
-
-
-def _reports(q: CompletionQueue, n: int) -> list:
-    out = []
-    while len(out) < n:
-        r = q.get(timeout=30)
-        assert r is not None, "a transfer was never answered"
-        out.append(r)
-    return out
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["dense", "rows-with-gaps"])

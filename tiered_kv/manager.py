@@ -74,6 +74,36 @@ def _consume(it: Iterable[Any]) -> None:
     _deque(it, 0)
 
 
+def _add_job(m: dict[Any, Any], ks: Sequence[Any], job: Job) -> None:
+    """Record ``job`` under each of ``ks`` in a map whose values are one job, or a list of the jobs
+    where several share a key (the rare case: one store per row, one load per key is the rule)."""
+    if m.keys().isdisjoint(ks):
+        m.update(dict.fromkeys(ks, job))   # one C loop
+        return
+    for k in ks:
+        held = m.setdefault(k, job)
+        if held is not job:
+            if type(held) is list:
+                held.append(job)
+            else:
+                m[k] = [held, job]
+
+
+def _drop_job(m: dict[Any, Any], ks: Sequence[Any], job: Job) -> None:
+    """Undo :func:`_add_job` for ``job`` under ``ks`` (keys it is no longer under are passed over)."""
+    if list(map(m.get, ks)).count(job) == len(ks):
+        _consume(map(m.pop, ks))   # the job alone under each key: one C loop
+        return
+    for k in ks:
+        held = m.get(k)
+        if held is job:
+            del m[k]
+        elif type(held) is list and job in held:
+            held.remove(job)
+            if len(held) == 1:
+                m[k] = held[0]
+
+
 def _slots(entries: list[Any]) -> list[int]:
     """The slots of a job's entries (one key written out: a list comprehension is a call of its own)."""
     if len(entries) == 1:
@@ -216,17 +246,7 @@ class TierManager:
         job.block = blocks[0]
         job.blocks = blocks
         job._owner = self._owner_tag
-        row_stores = self._row_stores
-        if len(blocks) > 1 and row_stores.keys().isdisjoint(blocks):
-            row_stores.update(dict.fromkeys(blocks, job))   # no other store reads these rows: one C loop
-        else:
-            for b in blocks:
-                rs = row_stores.setdefault(b, job)
-                if rs is not job:
-                    if type(rs) is list:
-                        rs.append(job)
-                    else:
-                        row_stores[b] = [rs, job]
+        _add_job(self._row_stores, blocks, job)
         t = job._transfer = Transfer(job.token, _STORE, blocks, _slots(job._entries))
         self._mover.submit(t)
         return job
@@ -304,18 +324,7 @@ class TierManager:
             row_load[blocks[0]] = job
         else:
             row_load.update(dict.fromkeys(blocks, job))
-        key_loads = self._key_loads
-        keys = job.keys
-        if key_loads.keys().isdisjoint(keys):   # no other load of these keys: one C loop
-            key_loads.update(dict.fromkeys(keys, job))
-        else:
-            for k in keys:
-                kl = key_loads.setdefault(k, job)
-                if kl is not job:
-                    if type(kl) is list:
-                        kl.append(job)
-                    else:
-                        key_loads[k] = [kl, job]
+        _add_job(self._key_loads, job.keys, job)
         if not job._waiters:
             self._load_ready(job)
         return job
@@ -668,17 +677,7 @@ class TierManager:
             for b in blocks:
                 if row_load.get(b) is job:
                     del row_load[b]
-        if list(map(key_loads.get, keys)).count(job) == len(keys):
-            _consume(map(key_loads.pop, keys))    # the job alone loads each of its keys
-            return
-        for k in keys:
-            loads = key_loads.get(k)
-            if loads is job:
-                del key_loads[k]
-            elif type(loads) is list and job in loads:
-                loads.remove(job)
-                if len(loads) == 1:
-                    key_loads[k] = loads[0]
+        _drop_job(key_loads, keys, job)
 
     def _give_up_row(self, block: int) -> None:
         stores = self._row_stores.pop(block, None)
@@ -690,19 +689,7 @@ class TierManager:
                     self._core.cancel_part(job, job.blocks.index(block), _R_SOURCE_REUSED)
 
     def _drop_row_stores(self, job: Job) -> None:
-        row_stores = self._row_stores
-        blocks = job.blocks
-        if len(blocks) > 1 and list(map(row_stores.get, blocks)).count(job) == len(blocks):
-            _consume(map(row_stores.pop, blocks))   # the job alone reads each of its rows: one C loop
-            return
-        for b in blocks:
-            stores = row_stores.get(b)
-            if stores is job:   # the common case: one store reads the row
-                del row_stores[b]
-            elif type(stores) is list and job in stores:
-                stores.remove(job)
-                if len(stores) == 1:
-                    row_stores[b] = stores[0]
+        _drop_job(self._row_stores, job.blocks, job)
 
     # ------------------------------------------------------------ internals: arguments
     def _check_open(self) -> None:

@@ -601,36 +601,32 @@ def _host_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
                 problems.append(f"row {n + r} != row {r} after load")
         return t1 - t0, t3 - t2
 
-    def batched_pass(keys: list[bytes], scatter: bool) -> tuple[float, float]:
-        """The engine's steps: store_many of STEP_BLOCKS rows, poll(), ...; then the loads likewise.
-        ``scatter``: rows in a shuffled order, and the keys loaded in another (scattered slots)."""
-        rows = shuffled if scatter else list(range(n))
+    def steps(what: str, call: Any, keys: list[bytes], rows: list[int]) -> float:
+        """``call`` (store_many or load_many) of STEP_BLOCKS keys then poll(), step after step, then
+        wait(): the seconds it took; a job refused or failed is noted in ``problems``."""
         jobs: list[Any] = []
         done: list[Any] = []
         t0 = time.perf_counter()
         for i in range(0, n, STEP_BLOCKS):
-            jobs.append(store_many(keys[i:i + STEP_BLOCKS], rows[i:i + STEP_BLOCKS]))
+            jobs.append(call(keys[i:i + STEP_BLOCKS], rows[i:i + STEP_BLOCKS]))
             done += poll()
         done += wait()
         t1 = time.perf_counter()
         if any(j is None for j in jobs) or not all(c.ok for c in done) or sum(len(c.job.keys) for c in done) != n:
-            problems.append(f"batched store pass: {sum(j is None for j in jobs)} None, {len(done)} completions")
+            problems.append(f"batched {what} pass: {sum(j is None for j in jobs)} None, {len(done)} completions")
+        return t1 - t0
+
+    def batched_pass(keys: list[bytes], scatter: bool) -> tuple[float, float]:
+        """The engine's steps: store_many of STEP_BLOCKS rows, poll(), ...; then the loads likewise.
+        ``scatter``: rows in a shuffled order, and the keys loaded in another (scattered slots)."""
+        rows = shuffled if scatter else list(range(n))
+        st = steps("store", store_many, keys, rows)
         order = rows[::-1] if scatter else list(range(n))
-        lkeys = [keys[i] for i in order]
-        dst = [n + r for r in rows]
-        jobs, done = [], []
-        t2 = time.perf_counter()
-        for i in range(0, n, STEP_BLOCKS):
-            jobs.append(load_many(lkeys[i:i + STEP_BLOCKS], dst[i:i + STEP_BLOCKS]))
-            done += poll()
-        done += wait()
-        t3 = time.perf_counter()
-        if any(j is None for j in jobs) or not all(c.ok for c in done) or sum(len(c.job.keys) for c in done) != n:
-            problems.append(f"batched load pass: {sum(j is None for j in jobs)} None, {len(done)} completions")
+        ld = steps("load", load_many, [keys[i] for i in order], [n + r for r in rows])
         for i in check_rows:  # untimed: the bytes really landed (load i put key order[i] into row n + rows[i])
             if not torch.equal(kv[n + rows[i]], kv[rows[order[i]]]):
                 problems.append(f"batched pass: row {n + rows[i]} holds the wrong block")
-        return t1 - t0, t3 - t2
+        return st, ld
 
     def large_pass() -> tuple[float, float]:
         src, dst = kv[:n].view(-1), raw_dst.view(-1)

@@ -145,6 +145,28 @@ def _base_step(base: UnsafeDictOffloader, w: _Workload, step: int, counts: dict[
     base.poll()
 
 
+def _timed_steps(one: Callable[[int], None], warmup: int, steps: int, counts: dict[str, int],
+                 between: Callable[[], None]) -> tuple[list[float], list[float]]:
+    """``one(s)`` for ``warmup + steps`` steps, ``between()`` after each (the engine's compute); the
+    engine thread's CPU and wall microseconds of each step after the warm-up (``counts`` zeroed then)."""
+    cpu_us: list[float] = []
+    wall_us: list[float] = []
+    tt, pc = time.thread_time_ns, time.perf_counter_ns
+    gc.collect()
+    for s in range(warmup + steps):
+        if s == warmup:
+            for k in counts:
+                counts[k] = 0
+        c0, t0 = tt(), pc()
+        one(s)
+        c1, t1 = tt(), pc()
+        if s >= warmup:
+            cpu_us.append((c1 - c0) / 1e3)
+            wall_us.append((t1 - t0) / 1e3)
+        between()
+    return cpu_us, wall_us
+
+
 def _run(system: str, seed: int, steps: int, warmup: int, compute_s: float, disk_dir: Optional[Path]) -> dict[str, Any]:
     w = _Workload(seed)
     counts = {"loads": 0, "loads_none": 0, "loads_skipped_busy": 0, "loads_too_few_hits": 0,
@@ -164,23 +186,8 @@ def _run(system: str, seed: int, steps: int, warmup: int, compute_s: float, disk
 
         def one(s: int) -> None:
             _base_step(base, w, s, counts)
-    cpu_us: list[float] = []
-    wall_us: list[float] = []
-    tt, pc = time.thread_time_ns, time.perf_counter_ns
-    sleep = time.sleep
     try:
-        gc.collect()
-        for s in range(warmup + steps):
-            if s == warmup:
-                for k in counts:
-                    counts[k] = 0
-            c0, t0 = tt(), pc()
-            one(s)
-            c1, t1 = tt(), pc()
-            if s >= warmup:
-                cpu_us.append((c1 - c0) / 1e3)
-                wall_us.append((t1 - t0) / 1e3)
-            sleep(compute_s)
+        cpu_us, wall_us = _timed_steps(one, warmup, steps, counts, lambda: time.sleep(compute_s))
         out: dict[str, Any] = {"cpu_us": summarize(cpu_us, "us"), "wall_us": summarize(wall_us, "us"),
                                "counts": counts}
         if mgr is not None:
@@ -302,6 +309,15 @@ def _copy_run(mode: str, seed: int, steps: int, warmup: int, compute_s: float, b
         cfg = TieredKVConfig(namespace="bench/copy-step", host_capacity_bytes=slots * COPY_ROW_BYTES)
         mgr = TierManager(cfg, kv, registry=CollectorRegistry())
     finished: set[Any] = set()
+    store: Callable[[bytes, int], Any]
+    load: Callable[[bytes, int], Any]
+    poll: Callable[[], Any]
+    if base is not None:
+        store, load, poll = base.store, base.load, base.poll_reports
+    else:
+        assert mgr is not None
+        m = mgr
+        store, load, poll = m.store, m.load, lambda: [c.job for c in m.poll()]
 
     def one(s: int) -> None:
         keys = [b"c:%d:%d:%02d" % (seed, s, i) for i in range(STORES)]
@@ -322,50 +338,23 @@ def _copy_run(mode: str, seed: int, steps: int, warmup: int, compute_s: float, b
             job = mgr.store_many(keys, list(range(STORES)))
             counts["stores" if job is not None else "stores_none"] += 1
             finished.update(c.job for c in mgr.poll())
-        elif mode == "per_block":
-            assert mgr is not None
+        else:   # one store() and load() per block, on tiered_kv or on the dict original
             if src is not None and busy_rows:
                 counts["loads_skipped_busy"] += 1
             elif src is not None:
-                jobs = [mgr.load(k, r) for k, r in zip(src, dst)]
+                jobs = [load(k, r) for k, r in zip(src, dst)]
                 pending[g] = [j for j in jobs if j is not None]
                 counts["loads"] += len(pending[g])
                 counts["loads_none"] += len(jobs) - len(pending[g])
             for i, k in enumerate(keys):
-                counts["stores" if mgr.store(k, i) is not None else "stores_none"] += 1
-            finished.update(c.job for c in mgr.poll())
-        else:
-            assert base is not None
-            if src is not None and busy_rows:
-                counts["loads_skipped_busy"] += 1
-            elif src is not None:
-                jobs = [base.load(k, r) for k, r in zip(src, dst)]
-                pending[g] = [j for j in jobs if j is not None]
-                counts["loads"] += len(pending[g])
-                counts["loads_none"] += len(jobs) - len(pending[g])
-            for i, k in enumerate(keys):
-                counts["stores" if base.store(k, i) is not None else "stores_none"] += 1
-            finished.update(base.poll_reports())
+                counts["stores" if store(k, i) is not None else "stores_none"] += 1
+            finished.update(poll())
         stored.append(keys)
 
     junk = list(range(200_000))
-    cpu_us: list[float] = []
-    tt = time.thread_time_ns
     try:
-        gc.collect()
-        for s in range(warmup + steps):
-            if s == warmup:
-                for k in counts:
-                    counts[k] = 0
-            c0 = tt()
-            one(s)
-            c1 = tt()
-            if s >= warmup:
-                cpu_us.append((c1 - c0) / 1e3)
-            if busy:
-                _spin(compute_s, junk)
-            else:
-                time.sleep(compute_s)
+        cpu_us, _ = _timed_steps(one, warmup, steps, counts,
+                                 (lambda: _spin(compute_s, junk)) if busy else (lambda: time.sleep(compute_s)))
         out: dict[str, Any] = {"cpu_us": summarize(cpu_us, "us"), "counts": counts}
         if mgr is not None:
             reg = mgr.metrics.registry
