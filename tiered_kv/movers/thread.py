@@ -46,10 +46,12 @@ STAGE_BYTES = 4 << 20
 """Rows gathered per pass when neither side's rows are consecutive: they are gathered into a staging
 buffer of this size (per thread) and scattered from it while it is still in the CPU's cache."""
 
-CATCH_UP_S = 0.001
+CATCH_UP_S = 0.005
 """The managers' CPU movers: a batch the workers have not taken this long after a flush gave it to them
-is copied by the owner at its next flush (see :meth:`ThreadMover.flush`): a worker free to run takes
-one within microseconds."""
+is copied by the owner at its next flush (see :meth:`ThreadMover.flush`).  CPython's default switch
+interval: a worker kept from the GIL by an owner running Python wins it within that; a batch older
+than that is behind a backlog the workers are not clearing.  (A batch only a step's calls old is left
+to them: the engine's compute after the step's ``poll()`` gives them the GIL.)"""
 
 HELP_BYTES = 4 << 20
 """``help_one()`` copies at most this many bytes of held transfers per call (at least one transfer),
@@ -236,8 +238,8 @@ class ThreadMover(Mover):
         workers are starved of the GIL by an owner busy in Python, which gives it up only when the
         interpreter forces a switch (every 5 ms).  Left to them, their backlog would grow step after
         step until stores are shed for want of a free slot and loads find their keys not stored yet;
-        copied here, it stays within a step.  Workers that keep up (an owner that sleeps or waits on
-        a device between steps) take a batch within microseconds, and nothing is copied here."""
+        copied here, it stays within a few steps.  Workers that keep up (an owner that sleeps or waits
+        on a device between steps) take a batch long before, and nothing is copied here."""
         if self._holding:
             return
         behind = self._behind()
