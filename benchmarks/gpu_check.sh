@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one run (CI has no GPU; a GPU machine is lent rarely and briefly):
 #   1. tests/test_cuda.py: the manager and its CudaMover on a real device (ordering, fences, failures)
-#   2. tiered-kv bench --sections cuda,store_latency: device<->host GB/s beside torch's copy_, and
-#      store() latency on a CUDA KV tensor beside the unsafe original (then the CPU mover's, on this host)
+#   2. tiered-kv bench --sections cuda,store_latency: device<->host GB/s beside torch's copy_, a step's
+#      blocks as one store_many/load_many beside one large copy_ (issue 25, with the engine thread's CPU
+#      per step), and store() latency on a CUDA KV tensor beside the unsafe original (then the CPU
+#      mover's, on this host)
 #   3. the core suite with CUDA present, in parallel and time-capped (SUITE_S seconds, SUITE_N workers)
 # Usage, from the repository root, with a python whose torch sees CUDA and the project's
 # dependencies importable (pip install -e '.[test]' pytest-xdist, or PYTHONPATH):

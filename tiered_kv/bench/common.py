@@ -62,6 +62,7 @@ TARGETS: dict[str, float] = {
     # issue 25: a step's copies as one batch
     "host_batched_vs_large_copy": 0.9,              # store_many/load_many of 64 x 64/256 KiB GB/s / one large copy_
     "copy_step_engine_cpu_us": 200.0,               # engine-thread CPU per step of 64 stores + 64 loads, copies on
+    "cuda_batched_vs_large_copy": 0.9,              # CUDA d2h/h2d of store_many/load_many of 64 blocks / one copy_
     # issue 26: the disk tier beside an engine thread busy in Python (bench/busy.py)
     "busy_published_fraction": 0.99,               # spills published / stores, engine busy 5 and 20 ms (>=)
     "busy_engine_cpu_process_vs_thread": 1.05,     # engine-thread CPU per step, disk_io=process / thread (<=)

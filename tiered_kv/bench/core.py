@@ -849,7 +849,9 @@ def _cuda_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
     host[:n].fill_(0)  # faulted in, like the tier's slab
     side = rt.new_stream(dev)
     secs: dict[str, list[float]] = {k: [] for k in ("tkv_store", "tkv_load", "tkv1_store", "tkv1_load",
-                                                    "tkve_store", "tkve_load", "raw_store", "raw_load")}
+                                                    "tkve_store", "tkve_load", "raw_store", "raw_load",
+                                                    "tkvB_store", "tkvB_load", "large_store", "large_load")}
+    step_cpu: dict[str, list[float]] = {"store": [], "load": []}   # engine-thread CPU per batched step
     problems: list[str] = []
     check = sorted(rng.sample(range(n), min(8, n)))
 
@@ -874,6 +876,45 @@ def _cuda_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
         d.sync()
         return t1 - t0, t3 - t2
 
+    def batched_pass(m: TierManager, keys: list[bytes], timed: bool) -> tuple[float, float]:
+        """store_many of STEP_BLOCKS rows then poll(), step after step, then wait(); the loads likewise."""
+        out = []
+        for what, call, base in (("store", m.store_many, 0), ("load", m.load_many, n)):
+            d.sync()
+            jobs: list[Any] = []
+            done: list[Any] = []
+            t0 = time.perf_counter()
+            for i in range(0, n, STEP_BLOCKS):
+                c0 = time.thread_time()
+                jobs.append(call(keys[i:i + STEP_BLOCKS], list(range(base + i, base + min(n, i + STEP_BLOCKS)))))
+                done += m.poll()
+                if timed:
+                    step_cpu[what].append(time.thread_time() - c0)
+            done += m.wait()
+            out.append(time.perf_counter() - t0)
+            if any(j is None for j in jobs) or not all(c.ok for c in done) or sum(len(c.job.keys) for c in done) != n:
+                problems.append(f"batched {what} pass: {sum(j is None for j in jobs)} None, {len(done)} completions")
+        for r in check:
+            if not torch.equal(kv[n + r], kv[r]):
+                problems.append(f"batched: row {n + r} != row {r} after load")
+        kv[n:].fill_(255)
+        d.sync()
+        return out[0], out[1]
+
+    def large_pass() -> tuple[float, float]:
+        """One copy_ of the pass's bytes each way: the link's speed."""
+        d.sync()
+        t0 = time.perf_counter()
+        rt.copy(host[:n], kv[:n], side)
+        side.synchronize()
+        t1 = time.perf_counter()
+        rt.copy(kv[n:], host[:n], side)
+        side.synchronize()
+        t2 = time.perf_counter()
+        kv[n:].fill_(255)
+        d.sync()
+        return t1 - t0, t2 - t1
+
     def raw_pass() -> tuple[float, float]:
         d.sync()
         t0 = time.perf_counter()
@@ -894,11 +935,18 @@ def _cuda_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
 
     for p in range(warmup + passes):
         keys = _keys(rng, n)
-        order = (("tkv", "raw", "tkv1", "tkve"), ("raw", "tkve", "tkv1", "tkv"), ("tkv1", "tkv", "tkve", "raw"),
-                 ("tkve", "tkv1", "raw", "tkv"))[p % 4]
-        for which in (w for w in order if w == "raw" or w in mgrs):
+        order = (("tkv", "raw", "tkv1", "tkve", "tkvB", "large"), ("large", "raw", "tkve", "tkvB", "tkv1", "tkv"),
+                 ("tkv1", "tkvB", "tkv", "large", "tkve", "raw"), ("tkvB", "tkve", "tkv1", "raw", "tkv", "large"))[p % 4]
+        for which in (w for w in order if w in ("raw", "large", "tkvB") or w in mgrs):
             gc.collect()
-            st, ld = raw_pass() if which == "raw" else tkv_pass(mgrs[which], keys)
+            if which == "raw":
+                st, ld = raw_pass()
+            elif which == "large":
+                st, ld = large_pass()
+            elif which == "tkvB":
+                st, ld = batched_pass(mgr, _keys(rng, n), p >= warmup)
+            else:
+                st, ld = tkv_pass(mgrs[which], keys)
             if p >= warmup:
                 secs[f"{which}_store"].append(st)
                 secs[f"{which}_load"].append(ld)
@@ -926,6 +974,14 @@ def _cuda_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
             te = gbps(f"tkve_{d_}")
             out[d_]["tiered_kv_event_per_copy"] = te
             out[d_]["ratio_event_per_copy_over_baseline"] = _ratio(te["gb_per_s"], r["gb_per_s"])
+        # issue 25: a step's blocks as one store_many/load_many, against one large copy_ of the same bytes
+        tb, lg = gbps(f"tkvB_{d_}"), gbps(f"large_{d_}")
+        out[d_]["tiered_kv_batched"] = tb
+        out[d_]["baseline_one_large_copy"] = lg
+        out[d_]["ratio_batched_over_large_copy"] = _ratio(tb["gb_per_s"], lg["gb_per_s"])
+        out[d_]["engine_cpu_us_per_step"] = summarize([x * 1e6 for x in step_cpu[d_]], "us")
+    st_, ld_ = out["store"]["engine_cpu_us_per_step"], out["load"]["engine_cpu_us_per_step"]
+    out["engine_cpu_us_per_step_of_stores_and_loads"] = st_["mean"] + ld_["mean"]
     return out
 
 
@@ -1006,7 +1062,7 @@ def _cuda_store_latency(quick: Union[bool, str], rng: random.Random, d: _Device,
 
 
 def bench_cuda_copy(quick: Union[bool, str] = False, seed: int = 0,
-                    block_sizes: Sequence[int] = (256 * KiB, 2 * MiB, 8 * MiB),
+                    block_sizes: Sequence[int] = (64 * KiB, 256 * KiB, 2 * MiB, 8 * MiB),
                     runtime: Optional[Any] = None) -> dict[str, Any]:
     """Section 4: device->host and host->device GB/s through tiered_kv vs torch ``copy_``, and store()
     latency on a CUDA KV tensor (CUDA only; ``runtime``: a simulated device, for tests)."""
@@ -1024,7 +1080,9 @@ def bench_cuda_copy(quick: Union[bool, str] = False, seed: int = 0,
         "method": ("tiered_kv: store() every row of a CUDA KV tensor then wait() (device->host), load() each into "
                    "another row then wait() (host->device), CudaMover streams and events, pinned host slab. "
                    "baseline: torch Tensor.copy_(non_blocking=True) of the same rows between the same device "
-                   "tensor and the same pinned slab, one side stream, then synchronize. GB = 1e9 bytes."),
+                   "tensor and the same pinned slab, one side stream, then synchronize. batched: store_many() of "
+                   f"{STEP_BLOCKS} rows then poll(), step after step, then wait(), the loads likewise; its baseline: "
+                   "one copy_ of the pass's bytes each way (the link's speed). GB = 1e9 bytes."),
         "sizes": [_cuda_size(b, ws, passes, warmup, rng, d) for b in block_sizes],
         "store_latency": _cuda_store_latency(quick, rng, d),
         # the same with every copy put on the device inside its own store() (before batching): an A/B in one run

@@ -187,6 +187,22 @@ def _core_figures(c: dict[str, Any]) -> list[dict[str, Any]]:
                     "GB/s", t["gb_per_s"], b["gb_per_s"], "torch copy_ between the same device rows and pinned slab",
                     "torch copy_", target_on="ratio", threshold=TARGETS["cuda_copy_vs_torch_copy"],
                     stats={"value": t["seconds_per_pass"], "baseline": b["seconds_per_pass"]}, source=_ISSUE2))
+            if "tiered_kv_batched" in s["store"]:   # issue 25's rows (results saved before have none)
+                for d in ("store", "load"):
+                    x = s[d]
+                    tgt = s["block_bytes"] <= 2 * MiB
+                    t, b = x["tiered_kv_batched"], x["baseline_one_large_copy"]
+                    out.append(_fig(
+                        "CUDA links", f"cuda.batched.{d}.{s['block_bytes']}",
+                        f"{x['link']}, store_many/load_many of 64 x {_size(s['block_bytes'])}", "GB/s",
+                        t["gb_per_s"], b["gb_per_s"], "one copy_ of the same bytes between the device tensor and "
+                        "the pinned slab", "one large copy_", target_on="ratio" if tgt else None,
+                        threshold=TARGETS["cuda_batched_vs_large_copy"] if tgt else None,
+                        stats={"value": t["seconds_per_pass"], "baseline": b["seconds_per_pass"]},
+                        source=_ISSUE25 if tgt else None,
+                        note=f"engine-thread CPU per step of 64 {d}s + poll, mean "
+                             f"{x['engine_cpu_us_per_step']['mean']:.0f} us (a step of 64 stores + 64 loads: "
+                             f"{s['engine_cpu_us_per_step_of_stores_and_loads']:.0f} us)"))
         cl = cu.get("store_latency")
         if cl:
             out.append(_store_p99(
