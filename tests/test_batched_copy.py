@@ -493,3 +493,18 @@ def test_transfers_handed_over_at_submit_are_caught_up_too():
         assert m.caught_up == 2 and sorted(r.token for r in q.drain()) == ["a", "b"]
     finally:
         m.close()
+
+
+def test_a_backlog_longer_than_the_stamps_kept_is_caught_up_whole():
+    import collections
+    dev, host, q, m = _mover(workers=0, catch_up_s=0.0)
+    m._put_at = collections.deque(maxlen=2)              # keeps the last two stamps only
+    try:
+        for i in range(4):                               # four batches handed over long ago
+            m._q.put([Transfer(i, _STORE, [i, i + 8], [i, i + 8])])
+            m._put_at.append(0.0)
+        assert m._q.qsize() == 4 and len(m._put_at) == 2
+        m.flush()
+        assert m.caught_up == 4 and sorted(r.token for r in q.drain()) == [0, 1, 2, 3]
+    finally:
+        m.close()

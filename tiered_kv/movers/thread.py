@@ -234,9 +234,9 @@ class ThreadMover(Mover):
         each in submission order), unless the owner holds them (:meth:`hold`).
 
         With ``catch_up_s`` (the managers' movers: :data:`CATCH_UP_S`), batches given to the workers
-        at least that long ago that none has taken yet are copied here, on the calling thread, oldest first (``caught_up`` counts the calls): the
-        workers are starved of the GIL by an owner busy in Python, which gives it up only when the
-        interpreter forces a switch (every 5 ms).  Left to them, their backlog would grow step after
+        at least that long ago that none has taken yet are copied here, on the calling thread, oldest
+        first (``caught_up`` counts the calls): the workers are starved of the GIL by an owner busy in
+        Python, which gives it up only when the interpreter forces a switch (every 5 ms).  Left to them, their backlog would grow step after
         step until stores are shed for want of a free slot and loads find their keys not stored yet;
         copied here, it stays within a few steps.  Workers that keep up (an owner that sleeps or waits
         on a device between steps) take a batch long before, and nothing is copied here."""
@@ -274,20 +274,21 @@ class ThreadMover(Mover):
 
     def _behind(self) -> int:
         """How many of the batches the workers have not taken were given to them at least ``catch_up_s``
-        ago (the queue is FIFO: the ``k`` left are the ``k`` put last); 0 without ``catch_up_s``."""
+        ago: all those left but the ones put since (the queue is FIFO, the stamps in put order; a
+        backlog longer than the stamps kept is old); 0 without ``catch_up_s``."""
         if self._catch_up_s is None:
             return 0
         k = self._q.qsize()
-        stamps = self._put_at
-        if not k or k > len(stamps):
+        if not k:
             return 0
+        stamps = self._put_at
         limit = time.monotonic() - self._catch_up_s
-        n = 0
-        for i in range(len(stamps) - k, len(stamps)):
-            if stamps[i] > limit:
+        young = 0
+        for i in range(len(stamps) - 1, -1, -1):
+            if stamps[i] <= limit:
                 break
-            n += 1
-        return n
+            young += 1
+        return max(0, k - young)
 
     def hold(self, on: bool) -> None:
         """Owner thread only.  While on, transfers submitted stay with the owner for :meth:`help_one`
