@@ -85,6 +85,10 @@ class FakeStream:
         self._gpu.time += 1
         if op[0] == "copy":
             op[1].copy_(op[2])
+        elif op[0] == "gather":
+            torch.index_select(op[2], 0, op[3], out=op[1])
+        elif op[0] == "scatter":
+            op[1].index_copy_(0, op[2], op[3])
         elif op[0] == "fn":
             op[1]()
         elif op[0] == "event" and op[2] == op[1].gen:
@@ -95,6 +99,34 @@ class FakeStream:
         while self.ops:
             if not self._gpu.step():  # pragma: no cover - a dependency cycle: a bug in the test
                 raise AssertionError(f"stream {self.name} cannot finish")
+
+
+class FakeOps:
+    """What ``FakeGPU.copies_on`` yields (``TorchCuda``'s ``_TorchOps``): each call queues its operation on
+    the stream -- ``copy``, ``gather`` (``index_select``), ``scatter`` (``index_copy_``) -- run when the test
+    says; ``index`` gives the row numbers as a tensor at once (on CUDA an upload queued ahead of the
+    operations that read it).  Every call can meet the armed ``copy_error`` (``index``: ``index_error``)."""
+
+    def __init__(self, gpu: "FakeGPU", stream: FakeStream) -> None:
+        self._gpu, self._stream = gpu, stream
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._gpu.copy(dst, src, self._stream)
+
+    def gather(self, out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
+        self._gpu.fault("copy")
+        self._gpu.calls += 1
+        self._stream.push(("gather", out, src, index))
+
+    def scatter(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+        self._gpu.fault("copy")
+        self._gpu.calls += 1
+        self._stream.push(("scatter", dst, index, src))
+
+    def index(self, values: list[int]) -> torch.Tensor:
+        self._gpu.fault("index")
+        self._gpu.calls += 1
+        return torch.tensor(values, dtype=torch.int64)
 
 
 class FakeGPU:
@@ -114,6 +146,9 @@ class FakeGPU:
         self.record_error_skip = 0
         self.switch_error: Optional[BaseException] = None  # raised by the next copies_on() call
         self.switch_error_skip = 0
+        self.index_error: Optional[BaseException] = None  # raised by an index upload, likewise
+        self.index_error_skip = 0
+        self.calls = 0  # calls that queued copies (copy, gather, scatter, index): the engine thread's cost
         self.batches: list[FakeStream] = []  # the stream of each batch of copies, in order
 
     # --- the runtime interface
@@ -136,14 +171,15 @@ class FakeGPU:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: FakeStream) -> None:
         self.fault("copy")
+        self.calls += 1
         stream.push(("copy", dst, src))
 
     @contextlib.contextmanager
-    def copies_on(self, stream: FakeStream) -> Iterator[Callable[[torch.Tensor, torch.Tensor], None]]:
-        """``stream`` current for a batch of copies (``TorchCuda.copies_on``); yields ``copy(dst, src)``."""
+    def copies_on(self, stream: FakeStream) -> Iterator[FakeOps]:
+        """``stream`` current for a batch of copies (``TorchCuda.copies_on``); yields its :class:`FakeOps`."""
         self.fault("switch")
         self.batches.append(stream)
-        yield lambda dst, src: self.copy(dst, src, stream)
+        yield FakeOps(self, stream)
 
     def fault(self, what: str) -> None:
         """Raise the armed ``<what>_error`` once ``<what>_error_skip`` more calls have gone through."""

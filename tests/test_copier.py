@@ -110,6 +110,8 @@ def test_cuda_copy_that_cannot_be_queued_fails_the_job_and_still_marks_it(slab, 
     c, gpu = _sim_copier(slab, [kv], monkeypatch)
     gpu.copy_error = RuntimeError("CUDA error: injected")
     assert c.submit(1, b"f" * 16, 4, True, [1], [2])
+    assert c.finished() == [] and not slab.done(4)   # answered at its chunk's end event
+    gpu.run_all()
     (r,) = c.finished()
     assert not r.ok and slab.done(4) and not slab.ok(4) and not slab.rows.any()
     c.close()

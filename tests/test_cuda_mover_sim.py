@@ -31,15 +31,16 @@ A, B, C = b"key-A", b"key-B", b"key-C"
 
 
 def make(rows: int = 32, slots: int = 16, streams: int = 2, rng: Optional[random.Random] = None,
-         progress: bool = False, batch: int = 64,
-         event_bytes: int = EVENT_BYTES) -> tuple[TierManager, torch.Tensor, FakeGPU, CudaMover]:
+         progress: bool = False, batch: int = 64, event_bytes: int = EVENT_BYTES,
+         batched: bool = True) -> tuple[TierManager, torch.Tensor, FakeGPU, CudaMover]:
     """The manager on the simulated device.  Its rows are 128 bytes, so by default a batch's copies share
     one end event; ``event_bytes=1`` gives each copy its own."""
     gpu = FakeGPU(rng, progress_on_query=progress)
     made: list[CudaMover] = []
 
     def factory(dev: torch.Tensor, host: torch.Tensor, out: Any) -> CudaMover:
-        made.append(CudaMover([(dev, host)], out, streams, runtime=gpu, batch_max=batch, event_bytes=event_bytes))
+        made.append(CudaMover([(dev, host)], out, streams, runtime=gpu, batch_max=batch, event_bytes=event_bytes,
+                              batched=batched))
         return made[0]
 
     kv = make_kv(rows)
@@ -250,51 +251,51 @@ def test_each_copy_is_timed_from_the_event_before_it() -> None:
     assert len(out.drain()) == 4
 
 
-@pytest.mark.parametrize("failing", [None, 2, 4])
+@pytest.mark.parametrize("failing", [None, 1, 4])
 def test_copies_share_an_end_event_per_event_bytes(failing: Optional[int]) -> None:
-    """Rows of 8 bytes, an end event per 16 bytes: 5 copies -> events after copies 2, 4 and 5; the copies
-    between two events are reported together, each timed as its share.  ``failing``: that copy cannot
-    be queued; the chunk closes on the next copies that can."""
-    gpu, out, dev, host, mover = bare(8, event_bytes=16)
+    """Rows of 8 bytes, an end event per 16 bytes, a copy per block: 5 copies -> events after copies 2, 4 and 5;
+    the copies between two events are reported together, each timed as its share.  ``failing``: that copy
+    cannot be queued: its transfer keeps its place in its chunk and is answered failed at the chunk's end
+    event, after the chunk's copies; the rest of the batch goes on."""
+    gpu, out, dev, host, mover = bare(8, event_bytes=16, batched=False)
     ts = stores(5)
     for t in ts:
         mover.submit(t)
-    copies = [t for i, t in enumerate(ts) if i != failing]
     if failing is not None:
         gpu.copy_error, gpu.copy_error_skip = RuntimeError("CUDA error: injected"), failing
     mover.flush()
     (side,) = gpu.side
+    chunks = [ts[0:2], ts[2:4], ts[4:5]]
     layout = ["wait", "event"]
-    for i in range(0, len(copies), 2):
-        layout += ["copy"] * len(copies[i:i + 2]) + ["event"]
+    for c in chunks:
+        layout += ["copy"] * sum(failing is None or t is not ts[failing] for t in c) + ["event"]
     assert [op[0] for op in side.ops] == layout
-    if failing is not None:
-        (r,) = out.drain()
-        assert r.token == ts[failing].token and not r.ok
-    assert mover.in_flight() == len(copies)
+    assert out.drain() == [] and mover.in_flight() == 5   # nothing answered before its chunk's end event
     gpu.step(side)
-    gpu.step(side)
-    gpu.step(side)                            # the first copy ran, not yet the second: nothing reported
-    mover.harvest()
-    assert out.drain() == []
-    gpu.step(side)
-    gpu.step(side)                            # the second copy and the first end event
-    mover.harvest()
-    first = out.drain()
-    assert [r.token for r in first] == [t.token for t in copies[:2]] and all(r.ok for r in first)
-    assert [round(r.seconds * 1e6, 6) for r in first] == [1.5, 1.5]   # 2 copies + 1 event over 2 copies
-    gpu.run_all()
-    mover.harvest()
-    rest = out.drain()
-    assert [r.token for r in rest] == [t.token for t in copies[2:]] and all(r.ok for r in rest)
-    assert all(torch.equal(host[t.slots[0]], dev[t.rows[0]]) for t in copies)
-    assert mover.in_flight() == 0
-    assert len(gpu.events) == 1 + (len(copies) + 1) // 2
+    gpu.step(side)                            # the barrier and the start event
+    for c in chunks:
+        copied = [t for t in c if failing is None or t is not ts[failing]]
+        for _ in copied:                      # the chunk's copies ran, not yet its end event: nothing reported
+            gpu.step(side)
+            mover.harvest()
+            assert out.drain() == []
+        gpu.step(side)                        # its end event
+        mover.harvest()
+        reps = out.drain()
+        assert [r.token for r in reps] == [t.token for t in copied] + [t.token for t in c if t not in copied]
+        assert [r.ok for r in reps] == [True] * len(copied) + [False] * (len(c) - len(copied))
+        if failing is None:                   # copies and end event over the chunk's copies: 1.5 us, 2 us alone
+            assert [round(r.seconds * 1e6, 6) for r in reps] == [1.5 if len(c) == 2 else 2.0] * len(c)
+    assert all(torch.equal(host[t.slots[0]], dev[t.rows[0]]) for t in ts if failing is None or t is not ts[failing])
+    assert failing is None or not host[ts[failing].slots[0]].any()
+    assert mover.in_flight() == 0 and gpu.idle
+    assert len(gpu.events) == 4
     for t in ts:                              # the next batch (5 copies: 4 events) reuses those
         t.token = uuid.uuid4()
         mover.submit(t)
     mover.flush()
     assert len(gpu.events) == 4
+
 
 
 def test_an_end_event_that_cannot_be_recorded_answers_every_transfer_once() -> None:
@@ -493,22 +494,33 @@ def test_a_load_behind_a_promote_goes_to_the_device_in_the_same_poll(tmp_path: A
 
 
 # ----------------------------------------------------------------------------- failures
-def test_a_copy_that_cannot_be_queued_is_reported_failed() -> None:
-    mgr, kv, gpu, _ = make()
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_copy_that_cannot_be_queued_is_reported_failed(batched: bool) -> None:
+    """A store's copy cannot be queued: the store fails at its chunk's end event (not before: nothing is
+    answered while a copy of its chunk may still land), counted; the rest of the batch goes on -- the next
+    copy call per block, the next run of slots batched (rows 1 and 2 are one run, row 9 another)."""
+    mgr, kv, gpu, _ = make(batched=batched)
     fill_row(kv, 1, A)
     fill_row(kv, 2, B)
+    fill_row(kv, 9, C)
     gpu.copy_error = RuntimeError("CUDA error: out of memory")
     job = mgr.store(A, 1)                    # no exception reaches the engine
-    jb = mgr.store(B, 2)                     # the next copy of the same batch
-    assert job is not None and jb is not None
-    assert job is not None
-    (c,) = reported(mgr.poll(), job)
+    jb = mgr.store(B, 2)
+    assert mgr.store(b"filler", 5) is not None and mgr.free_block(5)   # its slot is skipped: C's is no run with B's
+    jc = mgr.store(C, 9)
+    assert job is not None and jb is not None and jc is not None
+    assert reported(mgr.poll(), job) == []
+    gpu.run_all()
+    comps = mgr.poll()
+    (c,) = reported(comps, job)
     assert not c.ok and "copy failed" in (c.error or "") and "out of memory" in (c.error or "")
     assert mgr.lookup([A]) == 0
-    gpu.run_all()                            # the rest of the batch went on
-    (cb,) = reported(mgr.poll(), jb)
-    assert cb.ok and host_matches(mgr, B, kv) is True
-    assert mgr_metric(mgr, "tiered_kv_errors_total", tier="host", error="copy_failed") == 1
+    (cb,) = reported(comps, jb)
+    assert cb.ok is not batched              # per block its own copy; batched, in the failed call with A's
+    assert host_matches(mgr, B, kv) is (True if cb.ok else None)
+    (cc,) = reported(comps, jc)              # the rest of the batch went on
+    assert cc.ok and host_matches(mgr, C, kv) is True
+    assert mgr_metric(mgr, "tiered_kv_errors_total", tier="host", error="copy_failed") == 1 + batched
     in_host(mgr, gpu, kv, A, 1)              # the next copy works
     assert host_matches(mgr, A, kv) is True
     mgr.close()
@@ -533,16 +545,15 @@ def test_an_error_surfacing_at_the_event_query_is_reported_failed() -> None:
 
 
 def test_a_recycled_event_whose_old_record_is_still_queued_reports_nothing_early() -> None:
-    """A group whose only copy could not be queued gives its start event back while that event's
+    """A group with no copy to queue gives its start event back while that event's
     record is still queued on the stream; reused as another copy's end event, only its latest record
     counts (as with cudaEventRecord), so the copy is not reported before it ran.  Found by the state
     machine's random sweep (the simulated device then let any record complete the event)."""
     gpu, out, dev, host, mover = bare(4, streams=2, batch_max=1)
     s0, s1 = gpu.side
     gpu.kernel(lambda: None)
-    gpu.copy_error = RuntimeError("injected")
-    t1 = Transfer(uuid.uuid4(), JobKind.LOAD, [0], [0])
-    mover.submit(t1)                          # s0: wait, start record; the copy fails: the start event is free
+    t1 = Transfer(uuid.uuid4(), JobKind.LOAD, [0], [0, 1])
+    mover.submit(t1)                          # s0: wait, start record; no copy (2 slots for 1 row): the start event is free
     t2 = Transfer(uuid.uuid4(), JobKind.STORE, [1], [1])
     mover.submit(t2)                          # s1: wait, start (the same event), copy, end
     gpu.run(gpu.compute)
@@ -665,7 +676,7 @@ def test_the_cuda_bench_section_runs_on_the_simulated_device() -> None:
 def test_a_transfer_spanning_two_event_chunks_is_reported_once_after_its_last_copy() -> None:
     """Rows of 8 bytes, an end event per 16 bytes: A = [row 0], B = [rows 1, 2, 3].  B's copies span both
     chunks; it is reported at the second end event, never at the first, and once."""
-    gpu, out, dev, host, mover = bare(4, event_bytes=16)
+    gpu, out, dev, host, mover = bare(4, event_bytes=16, batched=False)
     a = Transfer(uuid.uuid4(), JobKind.STORE, [0], [0])
     b = Transfer(uuid.uuid4(), JobKind.STORE, [1, 2, 3], [1, 2, 3])
     mover.submit(a)
@@ -694,10 +705,10 @@ def test_a_transfer_spanning_two_event_chunks_is_reported_once_after_its_last_co
 
 
 def test_a_copy_that_cannot_be_queued_fails_its_transfer_once_after_its_queued_copies_landed() -> None:
-    """The second copy of a 3-block transfer cannot be queued: its first copy is on the stream, so the
-    transfer is answered failed only once that copy can no longer land (at the end event), and once;
-    the next transfer of the batch goes on."""
-    gpu, out, dev, host, mover = bare(6)
+    """The second copy of a 3-block transfer cannot be queued: its other copies are on the stream, so the
+    transfer is answered failed only once they can no longer land (at the end event), and once; the next
+    transfer of the batch goes on."""
+    gpu, out, dev, host, mover = bare(6, batched=False)
     t = Transfer(uuid.uuid4(), JobKind.STORE, [0, 1, 2], [0, 1, 2])
     u = Transfer(uuid.uuid4(), JobKind.STORE, [3], [3])
     mover.submit(t)
@@ -706,25 +717,33 @@ def test_a_copy_that_cannot_be_queued_fails_its_transfer_once_after_its_queued_c
     mover.flush()
     assert out.drain() == [] and mover.in_flight() == 2
     (side,) = gpu.side
-    assert [op[0] for op in side.ops] == ["wait", "event", "copy", "copy", "event"]
-    gpu.run_all()
+    assert [op[0] for op in side.ops] == ["wait", "event", "copy", "copy", "copy", "event"]
+    gpu.run(side)
+    gpu.step(side, )
     mover.harvest()
     reps = {r.token: r for r in out.drain()}
     assert set(reps) == {t.token, u.token}
     assert not reps[t.token].ok and "injected" in (reps[t.token].error or "") and reps[u.token].ok
-    assert torch.equal(host[0], dev[0]) and not host[1:3].any() and torch.equal(host[3], dev[3])
+    assert torch.equal(host[0], dev[0]) and not host[1].any() and torch.equal(host[2:4], dev[2:4])
     gpu.run_all()
     mover.harvest()
     assert out.drain() == [] and mover.in_flight() == 0
 
 
-def test_a_transfer_whose_first_copy_cannot_be_queued_is_answered_at_once() -> None:
+def test_a_transfer_whose_only_call_cannot_be_queued_is_answered_at_its_chunks_end_event() -> None:
+    """Its one call (two consecutive rows, one copy) fails: nothing of it is on the stream, and it is answered
+    failed at the end event all the same -- one rule for every failed transfer -- and once."""
     gpu, out, dev, host, mover = bare(4)
     t = Transfer(uuid.uuid4(), JobKind.LOAD, [0, 1], [0, 1])
     mover.submit(t)
     gpu.copy_error = RuntimeError("CUDA error: injected")
     mover.flush()
-    (r,) = out.drain()                        # nothing of it reached the stream
+    (side,) = gpu.side
+    assert [op[0] for op in side.ops] == ["wait", "event", "event"]
+    assert out.drain() == [] and mover.in_flight() == 1
+    gpu.run_all()
+    mover.harvest()
+    (r,) = out.drain()
     assert r.token == t.token and not r.ok and mover.in_flight() == 0
     gpu.run_all()
     mover.harvest()

@@ -131,8 +131,8 @@ class Group:
     stream: int                   # index into the side streams
     mark: int                     # the compute stream's length at the flush: the barrier
     transfers: list[DJob]
-    copies: list[DJob]            # those whose copy was queued (not the one that met the copy error)
-    chunks: list[int] = dataclasses.field(default_factory=list)   # copies per end event, in order
+    copies: list[DJob]            # those put in a chunk (the one that met the copy error too: failed at its end)
+    chunks: list[int] = dataclasses.field(default_factory=list)   # transfers per end event, in order
 
 
 class DeviceModel(Model):
@@ -141,8 +141,9 @@ class DeviceModel(Model):
     armed copy error consumed by the first copy), and where each copy sits on the simulated device:
     its report is harvested once the device has run its end event, or at once when a flush answered it."""
 
-    def attach(self, gpu: FakeGPU, batch_max: int, per_event: int) -> None:
+    def attach(self, gpu: FakeGPU, batch_max: int, per_event: int, batched: bool) -> None:
         self.gpu = gpu
+        self.batched = batched              # the mover's batched calls: which, and how many, the check reads off
         self.side = gpu.side
         self.batch_max = batch_max
         self.per_event = per_event          # copies per end event (event_bytes = per_event rows)
@@ -181,12 +182,14 @@ class DeviceModel(Model):
             self.pushed[i] += 2             # wait, start event
             chunk: list[DJob] = []          # copies queued since the last end event
             for mj in ts:
-                if self.armed:              # FakeGPU.copy_error: raised by this copy, answered failed
-                    self.armed = False
-                    self._answer(mj)
-                    continue
-                self.pushed[i] += 1         # its copy
                 mj.where, mj.stream = "stream", self.side[i]
+                if self.batched:            # its call(s), the failed ones too: read off the stream by the check
+                    pass
+                elif self.armed:            # FakeGPU.copy_error: raised by this copy, failed at the chunk's end
+                    self.armed = False
+                    mj.copy_ok = False
+                else:
+                    self.pushed[i] += 1     # its copy
                 g.copies.append(mj)
                 chunk.append(mj)
                 if len(chunk) == self.per_event:
@@ -200,21 +203,24 @@ class DeviceModel(Model):
 
     def _close(self, i: int, chunk: list[DJob], g: Group) -> None:
         """An end event after ``chunk``: its copies are harvested together once the device reaches it."""
+        g.chunks.append(len(chunk))
+        if self.batched:                    # its calls and end event are read off the stream by the check
+            return
         self.pushed[i] += 1
         for mj in chunk:
             mj.end = self.pushed[i]
-        g.chunks.append(len(chunk))
 
     def on_device(self) -> list[DJob]:
         return [mj for mj in self.jobs.values() if isinstance(mj, DJob) and mj.where == "stream"]
 
     def harvest(self) -> list[DJob]:
         """CudaMover.harvest (after its flush): the reports it puts on the completion queue, in order --
-        those answered at flushes, then per side stream the copies whose end event has run."""
+        those answered at flushes, then per side stream the copies whose end event has run (per end event,
+        those copied, then those that met the copy error)."""
         out, self.answered = self.answered, []
         for s in self.side:
             out += sorted((mj for mj in self.on_device() if mj.stream is s and s.ran >= mj.end),
-                          key=lambda mj: mj.end)
+                          key=lambda mj: (mj.end, not mj.copy_ok))
         return out
 
     def in_flight(self) -> int:
@@ -308,12 +314,84 @@ class CudaMoverMachine(RuleBasedStateMachine):
     def _snapshot(self) -> tuple[list[int], int]:
         return [s.queued for s in self.model.side], len(self.gpu.batches)
 
+    def _rows_moved(self, data: list[tuple[Any, ...]], store: bool) -> list[int]:
+        """The device rows a chunk's batched calls copy from (stores) or into (loads): ranges copied straight,
+        rows gathered into or scattered from the staging rows."""
+        kv = self.kv
+        base, end = kv.data_ptr(), kv.data_ptr() + kv.numel() * kv.element_size()
+
+        def rows_of(t: torch.Tensor) -> Optional[list[int]]:
+            p = t.data_ptr()
+            if not base <= p < end:
+                return None
+            assert (p - base) % ROW_BYTES == 0 and t.numel() * t.element_size() % ROW_BYTES == 0, "not whole rows"
+            r0 = (p - base) // ROW_BYTES
+            return list(range(r0, r0 + t.numel() * t.element_size() // ROW_BYTES))
+
+        moved: list[int] = []
+        for op in data:
+            if op[0] == "copy":
+                dev, other = (op[2], op[1]) if store else (op[1], op[2])
+                assert rows_of(other) is None, f"a {'store' if store else 'load'} copy in the wrong direction: {op}"
+                moved += rows_of(dev) or []
+            elif op[0] == "gather":
+                assert store and op[2].data_ptr() == base, op
+                moved += op[3].tolist()
+            else:
+                assert op[0] == "scatter" and not store and op[1].data_ptr() == base, op
+                moved += op[2].tolist()
+        return moved
+
+    def _check_batched(self, queued: list[int], groups: list[Group]) -> None:
+        """The batched mover's calls: per group, on its stream, ``wait(compute as it is now), start event``, then
+        per chunk any calls that copy exactly the rows of its transfers, an end event.  The armed copy error
+        fails the first run of the flush's first chunk: transfers missing from its calls, a prefix of it."""
+        model, side = self.model, self.model.side
+        needed = {e for mj in model.on_device() if mj.ev_end is not None for e in (mj.ev_start, mj.ev_end)}
+        pos = {i: queued[i] for i in range(len(side))}   # operations of each side stream accounted for
+        first = True
+        for g in groups:
+            stream = side[g.stream]
+            ops = list(stream.ops)[len(stream.ops) - (stream.queued - pos[g.stream]):]
+            assert ops[0][0] == "wait" and ops[0][1] is self.gpu.compute and ops[0][2] == g.mark, ops[0]
+            assert ops[1][0] == "event", ops[1]
+            events, k, members = [ops[1][1]], 2, iter(g.copies)
+            for size in g.chunks:
+                chunk = [next(members) for _ in range(size)]
+                j = k
+                while ops[j][0] != "event":
+                    j += 1
+                moved = self._rows_moved(ops[k:j], g.transfers[0].kind == "store")
+                assert len({mj.row for mj in chunk}) == len(chunk)
+                if first and model.armed:
+                    failed = [mj for mj in chunk if mj.row not in moved]
+                    assert failed and failed == chunk[:len(failed)], ("the failed call is the first run", failed)
+                    for mj in failed:
+                        mj.copy_ok = False
+                    model.armed = False
+                first = False
+                assert sorted(moved) == sorted(mj.row for mj in chunk if mj.copy_ok), (moved, chunk)
+                for mj in chunk:
+                    mj.end = pos[g.stream] + j + 1
+                    mj.ev_start, mj.ev_end = events[-1], ops[j][1]
+                events.append(ops[j][1])
+                k = j + 1
+            pos[g.stream] += k
+            assert len({id(e) for e in events}) == len(events), "an event recorded twice in one group"
+            assert not [e for e in events if e in needed], "an event recorded again while a copy still needs it"
+        assert [s.queued for s in side] == [pos[i] for i in range(len(side))], "operations no group accounts for"
+        model.pushed = [s.queued for s in side]
+
     def _check_flushed(self, before: tuple[list[int], int], groups: list[Group]) -> None:
         """The operations one manager call queued on the side streams are exactly the flush's ``groups``:
         per group, on its stream, ``wait(compute as it is now), start event``, then per chunk of up to
-        ``per_event`` copies, ``copy * k, end event``."""
+        ``per_event`` copies, ``copy * k, end event`` (batched: :meth:`_check_batched`)."""
         model, (queued, nbatches) = self.model, before
         side = model.side
+        if model.batched:
+            assert [side.index(s) for s in self.gpu.batches[nbatches:]] == [g.stream for g in groups]
+            self._check_batched(queued, groups)
+            return
         assert [s.queued for s in side] == model.pushed, ("side stream lengths", [s.queued for s in side],
                                                          model.pushed)
         assert [side.index(s) for s in self.gpu.batches[nbatches:]] == [g.stream for g in groups], \
@@ -324,7 +402,7 @@ class CudaMoverMachine(RuleBasedStateMachine):
         for g in groups:
             ops = new_ops[g.stream]
             assert sum(g.chunks) == len(g.copies)
-            n = 2 + len(g.copies) + len(g.chunks)
+            n = 2 + sum(mj.copy_ok for mj in g.copies) + len(g.chunks)
             mine, new_ops[g.stream] = ops[:n], ops[n:]
             assert len(mine) == n, f"group {g}: {mine}"
             assert mine[0][0] == "wait" and mine[0][1] is self.gpu.compute and mine[0][2] == g.mark, \
@@ -334,17 +412,19 @@ class CudaMoverMachine(RuleBasedStateMachine):
             pos, copies = 2, iter(g.copies)
             for size in g.chunks:         # each chunk: its copies, then one end event they share
                 chunk = [next(copies) for _ in range(size)]
-                end = mine[pos + size]
-                assert end[0] == "event", (mine[pos:pos + size + 1], g.chunks)
-                for k, mj in enumerate(chunk):
+                live = [mj for mj in chunk if mj.copy_ok]   # the one that met the copy error has no copy
+                end = mine[pos + len(live)]
+                assert end[0] == "event", (mine[pos:pos + len(live) + 1], g.chunks)
+                for k, mj in enumerate(live):
                     copy = mine[pos + k]
                     assert copy[0] == "copy", (copy, g.chunks)
                     dev = copy[2] if mj.kind == "store" else copy[1]
                     host = copy[1] if mj.kind == "store" else copy[2]
                     assert dev.data_ptr() == self.kv[mj.row].data_ptr(), f"{mj.kind} of row {mj.row}: wrong device row"
                     assert host.data_ptr() != self.kv[mj.row].data_ptr()
+                for mj in chunk:
                     mj.ev_start, mj.ev_end = events[-1], end[1]
-                pos += size + 1
+                pos += len(live) + 1
                 events.append(end[1])
             assert len({id(e) for e in events}) == len(events), "an event recorded twice in one group"
             reused = [e for e in events if e in needed]
@@ -459,8 +539,8 @@ class CudaMoverMachine(RuleBasedStateMachine):
 
     # -- rules ---------------------------------------------------------------
     @initialize(streams=st.integers(1, 3), warm=st.integers(0, CAPACITY), batch_max=st.sampled_from(BATCH_MAX),
-                per_event=st.sampled_from((1, 2, 3)), ahead=st.integers(0, 2))
-    def build(self, streams: int, warm: int, batch_max: int, per_event: int, ahead: int) -> None:
+                per_event=st.sampled_from((1, 2, 3, 8)), ahead=st.integers(0, 2), batched=st.booleans())
+    def build(self, streams: int, warm: int, batch_max: int, per_event: int, ahead: int, batched: bool) -> None:
         """The manager, its CudaMover (``batch_max``; an end event per ``per_event`` copies, given as bytes
         that round up to it) on ``streams`` side streams of a fresh simulated device,
         and ``warm`` keys already READY in the host tier (so loads, hits and evictions happen early), less
@@ -470,7 +550,8 @@ class CudaMoverMachine(RuleBasedStateMachine):
 
         def factory(dev: torch.Tensor, host: torch.Tensor, out: CompletionQueue) -> CudaMover:
             made.append(CudaMover([(dev, host)], out, streams, runtime=self.gpu, batch_max=batch_max,
-                                  event_bytes=per_event * ROW_BYTES - (ROW_BYTES // 2 if per_event > 1 else 0)))
+                                  event_bytes=per_event * ROW_BYTES - (ROW_BYTES // 2 if per_event > 1 else 0),
+                                  batched=batched))
             return made[0]
 
         self.mgr = TierManager(make_config(host_slots=CAPACITY, max_inflight_jobs=MAX_INFLIGHT,
@@ -479,7 +560,7 @@ class CudaMoverMachine(RuleBasedStateMachine):
         self.model.ahead = ahead
         self.mover = made[0]
         assert len(self.gpu.side) == streams
-        self.model.attach(self.gpu, batch_max, per_event)
+        self.model.attach(self.gpu, batch_max, per_event, batched)
         with self._step():
             for row in range(warm):
                 self.compute_and_store(row, False)
@@ -503,6 +584,14 @@ class CudaMoverMachine(RuleBasedStateMachine):
             self._queue_write(row, key)
             if store:
                 self._issue("store", key, row, fail)
+
+    @rule(order=st.permutations(range(ROWS)), n=st.integers(2, ROWS), fail=inject_failure)
+    def engine_step(self, order: list[int], n: int, fail: bool) -> None:
+        """A step's stores: the engine computes fresh keys into ``n`` rows in the order drawn and stores them
+        all, so that a flush gets several transfers whose rows are out of order while their host slots are
+        consecutive (the batched mover's gathered runs) or not."""
+        for i, row in enumerate(order[:n]):
+            self.compute_and_store(row, fail and i == 0)
 
     @precondition(lambda self: self.model.host)
     @rule(data=st.data(), row=rows)
@@ -539,6 +628,20 @@ class CudaMoverMachine(RuleBasedStateMachine):
             assert self.model.free_block(row) is True
             assert self.m.free_block(row) is True
             self._issue("load", key, row, fail)
+
+    @precondition(lambda self: len(self.model.ready_keys()) >= 2)
+    @rule(data=st.data(), order=st.permutations(range(ROWS)))
+    def engine_load_step(self, data: st.DataObject, order: list[int]) -> None:
+        """A step's loads: READY keys, in the order the host tier holds them (often consecutive slots), loaded
+        into rows the engine gave up, in the order drawn (the batched mover's scattered runs)."""
+        keys = self.model.ready_keys()
+        n = data.draw(st.integers(2, len(keys)), label="loads")
+        rows_ = [r for r in order if not self.model.fenced(r)][:n]
+        for key, row in zip(keys, rows_):
+            with self._step():
+                assert self.model.free_block(row) is True
+                assert self.m.free_block(row) is True
+                self._issue("load", key, row, False)
 
     @precondition(lambda self: self.model.ready_keys())
     @rule(data=st.data(), last=st.sampled_from(("read", "write")))

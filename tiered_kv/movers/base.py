@@ -14,7 +14,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -86,3 +86,17 @@ def check_planes(planes: Sequence[Plane]) -> tuple[list[Plane], int]:
     if not out:
         raise ValueError("a mover needs at least one (device_rows, host_rows) plane")
     return out, sum(int(h.shape[1]) * h.element_size() for _, h in out)
+
+
+def is_run(idx: list[int]) -> bool:
+    """Whether ``idx`` is ``i0, i0 + 1, ...`` (compared in C)."""
+    i0 = idx[0]
+    return idx[-1] - i0 == len(idx) - 1 and idx == list(range(i0, i0 + len(idx)))
+
+
+def rows_view(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """``t``'s rows as ``[rows, row bytes]`` uint8 without a copy, or None when they are not byte ranges."""
+    try:
+        return t.view(int(t.shape[0]), -1).view(torch.uint8)
+    except RuntimeError:
+        return None

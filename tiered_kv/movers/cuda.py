@@ -13,14 +13,14 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import Sequence
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
 from ..jobs import JobKind
-from .base import CompletionQueue, Mover, Plane, Report, Transfer, check_planes
+from .base import CompletionQueue, Mover, Plane, Report, Transfer, check_planes, is_run, rows_view
 
-__all__ = ["CudaMover", "TorchCuda", "EVENT_BYTES"]
+__all__ = ["CudaMover", "TorchCuda", "EVENT_BYTES", "STAGE_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,30 @@ _STORE = JobKind.STORE
 
 def _copy_non_blocking(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src, non_blocking=True)
+
+
+class _TorchOps:  # pragma: no cover - needs CUDA (tests/test_cuda.py)
+    """The calls one batch makes on its stream (current while the batch is queued): ``copy``
+    (``copy_(non_blocking=True)``), ``gather``/``scatter`` (``index_select``/``index_copy_`` on the device)
+    and ``index`` (a list of row numbers as a device tensor, uploaded from pinned memory on the stream:
+    torch's pinned-memory allocator keeps the buffer until that copy has run)."""
+
+    __slots__ = ("device",)
+    copy = staticmethod(_copy_non_blocking)
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @staticmethod
+    def gather(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
+        torch.index_select(src, 0, index, out=out)
+
+    @staticmethod
+    def scatter(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+        dst.index_copy_(0, index, src)
+
+    def index(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
 
 
 class TorchCuda:  # pragma: no cover - needs CUDA (tests/test_cuda.py)
@@ -57,10 +81,11 @@ class TorchCuda:  # pragma: no cover - needs CUDA (tests/test_cuda.py)
             dst.copy_(src, non_blocking=True)
 
     @contextlib.contextmanager
-    def copies_on(self, stream: Any) -> Iterator[Callable[[torch.Tensor, torch.Tensor], None]]:
-        """``stream`` made current once for a batch of copies; yields ``copy(dst, src)``."""
+    def copies_on(self, stream: Any) -> Iterator[_TorchOps]:
+        """``stream`` made current once for a batch of copies; yields the calls the batch makes on it
+        (``copy(dst, src)``, ``gather(out, src, index)``, ``scatter(dst, index, src)``, ``index(values)``)."""
         with torch.cuda.stream(stream):
-            yield _copy_non_blocking
+            yield _TorchOps(stream.device)
 
     def synchronize(self, device: torch.device) -> None:
         """Not used by the mover (it never blocks); the benchmarks' baseline needs it."""
@@ -72,6 +97,57 @@ EVENT_BYTES = 2 << 20
 Each event costs a record, a query and a timing read on the engine thread -- on some hosts as much as a
 block's own copy call -- while a link moves this much in a fraction of an engine step: finer completion
 than that buys nothing."""
+
+
+STAGE_BYTES = 8 << 20
+"""``CudaMover``: the device staging rows of a copy stream and plane (rows gathered for one DMA) hold at most
+this many bytes (at least one row, at most a chunk's)."""
+
+
+def _range_views(dev: torch.Tensor, host: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor, bool, bool]]:
+    """A plane as ``(device rows, host rows, device rows are one range, host rows are one range)``: both
+    viewed as ``[rows, elements]`` of 8-byte elements where they fit (index ops move an element per
+    thread), else of bytes; None when the rows are not byte ranges of one size."""
+    d, h = rows_view(dev), rows_view(host)
+    if d is None or h is None or d.shape[1] != h.shape[1]:
+        return None
+    if all(int(x.shape[1]) % 8 == 0 and x.stride(0) % 8 == 0 and x.data_ptr() % 8 == 0 for x in (d, h)):
+        d, h = d.view(torch.int64), h.view(torch.int64)
+    return d, h, _one_range(d), _one_range(h)
+
+
+def _one_range(t: torch.Tensor) -> bool:
+    """Whether consecutive rows of ``t`` are consecutive in memory (a run of them is one range)."""
+    return t.stride(1) == 1 and (t.shape[0] < 2 or t.stride(0) == t.shape[1])
+
+
+def _slot_runs(slots: list[int]) -> list[tuple[int, int]]:
+    """``slots`` cut into maximal runs ``[a, b)`` of consecutive slots."""
+    n = len(slots)
+    if is_run(slots):
+        return [(0, n)]
+    out, a, prev = [], 0, slots[0]
+    for i in range(1, n):
+        s = slots[i]
+        if s != prev + 1:
+            out.append((a, i))
+            a = i
+        prev = s
+    out.append((a, n))
+    return out
+
+
+def _singles(n: int) -> list[tuple[int, int]]:
+    return [(a, a + 1) for a in range(n)]
+
+
+def _failed(bad: Optional[list[tuple[int, int, str]]], a: int, b: int, exc: Exception,
+            store: bool) -> list[tuple[int, int, str]]:
+    log.error("CUDA %s copy of blocks %d..%d of a chunk could not be queued: %r", "store" if store else "load",
+              a, b - 1, exc)
+    out = bad if bad is not None else []
+    out.append((a, b, f"copy failed: {exc!r}"))
+    return out
 
 
 class _Chunk:
@@ -116,22 +192,39 @@ class CudaMover(Mover):
     different streams (the two directions of the link run at once; with one
     stream, everything runs in submission order of the flushes).
 
-    A transfer's block copies (each over every plane) are followed by an end
-    event every ``event_bytes`` (at least one block copy; a block of that size
-    or more gets its own), timed from the event before it; a transfer is
-    reported once, when the end event after its *last* copy is reached (its
-    copies may span several events), timed at that chunk's rate.  Events are
-    recycled once their copies are reported.  Nothing here blocks the calling
-    thread.  A copy that cannot be queued (a CUDA error) fails its transfer:
-    answered at once when none of its copies reached the stream, else at the
-    end event after those that did; an event that reports an error fails every
-    transfer reported at it.  Never raised.
+    A batch's block copies (a block is one row over every plane) are cut into
+    chunks of ``event_bytes`` (at least one block; a block of that size or more
+    is a chunk of its own), each followed by an end event and timed from the
+    event before it; a transfer is reported once, when the end event after its
+    *last* block is reached (its blocks may span chunks), timed at that chunk's
+    rate.  Events are recycled once their copies are reported.
+
+    ``batched`` (the default): a chunk's blocks go to the device as few calls
+    as the host side allows.  Each run of consecutive host slots is one host
+    range, so one DMA: ``copy_`` straight from or to the device rows when they
+    are consecutive too, else through a staging buffer on the device that one
+    ``index_select`` gathers the rows into (stores) or one ``index_copy_``
+    scatters them from (loads), the row numbers uploaded once per chunk.
+    Slots in ascending runs (what the host index hands a step's stores) make a
+    step one or two calls per chunk and plane; scattered slots fall back to a
+    copy per block.  A plane whose host rows are not one range in memory (the
+    vLLM worker's planes, each a byte region of the slab rows) is copied block
+    by block.  ``batched=False``: every block is its own ``copy_`` (the
+    per-block path the benchmarks compare against).
+
+    Nothing here blocks the calling thread.  A call that cannot be queued (a
+    CUDA error) fails every transfer with a block in it; they are answered at
+    the chunk's end event, once none of their queued copies can still land, and
+    a failed transfer takes no copies in later chunks.  The rest of the batch
+    goes on.  An event that reports an error fails every transfer reported at
+    it.  Never raised.
     """
 
     polled = True
 
     def __init__(self, planes: Sequence[Plane], completions: CompletionQueue, num_streams: int = 2,
-                 runtime: Optional[Any] = None, batch_max: int = 64, event_bytes: int = EVENT_BYTES) -> None:
+                 runtime: Optional[Any] = None, batch_max: int = 64, event_bytes: int = EVENT_BYTES,
+                 batched: bool = True) -> None:
         if batch_max < 1:
             raise ValueError(f"batch_max must be >= 1, got {batch_max!r}")
         if event_bytes < 1:
@@ -150,6 +243,10 @@ class CudaMover(Mover):
         self._batch_max = batch_max
         self._events: list[Any] = []  # recycled timing events
         self._next = 0
+        # per plane: (device rows, host rows, device rows are one range, host rows are one range) as views
+        # index ops and range copies take, or None: copied block by block
+        self._views = [_range_views(d, h) if batched else None for d, h in self._planes]
+        self._stages: list[list[Optional[torch.Tensor]]] = [[None] * len(self._planes) for _ in self._streams]
 
     def submit(self, t: Transfer) -> None:
         q = self._queued
@@ -197,72 +294,153 @@ class CudaMover(Mover):
         pend = self._pending[i]
         chunk = _Chunk(prev)
         last: Optional[_Chunk] = None  # the latest chunk with an end event, not yet pending
-        cur: Optional[Transfer] = None  # the transfer being queued, in no chunk yet
-        k = 0  # copy calls of ``cur`` that reached the stream
+        rows: list[int] = []   # the open chunk's blocks, not yet queued
+        slots: list[int] = []
+        spans: list[tuple[Transfer, int, int]] = []  # transfers whose last block is in the open chunk: (t, lo, hi)
+        cur: Optional[Transfer] = None  # the transfer being taken, in no span yet
+        carried = False  # cur has blocks in an earlier chunk (on the stream, behind its end event)
+        dirty = False    # copies may be on the stream with no end event recorded behind them
         n = 0  # transfers of ts taken
+        per_event = self._per_event
 
-        def end_chunk() -> None:  # an end event after the chunk's copies: they are reported when it is reached
-            nonlocal last, chunk
+        def close(ops: Any, cur_lo: int) -> bool:
+            """Queue the open chunk's copies and its end event; sort its transfers into ``ended`` and ``failed``.
+            False when ``cur`` (whose blocks go on in the next chunk) failed here: it takes no more copies."""
+            nonlocal last, chunk, dirty
+            dirty = True
+            bad = self._queue_copies(ops, i, rows, slots, store) if rows else None
             end = ev.pop() if ev else self._new_event()
             end.record(stream)
-            chunk.end = end
+            dirty = False
+            chunk.end, chunk.copies = end, len(rows)
+            go_on = True
+            if bad:
+                def error(lo: int, hi: int) -> Optional[str]:
+                    return next((e for a, b, e in bad if a < hi and lo < b), None)
+                for t, lo, hi in spans:
+                    e = error(lo, hi)
+                    if e is None:
+                        chunk.ended.append(t)
+                    else:
+                        chunk.failed.append((t, e))
+                if cur is not None:
+                    e = error(cur_lo, len(rows))
+                    if e is not None:
+                        chunk.failed.append((cur, e))
+                        go_on = False
+            else:
+                chunk.ended += [t for t, _, _ in spans]
+            spans.clear()
+            rows.clear()
+            slots.clear()
             if last is not None:
                 pend.append(last)
             last, chunk = chunk, _Chunk(end)
+            return go_on
 
-        planes, per_event = self._planes, self._per_event
         try:
-            with self._copies_on(stream) as copy:
+            with self._copies_on(stream) as ops:
                 for t in ts:
                     n += 1
-                    if len(t.rows) != len(t.slots):
-                        put(Report(t.token, t.kind, False, f"{len(t.rows)} rows for {len(t.slots)} slots"))
+                    tr, tsl = t.rows, t.slots
+                    m = len(tr)
+                    if m != len(tsl):
+                        put(Report(t.token, t.kind, False, f"{m} rows for {len(tsl)} slots"))
                         continue
-                    cur, k, error = t, 0, None
-                    for r, s in zip(t.rows, t.slots):
-                        if chunk.copies >= per_event:  # closed here, so that a transfer ends in its last copy's chunk
-                            end_chunk()
-                        try:
-                            for dev, host in planes:
-                                if store:
-                                    copy(host[s], dev[r])
-                                else:
-                                    copy(dev[r], host[s])
-                                k += 1
-                        except Exception as exc:  # this copy did not reach the stream: fail t, go on
-                            log.error("CUDA copy of %s row %d / slot %d could not be queued: %r", t.kind, r, s, exc)
-                            error = f"copy failed: {exc!r}"
-                            break
-                        chunk.copies += 1
-                    if error is None:
-                        chunk.ended.append(t)
-                    elif k:  # some of its copies are on the stream: failed once they can no longer land
-                        chunk.failed.append((t, error))
+                    cur, carried, lo, j = t, False, len(rows), 0
+                    while j < m:
+                        if len(rows) >= per_event:  # closed here, so that a transfer ends in its last block's chunk
+                            if not close(ops, lo):
+                                break
+                            carried, lo = True, 0
+                        k = min(per_event - len(rows), m - j)
+                        rows += tr[j:j + k]
+                        slots += tsl[j:j + k]
+                        j += k
                     else:
-                        put(Report(t.token, t.kind, False, error))
+                        spans.append((t, lo, len(rows)))
                     cur = None
-                if chunk.copies or len(chunk):  # the last, partial chunk
-                    end_chunk()
+                if rows or spans:  # the last, partial chunk
+                    close(ops, 0)
         except Exception as exc:  # the stream switch or an event record failed: answer what has no event yet
             log.error("CUDA copies of a batch of %d could not all be queued: %r", len(ts), exc)
-            if chunk.copies or chunk.failed or (cur is not None and k):
-                # these copies are on the stream with no end event behind them: answering them now
-                # would lift their row's fence or free their slot while a copy can still land there.
-                # Wait for the stream first (a fault path, the only one where the engine thread
-                # waits on the device); with a broken context that fails too, and nothing queued runs
+            if dirty or (cur is not None and carried):
+                # copies on the stream with no end event behind them: answering them now would lift their
+                # row's fence or free their slot while a copy can still land there.  Wait for the stream
+                # first (a fault path, the only one where the engine thread waits on the device); with a
+                # broken context that fails too, and nothing queued runs
                 try:
                     stream.synchronize()
                 except Exception as sexc:
                     log.error("CUDA copy stream could not be synchronized after a failed record: %r", sexc)
             error = f"copy failed: {exc!r}"
-            unanswered = chunk.ended + [t for t, _ in chunk.failed] + ([cur] if cur is not None else []) + ts[n:]
-            for t in unanswered:
+            for t in [t for t, _, _ in spans] + ([cur] if cur is not None else []) + ts[n:]:
                 put(Report(t.token, t.kind, False, error))
         if last is None:
             ev.append(prev)  # no copy queued: its start event is free again (only its latest record counts)
         else:
             last.final = True
             pend.append(last)
+
+    def _queue_copies(self, ops: Any, stream: int, rows: list[int], slots: list[int],
+                      store: bool) -> Optional[list[tuple[int, int, str]]]:
+        """Queue the copies of blocks ``rows[i] <-> slots[i]`` on the current stream, over every plane; the
+        ranges ``[a, b)`` of blocks whose call could not be queued, with the error, or None when all were."""
+        bad: Optional[list[tuple[int, int, str]]] = None
+        runs: Optional[list[tuple[int, int]]] = None
+        idx: Optional[torch.Tensor] = None
+        for p, views in enumerate(self._views):
+            if views is None:   # block by block
+                dev, host = self._planes[p]
+                for a in range(len(rows)):
+                    try:
+                        if store:
+                            ops.copy(host[slots[a]], dev[rows[a]])
+                        else:
+                            ops.copy(dev[rows[a]], host[slots[a]])
+                    except Exception as exc:
+                        bad = _failed(bad, a, a + 1, exc, store)
+                continue
+            dev, host, dev_range, host_range = views
+            if runs is None:
+                runs = _slot_runs(slots)
+            for a, b in (runs if host_range else _singles(len(rows))):
+                try:
+                    k, s0, r0 = b - a, slots[a], rows[a]
+                    hs = host[s0:s0 + k]
+                    if k == 1 or (dev_range and is_run(rows[a:b])):  # one range to another
+                        if store:
+                            ops.copy(hs, dev[r0:r0 + k])
+                        else:
+                            ops.copy(dev[r0:r0 + k], hs)
+                        continue
+                    if idx is None:
+                        idx = ops.index(rows)
+                    stage = self._stage(stream, p, dev)
+                    c = int(stage.shape[0])
+                    for j in range(a, b, c):
+                        e = min(b, j + c)
+                        part, hj = stage[:e - j], host[slots[j]:slots[j] + e - j]
+                        if store:
+                            ops.gather(part, dev, idx[j:e])
+                            ops.copy(hj, part)
+                        else:
+                            ops.copy(part, hj)
+                            ops.scatter(dev, idx[j:e], part)
+                except Exception as exc:  # these blocks' call did not reach the stream: their transfers fail
+                    bad = _failed(bad, a, b, exc, store)
+        return bad
+
+    def _stage(self, stream: int, plane: int, like: torch.Tensor) -> torch.Tensor:
+        """Stream ``stream``'s staging rows on the device for ``plane`` (made on first use, on that stream,
+        and only ever used on it: the stream's order keeps one chunk's use from overlapping the next)."""
+        st = self._stages[stream][plane]
+        if st is None:
+            row = int(like.shape[1]) * like.element_size()
+            k = max(1, min(self._per_event, STAGE_BYTES // max(1, row)))
+            st = self._stages[stream][plane] = torch.empty((k, int(like.shape[1])), dtype=like.dtype,
+                                                            device=like.device)
+        return st
 
     def harvest(self) -> None:
         if self._queued:

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 
 from ..jobs import JobKind
-from .base import CompletionQueue, Mover, Plane, Report, Transfer, check_planes
+from .base import CompletionQueue, Mover, Plane, Report, Transfer, check_planes, is_run, rows_view
 
 __all__ = ["ThreadMover", "CopyFn", "BatchFn", "batch_copy", "BATCH_BYTES", "STAGE_BYTES", "HELP_BYTES", "CATCH_UP_S"]
 
@@ -73,12 +73,6 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
-def _is_run(idx: list[int]) -> bool:
-    """Whether ``idx`` is ``i0, i0 + 1, ...`` (compared in C)."""
-    i0 = idx[0]
-    return idx[-1] - i0 == len(idx) - 1 and idx == list(range(i0, i0 + len(idx)))
-
-
 def batch_copy(dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor, src_rows: list[int],
                stage: torch.Tensor) -> None:
     """``dst[dst_rows[i]] = src[src_rows[i]]`` for every ``i`` with torch index ops, no Python per row.
@@ -91,15 +85,15 @@ def batch_copy(dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor, src_ro
     The destination rows must be distinct (the owner's leases and fences see to it)."""
     n = len(dst_rows)
     d0, s0 = dst_rows[0], src_rows[0]
-    if _is_run(dst_rows):
+    if is_run(dst_rows):
         out = dst[d0:d0 + n]
-        if _is_run(src_rows):   # one range to another: one copy_, at the memory's speed
+        if is_run(src_rows):   # one range to another: one copy_, at the memory's speed
             out.copy_(src[s0:s0 + n])
             return
         if out.is_contiguous():
             torch.index_select(src, 0, torch.tensor(src_rows), out=out)
             return
-    if _is_run(src_rows):
+    if is_run(src_rows):
         dst.index_copy_(0, torch.tensor(dst_rows), src[s0:s0 + n])
         return
     k = int(stage.shape[0])
@@ -114,14 +108,6 @@ def batch_copy(dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor, src_ro
         dst.index_copy_(0, dt[i:i + k], part)
 
 
-def _rows_view(t: torch.Tensor) -> Optional[torch.Tensor]:
-    """``t``'s rows as ``[rows, row bytes]`` uint8 without a copy, or None when they are not byte ranges."""
-    try:
-        return t.view(int(t.shape[0]), -1).view(torch.uint8)
-    except RuntimeError:
-        return None
-
-
 def _wide_planes(planes: list[Plane]) -> Optional[list[tuple[torch.Tensor, torch.Tensor]]]:
     """Per plane ``(device rows, host rows)`` viewed as the widest element of :data:`_WIDE` both fit, when
     every plane is two CPU tensors whose rows are byte ranges of equal size that one fits; else None."""
@@ -129,7 +115,7 @@ def _wide_planes(planes: list[Plane]) -> Optional[list[tuple[torch.Tensor, torch
     for dev, host in planes:
         if dev.is_cuda or host.is_cuda:
             return None
-        d, h = _rows_view(dev), _rows_view(host)
+        d, h = rows_view(dev), rows_view(host)
         if d is None or h is None or d.shape[1] != h.shape[1]:
             return None
         for dtype, w in _WIDE:
