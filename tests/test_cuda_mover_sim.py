@@ -653,7 +653,9 @@ def test_the_cuda_bench_section_runs_on_the_simulated_device() -> None:
         assert s[d]["tiered_kv_copy_batch_max_1"]["gb_per_s"] > 0
         assert s[d]["tiered_kv_event_per_copy"]["gb_per_s"] > 0   # 64 KiB blocks share end events by default
         assert s[d]["tiered_kv_batched"]["gb_per_s"] > 0 and s[d]["baseline_one_large_copy"]["gb_per_s"] > 0
-        assert s[d]["engine_cpu_us_per_step"]["n"] > 0
+        assert s[d]["tiered_kv_batched_scattered"]["gb_per_s"] > 0 and s[d]["tiered_kv_batched_per_block"]["gb_per_s"] > 0
+        for suffix in ("", "_batched_scattered", "_batched_per_block"):
+            assert s[d][f"engine_cpu_us_per_step{suffix}"]["n"] > 0
     cl, c1 = r["store_latency"], r["store_latency_copy_batch_max_1"]
     assert (cl["copy_batch_max"], c1["copy_batch_max"]) == (64, 1)
     for c in (cl, c1):
@@ -662,11 +664,12 @@ def test_the_cuda_bench_section_runs_on_the_simulated_device() -> None:
         assert c["tiered_kv"]["engine_us_per_step_mean"] > 0
     ids = {f["id"] for f in report._core_figures({"cuda_copy": r})}
     assert {"cuda.store.65536", "cuda.load.65536", "cuda.store_p99", "cuda.batched.store.65536",
-            "cuda.batched.load.65536"} <= ids
+            "cuda.batched.load.65536", "cuda.batched_scattered.store.65536", "cuda.batched_scattered.load.65536"} <= ids
     (b,) = [f for f in report._core_figures({"cuda_copy": r}) if f["id"] == "cuda.batched.store.65536"]
     assert b["target"] == ">= 0.9x one large copy_" and b["source"] == "issue 25"
     text = "\n".join(core._fmt_cuda(r))
     assert "store() on the CUDA KV tensor" in text and "copy_batch_max=1" in text and "ev/copy" in text
+    assert "a step's blocks as one store_many/load_many" in text and "per-block" in text
     (fig,) = [f for f in report._core_figures({"cuda_copy": r}) if f["id"] == "cuda.store_p99"]
     assert "engine thread per step" in fig["note"]
     assert gpu.idle

@@ -22,8 +22,17 @@ that round up to it) ``copy * k, one end event``: the copies of a chunk are harv
 together, once the device reaches that event.
 A copy that meets the injected ``FakeGPU.copy_error`` (armed by a store/load drawn to
 fail, it hits the next copy queued, at whichever flush that is: the first store of a
-batch, else its first load) is answered failed during the flush and the rest of the
-batch goes on.
+batch, else its first load) keeps its transfer's place in the chunk, which is
+answered failed at the chunk's end event; the rest of the batch goes on.
+
+Each example also draws whether the mover batches (``CudaMover(batched=...)``).  Per block,
+the check is the exact layout above.  Batched, a chunk's calls are one per run of
+consecutive host slots (a copy, or a gather/scatter through the staging rows): the check
+reads the device rows each chunk's calls copy off the stream and requires exactly the
+chunk's rows; the armed copy error fails the first run of the flush's first chunk --
+the transfers missing from its calls, which must be a prefix of that chunk.  The
+``engine_step`` and ``engine_load_step`` rules give flushes several transfers whose rows
+are out of order, so runs are gathered and scattered.
 
 The engine is modelled as the real one behaves: it computes blocks into rows with
 kernels queued on the compute stream (a FRESH key each time, so any stale or early

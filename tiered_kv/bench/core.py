@@ -805,14 +805,15 @@ class _Device:
         self.rt = runtime if runtime is not None else TorchCuda()
         self.dev = torch.device("cpu") if self.simulated else torch.device("cuda", torch.cuda.current_device())
 
-    def manager(self, cfg: TieredKVConfig, kv: torch.Tensor, event_bytes: int = EVENT_BYTES) -> TierManager:
-        """A manager whose CudaMover runs on this device (``cfg``'s streams and batch size, ``event_bytes``);
-        on a CUDA device its host slab is pinned, as the default mover's."""
+    def manager(self, cfg: TieredKVConfig, kv: torch.Tensor, event_bytes: int = EVENT_BYTES,
+                batched: bool = True) -> TierManager:
+        """A manager whose CudaMover runs on this device (``cfg``'s streams and batch size, ``event_bytes``,
+        ``batched``); on a CUDA device its host slab is pinned, as the default mover's."""
         from tiered_kv.movers import CudaMover
         rt = self.rt
         return TierManager(cfg, kv, mover_factory=lambda d, h, c: CudaMover([(d, h)], c, cfg.num_copy_streams,
                                                                            runtime=rt, batch_max=cfg.copy_batch_max,
-                                                                           event_bytes=event_bytes))
+                                                                           event_bytes=event_bytes, batched=batched))
 
     def host(self, shape: tuple[int, int]) -> torch.Tensor:
         return torch.zeros(shape, dtype=torch.uint8, pin_memory=not self.simulated)
@@ -837,7 +838,8 @@ def _cuda_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
     # the sides through tiered_kv: the default; each copy on the device inside its own call; and, where the
     # default shares end events between copies, the batched mover with an end event after every copy
     per_copy_events = block < EVENT_BYTES
-    mgrs = {"tkv": d.manager(cfg, kv), "tkv1": d.manager(cfg.replace(copy_batch_max=1), kv)}
+    mgrs = {"tkv": d.manager(cfg, kv), "tkv1": d.manager(cfg.replace(copy_batch_max=1), kv),
+            "tkvP": d.manager(cfg, kv, batched=False)}   # the batched API on the per-block copies
     if per_copy_events:
         mgrs["tkve"] = d.manager(cfg, kv, event_bytes=1)
     mgr = mgrs["tkv"]
@@ -850,8 +852,10 @@ def _cuda_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
     side = rt.new_stream(dev)
     secs: dict[str, list[float]] = {k: [] for k in ("tkv_store", "tkv_load", "tkv1_store", "tkv1_load",
                                                     "tkve_store", "tkve_load", "raw_store", "raw_load",
-                                                    "tkvB_store", "tkvB_load", "large_store", "large_load")}
-    step_cpu: dict[str, list[float]] = {"store": [], "load": []}   # engine-thread CPU per batched step
+                                                    "tkvB_store", "tkvB_load", "large_store", "large_load",
+                                                    "tkvS_store", "tkvS_load", "tkvP_store", "tkvP_load")}
+    # engine-thread CPU per step of the batched API: batched copies (B), rows out of order (S), per block (P)
+    step_cpu: dict[str, list[float]] = {f"{w}_{d_}": [] for w in ("tkvB", "tkvS", "tkvP") for d_ in ("store", "load")}
     problems: list[str] = []
     check = sorted(rng.sample(range(n), min(8, n)))
 
@@ -876,20 +880,26 @@ def _cuda_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
         d.sync()
         return t1 - t0, t3 - t2
 
-    def batched_pass(m: TierManager, keys: list[bytes], timed: bool) -> tuple[float, float]:
-        """store_many of STEP_BLOCKS rows then poll(), step after step, then wait(); the loads likewise."""
+    def batched_pass(m: TierManager, keys: list[bytes], timed: str) -> tuple[float, float]:
+        """store_many of STEP_BLOCKS rows then poll(), step after step, then wait(); the loads likewise.
+        ``timed``: the pass's name, its steps' engine CPU recorded (empty: a warm-up); ``tkvS``: each step's
+        rows in a shuffled order (the slots stay in order: the gathered and scattered runs)."""
         out = []
         for what, call, base in (("store", m.store_many, 0), ("load", m.load_many, n)):
             d.sync()
             jobs: list[Any] = []
             done: list[Any] = []
+            steps = [list(range(base + i, base + min(n, i + STEP_BLOCKS))) for i in range(0, n, STEP_BLOCKS)]
+            if timed == "tkvS":
+                for rows in steps:
+                    random.Random(len(rows)).shuffle(rows)
             t0 = time.perf_counter()
-            for i in range(0, n, STEP_BLOCKS):
+            for i, rows in zip(range(0, n, STEP_BLOCKS), steps):
                 c0 = time.thread_time()
-                jobs.append(call(keys[i:i + STEP_BLOCKS], list(range(base + i, base + min(n, i + STEP_BLOCKS)))))
+                jobs.append(call([keys[r - base] for r in rows], rows))
                 done += m.poll()
                 if timed:
-                    step_cpu[what].append(time.thread_time() - c0)
+                    step_cpu[f"{timed}_{what}"].append(time.thread_time() - c0)
             done += m.wait()
             out.append(time.perf_counter() - t0)
             if any(j is None for j in jobs) or not all(c.ok for c in done) or sum(len(c.job.keys) for c in done) != n:
@@ -933,18 +943,21 @@ def _cuda_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
         d.sync()
         return t1 - t0, t2 - t1
 
+    names = ["tkv", "raw", "tkv1", "tkve", "tkvB", "large", "tkvS", "tkvP"]
     for p in range(warmup + passes):
         keys = _keys(rng, n)
-        order = (("tkv", "raw", "tkv1", "tkve", "tkvB", "large"), ("large", "raw", "tkve", "tkvB", "tkv1", "tkv"),
-                 ("tkv1", "tkvB", "tkv", "large", "tkve", "raw"), ("tkvB", "tkve", "tkv1", "raw", "tkv", "large"))[p % 4]
-        for which in (w for w in order if w in ("raw", "large", "tkvB") or w in mgrs):
+        order = names[p % len(names):] + names[:p % len(names)]   # each pass first and last in turn
+        if p % 2:
+            order.reverse()
+        for which in (w for w in order if w in ("raw", "large", "tkvB", "tkvS") or w in mgrs):
             gc.collect()
             if which == "raw":
                 st, ld = raw_pass()
             elif which == "large":
                 st, ld = large_pass()
-            elif which == "tkvB":
-                st, ld = batched_pass(mgr, _keys(rng, n), p >= warmup)
+            elif which in ("tkvB", "tkvS", "tkvP"):   # keys of its own: none stored yet
+                st, ld = batched_pass(mgrs["tkvP"] if which == "tkvP" else mgr, _keys(rng, n),
+                                      which if p >= warmup else "")
             else:
                 st, ld = tkv_pass(mgrs[which], keys)
             if p >= warmup:
@@ -974,14 +987,19 @@ def _cuda_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
             te = gbps(f"tkve_{d_}")
             out[d_]["tiered_kv_event_per_copy"] = te
             out[d_]["ratio_event_per_copy_over_baseline"] = _ratio(te["gb_per_s"], r["gb_per_s"])
-        # issue 25: a step's blocks as one store_many/load_many, against one large copy_ of the same bytes
-        tb, lg = gbps(f"tkvB_{d_}"), gbps(f"large_{d_}")
-        out[d_]["tiered_kv_batched"] = tb
+        # issue 25: a step's blocks as one store_many/load_many, against one large copy_ of the same bytes:
+        # batched copies with the step's rows in order (B) and shuffled (S), and on the per-block copies (P)
+        lg = gbps(f"large_{d_}")
         out[d_]["baseline_one_large_copy"] = lg
-        out[d_]["ratio_batched_over_large_copy"] = _ratio(tb["gb_per_s"], lg["gb_per_s"])
-        out[d_]["engine_cpu_us_per_step"] = summarize([x * 1e6 for x in step_cpu[d_]], "us")
-    st_, ld_ = out["store"]["engine_cpu_us_per_step"], out["load"]["engine_cpu_us_per_step"]
-    out["engine_cpu_us_per_step_of_stores_and_loads"] = st_["mean"] + ld_["mean"]
+        for w, name in (("tkvB", "batched"), ("tkvS", "batched_scattered"), ("tkvP", "batched_per_block")):
+            tb = gbps(f"{w}_{d_}")
+            out[d_][f"tiered_kv_{name}"] = tb
+            out[d_][f"ratio_{name}_over_large_copy"] = _ratio(tb["gb_per_s"], lg["gb_per_s"])
+            out[d_][f"engine_cpu_us_per_step_{name}" if w != "tkvB" else "engine_cpu_us_per_step"] = \
+                summarize([x * 1e6 for x in step_cpu[f"{w}_{d_}"]], "us")
+    for suffix in ("", "_batched_scattered", "_batched_per_block"):
+        st_, ld_ = out["store"][f"engine_cpu_us_per_step{suffix}"], out["load"][f"engine_cpu_us_per_step{suffix}"]
+        out[f"engine_cpu_us_per_step_of_stores_and_loads{suffix}"] = st_["mean"] + ld_["mean"]
     return out
 
 
@@ -1081,8 +1099,10 @@ def bench_cuda_copy(quick: Union[bool, str] = False, seed: int = 0,
                    "another row then wait() (host->device), CudaMover streams and events, pinned host slab. "
                    "baseline: torch Tensor.copy_(non_blocking=True) of the same rows between the same device "
                    "tensor and the same pinned slab, one side stream, then synchronize. batched: store_many() of "
-                   f"{STEP_BLOCKS} rows then poll(), step after step, then wait(), the loads likewise; its baseline: "
-                   "one copy_ of the pass's bytes each way (the link's speed). GB = 1e9 bytes."),
+                   f"{STEP_BLOCKS} rows then poll(), step after step, then wait(), the loads likewise -- the rows "
+                   "in order, shuffled within each step (gathered/scattered on the device), and through the "
+                   "per-block copies (CudaMover(batched=False)); its baseline: one copy_ of the pass's bytes "
+                   "each way (the link's speed). GB = 1e9 bytes."),
         "sizes": [_cuda_size(b, ws, passes, warmup, rng, d) for b in block_sizes],
         "store_latency": _cuda_store_latency(quick, rng, d),
         # the same with every copy put on the device inside its own store() (before batching): an A/B in one run
@@ -1268,6 +1288,22 @@ def _fmt_cuda(c: dict[str, Any]) -> list[str]:
                             f"{x['ratio_event_per_copy_over_baseline']:>8.3f}" if "tiered_kv_event_per_copy" in x else ""))
         if s["problems"]:
             lines.append(f"     problems: {s['problems'][:3]}")
+    batched = [s for s in c["sizes"] if "tiered_kv_batched_per_block" in s["store"]]
+    if batched:
+        lines.append(f"   a step's blocks as one store_many/load_many of {STEP_BLOCKS}, GB/s and ratio to one large copy_ "
+                     "of the same bytes; engine-thread CPU us per step (mean):")
+        lines.append(f"   {'block':<9}{'link':<14}{'one copy_':>10}{'batched':>9}{'ratio':>7}{'shuffled':>10}{'ratio':>7}"
+                     f"{'per-block':>11}{'ratio':>7}   {'cpu/step batched/shuffled/per-block'}")
+        for s in batched:
+            for d in ("store", "load"):
+                x = s[d]
+                row = f"   {_size(s['block_bytes']):<9}{x['link']:<14}{x['baseline_one_large_copy']['gb_per_s']:>10.2f}"
+                for name in ("batched", "batched_scattered", "batched_per_block"):
+                    row += f"{x[f'tiered_kv_{name}']['gb_per_s']:>{9 if name == 'batched' else 10 if name == 'batched_scattered' else 11}.2f}"
+                    row += f"{x[f'ratio_{name}_over_large_copy']:>7.3f}"
+                cpu = [x[k]["mean"] for k in ("engine_cpu_us_per_step", "engine_cpu_us_per_step_batched_scattered",
+                                              "engine_cpu_us_per_step_batched_per_block")]
+                lines.append(row + "   " + "/".join(f"{v:.0f}" for v in cpu))
     cl = c.get("store_latency")
     if cl:
         lines.append(f"   store() on the CUDA KV tensor ({cl['mover']}, {_size(cl['row_bytes'])} rows, "

@@ -202,7 +202,18 @@ def _core_figures(c: dict[str, Any]) -> list[dict[str, Any]]:
                         source=_ISSUE25 if tgt else None,
                         note=f"engine-thread CPU per step of 64 {d}s + poll, mean "
                              f"{x['engine_cpu_us_per_step']['mean']:.0f} us (a step of 64 stores + 64 loads: "
-                             f"{s['engine_cpu_us_per_step_of_stores_and_loads']:.0f} us)"))
+                             f"{s['engine_cpu_us_per_step_of_stores_and_loads']:.0f} us"
+                             + (f"; on the per-block copies {s['engine_cpu_us_per_step_of_stores_and_loads_batched_per_block']:.0f} us"
+                                if "tiered_kv_batched_per_block" in x else "") + ")"))
+                    if "tiered_kv_batched_scattered" in x:
+                        t = x["tiered_kv_batched_scattered"]
+                        out.append(_fig(
+                            "CUDA links", f"cuda.batched_scattered.{d}.{s['block_bytes']}",
+                            f"{x['link']}, store_many/load_many of 64 x {_size(s['block_bytes'])}, rows shuffled "
+                            "(gathered/scattered on the device)", "GB/s", t["gb_per_s"], b["gb_per_s"],
+                            "one copy_ of the same bytes between the device tensor and the pinned slab",
+                            "one large copy_", stats={"value": t["seconds_per_pass"], "baseline": b["seconds_per_pass"]},
+                            note=f"engine-thread CPU per step, mean {x['engine_cpu_us_per_step_batched_scattered']['mean']:.0f} us"))
         cl = cu.get("store_latency")
         if cl:
             out.append(_store_p99(
