@@ -85,7 +85,23 @@ def check_planes(planes: Sequence[Plane]) -> tuple[list[Plane], int]:
     out = list(planes)
     if not out:
         raise ValueError("a mover needs at least one (device_rows, host_rows) plane")
-    return out, sum(int(h.shape[1]) * h.element_size() for _, h in out)
+    return out, sum(h[0].numel() * h.element_size() for _, h in out)
+
+
+def rows_in_range(planes: Sequence[Plane]) -> tuple[int, int]:
+    """The device rows and host slots every plane has: a transfer may name ``0 <= row, slot`` below these."""
+    return min(int(d.shape[0]) for d, _ in planes), min(int(h.shape[0]) for _, h in planes)
+
+
+def transfer_error(t: Transfer, nrows: int, nslots: int) -> Optional[str]:
+    """Why ``t`` cannot be copied (rows and slots of different lengths, a row or slot out of range), or None.
+    Checked before any copy of it: a slice past the end is silently short, an index past it faults a device."""
+    rows, slots = t.rows, t.slots
+    if len(rows) != len(slots):
+        return f"copy failed: {len(rows)} rows for {len(slots)} slots"
+    if rows and not (0 <= min(rows) and max(rows) < nrows and 0 <= min(slots) and max(slots) < nslots):
+        return f"copy failed: a row or slot out of range ({nrows} rows, {nslots} slots)"
+    return None
 
 
 def is_run(idx: list[int]) -> bool:
@@ -95,8 +111,22 @@ def is_run(idx: list[int]) -> bool:
 
 
 def rows_view(t: torch.Tensor) -> Optional[torch.Tensor]:
-    """``t``'s rows as ``[rows, row bytes]`` uint8 without a copy, or None when they are not byte ranges."""
+    """``t``'s rows as ``[rows, row bytes]`` uint8 without a copy, or None when torch cannot view them so
+    (the bytes of a row need not be consecutive: callers check ``stride(1)`` where it matters)."""
     try:
         return t.view(int(t.shape[0]), -1).view(torch.uint8)
+    except RuntimeError:
+        return None
+
+
+def widen(rows: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """Byte rows (:func:`rows_view`) viewed as elements of ``dtype``, or None where they do not fit: the
+    width, the row stride and the start must be multiples of the element (torch also checks the
+    storage offset)."""
+    w = torch.empty((), dtype=dtype).element_size()
+    if int(rows.shape[1]) % w or rows.stride(0) % w or rows.data_ptr() % w:
+        return None
+    try:
+        return rows.view(dtype)
     except RuntimeError:
         return None

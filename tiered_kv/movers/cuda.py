@@ -18,7 +18,8 @@ from typing import Any, Iterator, Optional
 import torch
 
 from ..jobs import JobKind
-from .base import CompletionQueue, Mover, Plane, Report, Transfer, check_planes, is_run, rows_view
+from .base import (CompletionQueue, Mover, Plane, Report, Transfer, check_planes, is_run, rows_in_range, rows_view,
+                   transfer_error, widen)
 
 __all__ = ["CudaMover", "TorchCuda", "EVENT_BYTES", "STAGE_BYTES"]
 
@@ -111,8 +112,9 @@ def _range_views(dev: torch.Tensor, host: torch.Tensor) -> Optional[tuple[torch.
     d, h = rows_view(dev), rows_view(host)
     if d is None or h is None or d.shape[1] != h.shape[1]:
         return None
-    if all(int(x.shape[1]) % 8 == 0 and x.stride(0) % 8 == 0 and x.data_ptr() % 8 == 0 for x in (d, h)):
-        d, h = d.view(torch.int64), h.view(torch.int64)
+    wd, wh = widen(d, torch.int64), widen(h, torch.int64)
+    if wd is not None and wh is not None:
+        d, h = wd, wh
     return d, h, _one_range(d), _one_range(h)
 
 
@@ -212,6 +214,8 @@ class CudaMover(Mover):
     by block.  ``batched=False``: every block is its own ``copy_`` (the
     per-block path the benchmarks compare against).
 
+    A transfer whose rows and slots differ in number, or that names a row or
+    slot out of range, is answered failed at the flush, before any copy.
     Nothing here blocks the calling thread.  A call that cannot be queued (a
     CUDA error) fails every transfer with a block in it; they are answered at
     the chunk's end event, once none of their queued copies can still land, and
@@ -231,6 +235,7 @@ class CudaMover(Mover):
             raise ValueError(f"event_bytes must be >= 1, got {event_bytes!r}")
         rt = runtime if runtime is not None else TorchCuda()
         self._planes, self._block_bytes = check_planes(planes)
+        self._nrows, self._nslots = rows_in_range(self._planes)
         self._out = completions
         self._device = self._planes[0][0].device
         self._new_event = rt.new_event
@@ -301,7 +306,7 @@ class CudaMover(Mover):
         carried = False  # cur has blocks in an earlier chunk (on the stream, behind its end event)
         dirty = False    # copies may be on the stream with no end event recorded behind them
         n = 0  # transfers of ts taken
-        per_event = self._per_event
+        per_event, nrows, nslots = self._per_event, self._nrows, self._nslots
 
         def close(ops: Any, cur_lo: int) -> bool:
             """Queue the open chunk's copies and its end event; sort its transfers into ``ended`` and ``failed``.
@@ -315,8 +320,8 @@ class CudaMover(Mover):
             chunk.end, chunk.copies = end, len(rows)
             go_on = True
             if bad:
-                def error(lo: int, hi: int) -> Optional[str]:
-                    return next((e for a, b, e in bad if a < hi and lo < b), None)
+                def error(lo: int, hi: int) -> Optional[str]:  # a transfer with no block is in no call
+                    return next((e for a, b, e in bad if a < hi and lo < b), None) if lo < hi else None
                 for t, lo, hi in spans:
                     e = error(lo, hi)
                     if e is None:
@@ -343,10 +348,11 @@ class CudaMover(Mover):
                 for t in ts:
                     n += 1
                     tr, tsl = t.rows, t.slots
-                    m = len(tr)
-                    if m != len(tsl):
-                        put(Report(t.token, t.kind, False, f"{m} rows for {len(tsl)} slots"))
+                    error = transfer_error(t, nrows, nslots)
+                    if error is not None:  # before any copy: a slice past the end is short, an index faults
+                        put(Report(t.token, t.kind, False, error))
                         continue
+                    m = len(tr)
                     cur, carried, lo, j = t, False, len(rows), 0
                     while j < m:
                         if len(rows) >= per_event:  # closed here, so that a transfer ends in its last block's chunk

@@ -26,7 +26,8 @@ from typing import Callable, Optional
 import torch
 
 from ..jobs import JobKind
-from .base import CompletionQueue, Mover, Plane, Report, Transfer, check_planes, is_run, rows_view
+from .base import (CompletionQueue, Mover, Plane, Report, Transfer, check_planes, is_run, rows_in_range, rows_view,
+                   transfer_error, widen)
 
 __all__ = ["ThreadMover", "CopyFn", "BatchFn", "batch_copy", "BATCH_BYTES", "STAGE_BYTES", "HELP_BYTES", "CATCH_UP_S"]
 
@@ -57,7 +58,7 @@ HELP_BYTES = 4 << 20
 """``help_one()`` copies at most this many bytes of held transfers per call (at least one transfer),
 so that the owner checks what it waits for between calls."""
 
-_WIDE = ((torch.complex128, 16), (torch.int64, 8))
+_WIDE = (torch.complex128, torch.int64)
 """Element types the batched copy views rows as, widest first: torch's ``index_copy_`` copies an element
 at a time, so a byte row copies many times faster as 16-byte elements (narrower ones lose to ``memmove``
 per row: rows no wide view fits are copied row by row).  A copy of these elements moves their bits
@@ -118,9 +119,10 @@ def _wide_planes(planes: list[Plane]) -> Optional[list[tuple[torch.Tensor, torch
         d, h = rows_view(dev), rows_view(host)
         if d is None or h is None or d.shape[1] != h.shape[1]:
             return None
-        for dtype, w in _WIDE:
-            if all(int(x.shape[1]) % w == 0 and x.stride(0) % w == 0 and x.data_ptr() % w == 0 for x in (d, h)):
-                out.append((d.view(dtype), h.view(dtype)))
+        for dtype in _WIDE:
+            wd, wh = widen(d, dtype), widen(h, dtype)
+            if wd is not None and wh is not None:
+                out.append((wd, wh))
                 break
         else:
             return None
@@ -179,8 +181,7 @@ class ThreadMover(Mover):
         self._wide = _wide_planes(self._planes) if copy_fn is None or batch_fn is not None else None
         self._batch_fn: BatchFn = batch_fn or batch_copy
         # bounds of rows and slots valid in every plane: never copy out of bounds
-        self._nrows = min(int(d.shape[0]) for d, _ in self._planes)
-        self._nslots = min(int(h.shape[0]) for _, h in self._planes)
+        self._nrows, self._nslots = rows_in_range(self._planes)
         self._out = completions
         self._q: queue.SimpleQueue[Optional[list[Transfer]]] = queue.SimpleQueue()
         self._copy = copy_fn or _copy
@@ -367,7 +368,7 @@ class ThreadMover(Mover):
             if t.cancelled:
                 out[i] = Report(t.token, t.kind, False, "cancelled before copy")
                 continue
-            error = self._check(t)
+            error = transfer_error(t, self._nrows, self._nslots)
             if error is not None:
                 out[i] = Report(t.token, t.kind, False, error)
             elif not t.rows:
@@ -379,15 +380,6 @@ class ThreadMover(Mover):
         if loads:
             self._copy_batch(ts, loads, False, out)
         return out  # type: ignore[return-value]  # every slot was filled
-
-    def _check(self, t: Transfer) -> Optional[str]:
-        rows, slots = t.rows, t.slots
-        if len(rows) != len(slots):
-            return f"copy failed: {len(rows)} rows for {len(slots)} slots"
-        if rows and not (0 <= min(rows) and max(rows) < self._nrows and 0 <= min(slots)
-                         and max(slots) < self._nslots):
-            return f"copy failed: a row or slot out of range ({self._nrows} rows, {self._nslots} slots)"
-        return None
 
     def _copy_batch(self, ts: list[Transfer], idx: list[int], store: bool, out: list[Optional[Report]]) -> None:
         rows: list[int] = []
