@@ -155,9 +155,9 @@ def _failed(bad: Optional[list[tuple[int, int, str]]], a: int, b: int, exc: Exce
 class _Chunk:
     """The copies queued between two events of one stream: reported when ``end`` is reached.
 
-    ``ended``: the transfers whose last copy is in this chunk (one that spans chunks is reported with
-    the last); ``failed``: transfers with copies on the stream, one of which could not be queued
-    (answered failed here, once their queued copies can no longer land)."""
+    ``ended``: the transfers whose last block is in this chunk (one that spans chunks is reported with
+    the last); ``failed``: transfers with a block in a call of this chunk that could not be queued
+    (answered failed here, once none of their queued copies can still land)."""
 
     __slots__ = ("ended", "failed", "copies", "start", "end", "final")
 
