@@ -87,7 +87,9 @@ def test_every_policy_keeps_the_leases_under_a_random_engine(policy: str, admiss
             host_holds=lambda key: host_matches(mgr, key, kv), device_tick=lambda rng: None,
             after_wait=lambda: mgr.flush(timeout=30), prefix=f"{policy}-")
         assert mgr.debug_sizes()["host_used_slots"] == mgr.debug_sizes()["host_entries"]
-    assert ok_loads > 5 and ok_stores > 20, (ok_loads, ok_stores)   # the run did exercise loads and stores
+    # the run did exercise loads and stores (how many end ok depends on the copy threads' pace against the
+    # engine's frees: 37-166 stores under load, 18 once on a loaded 2-core machine)
+    assert ok_loads > 5 and ok_stores > 5, (ok_loads, ok_stores)
     assert mgr._core.index.policy.name == policy
 
 
