@@ -303,7 +303,6 @@ class CudaMover(Mover):
         slots: list[int] = []
         spans: list[tuple[Transfer, int, int]] = []  # transfers whose last block is in the open chunk: (t, lo, hi)
         cur: Optional[Transfer] = None  # the transfer being taken, in no span yet
-        carried = False  # cur has blocks in an earlier chunk (on the stream, behind its end event)
         dirty = False    # copies may be on the stream with no end event recorded behind them
         n = 0  # transfers of ts taken
         per_event, nrows, nslots = self._per_event, self._nrows, self._nslots
@@ -353,12 +352,12 @@ class CudaMover(Mover):
                         put(Report(t.token, t.kind, False, error))
                         continue
                     m = len(tr)
-                    cur, carried, lo, j = t, False, len(rows), 0
+                    cur, lo, j = t, len(rows), 0
                     while j < m:
                         if len(rows) >= per_event:  # closed here, so that a transfer ends in its last block's chunk
                             if not close(ops, lo):
                                 break
-                            carried, lo = True, 0
+                            lo = 0
                         k = min(per_event - len(rows), m - j)
                         rows += tr[j:j + k]
                         slots += tsl[j:j + k]
@@ -370,7 +369,7 @@ class CudaMover(Mover):
                     close(ops, 0)
         except Exception as exc:  # the stream switch or an event record failed: answer what has no event yet
             log.error("CUDA copies of a batch of %d could not all be queued: %r", len(ts), exc)
-            if dirty or (cur is not None and carried):
+            if dirty:  # only close() raises after the switch, and it is dirty until its end event is recorded
                 # copies on the stream with no end event behind them: answering them now would lift their
                 # row's fence or free their slot while a copy can still land there.  Wait for the stream
                 # first (a fault path, the only one where the engine thread waits on the device); with a
