@@ -89,6 +89,12 @@ def _add_job(m: dict[Any, Any], ks: Sequence[Any], job: Job) -> None:
                 m[k] = [held, job]
 
 
+def _jobs_of(held: Any) -> Sequence[Job]:
+    """The jobs a map of :func:`_add_job` holds under one key (``held``: its value, or None), as a new
+    sequence: the caller may change the map while it goes through them."""
+    return () if held is None else list(held) if type(held) is list else (held,)
+
+
 def _drop_job(m: dict[Any, Any], ks: Sequence[Any], job: Job) -> None:
     """Undo :func:`_add_job` for ``job`` under ``ks`` (keys it is no longer under are passed over)."""
     if list(map(m.get, ks)).count(job) == len(ks):
@@ -364,8 +370,7 @@ class TierManager:
         """Remove ``key`` from every tier; it is never served again until stored again."""
         self._check_open()
         key = self._check_key(key)
-        loads = self._key_loads.get(key)
-        for job in (list(loads) if type(loads) is list else () if loads is None else (loads,)):
+        for job in _jobs_of(self._key_loads.get(key)):
             self._cancel(job, _R_SUPERSEDED)
         self._core.drop_key(key)
 
@@ -680,13 +685,11 @@ class TierManager:
         _drop_job(key_loads, keys, job)
 
     def _give_up_row(self, block: int) -> None:
-        stores = self._row_stores.pop(block, None)
-        if stores is not None:
-            for job in (stores if type(stores) is list else (stores,)):
-                if len(job.blocks) == 1:
-                    self._cancel(job, _R_SOURCE_REUSED)
-                elif job.state is _PENDING:
-                    self._core.cancel_part(job, job.blocks.index(block), _R_SOURCE_REUSED)
+        for job in _jobs_of(self._row_stores.pop(block, None)):
+            if len(job.blocks) == 1:
+                self._cancel(job, _R_SOURCE_REUSED)
+            elif job.state is _PENDING:
+                self._core.cancel_part(job, job.blocks.index(block), _R_SOURCE_REUSED)
 
     def _drop_row_stores(self, job: Job) -> None:
         _drop_job(self._row_stores, job.blocks, job)
