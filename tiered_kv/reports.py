@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from .jobs import JobKind
 
-__all__ = ["Report", "CompletionQueue"]
+__all__ = ["Report", "CompletionQueue", "get_within"]
 
 
 @dataclass(slots=True)
@@ -52,7 +52,30 @@ class CompletionQueue:
         return [get() for _ in range(n)]
 
     def get(self, timeout: Optional[float]) -> Optional[Any]:
+        """The next report, waiting at most ``timeout`` seconds (None: for ever); None when none came."""
         try:
-            return self._q.get(timeout=timeout) if timeout is None or timeout > 0 else self._q.get_nowait()
+            return get_within(self._q, timeout)
         except queue.Empty:
             return None
+
+
+def get_within(q: "queue.SimpleQueue[Any]", timeout: Optional[float]) -> Any:
+    """``q.get(timeout=timeout)`` (None: block; <= 0: do not wait) that keeps its timeout.
+
+    CPython's ``SimpleQueue.get`` (3.11 to 3.14 at least) can block for ever on an empty queue when
+    given a timeout: if it finds its lock free, it takes it, then recomputes the time left; when the
+    timeout has passed meanwhile by a microsecond or more (the thread was preempted, or the timeout is
+    that short), the time left is negative, and a negative wait on that lock is an unbounded one --
+    released only by the next ``put()``, which never comes when the waiting thread is the one that
+    would cause it (the CUDA mover's reports).  The lock is free after a ``get`` that found an item.
+    ``get_nowait()`` on an empty queue takes the lock and returns at once, so that the timed ``get``
+    after it finds the lock held and waits on it with the positive timeout; a ``put()`` in between
+    leaves an item, which the timed ``get`` takes without waiting.  One consumer per queue."""
+    if timeout is not None and timeout <= 0:
+        return q.get_nowait()
+    if timeout is None:
+        return q.get()
+    try:
+        return q.get_nowait()
+    except queue.Empty:
+        return q.get(timeout=timeout)

@@ -48,6 +48,7 @@ from ..hostmem import prepare_host_memory
 from ..jobs import JobKind, StaleReason
 from ..metrics import Metrics
 from ..movers import CompletionQueue, CudaMover, Mover, Plane, Report, ThreadMover, Transfer
+from ..reports import get_within
 from .slab import SharedSlab
 
 __all__ = ["SlabCopier", "CopyResult"]
@@ -249,7 +250,7 @@ class SlabCopier:
             if remaining is not None and remaining <= 0:
                 return
             try:
-                report = self._done.get(timeout=remaining)
+                report = get_within(self._done, remaining)
             except queue.Empty:
                 return
             pending.discard(report.token)
