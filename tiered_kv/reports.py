@@ -62,9 +62,9 @@ class CompletionQueue:
 def get_within(q: "queue.SimpleQueue[Any]", timeout: Optional[float]) -> Any:
     """``q.get(timeout=timeout)`` (None: block; <= 0: do not wait) that keeps its timeout.
 
-    CPython's ``SimpleQueue.get`` (3.11 to 3.14 at least) can block for ever on an empty queue when
-    given a timeout: if it finds its lock free, it takes it, then recomputes the time left; when the
-    timeout has passed meanwhile by a microsecond or more (the thread was preempted, or the timeout is
+    CPython's ``SimpleQueue.get`` (3.11, and its source through 3.13 at least) can block for ever on an
+    empty queue when given a timeout: if it finds its lock free, it takes it, then recomputes the time
+    left; when the timeout has passed meanwhile by a microsecond or more (the thread was preempted, or the timeout is
     that short), the time left is negative, and a negative wait on that lock is an unbounded one --
     released only by the next ``put()``, which never comes when the waiting thread is the one that
     would cause it (the CUDA mover's reports).  The lock is free after a ``get`` that found an item.
