@@ -64,18 +64,18 @@ def get_within(q: "queue.SimpleQueue[Any]", timeout: Optional[float]) -> Any:
 
     CPython's ``SimpleQueue.get`` (3.11, and its source through 3.13 at least) can block for ever on an
     empty queue when given a timeout: if it finds its lock free, it takes it, then recomputes the time
-    left; when the timeout has passed meanwhile by a microsecond or more (the thread was preempted, or the timeout is
-    that short), the time left is negative, and a negative wait on that lock is an unbounded one --
+    left; when the timeout has passed meanwhile by a microsecond or more (the thread was preempted, or
+    the timeout is that short), the time left is negative, and a negative wait on that lock is unbounded:
     released only by the next ``put()``, which never comes when the waiting thread is the one that
     would cause it (the CUDA mover's reports).  The lock is free after a ``get`` that found an item.
     ``get_nowait()`` on an empty queue takes the lock and returns at once, so that the timed ``get``
     after it finds the lock held and waits on it with the positive timeout; a ``put()`` in between
     leaves an item, which the timed ``get`` takes without waiting.  One consumer per queue."""
-    if timeout is not None and timeout <= 0:
-        return q.get_nowait()
     if timeout is None:
         return q.get()
     try:
         return q.get_nowait()
     except queue.Empty:
+        if timeout <= 0:
+            raise
         return q.get(timeout=timeout)
