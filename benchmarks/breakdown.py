@@ -1,13 +1,16 @@
 """Where the time of three missed targets goes: one load from disk at a time, the engine step, and
 a step's copies batched.
 
-    .venv/bin/python benchmarks/breakdown.py promote [--block-kib 2048]
+    .venv/bin/python benchmarks/breakdown.py promote [--block-kib 2048] [--loads 32]
     .venv/bin/python benchmarks/breakdown.py step [--steps 600]
-    .venv/bin/python benchmarks/breakdown.py batched [--block-kib 64]
+    .venv/bin/python benchmarks/breakdown.py batched [--block-kib 64] [--pass-mib 128]
 
 ``promote``: the parts of one ``load(key, row)`` + ``wait([job])`` of a key only on disk (page
 cache warm), each a median over 32 loads, timed by wrapping the methods that do them (the reader's
-index lookup and checksum, the owner's apply, the mover's copy); beside them, the same three
+index lookup and checksum, the owner's apply, the mover's copy).  The reader's parts are timed with
+the disk I/O on threads of this process (``disk_io="thread"``); with the disk I/O process (the
+default) they run in the child, so only the owner's parts and the whole load are printed for it.
+Beside them, the same three
 operations done by hand on one thread -- ``pread`` into one hot buffer or into a different
 (cache-cold) slot each time, xxh3 over the block, ``copy_`` into a row -- which is what the
 ``tiered-kv bench`` baseline (``pread`` + ``copy_`` into one buffer) pays, less the checksum.
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -57,6 +61,8 @@ def _wrap(obj: Any, name: str, tag: str, marks: list[tuple[str, float]]) -> None
 
 
 def promote(block: int, n: int = 32) -> None:
+    """The parts need the disk I/O on threads of this process (``disk_io="thread"``), where the wrapped
+    reader methods run; the default, the disk I/O process, is timed whole beside it."""
     from tiered_kv.core import tiers
     from tiered_kv.disk import readers
 
@@ -67,8 +73,19 @@ def promote(block: int, n: int = 32) -> None:
     dev = torch.randint(0, 255, (n, block), dtype=torch.uint8)
     orig = dev.clone()
     d = Path(tempfile.mkdtemp(prefix="tkv-breakdown-"))
+    try:
+        for disk_io in ("thread", "process"):
+            _promote_parts(block, n, dev, orig, d / disk_io, disk_io, marks)
+        _promote_by_hand(block, n, orig, d)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _promote_parts(block: int, n: int, dev: torch.Tensor, orig: torch.Tensor, d: Path, disk_io: str,
+                   marks: list[tuple[str, float]]) -> None:
     cfg = TieredKVConfig(namespace="breakdown", host_capacity_bytes=4 * block, disk_path=str(d / "kv"),
-                         disk_capacity_bytes=4 * n * block)
+                         disk_capacity_bytes=4 * n * block, disk_io=disk_io)  # type: ignore[arg-type]
+    dev.copy_(orig)
     mgr = TierManager(cfg, dev, registry=CollectorRegistry())
     _wrap(mgr._mover, "help_one", "copy", marks)
     keys = [os.urandom(16) for _ in range(n)]
@@ -95,19 +112,24 @@ def promote(block: int, n: int = 32) -> None:
         copies = [(a, b) for (ta, a), (tb, b) in zip(marks, marks[1:]) if ta == "copy>" and tb == "copy<" and b - a > 1e-5]
         applies = [(a, b) for (ta, a), (tb, b) in zip(marks, marks[1:]) if ta == "apply>" and tb == "apply<"]
         parts["load() call"].append(t1 - t0)
-        parts["until the reader looks it up"].append(m["lookup>"] - t1)
-        parts["LMDB lookup"].append(m["lookup<"] - m["lookup>"])
-        parts["pread into the host slot"].append(m["verify>"] - m["lookup<"])
-        parts["xxh3 over the block"].append(m["verify<"] - m["verify>"])
+        if disk_io == "thread":   # in the I/O process the reader's parts run where they cannot be wrapped
+            parts["until the reader looks it up"].append(m["lookup>"] - t1)
+            parts["LMDB lookup"].append(m["lookup<"] - m["lookup>"])
+            parts["pread into the host slot"].append(m["verify>"] - m["lookup<"])
+            parts["xxh3 over the block"].append(m["verify<"] - m["verify>"])
         parts["slot -> row copy (owner thread)"].append(sum(b - a for a, b in copies))
         parts["owner's applies"].append(sum(b - a for a, b in applies))
         parts["whole load + wait"].append(t2 - t0)
     mgr.close()
-    print(f"one load from disk at a time, {block >> 10} KiB blocks, page cache warm (median of {len(parts['load() call'])}):")
+    print(f"one load from disk at a time, disk_io={disk_io}, {block >> 10} KiB blocks, page cache warm "
+          f"(median of {len(parts['load() call'])}):")
     for k, v in parts.items():
         print(f"  {k:34s} {statistics.median(v) * 1e6:8.0f} us")
 
-    # the same operations by hand, on one thread
+
+def _promote_by_hand(block: int, n: int, orig: torch.Tensor, d: Path) -> None:
+    """The same operations by hand, on one thread."""
+    pc = time.perf_counter
     p = d / "raw"
     p.write_bytes(orig.numpy().tobytes())
     fd = os.open(p, os.O_RDONLY)
@@ -169,10 +191,13 @@ def step(steps: int) -> None:
     warm = 100
     for disk in (True, False):
         acc.clear()
-        d = Path(tempfile.mkdtemp(prefix="tkv-breakdown-")) / "disk" if disk else None
+        top = Path(tempfile.mkdtemp(prefix="tkv-breakdown-"))
         if not disk:
             st.DISK_SLOTS = 0
-        r = st._run("tkv", 0, steps, warm, 0.002, d)
+        try:
+            r = st._run("tkv", 0, steps, warm, 0.002, top / "disk" if disk else None)
+        finally:
+            shutil.rmtree(top, ignore_errors=True)
         per = {k: v / (steps + warm) / 1e3 for k, v in acc.items()}
         print(f"engine step, {'host + disk' if disk else 'host only  '}: CPU {r['cpu_us']['mean']:6.0f} us per step; "
               + ", ".join(f"{k} {v:.0f}" for k, v in per.items()) + " us")
@@ -180,8 +205,8 @@ def step(steps: int) -> None:
     print(f"engine step, dict original: CPU {r['cpu_us']['mean']:6.0f} us per step")
 
 
-def batched(block: int) -> None:
-    n = (128 << 20) // block
+def batched(block: int, pass_bytes: int = 128 << 20) -> None:
+    n = max(pass_bytes // block, 64)
     kv = torch.empty((2 * n, block), dtype=torch.uint8).fill_(1)
     cfg = TieredKVConfig(namespace="breakdown/batched", host_capacity_bytes=n * block, host_evict_ahead_blocks=0)
     mgr = TierManager(cfg, kv, registry=CollectorRegistry())
@@ -217,11 +242,13 @@ def main() -> None:
     ap.add_argument("what", choices=["promote", "step", "batched"])
     ap.add_argument("--block-kib", type=int, default=None, help="default: 2048 (promote), 64 (batched)")
     ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--loads", type=int, default=32, help="promote: blocks loaded one at a time")
+    ap.add_argument("--pass-mib", type=int, default=128, help="batched: MiB per pass")
     a = ap.parse_args()
     if a.what == "promote":
-        promote((a.block_kib or 2048) << 10)
+        promote((a.block_kib or 2048) << 10, a.loads)
     elif a.what == "batched":
-        batched((a.block_kib or 64) << 10)
+        batched((a.block_kib or 64) << 10, a.pass_mib << 20)
     else:
         step(a.steps)
 

@@ -1,0 +1,47 @@
+"""``benchmarks/breakdown.py`` runs: each of its three diagnostics, on tiny sizes, in a child process.
+
+The script is not imported by the library or by the bench command, so nothing else would notice when
+a change to the code it wraps breaks it (its ``promote`` part once failed with a ``KeyError`` once the
+disk I/O moved into its own process, where the reader methods it wraps do not run).  The figures are
+not checked: only that each part runs to its end and prints every line it promises.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "breakdown.py"
+
+
+def _run(*args: str) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=240, env=env)
+    assert p.returncode == 0, f"breakdown.py {' '.join(args)} failed:\n{p.stdout}\n{p.stderr}"
+    return p.stdout
+
+
+def test_promote_prints_every_part_for_both_disk_io_modes() -> None:
+    out = _run("promote", "--block-kib", "64", "--loads", "6")
+    assert "disk_io=thread" in out and "disk_io=process" in out
+    thread_part, process_part = out.split("disk_io=process")
+    for part in ("until the reader looks it up", "LMDB lookup", "pread into the host slot", "xxh3 over the block"):
+        assert part in thread_part, part
+        assert part not in process_part, part   # not measurable there: not printed as a figure
+    for part in ("load() call", "slot -> row copy (owner thread)", "owner's applies", "whole load + wait"):
+        assert part in thread_part and part in process_part, part
+    assert "by hand, one hot buffer" in out and "by hand, a different slot each time" in out
+
+
+@pytest.mark.parametrize("args, lines", [
+    (("step", "--steps", "20"), ("engine step, host + disk", "engine step, host only", "engine step, dict original")),
+    (("batched", "--block-kib", "64", "--pass-mib", "8"), ("pass 0 (warm-up)", "pass 3:")),
+])
+def test_the_other_diagnostics_run(args: tuple[str, ...], lines: tuple[str, ...]) -> None:
+    out = _run(*args)
+    for line in lines:
+        assert line in out, (line, out)
