@@ -1,7 +1,8 @@
 """The tier index's batched paths (a step's new keys reserved together, the default policy's victims
-evicted together, a load's entries leased and released together) against the same index taking
-every key one by one: after every call both hold the same keys in the same states, the policy's
-order, the counts and the leases agree, and slots stay unique (which free slot a key gets may differ)."""
+evicted together, a load's entries leased and released together, a lookup's run through the host
+tier and the tier below it in one loop) against the same index taking every key one by one: after
+every call both hold the same keys in the same states, the policy's order, the counts and the leases
+agree, and slots stay unique (which free slot a key gets may differ)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tiered_kv.core.policy import make_policy
 
 KEYS = [b"k%02d" % i for i in range(14)]
 SLOTS = 6
+BELOW_SLOTS = 9
 
 
 class KeyByKey(TierIndex):
@@ -35,12 +37,17 @@ class KeyByKey(TierIndex):
 
 
 class BatchedIndexMachine(RuleBasedStateMachine):
-    @initialize(policy=st.sampled_from(["lru", "lru", "s3fifo", "arc", "prefix"]))
-    def setup(self, policy: str) -> None:
+    @initialize(policy=st.sampled_from(["lru", "lru", "s3fifo", "arc", "prefix"]),
+                below_policy=st.sampled_from(["lru", "lru", "lru", "s3fifo", "arc"]))
+    def setup(self, policy: str, below_policy: str) -> None:
         self.evicted: tuple[list[bytes], list[bytes]] = ([], [])
         self.ix = (TierIndex(SLOTS, on_evict=lambda e: self.evicted[0].append(e.key),
                              policy=make_policy(policy, SLOTS)),
                    KeyByKey(SLOTS, on_evict=lambda e: self.evicted[1].append(e.key), policy=make_policy(policy, SLOTS)))
+        # the tier below (the disk tier), filled and leased through the plain per-key calls in both
+        self.below = (TierIndex(BELOW_SLOTS, policy=make_policy(below_policy, BELOW_SLOTS)),
+                      KeyByKey(BELOW_SLOTS, policy=make_policy(below_policy, BELOW_SLOTS)))
+        self.below_leases: list[tuple[Entry, Entry]] = []
         self.writing: list[bytes] = []          # keys WRITING in both
         self.leases: list[tuple[list[Entry], list[Entry]]] = []   # entries leased together (a load), per index
 
@@ -122,6 +129,48 @@ class BatchedIndexMachine(RuleBasedStateMachine):
     def hits(self, keys: list[bytes]) -> None:
         assert self.ix[0].ready_run(keys) == self.ix[1].ready_run(keys)
 
+    @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=4), publish=st.booleans())
+    def below_store(self, keys: list[bytes], publish: bool) -> None:
+        """Keys new below are written there (published, or left WRITING: not a hit)."""
+        for ix in self.below:
+            for k in keys:
+                if ix.get(k) is None:
+                    e = ix.reserve(k, uuid.uuid4())
+                    if e is not None and publish:
+                        ix.publish(e)
+
+    @rule(key=st.sampled_from(KEYS))
+    def below_remove(self, key: bytes) -> None:
+        for ix in self.below:
+            e = ix.get(key)
+            if e is not None:
+                ix.remove(e)
+
+    @rule(key=st.sampled_from(KEYS))
+    def below_lease(self, key: bytes) -> None:
+        """A spill or promote reading a block below: out of its policy until released."""
+        es = [ix.ready(key) for ix in self.below]
+        assert (es[0] is None) == (es[1] is None)
+        if es[0] is not None and es[1] is not None:
+            for ix, e in zip(self.below, es):
+                ix.acquire(e)
+            self.below_leases.append((es[0], es[1]))
+
+    @precondition(lambda self: self.below_leases)
+    @rule(data=st.data())
+    def below_release(self, data: Any) -> None:
+        held = self.below_leases.pop(data.draw(st.integers(0, len(self.below_leases) - 1)))
+        for ix, e in zip(self.below, held):
+            ix.release(e)
+
+    @rule(data=st.data())
+    def hits_through_both_tiers(self, data: Any) -> None:
+        """A lookup of the keys READY in either tier (in any order: the run reaches them all, leased ones
+        too), then maybe any keys: hits on both sides of the run, and a stop."""
+        present = [k for k in KEYS if self.ix[0].ready(k) is not None or self.below[0].ready(k) is not None]
+        keys = data.draw(st.permutations(present)) + data.draw(st.lists(st.sampled_from(KEYS), max_size=3))
+        assert self.ix[0].ready_run_below(keys, self.below[0]) == self.ix[1].ready_run_below(keys, self.below[1])
+
     @rule(free=st.integers(0, SLOTS))
     def evict_ahead(self, free: int) -> None:
         assert self.ix[0].evict_ahead(free) == self.ix[1].evict_ahead(free)
@@ -146,6 +195,10 @@ class BatchedIndexMachine(RuleBasedStateMachine):
         assert sa == sb
         assert [e.key for e in a.coldest(SLOTS)] == [e.key for e in b.coldest(SLOTS)]
         assert (a.used_slots, a.evictions, len(a)) == (b.used_slots, b.evictions, len(b))
+        c, d = self.below
+        assert ({k: (e.state, e.readers) for k in KEYS if (e := c.get(k)) is not None}
+                == {k: (e.state, e.readers) for k in KEYS if (e := d.get(k)) is not None})
+        assert [e.key for e in c.coldest(BELOW_SLOTS)] == [e.key for e in d.coldest(BELOW_SLOTS)]
         for ix in self.ix:
             live = [e.slot for k in KEYS if (e := ix.get(k)) is not None]
             assert len(set(live)) == len(live) and not set(live) & set(ix._free)

@@ -141,6 +141,46 @@ class TierIndex:
             i += 1
         return i
 
+    def ready_run_below(self, keys: Sequence[bytes], below: TierIndex) -> tuple[int, int]:
+        """:meth:`ready_run` through this tier and the tier ``below`` it (the host tier and the disk
+        tier): each key of ``keys`` READY here is a hit here, else a key READY ``below`` is a hit there;
+        the run stops at the first key READY in neither.  Returns (the run's length, its hits here).
+
+        With both tiers on the default policy, one loop with both policies' hits written out (the
+        bench's engine step: 512 lookup keys a step, a third of them only on disk); else key by key,
+        the same outcome (``tests/test_index_batched.py`` runs both side by side).
+        """
+        lru, below_lru = self._lru, below._lru
+        if self._batched and lru is not None and below_lru is not None:
+            get, below_get = self._entries.get, below._entries.get
+            lru_get, below_lru_get = lru.get, below_lru.get
+            i = host = 0
+            for k in keys:
+                e = get(k)
+                if e is not None and e.state is _READY:
+                    if lru_get(k) is e:   # LRU.hit written out
+                        lru.move_to_end(k)
+                    host += 1
+                else:
+                    e = below_get(k)
+                    if e is None or e.state is not _READY:
+                        break
+                    if below_lru_get(k) is e:
+                        below_lru.move_to_end(k)
+                i += 1
+            return i, host
+        n = host = self.ready_run(keys)
+        total = len(keys)
+        while n < total:   # a key only below, then maybe keys here again
+            d = below.ready(keys[n])
+            if d is None:
+                break
+            below.touch(d)
+            end = self.ready_run(keys, n + 1)
+            host += end - n - 1
+            n = end
+        return n, host
+
     # -- admission ---------------------------------------------------------
     def seen(self, keys: Sequence[bytes]) -> None:
         """``keys`` were asked for (a lookup): references the admission filter counts."""

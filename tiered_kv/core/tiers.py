@@ -416,23 +416,15 @@ class TierCore:
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` are READY in a lower tier (host, or disk), each marked recently used."""
-        run = self.index.ready_run
-        n = host = run(keys)
         dindex = self.dindex
-        if self.admitting:
+        if dindex is None:
+            n = host = self.index.ready_run(keys)
+        else:
+            n, host = self.index.ready_run_below(keys, dindex)
+        if self.admitting:   # the filters' counts do not depend on the policies' order: after the run
             self.index.seen(keys)
             if dindex is not None:
                 dindex.seen(keys)
-        if dindex is not None:
-            total = len(keys)
-            while n < total:   # a key only on disk, then maybe host keys again
-                d = dindex.ready(keys[n])
-                if d is None:
-                    break
-                dindex.touch(d)
-                end = run(keys, n + 1)
-                host += end - n - 1
-                n = end
         if self.remote is not None and n < len(keys):
             self._probe_remote(keys, n)
         m = self.metrics  # counted like the per-job counters: applied at the end of the step
