@@ -560,7 +560,7 @@ def test_write_back_stops_when_the_writer_queue_is_full(tmp_path, monkeypatch):
     mgr, mover, kv = _write_back_manager(tmp_path / "d")
     try:
         monkeypatch.setattr(type(mgr._core.disk.store), "queue_depth",
-                            property(lambda self: mgr.config.writer_queue_blocks))
+                            property(lambda self: self.opts.queue_blocks))
         _store_24(mgr, mover, kv, b"q")
         assert _spilling(mgr) == []
     finally:

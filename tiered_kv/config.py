@@ -85,8 +85,12 @@ class TieredKVConfig:
         leaves the faults to the first stores.  Pinned slabs are resident already.
     max_key_bytes: longest accepted key.
     writer_queue_blocks: bound of the disk writer's queue (spills shed beyond).
+        ``None``: four write batches (of the size below, configured or derived), at least 256.
     writer_batch_blocks / writer_batch_bytes / writer_batch_seconds: a disk
-        write transaction commits when any of these is reached.
+        write transaction commits when any of these is reached.  Each commit makes
+        its blocks durable with one ``fdatasync``, so small blocks need large
+        batches to keep up.  ``writer_batch_blocks=None``: 16 MiB of blocks, at
+        least 64 and at most 512 (64 from 256 KiB blocks up, 512 up to 32 KiB).
     disk_map_size_bytes: initial LMDB map size (``0``: derived from capacity).
     disk_io: where the disk tier's writer and readers run.  ``"process"`` (the
         default): in a child process of their own, which maps the host slab
@@ -146,8 +150,8 @@ class TieredKVConfig:
     pin_host_memory: Optional[bool] = None
     prefault_host_memory: bool = True
     max_key_bytes: int = 1024
-    writer_queue_blocks: int = 256
-    writer_batch_blocks: int = 64
+    writer_queue_blocks: Optional[int] = None
+    writer_batch_blocks: Optional[int] = None
     writer_batch_bytes: int = 64 << 20
     writer_batch_seconds: float = 0.005
     disk_map_size_bytes: int = 0
@@ -194,8 +198,10 @@ class TieredKVConfig:
         if not isinstance(self.prefault_host_memory, bool):
             raise ConfigError(f"prefault_host_memory must be a bool, got {self.prefault_host_memory!r}")
         _check_int("max_key_bytes", self.max_key_bytes, 1, 65536)
-        _check_int("writer_queue_blocks", self.writer_queue_blocks, 1, 1 << 20)
-        _check_int("writer_batch_blocks", self.writer_batch_blocks, 1, 1 << 16)
+        if self.writer_queue_blocks is not None:
+            _check_int("writer_queue_blocks", self.writer_queue_blocks, 1, 1 << 20)
+        if self.writer_batch_blocks is not None:
+            _check_int("writer_batch_blocks", self.writer_batch_blocks, 1, 1 << 16)
         _check_int("writer_batch_bytes", self.writer_batch_bytes, 1)
         _check_float("writer_batch_seconds", self.writer_batch_seconds, 0.0, 60.0)
         _check_int("disk_map_size_bytes", self.disk_map_size_bytes, 0)

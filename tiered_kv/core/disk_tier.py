@@ -27,7 +27,7 @@ from ..movers import CompletionQueue, Report
 from .index import Entry, TierIndex
 from .policy import make_admission, make_policy
 
-__all__ = ["DiskTier", "DiskErrors"]
+__all__ = ["DiskTier", "DiskErrors", "writer_limits"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,35 @@ _SMALL_TIER_BLOCKS = 32
 """Below this many blocks a disk tier is a test or a toy: its writer headroom comes on top of the capacity."""
 _BATCH_FRACTION = 16
 """A writer batch is at most this fraction of the capacity, so that the headroom it needs stays small."""
+BATCH_TARGET_BYTES = 16 << 20
+"""A derived write batch (``writer_batch_blocks=None``) holds about this many bytes of blocks ..."""
+BATCH_MIN_BLOCKS, BATCH_MAX_BLOCKS = 64, 512
+"""... and at least / at most this many blocks."""
+QUEUE_BATCHES, QUEUE_MIN_BLOCKS = 4, 256
+"""A derived writer queue (``writer_queue_blocks=None``) holds this many write batches, at least this many blocks."""
+
+
+def writer_limits(cfg: TieredKVConfig, row_bytes: int, disk_blocks: int) -> tuple[int, int]:
+    """The disk writer's blocks per write batch and its queue bound, for a tier of ``disk_blocks``
+    blocks of ``row_bytes``: the configured values, or where they are None, derived from the block size.
+
+    Every commit makes its blocks durable with one ``fdatasync`` of the slot file (milliseconds on a
+    cloud disk), so the writer keeps up with the engine's stores of small blocks only in large
+    batches (docs/benchmarks.md, "A realistic engine step").  From 256 KiB blocks up a derived batch is
+    64 blocks or what ``writer_batch_bytes`` allows, and a derived queue 256 blocks.  A derived queue
+    holds four batches, so that one commits while the next fill.  A batch is at most a
+    ``_BATCH_FRACTION`` of the tier (the headroom the slot file keeps for it stays small).
+    """
+    batch = cfg.writer_batch_blocks
+    if batch is None:
+        batch = min(BATCH_MAX_BLOCKS, max(BATCH_MIN_BLOCKS, BATCH_TARGET_BYTES // row_bytes))
+    batch = max(1, min(batch, cfg.writer_batch_bytes // row_bytes, disk_blocks // _BATCH_FRACTION))
+    queue = cfg.writer_queue_blocks
+    if queue is None:
+        queue = max(QUEUE_MIN_BLOCKS, QUEUE_BATCHES * batch)
+    return batch, queue
+
+
 RESTART_BACKOFF_MIN_S, RESTART_BACKOFF_MAX_S = 1.0, 60.0
 """A disk I/O process that cannot be restarted is tried again after this long, doubling."""
 
@@ -94,13 +123,12 @@ class DiskTier:
         # A slot is reused only once the commit that dropped its entry is durable (one commit later
         # with durability="batch"), and a batch's deletes and spills share a commit: the slot file
         # needs the index's entries plus two batches, counted inside disk_capacity_bytes.
-        batch_blocks = max(1, min(cfg.writer_batch_blocks, cfg.writer_batch_bytes // row_bytes,
-                                  disk_blocks // _BATCH_FRACTION))
+        batch_blocks, queue_blocks = writer_limits(cfg, row_bytes, disk_blocks)
         index_blocks = disk_blocks - 2 * batch_blocks if disk_blocks >= _SMALL_TIER_BLOCKS else disk_blocks
         slots = max(disk_blocks, index_blocks + 2 * batch_blocks)
         opts = DiskOptions(path=cfg.disk_dir, namespace=cfg.namespace, block_bytes=row_bytes,  # type: ignore[arg-type]
                            capacity_bytes=disk_blocks * row_bytes, durability=cfg.durability, slots=slots,
-                           map_size_bytes=cfg.disk_map_size_bytes, queue_blocks=cfg.writer_queue_blocks,
+                           map_size_bytes=cfg.disk_map_size_bytes, queue_blocks=queue_blocks,
                            batch_blocks=batch_blocks, batch_bytes=batch_blocks * row_bytes,
                            batch_seconds=cfg.writer_batch_seconds)
         m = metrics

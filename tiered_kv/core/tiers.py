@@ -851,7 +851,7 @@ class TierCore:
         if (disk is None or not disk.usable or self.closing
                 or index.used_slots < index.num_slots * WRITEBACK_FILL):
             return
-        budget = min(WRITEBACK_PER_STEP, self.config.writer_queue_blocks - disk.store.queue_depth)
+        budget = min(WRITEBACK_PER_STEP, disk.store.opts.queue_blocks - disk.store.queue_depth)
         todo = []
         for entry in index.coldest(EVICT_AHEAD_MAX):
             if len(todo) >= budget:
