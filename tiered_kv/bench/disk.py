@@ -26,7 +26,7 @@ all):
    counted; a figure with sheds would be invalid).  Baselines on the same
    bytes: ``raw_fresh`` -- ``os.write`` of each block's buffer into a fresh
    file, ``os.fsync`` after every batch of the writer's nominal batch size
-   (``min(writer_batch_blocks, writer_batch_bytes / block)``) and at the end;
+   (``core.disk_tier.writer_limits``) and at the end;
    ``raw_overwrite`` -- the same with ``os.pwrite`` in place into a pre-written
    file.  The target compares with ``raw_fresh`` (both fill a fresh file).
    Peer: python-diskcache ``Cache(dir).set(key, bytes)`` (values prebuilt as
@@ -91,6 +91,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from tiered_kv import TieredKVConfig, TierManager
+from tiered_kv.core.disk_tier import writer_limits
 from tiered_kv.disk.format import SLOTS_NAME
 from tiered_kv.errors import BlockBusyError
 from tiered_kv.metrics import sample_total
@@ -106,6 +107,7 @@ __all__ = [
 ]
 
 _DEFAULTS = TieredKVConfig(namespace="defaults", host_capacity_bytes=1)
+_ANY_TIER = 1 << 40   # blocks: a tier large enough that its size does not cap the write batch
 DISKCACHE_MISSING = "not installed (pip install 'tiered-kv[bench]')"
 _UNSET: Any = object()
 _diskcache: Any = _UNSET
@@ -259,8 +261,13 @@ def _keys(rng: random.Random, tag: str, n: int) -> list[bytes]:
 
 
 def _nominal_batch(block_bytes: int) -> int:
-    d = _DEFAULTS
-    return max(1, min(d.writer_batch_blocks, -(-d.writer_batch_bytes // block_bytes)))
+    """The default config's disk write batch for blocks of ``block_bytes`` (the library's own rule)."""
+    return writer_limits(_DEFAULTS, block_bytes, _ANY_TIER)[0]
+
+
+def _default_queue(block_bytes: int) -> int:
+    """The default config's writer queue bound for blocks of ``block_bytes``."""
+    return writer_limits(_DEFAULTS, block_bytes, _ANY_TIER)[1]
 
 
 
@@ -355,7 +362,7 @@ def _tkv_spill(path: Path, blocks: _Blocks, keys: Sequence[bytes], *, durability
     mgr, reg = _manager(path, blocks, capacity=capacity, host_bytes=host_bytes, durability=durability)
     try:
         probe = _WriterProbe(mgr)
-        lim = limit or _DEFAULTS.writer_queue_blocks
+        lim = limit or _default_queue(blocks.block_bytes)
         rows = [i % blocks.n_rows for i in range(len(keys))]
         _quiesce(_hot_for(len(keys) * blocks.block_bytes))
         t0, ok, waits = _spill_loop(mgr, keys, rows, lim)
@@ -563,7 +570,7 @@ def _reopen_cold(base: Path, blocks: _Blocks, nbytes: int, rng: random.Random) -
     d = base / f"tkv-reopen-{bb}"
     mgr, _ = _manager(d, blocks, capacity=2 * n * bb + 64 * MiB, host_bytes=min(n, blocks.n_rows) * bb + bb)
     try:
-        _spill_loop(mgr, _keys(rng, "reopen", n), [i % blocks.n_rows for i in range(n)], _DEFAULTS.writer_queue_blocks)
+        _spill_loop(mgr, _keys(rng, "reopen", n), [i % blocks.n_rows for i in range(n)], _default_queue(bb))
     finally:
         mgr.close()
     out: dict[str, Any] = {"dropped": _drop()}
@@ -669,7 +676,7 @@ def bench_promote(base: Path, blocks: _Blocks, *, n_blocks: Optional[int] = None
     link_checks: list[dict[str, Any]] = []
     try:
         for ks in sets:
-            _spill_loop(mgr, ks, order, _DEFAULTS.writer_queue_blocks)
+            _spill_loop(mgr, ks, order, _default_queue(bb))
         on_disk = mgr.disk_blocks
         if with_link:
             # the same sets in a second directory, reopened with device copies answered without copying:
@@ -678,7 +685,7 @@ def bench_promote(base: Path, blocks: _Blocks, *, n_blocks: Optional[int] = None
             pm, _ = _manager(ldir, blocks, capacity=(n_sets + 1) * n * bb, host_bytes=n * bb, dev=dest_dev)
             try:
                 for ks in sets:
-                    _spill_loop(pm, ks, order, _DEFAULTS.writer_queue_blocks)
+                    _spill_loop(pm, ks, order, _default_queue(bb))
             finally:
                 pm.close()
             lmgr, _ = _manager(ldir, blocks, capacity=(n_sets + 1) * n * bb, host_bytes=n * bb,
@@ -950,7 +957,7 @@ def bench_evicting(base: Path, blocks: _Blocks, *, capacity: int, total: int, se
     batch = _nominal_batch(bb)
     window = max(1, (window_bytes or capacity // 2) // bb)
     # in flight: below the queue bound and well below the disk capacity (in-flight spills cannot be evicted)
-    limit = max(2, min(_DEFAULTS.writer_queue_blocks, cap_blocks * 3 // 4))
+    limit = max(2, min(_default_queue(bb), cap_blocks * 3 // 4))
     out: dict[str, Any] = {"block_bytes": bb, "capacity_bytes": capacity, "bytes_written": n * bb,
                            "blocks_written": n, "inflight_limit": limit, "window_blocks": window,
                            "repeats": repeats}
@@ -1134,9 +1141,9 @@ def bench_engine_latency(base: Path, blocks: _Blocks, *, seconds: float = 8.0, w
     ``writer_queue_blocks``: the writer queue bound (default: the config's default); the host tier is sized
     to hold the queue, so a smaller queue makes a cheaper run (smoke runs).
     """
-    queue = writer_queue_blocks or _DEFAULTS.writer_queue_blocks
-    rng = random.Random(seed + 3)
     bb = blocks.block_bytes
+    queue = writer_queue_blocks or _default_queue(bb)
+    rng = random.Random(seed + 3)
     d = base / f"tkv-latency-{bb}"
     disk_keys = _keys(rng, "latdisk", n_disk_keys)
     host_bytes = (blocks.n_rows + queue + 64) * bb
@@ -1151,7 +1158,7 @@ def bench_engine_latency(base: Path, blocks: _Blocks, *, seconds: float = 8.0, w
     # pre-populate the disk tier (untimed): after the reopen those keys are only on disk
     mgr, _ = _manager(d, blocks, capacity=capacity, host_bytes=(blocks.n_rows + 64) * bb)
     try:
-        _spill_loop(mgr, disk_keys, [i % blocks.n_rows for i in range(n_disk_keys)], _DEFAULTS.writer_queue_blocks)
+        _spill_loop(mgr, disk_keys, [i % blocks.n_rows for i in range(n_disk_keys)], _default_queue(bb))
     finally:
         mgr.close()
     mgr, reg = _manager(d, blocks, capacity=capacity, host_bytes=host_bytes, writer_queue_blocks=queue)
