@@ -331,6 +331,11 @@ def test_from_env_parsing():
         assert cfg.host_evict_ahead_blocks == want
     with pytest.raises(ConfigError, match="host_evict_ahead_blocks"):
         TieredKVConfig.from_env(environ=dict(env, TIERED_KV_HOST_EVICT_AHEAD_BLOCKS="some"))
+    for field in ("writer_queue_blocks", "writer_batch_blocks"):   # None: derived from the block size
+        for raw, want in (("auto", None), ("none", None), ("", None), ("0x20", 32)):
+            assert getattr(TieredKVConfig.from_env(environ=dict(env, **{"TIERED_KV_" + field.upper(): raw})), field) == want
+        with pytest.raises(ConfigError, match=field):
+            TieredKVConfig.from_env(environ=dict(env, **{"TIERED_KV_" + field.upper(): "some"}))
     # overrides win, another prefix
     cfg = TieredKVConfig.from_env(prefix="X_", environ={"X_NAMESPACE": "a", "X_HOST_CAPACITY_BYTES": "10"},
                                   host_capacity_bytes=20)

@@ -294,7 +294,7 @@ def _parse_env(name: str, raw: str, default: Any) -> Any:
             return None if raw.strip().lower() in ("", "none", "0") else int(raw, 0)
         if name == "disk_path":
             return raw or None
-        if name == "host_evict_ahead_blocks":
+        if name in ("host_evict_ahead_blocks", "writer_queue_blocks", "writer_batch_blocks"):
             return None if raw.strip().lower() in ("", "auto", "none") else int(raw, 0)
         if name == "pin_host_memory":
             low = raw.strip().lower()
