@@ -36,6 +36,14 @@ class KeyByKey(TierIndex):
                 self.release(e)
 
 
+def _remove(pair: tuple[TierIndex, TierIndex], key: bytes) -> None:
+    """``key`` out of both indexes of a pair (batched and key by key), where present."""
+    for ix in pair:
+        e = ix.get(key)
+        if e is not None:
+            ix.remove(e)
+
+
 class BatchedIndexMachine(RuleBasedStateMachine):
     @initialize(policy=st.sampled_from(["lru", "lru", "s3fifo", "arc", "prefix"]),
                 below_policy=st.sampled_from(["lru", "lru", "lru", "s3fifo", "arc"]))
@@ -141,10 +149,7 @@ class BatchedIndexMachine(RuleBasedStateMachine):
 
     @rule(key=st.sampled_from(KEYS))
     def below_remove(self, key: bytes) -> None:
-        for ix in self.below:
-            e = ix.get(key)
-            if e is not None:
-                ix.remove(e)
+        _remove(self.below, key)
 
     @rule(key=st.sampled_from(KEYS))
     def below_lease(self, key: bytes) -> None:
@@ -178,10 +183,7 @@ class BatchedIndexMachine(RuleBasedStateMachine):
 
     @rule(key=st.sampled_from(KEYS))
     def remove(self, key: bytes) -> None:
-        for ix in self.ix:
-            e = ix.get(key)
-            if e is not None:
-                ix.remove(e)
+        _remove(self.ix, key)
         if key in self.writing:
             self.writing.remove(key)
 
