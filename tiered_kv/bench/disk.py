@@ -1138,7 +1138,7 @@ def bench_engine_latency(base: Path, blocks: _Blocks, *, seconds: float = 8.0, w
                          ) -> dict[str, Any]:
     """store()/lookup()/load() wall time on the engine thread while the disk writer is saturated.
 
-    ``writer_queue_blocks``: the writer queue bound (default: the config's default); the host tier is sized
+    ``writer_queue_blocks``: the writer queue bound (default: the writer's own for the block size); the host tier is sized
     to hold the queue, so a smaller queue makes a cheaper run (smoke runs).
     """
     bb = blocks.block_bytes

@@ -51,8 +51,8 @@ def writer_limits(cfg: TieredKVConfig, row_bytes: int, disk_blocks: int) -> tupl
     cloud disk), so the writer keeps up with the engine's stores of small blocks only in large
     batches (docs/benchmarks.md, "A realistic engine step").  From 256 KiB blocks up a derived batch is
     64 blocks or what ``writer_batch_bytes`` allows, and a derived queue 256 blocks.  A derived queue
-    holds four batches, so that one commits while the next fill.  A batch is at most a
-    ``_BATCH_FRACTION`` of the tier (the headroom the slot file keeps for it stays small).
+    holds four batches, so that one commits while the next fill.  A batch is at most a sixteenth
+    of the tier (``_BATCH_FRACTION``: the headroom the slot file keeps for it stays small).
     """
     batch = cfg.writer_batch_blocks
     if batch is None:

@@ -147,7 +147,7 @@ class TierIndex:
         the run stops at the first key READY in neither.  Returns (the run's length, its hits here).
 
         With both tiers on the default policy, one loop with both policies' hits written out (the
-        bench's engine step: 512 lookup keys a step, a third of them only on disk); else key by key,
+        bench's engine step: 512 lookup keys a step, about a quarter of its hits only on disk); else key by key,
         the same outcome (``tests/test_index_batched.py`` runs both side by side).
         """
         lru, below_lru = self._lru, below._lru
