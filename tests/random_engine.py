@@ -19,7 +19,7 @@ from typing import Optional
 from tiered_kv import Completion, Job, TierManager
 from tiered_kv.jobs import JobKind
 
-OPS = ("store", "load", "free", "cancel", "invalidate", "device")   # anything else (the rest): poll
+OPS = ("store", "load", "free", "cancel", "invalidate", "device", "wait")   # anything else (the rest): poll
 
 
 def random_engine(mgr: TierManager, rng: random.Random, rows: int, steps: int, odds: Sequence[float], *,
@@ -27,8 +27,8 @@ def random_engine(mgr: TierManager, rng: random.Random, rows: int, steps: int, o
                   host_holds: Callable[[bytes], Optional[bool]], device_tick: Callable[[random.Random], None],
                   before_wait: Callable[[], None] = lambda: None, prefix: str = "rk",
                   after_wait: Callable[[], object] = lambda: None) -> tuple[int, int]:
-    """Run ``steps`` engine operations, the chance of each of ``OPS`` given by ``odds`` (in that order;
-    the rest is a poll), then ``before_wait()``, a final ``wait()`` and ``after_wait()`` (with a disk tier:
+    """Run ``steps`` engine operations, the chance of each of ``OPS`` given by ``odds`` (in that order, as
+    many as given; the rest is a poll), then ``before_wait()``, a final ``wait()`` and ``after_wait()`` (with a disk tier:
     a ``flush()``, for the spills the last stores started).  Returns (ok loads, ok stores)."""
     bounds = list(itertools.accumulate(odds))
     loading: dict[int, Job] = {}                 # row -> its load in flight
@@ -81,6 +81,8 @@ def random_engine(mgr: TierManager, rng: random.Random, rows: int, steps: int, o
             mgr.invalidate(rng.choice(stored))
         elif op == "device":
             device_tick(rng)
+        elif op == "wait":                       # the engine waits for everything in flight
+            apply(mgr.wait(timeout=60))
         elif op == "poll":
             apply(mgr.poll())
     before_wait()

@@ -82,13 +82,14 @@ def test_every_policy_keeps_the_leases_under_a_random_engine(policy: str, admiss
     kv = mgr._test_kv   # type: ignore[attr-defined]
     with mgr:
         ok_loads, ok_stores = random_engine(
-            mgr, random.Random(20261203), ROWS, 1200, (0.30, 0.30, 0.10, 0.05, 0.04, 0.0),
+            mgr, random.Random(20261203), ROWS, 1200, (0.30, 0.30, 0.10, 0.05, 0.04, 0.0, 0.02),
             compute=lambda row, key: fill_row(kv, row, key), row_holds=lambda row, key: row_matches(kv, row, key),
             host_holds=lambda key: host_matches(mgr, key, kv), device_tick=lambda rng: None,
             after_wait=lambda: mgr.flush(timeout=30), prefix=f"{policy}-")
         assert mgr.debug_sizes()["host_used_slots"] == mgr.debug_sizes()["host_entries"]
-    # the run did exercise loads and stores (how many end ok depends on the copy threads' pace against the
-    # engine's frees: 37-166 stores under load, 18 once on a loaded 2-core machine)
+    # the run did exercise loads and stores: the engine's waits (2% of its operations) let every store and
+    # load in flight finish, so stored keys are there to load however slowly the copy threads run (without
+    # them a loaded 2-core machine once finished 11 stores and no load in the whole run)
     assert ok_loads > 5 and ok_stores > 5, (ok_loads, ok_stores)
     assert mgr._core.index.policy.name == policy
 
