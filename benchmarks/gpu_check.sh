@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one run (CI has no GPU; a GPU machine is lent rarely and briefly):
-#   1. tests/test_cuda.py: the manager and its CudaMover on a real device (ordering, fences, failures)
-#   2. tiered-kv bench --sections cuda,store_latency: device<->host GB/s beside torch's copy_, a step's
+#   1. tiered-kv bench --sections cuda,store_latency: device<->host GB/s beside torch's copy_, a step's
 #      blocks as one store_many/load_many beside one large copy_ (issue 25, with the engine thread's CPU
 #      per step), and store() latency on a CUDA KV tensor beside the unsafe original (then the CPU
-#      mover's, on this host)
+#      mover's, on this host); first, since its figures are what a short lease is for
+#   2. tests/test_cuda.py: the manager and its CudaMover on a real device (ordering, fences, failures)
 #   3. the core suite with CUDA present, in parallel and time-capped (SUITE_S seconds, SUITE_N workers)
 # Usage, from the repository root, with a python whose torch sees CUDA and the project's
 # dependencies importable (pip install -e '.[test]' pytest-xdist, or PYTHONPATH):
@@ -35,13 +35,13 @@ if torch.cuda.is_available():
 print("lmdb", lmdb.__version__, "xxhash", xxhash.VERSION)
 EOF
 
-step "tests/test_cuda.py"
-timeout "${CUDA_TESTS_S:-240}" "$PY" -m pytest -q -p no:cacheprovider -rA tests/test_cuda.py 2>&1 \
-    | tee "$OUT/test_cuda.txt" | tail -30
-
 step "bench: cuda, store_latency"
 timeout "${BENCH_S:-360}" "$PY" -m tiered_kv.tools.cli bench --sections "${BENCH_SECTIONS:-cuda,store_latency}" \
     --json "$OUT/bench-gpu.json" 2>&1 | tee "$OUT/bench-gpu.txt" | tail -40
+
+step "tests/test_cuda.py"
+timeout "${CUDA_TESTS_S:-240}" "$PY" -m pytest -q -p no:cacheprovider -rA tests/test_cuda.py 2>&1 \
+    | tee "$OUT/test_cuda.txt" | tail -30
 
 step "core suite with CUDA present"
 timeout "${SUITE_S:-150}" "$PY" -m pytest -q -p no:cacheprovider -n "${SUITE_N:-12}" \

@@ -14,10 +14,11 @@ bytes, so the forced interleaving is real and the test can fail.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import pytest
 import torch
@@ -273,19 +274,34 @@ def test_poll_and_wait_never_synchronize(monkeypatch: pytest.MonkeyPatch) -> Non
         assert all(host_matches(mgr, k, kv) for k in keys)
 
 
-def test_a_copy_that_cannot_be_queued_is_reported_failed_not_raised() -> None:
+def test_a_copy_that_cannot_be_queued_is_reported_failed_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy call the device refuses (a CUDA error at queue time) fails its transfer, counted; the next works."""
     mgr, kv = make()
     with mgr:
         mover = mgr._mover
-        good = mover._host
-        mover._host = torch.empty((good.shape[0], 1), dtype=torch.uint8)  # copy_ refuses the shapes
-        try:
-            fill(kv, 1, A)
-            job = mgr.store(A, 1)
-            assert job is not None
-            (c,) = reported(mgr.poll(), job)
-        finally:
-            mover._host = good
+        real = mover._copies_on
+
+        class Refusing:  # the batch's calls on its stream, with copy_ raising as a CUDA error would
+            def __init__(self, ops: Any) -> None:
+                self._ops = ops
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self._ops, name)
+
+            def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+                raise RuntimeError("CUDA error: an injected launch failure")
+
+        @contextlib.contextmanager
+        def refusing(stream: Any) -> Iterator[Refusing]:
+            with real(stream) as ops:
+                yield Refusing(ops)
+
+        monkeypatch.setattr(mover, "_copies_on", refusing)
+        fill(kv, 1, A)
+        job = mgr.store(A, 1)
+        assert job is not None
+        (c,) = reported(mgr.wait([job], timeout=30), job)
+        monkeypatch.undo()
         assert not c.ok and "copy failed" in (c.error or "")
         assert mgr.lookup([A]) == 0
         assert mgr_metric(mgr, "tiered_kv_errors_total", tier="host", error="copy_failed") == 1
@@ -339,7 +355,7 @@ def test_random_engine_never_sees_wrong_bytes() -> None:
 def test_slab_copier_orders_its_copies_after_the_engines_queued_work(tmp_path: Path) -> None:
     """The vLLM adapter's worker-side copier on CUDA KV: a store reads the block after the engine's
     queued write, a load overwrites it after the engine's queued read."""
-    from tiered_kv.integrations.offload import SlabCopier
+    from tiered_kv.integrations.copier import SlabCopier
     from tiered_kv.integrations.slab import SharedSlab
     from tiered_kv.metrics import Metrics
 

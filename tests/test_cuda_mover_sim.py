@@ -769,3 +769,43 @@ def test_every_copy_goes_over_every_plane() -> None:
     (r,) = out.drain()
     assert r.ok and r.nbytes == 2 * 24
     assert torch.equal(slab[:2, :8], dev_a[2:]) and torch.equal(slab[:2, 8:], dev_b[2:]) and not slab[2:].any()
+
+
+def test_the_bench_passes_take_every_block_in_flight() -> None:
+    """A throughput pass (host and CUDA sections) stores every block of its working set, then waits: past
+    ``max_inflight_jobs`` (default 4096) blocks its stores must not be shed (the H200's first run at 64 KiB
+    blocks shed 12,288 of 16,384 and reported the rest as the tier's speed)."""
+    from tiered_kv.bench import core
+    n, block = 5000, 64
+    cfg = core._pass_config("pass-test|u8", n, block)
+    kv = torch.zeros((n, block), dtype=torch.uint8)
+    with TierManager(cfg, kv, registry=CollectorRegistry()) as mgr:
+        jobs = [mgr.store(f"k{i}".encode(), i) for i in range(n)]
+        assert sum(j is None for j in jobs) == 0
+        done = mgr.wait(timeout=60)
+        assert len(done) == n and all(c.ok for c in done)
+        assert mgr.lookup([f"k{i}".encode() for i in range(n)]) == n
+
+
+def test_the_cuda_only_tests_import_what_exists() -> None:
+    """tests/test_cuda.py runs only on a GPU machine, so a module it imports can move without any CI run
+    noticing (one did: its first run after that spent a lent GPU on an ImportError).  Every name it imports
+    from tiered_kv, at the top or inside a test, resolves."""
+    import ast
+    import importlib
+    from pathlib import Path
+
+    tree = ast.parse((Path(__file__).parent / "test_cuda.py").read_text())
+    names = [(node.module, a.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+             and node.module is not None and node.module.startswith("tiered_kv") for a in node.names]
+    assert len(names) >= 5
+    missing = []
+    for module, name in names:
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as exc:
+            missing.append(f"{module}: {exc}")
+            continue
+        if not hasattr(mod, name):
+            missing.append(f"{module}.{name}")
+    assert missing == []

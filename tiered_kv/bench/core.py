@@ -562,6 +562,14 @@ STEP_BLOCKS = 64
 """Blocks per ``store_many``/``load_many`` call in the batched host passes (an engine step's stores)."""
 
 
+def _pass_config(namespace: str, n: int, block: int) -> TieredKVConfig:
+    """A tier that holds exactly a pass's ``n`` blocks (none evicted ahead between passes) and takes all of
+    them in flight at once: a pass stores every block, then waits (the default ``max_inflight_jobs`` would
+    shed the stores past it at small blocks)."""
+    return TieredKVConfig(namespace=namespace, host_capacity_bytes=n * block, host_evict_ahead_blocks=0,
+                          max_inflight_jobs=max(TieredKVConfig.max_inflight_jobs, n))
+
+
 def _host_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random,
                min_blocks: int = 8) -> dict[str, Any]:
     n = max(ws // block, min_blocks)
@@ -570,8 +578,7 @@ def _host_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
     kv[:n].copy_((torch.arange(n) % 251).to(torch.uint8).unsqueeze(1).expand(n, block))
     kv[n:].fill_(255)
     raw_dst = torch.zeros((n, block), dtype=torch.uint8)  # preallocated and faulted in
-    # the tier holds exactly the working set: no block may be evicted ahead between passes
-    cfg = TieredKVConfig(namespace=f"bench|u8|host{block}", host_capacity_bytes=nbytes, host_evict_ahead_blocks=0)
+    cfg = _pass_config(f"bench|u8|host{block}", n, block)
     mgr = TierManager(cfg, kv)  # default mover, default num_copy_workers
     mover_name = type(mgr._mover).__name__
     store, load, wait = mgr.store, mgr.load, mgr.wait
@@ -834,7 +841,7 @@ def _cuda_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
     kv = torch.empty((2 * n, block), dtype=torch.uint8, device=dev)
     kv[:n].copy_((torch.arange(n, device=dev) % 251).to(torch.uint8).unsqueeze(1).expand(n, block))
     kv[n:].fill_(255)
-    cfg = TieredKVConfig(namespace=f"bench|u8|cuda{block}", host_capacity_bytes=nbytes, host_evict_ahead_blocks=0)
+    cfg = _pass_config(f"bench|u8|cuda{block}", n, block)
     # the sides through tiered_kv: the default; each copy on the device inside its own call; and, where the
     # default shares end events between copies, the batched mover with an end event after every copy
     per_copy_events = block < EVENT_BYTES
