@@ -5,7 +5,9 @@
 #      per step), and store() latency on a CUDA KV tensor beside the unsafe original (then the CPU
 #      mover's, on this host); first, since its figures are what a short lease is for
 #   2. tests/test_cuda.py: the manager and its CudaMover on a real device (ordering, fences, failures)
-#   3. the core suite with CUDA present, in parallel and time-capped (SUITE_S seconds, SUITE_N workers)
+#   3. tiered-kv bench --quick --sections lifecycles,copy_step: the engine thread's bookkeeping on this
+#      host's cores without CUDA calls, to read the CUDA step's CPU against
+#   4. the core suite with CUDA present, in parallel and time-capped (SUITE_S seconds, SUITE_N workers)
 # Usage, from the repository root, with a python whose torch sees CUDA and the project's
 # dependencies importable (pip install -e '.[test]' pytest-xdist, or PYTHONPATH):
 #   OUT=gpu-out benchmarks/gpu_check.sh
@@ -42,6 +44,11 @@ timeout "${BENCH_S:-360}" "$PY" -m tiered_kv.tools.cli bench --sections "${BENCH
 step "tests/test_cuda.py"
 timeout "${CUDA_TESTS_S:-240}" "$PY" -m pytest -q -p no:cacheprovider -rA tests/test_cuda.py 2>&1 \
     | tee "$OUT/test_cuda.txt" | tail -30
+
+step "bench, CPU rows on this host (quick): ${CPU_SECTIONS:-lifecycles,copy_step}"
+# the engine thread's bookkeeping without CUDA calls, on this host's cores: beside the CUDA step's CPU above
+timeout "${CPU_BENCH_S:-120}" "$PY" -m tiered_kv.tools.cli bench --quick --sections "${CPU_SECTIONS:-lifecycles,copy_step}" \
+    --json "$OUT/bench-cpu.json" 2>&1 | tee "$OUT/bench-cpu.txt" | tail -40
 
 step "core suite with CUDA present"
 timeout "${SUITE_S:-150}" "$PY" -m pytest -q -p no:cacheprovider -n "${SUITE_N:-12}" \

@@ -131,7 +131,7 @@ class FakeOps:
 
 class FakeGPU:
     """The runtime ``CudaMover(runtime=...)`` takes: ``new_stream``, ``new_event``, ``current_stream``,
-    ``copies_on`` (and ``copy``, ``synchronize`` for the benchmarks)."""
+    ``order_after``, ``copies_on`` (and ``copy``, ``synchronize`` for the benchmarks)."""
 
     def __init__(self, rng: Optional[random.Random] = None, progress_on_query: bool = False) -> None:
         self.rng = rng
@@ -164,6 +164,10 @@ class FakeGPU:
 
     def current_stream(self, device: Any) -> FakeStream:
         return self.compute
+
+    def order_after(self, stream: FakeStream, other: FakeStream) -> None:
+        """``TorchCuda.order_after``: ``stream.wait_stream(other)``."""
+        stream.wait_stream(other)
 
     def synchronize(self, device: Any = None) -> None:
         """``torch.cuda.synchronize``: everything queued runs (the benchmarks' baseline uses it)."""

@@ -91,6 +91,27 @@ def test_a_steps_transfers_with_consecutive_rows_and_slots_are_one_copy() -> Non
     assert [reps[t.token].ok for t in ts] == [True] * 4 and torch.equal(host[2:6], dev[:4])
 
 
+@pytest.mark.parametrize("row_bytes,n", [(64 << 10, 64), (2 << 20, 32)])
+def test_a_steps_blocks_up_to_event_bytes_are_one_copy_and_one_end_event(row_bytes: int, n: int) -> None:
+    """With the default ``EVENT_BYTES`` a step of 64 one-block stores of 64 KiB rows, or 32 of 2 MiB, in
+    consecutive rows and slots is one copy and one end event: each call or event costs the engine thread
+    about as much as a 2 MiB block's time on the link on the GPU host measured, so the step must not be cut
+    into more."""
+    assert n * row_bytes <= cuda_mod.EVENT_BYTES
+    gpu, out = FakeGPU(), CompletionQueue()
+    dev = torch.randint(0, 255, (n, row_bytes), dtype=torch.uint8)
+    host = torch.zeros((n, row_bytes), dtype=torch.uint8)
+    mover = CudaMover([(dev, host)], out, 1, runtime=gpu)
+    ts = [tr(STORE, [r], [r]) for r in range(n)]
+    for t in ts:
+        mover.submit(t)
+    mover.flush()
+    (side,) = gpu.side
+    assert kinds(side) == ["wait", "event", "copy", "event"] and gpu.calls == 1
+    reps = done(gpu, mover, out)
+    assert all(reps[t.token].ok for t in ts) and torch.equal(host, dev)
+
+
 def test_scattered_slots_are_a_call_per_run_of_slots() -> None:
     """Slots 5 | 2 3 | 0 1: three runs, each with consecutive rows -- three copies, no gather."""
     gpu, out, dev, host, mover = bare()

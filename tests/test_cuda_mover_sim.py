@@ -646,6 +646,7 @@ def test_the_cuda_bench_section_runs_on_the_simulated_device() -> None:
     gpu = FakeGPU(random.Random(3), progress_on_query=True)
     r = core.bench_cuda_copy("smoke", 0, block_sizes=(64 << 10,), runtime=gpu)
     assert r["simulated"] and r["skipped"] is None
+    assert r["call_costs"]["event_record_and_query_us"] > 0 and r["call_costs"]["copy_call_us"] > 0
     (s,) = r["sizes"]
     assert s["problems"] == [] and s["mover"] == "CudaMover" and s["baseline_on_tier_slab"]
     for d in ("store", "load"):

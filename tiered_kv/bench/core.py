@@ -1086,6 +1086,32 @@ def _cuda_store_latency(quick: Union[bool, str], rng: random.Random, d: _Device,
     }
 
 
+def _cuda_call_costs(d: _Device, n: int = 2000, rounds: int = 5) -> dict[str, float]:
+    """The engine thread's CPU per CUDA call on this host, us (median of ``rounds`` rounds of ``n`` calls): an
+    end event's record then query, and one ``copy_(non_blocking=True)`` of 64 bytes from pinned memory to the
+    device on a copy stream -- what a step's batch pays per chunk and per copy call, beside its bookkeeping."""
+    rt, dev = d.rt, d.dev
+    stream, ev = rt.new_stream(dev), rt.new_event()
+    src, dst = d.host((1, 64)), torch.empty((1, 64), dtype=torch.uint8, device=dev)
+    rec: list[float] = []
+    cp: list[float] = []
+    for _ in range(rounds):
+        t = time.thread_time()
+        for _ in range(n):
+            ev.record(stream)
+            ev.query()
+        rec.append((time.thread_time() - t) / n * 1e6)
+        d.sync()
+        with rt.copies_on(stream) as ops:
+            t = time.thread_time()
+            for _ in range(n):
+                ops.copy(dst, src)
+            cp.append((time.thread_time() - t) / n * 1e6)
+        d.sync()
+    return {"event_record_and_query_us": sorted(rec)[rounds // 2], "copy_call_us": sorted(cp)[rounds // 2],
+            "calls_per_round": n, "rounds": rounds}
+
+
 def bench_cuda_copy(quick: Union[bool, str] = False, seed: int = 0,
                     block_sizes: Sequence[int] = (64 * KiB, 256 * KiB, 2 * MiB, 8 * MiB),
                     runtime: Optional[Any] = None) -> dict[str, Any]:
@@ -1110,6 +1136,7 @@ def bench_cuda_copy(quick: Union[bool, str] = False, seed: int = 0,
                    "in order, shuffled within each step (gathered/scattered on the device), and through the "
                    "per-block copies (CudaMover(batched=False)); its baseline: one copy_ of the pass's bytes "
                    "each way (the link's speed). GB = 1e9 bytes."),
+        "call_costs": _cuda_call_costs(d),
         "sizes": [_cuda_size(b, ws, passes, warmup, rng, d) for b in block_sizes],
         "store_latency": _cuda_store_latency(quick, rng, d),
         # the same with every copy put on the device inside its own store() (before batching): an A/B in one run
@@ -1295,6 +1322,10 @@ def _fmt_cuda(c: dict[str, Any]) -> list[str]:
                             f"{x['ratio_event_per_copy_over_baseline']:>8.3f}" if "tiered_kv_event_per_copy" in x else ""))
         if s["problems"]:
             lines.append(f"     problems: {s['problems'][:3]}")
+    cc = c.get("call_costs")
+    if cc:
+        lines.append(f"   engine-thread CPU per CUDA call on this host: an event's record + query "
+                     f"{cc['event_record_and_query_us']:.1f} us, a copy_ of 64 bytes {cc['copy_call_us']:.1f} us")
     batched = [s for s in c["sizes"] if "tiered_kv_batched_per_block" in s["store"]]
     if batched:
         lines.append(f"   a step's blocks as one store_many/load_many of {STEP_BLOCKS}, GB/s and ratio to one large copy_ "

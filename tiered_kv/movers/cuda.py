@@ -65,11 +65,25 @@ class TorchCuda:  # pragma: no cover - needs CUDA (tests/test_cuda.py)
     in the order a test says) can stand in for the GPU and the mover's own
     logic is tested without one.  A stream needs
     ``wait_stream(other)`` and ``synchronize()``; an event ``record(stream)``,
-    ``query()`` and ``elapsed_time(end)`` (ms).
+    ``query()`` and ``elapsed_time(end)`` (ms).  ``order_after(stream, other)``
+    is ``stream.wait_stream(other)``, here with a reused event.
     """
+
+    def __init__(self) -> None:
+        self._order: dict[Any, Any] = {}  # copy stream -> its ordering event (no timing), re-recorded per batch
 
     def new_stream(self, device: torch.device) -> Any:
         return torch.cuda.Stream(device=device)
+
+    def order_after(self, stream: Any, other: Any) -> None:
+        """Make work queued on ``stream`` from now on wait for everything queued on ``other`` so far: torch's
+        ``wait_stream`` with one event per stream, recorded again each time (a wait takes the record that is
+        current when the wait is queued), instead of an event created, recorded and destroyed per call."""
+        ev = self._order.get(stream)
+        if ev is None:
+            ev = self._order[stream] = torch.cuda.Event()
+        ev.record(other)
+        stream.wait_event(ev)
 
     def new_event(self) -> Any:
         return torch.cuda.Event(enable_timing=True)
@@ -93,11 +107,13 @@ class TorchCuda:  # pragma: no cover - needs CUDA (tests/test_cuda.py)
         torch.cuda.synchronize(device)
 
 
-EVENT_BYTES = 2 << 20
-"""``CudaMover``: block copies of a batch share an end event per this many bytes (at least one copy each).
-Each event costs a record, a query and a timing read on the engine thread -- on some hosts as much as a
-block's own copy call -- while a link moves this much in a fraction of an engine step: finer completion
-than that buys nothing."""
+EVENT_BYTES = 64 << 20
+"""``CudaMover``: block copies of a batch share an end event per this many bytes (at least one copy each), so
+a step's blocks are typically one chunk: one end event, and one copy call per run of consecutive slots.
+Each event costs a record, a query and a timing read on the engine thread, and a chunk boundary splits a
+run into two copy calls; on the H200 host measured (a sandboxed VM) each such call cost 15-20 us of the
+engine thread, about a 2 MiB block's time on the link.  A link moves this many bytes in about a
+millisecond, a fraction of an engine step: finer completion than that buys nothing."""
 
 
 STAGE_BYTES = 8 << 20
@@ -240,6 +256,7 @@ class CudaMover(Mover):
         self._device = self._planes[0][0].device
         self._new_event = rt.new_event
         self._current = rt.current_stream
+        self._order_after = rt.order_after
         self._copies_on = rt.copies_on
         self._streams = [rt.new_stream(self._device) for _ in range(num_streams)]
         self._pending: list[deque[_Chunk]] = [deque() for _ in self._streams]  # per stream, in queue order
@@ -288,7 +305,7 @@ class CudaMover(Mover):
         prev = ev.pop() if ev else self._new_event()
         put = self._out.put
         try:
-            stream.wait_stream(self._current(self._device))
+            self._order_after(stream, self._current(self._device))
             prev.record(stream)
         except Exception as exc:  # a broken context: nothing of this batch reached the stream
             ev.append(prev)
