@@ -665,7 +665,8 @@ def test_the_cuda_bench_section_runs_on_the_simulated_device() -> None:
         assert c["tiered_kv"]["engine_us_per_step_mean"] > 0
     ids = {f["id"] for f in report._core_figures({"cuda_copy": r})}
     assert {"cuda.store.65536", "cuda.load.65536", "cuda.store_p99", "cuda.batched.store.65536",
-            "cuda.batched.load.65536", "cuda.batched_scattered.store.65536", "cuda.batched_scattered.load.65536"} <= ids
+            "cuda.batched.load.65536", "cuda.batched_scattered.store.65536", "cuda.batched_scattered.load.65536",
+            "cuda.step_cpu.65536"} <= ids
     (b,) = [f for f in report._core_figures({"cuda_copy": r}) if f["id"] == "cuda.batched.store.65536"]
     assert b["target"] == ">= 0.9x one large copy_" and b["source"] == "issue 25"
     text = "\n".join(core._fmt_cuda(r))

@@ -214,6 +214,21 @@ def _core_figures(c: dict[str, Any]) -> list[dict[str, Any]]:
                             "one copy_ of the same bytes between the device tensor and the pinned slab",
                             "one large copy_", stats={"value": t["seconds_per_pass"], "baseline": b["seconds_per_pass"]},
                             note=f"engine-thread CPU per step, mean {x['engine_cpu_us_per_step_batched_scattered']['mean']:.0f} us"))
+            # issue 25: the engine thread's CPU per CUDA step
+            if "engine_cpu_us_per_step_of_stores_and_loads_batched_per_block" in s and s["block_bytes"] <= 2 * MiB:
+                out.append(_fig(
+                    "CUDA links", f"cuda.step_cpu.{s['block_bytes']}",
+                    f"engine-thread CPU per step of 64 stores + 64 loads, {_size(s['block_bytes'])} blocks", "us",
+                    s["engine_cpu_us_per_step_of_stores_and_loads"],
+                    s["engine_cpu_us_per_step_of_stores_and_loads_batched_per_block"],
+                    "the same store_many/load_many on the per-block copies (CudaMover(batched=False): a copy_ and "
+                    "bookkeeping per block)", "per-block copies", better="lower", target_on="value", op="<=",
+                    threshold=TARGETS["copy_step_engine_cpu_us"], source=_ISSUE25,
+                    note="means over the batched passes above (rows in order), store steps + load steps, issued "
+                         "back to back (the link saturated, not paced as an engine's steps)"
+                         + (f"; one CUDA call on this host: an event record + query "
+                            f"{cu['call_costs']['event_record_and_query_us']:.1f} us, a copy_ "
+                            f"{cu['call_costs']['copy_call_us']:.1f} us" if cu.get("call_costs") else "")))
         cl = cu.get("store_latency")
         if cl:
             out.append(_store_p99(
