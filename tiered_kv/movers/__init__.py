@@ -5,6 +5,8 @@
   unconditionally).
 * :mod:`.thread` -- :class:`ThreadMover`: worker threads, ``memmove``; used without CUDA.
 * :mod:`.cuda` -- :class:`CudaMover`: CUDA streams and events, harvested by ``query()``.
+* :mod:`.torch_cuda` -- :class:`TorchCuda`: the CUDA calls ``CudaMover`` makes, through torch (a
+  simulated device stands in for it in the tests).
 
 :func:`make_mover` picks one for a set of planes.
 """
@@ -14,8 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .base import CompletionQueue, Mover, Plane, Report, Transfer
-from .cuda import EVENT_BYTES, CudaMover, TorchCuda
+from .cuda import EVENT_BYTES, CudaMover
 from .thread import CATCH_UP_S, ThreadMover
+from .torch_cuda import TorchCuda
 
 __all__ = ["Transfer", "Report", "CompletionQueue", "Mover", "Plane", "ThreadMover", "CudaMover", "TorchCuda",
            "EVENT_BYTES", "make_mover"]
