@@ -49,10 +49,10 @@ class TorchCuda:  # pragma: no cover - needs CUDA (tests/test_cuda.py)
     for the benchmarks only), so that a simulated device
     (``tests/fake_cuda.py``: streams as queues of operations that run when and
     in the order a test says) can stand in for the GPU and the mover's own
-    logic is tested without one.  A stream needs
-    ``wait_stream(other)`` and ``synchronize()``; an event ``record(stream)``,
-    ``query()`` and ``elapsed_time(end)`` (ms).  ``order_after(stream, other)``
-    is ``stream.wait_stream(other)``, here with a reused event.
+    logic is tested without one.  A stream needs ``synchronize()``; an event
+    ``record(stream)``, ``query()`` and ``elapsed_time(end)`` (ms).
+    ``order_after(stream, other)`` does what ``stream.wait_stream(other)`` does,
+    with a reused event.
     """
 
     def __init__(self) -> None:
