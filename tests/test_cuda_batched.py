@@ -130,6 +130,21 @@ def test_a_run_longer_than_the_staging_rows_is_gathered_a_stage_at_a_time(monkey
     assert torch.equal(host[1:6], dev[[7, 5, 3, 1, 0]]) and torch.equal(dev[[2, 4, 6]], want)
 
 
+def test_stage_bytes_bounds_the_staging_rows_instead_of_the_module_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CudaMover(stage_bytes=...)`` (the bench's A/B of the staging size) sizes the staging rows: five
+    scattered rows fit in 40 bytes, one gather and one copy, where the module's 16 would make three of each."""
+    monkeypatch.setattr(cuda_mod, "STAGE_BYTES", 16)
+    gpu, out, dev, host, mover = bare(stage_bytes=40)
+    t = tr(STORE, [7, 5, 3, 1, 0], [1, 2, 3, 4, 5])
+    mover.submit(t)
+    mover.flush()
+    (side,) = gpu.side
+    assert kinds(side) == ["wait", "event", "gather", "copy", "event"]
+    assert done(gpu, mover, out)[t.token].ok and torch.equal(host[1:6], dev[[7, 5, 3, 1, 0]])
+    with pytest.raises(ValueError, match="stage_bytes"):
+        CudaMover([(dev, host)], out, 1, runtime=gpu, stage_bytes=0)
+
+
 def test_planes_whose_host_rows_are_not_one_range_are_copied_block_by_block() -> None:
     """Two planes: one with its own host tensor (rows one range: batched), one a byte region of slab rows
     (the vLLM worker's layout: a copy per block), in one chunk."""

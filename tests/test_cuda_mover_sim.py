@@ -657,9 +657,10 @@ def test_the_cuda_bench_section_runs_on_the_simulated_device() -> None:
         assert s[d]["tiered_kv_batched_scattered"]["gb_per_s"] > 0 and s[d]["tiered_kv_batched_per_block"]["gb_per_s"] > 0
         for suffix in ("", "_batched_scattered", "_batched_per_block"):
             assert s[d][f"engine_cpu_us_per_step{suffix}"]["n"] > 0
-    cl, c1 = r["store_latency"], r["store_latency_copy_batch_max_1"]
+    cl, c1, cs = r["store_latency"], r["store_latency_copy_batch_max_1"], r["store_latency_stage_32MiB"]
     assert (cl["copy_batch_max"], c1["copy_batch_max"]) == (64, 1)
-    for c in (cl, c1):
+    assert (cl["stage_bytes"], cs["stage_bytes"]) == (8 << 20, 32 << 20)
+    for c in (cl, c1, cs):
         assert c["mover"] == "CudaMover" and c["tiered_kv"]["calls"] == c["baseline_figures"]["calls"] > 0
         assert c["tiered_kv"]["accepted"] > 0 and c["baseline_figures"]["accepted"] > 0
         assert c["tiered_kv"]["engine_us_per_step_mean"] > 0
@@ -672,6 +673,7 @@ def test_the_cuda_bench_section_runs_on_the_simulated_device() -> None:
     text = "\n".join(core._fmt_cuda(r))
     assert "store() on the CUDA KV tensor" in text and "copy_batch_max=1" in text and "ev/copy" in text
     assert "a step's blocks as one store_many/load_many" in text and "per-block" in text
+    assert "tiered_kv (32 MiB staging)" in text and "engine-thread CPU per CUDA call" in text
     (fig,) = [f for f in report._core_figures({"cuda_copy": r}) if f["id"] == "cuda.store_p99"]
     assert "engine thread per step" in fig["note"]
     assert gpu.idle

@@ -65,6 +65,7 @@ from tiered_kv import TieredKVConfig, TierManager
 from tiered_kv.jobs import JobKind
 from tiered_kv.metrics import sample_total
 from tiered_kv.movers import EVENT_BYTES, CompletionQueue, Mover, Report, ThreadMover, Transfer
+from tiered_kv.movers.cuda import STAGE_BYTES
 
 from .common import GiB, KiB, LoadMonitor, MiB, as_mode, summarize
 from .common import ratio as _ratio
@@ -813,14 +814,15 @@ class _Device:
         self.dev = torch.device("cpu") if self.simulated else torch.device("cuda", torch.cuda.current_device())
 
     def manager(self, cfg: TieredKVConfig, kv: torch.Tensor, event_bytes: int = EVENT_BYTES,
-                batched: bool = True) -> TierManager:
+                batched: bool = True, stage_bytes: Optional[int] = None) -> TierManager:
         """A manager whose CudaMover runs on this device (``cfg``'s streams and batch size, ``event_bytes``,
-        ``batched``); on a CUDA device its host slab is pinned, as the default mover's."""
+        ``batched``, ``stage_bytes``); on a CUDA device its host slab is pinned, as the default mover's."""
         from tiered_kv.movers import CudaMover
         rt = self.rt
         return TierManager(cfg, kv, mover_factory=lambda d, h, c: CudaMover([(d, h)], c, cfg.num_copy_streams,
                                                                            runtime=rt, batch_max=cfg.copy_batch_max,
-                                                                           event_bytes=event_bytes, batched=batched))
+                                                                           event_bytes=event_bytes, batched=batched,
+                                                                           stage_bytes=stage_bytes))
 
     def host(self, shape: tuple[int, int]) -> torch.Tensor:
         return torch.zeros(shape, dtype=torch.uint8, pin_memory=not self.simulated)
@@ -1036,9 +1038,11 @@ class _RawCudaCopies:
 
 
 def _cuda_store_latency(quick: Union[bool, str], rng: random.Random, d: _Device, per_step: int = 16,
-                        step_s: float = 0.010, batch_max: Optional[int] = None) -> dict[str, Any]:
+                        step_s: float = 0.010, batch_max: Optional[int] = None,
+                        stage_bytes: Optional[int] = None) -> dict[str, Any]:
     """store() wall time per call on a CUDA KV tensor (CudaMover, pinned slab), the engine loop of section 2.
-    ``batch_max``: the config's ``copy_batch_max`` (None: the default)."""
+    ``batch_max``: the config's ``copy_batch_max`` (None: the default); ``stage_bytes``: the mover's staging
+    bound (None: ``STAGE_BYTES``)."""
     n_stores, segments, warmup_stores, n_rows, row_bytes = PLANS[as_mode(quick)]["store_latency"]
     dev = d.dev
     kv = torch.empty((n_rows, row_bytes), dtype=torch.uint8, device=dev)
@@ -1046,7 +1050,7 @@ def _cuda_store_latency(quick: Union[bool, str], rng: random.Random, d: _Device,
     cfg = TieredKVConfig(namespace="bench|u8|cuda-latency", host_capacity_bytes=n_rows * row_bytes)
     if batch_max is not None:
         cfg = cfg.replace(copy_batch_max=batch_max)
-    mgr = d.manager(cfg, kv)
+    mgr = d.manager(cfg, kv, stage_bytes=stage_bytes)
     base = UnsafeDictOffloader(n_rows)
     host_b = d.host((n_rows, row_bytes))
     raw = _RawCudaCopies(kv, host_b, base.queue, d.rt)
@@ -1075,7 +1079,8 @@ def _cuda_store_latency(quick: Union[bool, str], rng: random.Random, d: _Device,
     t, b = _latency_side(sides["tkv"], row_bytes), _latency_side(sides["base"], row_bytes)
     st, sb = t["store_all_calls"], b["store_all_calls"]
     return {
-        "mover": mover, "copy_batch_max": cfg.copy_batch_max, "host_slab_pinned": pinned, "row_bytes": row_bytes,
+        "mover": mover, "copy_batch_max": cfg.copy_batch_max, "stage_bytes": stage_bytes or STAGE_BYTES,
+        "host_slab_pinned": pinned, "row_bytes": row_bytes,
         "device_rows": n_rows,
         "stores_per_poll": per_step, "engine_step_sleep_s": step_s, "timed_stores_per_side": n_stores,
         "warmup_stores_discarded": warmup_stores,
@@ -1141,6 +1146,9 @@ def bench_cuda_copy(quick: Union[bool, str] = False, seed: int = 0,
         "store_latency": _cuda_store_latency(quick, rng, d),
         # the same with every copy put on the device inside its own store() (before batching): an A/B in one run
         "store_latency_copy_batch_max_1": _cuda_store_latency(quick, rng, d, batch_max=1),
+        # the same with 4x the staging rows (a step's 16 scattered rows of 2 MiB: one gather and one copy
+        # instead of four of each): whether fewer, larger calls pay for the device memory
+        "store_latency_stage_32MiB": _cuda_store_latency(quick, rng, d, stage_bytes=32 * MiB),
     }
 
 
@@ -1354,6 +1362,10 @@ def _fmt_cuda(c: dict[str, Any]) -> list[str]:
         if c1:
             rows.insert(1, ("tiered_kv (copy_batch_max=1)", c1["tiered_kv"]))
             rows.append(("baseline (beside batch=1)", c1["baseline_figures"]))
+        cs = c.get("store_latency_stage_32MiB")
+        if cs:
+            rows.insert(1, ("tiered_kv (32 MiB staging)", cs["tiered_kv"]))
+            rows.append(("baseline (beside 32 MiB)", cs["baseline_figures"]))
         for name, side in rows:
             x, po, per = side["store_all_calls"], side["poll"], side.get("engine_us_per_step_mean")
             lines.append(f"     {name:<30} {x['median']:.1f}/{x['p90']:.1f}/{x['p99']:.1f}/{x['max']:.0f}"

@@ -149,7 +149,8 @@ class CudaMover(Mover):
     copy per block.  A plane whose host rows are not one range in memory (the
     vLLM worker's planes, each a byte region of the slab rows) is copied block
     by block.  ``batched=False``: every block is its own ``copy_`` (the
-    per-block path the benchmarks compare against).
+    per-block path the benchmarks compare against).  ``stage_bytes``: the
+    staging rows' bound (None: ``STAGE_BYTES`` when first used).
 
     A transfer whose rows and slots differ in number, or that names a row or
     slot out of range, is answered failed at the flush, before any copy.
@@ -165,11 +166,14 @@ class CudaMover(Mover):
 
     def __init__(self, planes: Sequence[Plane], completions: CompletionQueue, num_streams: int = 2,
                  runtime: Optional[Any] = None, batch_max: int = 64, event_bytes: int = EVENT_BYTES,
-                 batched: bool = True) -> None:
+                 batched: bool = True, stage_bytes: Optional[int] = None) -> None:
         if batch_max < 1:
             raise ValueError(f"batch_max must be >= 1, got {batch_max!r}")
         if event_bytes < 1:
             raise ValueError(f"event_bytes must be >= 1, got {event_bytes!r}")
+        if stage_bytes is not None and stage_bytes < 1:
+            raise ValueError(f"stage_bytes must be >= 1, got {stage_bytes!r}")
+        self._stage_bytes = stage_bytes
         rt = runtime if runtime is not None else TorchCuda()
         self._planes, self._block_bytes = check_planes(planes)
         self._nrows, self._nslots = rows_in_range(self._planes)
@@ -380,7 +384,8 @@ class CudaMover(Mover):
         st = self._stages[stream][plane]
         if st is None:
             row = int(like.shape[1]) * like.element_size()
-            k = max(1, min(self._per_event, STAGE_BYTES // max(1, row)))
+            bound = self._stage_bytes if self._stage_bytes is not None else STAGE_BYTES
+            k = max(1, min(self._per_event, bound // max(1, row)))
             st = self._stages[stream][plane] = torch.empty((k, int(like.shape[1])), dtype=like.dtype,
                                                             device=like.device)
         return st
