@@ -377,3 +377,132 @@ def test_the_per_block_path_is_one_copy_per_block() -> None:
     (side,) = gpu.side
     assert kinds(side) == ["wait", "event", "copy", "copy", "copy", "event"]
     assert done(gpu, mover, out)[t.token].ok and torch.equal(host[:3], dev[[5, 2, 7]])
+
+
+# ----------------------------------------------------------------------------- blocks the staging rows hold one of
+def _big_rows(n: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(39)
+    dev = torch.randint(0, 255, (n, row), dtype=torch.uint8, generator=gen)
+    host = torch.randint(0, 255, (n, row), dtype=torch.uint8, generator=gen)
+    return dev, host
+
+
+@pytest.mark.parametrize("kind", [STORE, LOAD])
+def test_blocks_over_half_a_stage_are_not_staged_a_row_at_a_time(kind: JobKind) -> None:
+    """Blocks of 8 MiB (any block over STAGE_BYTES / 2) out of device order into consecutive slots, at the
+    default EVENT_BYTES/STAGE_BYTES: a chunk holds 8 such blocks but the staging rows hold one, and a gather
+    (or scatter) and a copy per block, serialized on that row, plus the index upload, would cost more calls
+    than the per-block path.  Each block is one range on both sides: one direct copy each.  (Found by a
+    review: with 64 MiB chunks these blocks went through the staging row, 3.6 ms of engine CPU per H200
+    step of 64 shuffled 8 MiB stores.)"""
+    row, n = 8 << 20, 4
+    assert cuda_mod.STAGE_BYTES // row <= 1   # the staging rows hold one such block
+    order = [3, 1, 0, 2]                                     # rows out of order, slots consecutive
+
+    def run(batched: bool) -> tuple[int, list[str], torch.Tensor, torch.Tensor, bool]:
+        dev, host = _big_rows(n, row)
+        want_host, want_dev = host.clone(), dev.clone()
+        if kind is STORE:
+            want_host[0:n] = dev[order]
+        else:
+            want_dev[order] = host[0:n]
+        gpu, out = FakeGPU(), CompletionQueue()
+        mover = CudaMover([(dev, host)], out, 1, runtime=gpu, batched=batched)
+        t = tr(kind, order, list(range(n)))
+        mover.submit(t)
+        mover.flush()
+        (side,) = gpu.side
+        ops = kinds(side)
+        calls = gpu.calls
+        reps = done(gpu, mover, out)
+        ok = reps[t.token].ok and torch.equal(host, want_host) and torch.equal(dev, want_dev)
+        return calls, ops, host, dev, ok
+
+    per_block_calls, _, _, _, ok_pb = run(False)
+    calls, ops, _, _, ok = run(True)
+    assert ok_pb and ok
+    assert per_block_calls == n
+    assert calls <= per_block_calls and "gather" not in ops and "scatter" not in ops, \
+        f"batched path: {calls} calls {ops} for {n} blocks of 8 MiB; the per-block path: {per_block_calls}"
+
+
+# ----------------------------------------------------------------------------- TorchCuda's ordering event
+class _CudaLikeEvent:
+    """torch.cuda.Event as CUDA specifies it for order_after: ``record(s)`` captures ``s``'s work queued so far
+    (overwriting the previous capture); a ``wait`` takes the capture current *at the call*, unaffected by a
+    later record (cudaEventRecord / cudaStreamWaitEvent)."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        self.capture: Any = None
+
+    def record(self, stream: FakeStream) -> None:
+        self.capture = (stream, stream.queued)
+
+
+class _CudaLikeStream(FakeStream):
+    def wait_event(self, ev: _CudaLikeEvent) -> None:
+        other, upto = ev.capture
+        self.push(("wait", other, upto))
+
+
+class _GPUWithTorchOrdering(FakeGPU):
+    """The simulated device, with ``order_after`` being TorchCuda's own (its cached, re-recorded event)."""
+
+    def __init__(self, rng: Any) -> None:
+        super().__init__(rng)
+        from tiered_kv.movers.torch_cuda import TorchCuda
+        self._tc = TorchCuda()
+
+    def new_stream(self, device: Any) -> FakeStream:
+        s = _CudaLikeStream(self, f"side{len(self.streams)}")
+        self.streams.append(s)
+        return s
+
+    def order_after(self, stream: FakeStream, other: FakeStream) -> None:
+        self._tc.order_after(stream, other)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_torch_cudas_reused_ordering_event_orders_every_batch_after_the_engines_work(
+        monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    """TorchCuda.order_after (one event per copy stream, re-recorded per batch) under CUDA's event semantics:
+    several batches flushed before the device runs anything, each behind engine work (a write before a store,
+    a read before a load); whatever order the streams then run in, no store copies a row before the engine's
+    write queued ahead of its flush, and no load lands before the engine's read queued ahead of its flush."""
+    monkeypatch.setattr(torch.cuda, "Event", _CudaLikeEvent)
+    rng = random.Random(seed)
+    gpu = _GPUWithTorchOrdering(rng)
+    out = CompletionQueue()
+    n = 12
+    dev = torch.zeros((n, 8), dtype=torch.uint8)
+    host = torch.full((n, 8), 200, dtype=torch.uint8)
+    mover = CudaMover([(dev, host)], out, 2, runtime=gpu, batch_max=64)
+    reads: list[tuple[int, list[int]]] = []
+    stores: list[tuple[Transfer, int]] = []
+    for b in range(n // 2):
+        r_store, r_load = 2 * b, 2 * b + 1
+
+        def write(r: int = r_store, v: int = b + 1) -> None:
+            dev[r].fill_(v)
+        gpu.kernel(write)
+        seen: list[int] = []
+
+        def read(r: int = r_load, seen: list[int] = seen) -> None:
+            seen.append(int(dev[r][0]))
+        gpu.kernel(read)
+        reads.append((r_load, seen))
+        t = tr(STORE, [r_store], [r_store])
+        stores.append((t, b + 1))
+        mover.submit(t)
+        mover.submit(tr(LOAD, [r_load], [r_load]))
+        mover.flush()
+    # the streams in a random order, the copy streams ahead of the engine's wherever they may go
+    while gpu.step(next((s for s in gpu.side if s.runnable()), None)) or gpu.step():
+        pass
+    mover.harvest()
+    reps = {r.token: r for r in out.drain()}
+    assert len(reps) == n and all(r.ok for r in reps.values())
+    for r, seen in reads:
+        assert seen == [0], "a load landed before the engine's read queued ahead of its flush"
+    for t, v in stores:
+        assert int(host[t.slots[0]][0]) == v, "a store copied its row before the engine's write"

@@ -143,8 +143,11 @@ class CudaMover(Mover):
     range, so one DMA: ``copy_`` straight from or to the device rows when they
     are consecutive too, else through a staging buffer on the device that one
     ``index_select`` gathers the rows into (stores) or one ``index_copy_``
-    scatters them from (loads), the row numbers uploaded once per chunk.
-    Slots in ascending runs (what the host index hands a step's stores) make a
+    scatters them from (loads), the row numbers uploaded once per chunk --
+    unless the staging rows hold only one block (blocks over half of
+    ``STAGE_BYTES``): a gather and a copy per block, serialized on that one row,
+    would cost more than a ``copy_`` per block, which they get instead.  Slots
+    in ascending runs (what the host index hands a step's stores) make a
     step one or two calls per chunk and plane; scattered slots fall back to a
     copy per block.  A plane whose host rows are not one range in memory (the
     vLLM worker's planes, each a byte region of the slab rows) is copied block
@@ -361,10 +364,21 @@ class CudaMover(Mover):
                         else:
                             ops.copy(dev[r0:r0 + k], hs)
                         continue
+                    c = self._stage_rows(dev)
+                    if c == 1:   # the staging rows hold one block: a copy per block beats a gather + copy each
+                        for j in range(a, b):
+                            try:
+                                hj, dj = host[slots[j]:slots[j] + 1], dev[rows[j]:rows[j] + 1]
+                                if store:
+                                    ops.copy(hj, dj)
+                                else:
+                                    ops.copy(dj, hj)
+                            except Exception as exc:
+                                bad = _failed(bad, j, j + 1, exc, store)
+                        continue
                     if idx is None:
                         idx = ops.index(rows)
                     stage = self._stage(stream, p, dev)
-                    c = int(stage.shape[0])
                     for j in range(a, b, c):
                         e = min(b, j + c)
                         part, hj = stage[:e - j], host[slots[j]:slots[j] + e - j]
@@ -378,16 +392,20 @@ class CudaMover(Mover):
                     bad = _failed(bad, a, b, exc, store)
         return bad
 
+    def _stage_rows(self, like: torch.Tensor) -> int:
+        """How many of ``like``'s rows the staging rows hold: ``stage_bytes`` (or ``STAGE_BYTES``) of them, at
+        least one, at most a chunk's."""
+        row = int(like.shape[1]) * like.element_size()
+        bound = self._stage_bytes if self._stage_bytes is not None else STAGE_BYTES
+        return max(1, min(self._per_event, bound // max(1, row)))
+
     def _stage(self, stream: int, plane: int, like: torch.Tensor) -> torch.Tensor:
         """Stream ``stream``'s staging rows on the device for ``plane`` (made on first use, on that stream,
         and only ever used on it: the stream's order keeps one chunk's use from overlapping the next)."""
         st = self._stages[stream][plane]
         if st is None:
-            row = int(like.shape[1]) * like.element_size()
-            bound = self._stage_bytes if self._stage_bytes is not None else STAGE_BYTES
-            k = max(1, min(self._per_event, bound // max(1, row)))
-            st = self._stages[stream][plane] = torch.empty((k, int(like.shape[1])), dtype=like.dtype,
-                                                            device=like.device)
+            st = self._stages[stream][plane] = torch.empty((self._stage_rows(like), int(like.shape[1])),
+                                                            dtype=like.dtype, device=like.device)
         return st
 
     def harvest(self) -> None:
