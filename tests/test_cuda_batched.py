@@ -145,6 +145,28 @@ def test_stage_bytes_bounds_the_staging_rows_instead_of_the_module_default(monke
         CudaMover([(dev, host)], out, 1, runtime=gpu, stage_bytes=0)
 
 
+def test_staging_rows_of_one_block_give_a_copy_per_range_of_consecutive_rows_and_slots() -> None:
+    """Staging rows that hold one block: rows 4 5 | 0 1 into slots 0..3 are two copies of two blocks each
+    (no index upload, no gather); a copy that cannot be queued fails only the transfers it carries."""
+    gpu, out, dev, host, mover = bare(stage_bytes=8)
+    t, u = tr(STORE, [4, 5], [0, 1]), tr(STORE, [0, 1], [2, 3])
+    mover.submit(t)
+    mover.submit(u)
+    mover.flush()
+    (side,) = gpu.side
+    assert kinds(side) == ["wait", "event", "copy", "copy", "event"] and gpu.calls == 2
+    reps = done(gpu, mover, out)
+    assert reps[t.token].ok and reps[u.token].ok and torch.equal(host[:4], dev[[4, 5, 0, 1]])
+    gpu, out, dev, host, mover = bare(stage_bytes=8)
+    t, u = tr(STORE, [4, 5], [0, 1]), tr(STORE, [0, 1], [2, 3])
+    gpu.copy_error, gpu.copy_error_skip = RuntimeError("CUDA error: injected"), 1
+    mover.submit(t)
+    mover.submit(u)
+    mover.flush()
+    reps = done(gpu, mover, out)
+    assert reps[t.token].ok and not reps[u.token].ok and torch.equal(host[:2], dev[[4, 5]])
+
+
 def test_planes_whose_host_rows_are_not_one_range_are_copied_block_by_block() -> None:
     """Two planes: one with its own host tensor (rows one range: batched), one a byte region of slab rows
     (the vLLM worker's layout: a copy per block), in one chunk."""

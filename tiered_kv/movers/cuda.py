@@ -60,18 +60,17 @@ def _one_range(t: torch.Tensor) -> bool:
     return t.stride(1) == 1 and (t.shape[0] < 2 or t.stride(0) == t.shape[1])
 
 
-def _slot_runs(slots: list[int]) -> list[tuple[int, int]]:
-    """``slots`` cut into maximal runs ``[a, b)`` of consecutive slots."""
+def _slot_runs(slots: list[int], rows: Optional[list[int]] = None) -> list[tuple[int, int]]:
+    """``slots`` cut into maximal runs ``[a, b)`` of consecutive slots (and, given ``rows``, of consecutive
+    rows too: each run one range on both sides)."""
     n = len(slots)
-    if is_run(slots):
+    if is_run(slots) and (rows is None or is_run(rows)):
         return [(0, n)]
-    out, a, prev = [], 0, slots[0]
+    out, a = [], 0
     for i in range(1, n):
-        s = slots[i]
-        if s != prev + 1:
+        if slots[i] != slots[i - 1] + 1 or (rows is not None and rows[i] != rows[i - 1] + 1):
             out.append((a, i))
             a = i
-        prev = s
     out.append((a, n))
     return out
 
@@ -146,7 +145,8 @@ class CudaMover(Mover):
     scatters them from (loads), the row numbers uploaded once per chunk --
     unless the staging rows hold only one block (blocks over half of
     ``STAGE_BYTES``): a gather and a copy per block, serialized on that one row,
-    would cost more than a ``copy_`` per block, which they get instead.  Slots
+    would cost more than a ``copy_`` per run of consecutive rows and slots,
+    which they get instead.  Slots
     in ascending runs (what the host index hands a step's stores) make a
     step one or two calls per chunk and plane; scattered slots fall back to a
     copy per block.  A plane whose host rows are not one range in memory (the
@@ -337,7 +337,8 @@ class CudaMover(Mover):
         """Queue the copies of blocks ``rows[i] <-> slots[i]`` on the current stream, over every plane; the
         ranges ``[a, b)`` of blocks whose call could not be queued, with the error, or None when all were."""
         bad: Optional[list[tuple[int, int, str]]] = None
-        runs: Optional[list[tuple[int, int]]] = None
+        runs: Optional[list[tuple[int, int]]] = None    # runs of consecutive slots
+        ranges: Optional[list[tuple[int, int]]] = None  # runs of consecutive slots and rows
         idx: Optional[torch.Tensor] = None
         for p, views in enumerate(self._views):
             if views is None:   # block by block
@@ -352,9 +353,13 @@ class CudaMover(Mover):
                         bad = _failed(bad, a, a + 1, exc, store)
                 continue
             dev, host, dev_range, host_range = views
-            if runs is None:
-                runs = _slot_runs(slots)
-            for a, b in (runs if host_range else _singles(len(rows))):
+            if not host_range:
+                spans = _singles(len(rows))
+            elif self._stage_rows(dev) > 1 or not dev_range:
+                spans = runs = runs if runs is not None else _slot_runs(slots)
+            else:  # staging rows that hold one block would take a gather and a copy per block: a copy per range
+                spans = ranges = ranges if ranges is not None else _slot_runs(slots, rows)
+            for a, b in spans:
                 try:
                     k, s0, r0 = b - a, slots[a], rows[a]
                     hs = host[s0:s0 + k]
@@ -364,21 +369,10 @@ class CudaMover(Mover):
                         else:
                             ops.copy(dev[r0:r0 + k], hs)
                         continue
-                    c = self._stage_rows(dev)
-                    if c == 1:   # the staging rows hold one block: a copy per block beats a gather + copy each
-                        for j in range(a, b):
-                            try:
-                                hj, dj = host[slots[j]:slots[j] + 1], dev[rows[j]:rows[j] + 1]
-                                if store:
-                                    ops.copy(hj, dj)
-                                else:
-                                    ops.copy(dj, hj)
-                            except Exception as exc:
-                                bad = _failed(bad, j, j + 1, exc, store)
-                        continue
                     if idx is None:
                         idx = ops.index(rows)
                     stage = self._stage(stream, p, dev)
+                    c = int(stage.shape[0])
                     for j in range(a, b, c):
                         e = min(b, j + c)
                         part, hj = stage[:e - j], host[slots[j]:slots[j] + e - j]
