@@ -338,10 +338,10 @@ class ThreadMover(Mover):
         answered = 0
         try:
             while True:
+                answered = 0   # before the take: the except below must never count the last batch's answers
                 current = self._q.get()
                 if current is None:
                     return
-                answered = 0
                 put = self._out.put
                 for report in self._do_batch(current):
                     put(report)
@@ -351,8 +351,9 @@ class ThreadMover(Mover):
             log.error("copy worker died: %r", exc)
             for t in (current or [])[answered:]:
                 self._out.put(Report(t.token, t.kind, False, f"worker died: {exc!r}"))
-            if not self._closed:
-                self._spawn()
+            # replaced also while close() runs: the batches queued behind this one need a worker, and
+            # close() joins the replacement too (it returns only once no worker is left)
+            self._spawn()
             if not isinstance(exc, Exception):
                 raise
 
@@ -429,6 +430,9 @@ class ThreadMover(Mover):
         """Copy one transfer row by row."""
         if t.cancelled:
             return Report(t.token, t.kind, False, "cancelled before copy")
+        error = transfer_error(t, self._nrows, self._nslots)
+        if error is not None:
+            return Report(t.token, t.kind, False, error)
         t0 = time.perf_counter()
         try:
             if self._fast is not None:
@@ -440,12 +444,10 @@ class ThreadMover(Mover):
         return Report(t.token, t.kind, True, None, len(t.rows) * self._block_bytes, time.perf_counter() - t0)
 
     def _memmove(self, t: Transfer) -> None:
-        planes, nrows, nslots, mm = self._fast, self._nrows, self._nslots, ctypes.memmove
+        planes, mm = self._fast, ctypes.memmove
         assert planes is not None
         store = t.kind is _STORE
-        for r, s in zip(t.rows, t.slots, strict=True):
-            if not (0 <= r < nrows and 0 <= s < nslots):
-                raise IndexError(f"row {r} / slot {s} out of range ({nrows} rows, {nslots} slots)")
+        for r, s in zip(t.rows, t.slots, strict=True):   # in range: _do checked the transfer first
             for d0, ds, h0, hs, n in planes:
                 if store:
                     mm(h0 + s * hs, d0 + r * ds, n)
@@ -465,9 +467,16 @@ class ThreadMover(Mover):
         self._holding = False
         self.flush()  # queued transfers are copied (or answered as cancelled) ahead of the stop sentinels
         self._closed = True
-        with self._lock:
-            threads = list(self._threads)
-        for _ in threads:
-            self._q.put(None)
-        for t in threads:
-            t.join()
+        # one stop sentinel per worker, behind every batch; a worker that dies on the way is replaced
+        # (see _run), and the replacement is stopped and joined in the next round
+        joined: set[threading.Thread] = set()
+        while True:
+            with self._lock:
+                threads = [t for t in self._threads if t not in joined]
+            if not threads:
+                return
+            for _ in threads:
+                self._q.put(None)
+            for t in threads:
+                t.join()
+            joined.update(threads)
