@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Optional, Union
 
 from ..config import TieredKVConfig
-from ..disk import SPILL_PREVENTED, DiskOptions, DiskStore
+from ..disk import NOT_READ, SPILL_PREVENTED, DiskOptions, DiskStore
 from ..disk.proc import ProcessDiskStore, ProcessStartError, SharedHost
 from ..errors import DiskInUseError, DiskTierError
 from ..jobs import JobKind
@@ -269,12 +269,13 @@ class DiskTier:
         hosts: list[Entry] = []
         disks: list[Entry] = []
         shed: list[tuple[Entry, str]] = []
-        room = store.spill_room() if self.usable else 0
+        usable = self.usable and store.writer_alive()   # a writer (or I/O process) that died this step: down
+        room = store.spill_room() if usable else 0
         for e in entries:
             if e.key in index:
                 continue
             if room <= 0:
-                shed.append((e, "backpressure" if self.usable else "disk_down"))
+                shed.append((e, "backpressure" if usable else "disk_down"))
                 continue
             if not index.admits(e.key):
                 continue   # not written (SSD wear): counted in index.refused, not shed
@@ -315,7 +316,8 @@ class DiskTier:
     # ------------------------------------------------------------------ promotes
     def finish_promote(self, hindex: TierIndex, entry: Entry, d: Entry, r: Report) -> None:
         """A live promote's report: the host entry is published (and the disk entry's recency kept),
-        or dropped with the disk entry forgotten when the read failed; counted."""
+        or dropped with the disk entry forgotten when the read failed; counted.  A read that never
+        reached the disk (its I/O process died) keeps the disk entry: the block is still there."""
         m = self._metrics
         if r.ok:
             hindex.publish(entry)
@@ -326,7 +328,7 @@ class DiskTier:
         hindex.abort(entry)
         m.count(m.job_outcome[(JobKind.PROMOTE, "failed")])
         # gone, superseded or bad on disk (the reader already queued the removal of a corrupt entry)
-        if d.live:
+        if d.live and not (r.error or "").startswith(NOT_READ):
             self.index.remove(d)
 
     # ------------------------------------------------------------------ removal
@@ -343,8 +345,9 @@ class DiskTier:
 
     # ------------------------------------------------------------------ health and gauges
     def check_writer(self, closing: bool) -> None:
-        """Stop accepting spills once the writer is gone (reads still work)."""
-        if self.usable and not closing and not self.store.writer_alive():
+        """Stop accepting spills once the writer is gone (reads still work); not for a dead I/O process,
+        which :meth:`restart` replaces once its answers are in."""
+        if self.usable and not closing and not getattr(self.store, "dead", False) and not self.store.writer_alive():
             log.error("disk writer is gone; the disk tier no longer accepts spills")
             self.usable = False
 

@@ -632,6 +632,7 @@ class TierCore:
                 ok_parts += 1
             elif disk.finish_spill(d, False, r.error if failed is None else failed[i]):
                 self.spill_faults += 1
+                job._entries[i].spilled = False   # a fault, not a tomb: write-back offers the block again
         if ok_parts:   # the writer's time, shared by the blocks it wrote (cancelled parts included)
             written = len(job._dentry) - (0 if failed is None else len(failed))
             self.metrics.moved(_SPILL, _HOST_DISK, ok_parts * self.row_bytes, r.seconds / written, ok_parts)
@@ -804,7 +805,7 @@ class TierCore:
         assert disk is not None
         hosts, disks, shed = disk.start_spills(entries, self.index, self.tokens, self.slot_views.__getitem__)
         for e in entries:
-            e.spilled = True  # on disk, on its way, or refused by the disk's admission: write-back never offers it again
+            e.spilled = True  # on disk, on its way, or refused by the disk's admission: write-back offers it again only if its write fails
         for e, why in shed:
             e.spilled = False
             self.shed(_SPILL, why)

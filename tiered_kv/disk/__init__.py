@@ -16,9 +16,9 @@ One concern per module (each module's docstring states what it owns and its inva
 
 from .env import MAX_DBS, MIN_MAP, SUBDBS, init_meta
 from .lock import LOCK_NAME
-from .records import SPILL_PREVENTED, DiskOptions, FlushDone, StoredEntry, writable_view
+from .records import NOT_READ, SPILL_PREVENTED, DiskOptions, FlushDone, StoredEntry, writable_view
 from .recovery import RecoveryReport
 from .store import DiskStore
 
 __all__ = ["DiskStore", "DiskOptions", "FlushDone", "RecoveryReport", "StoredEntry", "writable_view",
-           "init_meta", "LOCK_NAME", "SUBDBS", "MAX_DBS", "MIN_MAP", "SPILL_PREVENTED"]
+           "init_meta", "LOCK_NAME", "SUBDBS", "MAX_DBS", "MIN_MAP", "SPILL_PREVENTED", "NOT_READ"]

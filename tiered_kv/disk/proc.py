@@ -43,6 +43,7 @@ import logging
 import os
 import pickle
 import queue
+import select
 import signal
 import struct
 import subprocess
@@ -58,7 +59,7 @@ from ..errors import DiskInUseError, DiskTierError
 from ..jobs import JobKind
 from ..reports import CompletionQueue, Report
 from . import lock
-from .records import READ_FAILED, DiskOptions, FlushDone, StoredEntry
+from .records import NOT_READ, DiskOptions, FlushDone, StoredEntry
 from .recovery import RecoveryReport
 from .store import take_path
 
@@ -209,16 +210,19 @@ class ProcessDiskStore:
 
     def _start(self) -> None:
         h = self._host
-        cmd_r, cmd_w = os.pipe()
-        rep_r, rep_w = os.pipe()
-        for fd in (cmd_r, rep_w):
-            _bigger_pipe(fd)
-        try:
+        fds: list[int] = []
+        try:   # an OSError here (out of descriptors, of processes) is a start that failed: a DiskTierError
+            cmd_r, cmd_w = os.pipe()
+            fds += (cmd_r, cmd_w)
+            rep_r, rep_w = os.pipe()
+            fds += (rep_r, rep_w)
+            for fd in (cmd_r, rep_w):
+                _bigger_pipe(fd)
             self._proc = _spawn(
                 [sys.executable, "-c", _BOOT.format(pkg=_PKG_DIR), str(cmd_r), str(rep_w), str(h.fd),
                  str(self._lock_fd), str(os.getpid())], (cmd_r, rep_w, h.fd, self._lock_fd))
         except OSError as exc:
-            for fd in (cmd_r, cmd_w, rep_r, rep_w):
+            for fd in fds:
                 os.close(fd)
             raise ProcessStartError(f"disk_path {str(self.opts.path)!r}: cannot start the disk I/O process: {exc}") from exc
         os.close(cmd_r)
@@ -230,6 +234,10 @@ class ProcessDiskStore:
             os.write(cmd_w, _frame((self.opts, h.offset, h.num_slots, h.row_bytes,
                                     logging.getLogger("tiered_kv").getEffectiveLevel())))
             first = self._first_frame(frames)
+        except OSError as exc:   # the child died at once (EPIPE)
+            self._kill()
+            raise ProcessStartError(f"disk_path {str(self.opts.path)!r}: the disk I/O process did not take its "
+                                    f"options: {exc}") from exc
         except BaseException:
             self._kill()
             raise
@@ -339,7 +347,7 @@ class ProcessDiskStore:
                 self._spills_answered += parts
                 put(Report(token, JobKind.SPILL, False, CHILD_DIED))
             elif what == "promote":
-                put(Report(token, JobKind.PROMOTE, False, f"{READ_FAILED} ({CHILD_DIED})"))
+                put(Report(token, JobKind.PROMOTE, False, f"{NOT_READ} ({CHILD_DIED})"))
             else:
                 put(FlushDone(token, False, CHILD_DIED))
 
@@ -431,7 +439,12 @@ class ProcessDiskStore:
         return max(0, self.opts.queue_blocks - self.queue_depth)
 
     def writer_alive(self) -> bool:
-        return not self._down and bool(self.status.get("writer_alive", True))
+        return not self._dead and bool(self.status.get("writer_alive", True))
+
+    @property
+    def dead(self) -> bool:
+        """The child is gone; the answers to its ops may still be on their way (see :attr:`down`)."""
+        return self._dead
 
     @property
     def down(self) -> bool:
@@ -477,11 +490,20 @@ class ProcessDiskStore:
             return
         self._closing = True
         self._cmds.append(("X",))
-        os.set_blocking(self._cmd_w, True)   # close waits for the child anyway
-        try:
+        deadline = time.monotonic() + _CLOSE_TIMEOUT_S
+        try:   # the backlog goes as the child reads it, until the deadline: a child that stopped reading is killed
             self.kick()
+            if self._backlog and self._cmd_w >= 0:
+                writable = select.poll()   # not select.select: a serving process's descriptors pass 1024
+                writable.register(self._cmd_w, select.POLLOUT)
+                while self._backlog and self._cmd_w >= 0 and self._receiver.is_alive():
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    writable.poll(min(left, 1.0) * 1e3)
+                    self.kick()
         finally:
-            self._receiver.join(_CLOSE_TIMEOUT_S)
+            self._receiver.join(max(0.0, deadline - time.monotonic()))
             if self._receiver.is_alive():   # the child does not finish: stop it (its ops are answered by _gone)
                 log.error("disk tier %s: the disk I/O process did not close within %.0f s; killed",
                           self.opts.path, _CLOSE_TIMEOUT_S)

@@ -20,10 +20,11 @@ import lmdb
 from ..jobs import JobKind
 from ..reports import Report
 
-__all__ = ["DiskOptions", "FlushDone", "StoredEntry", "SpillGroup", "SPILL_PREVENTED", "writable_view", "error_kind"]
+__all__ = ["DiskOptions", "FlushDone", "StoredEntry", "SpillGroup", "SPILL_PREVENTED", "NOT_READ", "writable_view", "error_kind"]
 
 SPILL_PREVENTED = "cancelled before publish"   # a spill report's error: stopped by a tomb, not a fault
 CORRUPT, READ_FAILED = "miss: corrupt", "miss: read failed"   # promote report errors the reader acts on
+NOT_READ = "miss: not read"   # a promote answered without reaching the disk (its I/O process died): the entry stays
 
 
 @dataclass(frozen=True)
