@@ -31,7 +31,8 @@ from typing import Any, Callable, Optional
 from ..errors import DiskInUseError, DiskTierError
 from ..jobs import JobKind
 from ..reports import CompletionQueue, Report
-from .proc import _PR_SET_PDEATHSIG, _STATUS_S, _Frames, _frame
+from .pipes import _frame, _Frames
+from .proc import _PR_SET_PDEATHSIG, _STATUS_S
 from .records import FlushDone
 
 __all__ = ["child_main"]

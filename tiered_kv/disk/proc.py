@@ -29,24 +29,19 @@ Invariants:
 * the owner never waits on the child except in :meth:`close` and at open (recovery), and
   never holds a lock around I/O;
 * the child dies with its owner (``PR_SET_PDEATHSIG``, armed from a thread that lives as long as
-  the owner's process, :func:`_spawn`); the path lock is taken by the owner and
+  the owner's process, :func:`.pipes._spawn`); the path lock is taken by the owner and
   shared with the child, so it is free only once both are gone (:func:`.lock.take` waits for the
   child of an owner that is already dead).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
-import fcntl
 import logging
 import os
-import pickle
 import queue
 import select
 import signal
-import struct
-import subprocess
 import sys
 import threading
 import time
@@ -59,6 +54,7 @@ from ..errors import DiskInUseError, DiskTierError
 from ..jobs import JobKind
 from ..reports import CompletionQueue, Report
 from . import lock
+from .pipes import _bigger_pipe, _frame, _Frames, _spawn
 from .records import NOT_READ, DiskOptions, FlushDone, StoredEntry
 from .recovery import RecoveryReport
 from .store import take_path
@@ -67,13 +63,9 @@ __all__ = ["SharedHost", "ProcessDiskStore", "ProcessStartError", "CHILD_DIED"]
 
 log = logging.getLogger(__name__)
 
-_LEN = struct.Struct("<I")
-_PIPE_BYTES = 1 << 20          # asked for each pipe (F_SETPIPE_SZ); the kernel may give less
-_READ_CHUNK = 1 << 20
 _STATUS_S = 0.25               # an idle child sends its status this often
 _OPEN_TIMEOUT_S = 600.0        # recovery of a large tier reads every index record
 _CLOSE_TIMEOUT_S = 120.0       # close() waits this long for the child to drain, then kills it
-_F_SETPIPE_SZ = 1031
 _PR_SET_PDEATHSIG = 1
 CHILD_DIED = "disk I/O process died"
 _PKG_DIR = str(Path(__file__).resolve().parent.parent)
@@ -98,74 +90,6 @@ class SharedHost:
     num_slots: int
     row_bytes: int
     base_addr: int
-
-
-# ---------------------------------------------------------------------------- starting the child
-_spawn_q: Optional["queue.SimpleQueue[Any]"] = None
-_spawn_lock = threading.Lock()
-
-
-def _spawn(argv: list[str], fds: tuple[int, ...]) -> "subprocess.Popen[bytes]":
-    """Start the child from one long-lived thread of this process.
-
-    The child asks for ``PR_SET_PDEATHSIG``, which Linux sends when the *thread* that forked it
-    ends, not the process: a manager made on a short-lived thread (an engine's start-up thread, a
-    test's helper) would otherwise lose its I/O process with that thread.  The spawner is a daemon
-    thread started on first use (not at import); it is never joined, so it outlives every
-    ``atexit`` handler and the child goes only with the process."""
-    global _spawn_q
-    with _spawn_lock:
-        if _spawn_q is None:
-            _spawn_q = queue.SimpleQueue()
-            threading.Thread(target=_spawner, args=(_spawn_q,), name="tiered-kv-disk-spawner", daemon=True).start()
-        q = _spawn_q
-    done: concurrent.futures.Future[subprocess.Popen[bytes]] = concurrent.futures.Future()
-    q.put((argv, fds, done))
-    return done.result()
-
-
-def _spawner(q: "queue.SimpleQueue[Any]") -> None:
-    while True:
-        argv, fds, done = q.get()
-        try:
-            done.set_result(subprocess.Popen(argv, pass_fds=fds, stdin=subprocess.DEVNULL, close_fds=True))
-        except BaseException as exc:   # handed to the caller, which raises it
-            done.set_exception(exc)
-
-
-# ---------------------------------------------------------------------------- framing
-def _frame(obj: Any) -> bytes:
-    body = pickle.dumps(obj, protocol=5)
-    return _LEN.pack(len(body)) + body
-
-
-class _Frames:
-    """Frames read from a blocking pipe: ``next()`` returns one decoded frame, raises EOFError at the end."""
-
-    def __init__(self, fd: int) -> None:
-        self._fd = fd
-        self._buf = bytearray()
-
-    def next(self) -> Any:
-        buf = self._buf
-        while True:
-            if len(buf) >= 4:
-                (n,) = _LEN.unpack_from(buf)
-                if len(buf) >= 4 + n:
-                    obj = pickle.loads(memoryview(buf)[4:4 + n])
-                    del buf[:4 + n]
-                    return obj
-            chunk = os.read(self._fd, _READ_CHUNK)
-            if not chunk:
-                raise EOFError
-            buf += chunk
-
-
-def _bigger_pipe(fd: int) -> None:
-    try:
-        fcntl.fcntl(fd, _F_SETPIPE_SZ, _PIPE_BYTES)
-    except OSError:
-        pass   # capped by /proc/sys/fs/pipe-max-size: the default size works, in more writes
 
 
 # ---------------------------------------------------------------------------- the owner's side
