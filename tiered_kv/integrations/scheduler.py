@@ -154,6 +154,8 @@ class SlabScheduler:
     def prepare_load(self, keys: Sequence[bytes]) -> Prepared:
         """Lease the READY host slots of ``keys`` to a load job (the engine copies them to the device)."""
         keys = list(keys)
+        if not keys:
+            raise InvalidKeyError("prepare_load of no keys (vLLM loads only the keys lookup reported as hits)")
         for k in keys:
             self._check_key(k)
             if self.core.index.ready(k) is None:
@@ -192,9 +194,11 @@ class SlabScheduler:
         core = self.core
         job = core.begin_store(keys, protect=frozenset(keys))
         evicted, core.evicted = core.evicted, []
-        if evicted:  # evicted since the last call but stored again meanwhile (or by this call): not gone
+        if evicted:  # evicted since the last call but ready again meanwhile (read back, or a store published): not gone
             dindex = core.dindex
-            evicted = [k for k in evicted if k not in core.index and (dindex is None or k not in dindex)]
+            # "not gone": ready in a tier; a key only being written again (this call's store) is gone until
+            # that store is published, which reports it stored again (a failed one never does)
+            evicted = [k for k in evicted if core.index.ready(k) is None and (dindex is None or dindex.ready(k) is None)]
         if job is None:  # everything offloaded already, or shed (counted): nothing for the engine to copy
             token = core.take_token()
             return Prepared([], token.bytes, token_seq(token), [], evicted)
@@ -208,8 +212,12 @@ class SlabScheduler:
             return
         if not self.slab.done(token_seq(job.token)):
             if not success:
-                # an engine may report a store it never ran: its slots must not wait for a mark that never comes
+                # an engine may report a store it never ran: its slots must not wait for a mark that never
+                # comes.  vLLM reports a job once every rank did, and a rank marks the ring before it
+                # reports, so no copy of this one ran or will run: its slots are free now
                 self._cancel(job)
+                self._quarantine.remove(job)
+                self.core.settle_cancelled(job)
                 return
             self._awaiting.append(job)
             return

@@ -35,7 +35,7 @@ import os
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any, Optional
 
-from ..errors import ConfigError, UnsupportedVersionError
+from ..errors import ConfigError, InvalidKeyError, UnsupportedVersionError
 
 SUPPORTED_RANGE = ("0.30", "0.34")  # [lower, upper)
 _RANGE_TEXT = "vLLM >= 0.30, < 0.34"
@@ -130,6 +130,16 @@ OPTIONS: dict[str, Any] = {
 }
 # what the spec reads of vLLM's OffloadingConfig (0.30-0.33 all have them)
 _CONFIG_FIELDS = ("groups", "worker_kv_bytes_per_block", "parallel", "engine_id", "model", "extra_config")
+def _key(k: Any) -> bytes:
+    """vLLM's ``OffloadKey`` (bytes) as the core's key.  Anything but bytes is refused here: ``bytes(4)``
+    would turn the int 4 into four zero bytes, the key of every other 4."""
+    if type(k) is bytes:
+        return k
+    if isinstance(k, (bytes, bytearray, memoryview)):
+        return bytes(k)
+    raise InvalidKeyError(f"offload key must be bytes, got {type(k).__name__}: {k!r:.80}")
+
+
 _RESULT = {Lookup.HIT: LookupResult.HIT, Lookup.MISS: LookupResult.MISS, Lookup.PENDING: LookupResult.HIT_PENDING,
            Lookup.RETRY: LookupResult.RETRY}
 
@@ -305,7 +315,7 @@ class TieredKVOffloadingManager(OffloadingManager):
         self._step_hits: dict[str, set[bytes]] = {}
 
     def lookup(self, key: Any, req_context: ReqContext) -> LookupResult:
-        k = bytes(key)
+        k = _key(key)
         seen = self._step_hits.setdefault(req_context.req_id, set())
         result = self.tiers.lookup(k, protect=seen)
         if result != Lookup.MISS:
@@ -313,24 +323,24 @@ class TieredKVOffloadingManager(OffloadingManager):
         return _RESULT[result]
 
     def prepare_load(self, keys: Collection[Any], req_context: ReqContext) -> LoadStoreSpec:
-        p = self.tiers.prepare_load([bytes(k) for k in keys])
+        p = self.tiers.prepare_load([_key(k) for k in keys])
         return TieredKVLoadStoreSpec(p.token, p.seq, p.slots)
 
     def touch(self, keys: Collection[Any], req_context: ReqContext) -> None:
-        self.tiers.touch(bytes(k) for k in keys)
+        self.tiers.touch([_key(k) for k in keys])
 
     def complete_load(self, keys: Collection[Any], req_context: ReqContext) -> None:
-        self.tiers.complete_load(bytes(k) for k in keys)
+        self.tiers.complete_load([_key(k) for k in keys])
 
     def prepare_store(self, keys: Collection[Any], req_context: ReqContext) -> Optional[PrepareStoreOutput]:
-        p = self.tiers.prepare_store([bytes(k) for k in keys])
+        p = self.tiers.prepare_store([_key(k) for k in keys])
         if self._events_on:
             self._record(p.evicted, removed=True)
         return PrepareStoreOutput(keys_to_store=list(p.keys), store_spec=TieredKVLoadStoreSpec(p.token, p.seq, p.slots),
                                   evicted_keys=list(p.evicted))
 
     def complete_store(self, keys: Collection[Any], req_context: ReqContext, success: bool = True) -> None:
-        self.tiers.complete_store((bytes(k) for k in keys), success)
+        self.tiers.complete_store([_key(k) for k in keys], success)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
