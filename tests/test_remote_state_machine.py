@@ -16,7 +16,6 @@ from typing import Any, Optional
 
 import pytest
 import torch
-from hypothesis import Phase
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 from prometheus_client import CollectorRegistry
@@ -122,7 +121,10 @@ def test_two_managers_sharing_a_server_match_the_model(redis_server: Any) -> Non
 
 
 def test_the_model_catches_a_write_that_ignores_its_tombstone(redis_server: Any, monkeypatch: Any) -> None:
-    """The machine above fails when the publish script stops checking the key tombstone."""
+    """The machine above fails when the publish script stops checking the key tombstone: its rules,
+    in the order that shows it (a key invalidated on one manager, stored there again, then fetched by
+    the other; the manager that invalidated a key does not ask the server for it while its tomb lives,
+    so a random run reaches this order less often than the search budget here allows)."""
     from tiered_kv.remote import keys as remote_keys
 
     check = remote_keys.KEY_TOMB_CHECK
@@ -130,5 +132,12 @@ def test_the_model_catches_a_write_that_ignores_its_tombstone(redis_server: Any,
     monkeypatch.setitem(remote_keys.SCRIPTS, "publish", remote_keys.SCRIPTS["publish"].replace(check, ""))
     SharedRemote.url = redis_server.url
     SharedRemote.server = redis_server
-    with pytest.raises(AssertionError):
-        run_state_machine_as_test(SharedRemote, settings=sm_settings(60, 25, phases=(Phase.generate,)))
+    machine = SharedRemote()
+    try:
+        machine.start()
+        machine.invalidate(0, KEYS[0])
+        machine.store(0, KEYS[0])
+        with pytest.raises(AssertionError, match="the server should hold no value"):
+            machine.fetch(1, KEYS[0])
+    finally:
+        machine.teardown()

@@ -112,14 +112,16 @@ class TieredKVConfig:
     remote_tomb_ttl_seconds: how long a remote tombstone (an invalidated key, a
         cancelled write) refuses writes from every machine; must exceed the
         longest a write can be in flight, ``remote_write_deadline_seconds`` plus two
-        ``remote_timeout_seconds``.
+        ``remote_timeout_seconds``.  The machine that invalidated a key does not ask
+        the server for it meanwhile.
     remote_timeout_seconds: socket timeout of one round trip to the server.
     remote_queue_blocks: bound of the remote writes queued (shed beyond).
     remote_batch_blocks: commands per pipelined round trip.
     remote_write_deadline_seconds: a remote write not sent this long after it was
         queued is dropped (counted).
     remote_prefetch_blocks: a lookup asks the server for at most this many keys
-        past what the local tiers hold.
+        past what the local tiers hold; at most ``max(remote_queue_blocks,
+        remote_batch_blocks)``, what the remote reader takes queued.
     remote_miss_ttl_seconds: a key the server did not hold is not asked for again
         for this long (a lookup answers a miss meanwhile).
     host_policy / disk_policy: which evictable block a tier gives up first
@@ -225,6 +227,11 @@ class TieredKVConfig:
         _check_float("remote_write_deadline_seconds", self.remote_write_deadline_seconds, 0.001, 3600.0)
         _check_int("remote_prefetch_blocks", self.remote_prefetch_blocks, 0, 1 << 16)
         _check_float("remote_miss_ttl_seconds", self.remote_miss_ttl_seconds, 0.0, 3600.0)
+        reads = max(self.remote_queue_blocks, self.remote_batch_blocks)   # what the remote reader takes queued
+        if self.remote_prefetch_blocks > reads:
+            raise ConfigError(f"remote_prefetch_blocks={self.remote_prefetch_blocks} exceeds the remote reads that can "
+                              f"be queued (max(remote_queue_blocks, remote_batch_blocks) = {reads}): a step's probe "
+                              f"of that many keys would never be taken")
         from .core.policy import ADMISSIONS, POLICIES
 
         for name in ("host_policy", "disk_policy"):

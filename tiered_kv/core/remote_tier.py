@@ -5,7 +5,8 @@ local tiers asks the server, in two FETCH jobs: a probe of the step's keys (does
 them?), then, for those it holds, the read into host slots reserved only then -- so a miss, the
 common answer for a new prompt, costs no host slot and evicts nothing.  What the server did not
 hold is remembered for ``remote_miss_ttl_seconds``, so that an engine retrying a lookup every step
-does not ask again each time.  Each block a store publishes is also written there (a PUT job of
+does not ask again each time; what this machine invalidated is not asked for while its tombstone
+lives (``remote_tomb_ttl_seconds``).  Each block a store publishes is also written there (a PUT job of
 the step's keys, one token per key, like a spill job): write-through from host, beside the disk.
 
 Owner thread only; the store's I/O threads never see this object.
@@ -17,7 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from ..config import TieredKVConfig
 from ..errors import ConfigError
@@ -32,21 +33,24 @@ __all__ = ["RemoteTier", "MISSED_MAX"]
 log = logging.getLogger(__name__)
 
 MISSED_MAX = 1 << 16
-"""At most this many keys the server missed are remembered (the oldest quarter goes beyond it)."""
+"""At most this many keys not to ask the server for are remembered (the oldest quarter goes beyond it)."""
 
 
 class RemoteTier:
     """An open remote tier: ``store`` (the I/O threads), the puts in flight by key, the recent misses,
     and the keys this step wants fetched."""
 
-    def __init__(self, store: Any, metrics: Metrics, miss_ttl: float, prefetch: int) -> None:
+    def __init__(self, store: Any, metrics: Metrics, miss_ttl: float, prefetch: int, tomb_ttl: float) -> None:
         self.store = store
         self.miss_ttl = miss_ttl
+        self.tomb_ttl = tomb_ttl
         self.prefetch = prefetch
         # key -> (its token, the PUT job) of this owner's write of it in flight; only the job's first token is
         # in TierCore.jobs (the report's), so that a job of many blocks is one job against max_inflight_jobs
         self.putting: dict[bytes, tuple[uuid.UUID, Any]] = {}
-        self.missed: dict[bytes, float] = {}        # key -> when the server last missed it (monotonic)
+        # key -> until when (monotonic) it is not asked for: the server missed it lately, or this machine
+        # invalidated it (any value the server holds then is one the invalidation's tomb deletes)
+        self.missed: dict[bytes, float] = {}
         # key -> the token of the probe or fetch asking the server for it (or of this step's probe)
         self.asking: dict[bytes, uuid.UUID] = {}
         # the probe being gathered this step (submitted by TierCore.end_step)
@@ -86,7 +90,7 @@ class RemoteTier:
             m.remote_corrupt.labels(reason=reason).inc()
 
         store = RemoteStore(opts, completions, on_error=on_error, on_refused=on_refused, on_corrupt=on_corrupt)
-        return cls(store, metrics, cfg.remote_miss_ttl_seconds, cfg.remote_prefetch_blocks)
+        return cls(store, metrics, cfg.remote_miss_ttl_seconds, cfg.remote_prefetch_blocks, cfg.remote_tomb_ttl_seconds)
 
     # ------------------------------------------------------------------ puts
     def start_puts(self, entries: list[Entry], hindex: TierIndex, make_token: Callable[[], uuid.UUID],
@@ -125,19 +129,20 @@ class RemoteTier:
 
     # ------------------------------------------------------------------ fetches
     def recently_missed(self, key: bytes, now: float) -> bool:
-        t = self.missed.get(key)
-        if t is None:
+        until = self.missed.get(key)
+        if until is None:
             return False
-        if now - t < self.miss_ttl:
+        if now < until:
             return True
         del self.missed[key]
         return False
 
-    def note_miss(self, key: bytes, now: float) -> None:
+    def note_miss(self, key: bytes, now: float, ttl: Optional[float] = None) -> None:
+        """Do not ask the server for ``key`` for ``ttl`` seconds (default: ``remote_miss_ttl_seconds``)."""
         missed = self.missed
         missed.pop(key, None)
-        missed[key] = now
-        if len(missed) > MISSED_MAX:   # forget the oldest quarter (insertion order is age order)
+        missed[key] = now + (self.miss_ttl if ttl is None else ttl)
+        if len(missed) > MISSED_MAX:   # forget the oldest quarter (insertion order is the order noted)
             for k in list(missed)[:MISSED_MAX // 4]:
                 del missed[k]
 
@@ -158,20 +163,23 @@ class RemoteTier:
         self.asking[key] = token
         return True
 
-    def take_wanted(self) -> Optional[tuple[uuid.UUID, list[bytes]]]:
-        """Submit this step's probe (does the server hold these keys?): (token, keys) when queued."""
+    def take_wanted(self) -> Union[None, str, tuple[uuid.UUID, list[bytes]]]:
+        """Submit this step's probe (does the server hold these keys?): (token, keys) when queued, why
+        not (a shed reason: ``"backpressure"``, ``"remote_down"``) when the store refused it, None when
+        no key is wanted."""
         token, keys = self.want_token, self.want_keys
         if token is None:
             return None
         self.want_token, self.want_keys = None, []
         asking = self.asking
-        keys = [k for k in keys if asking.get(k) == token]   # not invalidated or stored meanwhile
+        # not invalidated or stored meanwhile; a key wanted again after an invalidation of it is asked once
+        keys = list(dict.fromkeys(k for k in keys if asking.get(k) == token))
         if not keys:
             return None
         if not self.store.submit_probe(token, keys):
             for k in keys:
                 del asking[k]
-            return None
+            return "backpressure" if self.store.available else "remote_down"
         return token, keys
 
     def probe_answered(self, token: uuid.UUID, keys: Sequence[bytes], r: Report, hindex: TierIndex,
@@ -231,8 +239,10 @@ class RemoteTier:
     def invalidate(self, key: bytes) -> Optional[tuple[uuid.UUID, Any]]:
         """``key`` is invalidated on this machine: a tombstone on the server stops every machine's
         write of it and deletes its value.  Returns (token, PUT job) of this owner's write of it in
-        flight, if any."""
-        self.missed.pop(key, None)
+        flight, if any.  The server is not asked for the key while the tomb lives: until the tomb
+        reaches it (the writer's queue may be behind the reader's probes) it may still hold the old
+        value, and afterwards it refuses every write of the key anyway."""
+        self.note_miss(key, time.monotonic(), self.tomb_ttl)
         self.asking.pop(key, None)
         put = self.putting.pop(key, None)
         if put is not None:

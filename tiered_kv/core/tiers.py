@@ -741,6 +741,9 @@ class TierCore:
         got = remote.take_wanted()
         if got is None:
             return
+        if type(got) is str:   # not queued: the reader is full or the server unavailable (asked again later)
+            self.shed(_FETCH, got)
+            return
         token, keys = got
         job = Job(token, _FETCH, keys[0], -1, keys=keys)
         job._entries = []   # a probe: no host slot yet (the fetch that follows has one per key)

@@ -27,7 +27,7 @@ from .url import RemoteTarget
 
 Cmd = Union[tuple[Any, ...], GetInto]   # a command: its arguments (a Parts among them), or a GET into a view
 
-__all__ = ["Conn", "Cmd", "error_kind", "BREAKER_KINDS", "import_redis", "route_key", "plain"]
+__all__ = ["Conn", "Cmd", "error_kind", "unreachable", "BREAKER_KINDS", "import_redis", "route_key", "plain"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,21 @@ def error_kind(exc: BaseException) -> str:
     if isinstance(exc, (OSError, EOFError)):
         return "connection"
     return "server_error"
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Whether a command's failure says the server is unreachable (what the circuit breaker counts): a
+    connection or timeout error, or a cluster without a serving master -- not a slot being migrated
+    (TRYAGAIN, ASK, or redis-py's redirects exhausted on one), where the server answered and the
+    other slots work."""
+    if error_kind(exc) not in BREAKER_KINDS:
+        return False
+    from redis import exceptions as E
+    if isinstance(exc, (E.TryAgainError, E.AskError)):   # MovedError is an AskError
+        return False
+    text = str(exc)
+    return not (text.startswith(("TRYAGAIN", "ASK", "MOVED"))
+                or (isinstance(exc, E.ClusterError) and "TTL exhausted" in text))
 
 
 def _redirect_errors() -> tuple[type, ...]:

@@ -23,7 +23,7 @@ from ..disk.format import HEADER_SIZE, CorruptEntry, verify_entry, verify_split
 from ..reports import CompletionQueue
 from .breaker import Breaker
 from .iothread import IOThread
-from .conn import BREAKER_KINDS, Conn, error_kind
+from .conn import Conn, error_kind, unreachable as server_unreachable
 from .keys import KeyNames, sha1hex
 from .ops import FetchJob
 from .resp import GetInto, Landed
@@ -164,7 +164,7 @@ class Reader(IOThread):
                 reason = error_kind(value)
                 msg = f"{type(value).__name__}: {value}"
                 first_error = first_error or msg
-                unreachable += reason in BREAKER_KINDS
+                unreachable += server_unreachable(value)
                 self._on_error(reason, msg)
             else:
                 key, view = job.keys[i], job.views[i]

@@ -25,7 +25,10 @@ ENV_PASSWORD = "TIERED_KV_REMOTE_PASSWORD"
 DEFAULT_PORT = 6379
 SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 TLS_PARAMS = ("ssl_ca_certs", "ssl_cert_reqs", "ssl_certfile", "ssl_keyfile")
+_PARAMS = (*TLS_PARAMS, "db")
 _USERINFO = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)([^/?#]*)@")   # greedy: up to the last '@' of the netloc
+# user info holding an unencoded '/', '?' or '#' (see _misplaced_at): up to the url's last '@'
+_USERINFO_SPILLED = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)(.*)@", re.S)
 
 
 def redact_url(url: str) -> str:
@@ -36,7 +39,13 @@ def redact_url(url: str) -> str:
         return "<not a string>"
     m = _USERINFO.match(url)
     if not m:
-        return url
+        _, sep, rest = url.partition("://")
+        cut = re.search(r"[/?#]", rest)
+        if not sep or cut is None or not _misplaced_at(rest[cut.start():]):
+            return url
+        m = _USERINFO_SPILLED.match(url)
+        if not m:
+            return url
     user, sep, _ = m.group(2).partition(":")
     if not sep:
         return url   # a lone user info is a user name (as redis-py reads it), no secret
@@ -84,6 +93,16 @@ def _host_port(item: str, url: str) -> tuple[str, int]:
     return host, _port(port, url)
 
 
+def _misplaced_at(tail: str) -> bool:
+    """Whether an ``@`` after the host can only end user info that holds an unencoded ``/``, ``?`` or
+    ``#``: one in the path, the fragment or a query item other than a known parameter's (whose
+    value, a key file's path, may hold one)."""
+    head, _, fragment = tail.partition("#")
+    path, _, query = head.partition("?")
+    return "@" in path or "@" in fragment or any("@" in item and item.partition("=")[0] not in _PARAMS
+                                                 for item in query.split("&"))
+
+
 def parse_url(url: str) -> RemoteTarget:
     """Parse ``url``; :class:`~tiered_kv.errors.ConfigError` (naming it redacted) when malformed."""
     if not isinstance(url, str) or "://" not in url:
@@ -98,6 +117,9 @@ def parse_url(url: str) -> RemoteTarget:
     else:
         m = re.search(r"[/?#]", rest)
         netloc, tail = (rest[:m.start()], rest[m.start():]) if m else (rest, "")
+        if _misplaced_at(tail):   # no part of such user info may be quoted by the errors below
+            raise ConfigError(f"remote url {redact_url(url)!r}: a '/', '?', '#' or '@' in the user name or password "
+                              f"must be percent-encoded")
     path, _, query = tail.partition("?")
     if "#" in query:
         query = query.partition("#")[0]
@@ -113,7 +135,7 @@ def parse_url(url: str) -> RemoteTarget:
     username = username or os.environ.get(ENV_USERNAME) or None
     if password is None:
         password = os.environ.get(ENV_PASSWORD) or None
-    unknown = set(params) - {"db", *TLS_PARAMS}
+    unknown = set(params) - set(_PARAMS)
     if unknown:
         raise ConfigError(f"remote url {redact_url(url)!r}: unknown parameter(s) {', '.join(sorted(unknown))}")
     tls = scheme.startswith("rediss")

@@ -24,7 +24,7 @@ from ..disk.format import pack_header
 from ..reports import CompletionQueue
 from .breaker import Breaker
 from .iothread import IOThread
-from .conn import BREAKER_KINDS, Conn, error_kind
+from .conn import BREAKER_KINDS, Conn, error_kind, unreachable as server_unreachable
 from .keys import NOT_STAGED, PUBLISHED, REFUSED_TOKEN, REFUSED_TOMB, STAGE_TTL_S, KeyNames
 from .ops import CANCEL, CANCELLED, DONE, DROP, INVALIDATE, QUEUED, TAKEN, PutGroup, PutPart, TombOp
 from .resp import Parts
@@ -308,7 +308,7 @@ class Writer(IOThread):
                 kind = error_kind(r)
                 msg = f"{type(r).__name__}: {r}"
                 first_error = first_error or msg
-                unreachable += kind in BREAKER_KINDS
+                unreachable += server_unreachable(r)
                 self._on_error(kind, msg)
                 if isinstance(op, PutPart):
                     self._answer_put(op, False, kind)
