@@ -225,3 +225,34 @@ def test_write_back_retries_a_spill_that_the_io_process_death_failed(rig: Rig) -
     dix = mgr._core.dindex
     missing = [k for k in ks if dix.ready(k) is None]
     assert missing == [], f"never written again after the failed spill: {missing}"
+
+
+# --------------------------------------------------------------------------- a death noticed while closing
+def test_a_child_that_died_before_close_is_counted_even_if_close_starts_first(rig: Rig) -> None:
+    """The receiver notices a death when the child's pipe ends; ``close()`` may begin in between (it
+    sets ``_closing``).  The death is still counted (``io_process_died``): only a child that said it
+    closed is a clean exit.  Forced: the receiver is held in its wait for the child's exit status
+    until ``close()`` has begun."""
+    kv = make_kv(rows=4)
+    mgr = rig.open(kv)
+    store = _child(mgr)
+    in_wait, closing = threading.Event(), threading.Event()
+    proc_wait = store._proc.wait
+
+    def held_wait(*a, **k):  # type: ignore[no-untyped-def]
+        in_wait.set()
+        assert closing.wait(30)
+        return proc_wait(*a, **k)
+
+    store._proc.wait = held_wait  # type: ignore[method-assign]
+    store.kill_for_test(signal.SIGKILL)
+    assert in_wait.wait(30)
+    real_kick = store.kick
+
+    def kick_then_let_go() -> None:   # close() has set _closing before its first kick
+        closing.set()
+        real_kick()
+
+    store.kick = kick_then_let_go  # type: ignore[method-assign]
+    store.close()
+    assert metric(mgr, "tiered_kv_errors_total", tier="disk", error="io_process_died") == 1

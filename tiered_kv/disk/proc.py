@@ -204,6 +204,7 @@ class ProcessDiskStore:
 
     # ------------------------------------------------------------ the receiver thread
     def _receive(self, frames: _Frames) -> None:
+        closed = False
         try:
             while True:
                 try:
@@ -211,9 +212,10 @@ class ProcessDiskStore:
                 except (EOFError, OSError):
                     break
                 if self._dispatch(items):
+                    closed = True
                     break
         finally:
-            self._gone()
+            self._gone(closed)
 
     def _dispatch(self, items: list[Any]) -> bool:
         """Apply one frame of the child's messages; True at its last (``closed``)."""
@@ -247,8 +249,9 @@ class ProcessDiskStore:
                 return True
         return False
 
-    def _gone(self) -> None:
-        """The child's reports end: answer everything outstanding as failed, then mark the store down."""
+    def _gone(self, closed: bool) -> None:
+        """The child's reports end: answer everything outstanding as failed, then mark the store down.
+        ``closed``: it said so (a clean close); else it died, counted also while the owner closes."""
         try:
             self.exit_code = self._proc.wait(timeout=_CLOSE_TIMEOUT_S)
         except subprocess.TimeoutExpired:   # its pipe closed but it lives on: make sure it is gone
@@ -257,7 +260,7 @@ class ProcessDiskStore:
         with self._lock:
             rest, self._outstanding = self._outstanding, {}
             self._dead = True
-        if not self._closing:
+        if not closed:
             log.error("disk tier %s: the disk I/O process (pid %d) exited with status %s; %d op(s) in flight "
                       "answered as failed", self.opts.path, self.pid, self.exit_code, len(rest))
             self._on_error("io_process_died", f"pid {self.pid} exited with status {self.exit_code}")
