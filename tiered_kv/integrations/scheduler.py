@@ -212,12 +212,10 @@ class SlabScheduler:
             return
         if not self.slab.done(token_seq(job.token)):
             if not success:
-                # an engine may report a store it never ran: its slots must not wait for a mark that never
-                # comes.  vLLM reports a job once every rank did, and a rank marks the ring before it
-                # reports, so no copy of this one ran or will run: its slots are free now
+                # its keys go now (never published); its slots wait for the rings' marks, as a cancelled
+                # job's do: a failed copy may still be running.  (vLLM 0.30-0.33 report no store failed;
+                # an engine that reports one it never ran keeps its slots until the ring entry is reused.)
                 self._cancel(job)
-                self._quarantine.remove(job)
-                self.core.settle_cancelled(job)
                 return
             self._awaiting.append(job)
             return

@@ -334,7 +334,8 @@ class TieredKVOffloadingManager(OffloadingManager):
 
     def prepare_store(self, keys: Collection[Any], req_context: ReqContext) -> Optional[PrepareStoreOutput]:
         p = self.tiers.prepare_store([_key(k) for k in keys])
-        if self._events_on:
+        if self._events_on:   # in the order they happened: stores published before, then these evictions
+            self._record(self.tiers.take_published(), removed=False)
             self._record(p.evicted, removed=True)
         return PrepareStoreOutput(keys_to_store=list(p.keys), store_spec=TieredKVLoadStoreSpec(p.token, p.seq, p.slots),
                                   evicted_keys=list(p.evicted))
