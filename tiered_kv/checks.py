@@ -4,6 +4,7 @@ before any state is touched.  Pure functions, shared by the front ends' public m
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from collections.abc import Iterable
 from typing import Any, Optional
@@ -95,12 +96,17 @@ def check_timeout(timeout: Any) -> Optional[float]:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
         raise ConfigError(f"timeout must be None or a number >= 0, got {timeout!r}")
-    return float(timeout)
+    try:
+        return float(timeout)
+    except OverflowError:   # an int past any float: as long as inf
+        return math.inf
 
 
 def check_device_blocks(t: Any) -> None:
     if not isinstance(t, torch.Tensor):
         raise DeviceTensorError(f"device_blocks must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout is not torch.strided:
+        raise DeviceTensorError(f"device_blocks must be a dense (strided) tensor, got layout {t.layout}")
     if t.dtype not in SUPPORTED_DTYPES:
         raise DeviceTensorError(f"device_blocks dtype {t.dtype} is not supported; use one of "
                                 f"{sorted(str(d) for d in SUPPORTED_DTYPES)}")
@@ -110,7 +116,7 @@ def check_device_blocks(t: Any) -> None:
         raise DeviceTensorError(f"device_blocks must have >= 1 non-empty row, got shape {tuple(t.shape)}")
     if t.device.type not in ("cpu", "cuda"):
         raise DeviceTensorError(f"device_blocks must be on cpu or cuda, got {t.device}")
-    if not t.is_contiguous():
+    if not t.is_contiguous() or t.stride(-1) != 1:   # a size-1 last dim's stride: contiguous to torch, not to view()
         raise DeviceTensorError(f"device_blocks rows must be contiguous, got shape {tuple(t.shape)} "
                                 f"strides {t.stride()}")
     if t.requires_grad:

@@ -27,6 +27,7 @@ _DURABILITY = ("sync", "batch", "none")
 _WRITE_MODES = ("through", "back")
 _DISK_IO = ("process", "thread")
 _MAX_NAMESPACE = 512
+_MAX_DISK_BYTES = 1 << 56   # 64 PiB: past it LMDB cannot map the index the capacity implies
 
 
 def _check_int(name: str, value: Any, lo: int, hi: Optional[int] = None) -> None:
@@ -40,7 +41,11 @@ def _check_int(name: str, value: Any, lo: int, hi: Optional[int] = None) -> None
 def _check_float(name: str, value: Any, lo: float, hi: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-    if not (lo <= float(value) <= hi):
+    try:
+        ok = lo <= float(value) <= hi
+    except OverflowError:   # an int past any float
+        ok = False
+    if not ok:
         raise ConfigError(f"{name} must be in [{lo}, {hi}], got {value!r}")
 
 
@@ -175,14 +180,20 @@ class TieredKVConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.namespace, str) or not self.namespace:
             raise ConfigError(f"namespace must be a non-empty str, got {self.namespace!r}")
-        if len(self.namespace.encode()) > _MAX_NAMESPACE:
-            raise ConfigError(f"namespace must be at most {_MAX_NAMESPACE} bytes, got {len(self.namespace.encode())}")
+        try:
+            ns_bytes = len(self.namespace.encode())
+        except UnicodeEncodeError:   # from the environment, undecodable bytes arrive as lone surrogates
+            raise ConfigError(f"namespace must be valid UTF-8, got {self.namespace!r}") from None
+        if ns_bytes > _MAX_NAMESPACE:
+            raise ConfigError(f"namespace must be at most {_MAX_NAMESPACE} bytes, got {ns_bytes}")
         _check_int("host_capacity_bytes", self.host_capacity_bytes, 1)
         if self.disk_path is not None and not isinstance(self.disk_path, (str, os.PathLike)):
             raise ConfigError(f"disk_path must be a path or None, got {self.disk_path!r}")
         if self.disk_path is not None and not str(os.fspath(self.disk_path)):
             raise ConfigError("disk_path must not be empty")
-        _check_int("disk_capacity_bytes", self.disk_capacity_bytes, 0)
+        if self.disk_path is not None and "\0" in str(os.fspath(self.disk_path)):
+            raise ConfigError(f"disk_path must not contain a NUL byte, got {self.disk_path!r}")
+        _check_int("disk_capacity_bytes", self.disk_capacity_bytes, 0, _MAX_DISK_BYTES)
         if self.disk_path is not None and self.disk_capacity_bytes == 0:
             raise ConfigError(f"disk_capacity_bytes must be > 0 when disk_path is set, got {self.disk_capacity_bytes!r}")
         if self.durability not in _DURABILITY:
@@ -206,7 +217,7 @@ class TieredKVConfig:
             _check_int("writer_batch_blocks", self.writer_batch_blocks, 1, 1 << 16)
         _check_int("writer_batch_bytes", self.writer_batch_bytes, 1)
         _check_float("writer_batch_seconds", self.writer_batch_seconds, 0.0, 60.0)
-        _check_int("disk_map_size_bytes", self.disk_map_size_bytes, 0)
+        _check_int("disk_map_size_bytes", self.disk_map_size_bytes, 0, _MAX_DISK_BYTES)
         if self.disk_io not in _DISK_IO:
             raise ConfigError(f"disk_io must be one of {_DISK_IO}, got {self.disk_io!r}")
         if self.remote_url is not None:
@@ -235,10 +246,10 @@ class TieredKVConfig:
         from .core.policy import ADMISSIONS, POLICIES
 
         for name in ("host_policy", "disk_policy"):
-            if getattr(self, name) not in POLICIES:
+            if not isinstance(getattr(self, name), str) or getattr(self, name) not in POLICIES:
                 raise ConfigError(f"{name} must be one of {tuple(POLICIES)}, got {getattr(self, name)!r}")
         for name in ("host_admission", "disk_admission"):
-            if getattr(self, name) not in ADMISSIONS:
+            if not isinstance(getattr(self, name), str) or getattr(self, name) not in ADMISSIONS:
                 raise ConfigError(f"{name} must be one of {tuple(ADMISSIONS)}, got {getattr(self, name)!r}")
         longest = self.remote_write_deadline_seconds + 2 * self.remote_timeout_seconds
         if self.remote_tomb_ttl_seconds <= longest:
@@ -252,7 +263,10 @@ class TieredKVConfig:
         return None if self.disk_path is None else Path(os.fspath(self.disk_path))
 
     def replace(self, **changes: Any) -> "TieredKVConfig":
-        """A copy with ``changes`` applied (validated again)."""
+        """A copy with ``changes`` applied (validated again); an unknown name raises :class:`ConfigError`."""
+        unknown = sorted(set(changes) - set(self.field_names()))
+        if unknown:
+            raise ConfigError(f"unknown config keys {unknown}; known: {list(self.field_names())}")
         return dataclasses.replace(self, **changes)
 
     @classmethod
@@ -298,14 +312,14 @@ def _parse_env(name: str, raw: str, default: Any) -> Any:
         if name == "remote_url":
             return raw or None
         if name == "remote_ttl_seconds":
-            return None if raw.strip().lower() in ("", "none", "0") else int(raw, 0)
+            return None if raw.strip().lower() in ("", "none") else int(raw, 0)
         if name == "disk_path":
             return raw or None
         if name in ("host_evict_ahead_blocks", "writer_queue_blocks", "writer_batch_blocks"):
             return None if raw.strip().lower() in ("", "auto", "none") else int(raw, 0)
-        if name == "pin_host_memory":
+        if name in ("pin_host_memory", "prefault_host_memory"):
             low = raw.strip().lower()
-            if low in ("", "auto", "none"):
+            if low in ("", "auto", "none") and name == "pin_host_memory":
                 return None
             if low in ("1", "true", "yes", "on"):
                 return True

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import dataclasses
+import errno
 import logging
 import mmap
 import os
@@ -83,7 +84,13 @@ def prepare_host_memory(rows: torch.Tensor, populate: bool = True, pinned: bool 
         pstart = addr // _PAGE * _PAGE
         if _madvise(lib, pstart, addr + nbytes - pstart, MADV_POPULATE_WRITE):
             how = "madvise"
-        else:
+        elif lib is not None and ctypes.get_errno() != errno.EINVAL:
+            # the kernel knows the advice and could not do it (ENOMEM: the memory is not there): touching
+            # every page would get the process OOM-killed or, on a shared slab, SIGBUS; the pages fault
+            # in as the first stores write them instead
+            log.warning("host slab of %d bytes not made resident at start: madvise(MADV_POPULATE_WRITE) failed "
+                        "with %s", nbytes, errno.errorcode.get(ctypes.get_errno(), ctypes.get_errno()))
+        else:   # a kernel before 5.14 (EINVAL: no such advice), or no libc: one write per page
             flat = rows.reshape(-1).view(torch.uint8)
             flat[(-addr) % _PAGE::_PAGE].fill_(0)   # the first byte of every page the tensor starts a page in
             flat[:1].fill_(0)                         # ... and of the page it begins in

@@ -145,29 +145,47 @@ class TierManager:
             raise ConfigError(f"host_evict_ahead_blocks={config.host_evict_ahead_blocks} must be below the host "
                               f"tier's {num_slots} slots (host_capacity_bytes={config.host_capacity_bytes} / "
                               f"{self.row_bytes}-byte blocks)")
+        # first: a registry that refuses these metrics (it holds another manager's) leaks nothing
+        try:
+            self.metrics = Metrics(registry, config.namespace)
+        except ValueError as exc:   # prometheus_client: "Duplicated timeseries in CollectorRegistry"
+            raise ConfigError(f"registry already holds tiered_kv metrics (one manager per registry; a closed "
+                              f"manager's stay until its metrics.close()): {exc}") from None
+        self._host_fd = -1
+        self._host_pinned = False   # registered with CUDA here (a shared slab), unregistered at close
+        try:
+            self._open(config, device_blocks, num_slots, mover_factory)
+        except BaseException:
+            self._close_host_fd()
+            self.metrics.close()
+            raise
+
+    def _open(self, config: TieredKVConfig, device_blocks: torch.Tensor, num_slots: int,
+              mover_factory: Optional[MoverFactory]) -> None:
+        """The constructor's resources: the host slab, the mover, the core (and its disk and remote tiers).
+        When one fails, the mover is closed here and the slab by the caller."""
         self._device_blocks = device_blocks
         self._dev_rows = device_blocks.view(torch.uint8).view(self.num_blocks, self.row_bytes)
         pin = pin_decision(config.pin_host_memory, device_blocks.is_cuda)
-        self._host_fd = -1
-        self._host_pinned = False   # registered with CUDA here (a shared slab), unregistered at close
         host: Optional[SharedHost] = None
         if config.disk_path is not None and config.disk_io == "process":
             # the disk I/O process maps the slab too: shared memory, pinned by registering it with CUDA
-            mm, self._host_fd = make_shared_rows(num_slots, self.row_bytes)
+            try:
+                mm, self._host_fd = make_shared_rows(num_slots, self.row_bytes)
+            except OSError as exc:
+                raise self._no_slab(config, num_slots, exc) from None
             self._host_rows = torch.frombuffer(mm, dtype=torch.uint8).view(num_slots, self.row_bytes)
             if pin:
-                try:
-                    register_pinned(self._host_rows)
-                except BaseException:
-                    self._close_host_fd()
-                    raise
+                register_pinned(self._host_rows)
                 self._host_pinned = True
             host = SharedHost(self._host_fd, 0, num_slots, self.row_bytes, self._host_rows.data_ptr())
         else:
-            self._host_rows = torch.empty((num_slots, self.row_bytes), dtype=torch.uint8, pin_memory=pin)
+            try:
+                self._host_rows = torch.empty((num_slots, self.row_bytes), dtype=torch.uint8, pin_memory=pin)
+            except RuntimeError as exc:   # torch's allocator: the memory is not there
+                raise self._no_slab(config, num_slots, exc) from None
         #: what was done at start to make the slab's pages resident (``prefault_host_memory``)
         self.host_memory = prepare_host_memory(self._host_rows, config.prefault_host_memory, pin)
-        self.metrics = Metrics(registry, config.namespace)
         self._completions = CompletionQueue()
         self._owner_tag = object()
         self._max_key_bytes = config.max_key_bytes
@@ -190,7 +208,6 @@ class TierManager:
                                          host=host)
         except BaseException:
             self._mover.close()
-            self._close_host_fd()
             raise
         core.on_store = self._apply_store
         core.on_load = self._apply_load
@@ -437,6 +454,7 @@ class TierManager:
         timeout = check_timeout(timeout)
         core = self._core
         if core.disk is None and core.remote is None:
+            self._poll(True)   # nothing to write; the registry is exact on return all the same
             return True
         if core.disk is not None and not core.disk.store.writer_alive():
             self._poll(True)
@@ -462,8 +480,13 @@ class TierManager:
         self._poll()
         core.slot_views.release()
         self._close_host_fd()
+        self.metrics.closed()   # its final counts stay readable; nothing it reports is healthy now
         self._closed = True
         log.info("tiered_kv manager closed: namespace=%s", self.config.namespace)
+
+    def _no_slab(self, config: TieredKVConfig, num_slots: int, exc: BaseException) -> ConfigError:
+        return ConfigError(f"host_capacity_bytes={config.host_capacity_bytes}: cannot allocate the host slab of "
+                           f"{num_slots * self.row_bytes} bytes ({num_slots} blocks): {exc}")
 
     def _close_host_fd(self) -> None:
         """The shared slab's file (the mapping stays while the tensor lives) and its CUDA registration."""
@@ -528,6 +551,7 @@ class TierManager:
 
     def host_bytes(self, key: bytes) -> Optional[torch.Tensor]:
         """A copy of ``key``'s bytes in the host tier if READY (for tests and tools)."""
+        self._check_open()
         entry = self._index.ready(self._check_key(key))
         return None if entry is None else self._host_rows[entry.slot].clone()
 
@@ -631,7 +655,8 @@ class TierManager:
     def _ok(self, job: Job, r: Report, link: tuple[str, str]) -> None:
         # callers apply only PENDING jobs, and PENDING -> DONE is always allowed (jobs.ALLOWED_MOVES)
         job.state = _DONE
-        self.metrics.moved(job.kind, link, r.nbytes, r.seconds)
+        n = len(job.keys)   # the histogram is one block's copy: the job's time shared by its blocks
+        self.metrics.moved(job.kind, link, r.nbytes, r.seconds / n, 1, n)
         self._outbox.append(_tuple_new(Completion, (job, True, None)))
 
     def _fail(self, job: Job, r: Report, tier: str) -> None:

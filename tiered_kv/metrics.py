@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 from .jobs import JobKind, StaleReason
 
@@ -31,7 +32,8 @@ CORRUPT_REASONS = ("truncated", "bad_magic", "bad_version", "wrong_namespace", "
 ERROR_KINDS = (("device", "copy_failed"), ("host", "copy_failed"), ("disk", "copy_failed"),
                ("disk", "open_failed"), ("disk", "flush_failed"), ("disk", "writer_died"), ("disk", "sync_failed"),
                ("disk", "map_full"), ("disk", "disk_full"), ("disk", "read_only"), ("disk", "io_error"),
-               ("disk", "lmdb_error"), ("disk", "writer_error"), ("disk", "slots_exhausted"), ("disk", "reader_error"))
+               ("disk", "lmdb_error"), ("disk", "writer_error"), ("disk", "slots_exhausted"), ("disk", "reader_error"),
+               ("disk", "io_process_died"), ("disk", "io_process_restart_failed"), ("disk", "io_process_start_failed"))
 _LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5)
 _LINKS = (("device", "host"), ("host", "device"), ("host", "disk"), ("disk", "host"), ("host", "remote"),
           ("remote", "host"))
@@ -160,6 +162,22 @@ class Metrics:
             self.errors.labels(tier=tier, error=error)
         self.refused = {why: self.remote_refused.labels(reason=why) for why in REFUSED_REASONS}
 
+    def closed(self) -> None:
+        """The manager closed: every tier it reports is unhealthy now.  The metrics stay on the registry
+        with their final values (:meth:`close` takes them off)."""
+        for g in self.health.values():
+            g.set(0)
+
+    def close(self) -> None:
+        """Take these metrics off the registry (idempotent), e.g. before a new manager registers on it."""
+        r = self.registry
+        for c in list(vars(self).values()):
+            if isinstance(c, MetricWrapperBase):
+                try:
+                    r.unregister(c)
+                except KeyError:   # not (or no longer) registered there
+                    pass
+
     def count(self, child: Any, n: float = 1) -> None:
         """Add to a bound counter child; applied by :meth:`flush` (the owner thread's per-job path)."""
         p = self._pending
@@ -169,9 +187,12 @@ class Metrics:
         """Observe into a bound histogram child; applied by :meth:`flush`."""
         self._observations.append((child, value, 1))
 
-    def moved(self, kind: JobKind, link: tuple[str, str], nbytes: int, seconds: float, n: int = 1) -> None:
+    def moved(self, kind: JobKind, link: tuple[str, str], nbytes: int, seconds: float, n: int = 1,
+              blocks: Optional[int] = None) -> None:
         """A job finished ok: count it, its bytes on ``link`` and its copy time (batched, as :meth:`count`).
         ``n``: a spill job's blocks, each counted and observed on its own, at ``seconds`` each.
+        ``blocks``: a store or load job of that many blocks, counted once and observed per block
+        (``seconds`` is then one block's share).
 
         :meth:`count` twice and :meth:`observe` once, written out: three calls' overhead less on the poll
         path, which runs this once per job.
@@ -181,7 +202,7 @@ class Metrics:
         p[c] = p.get(c, 0) + n
         c = self.link_bytes[link]
         p[c] = p.get(c, 0) + nbytes
-        self._observations.append((self.link_seconds[link], seconds, n))
+        self._observations.append((self.link_seconds[link], seconds, n if blocks is None else blocks))
 
     def flush(self) -> None:
         """Apply batched counts and observations (called at the end of every ``poll()``)."""

@@ -228,7 +228,7 @@ class TierCore:
         pool = self.token_pool
         token = pool.popleft() if pool else self.tokens()
         got, entries, full = self.index.reserve_absent(keys, token, protect, self.dindex)
-        if full:
+        if full:   # each key that found no evictable slot (the blocks not offloaded), job started or not
             self.shed(_STORE, "host_full", full)
         if not entries:
             pool.appendleft(token)   # not issued: the next job takes it, in order
@@ -289,13 +289,21 @@ class TierCore:
     def drop_store(self, job: Job, failed: bool) -> None:
         """A store's report that publishes nothing: it failed (the front end reports and counts it) or
         was cancelled (counted stale here)."""
-        index = self.index
+        index, dead = self.index, job._dead
         if failed:
+            if dead is not None:   # its parts cancelled before the report: discarded, whatever the copy did
+                for reason in dead.values():
+                    self.stale(_STORE, reason, job.token)
             for e in job._entries:
                 index.writer_done(e)
                 index.abort(e)
         else:
-            self.stale(_STORE, job.cancel_reason or _R_CANCELLED, job.token)
+            why = job.cancel_reason or _R_CANCELLED
+            if dead is None:   # cancelled whole: one report discarded
+                self.stale(_STORE, why, job.token)
+            else:   # its parts cancelled one by one (cancel_part): each with its own reason, as publish_store
+                for i in range(len(job._entries)):
+                    self.stale(_STORE, dead.get(i) or why, job.token)
             for e in job._entries:
                 index.writer_done(e)
 

@@ -104,6 +104,9 @@ class DiskStore:
         except lmdb.Error as exc:
             self._release()
             raise DiskTierError(f"disk_path {str(o.path)!r} is damaged: {exc}") from exc
+        except (OverflowError, ValueError) as exc:   # sizes LMDB cannot map: a tier that cannot open
+            self._release()
+            raise DiskTierError(f"disk_path {str(o.path)!r} cannot be opened with these sizes: {exc}") from exc
         except BaseException:
             self._release()
             raise

@@ -9,7 +9,11 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
+from ..errors import DiskInUseError, TieredKVError
+
 __all__ = ["main"]
+
+log = logging.getLogger(__name__)
 
 
 def _workload_config(args: argparse.Namespace, offload: str, remote: bool = False) -> Any:
@@ -194,6 +198,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return int(args.func(args))
     except KeyboardInterrupt:
         return 130
+    except DiskInUseError as exc:   # as the operator commands: one line, status 3
+        print(f"tiered-kv {args.cmd}: {exc}", file=sys.stderr)
+        return 3
+    except (TieredKVError, ValueError, OSError) as exc:   # a bad argument or a path it cannot use: one line
+        log.debug("tiered-kv %s failed", args.cmd, exc_info=True)
+        print(f"tiered-kv {args.cmd}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -290,13 +290,18 @@ def run_workload(cfg: WorkloadConfig, registry: Optional[CollectorRegistry] = No
                               host_capacity_bytes=cfg.host_blocks * row_bytes,
                               disk_path=disk_path, disk_capacity_bytes=cfg.disk_blocks * row_bytes if disk_path else 0,
                               remote_url=cfg.remote_url)
-        mgr = TierManager(mcfg, kv, registry=registry)
-        if on_manager is not None:
-            on_manager(mgr)
+        try:
+            mgr = TierManager(mcfg, kv, registry=registry)
+        except BaseException:
+            if tmpdir is not None:
+                shutil.rmtree(tmpdir, ignore_errors=True)
+            raise
     t0 = time.perf_counter()
-    eng = _Engine(cfg, mgr, kv)
     remote_healthy: Optional[float] = None
     try:
+        if mgr is not None and on_manager is not None:
+            on_manager(mgr)   # inside the try: a failure here (a port in use) still closes the manager
+        eng = _Engine(cfg, mgr, kv)
         try:
             n = 0
             while True:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import shutil
 import sys
@@ -175,6 +176,13 @@ def _run(args: argparse.Namespace) -> int:
         distinct = int(stats["distinct_blocks"])
         host = parse_size(args.host, distinct, block_bytes)
         disk = parse_size(args.disk, distinct, block_bytes) if args.disk else 0
+        sweep_caps = [parse_size(x, distinct, block_bytes) for x in args.sweep_sizes.split(",")] \
+            if args.sweep and args.sweep_sizes else None
+        # the places written at the end of a long run, checked before it
+        for opt, where in (("--json", Path(args.json).parent if args.json else None),
+                           ("--scratch", Path(args.scratch) if args.scratch else None)):
+            if where is not None and not (where.is_dir() and os.access(where, os.W_OK)):
+                raise ValueError(f"{opt}: {str(where)!r} is not a writable directory")
     except (TraceError, ValueError, OSError) as exc:
         print(f"tiered-kv replay: {exc}", file=sys.stderr)
         return 2
@@ -228,8 +236,7 @@ def _run(args: argparse.Namespace) -> int:
             return 2
         from .tracetools import sweep
 
-        caps = [max(1, int(f * distinct)) for f in DEFAULT_SWEEP] if not args.sweep_sizes else \
-            [parse_size(s, distinct, block_bytes) for s in args.sweep_sizes.split(",")]
+        caps = sweep_caps or [max(1, int(f * distinct)) for f in DEFAULT_SWEEP]
         say(f"sweeping {len(caps)} host sizes x {len(POLICIES)} policies + Belady ...")
         curves = sweep(requests, caps, list(POLICIES), admission=args.host_admission)
         out["sweep"] = curves
