@@ -10,31 +10,18 @@ import errno
 import os
 import signal
 import threading
-import time
 
 import pytest
 import torch
 
 from tiered_kv.disk import proc
-from tiered_kv.disk.proc import ProcessDiskStore
 
 from disk_helpers import (Rig, drain, fill, keys, load_ok, make_kv, metric, raw_keys, rig,  # noqa: F401
                           store_one, store_seq)
 
+from test_disk_process import _child, _wait_down  # the same helpers
+
 pytestmark = pytest.mark.timeout(120)
-
-
-def _child(mgr) -> ProcessDiskStore:  # type: ignore[no-untyped-def]
-    store = mgr.disk
-    assert isinstance(store, ProcessDiskStore), type(store)
-    return store
-
-
-def _wait_down(store: ProcessDiskStore, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not store.down:
-        assert time.monotonic() < deadline, "the dead child's ops were not answered"
-        time.sleep(0.005)
 
 
 def _disk_only(rig: Rig, n: int, prefix: str):  # type: ignore[no-untyped-def]
