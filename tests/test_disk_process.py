@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import textwrap
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -65,6 +66,22 @@ def _spill_to_a_stopped_child(mgr, kv: torch.Tensor, key: bytes, row: int = 0) -
     mgr.wait([job], timeout=30)                     # the host copy; its spill goes to the stopped child
     mgr.poll()
     return store
+
+
+def hold_answers(store: ProcessDiskStore) -> tuple[threading.Event, threading.Event]:
+    """Hold the receiver in ``_answer_failed`` (a dead child's answers, before the store is down):
+    ``held`` is set once it is there, and it goes on when ``go`` is set."""
+    held, go = threading.Event(), threading.Event()
+    answer = store._answer_failed
+
+    def answer_when_let(ops) -> None:  # type: ignore[no-untyped-def]
+        ops = list(ops)
+        held.set()
+        assert go.wait(60)
+        answer(ops)
+
+    store._answer_failed = answer_when_let  # type: ignore[method-assign]
+    return held, go
 
 
 def _wait_down(store: ProcessDiskStore, timeout: float = 30) -> None:
@@ -141,7 +158,6 @@ def test_a_flush_waiting_when_the_child_dies_returns_false(rig: Rig) -> None:
     kv = make_kv(rows=4)
     mgr = rig.open(kv)
     store = _spill_to_a_stopped_child(mgr, kv, b"k")
-    import threading
 
     def kill_once_the_flush_waits() -> None:   # polls for the state, not a guessed time
         deadline = time.monotonic() + 30
@@ -169,16 +185,7 @@ def test_the_store_is_down_only_once_the_dead_childs_answers_are_queued(rig: Rig
     kv = make_kv(rows=4)
     mgr = rig.open(kv)
     store = _spill_to_a_stopped_child(mgr, kv, b"k")
-    held, go = threading.Event(), threading.Event()
-    answer = store._answer_failed
-
-    def answer_when_let(ops) -> None:  # type: ignore[no-untyped-def]
-        ops = list(ops)
-        held.set()
-        assert go.wait(30)
-        answer(ops)
-
-    store._answer_failed = answer_when_let  # type: ignore[method-assign]
+    held, go = hold_answers(store)
     store.kill_for_test(signal.SIGKILL)
     try:
         assert held.wait(30), "the receiver never saw the child go"

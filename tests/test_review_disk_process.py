@@ -19,7 +19,7 @@ from tiered_kv.disk import proc
 from disk_helpers import (Rig, drain, fill, keys, load_ok, make_kv, metric, raw_keys, rig,  # noqa: F401
                           store_one, store_seq)
 
-from test_disk_process import _child, _wait_down  # the same helpers
+from test_disk_process import _child, _wait_down, hold_answers  # the same helpers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -113,16 +113,7 @@ def test_a_spill_while_the_dead_childs_ops_are_being_answered_is_shed_as_disk_do
     dix = mgr._core.dindex
     assert all(dix.ready(k) is not None for k in ks) and len(dix) == 4
     store = _child(mgr)
-    held, go = threading.Event(), threading.Event()
-    answer = store._answer_failed
-
-    def answer_when_let(ops):  # type: ignore[no-untyped-def]
-        ops = list(ops)
-        held.set()
-        assert go.wait(60)
-        answer(ops)
-
-    store._answer_failed = answer_when_let  # type: ignore[method-assign]
+    held, go = hold_answers(store)
     store.kill_for_test(signal.SIGKILL)
     try:
         assert held.wait(30)
