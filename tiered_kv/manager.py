@@ -148,7 +148,9 @@ class TierManager:
         # first: a registry that refuses these metrics (it holds another manager's) leaks nothing
         try:
             self.metrics = Metrics(registry, config.namespace)
-        except ValueError as exc:   # prometheus_client: "Duplicated timeseries in CollectorRegistry"
+        except ValueError as exc:
+            if "Duplicated timeseries" not in str(exc):   # prometheus_client's words for a name taken
+                raise
             raise ConfigError(f"registry already holds tiered_kv metrics (one manager per registry; a closed "
                               f"manager's stay until its metrics.close()): {exc}") from None
         self._host_fd = -1
