@@ -280,3 +280,29 @@ def test_replay_bad_arguments_exit_2_without_a_traceback(extra, tiny_trace, tmp_
     argv = [a.format(tmp=tmp_path, trace=tiny_trace) for a in extra]
     rc, err = _cli(capsys, "replay", str(tiny_trace), "--quiet", "--host", "4", *argv)
     assert rc == 2 and err.startswith("tiered-kv replay"), (rc, err)
+
+
+def test_a_constructor_that_fails_after_making_the_shared_slab_closes_it(tmp_path):
+    """A manager whose disk tier cannot open (its path held by another manager: DiskInUseError from the
+    core) raises after it made the shared host slab: the slab's file descriptor and the metrics it
+    registered are let go (a second attempt on the same registry, once the path is free, works)."""
+    import os
+
+    from tiered_kv.errors import DiskInUseError
+
+    def fds() -> set[str]:   # the listing's own directory fd is gone once listdir returns: lexists drops it
+        return {fd for fd in os.listdir("/proc/self/fd") if os.path.lexists(f"/proc/self/fd/{fd}")}
+
+    cfg = dh.disk_config(tmp_path / "d", row_bytes=128, disk_io="process")
+    holder = TierManager(cfg, dh.make_kv(4, row_bytes=128), registry=CollectorRegistry())
+    reg = CollectorRegistry()
+    try:
+        before = fds()
+        with pytest.raises(DiskInUseError):
+            TierManager(cfg, dh.make_kv(4, row_bytes=128), registry=reg)
+        leaked = fds() - before
+        assert not leaked, {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in leaked}
+        assert list(reg.collect()) == []
+    finally:
+        holder.close()
+    TierManager(cfg, dh.make_kv(4, row_bytes=128), registry=reg).close()
