@@ -226,6 +226,7 @@ def _bench(args: argparse.Namespace) -> int:
             return _err(f"cannot read {args.from_json}: {exc}")
         if result.get("benchmark") != "tiered-kv bench":
             return _err(f"{args.from_json} is not a 'tiered-kv bench' result")
+        result = report.revive(result)   # NaN the run measured, saved as null
         result["figures"] = report.collect_figures(result)  # figures follow the current report code
     else:
         sections = None

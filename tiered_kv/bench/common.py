@@ -264,21 +264,22 @@ def _proc_stat_cpu() -> Optional[tuple[float, float]]:
 class LoadMonitor:
     """CPU used by *other* processes while a section ran (the machine may be shared).
 
-    ``foreign_cpu_s`` = machine busy CPU seconds - this process's CPU seconds;
+    ``foreign_cpu_s`` = machine busy CPU seconds - this process's CPU seconds (its reaped children's
+    included: the disk I/O process a section's managers started and closed is not foreign);
     ``foreign_share`` = that over (wall seconds x cores).  A figure measured
     with a large foreign share is noisier than its repeats suggest.
     """
 
     def __enter__(self) -> "LoadMonitor":
         self.t0 = time.perf_counter()
-        self.own0 = sum(os.times()[:2])
+        self.own0 = sum(os.times()[:4])
         self.stat0 = _proc_stat_cpu()
         self.load0 = os.getloadavg() if hasattr(os, "getloadavg") else None
         return self
 
     def __exit__(self, *exc: Any) -> None:
         wall = time.perf_counter() - self.t0
-        own = sum(os.times()[:2]) - self.own0
+        own = sum(os.times()[:4]) - self.own0
         stat1 = _proc_stat_cpu()
         self.result: dict[str, Any] = {"wall_s": wall, "own_cpu_s": own,
                                        "loadavg_start": self.load0,

@@ -633,7 +633,7 @@ def _host_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
         ld = steps("load", load_many, [keys[i] for i in order], [n + r for r in rows])
         for i in check_rows:  # untimed: the bytes really landed (load i put key order[i] into row n + rows[i])
             if not torch.equal(kv[n + rows[i]], kv[rows[order[i]]]):
-                problems.append(f"batched pass: row {n + rows[i]} holds the wrong block")
+                problems.append(f"batched pass: row {n + rows[i]} != row {rows[order[i]]} after load")   # '!=': wrong bytes
         return st, ld
 
     def large_pass() -> tuple[float, float]:
@@ -660,6 +660,7 @@ def _host_size(block: int, ws: int, passes: int, warmup: int, rng: random.Random
         order = sides if p % 2 == 0 else sides[::-1]
         for side in order:
             gc.collect()
+            kv[n:].fill_(255)   # untimed: each side's loads must land for its check to pass, not the last side's
             if side == "tkv":
                 st, ld = tkv_pass(keys)
             elif side in ("tkvB", "tkvS"):
