@@ -385,6 +385,8 @@ class TierIndex:
                 del self._entries[entry.key]
             if entry.state is _READY:
                 self.policy.remove(entry)   # evictable or leased: the policy forgets it
+            else:
+                self.policy.abandon(entry.key)   # never inserted: what the reservation told it goes
         self._maybe_free(entry)
 
     # -- internals -------------------------------------------------------

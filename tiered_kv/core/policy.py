@@ -48,6 +48,9 @@ class Policy:
 
     name = "policy"
 
+    def abandon(self, key: bytes) -> None:
+        """A reservation of ``key`` left the index before it was inserted (nothing to forget by default)."""
+
     def __len__(self) -> int:   # pragma: no cover - every policy says
         raise NotImplementedError
 
@@ -466,6 +469,18 @@ class ARC(Policy):
                 adapted[key] = None
                 if len(adapted) > self.c:
                     adapted.popitem(last=False)
+        e = self._replace(protect, key, ghost)
+        if e is None and key is not None:
+            self.adapted.pop(key, None)   # no reservation follows: the mark must not outlive it
+        return e
+
+    def abandon(self, key: bytes) -> None:
+        """A reservation of ``key`` ended without an insert (its store failed or was dropped): a ghost
+        hit's mark goes with it, so a later insert of ``key`` is a ghost hit only if it is one then."""
+        self.adapted.pop(key, None)
+
+    def _replace(self, protect: Collection[bytes], key: Optional[bytes], ghost: bool) -> Optional["Entry"]:
+        t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
         n1 = len(t1) + self.n_leased[1]
         if key is not None and not ghost and n1 >= self.c:
             e = self._oldest(t1, protect, key)   # T1 is the whole cache: its oldest goes, no ghost
