@@ -459,7 +459,6 @@ class ARC(Policy):
         return None
 
     def victim(self, protect: Collection[bytes], key: Optional[bytes]) -> Optional["Entry"]:
-        t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
         ghost = False
         if key is not None:
             ghost = key in self.adapted
@@ -480,6 +479,7 @@ class ARC(Policy):
         self.adapted.pop(key, None)
 
     def _replace(self, protect: Collection[bytes], key: Optional[bytes], ghost: bool) -> Optional["Entry"]:
+        """ARC's REPLACE for a reservation of ``key`` (``ghost``: a ghost hit, ``p`` adapted already)."""
         t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
         n1 = len(t1) + self.n_leased[1]
         if key is not None and not ghost and n1 >= self.c:
