@@ -206,3 +206,13 @@ def test_the_load_monitor_does_not_count_the_bench_s_own_children_as_other_proce
     with bench_common.LoadMonitor() as lm:
         pass
     assert lm.result["foreign_cpu_s"] == pytest.approx(0.0), lm.result
+
+
+def test_revive_brings_back_nan_only_where_the_bench_measured() -> None:
+    """--from-json's ``revive``: a saved ``null`` is NaN again in a summary, a ratio or a rate, but a
+    ``skipped`` of None (not skipped) stays None, also under a measured key (NaN would read as skipped)."""
+    import math
+    r = report.revive({"ratios": {"a_vs_b": None}, "tkv_us": {"n": 0, "median": None, "skipped": None},
+                       "gbps_runs": [None, 1.0], "skipped": None, "diskcache": None})
+    assert math.isnan(r["ratios"]["a_vs_b"]) and math.isnan(r["tkv_us"]["median"]) and math.isnan(r["gbps_runs"][0])
+    assert r["tkv_us"]["skipped"] is None and r["skipped"] is None and r["diskcache"] is None

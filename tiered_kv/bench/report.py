@@ -70,7 +70,8 @@ def revive(x: Any, measured: bool = False) -> Any:
     missing section) stays None."""
     if isinstance(x, dict):
         stats = "n" in x and "median" in x   # a summarize() result: every number in it is measured
-        return {k: revive(v, measured or stats or bool(_MEASURED.search(k))) for k, v in x.items()}
+        return {k: x[k] if k == "skipped" else revive(v, measured or stats or bool(_MEASURED.search(k)))
+                for k, v in x.items()}
     if isinstance(x, list):
         return [revive(v, measured) for v in x]
     return float("nan") if x is None and measured else x
