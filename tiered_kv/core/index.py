@@ -24,7 +24,7 @@ from collections.abc import Callable, Collection, Container, Iterator, Sequence
 from itertools import islice, repeat
 from typing import Any, Optional
 
-from .policy import LRU, Admission, Policy
+from .policy import LRU, Admission, Policy, admission_victim
 
 __all__ = ["TierIndex", "Entry", "EntryState"]
 
@@ -190,16 +190,14 @@ class TierIndex:
             for k in keys:
                 record(k)
 
-    def admits(self, key: bytes) -> bool:
-        """Whether a new entry for ``key`` may enter (asked just before reserving it; a refusal is counted
-        in ``refused``).  Promotes and fetches do not ask: they serve a lookup that found the key."""
+    def admits(self, key: bytes, protect: Collection[bytes] = ()) -> bool:
+        """Whether a new entry for ``key`` may enter (asked just before reserving it, with the ``protect``
+        the reservation gets; a refusal is counted in ``refused``).  Promotes and fetches do not ask:
+        they serve a lookup that found the key."""
         adm = self.admission
         if adm is None:
             return True
-        victim = None
-        if not self._free:
-            cold = self.policy.coldest(1)
-            victim = cold[0].key if cold else None
+        victim = None if self._free else admission_victim(self.policy, protect, key)
         if adm.admit(key, victim):
             return True
         self.refused += 1
@@ -252,6 +250,8 @@ class TierIndex:
         get, pop, hit = entries.get, free.pop, policy.hit
         lru_get = None if lru is None else lru.get
         admits = None if self.admission is None else self.admits
+        if admits is not None and type(protect) is list and len(protect) > 8:
+            protect = set(protect)   # the filter's victim is looked up in protect per key
         got: list[bytes] = []
         new: list[Entry] = []
         add_key, add_entry = got.append, new.append
@@ -266,7 +266,7 @@ class TierIndex:
                 continue
             if elsewhere is not None and k in elsewhere:
                 continue
-            if admits is not None and not admits(k):
+            if admits is not None and not admits(k, protect):
                 continue
             if not free:
                 if type(protect) is list and len(protect) > 8:

@@ -18,7 +18,7 @@ change of that, so a policy never sees, and never returns, a leased entry:
 ==================  =========================================================================
 
 Admission (:class:`Admission`) decides whether a new key enters a tier at all: ``admit(key, victim)``
-with the key the tier would evict for it (None when a slot is free).  A refused key costs nothing
+with the key the tier would evict for it (:func:`admission_victim`; None when a slot is free).  A refused key costs nothing
 already stored: admission only gates new entries.
 
 Every call runs on the owner thread (the index's caller); nothing here locks.
@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING, Optional
 if TYPE_CHECKING:   # pragma: no cover
     from .index import Entry
 
-__all__ = ["Policy", "LRU", "S3FIFO", "ARC", "PrefixLRU", "Admission", "AdmitAll", "SecondHit", "TinyLFU", "POLICIES", "ADMISSIONS", "make_policy", "make_admission"]
+__all__ = ["Policy", "LRU", "S3FIFO", "ARC", "PrefixLRU", "Admission", "AdmitAll", "SecondHit", "TinyLFU", "POLICIES",
+           "ADMISSIONS", "make_policy", "make_admission", "admission_victim"]
 
 
 class Policy:
@@ -900,6 +901,21 @@ class TinyLFU(Admission):
 
 POLICIES: dict[str, type[Policy]] = {"lru": LRU, "s3fifo": S3FIFO, "arc": ARC, "prefix": PrefixLRU}
 ADMISSIONS: dict[str, type[Admission]] = {"all": AdmitAll, "second_hit": SecondHit, "tinylfu": TinyLFU}
+
+
+def admission_victim(policy: Policy, protect: Collection[bytes], key: bytes) -> Optional[bytes]:
+    """The key an admission filter weighs ``key`` against in a full tier: the coldest evictable entry
+    that ``victim(protect, key)`` may take (not ``key``, not in ``protect``), found with ``coldest``,
+    which changes nothing (the filter may refuse, and then nothing is evicted); None when every
+    evictable entry is protected.  The tier index and the trace simulator both ask through here."""
+    cold = policy.coldest(1)
+    if not cold:
+        return None
+    k = cold[0].key
+    if k != key and k not in protect:
+        return k   # the rule: the coldest is not one the caller protects
+    n = len(protect) + 2   # at most len(protect) + 1 of the coldest are excluded
+    return next((e.key for e in policy.coldest(n) if e.key != key and e.key not in protect), None)
 
 
 def make_policy(name: str, num_slots: int) -> Policy:

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, Optional, Union
 
 from ..core.index import Entry, EntryState
-from ..core.policy import ADMISSIONS, POLICIES, Admission, AdmitAll, Policy
+from ..core.policy import ADMISSIONS, POLICIES, Admission, AdmitAll, Policy, admission_victim
 
 __all__ = [
     "BLOCK_TOKENS", "DTYPE_BYTES", "DEFAULT_BLOCK_BYTES", "Request", "SimResult", "TierSimResult", "ModelShape",
@@ -372,17 +372,14 @@ class _Tier:
         """A new entry for ``key`` (the policy sees it at :meth:`publish`), evicting one if full; None
         when not stored (``refused`` or ``shed`` counted).  As the tier index does: the admission filter
         is asked first (unless ``ask`` is false: promotes serve a lookup that found the key), with the
-        policy's coldest entry as the victim it would evict (None while a slot is free).  Evicted
-        entries are appended to ``evicted``."""
+        entry it would evict (:func:`~tiered_kv.core.policy.admission_victim`; None while a slot is
+        free).  Evicted entries are appended to ``evicted``."""
         if self.capacity == 0:
             self.shed += 1
             return None
         full = not self.free
         if ask and not self.admit_all:
-            cand = None
-            if full:
-                cold = self.policy.coldest(1)
-                cand = cold[0].key if cold else None
+            cand = admission_victim(self.policy, protect, key) if full else None
             if not self.admission.admit(key, cand):
                 self.refused += 1
                 return None
@@ -499,8 +496,8 @@ def simulate(requests: Sequence[Request], capacity: int, policy_name: str, admis
 
     The calls per request, as the tier index makes them: ``link(keys)`` once with the request's keys;
     ``hit(e)`` for each block of the cached prefix and for each block after the first miss that is
-    cached anyway; for each block to insert, ``admit(key, victim)`` (``victim``: the key of
-    ``coldest(1)`` when the tier is full, else None; not asked for ``all``), then when full
+    cached anyway; for each block to insert, ``admit(key, victim)`` (``victim``: the key
+    ``admission_victim`` names when the tier is full, else None; not asked for ``all``), then when full
     ``victim(protect=the request's keys, key)``; ``insert(e)`` of the new entries after the request's
     evictions (a store publishes its blocks when their copies land).  ``record(key)`` sees each block
     reference once, at lookup (as the tier index's ``seen``).  Raises ValueError naming an unknown policy or admission or a bad
