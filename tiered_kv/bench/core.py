@@ -64,7 +64,7 @@ import torch
 from tiered_kv import TieredKVConfig, TierManager
 from tiered_kv.jobs import JobKind
 from tiered_kv.metrics import sample_total
-from tiered_kv.movers import EVENT_BYTES, CompletionQueue, Mover, Report, ThreadMover, Transfer
+from tiered_kv.movers import EVENT_BYTES, CompletionQueue, ImmediateMover, Report, ThreadMover, Transfer
 from tiered_kv.movers.cuda import STAGE_BYTES
 
 from .common import GiB, KiB, LoadMonitor, MiB, as_mode, summarize
@@ -233,22 +233,6 @@ class UnsafeDictOffloader:
             complete(r.token, r.ok)
         done, self.finished = self.finished, set()
         return done
-
-
-class ImmediateMover(Mover):
-    """Trivial in-process mover: answers each Transfer at once, ok, without copying."""
-
-    polled = False
-
-    def __init__(self, device_rows: torch.Tensor, host_rows: torch.Tensor, completions: CompletionQueue) -> None:
-        self._put = completions.put
-        self._nbytes = int(host_rows.shape[1])
-
-    def submit(self, t: Transfer) -> None:
-        self._put(Report(t.token, t.kind, True, None, len(t.rows) * self._nbytes, 0.0))
-
-    def close(self) -> None:
-        return None
 
 
 # ----------------------------------------------------------------------------- 1. lifecycles

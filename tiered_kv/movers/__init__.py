@@ -1,8 +1,8 @@
 """Movers: the parts that copy bytes between device rows and host slots.  They never touch the owner's maps.
 
-* :mod:`.base` -- the messages (:class:`Transfer`, :class:`Report`), the :class:`CompletionQueue`
-  and the :class:`Mover` base class every mover subclasses (the owner calls its methods
-  unconditionally).
+* :mod:`.base` -- the messages (:class:`Transfer`, :class:`Report`), the :class:`CompletionQueue`,
+  the :class:`Mover` base class every mover subclasses (the owner calls its methods
+  unconditionally) and :class:`ImmediateMover` (answers at once, copies nothing).
 * :mod:`.thread` -- :class:`ThreadMover`: worker threads, ``memmove``; used without CUDA.
 * :mod:`.cuda` -- :class:`CudaMover`: CUDA streams and events, harvested by ``query()``.
 * :mod:`.torch_cuda` -- :class:`TorchCuda`: the CUDA calls ``CudaMover`` makes, through torch (a
@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .base import CompletionQueue, Mover, Plane, Report, Transfer
+from .base import CompletionQueue, ImmediateMover, Mover, Plane, Report, Transfer
 from .cuda import EVENT_BYTES, CudaMover
 from .thread import CATCH_UP_S, ThreadMover
 from .torch_cuda import TorchCuda
 
-__all__ = ["Transfer", "Report", "CompletionQueue", "Mover", "Plane", "ThreadMover", "CudaMover", "TorchCuda",
-           "EVENT_BYTES", "make_mover"]
+__all__ = ["Transfer", "Report", "CompletionQueue", "Mover", "ImmediateMover", "Plane", "ThreadMover", "CudaMover",
+           "TorchCuda", "EVENT_BYTES", "make_mover"]
 
 
 def make_mover(planes: Sequence[Plane], completions: CompletionQueue, num_workers: int, num_streams: int,

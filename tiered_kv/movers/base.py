@@ -21,7 +21,7 @@ import torch
 from ..jobs import JobKind
 from ..reports import CompletionQueue, Report
 
-__all__ = ["Transfer", "Report", "CompletionQueue", "Mover", "Plane"]
+__all__ = ["Transfer", "Report", "CompletionQueue", "Mover", "ImmediateMover", "Plane"]
 
 Plane = tuple[torch.Tensor, torch.Tensor]
 """``(device_rows, host_rows)``: row ``r`` of the first and row ``s`` of the second hold one block's bytes."""
@@ -78,6 +78,25 @@ class Mover(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None: ...
+
+
+class ImmediateMover(Mover):
+    """Answers each transfer at once, ok, on the submitting thread, without copying: the owner sees
+    its jobs complete in the order it submitted them, whatever the machine's timing.  For work where
+    the rows carry no data: ``tiered-kv replay`` (hit ratios that depend only on the trace) and the
+    control path's benchmarks."""
+
+    polled = False
+
+    def __init__(self, device_rows: torch.Tensor, host_rows: torch.Tensor, completions: CompletionQueue) -> None:
+        self._put = completions.put
+        self._nbytes = int(host_rows.shape[1]) * host_rows.element_size()
+
+    def submit(self, t: Transfer) -> None:
+        self._put(Report(t.token, t.kind, True, None, len(t.rows) * self._nbytes, 0.0))
+
+    def close(self) -> None:
+        return None
 
 
 def check_planes(planes: Sequence[Plane]) -> tuple[list[Plane], int]:

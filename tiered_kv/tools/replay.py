@@ -104,6 +104,7 @@ def replay(requests: Sequence[Any], host_blocks: int, disk_blocks: int, *, host_
 
     from .. import TieredKVConfig, TierManager
     from ..bench.trace import keys_of, replay_engine
+    from ..movers import ImmediateMover
     from ..metrics import sample_total
 
     reqs = keys_of([list(r.hash_ids) for r in requests])
@@ -116,7 +117,8 @@ def replay(requests: Sequence[Any], host_blocks: int, disk_blocks: int, *, host_
                              host_policy=host_policy, disk_policy=disk_policy, host_admission=host_admission,
                              disk_admission=disk_admission, host_evict_ahead_blocks=0, durability="none",
                              max_inflight_jobs=max(4096, 4 * rows), writer_queue_blocks=max(256, rows))
-        mgr = TierManager(cfg, torch.zeros(rows, ROW_BYTES, dtype=torch.uint8), registry=CollectorRegistry())
+        mgr = TierManager(cfg, torch.zeros(rows, ROW_BYTES, dtype=torch.uint8), registry=CollectorRegistry(),
+                          mover_factory=ImmediateMover)
         for _ in range(8):   # the disk tier keeps room for write batches inside its capacity: add that room
             held = mgr._core.dindex.num_slots if mgr._core.dindex is not None else disk_blocks
             if held == disk_blocks:
@@ -124,7 +126,8 @@ def replay(requests: Sequence[Any], host_blocks: int, disk_blocks: int, *, host_
             mgr.close()
             shutil.rmtree(str(Path(tmp) / "disk"), ignore_errors=True)   # type: ignore[arg-type]
             cfg = cfg.replace(disk_capacity_bytes=cfg.disk_capacity_bytes + (disk_blocks - held) * ROW_BYTES)
-            mgr = TierManager(cfg, torch.zeros(rows, ROW_BYTES, dtype=torch.uint8), registry=CollectorRegistry())
+            mgr = TierManager(cfg, torch.zeros(rows, ROW_BYTES, dtype=torch.uint8), registry=CollectorRegistry(),
+                          mover_factory=ImmediateMover)
         try:
             if held != disk_blocks:
                 raise ValueError(f"could not size a disk tier of {disk_blocks} blocks (it holds {held})")
