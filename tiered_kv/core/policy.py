@@ -18,8 +18,8 @@ change of that, so a policy never sees, and never returns, a leased entry:
 ==================  =========================================================================
 
 Admission (:class:`Admission`) decides whether a new key enters a tier at all: ``admit(key, victim)``
-with the key the tier would evict for it (:func:`admission_victim`; None when a slot is free).  A refused key costs nothing
-already stored: admission only gates new entries.
+with the key the tier would evict for it (:func:`admission_victim`; None when a slot is free).  A
+refused key costs nothing already stored: admission only gates new entries.
 
 Every call runs on the owner thread (the index's caller); nothing here locks.
 

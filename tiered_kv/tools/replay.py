@@ -104,8 +104,8 @@ def replay(requests: Sequence[Any], host_blocks: int, disk_blocks: int, *, host_
 
     from .. import TieredKVConfig, TierManager
     from ..bench.trace import keys_of, replay_engine
-    from ..movers import ImmediateMover
     from ..metrics import sample_total
+    from ..movers import ImmediateMover
 
     reqs = keys_of([list(r.hash_ids) for r in requests])
     rows = PER_STEP * max(len(k) for k in reqs)
@@ -127,7 +127,7 @@ def replay(requests: Sequence[Any], host_blocks: int, disk_blocks: int, *, host_
             shutil.rmtree(str(Path(tmp) / "disk"), ignore_errors=True)   # type: ignore[arg-type]
             cfg = cfg.replace(disk_capacity_bytes=cfg.disk_capacity_bytes + (disk_blocks - held) * ROW_BYTES)
             mgr = TierManager(cfg, torch.zeros(rows, ROW_BYTES, dtype=torch.uint8), registry=CollectorRegistry(),
-                          mover_factory=ImmediateMover)
+                              mover_factory=ImmediateMover)
         try:
             if held != disk_blocks:
                 raise ValueError(f"could not size a disk tier of {disk_blocks} blocks (it holds {held})")
