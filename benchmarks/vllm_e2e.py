@@ -145,6 +145,9 @@ def run_system(system: str, rep: int, work: Path, plan: dict[str, Any], gpu_shar
     if not r["ok"]:
         return {**out, "error": f"reload: {r['error']}"}
     res = r["result"]
+    first = res["a_first"]
+    out.update(store_prefill_s=first.get("prefill_s"), store_decode_s=first.get("decode_s"),
+               store_queued_s=first.get("queued_s"))
     out.update(store_s=res["wall_s"]["a_first"], reload_s=res["wall_s"]["a_second"],
                reload_cached_tokens=res["a_second"]["num_cached_tokens"], prompt_tokens=res["a_second"]["prompt_len"],
                same_output=res["same_output"], first_tokens=res["a_first"]["token_ids"],
@@ -211,6 +214,11 @@ def summarize(runs: dict[str, list[dict[str, Any]]], skipped: dict[str, str]) ->
         if r["figure"].startswith("reload"):
             r["note"] = (f"{_median(rs, 'reload_cached_tokens'):.0f} of {_median(rs, 'prompt_tokens'):.0f} prompt "
                          f"tokens from the cache; same output: {all(x['same_output'] for x in rs)}")
+        elif r["figure"].startswith("the storing request") and _median(rs, "store_prefill_s") is not None:
+            base = ok.get("none", [])
+            bp, bd = _median(base, "store_prefill_s"), _median(base, "store_decode_s")
+            r["note"] = (f"prefill {_median(rs, 'store_prefill_s'):.3f} s, decode {_median(rs, 'store_decode_s'):.3f} s"
+                         + ("" if bp is None or bd is None else f" (none: {bp:.3f} s, {bd:.3f} s)"))
         elif r["figure"].startswith("churn"):
             r["note"] = (f"{_median(rs, 'churn_completed'):.0f} completed, {_median(rs, 'churn_aborted'):.0f} "
                          f"aborted, {_median(rs, 'churn_preemptions'):.0f} preemptions")

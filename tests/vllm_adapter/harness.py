@@ -39,8 +39,9 @@ JSON shape (all scenarios)::
     }
 
 A request record ``REC`` is ``{"request_id", "prompt_len", "num_cached_tokens",
-"token_ids", "finish_reason", "num_preemptions"}`` (num_cached_tokens is fixed when
-the request is first scheduled; num_preemptions counts that request's preemptions).
+"token_ids", "finish_reason", "num_preemptions", "queued_s", "prefill_s", "decode_s"}``
+(num_cached_tokens is fixed when the request is first scheduled; num_preemptions counts that
+request's preemptions; the last three split its time at the engine core's timestamps).
 
 ``result`` per scenario:
 
@@ -235,6 +236,11 @@ def record(out) -> dict[str, Any]:
     """One RequestOutput as JSON."""
     comp = out.outputs[0]
     stats = getattr(out, "metrics", None)
+
+    def span(a: str, b: str) -> float | None:   # seconds between two of the engine core's timestamps
+        t0, t1 = getattr(stats, a, 0.0), getattr(stats, b, 0.0)
+        return t1 - t0 if t0 and t1 else None
+
     return {
         "request_id": out.request_id,
         "prompt_len": len(out.prompt_token_ids or []),
@@ -242,6 +248,11 @@ def record(out) -> dict[str, Any]:
         "token_ids": list(comp.token_ids),
         "finish_reason": comp.finish_reason,
         "num_preemptions": getattr(stats, "num_preemptions", None),
+        # where a request's time went (None where vLLM kept no stats): waiting to be scheduled, its
+        # prefill (scheduled to first token), its decode (first to last token)
+        "queued_s": span("queued_ts", "scheduled_ts"),
+        "prefill_s": span("scheduled_ts", "first_token_ts"),
+        "decode_s": span("first_token_ts", "last_token_ts"),
     }
 
 

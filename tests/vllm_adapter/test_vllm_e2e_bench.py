@@ -29,7 +29,7 @@ E2E = _load()
 def _run(system: str, **kv: Any) -> dict[str, Any]:
     base = {"system": system, "repeat": 0, "store_s": 1.0, "reload_s": 1.0, "reload_cached_tokens": 0,
             "prompt_tokens": 200, "same_output": True, "churn_tokens_per_s": 100.0, "churn_completed": 6,
-            "churn_aborted": 2, "churn_preemptions": 3}
+            "churn_aborted": 2, "churn_preemptions": 3, "store_prefill_s": 0.5, "store_decode_s": 0.25}
     base.update(kv)
     return base
 
@@ -54,6 +54,7 @@ def test_ratios_are_each_systems_median_over_the_engine_without_offloading() -> 
     assert "192 of 200 prompt tokens from the cache" in r["note"]
     r = _row(rows, "the storing request", "tiered_kv")
     assert (r["value"], r["baseline"], r["ratio"]) == (2.4, 2.0, pytest.approx(1.2))
+    assert r["note"] == "prefill 0.500 s, decode 0.250 s (none: 0.500 s, 0.250 s)"
     r = _row(rows, "churn", "tiered_kv")
     assert (r["value"], r["baseline"]) == (250.0, 200.0) and r["better"] == "higher"
     assert _row(rows, "reload", "vllm-lru") == {"figure": "reload after reset_prefix_cache()", "system": "vllm-lru",
@@ -101,6 +102,7 @@ def test_a_smoke_run_measures_tiered_kv_beside_no_offloading(tmp_path: Path) -> 
     reload_row = _row(res["rows"], "reload", "tiered_kv")
     assert reload_row["baseline"] > 0 and reload_row["value"] > 0
     assert reload_row["note"].startswith("192 of 200 prompt tokens from the cache; same output: True")
+    assert _row(res["rows"], "the storing request", "tiered_kv")["note"].startswith("prefill ")
     churn = _row(res["rows"], "churn", "tiered_kv")
     assert churn["value"] > 0 and churn["baseline"] > 0
     assert not churn["note"].endswith(" 0 preemptions"), churn["note"]   # the pool is small enough to preempt
