@@ -250,8 +250,8 @@ class TierIndex:
         get, pop, hit = entries.get, free.pop, policy.hit
         lru_get = None if lru is None else lru.get
         admits = None if self.admission is None else self.admits
-        if admits is not None and type(protect) is list and len(protect) > 8:
-            protect = set(protect)   # the filter's victim is looked up in protect per key
+        if type(protect) is list and len(protect) > 8 and (admits is not None or n > len(free)):
+            protect = set(protect)   # looked up per key: by the filter's victim, or by a full tier's evictions
         got: list[bytes] = []
         new: list[Entry] = []
         add_key, add_entry = got.append, new.append
@@ -269,8 +269,6 @@ class TierIndex:
             if admits is not None and not admits(k, protect):
                 continue
             if not free:
-                if type(protect) is list and len(protect) > 8:
-                    protect = set(protect)   # a full tier evicts per key here, each a look-up in protect
                 if not self._evict_one(protect, k):
                     full += 1
                     continue
