@@ -93,12 +93,22 @@ def offloading_config(model: str, extra: dict[str, Any]) -> Any:
     return build_offloading_config(vc, kc)
 
 
+def _harness() -> Any:
+    """tests/vllm_adapter/harness.py, whose two functions name each spec's keys (the end-to-end runs use them)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tkv_vllm_harness", ROOT / "tests" / "vllm_adapter" / "harness.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def extra_config(name: str, slots: int, shm_dir: str) -> dict[str, Any]:
+    h = _harness()
     if name == "tiered_kv":
-        return {"spec_name": "TieredKVOffloadingSpec", "spec_module_path": "tiered_kv.integrations.vllm",
-                "host_bytes": slots * ROW_BYTES, "shm_dir": shm_dir}
-    return {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": slots * ROW_BYTES,
-            "eviction_policy": name.split("-", 1)[1]}
+        return h.offload_extra_config(slots * ROW_BYTES, None, 0, shm_dir=shm_dir)
+    return h.native_extra_config(name, slots * ROW_BYTES, None)
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -150,8 +150,9 @@ def build_model(model_dir: str, size: str = "tiny") -> bool:
 # ----------------------------------------------------------------------------- engine
 
 def offload_extra_config(host_bytes: int, disk_path: str | None, disk_bytes: int,
-                         remote_url: str | None = None) -> dict[str, Any]:
-    """``kv_connector_extra_config`` for the tiered_kv adapter (the only place naming its keys)."""
+                         remote_url: str | None = None, shm_dir: str | None = None) -> dict[str, Any]:
+    """``kv_connector_extra_config`` for the tiered_kv adapter (the one place naming its keys for the
+    harness and the benchmarks: ``benchmarks/vllm_scheduler_side.py`` builds its configs here too)."""
     extra: dict[str, Any] = {
         "spec_name": "TieredKVOffloadingSpec",
         "spec_module_path": "tiered_kv.integrations.vllm",
@@ -161,6 +162,8 @@ def offload_extra_config(host_bytes: int, disk_path: str | None, disk_bytes: int
     }
     if remote_url is not None:
         extra["remote_url"] = remote_url
+    if shm_dir is not None:
+        extra["shm_dir"] = shm_dir
     return extra
 
 
