@@ -469,17 +469,23 @@ def test_without_catch_up_or_before_its_delay_a_flush_copies_nothing():
 
 def test_the_managers_cpu_mover_catches_up_and_the_vllm_copier_does_not():
     """The copier runs a rank's jobs one after another on one worker (a store after a load of the same
-    block relies on it): a batch copied by the owner could run beside the worker's."""
+    block relies on it): a batch copied by the owner could run beside the worker's.  The managers'
+    default CPU mover is the native one (no GIL, nothing to catch up); with ``cpu_mover="threads"``, or
+    rows its views do not fit (3-byte rows), it is a ThreadMover that catches up."""
     from tiered_kv.integrations.copier import _copy_mover
-    from tiered_kv.movers import CATCH_UP_S, make_mover
+    from tiered_kv.movers import CATCH_UP_S, NativeMover, ThreadMover, make_mover
     dev, host = torch.zeros((4, 32), dtype=torch.uint8), torch.zeros((4, 32), dtype=torch.uint8)
-    a = make_mover([(dev, host)], CompletionQueue(), 1, 1, 64)
+    odd = (torch.zeros((4, 3), dtype=torch.uint8), torch.zeros((4, 3), dtype=torch.uint8))
+    n = make_mover([(dev, host)], CompletionQueue(), 1, 1, 64)
+    a = make_mover([(dev, host)], CompletionQueue(), 1, 1, 64, "threads")
+    c = make_mover([odd], CompletionQueue(), 1, 1, 64)
     b = _copy_mover([(dev, host)], CompletionQueue(), 64)
     try:
-        assert a._catch_up_s == CATCH_UP_S and b._catch_up_s is None
+        assert type(n) is NativeMover and type(a) is ThreadMover and type(c) is ThreadMover
+        assert a._catch_up_s == CATCH_UP_S and c._catch_up_s == CATCH_UP_S and b._catch_up_s is None
     finally:
-        a.close()
-        b.close()
+        for m in (n, a, b, c):
+            m.close()
 
 
 def test_transfers_handed_over_at_submit_are_caught_up_too():

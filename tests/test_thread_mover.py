@@ -219,13 +219,16 @@ def test_batch_max_below_one_is_refused():
                     CompletionQueue(), batch_max=0)
 
 
-def test_the_managers_cpu_copies_start_at_poll_and_batch_one_starts_them_in_store():
-    """The default CPU mover queues a step's copies and poll() starts them; copy_batch_max=1 does not queue."""
+@pytest.mark.parametrize("cpu_mover", ["native", "threads"])
+def test_the_managers_cpu_copies_start_at_poll_and_batch_one_starts_them_in_store(cpu_mover):
+    """The CPU movers queue a step's copies and poll() starts them; copy_batch_max=1 does not queue."""
+    from tiered_kv.movers import NativeMover
     kv = make_kv(8)
     for batch in (64, 1):
-        with TierManager(make_config(host_slots=16, copy_batch_max=batch), kv, registry=CollectorRegistry()) as mgr:
+        cfg = make_config(host_slots=16, copy_batch_max=batch, cpu_mover=cpu_mover)
+        with TierManager(cfg, kv, registry=CollectorRegistry()) as mgr:
             mover = mgr._mover
-            assert isinstance(mover, ThreadMover)
+            assert type(mover) is (NativeMover if cpu_mover == "native" else ThreadMover)
             jobs = []
             for i in range(3):
                 fill_row(kv, i, b"k%d-%d" % (batch, i))

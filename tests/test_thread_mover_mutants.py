@@ -18,7 +18,7 @@ import torch
 from tiered_kv.jobs import JobKind
 from tiered_kv.movers import CompletionQueue, ThreadMover, Transfer
 from tiered_kv.movers import thread as thread_mod
-from tiered_kv.movers.thread import _wide_planes, batch_copy
+from tiered_kv.movers.thread import wide_planes, batch_copy
 
 _STORE, _LOAD = JobKind.STORE, JobKind.LOAD
 WIDTH = 64   # bytes per row: a transfer of n rows is n * 64 bytes
@@ -184,7 +184,7 @@ def test_batch_copy_stages_through_the_rows_of_its_stage_and_never_resizes_it(n,
     assert torch.equal(dst_u8[others], keep[others])
 
 
-# ---------------------------------------------------------------------------- _wide_planes
+# ---------------------------------------------------------------------------- wide_planes
 class _CudaLooking(torch.Tensor):
     """A CPU tensor that says it is on a CUDA device (no GPU needed to ask the question)."""
 
@@ -195,19 +195,19 @@ class _CudaLooking(torch.Tensor):
 
 def test_no_wide_view_when_either_side_of_a_plane_is_on_a_cuda_device():
     cpu = torch.zeros((4, WIDTH), dtype=torch.uint8)
-    assert _wide_planes([(cpu, cpu.clone())]) is not None
-    assert _wide_planes([(torch.zeros((4, WIDTH), dtype=torch.uint8).as_subclass(_CudaLooking), cpu)]) is None
-    assert _wide_planes([(cpu, torch.zeros((4, WIDTH), dtype=torch.uint8).as_subclass(_CudaLooking))]) is None
+    assert wide_planes([(cpu, cpu.clone())]) is not None
+    assert wide_planes([(torch.zeros((4, WIDTH), dtype=torch.uint8).as_subclass(_CudaLooking), cpu)]) is None
+    assert wide_planes([(cpu, torch.zeros((4, WIDTH), dtype=torch.uint8).as_subclass(_CudaLooking))]) is None
 
 
 def test_no_wide_view_when_the_two_sides_rows_differ_in_bytes():
-    assert _wide_planes([(torch.zeros((4, 32), dtype=torch.uint8), torch.zeros((4, 64), dtype=torch.uint8))]) is None
+    assert wide_planes([(torch.zeros((4, 32), dtype=torch.uint8), torch.zeros((4, 64), dtype=torch.uint8))]) is None
 
 
 def test_no_wide_view_when_one_sides_rows_cannot_be_viewed_as_byte_rows():
     unviewable = torch.zeros((4, 16, 4), dtype=torch.uint8).transpose(1, 2)     # rows not one run of bytes
-    assert _wide_planes([(unviewable, torch.zeros((4, 64), dtype=torch.uint8))]) is None
-    assert _wide_planes([(torch.zeros((4, 64), dtype=torch.uint8), unviewable)]) is None
+    assert wide_planes([(unviewable, torch.zeros((4, 64), dtype=torch.uint8))]) is None
+    assert wide_planes([(torch.zeros((4, 64), dtype=torch.uint8), unviewable)]) is None
 
 
 def test_both_sides_of_a_plane_get_the_widest_element_that_fits_both():
@@ -216,7 +216,7 @@ def test_both_sides_of_a_plane_get_the_widest_element_that_fits_both():
     dev = _random_rows(6, WIDTH, 3)
     host_buf = torch.zeros((6, 72), dtype=torch.uint8)
     host = host_buf[:, :WIDTH]
-    (wd, wh), = _wide_planes([(dev, host)])
+    (wd, wh), = wide_planes([(dev, host)])
     assert wd.dtype == wh.dtype == torch.int64 and wd.shape == wh.shape == (6, WIDTH // 8)
     q = CompletionQueue()
     m = ThreadMover([(dev, host)], q, num_workers=0, batch_max=64)

@@ -226,6 +226,7 @@ BAD_FIELDS = [
     ("disk_capacity_bytes", -1), ("disk_capacity_bytes", True), ("disk_capacity_bytes", 2.0),
     ("durability", "fast"), ("durability", None), ("durability", "SYNC"),
     ("write_mode", "around"), ("write_mode", 1),
+    ("cpu_mover", "thread"), ("cpu_mover", None), ("cpu_mover", "NATIVE"),
     ("max_inflight_jobs", 0), ("max_inflight_jobs", (1 << 24) + 1), ("max_inflight_jobs", True),
     ("num_copy_workers", 0), ("num_copy_workers", 65), ("num_copy_workers", False),
     ("num_copy_streams", 0), ("num_copy_streams", 65), ("num_copy_streams", 2.0),
@@ -353,6 +354,7 @@ _UNPARSEABLE = "environment value for {} is not valid: {!r}"
     # these parse; the field check refuses the value
     ("TIERED_KV_MAX_INFLIGHT_JOBS", "0", "max_inflight_jobs must be in [1, 16777216], got 0"),
     ("TIERED_KV_DURABILITY", "fast", "durability must be one of ('sync', 'batch', 'none'), got 'fast'"),
+    ("TIERED_KV_CPU_MOVER", "gpu", "cpu_mover must be one of ('native', 'threads'), got 'gpu'"),
 ])
 def test_from_env_bad_values(var, raw, message):
     env = {"TIERED_KV_NAMESPACE": "m", "TIERED_KV_HOST_CAPACITY_BYTES": "4096", var: raw}

@@ -17,15 +17,17 @@ from typing import Any, Literal, Optional, Union
 
 from .errors import ConfigError
 
-__all__ = ["TieredKVConfig", "Durability", "WriteMode", "DiskIO"]
+__all__ = ["TieredKVConfig", "Durability", "WriteMode", "DiskIO", "CpuMover"]
 
 Durability = Literal["sync", "batch", "none"]
 WriteMode = Literal["through", "back"]
 DiskIO = Literal["process", "thread"]
+CpuMover = Literal["native", "threads"]
 
 _DURABILITY = ("sync", "batch", "none")
 _WRITE_MODES = ("through", "back")
 _DISK_IO = ("process", "thread")
+_CPU_MOVERS = ("native", "threads")
 _MAX_NAMESPACE = 512
 _MAX_DISK_BYTES = 1 << 56   # 64 PiB: past it LMDB cannot map the index the capacity implies
 
@@ -70,7 +72,14 @@ class TieredKVConfig:
         and promotes included -- have reached it; spills themselves are not shed by
         it (``writer_queue_blocks`` bounds them).  The vLLM adapter never sheds the
         loads vLLM was promised.
-    num_copy_workers: worker threads of the CPU mover (ignored with CUDA).
+    cpu_mover: how a KV tensor without CUDA is copied.  ``"native"``: a step's
+        copies run in torch's inter-op threads (``torch.jit.fork``), which never
+        take the GIL, so they go on while the engine thread runs Python
+        (:mod:`tiered_kv.movers.native`); rows no 8- or 16-byte view fits, or a
+        torch without TorchScript, fall back to the threads.  ``"threads"``:
+        ``num_copy_workers`` Python threads (:mod:`tiered_kv.movers.thread`).
+    num_copy_workers: worker threads of the CPU mover with ``cpu_mover="threads"``
+        (ignored with CUDA).
     num_copy_streams: CUDA copy streams of the GPU mover.
     copy_batch_max: the movers queue the copies of ``store()``/``load()`` and
         start them together at the next ``poll()``/``wait()``, or at once when
@@ -150,6 +159,7 @@ class TieredKVConfig:
     durability: Durability = "batch"
     write_mode: WriteMode = "through"
     max_inflight_jobs: int = 4096
+    cpu_mover: CpuMover = "native"
     num_copy_workers: int = 2
     num_copy_streams: int = 2
     copy_batch_max: int = 64
@@ -201,6 +211,8 @@ class TieredKVConfig:
         if self.write_mode not in _WRITE_MODES:
             raise ConfigError(f"write_mode must be one of {_WRITE_MODES}, got {self.write_mode!r}")
         _check_int("max_inflight_jobs", self.max_inflight_jobs, 1, 1 << 24)
+        if self.cpu_mover not in _CPU_MOVERS:
+            raise ConfigError(f"cpu_mover must be one of {_CPU_MOVERS}, got {self.cpu_mover!r}")
         _check_int("num_copy_workers", self.num_copy_workers, 1, 64)
         _check_int("num_copy_streams", self.num_copy_streams, 1, 64)
         _check_int("copy_batch_max", self.copy_batch_max, 1, 1 << 16)
@@ -306,7 +318,7 @@ class TieredKVConfig:
 
 def _parse_env(name: str, raw: str, default: Any) -> Any:
     try:
-        if name in ("namespace", "durability", "write_mode", "disk_io", "host_policy", "disk_policy",
+        if name in ("namespace", "durability", "write_mode", "disk_io", "cpu_mover", "host_policy", "disk_policy",
                     "host_admission", "disk_admission"):
             return raw
         if name == "remote_url":

@@ -202,7 +202,7 @@ class TierManager:
         if mover_factory is None:
             self._mover: Mover = make_mover([(self._dev_rows, self._host_rows)], self._completions,
                                             config.num_copy_workers, config.num_copy_streams,
-                                            config.copy_batch_max)
+                                            config.copy_batch_max, config.cpu_mover)
         else:
             self._mover = mover_factory(self._dev_rows, self._host_rows, self._completions)
         try:

@@ -121,6 +121,7 @@ def test_an_unknown_key_is_refused_naming_it(model_dir: str, tmp_path: Path) -> 
 @pytest.mark.parametrize(("key", "instead"), [
     ("host_capacity_bytes", "host_bytes"), ("disk_capacity_bytes", "disk_bytes"),
     ("num_copy_workers", "submission order"), ("num_copy_streams", "submission order"),
+    ("cpu_mover", "submission order"),
 ])
 def test_fields_that_mean_something_else_under_vllm_are_refused(model_dir: str, tmp_path: Path, key: str,
                                                                 instead: str) -> None:

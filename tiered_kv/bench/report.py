@@ -485,6 +485,12 @@ def _copy_step_figures(r: dict[str, Any]) -> list[dict[str, Any]]:
         x = r[compute]
         t, pb, b = x["batched"], x["per_block"], x["dict"]
         c = r["runs"][compute]["batched"][0]["counts"]
+        th = x.get("threads")
+        tc = r["runs"][compute]["threads"][0]["counts"] if th is not None else None
+        threads = ("" if th is None or tc is None else
+                   f"; the Python copy threads (cpu_mover=\"threads\") {th['cpu_us_mean']:.0f} us, run 1: "
+                   f"{tc['loads']} loads ({tc['loads_skipped_busy']} skipped: rows still loading), "
+                   f"{tc['stores_none']} stores shed")
         out.append(_fig(
             "engine step", f"copy_step.engine_cpu_us.{compute}",
             f"engine step with copies, store_many({r['stores']}) + load_many({r['loads']}) + poll, "
@@ -496,7 +502,8 @@ def _copy_step_figures(r: dict[str, Any]) -> list[dict[str, Any]]:
             note=f"engine-thread CPU per step, mean of {r['steps']} steps (median of {r['repeats']} runs); p50 "
                  f"{t['cpu_us_p50']:.0f} / p99 {t['cpu_us_p99']:.0f} us; the per-block API (64 store() + 64 load()) "
                  f"{pb['cpu_us_mean']:.0f} us; run 1: {c['loads']} loads, {c['loads_none']} found their keys not yet "
-                 f"stored, {c['stores_none']} stores shed"))
+                 f"stored, {c['loads_skipped_busy']} skipped (rows still loading), {c['stores_none']} stores shed"
+                 f"{threads}"))
     return out
 
 

@@ -265,7 +265,9 @@ COPY_ROW_BYTES = 64 * 1024
 """A 16-token block of one layer of an 8-KV-head, 128-dim bf16 model."""
 COPY_LAG = 8                 # a step loads the keys stored this many steps before (their copies landed)
 COPY_HOST_STEPS = 32         # the host tier holds this many steps of stores: it is full and evicts
-COPY_MODES = ("batched", "per_block", "dict")
+COPY_MODES = ("batched", "threads", "per_block", "dict")
+"""``batched``: store_many/load_many, the default CPU mover (native); ``threads``: the same on the Python copy
+threads (``cpu_mover="threads"``); ``per_block``: store()/load() per block; ``dict``: the unsafe original."""
 COPY_PLANS: dict[str, dict[str, Any]] = {
     "full": {"steps": 1500, "warmup": 150, "repeats": 3, "compute_s": 0.002},
     "quick": {"steps": 500, "warmup": 100, "repeats": 1, "compute_s": 0.002},
@@ -306,7 +308,8 @@ def _copy_run(mode: str, seed: int, steps: int, warmup: int, compute_s: float, b
 
         base._submit = submit
     else:
-        cfg = TieredKVConfig(namespace="bench/copy-step", host_capacity_bytes=slots * COPY_ROW_BYTES)
+        cfg = TieredKVConfig(namespace="bench/copy-step", host_capacity_bytes=slots * COPY_ROW_BYTES,
+                             cpu_mover="threads" if mode == "threads" else "native")
         mgr = TierManager(cfg, kv, registry=CollectorRegistry())
     finished: set[Any] = set()
     store: Callable[[bytes, int], Any]
@@ -327,7 +330,7 @@ def _copy_run(mode: str, seed: int, steps: int, warmup: int, compute_s: float, b
         prev = pending[g]
         busy_rows = prev is not None and (any(j not in finished for j in prev) if type(prev) is list
                                           else prev not in finished)
-        if mode == "batched":
+        if mode in ("batched", "threads"):
             assert mgr is not None
             if src is not None and busy_rows:
                 counts["loads_skipped_busy"] += 1
@@ -357,6 +360,7 @@ def _copy_run(mode: str, seed: int, steps: int, warmup: int, compute_s: float, b
                                  (lambda: _spin(compute_s, junk)) if busy else (lambda: time.sleep(compute_s)))
         out: dict[str, Any] = {"cpu_us": summarize(cpu_us, "us"), "counts": counts}
         if mgr is not None:
+            out["mover"] = type(mgr._mover).__name__
             reg = mgr.metrics.registry
             out["copy_failed"] = sample_total(reg, "tiered_kv_jobs_total", outcome="failed")
         return out
@@ -370,9 +374,9 @@ def _copy_run(mode: str, seed: int, steps: int, warmup: int, compute_s: float, b
 def bench_copy_step(quick: Union[bool, str] = False, seed: int = 0,
                     log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Issue 25: the engine thread's CPU per step of ``STORES`` stores and ``LOADS`` loads of 64 KiB rows,
-    copies on (the default CPU mover), through the batched API, the per-block API and the unsafe dict
-    original (its own copy workers, one transfer per block), with the engine sleeping or busy in Python
-    between steps; the modes alternate run by run."""
+    copies on, through the batched API (the default CPU mover, and the Python copy threads), the per-block
+    API and the unsafe dict original (its own copy workers, one transfer per block), with the engine
+    sleeping or busy in Python between steps; the modes alternate run by run."""
     plan = COPY_PLANS[as_mode(quick)]
     out: dict[str, Any] = {"row_bytes": COPY_ROW_BYTES, "stores": STORES, "loads": LOADS, "lag_steps": COPY_LAG,
                            "host_slots": COPY_HOST_STEPS * STORES, "steps": plan["steps"],
@@ -404,8 +408,8 @@ def format_copy_step(r: dict[str, Any]) -> str:
              f"(keys stored {r['lag_steps']} steps before), then poll(); host {r['host_slots']} slots (full, evicting); "
              f"{r['steps']} steps after {r['warmup_steps']} discarded, {r['compute_s'] * 1e3:g} ms compute per step, "
              f"median of {r['repeats']} runs"]
-    names = {"batched": "tiered_kv store_many/load_many", "per_block": "tiered_kv store()/load() per block",
-             "dict": "dict original (baseline)"}
+    names = {"batched": "tiered_kv store_many/load_many", "threads": "the same, cpu_mover=\"threads\"",
+             "per_block": "tiered_kv store()/load() per block", "dict": "dict original (baseline)"}
     for compute in ("sleep", "busy"):
         for m in COPY_MODES:
             x = r[compute][m]

@@ -114,6 +114,7 @@ REFUSED_KEYS: dict[str, str] = {
     "host_capacity_bytes": "set 'host_bytes' (the host slab EngineCore and every worker share)",
     "disk_capacity_bytes": "set 'disk_bytes'",
     "num_copy_workers": "a vLLM worker copies on one thread, so that its jobs run in submission order",
+    "cpu_mover": "a vLLM worker copies on one Python thread, so that its jobs run in submission order",
     "num_copy_streams": "a vLLM worker copies on one CUDA stream, so that its jobs run in submission order",
 }
 #: keys vLLM itself reads from the extra config of an ``OffloadingConnector`` (0.30-0.33); left to vLLM

@@ -26,10 +26,12 @@ from typing import Callable, Optional
 import torch
 
 from ..jobs import JobKind
-from .base import (CompletionQueue, Mover, Plane, Report, Transfer, check_planes, is_run, rows_in_range, rows_view,
+from .base import (CompletionQueue, Mover, Plane, Report, Transfer, check_planes, rows_in_range, rows_view,
                    transfer_error, widen)
+from .rowcopy import copy_rows, index_args
 
-__all__ = ["ThreadMover", "CopyFn", "BatchFn", "batch_copy", "BATCH_BYTES", "STAGE_BYTES", "HELP_BYTES", "CATCH_UP_S"]
+__all__ = ["ThreadMover", "CopyFn", "BatchFn", "batch_copy", "wide_planes", "split_batches", "screen", "BATCH_BYTES",
+           "STAGE_BYTES", "HELP_BYTES", "CATCH_UP_S"]
 
 log = logging.getLogger(__name__)
 
@@ -76,40 +78,18 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 def batch_copy(dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor, src_rows: list[int],
                stage: torch.Tensor) -> None:
-    """``dst[dst_rows[i]] = src[src_rows[i]]`` for every ``i`` with torch index ops, no Python per row.
+    """``dst[dst_rows[i]] = src[src_rows[i]]`` for every ``i`` with torch index ops, no Python per row:
+    :func:`.rowcopy.copy_rows` on one plane, run as Python.
 
     ``dst`` and ``src`` are ``[rows, elements]`` of one dtype; ``stage`` is a contiguous buffer of the
-    same dtype and row width.  Consecutive rows on both sides: one ``copy_`` of the range; consecutive
-    destination rows (contiguous in memory): one ``index_select`` into them; consecutive source rows: one
-    ``index_copy_`` from them; neither: both, through ``stage``, a stage-full of rows per pass (rows wider
-    than the stage: one ``copy_`` each).
-    The destination rows must be distinct (the owner's leases and fences see to it)."""
-    n = len(dst_rows)
-    d0, s0 = dst_rows[0], src_rows[0]
-    if is_run(dst_rows):
-        out = dst[d0:d0 + n]
-        if is_run(src_rows):   # one range to another: one copy_, at the memory's speed
-            out.copy_(src[s0:s0 + n])
-            return
-        if out.is_contiguous():
-            torch.index_select(src, 0, torch.tensor(src_rows), out=out)
-            return
-    if is_run(src_rows):
-        dst.index_copy_(0, torch.tensor(dst_rows), src[s0:s0 + n])
-        return
-    k = int(stage.shape[0])
-    if k == 0:
-        for d, s in zip(dst_rows, src_rows):
-            dst[d].copy_(src[s])
-        return
-    dt, st = torch.tensor(dst_rows), torch.tensor(src_rows)
-    for i in range(0, n, k):
-        part = stage[:min(k, n - i)]
-        torch.index_select(src, 0, st[i:i + k], out=part)
-        dst.index_copy_(0, dt[i:i + k], part)
+    same dtype and row width (never resized; zero rows: rows are copied one ``copy_`` each where
+    neither side's rows are consecutive).  The destination rows must be distinct (the owner's leases and
+    fences see to it)."""
+    args = index_args(dst_rows, src_rows, torch.empty(0, dtype=torch.int64))
+    copy_rows([dst], [src], *args, [stage], [0])
 
 
-def _wide_planes(planes: list[Plane]) -> Optional[list[tuple[torch.Tensor, torch.Tensor]]]:
+def wide_planes(planes: list[Plane]) -> Optional[list[tuple[torch.Tensor, torch.Tensor]]]:
     """Per plane ``(device rows, host rows)`` viewed as the widest element of :data:`_WIDE` both fit, when
     every plane is two CPU tensors whose rows are byte ranges of equal size that one fits; else None."""
     out = []
@@ -141,6 +121,45 @@ def _fast_planes(planes: list[Plane]) -> Optional[tuple[tuple[int, int, int, int
         out.append((dev.data_ptr(), dev.stride(0) * dev.element_size(),
                     host.data_ptr(), host.stride(0) * host.element_size(), n))
     return tuple(out)
+
+
+def split_batches(held: Sequence[Transfer], block_bytes: int, cap: int) -> list[list[Transfer]]:
+    """``held`` as batches of at most ``cap`` bytes (at least one transfer each): its stores, then its
+    loads, each in submission order."""
+    stores = [t for t in held if t.kind is _STORE]
+    loads = [t for t in held if t.kind is not _STORE] if len(stores) < len(held) else []
+    out: list[list[Transfer]] = []
+    for ts in (stores, loads):
+        batch: list[Transfer] = []
+        nbytes = 0
+        for t in ts:
+            size = len(t.rows) * block_bytes
+            if batch and nbytes + size > cap:
+                out.append(batch)
+                batch, nbytes = [], 0
+            batch.append(t)
+            nbytes += size
+        if batch:
+            out.append(batch)
+    return out
+
+
+def screen(ts: Sequence[Transfer], nrows: int, nslots: int) -> list[tuple[Transfer, Optional[Report]]]:
+    """Each transfer with its answer when it needs no copy (cancelled, rows or slots out of range or of
+    different lengths: failed; no rows: done), else None."""
+    out: list[tuple[Transfer, Optional[Report]]] = []
+    for t in ts:
+        if t.cancelled:
+            out.append((t, Report(t.token, t.kind, False, "cancelled before copy")))
+            continue
+        error = transfer_error(t, nrows, nslots)
+        if error is not None:
+            out.append((t, Report(t.token, t.kind, False, error)))
+        elif not t.rows:
+            out.append((t, Report(t.token, t.kind, True, None, 0, 0.0)))
+        else:
+            out.append((t, None))
+    return out
 
 
 class ThreadMover(Mover):
@@ -178,7 +197,7 @@ class ThreadMover(Mover):
         self._planes, self._block_bytes = check_planes(planes)
         self._batch_max = batch_max
         self._fast = _fast_planes(self._planes) if copy_fn is None else None
-        self._wide = _wide_planes(self._planes) if copy_fn is None or batch_fn is not None else None
+        self._wide = wide_planes(self._planes) if copy_fn is None or batch_fn is not None else None
         self._batch_fn: BatchFn = batch_fn or batch_copy
         # bounds of rows and slots valid in every plane: never copy out of bounds
         self._nrows, self._nslots = rows_in_range(self._planes)
@@ -232,26 +251,10 @@ class ThreadMover(Mover):
         behind = self._behind()
         if self._held:
             held, self._held = self._held, collections.deque()
-            block, cap, q, stamps, now = self._block_bytes, BATCH_BYTES, self._q, self._put_at, time.monotonic()
-
-            def put(b: list[Transfer]) -> None:
-                q.put(b)
+            q, stamps, now = self._q, self._put_at, time.monotonic()
+            for batch in split_batches(held, self._block_bytes, BATCH_BYTES):
+                q.put(batch)
                 stamps.append(now)
-
-            stores = [t for t in held if t.kind is _STORE]
-            loads = [t for t in held if t.kind is not _STORE] if len(stores) < len(held) else []
-            for ts in (stores, loads):
-                batch: list[Transfer] = []
-                nbytes = 0
-                for t in ts:
-                    size = len(t.rows) * block
-                    if batch and nbytes + size > cap:
-                        put(batch)
-                        batch, nbytes = [], 0
-                    batch.append(t)
-                    nbytes += size
-                if batch:
-                    put(batch)
         while behind > 0 or self._held:   # help_one takes the oldest queued batch (part of it: the rest stays held)
             if not self._held:
                 behind -= 1
@@ -365,15 +368,9 @@ class ThreadMover(Mover):
             return [self._do(t) for t in ts]
         stores: list[int] = []
         loads: list[int] = []
-        for i, t in enumerate(ts):
-            if t.cancelled:
-                out[i] = Report(t.token, t.kind, False, "cancelled before copy")
-                continue
-            error = transfer_error(t, self._nrows, self._nslots)
-            if error is not None:
-                out[i] = Report(t.token, t.kind, False, error)
-            elif not t.rows:
-                out[i] = Report(t.token, t.kind, True, None, 0, 0.0)
+        for i, (t, report) in enumerate(screen(ts, self._nrows, self._nslots)):
+            if report is not None:
+                out[i] = report
             else:
                 (stores if t.kind is _STORE else loads).append(i)
         if stores:

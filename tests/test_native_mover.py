@@ -1,0 +1,536 @@
+"""NativeMover: a step's CPU copies as torch index ops in torch's inter-op threads (no GIL), answered
+by the owner at ``harvest()``; every transfer exactly once, whatever fails or finishes first."""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from tiered_kv.jobs import JobKind
+from tiered_kv.movers import CompletionQueue, NativeMover, Transfer
+from tiered_kv.movers import rowcopy as native_mod
+
+_STORE, _LOAD = JobKind.STORE, JobKind.LOAD
+
+
+def _rows(n: int, width: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n, width), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+
+
+def _answers(m: NativeMover, q: CompletionQueue, n: int) -> list[Any]:
+    """Harvest until ``n`` reports arrived (each wait is on a copy in flight: bounded)."""
+    out: list[Any] = []
+    while len(out) < n:
+        out += q.drain()
+        if len(out) < n and not m.help_one():
+            out += q.drain()
+            assert len(out) >= n, f"{len(out)} of {n} reports, nothing in flight"
+    assert not q.drain(), "more reports than transfers"
+    return out
+
+
+class _Deferred:
+    """A launcher whose copies run when the test says (``finish(i)``), in any order, or fail."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, torch.futures.Future]] = []
+        self.fail: set[int] = set()          # calls whose copy raises when finished
+        self.errors: list[Exception] = []    # copies that raised on their own
+
+    def __call__(self, *args: Any) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        self.calls.append((args, fut))
+        return fut
+
+    def finish(self, i: int) -> None:
+        args, fut = self.calls[i]
+        if i in self.fail:
+            fut.set_exception(RuntimeError(f"injected failure of call {i}"))
+            return
+        try:   # the launcher's arguments, with no staging buffers (as the launcher passes them)
+            n = native_mod.compiled().copy_rows(*args[:9], [], *args[9:])
+        except Exception as exc:   # as the real fork does: the future carries the copy's error
+            self.errors.append(exc)
+            fut.set_exception(exc)
+        else:
+            fut.set_result(n)
+
+    def pending(self) -> list[int]:
+        return [i for i, (_, f) in enumerate(self.calls) if not f.done()]
+
+    def close(self, m: NativeMover) -> None:
+        """Finish what is left (a failed assertion leaves copies pending: close() would wait for them), then close."""
+        m.flush()
+        while self.pending():
+            for i in self.pending():
+                self.finish(i)
+            m.harvest()
+        m.close()
+
+
+# ---------------------------------------------------------------------------- the copies
+@pytest.mark.parametrize("kind", [_STORE, _LOAD])
+@pytest.mark.parametrize("rows,slots", [
+    ([2, 3, 4], [5, 6, 7]),            # both ranges: one copy_
+    ([7, 1, 4], [0, 1, 2]),            # destination range (store) / source range (load)
+    ([0, 1, 2], [6, 2, 4]),            # the other way round
+    ([7, 1, 4, 6, 0], [5, 2, 0, 3, 7]),  # neither: gathered and scattered through staging rows
+], ids=["ranges", "rows-scattered", "slots-scattered", "both-scattered"])
+def test_every_index_path_copies_the_right_bytes_over_two_planes(kind, rows, slots):
+    """Two planes of different widths (16- and 8-byte views), staging rows forced to two per pass so the
+    scattered case takes several passes; nothing outside the destinations changes."""
+    dev_a, dev_b = _rows(8, 48, 1), _rows(8, 24, 2)
+    slab = _rows(8, 80, 3)   # 8 bytes of padding per row: never written
+    q = CompletionQueue()
+    m = NativeMover([(dev_a, slab[:, :48]), (dev_b, slab[:, 48:72])], q, batch_max=64)
+    try:
+        assert [v.dtype for v in m._host] == [torch.complex128, torch.int64]
+        m._stage_rows = [2, 2]
+        before = dev_a.clone(), dev_b.clone(), slab.clone()
+        m.submit(Transfer("t", kind, rows, slots))
+        assert not m._inflight, "queued until flush"
+        m.flush()
+        (r,) = _answers(m, q, 1)
+        assert r.ok and r.token == "t" and r.nbytes == len(rows) * 72
+        if kind is _STORE:
+            assert torch.equal(slab[slots, :48], dev_a[rows]) and torch.equal(slab[slots, 48:72], dev_b[rows])
+            assert torch.equal(slab[:, 72:], before[2][:, 72:])
+            others = [s for s in range(8) if s not in slots]
+            assert torch.equal(slab[others], before[2][others])
+            assert torch.equal(dev_a, before[0]) and torch.equal(dev_b, before[1])
+        else:
+            assert torch.equal(dev_a[rows], before[2][slots, :48])
+            assert torch.equal(dev_b[rows], before[2][slots, 48:72])
+            others = [i for i in range(8) if i not in rows]
+            assert torch.equal(dev_a[others], before[0][others]) and torch.equal(dev_b[others], before[1][others])
+            assert torch.equal(slab, before[2])
+    finally:
+        m.close()
+
+
+def test_a_flush_makes_one_batch_per_direction_and_each_transfer_its_own_report():
+    dev, host = _rows(16, 32, 4), torch.zeros((16, 32), dtype=torch.uint8)
+    q = CompletionQueue()
+    m = NativeMover([(dev, host)], q, batch_max=64)
+    try:
+        m.submit(Transfer("s1", _STORE, [3, 4], [0, 1]))
+        m.submit(Transfer("s2", _STORE, [9], [2]))
+        m.flush()
+        assert m.batches == 1
+        _answers(m, q, 2)
+        m.submit(Transfer("l1", _LOAD, [10, 11], [0, 1]))
+        m.submit(Transfer("s3", _STORE, [5], [3]))
+        m.submit(Transfer("l2", _LOAD, [12], [2]))
+        m.flush()
+        assert m.batches == 3   # this flush's stores, then its loads
+        reps = {r.token: r for r in _answers(m, q, 3)}
+        assert all(r.ok for r in reps.values()) and reps["l1"].nbytes == 64 and reps["l2"].nbytes == 32
+        assert torch.equal(dev[[10, 11, 12]], dev[[3, 4, 9]]) and torch.equal(host[3], dev[5])
+    finally:
+        m.close()
+
+
+def test_batch_max_starts_the_copies_in_submit():
+    dev, host = _rows(4, 16, 5), torch.zeros((4, 16), dtype=torch.uint8)
+    q = CompletionQueue()
+    m = NativeMover([(dev, host)], q, batch_max=2)
+    try:
+        m.submit(Transfer("a", _STORE, [0], [0]))
+        assert not m._inflight
+        m.submit(Transfer("b", _STORE, [1], [1]))
+        assert len(m._inflight) == 1 and not m._held
+        _answers(m, q, 2)
+    finally:
+        m.close()
+
+
+def test_transfers_that_need_no_copy_are_answered_at_flush_without_a_launch():
+    launch = _Deferred()
+    dev, host = _rows(4, 16, 6), torch.zeros((2, 16), dtype=torch.uint8)
+    q = CompletionQueue()
+    m = NativeMover([(dev, host)], q, batch_max=64, launch_fn=launch)
+    try:
+        cancelled = Transfer("c", _STORE, [0], [0], cancelled=True)
+        m.submit(cancelled)
+        m.submit(Transfer("oor", _STORE, [0], [2]))          # slot past the slab
+        m.submit(Transfer("neg", _LOAD, [-1], [0]))          # negative row
+        m.submit(Transfer("len", _STORE, [0, 1], [0]))       # rows and slots of different lengths
+        m.submit(Transfer("empty", _LOAD, [], []))
+        m.flush()
+        assert launch.calls == [] and not m._inflight
+        reps = {r.token: r for r in q.drain()}
+        assert set(reps) == {"c", "oor", "neg", "len", "empty"}
+        assert not reps["c"].ok and reps["c"].error == "cancelled before copy"
+        assert all(not reps[k].ok for k in ("oor", "neg", "len")) and "out of range" in reps["oor"].error
+        assert "1 slots" in reps["len"].error
+        assert reps["empty"].ok and reps["empty"].nbytes == 0
+        assert torch.equal(host, torch.zeros_like(host))
+    finally:
+        launch.close(m)
+
+
+def test_batches_finishing_out_of_order_are_answered_as_they_finish_and_only_then():
+    launch = _Deferred()
+    dev, host = _rows(8, 16, 7), torch.zeros((8, 16), dtype=torch.uint8)
+    q = CompletionQueue()
+    m = NativeMover([(dev, host)], q, batch_max=1, launch_fn=launch)
+    try:
+        for i in range(3):
+            m.submit(Transfer(f"t{i}", _STORE, [i], [i]))
+        assert len(launch.calls) == 3
+        m.harvest()
+        assert q.drain() == [] and not host.any(), "nothing answered before its copy finished"
+        launch.finish(2)
+        m.harvest()
+        (r,) = q.drain()
+        assert r.token == "t2" and r.ok and torch.equal(host[2], dev[2])
+        launch.finish(0)
+        launch.finish(1)
+        m.harvest()
+        assert sorted(r.token for r in q.drain()) == ["t0", "t1"] and not m._inflight
+    finally:
+        launch.close(m)
+
+
+def test_a_failed_batch_is_copied_again_transfer_by_transfer_each_answered_by_its_own_outcome():
+    launch = _Deferred()
+    dev, host = _rows(8, 16, 8), torch.zeros((8, 16), dtype=torch.uint8)
+    q = CompletionQueue()
+    m = NativeMover([(dev, host)], q, batch_max=64, launch_fn=launch)
+    try:
+        for i in range(3):
+            m.submit(Transfer(f"t{i}", _STORE, [i], [i + 4]))
+        m.flush()
+        launch.fail.add(0)
+        launch.finish(0)
+        m.harvest()
+        assert q.drain() == [] and m.retried == 3 and len(launch.calls) == 4   # three alone
+        launch.fail.add(2)                   # the second transfer's own copy fails
+        for i in (1, 2, 3):
+            launch.finish(i)
+        m.harvest()
+        reps = {r.token: r for r in q.drain()}
+        assert set(reps) == {"t0", "t1", "t2"} and not m._inflight
+        assert reps["t0"].ok and reps["t2"].ok and not reps["t1"].ok
+        assert "injected failure of call 2" in reps["t1"].error
+        assert torch.equal(host[[4, 6]], dev[[0, 2]]) and not host[5].any()
+    finally:
+        launch.close(m)
+
+
+def test_an_interrupt_while_a_failed_batch_starts_again_answers_only_what_is_not_in_flight():
+    launch = _Deferred()
+    calls = [0]
+
+    def interrupting(*args: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 3:   # the batch, its first transfer again, then the second: interrupted
+            raise KeyboardInterrupt
+        return launch(*args)
+
+    dev, host = _rows(8, 16, 15), torch.zeros((8, 16), dtype=torch.uint8)
+    q = CompletionQueue()
+    m = NativeMover([(dev, host)], q, batch_max=64, launch_fn=interrupting)
+    try:
+        for i in range(3):
+            m.submit(Transfer(f"t{i}", _STORE, [i], [i]))
+        m.flush()
+        launch.fail.add(0)
+        launch.finish(0)
+        with pytest.raises(KeyboardInterrupt):
+            m.harvest()
+        early = {r.token: r for r in q.drain()}
+        assert set(early) == {"t1", "t2"} and not any(r.ok for r in early.values())
+        launch.finish(1)
+        m.harvest()
+        (r,) = q.drain()
+        assert r.token == "t0" and r.ok and torch.equal(host[0], dev[0])
+    finally:
+        launch.close(m)
+
+
+def test_a_launch_that_raises_fails_its_transfers():
+    def launch(*args: Any) -> Any:
+        raise RuntimeError("no threads")
+
+    dev, host = _rows(4, 16, 9), torch.zeros((4, 16), dtype=torch.uint8)
+    q = CompletionQueue()
+    m = NativeMover([(dev, host)], q, batch_max=64, launch_fn=launch)
+    try:
+        m.submit(Transfer("a", _STORE, [0], [0]))
+        m.submit(Transfer("b", _STORE, [1], [1]))
+        m.flush()
+        reps = q.drain()
+        assert sorted(r.token for r in reps) == ["a", "b"]
+        assert all(not r.ok and "no threads" in r.error for r in reps)
+    finally:
+        m.close()
+
+
+def test_an_interrupt_during_flush_leaves_no_transfer_unanswered_and_none_answered_twice():
+    """A KeyboardInterrupt raised by the second launch: the first batch is answered by its copy, the
+    rest failed at once; the interrupt propagates."""
+    launch = _Deferred()
+    calls = [0]
+
+    def interrupting(*args: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt
+        return launch(*args)
+
+    dev, host = _rows(8, 16, 10), torch.zeros((8, 16), dtype=torch.uint8)
+    q = CompletionQueue()
+    m = NativeMover([(dev, host)], q, batch_max=64, launch_fn=interrupting)
+    try:
+        m.submit(Transfer("s", _STORE, [0], [0]))
+        m.submit(Transfer("l1", _LOAD, [5], [1]))
+        m.submit(Transfer("l2", _LOAD, [6], [2]))
+        with pytest.raises(KeyboardInterrupt):
+            m.flush()
+        early = {r.token: r for r in q.drain()}
+        assert set(early) == {"l1", "l2"} and not any(r.ok for r in early.values())
+        launch.finish(0)
+        m.harvest()
+        (r,) = q.drain()
+        assert r.token == "s" and r.ok
+    finally:
+        launch.close(m)
+
+
+def test_an_interrupt_right_after_a_launch_does_not_answer_the_batch_in_flight():
+    """The interrupt lands after the launch, before the flush counts the batch as started (here: in the
+    ``batches`` counter's update): the batch is in flight and its copy answers it; a failed answer too
+    would release a load's row fence while its copy may still land."""
+    launch = _Deferred()
+
+    class Interrupted(NativeMover):
+        _n = 0
+
+        @property
+        def batches(self) -> int:
+            return self._n
+
+        @batches.setter
+        def batches(self, v: int) -> None:
+            self._n = v
+            if v == 1:
+                raise KeyboardInterrupt
+
+    dev, host = _rows(8, 16, 14), torch.zeros((8, 16), dtype=torch.uint8)
+    q = CompletionQueue()
+    m = Interrupted([(dev, host)], q, batch_max=64, launch_fn=launch)
+    try:
+        m.submit(Transfer("s", _STORE, [0], [0]))
+        m.submit(Transfer("l", _LOAD, [5], [1]))
+        with pytest.raises(KeyboardInterrupt):
+            m.flush()
+        (early,) = q.drain()
+        assert early.token == "l" and not early.ok
+        launch.finish(0)
+        m.harvest()
+        (r,) = q.drain()
+        assert r.token == "s" and r.ok and torch.equal(host[0], dev[0])
+    finally:
+        launch.close(m)
+
+
+def test_help_one_waits_for_the_oldest_copy_and_close_answers_everything():
+    dev, host = _rows(64, 4096, 11), torch.zeros((64, 4096), dtype=torch.uint8)
+    q = CompletionQueue()
+    m = NativeMover([(dev, host)], q, batch_max=64)
+    assert m.help_one() is False   # nothing in flight
+    m.submit(Transfer("a", _STORE, list(range(32)), list(range(32))))
+    assert m.help_one() is True    # starts it, waits for it, answers it
+    (r,) = q.drain()
+    assert r.ok and torch.equal(host[:32], dev[:32])
+    m.submit(Transfer("b", _STORE, list(range(32, 64)), list(range(32, 64))))
+    m.close()
+    (r,) = q.drain()
+    assert r.token == "b" and r.ok and torch.equal(host, dev)
+    m.close()   # twice: nothing more
+
+
+def test_the_copy_runs_while_the_owner_holds_the_gil():
+    """With a switch interval of 30 s the owner, spinning in Python, gives the GIL up to no other thread:
+    the copy must finish without it (a tensor Python holds, dropped on the inter-op thread, would need it:
+    the launcher detaches them).  The deadline only bounds the test; a correct copy takes microseconds."""
+    dev, host = _rows(1024, 65536, 12), torch.zeros((1024, 65536), dtype=torch.uint8)   # 64 MiB each
+    q = CompletionQueue()
+    m = NativeMover([(dev, host)], q, batch_max=64)
+    m.submit(Transfer("warm", _STORE, [0], [0]))
+    _answers(m, q, 1)   # compiled and the inter-op threads started, before the GIL is held
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)
+    try:
+        # scattered rows, 16 MiB (one batch): the copy outlasts the launch, so the inter-op thread drops the
+        # last references to the index tensors the owner made for it
+        rows = list(range(1, 512, 2))
+        m.submit(Transfer("t", _STORE, rows, rows[::-1]))
+        m.flush()
+        fut = m._inflight[0].future
+        deadline = time.monotonic() + 10.0
+        while not fut.done() and time.monotonic() < deadline:
+            pass
+        done = fut.done()
+    finally:
+        sys.setswitchinterval(old)
+    try:
+        assert done, "the copy waited for the GIL"
+        (r,) = _answers(m, q, 1)
+        assert r.ok and torch.equal(host[rows[::-1]], dev[rows])
+    finally:
+        m.close()
+
+
+def test_planes_no_wide_view_fits_are_refused_with_a_clear_error():
+    with pytest.raises(ValueError, match="use ThreadMover"):
+        NativeMover([(torch.zeros((2, 3), dtype=torch.uint8), torch.zeros((2, 3), dtype=torch.uint8))],
+                    CompletionQueue())
+    with pytest.raises(ValueError, match="batch_max must be >= 1, got 0"):
+        NativeMover([(torch.zeros((2, 16), dtype=torch.uint8), torch.zeros((2, 16), dtype=torch.uint8))],
+                    CompletionQueue(), batch_max=0)
+
+
+# ---------------------------------------------------------------------------- a state machine
+class NativeMoverMachine(RuleBasedStateMachine):
+    """Transfers submitted, cancelled and flushed; their copies finish in an order the machine picks
+    (the launcher defers each copy until then), some failing.  Sources are never written while a
+    transfer reads them and destinations are leased to one transfer (the owner's protocol).  Model:
+    each transfer answered exactly once; an ok one's destinations hold its sources' bytes as they
+    were at submit; nothing but destinations is ever written."""
+
+    ROWS, SLOTS, WIDTH = 12, 12, 32
+
+    @initialize(seed=st.integers(0, 2**16), batch_max=st.sampled_from([1, 3, 64]))
+    def setup(self, seed: int, batch_max: int) -> None:
+        self.dev, self.host = _rows(self.ROWS, self.WIDTH, seed), _rows(self.SLOTS, self.WIDTH, seed + 1)
+        self.q = CompletionQueue()
+        self.launch = _Deferred()
+        self.m = NativeMover([(self.dev, self.host)], self.q, batch_max=batch_max, launch_fn=self.launch)
+        self.m._stage_rows = [2]
+        self.pending: dict[str, Transfer] = {}
+        self.expect: dict[str, list[torch.Tensor]] = {}
+        self.answered: dict[str, bool] = {}
+        self.n = 0
+        self.first = (self.dev.clone(), self.host.clone())
+        self.written: tuple[set[int], set[int]] = (set(), set())
+
+    def _busy(self) -> tuple[set[int], set[int], set[int], set[int]]:
+        dw, hw, dr, hr = set(), set(), set(), set()
+        for t in self.pending.values():
+            if t.kind is _STORE:
+                dr.update(t.rows)
+                hw.update(t.slots)
+            else:
+                dw.update(t.rows)
+                hr.update(t.slots)
+        return dw, hw, dr, hr
+
+    @rule(store=st.booleans(), data=st.data())
+    def submit(self, store: bool, data: Any) -> None:
+        dw, hw, dr, hr = self._busy()
+        if store:
+            srcs = [r for r in range(self.ROWS) if r not in dw]
+            dsts = [s for s in range(self.SLOTS) if s not in hw and s not in hr]
+        else:
+            srcs = [s for s in range(self.SLOTS) if s not in hw]
+            dsts = [r for r in range(self.ROWS) if r not in dw and r not in dr]
+        if not srcs or not dsts:
+            return
+        k = data.draw(st.integers(1, min(4, len(dsts))))
+        starts = [d for d in dsts if all(d + i in dsts for i in range(k))]
+        if starts and data.draw(st.booleans()):
+            d0 = data.draw(st.sampled_from(starts))
+            out = list(range(d0, d0 + k))
+        else:
+            out = data.draw(st.lists(st.sampled_from(dsts), min_size=k, max_size=k, unique=True))
+        ins = data.draw(st.lists(st.sampled_from(srcs), min_size=k, max_size=k))
+        name = f"t{self.n}"
+        self.n += 1
+        t = Transfer(name, _STORE if store else _LOAD, ins if store else out, out if store else ins)
+        self.expect[name] = [(self.dev if store else self.host)[i].clone() for i in ins]
+        self.pending[name] = t
+        self.written[1 if store else 0].update(out)
+        self.m.submit(t)
+
+    @rule(data=st.data())
+    def cancel(self, data: Any) -> None:
+        if self.pending:
+            self.pending[data.draw(st.sampled_from(sorted(self.pending)))].cancelled = True
+
+    @rule()
+    def flush(self) -> None:
+        self.m.flush()
+
+    @rule(data=st.data(), fail=st.booleans())
+    def finish_a_copy(self, data: Any, fail: bool) -> None:
+        pending = self.launch.pending()
+        if pending:
+            i = data.draw(st.sampled_from(pending))
+            if fail:
+                self.launch.fail.add(i)
+            self.launch.finish(i)
+
+    @rule()
+    def harvest(self) -> None:
+        self.m.harvest()
+
+    def _collect(self) -> None:
+        for r in self.q.drain():
+            assert r.token not in self.answered, f"{r.token} answered twice"
+            self.answered[r.token] = r.ok
+            t = self.pending.pop(r.token)
+            if r.ok:
+                dst = self.host if t.kind is _STORE else self.dev
+                for d, want in zip(t.slots if t.kind is _STORE else t.rows, self.expect[r.token]):
+                    assert torch.equal(dst[d], want), (r.token, d)
+
+    @invariant()
+    def answered_once_and_nothing_else_written(self) -> None:
+        if hasattr(self, "m"):
+            assert not self.launch.errors, self.launch.errors
+            self._collect()
+            for t, before, written in zip((self.dev, self.host), self.first, self.written):
+                untouched = [i for i in range(t.shape[0]) if i not in written]
+                assert torch.equal(t[untouched], before[untouched])
+
+    def teardown(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        self.m.flush()
+        self.m.harvest()   # copies finished but not harvested yet: failed ones start again, deferred
+        while self.launch.pending():
+            self.launch.finish(self.launch.pending()[0])
+            self.m.harvest()
+        assert not self.m._inflight
+        self.m.close()
+        self._collect()
+        assert not self.pending, f"never answered: {sorted(self.pending)}"
+
+
+TestNativeMoverMachine = NativeMoverMachine.TestCase
+TestNativeMoverMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
+                                           suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_a_stale_uuid_token_is_just_data():
+    """Tokens are opaque: a UUID comes back as given."""
+    dev, host = _rows(2, 16, 13), torch.zeros((2, 16), dtype=torch.uint8)
+    q = CompletionQueue()
+    m = NativeMover([(dev, host)], q)
+    try:
+        tok = uuid.uuid4()
+        m.submit(Transfer(tok, _STORE, [1], [0]))
+        (r,) = _answers(m, q, 1)
+        assert r.token is tok
+    finally:
+        m.close()

@@ -1,0 +1,232 @@
+"""NativeMover: a step's CPU copies run in torch's native thread pool, without the GIL.
+
+:class:`~.thread.ThreadMover` copies on Python threads.  Each of them needs the GIL to take a
+batch, again after each torch op, and again to put its reports; while the engine thread runs
+Python back to back it gets the GIL only when the interpreter forces a switch (every 5 ms), so a
+step's copies wait for the engine's calls instead of running beside them (``docs/benchmarks.md``,
+"A step's copies as one batch").  Here the owner hands each batch to a TorchScript function
+started with ``torch.jit.fork`` from TorchScript: it runs on torch's inter-op thread pool, in C++,
+and never takes the GIL.  The owner learns that a batch is done by asking its future
+(:meth:`harvest`, at every ``poll()``), and answers the batch's transfers itself, one report each.
+
+The copy is :data:`.rowcopy.COPY_SOURCE` compiled, the one the threads run as Python (rows viewed as
+16- or 8-byte elements; one ``copy_`` when both sides' rows are consecutive, an ``index_select`` or
+``index_copy_`` when one side's are, a gather and a scatter through a staging buffer of
+:data:`.thread.STAGE_BYTES` made per batch when neither is).  Only planes every row of which such a view fits
+are taken (:func:`native_fits`); :func:`tiered_kv.movers.make_mover` gives other planes, and
+injected copy functions, a :class:`~.thread.ThreadMover`.
+
+Every transfer is answered exactly once: a batch stays in ``_inflight`` until its reports are
+on the completion queue (an interrupt between the two answers it again at the next harvest; the
+owner discards the second report as an unknown token); a batch whose copy raised is started
+again a transfer at a time, so that each is answered by its own outcome.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+
+from ..jobs import JobKind
+from .base import CompletionQueue, Mover, Plane, Report, Transfer, check_planes, rows_in_range
+from .rowcopy import compiled, index_args, native_available
+from .thread import BATCH_BYTES, STAGE_BYTES, screen, split_batches, wide_planes
+
+__all__ = ["NativeMover", "native_fits", "native_available", "LaunchFn"]
+
+log = logging.getLogger(__name__)
+
+_STORE = JobKind.STORE
+
+LaunchFn = Callable[..., Any]
+"""``launch(dsts, srcs, dst_rows, src_rows, d0, s0, n, dst_run, src_run, stage_rows)`` -> a
+``torch.futures.Future``: the signature of the compiled launcher (tests inject failing ones)."""
+
+def native_fits(planes: Sequence[Plane]) -> bool:
+    """Whether :class:`NativeMover` can copy these planes: CPU tensors whose rows are byte ranges
+    of equal size that a 16- or 8-byte element view fits."""
+    return wide_planes(list(planes)) is not None
+
+
+class _Batch(NamedTuple):
+    future: Any
+    transfers: list[Transfer]
+    started: float
+
+
+class NativeMover(Mover):
+    """Copies a batch of transfers at a time in torch's inter-op threads; reports at :meth:`harvest`.
+
+    ``batch_max``: as :class:`~.thread.ThreadMover` -- transfers wait on the owner until
+    :meth:`flush` (the manager's ``poll()``/``wait()``) or until ``batch_max`` are queued.
+    ``launch_fn`` replaces the compiled launcher (tests inject failures and gates)."""
+
+    polled = True
+
+    def __init__(self, planes: Sequence[Plane], completions: CompletionQueue, batch_max: int = 1,
+                 launch_fn: Optional[LaunchFn] = None) -> None:
+        if batch_max < 1:
+            raise ValueError(f"batch_max must be >= 1, got {batch_max}")
+        self._planes, self._block_bytes = check_planes(planes)
+        wide = wide_planes(self._planes)
+        if wide is None:
+            raise ValueError("NativeMover needs CPU planes whose rows a 16- or 8-byte element view fits "
+                             "(see native_fits); use ThreadMover")
+        self._dev = [d for d, _ in wide]
+        self._host = [h for _, h in wide]
+        # rows per staging pass; 0 (rows wider than the stage): one copy_ per row where neither side is a range
+        self._stage_rows = [STAGE_BYTES // (int(h.shape[1]) * h.element_size()) for h in self._host]
+        self._nrows, self._nslots = rows_in_range(self._planes)
+        self._launch: LaunchFn = launch_fn or compiled().launch
+        self._out = completions
+        self._batch_max = batch_max
+        self._held: collections.deque[Transfer] = collections.deque()
+        self._inflight: collections.deque[_Batch] = collections.deque()
+        self._empty = torch.empty(0, dtype=torch.int64)
+        self._closed = False
+        self.batches = 0     # batched copies started
+        self.retried = 0     # transfers started again alone after their batch's copy raised
+
+    # ------------------------------------------------------------------ owner thread
+    def submit(self, t: Transfer) -> None:
+        held = self._held
+        held.append(t)
+        if len(held) >= self._batch_max:
+            self.flush()
+
+    def flush(self) -> None:
+        """Start the held transfers' copies: stores, then loads, in batches of at most
+        :data:`~.thread.BATCH_BYTES`; a transfer that cannot be copied (cancelled, out of range) is
+        answered at once."""
+        held = self._held
+        if not held:
+            return
+        self._held = collections.deque()
+        started = 0
+        batches = split_batches(held, self._block_bytes, BATCH_BYTES)
+        try:
+            for batch in batches:
+                self._start(batch)
+                started += 1
+        except BaseException as exc:   # answer what was not started: nothing submitted goes unanswered
+            self._answer_unstarted([t for batch in batches[started:] for t in batch], f"copy not started: {exc!r}")
+            raise
+
+    def _answer_unstarted(self, ts: list[Transfer], error: str) -> None:
+        """After an interrupt: answer (failed) those of ``ts`` whose copy is not in flight.  One that is
+        in flight is answered by its copy only: answered now, its job's row fence or slot lease could
+        be released while the copy may still land.  (One that the screen answered before the interrupt
+        is answered twice: the owner discards the second report as an unknown token.)"""
+        flying = {id(t) for b in self._inflight for t in b.transfers}
+        put = self._out.put
+        for t in ts:
+            if id(t) not in flying:
+                put(Report(t.token, t.kind, False, error))
+
+    def _start(self, batch: list[Transfer]) -> None:
+        put = self._out.put
+        go: list[Transfer] = []
+        for t, report in screen(batch, self._nrows, self._nslots):
+            if report is None:
+                go.append(t)
+            else:
+                put(report)
+        if not go:
+            return
+        rows: list[int] = []
+        slots: list[int] = []
+        for t in go:
+            rows += t.rows
+            slots += t.slots
+        if go[0].kind is _STORE:
+            dsts, srcs, dst_idx, src_idx = self._host, self._dev, slots, rows
+        else:
+            dsts, srcs, dst_idx, src_idx = self._dev, self._host, rows, slots
+        try:
+            fut = self._launch(dsts, srcs, *index_args(dst_idx, src_idx, self._empty), self._stage_rows)
+        except Exception as exc:
+            for t in go:
+                put(Report(t.token, t.kind, False, f"copy failed to start: {exc!r}"))
+            return
+        self._inflight.append(_Batch(fut, go, time.perf_counter()))
+        self.batches += 1
+
+    def harvest(self) -> None:
+        """Answer every batch whose copy has finished (in any order)."""
+        inflight = self._inflight
+        if not inflight:
+            return
+        for b in [b for b in inflight if b.future.done()]:
+            try:
+                b.future.value()
+            except Exception as exc:   # noqa: BLE001 - the copy's own error, reported
+                inflight.remove(b)     # first: its transfers are started again (or failed) exactly once below
+                self._failed(b, exc)
+                continue
+            self._answer(b)
+            inflight.remove(b)   # after its reports: an interrupt in between answers it twice (the owner
+            #                      discards the second as an unknown token), never not at all
+
+    def _failed(self, b: _Batch, exc: Exception) -> None:
+        """A batch whose copy raised: one transfer is answered failed; several are started again one by one,
+        so that each is answered by its own outcome (and none is copied twice)."""
+        put, ts = self._out.put, b.transfers
+        if len(ts) == 1:
+            t = ts[0]
+            put(Report(t.token, t.kind, False, f"copy failed: {_first_line(exc)}",
+                       seconds=time.perf_counter() - b.started))
+            return
+        log.warning("a batched copy of %d transfers failed (%s); copying them one by one", len(ts), _first_line(exc))
+        try:
+            for t in ts:
+                self._start([t])
+                self.retried += 1
+        except BaseException:
+            self._answer_unstarted(ts, f"copy failed: {_first_line(exc)}")
+            raise
+
+    def _answer(self, b: _Batch) -> None:
+        put = self._out.put
+        block = self._block_bytes
+        per_row = (time.perf_counter() - b.started) / max(1, sum(len(t.rows) for t in b.transfers))
+        for t in b.transfers:
+            m = len(t.rows)
+            put(Report(t.token, t.kind, True, None, m * block, m * per_row))
+
+    def hold(self, on: bool) -> None:
+        """Nothing is held: a copy here costs the owner no GIL hand-off, so what is queued starts now."""
+        self.flush()
+
+    def help_one(self) -> bool:
+        """Start what is queued, then wait (the GIL released) for the oldest batch in flight and answer
+        what has finished; False when nothing is in flight.  A batch is at most
+        :data:`~.thread.BATCH_BYTES`: a wait lasts one batch's copy."""
+        self.flush()
+        if not self._inflight:
+            return False
+        try:
+            self._inflight[0].future.wait()
+        except Exception:   # noqa: BLE001 - its error is reported by harvest()
+            pass
+        self.harvest()
+        return True
+
+    def close(self) -> None:
+        """Start what is queued and answer everything in flight once its copy is done."""
+        if self._closed:
+            return
+        self.flush()
+        while self._inflight:
+            self.help_one()
+        self._closed = True
+
+
+def _first_line(exc: BaseException) -> str:
+    """A TorchScript error's first line with its type (the rest is the script's traceback)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[-1] if text else ''}"

@@ -1,0 +1,118 @@
+"""The CPU movers' batched copy, written once: ``dst[dst_rows[i]] = src[src_rows[i]]`` over planes, with
+torch index ops and no Python per row.
+
+:data:`COPY_SOURCE` is both Python and TorchScript.  :func:`copy_rows` is it run as Python (the
+:class:`~.thread.ThreadMover`'s workers call it through :func:`~.thread.batch_copy`); :func:`compiled`
+compiles it with a launcher that starts it with ``torch.jit.fork`` in torch's inter-op threads (the
+:class:`~.native.NativeMover`).  The cases, per plane (rows viewed as 16- or 8-byte elements):
+
+* both sides' rows consecutive: one ``copy_`` of the range;
+* the destination's consecutive: one ``index_select`` into them (also where the rows are padded, as
+  the vLLM copier's planes are: 4x faster than the ``index_copy_`` from a gathered copy);
+* the source's consecutive: one ``index_copy_`` from them;
+* neither: an ``index_select`` into a staging buffer and an ``index_copy_`` from it, a stage-full of
+  rows per pass (while the stage is still in the CPU's cache); rows wider than the stage: one
+  ``copy_`` each.
+
+:func:`index_args` builds the arguments both callers pass, so that a side's index tensor is made only
+where a case uses it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import typing
+from typing import Any
+
+import torch
+
+from .base import is_run
+
+__all__ = ["COPY_SOURCE", "copy_rows", "compiled", "native_available", "index_args"]
+
+log = logging.getLogger(__name__)
+
+COPY_SOURCE = '''
+def copy_rows(dsts: List[Tensor], srcs: List[Tensor], dst_rows: Tensor, src_rows: Tensor, d0: int, s0: int,
+              n: int, dst_run: bool, src_run: bool, stages: List[Tensor], stage_rows: List[int]) -> int:
+    for p in range(len(dsts)):
+        dst = dsts[p]
+        src = srcs[p]
+        if dst_run and src_run:
+            dst.narrow(0, d0, n).copy_(src.narrow(0, s0, n))
+        elif dst_run:
+            torch.index_select(src, 0, src_rows, out=dst.narrow(0, d0, n))
+        elif src_run:
+            dst.index_copy_(0, dst_rows, src.narrow(0, s0, n))
+        else:
+            if len(stages) > p:
+                stage = stages[p]
+            else:
+                stage = torch.empty([min(stage_rows[p], n), src.size(1)], dtype=src.dtype)
+            k = stage.size(0)
+            if k == 0:
+                for i in range(n):
+                    dst[int(dst_rows[i])].copy_(src[int(src_rows[i])])
+            else:
+                i = 0
+                while i < n:
+                    m = min(k, n - i)
+                    part = stage.narrow(0, 0, m)
+                    torch.index_select(src, 0, src_rows.narrow(0, i, m), out=part)
+                    dst.index_copy_(0, dst_rows.narrow(0, i, m), part)
+                    i += m
+    return n
+'''
+"""``copy_rows(dsts, srcs, dst_rows, src_rows, d0, s0, n, dst_run, src_run, stages, stage_rows)``: per plane
+``p``, ``dsts[p][dst_rows[i]] = srcs[p][src_rows[i]]`` for ``i < n``, where a side whose rows are a range
+(``*_run``) starts at ``d0``/``s0`` and its index may be empty (:func:`index_args`).  ``stages[p]``, where
+given, is plane ``p``'s staging buffer (never resized); else one of ``stage_rows[p]`` rows is made per call.
+The destination rows must be distinct (the owner's leases and fences see to it)."""
+
+_LAUNCH_SOURCE = '''
+def launch(dsts: List[Tensor], srcs: List[Tensor], dst_rows: Tensor, src_rows: Tensor, d0: int, s0: int,
+           n: int, dst_run: bool, src_run: bool, stage_rows: List[int]) -> Future[int]:
+    # detached: tensors with no Python object, so that the inter-op thread never needs the GIL to drop its
+    # references (a tensor Python holds would take the GIL on its last decref there: the copy would wait
+    # for an engine thread running Python to give it up, up to the switch interval)
+    no_stages: List[Tensor] = []
+    return torch.jit.fork(copy_rows, [d.detach() for d in dsts], [s.detach() for s in srcs], dst_rows.detach(),
+                          src_rows.detach(), d0, s0, n, dst_run, src_run, no_stages, stage_rows)
+'''
+
+
+def _python() -> Any:
+    namespace: dict[str, Any] = {"torch": torch, "Tensor": torch.Tensor, "List": typing.List}
+    exec(compile(COPY_SOURCE, f"<{__name__}.COPY_SOURCE>", "exec"), namespace)   # noqa: S102 - our own source
+    return namespace["copy_rows"]
+
+
+copy_rows = _python()
+
+
+@functools.lru_cache(maxsize=1)
+def compiled() -> Any:
+    """:data:`COPY_SOURCE` and its launcher as TorchScript (``.copy_rows``, ``.launch``), compiled once per
+    process on first use, from strings: no source file needs to be readable at run time."""
+    return torch.jit.CompilationUnit(COPY_SOURCE + _LAUNCH_SOURCE)
+
+
+@functools.lru_cache(maxsize=1)
+def native_available() -> bool:
+    """Whether this torch compiles :func:`compiled` (TorchScript); logged once when it does not."""
+    try:
+        compiled()
+    except Exception as exc:   # noqa: BLE001 - a torch without TorchScript: the Python threads copy instead
+        log.warning("the native CPU mover is not available (%r); copying on Python threads", exc)
+        return False
+    return True
+
+
+def index_args(dst_idx: list[int], src_idx: list[int],
+               empty: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int, int, bool, bool]:
+    """``(dst_rows, src_rows, d0, s0, n, dst_run, src_run)`` for :func:`copy_rows`; a side's index is
+    ``empty`` where its rows are a range (no case reads it then)."""
+    dst_run, src_run = is_run(dst_idx), is_run(src_idx)
+    return (empty if dst_run else torch.tensor(dst_idx),
+            empty if src_run else torch.tensor(src_idx), dst_idx[0], src_idx[0], len(dst_idx), dst_run, src_run)
