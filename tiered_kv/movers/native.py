@@ -4,15 +4,16 @@
 batch, again after each torch op, and again to put its reports; while the engine thread runs
 Python back to back it gets the GIL only when the interpreter forces a switch (every 5 ms), so a
 step's copies wait for the engine's calls instead of running beside them (``docs/benchmarks.md``,
-"A step's copies as one batch").  Here the owner hands each batch to a TorchScript function
-started with ``torch.jit.fork`` from TorchScript: it runs on torch's inter-op thread pool, in C++,
-and never takes the GIL.  The owner learns that a batch is done by asking its future
-(:meth:`harvest`, at every ``poll()``), and answers the batch's transfers itself, one report each.
+"A step's copies as one batch").  Here the owner hands what a flush queued -- its stores, then its
+loads -- to a TorchScript function started with one ``torch.jit.fork`` from TorchScript: it runs on
+torch's inter-op thread pool, in C++, and never takes the GIL.  The owner learns that a batch is
+done by asking its future (:meth:`harvest`, at every ``poll()``), and answers the batch's transfers
+itself, one report each.
 
 The copy is :data:`.rowcopy.COPY_SOURCE` compiled, the one the threads run as Python (rows viewed as
 16- or 8-byte elements; one ``copy_`` when both sides' rows are consecutive, an ``index_select`` or
 ``index_copy_`` when one side's are, a gather and a scatter through a staging buffer of
-:data:`.thread.STAGE_BYTES` made per batch when neither is).  Only planes every row of which such a view fits
+:data:`.thread.STAGE_BYTES` made per copy when neither is).  Only planes every row of which such a view fits
 are taken (:func:`native_fits`); :func:`tiered_kv.movers.make_mover` gives other planes, and
 injected copy functions, a :class:`~.thread.ThreadMover`.
 
@@ -35,17 +36,19 @@ import torch
 from ..jobs import JobKind
 from .base import CompletionQueue, Mover, Plane, Report, Transfer, check_planes, rows_in_range
 from .rowcopy import compiled, index_args, native_available
-from .thread import BATCH_BYTES, STAGE_BYTES, screen, split_batches, wide_planes
+from .thread import STAGE_BYTES, screen, split_batches, wide_planes
 
 __all__ = ["NativeMover", "native_fits", "native_available", "LaunchFn"]
 
 log = logging.getLogger(__name__)
 
 _STORE = JobKind.STORE
+_NO_CUT = 1 << 62   # split_batches' cap: a flush's transfers of one direction are one group
 
 LaunchFn = Callable[..., Any]
 """``launch(dsts, srcs, dst_rows, src_rows, d0, s0, n, dst_run, src_run, stage_rows)`` -> a
-``torch.futures.Future``: the signature of the compiled launcher (tests inject failing ones)."""
+``torch.futures.Future``: the compiled launcher (:data:`.rowcopy.COPY_SOURCE`'s ``launch``), each
+argument but the last a list with one entry per group of one direction; tests inject failing ones."""
 
 def native_fits(planes: Sequence[Plane]) -> bool:
     """Whether :class:`NativeMover` can copy these planes: CPU tensors whose rows are byte ranges
@@ -57,6 +60,7 @@ class _Batch(NamedTuple):
     future: Any
     transfers: list[Transfer]
     started: float
+    keep: tuple[torch.Tensor, ...]    # the index tensors the copy reads: released here, on the owner thread
 
 
 class NativeMover(Mover):
@@ -100,21 +104,17 @@ class NativeMover(Mover):
             self.flush()
 
     def flush(self) -> None:
-        """Start the held transfers' copies: stores, then loads, in batches of at most
-        :data:`~.thread.BATCH_BYTES`; a transfer that cannot be copied (cancelled, out of range) is
-        answered at once."""
+        """Start the held transfers' copies, stores then loads, as one launch; a transfer that cannot be
+        copied (cancelled, out of range) is answered at once."""
         held = self._held
         if not held:
             return
         self._held = collections.deque()
-        started = 0
-        batches = split_batches(held, self._block_bytes, BATCH_BYTES)
+        groups = split_batches(held, self._block_bytes, _NO_CUT)   # a flush's stores, then its loads
         try:
-            for batch in batches:
-                self._start(batch)
-                started += 1
+            self._start(groups)
         except BaseException as exc:   # answer what was not started: nothing submitted goes unanswered
-            self._answer_unstarted([t for batch in batches[started:] for t in batch], f"copy not started: {exc!r}")
+            self._answer_unstarted([t for g in groups for t in g], f"copy not started: {exc!r}")
             raise
 
     def _answer_unstarted(self, ts: list[Transfer], error: str) -> None:
@@ -128,32 +128,49 @@ class NativeMover(Mover):
             if id(t) not in flying:
                 put(Report(t.token, t.kind, False, error))
 
-    def _start(self, batch: list[Transfer]) -> None:
+    def _start(self, groups: list[list[Transfer]]) -> None:
+        """One launch for ``groups`` (each of one direction), after the screen answered what needs no copy."""
         put = self._out.put
         go: list[Transfer] = []
-        for t, report in screen(batch, self._nrows, self._nslots):
-            if report is None:
-                go.append(t)
+        dsts: list[list[torch.Tensor]] = []
+        srcs: list[list[torch.Tensor]] = []
+        args: list[tuple[Any, ...]] = []
+        for group in groups:
+            ts: list[Transfer] = []
+            for t, report in screen(group, self._nrows, self._nslots):
+                if report is None:
+                    ts.append(t)
+                else:
+                    put(report)
+            if not ts:
+                continue
+            if len(ts) == 1:
+                rows, slots = ts[0].rows, ts[0].slots
             else:
-                put(report)
+                rows, slots = [], []
+                for t in ts:
+                    rows += t.rows
+                    slots += t.slots
+            if ts[0].kind is _STORE:
+                dsts.append(self._host)
+                srcs.append(self._dev)
+                args.append(index_args(slots, rows, self._empty))
+            else:
+                dsts.append(self._dev)
+                srcs.append(self._host)
+                args.append(index_args(rows, slots, self._empty))
+            go += ts
         if not go:
             return
-        rows: list[int] = []
-        slots: list[int] = []
-        for t in go:
-            rows += t.rows
-            slots += t.slots
-        if go[0].kind is _STORE:
-            dsts, srcs, dst_idx, src_idx = self._host, self._dev, slots, rows
-        else:
-            dsts, srcs, dst_idx, src_idx = self._dev, self._host, rows, slots
+        cols = list(zip(*args))   # per argument of copy_rows, one entry per group
         try:
-            fut = self._launch(dsts, srcs, *index_args(dst_idx, src_idx, self._empty), self._stage_rows)
+            fut = self._launch(dsts, srcs, *cols, self._stage_rows)
         except Exception as exc:
             for t in go:
                 put(Report(t.token, t.kind, False, f"copy failed to start: {exc!r}"))
             return
-        self._inflight.append(_Batch(fut, go, time.perf_counter()))
+        # the index tensors stay referenced here until the batch is harvested (see rowcopy._index)
+        self._inflight.append(_Batch(fut, go, time.perf_counter(), cols[0] + cols[1]))
         self.batches += 1
 
     def harvest(self) -> None:
@@ -184,7 +201,7 @@ class NativeMover(Mover):
         log.warning("a batched copy of %d transfers failed (%s); copying them one by one", len(ts), _first_line(exc))
         try:
             for t in ts:
-                self._start([t])
+                self._start([[t]])
                 self.retried += 1
         except BaseException:
             self._answer_unstarted(ts, f"copy failed: {_first_line(exc)}")
@@ -204,8 +221,8 @@ class NativeMover(Mover):
 
     def help_one(self) -> bool:
         """Start what is queued, then wait (the GIL released) for the oldest batch in flight and answer
-        what has finished; False when nothing is in flight.  A batch is at most
-        :data:`~.thread.BATCH_BYTES`: a wait lasts one batch's copy."""
+        what has finished; False when nothing is in flight.  A wait lasts one batch's copy: what one
+        flush started."""
         self.flush()
         if not self._inflight:
             return False
