@@ -337,7 +337,8 @@ def _disk_figures(d: dict[str, Any]) -> list[dict[str, Any]]:
                     stats={"value": f["link"], "baseline": f["raw"]},
                     note=(f"the same loads, host->row copies answered without copying (ImmediateMover); "
                           f"misses {p.get('link_misses', 0)}, failed {p.get('link_failed', 0)}, "
-                          f"wrong blocks {p.get('link_bad_blocks', 0)}")))
+                          f"wrong blocks {p.get('link_bad_blocks', 0)} (of the last 16 loaded; "
+                          f"{p.get('link_evicted_before_check', 0)} evicted before the check)")))
             one = (p.get("one_at_a_time") or {}).get(st)
             if one and not one.get("skipped"):
                 out.append(_fig(
