@@ -359,6 +359,50 @@ def test_help_one_waits_for_the_oldest_copy_and_close_answers_everything():
     m.close()   # twice: nothing more
 
 
+def test_a_blocking_owner_copies_what_it_holds_itself_and_hands_more_than_help_bytes_to_the_threads():
+    """hold(True): submits stay held and flush() starts nothing; help_one copies up to HELP_BYTES on the
+    calling thread (no launch), more than that goes to a launch; hold(False) starts what is left."""
+    from tiered_kv.movers.thread import HELP_BYTES
+    launch = _Deferred()
+    ran: list[int] = []
+
+    def run(*args: Any) -> int:
+        ran.append(len(args[6]))
+        return native_mod.compiled().copy_groups(*args)
+
+    rows = HELP_BYTES // 4096      # 4 KiB rows: HELP_BYTES is this many
+    dev, host = _rows(rows + 2, 4096, 16), torch.zeros((rows + 2, 4096), dtype=torch.uint8)
+    q = CompletionQueue()
+    m = NativeMover([(dev, host)], q, batch_max=1 << 16, launch_fn=launch, run_fn=run)
+    try:
+        m.hold(True)
+        m.submit(Transfer("small", _STORE, list(range(rows)), list(range(rows))))   # HELP_BYTES exactly
+        m.flush()
+        assert launch.calls == [] and len(m._held) == 1
+        assert m.help_one() is True
+        assert ran == [1] and launch.calls == []
+        (r,) = q.drain()
+        assert r.token == "small" and r.ok and torch.equal(host[:rows], dev[:rows])
+        m.submit(Transfer("big", _LOAD, list(range(rows + 1)), list(range(rows + 1))))
+        m.submit(Transfer("late", _STORE, [rows + 1], [rows + 1]))
+        assert launch.calls == []
+
+        def launch_and_finish(*args: Any) -> Any:   # the wait that follows returns at once
+            fut = launch(*args)
+            launch.finish(len(launch.calls) - 1)
+            return fut
+
+        m._launch = launch_and_finish   # more than HELP_BYTES held: launched, then waited for
+        assert m.help_one() is True
+        assert ran == [1] and len(launch.calls) == 1
+        assert sorted(r.token for r in q.drain()) == ["big", "late"]
+        m.submit(Transfer("after", _STORE, [3], [3]))
+        m.hold(False)
+        assert not m._held and len(m._inflight) == 1
+    finally:
+        launch.close(m)
+
+
 def test_the_copy_runs_while_the_owner_holds_the_gil():
     """With a switch interval of 30 s the owner, spinning in Python, gives the GIL up to no other thread:
     the copy must finish without it (a tensor Python holds, dropped on the inter-op thread, would need it:
