@@ -360,8 +360,9 @@ def test_help_one_waits_for_the_oldest_copy_and_close_answers_everything():
 
 
 def test_a_blocking_owner_copies_what_it_holds_itself_and_hands_more_than_help_bytes_to_the_threads():
-    """hold(True): submits stay held and flush() starts nothing; help_one copies up to HELP_BYTES on the
-    calling thread (no launch), more than that goes to a launch; hold(False) starts what is left."""
+    """hold(True): what is queued, before the hold too, stays held and flush() starts nothing; help_one
+    copies up to HELP_BYTES on the calling thread (no launch), more than that goes to a launch;
+    hold(False) starts what is left."""
     from tiered_kv.movers.thread import HELP_BYTES
     launch = _Deferred()
     ran: list[int] = []
@@ -375,8 +376,8 @@ def test_a_blocking_owner_copies_what_it_holds_itself_and_hands_more_than_help_b
     q = CompletionQueue()
     m = NativeMover([(dev, host)], q, batch_max=1 << 16, launch_fn=launch, run_fn=run)
     try:
-        m.hold(True)
         m.submit(Transfer("small", _STORE, list(range(rows)), list(range(rows))))   # HELP_BYTES exactly
+        m.hold(True)      # queued before the hold: kept for the owner too
         m.flush()
         assert launch.calls == [] and len(m._held) == 1
         assert m.help_one() is True
