@@ -13,10 +13,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import initialize, rule
 from prometheus_client import CollectorRegistry
 
 from fakes import fill_row, make_config, make_kv, reports as _reports, row_matches
+from mover_protocol import MoverProtocolMachine, random_rows as _random_rows
 from tiered_kv import TierManager
 from tiered_kv.jobs import JobKind
 from tiered_kv.metrics import sample_total
@@ -25,11 +26,6 @@ from tiered_kv.movers.thread import batch_copy
 
 _STORE, _LOAD = JobKind.STORE, JobKind.LOAD
 
-
-def _random_rows(n: int, width: int, seed: int) -> torch.Tensor:
-    """Random bytes: as 16-byte elements they hold NaNs, infinities and denormals of every kind."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n, width), generator=g, dtype=torch.uint8)
 
 
 # ---------------------------------------------------------------------------- batch_copy
@@ -194,21 +190,15 @@ def test_a_worker_dying_mid_batch_answers_each_of_its_transfers_once_and_is_repl
 
 
 # ---------------------------------------------------------------------------- a state machine
-class BatchedMoverMachine(RuleBasedStateMachine):
-    """Transfers submitted, cancelled, flushed, held and copied by the owner (no worker: every copy is
-    made by ``help_one`` at a point the machine chooses), some batches failing as a whole and some rows
-    failing alone.  Sources are never written while a transfer reads them and destinations are leased
-    to one transfer (the owner's protocol).  Model: each transfer answered exactly once; an ok one's
-    destination rows hold its sources' bytes; a failed or cancelled-before-copy one may have written
-    only its own destinations."""
-
-    ROWS, SLOTS, WIDTH = 12, 12, 32
+class BatchedMoverMachine(MoverProtocolMachine):
+    """The owner's protocol (``mover_protocol``) on a ThreadMover with no worker: every copy is made by
+    ``help_one`` at a point the machine chooses, some batches failing as a whole and some rows failing
+    alone, transfers held and released; a failed or cancelled-before-copy one may have written only
+    its own destinations."""
 
     @initialize(seed=st.integers(0, 2**16))
     def setup(self, seed: int) -> None:
-        self.dev = _random_rows(self.ROWS, self.WIDTH, seed)
-        self.host = _random_rows(self.SLOTS, self.WIDTH, seed + 1)
-        self.q = CompletionQueue()
+        self.start(seed)
         self.fail_next_batch = False
         self.bad_rows: set[int] = set()   # (source byte 0) rows whose row-by-row copy fails
 
@@ -225,66 +215,6 @@ class BatchedMoverMachine(RuleBasedStateMachine):
 
         self.m = ThreadMover([(self.dev, self.host)], self.q, num_workers=0, batch_max=8,
                              batch_fn=batch_fn, copy_fn=copy)
-        self.pending: dict[str, Transfer] = {}
-        self.expect: dict[str, list[torch.Tensor]] = {}   # the sources' bytes when submitted
-        self.answered: dict[str, bool] = {}
-        self.n = 0
-        self.first = (self.dev.clone(), self.host.clone())
-        self.written: tuple[set[int], set[int]] = (set(), set())   # device rows, host slots ever a destination
-
-    def _busy(self) -> tuple[set[int], set[int], set[int], set[int]]:
-        """(device rows written, host slots written, device rows read, host slots read) by pending transfers."""
-        dw, hw, dr, hr = set(), set(), set(), set()
-        for t in self.pending.values():
-            if t.kind is _STORE:
-                dr.update(t.rows)
-                hw.update(t.slots)
-            else:
-                dw.update(t.rows)
-                hr.update(t.slots)
-        return dw, hw, dr, hr
-
-    @rule(store=st.booleans(), data=st.data())
-    def submit(self, store: bool, data: Any) -> None:
-        dw, hw, dr, hr = self._busy()
-        if store:   # reads device rows nobody writes, writes slots nobody touches
-            srcs = [r for r in range(self.ROWS) if r not in dw]
-            dsts = [s for s in range(self.SLOTS) if s not in hw and s not in hr]
-        else:
-            srcs = [s for s in range(self.SLOTS) if s not in hw]
-            dsts = [r for r in range(self.ROWS) if r not in dw and r not in dr]
-        if not srcs or not dsts:
-            return
-        k = data.draw(st.integers(1, min(4, len(dsts))))
-        run = data.draw(st.booleans())
-        if run:   # consecutive destinations when there are some (the batched copy's one-op case)
-            starts = [d for d in dsts if all(d + i in dsts for i in range(k))]
-            if starts:
-                d0 = data.draw(st.sampled_from(starts))
-                out = list(range(d0, d0 + k))
-            else:
-                out = data.draw(st.lists(st.sampled_from(dsts), min_size=k, max_size=k, unique=True))
-        else:
-            out = data.draw(st.lists(st.sampled_from(dsts), min_size=k, max_size=k, unique=True))
-        ins = data.draw(st.lists(st.sampled_from(srcs), min_size=k, max_size=k))
-        name = f"t{self.n}"
-        self.n += 1
-        t = Transfer(name, _STORE if store else _LOAD, ins if store else out, out if store else ins)
-        src_t = self.dev if store else self.host
-        self.expect[name] = [src_t[i].clone() for i in ins]
-        self.pending[name] = t
-        self.written[0 if not store else 1].update(out)
-        self.m.submit(t)
-
-    @rule(data=st.data())
-    def cancel(self, data: Any) -> None:
-        if self.pending:
-            name = data.draw(st.sampled_from(sorted(self.pending)))
-            self.pending[name].cancelled = True
-
-    @rule()
-    def flush(self) -> None:
-        self.m.flush()
 
     @rule(on=st.booleans())
     def hold(self, on: bool) -> None:
@@ -302,28 +232,11 @@ class BatchedMoverMachine(RuleBasedStateMachine):
     @rule()
     def help(self) -> None:
         self.m.help_one()
-        self._collect()
+        self.collect()
 
-    def _collect(self) -> None:
-        for r in self.q.drain():
-            assert r.token not in self.answered, f"{r.token} answered twice"
-            self.answered[r.token] = r.ok
-            t = self.pending.pop(r.token)
-            dst = self.host if t.kind is _STORE else self.dev
-            dst_rows = t.slots if t.kind is _STORE else t.rows
-            if t.cancelled:   # cancelled between two helps: before the batch that took it started
-                assert not r.ok and "cancelled before copy" in r.error
-            if r.ok:
-                for d, want in zip(dst_rows, self.expect[r.token]):
-                    assert torch.equal(dst[d], want), (r.token, d)
-
-    @invariant()
-    def nothing_answered_twice_and_nothing_else_written(self) -> None:
-        if hasattr(self, "m"):
-            self._collect()
-            for t, before, written in zip((self.dev, self.host), self.first, self.written):
-                untouched = [i for i in range(t.shape[0]) if i not in written]
-                assert torch.equal(t[untouched], before[untouched])
+    def check_report(self, t: Transfer, ok: bool, error: Any) -> None:
+        if t.cancelled:   # cancelled between two helps: before the batch that took it started
+            assert not ok and "cancelled before copy" in error
 
     def teardown(self) -> None:
         if not hasattr(self, "m"):
@@ -332,8 +245,8 @@ class BatchedMoverMachine(RuleBasedStateMachine):
         self.m.flush()
         self.fail_next_batch = False
         while self.m.help_one():
-            self._collect()
-        self._collect()
+            self.collect()
+        self.collect()
         assert not self.pending, f"never answered: {sorted(self.pending)}"
         self.m.close()
 

@@ -12,8 +12,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import initialize, rule
 
+from mover_protocol import MoverProtocolMachine
 from tiered_kv.jobs import JobKind
 from tiered_kv.movers import CompletionQueue, NativeMover, Transfer
 from tiered_kv.movers import rowcopy as native_mod
@@ -446,75 +447,17 @@ def test_planes_no_wide_view_fits_are_refused_with_a_clear_error():
 
 
 # ---------------------------------------------------------------------------- a state machine
-class NativeMoverMachine(RuleBasedStateMachine):
-    """Transfers submitted, cancelled and flushed; their copies finish in an order the machine picks
-    (the launcher defers each copy until then), some failing.  Sources are never written while a
-    transfer reads them and destinations are leased to one transfer (the owner's protocol).  Model:
-    each transfer answered exactly once; an ok one's destinations hold its sources' bytes as they
-    were at submit; nothing but destinations is ever written."""
-
-    ROWS, SLOTS, WIDTH = 12, 12, 32
+class NativeMoverMachine(MoverProtocolMachine):
+    """The owner's protocol (``mover_protocol``) on a NativeMover whose copies finish in an order the
+    machine picks (the launcher defers each copy until then), some failing; a failed batch starts again
+    transfer by transfer."""
 
     @initialize(seed=st.integers(0, 2**16), batch_max=st.sampled_from([1, 3, 64]))
     def setup(self, seed: int, batch_max: int) -> None:
-        self.dev, self.host = _rows(self.ROWS, self.WIDTH, seed), _rows(self.SLOTS, self.WIDTH, seed + 1)
-        self.q = CompletionQueue()
+        self.start(seed)
         self.launch = _Deferred()
         self.m = NativeMover([(self.dev, self.host)], self.q, batch_max=batch_max, launch_fn=self.launch)
         self.m._stage_rows = [2]
-        self.pending: dict[str, Transfer] = {}
-        self.expect: dict[str, list[torch.Tensor]] = {}
-        self.answered: dict[str, bool] = {}
-        self.n = 0
-        self.first = (self.dev.clone(), self.host.clone())
-        self.written: tuple[set[int], set[int]] = (set(), set())
-
-    def _busy(self) -> tuple[set[int], set[int], set[int], set[int]]:
-        dw, hw, dr, hr = set(), set(), set(), set()
-        for t in self.pending.values():
-            if t.kind is _STORE:
-                dr.update(t.rows)
-                hw.update(t.slots)
-            else:
-                dw.update(t.rows)
-                hr.update(t.slots)
-        return dw, hw, dr, hr
-
-    @rule(store=st.booleans(), data=st.data())
-    def submit(self, store: bool, data: Any) -> None:
-        dw, hw, dr, hr = self._busy()
-        if store:
-            srcs = [r for r in range(self.ROWS) if r not in dw]
-            dsts = [s for s in range(self.SLOTS) if s not in hw and s not in hr]
-        else:
-            srcs = [s for s in range(self.SLOTS) if s not in hw]
-            dsts = [r for r in range(self.ROWS) if r not in dw and r not in dr]
-        if not srcs or not dsts:
-            return
-        k = data.draw(st.integers(1, min(4, len(dsts))))
-        starts = [d for d in dsts if all(d + i in dsts for i in range(k))]
-        if starts and data.draw(st.booleans()):
-            d0 = data.draw(st.sampled_from(starts))
-            out = list(range(d0, d0 + k))
-        else:
-            out = data.draw(st.lists(st.sampled_from(dsts), min_size=k, max_size=k, unique=True))
-        ins = data.draw(st.lists(st.sampled_from(srcs), min_size=k, max_size=k))
-        name = f"t{self.n}"
-        self.n += 1
-        t = Transfer(name, _STORE if store else _LOAD, ins if store else out, out if store else ins)
-        self.expect[name] = [(self.dev if store else self.host)[i].clone() for i in ins]
-        self.pending[name] = t
-        self.written[1 if store else 0].update(out)
-        self.m.submit(t)
-
-    @rule(data=st.data())
-    def cancel(self, data: Any) -> None:
-        if self.pending:
-            self.pending[data.draw(st.sampled_from(sorted(self.pending)))].cancelled = True
-
-    @rule()
-    def flush(self) -> None:
-        self.m.flush()
 
     @rule(data=st.data(), fail=st.booleans())
     def finish_a_copy(self, data: Any, fail: bool) -> None:
@@ -529,24 +472,8 @@ class NativeMoverMachine(RuleBasedStateMachine):
     def harvest(self) -> None:
         self.m.harvest()
 
-    def _collect(self) -> None:
-        for r in self.q.drain():
-            assert r.token not in self.answered, f"{r.token} answered twice"
-            self.answered[r.token] = r.ok
-            t = self.pending.pop(r.token)
-            if r.ok:
-                dst = self.host if t.kind is _STORE else self.dev
-                for d, want in zip(t.slots if t.kind is _STORE else t.rows, self.expect[r.token]):
-                    assert torch.equal(dst[d], want), (r.token, d)
-
-    @invariant()
-    def answered_once_and_nothing_else_written(self) -> None:
-        if hasattr(self, "m"):
-            assert not self.launch.errors, self.launch.errors
-            self._collect()
-            for t, before, written in zip((self.dev, self.host), self.first, self.written):
-                untouched = [i for i in range(t.shape[0]) if i not in written]
-                assert torch.equal(t[untouched], before[untouched])
+    def check_state(self) -> None:
+        assert not self.launch.errors, self.launch.errors
 
     def teardown(self) -> None:
         if not hasattr(self, "m"):
@@ -558,7 +485,7 @@ class NativeMoverMachine(RuleBasedStateMachine):
             self.m.harvest()
         assert not self.m._inflight
         self.m.close()
-        self._collect()
+        self.collect()
         assert not self.pending, f"never answered: {sorted(self.pending)}"
 
 
