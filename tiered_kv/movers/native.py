@@ -259,9 +259,9 @@ class NativeMover(Mover):
     def help_one(self) -> bool:
         """Called by an owner that blocks.  What is held, up to :data:`~.thread.HELP_BYTES`, is copied here,
         on the calling thread (the GIL released): a copy handed to an inter-op thread and waited for costs
-        two thread hand-offs more (a lone 256 KiB load took 45 us so on the reference VM, 33 us copied
-        here).  More than that is started in the inter-op threads.  Then, with nothing held, wait for the oldest batch
-        in flight and answer what has finished.  False when nothing is held or in flight."""
+        two thread hand-offs more (a lone 256 KiB copy took 45 us so on the reference VM, 33 us copied
+        here); more than that is started in the inter-op threads.  Then, with nothing held, wait for the
+        oldest batch in flight and answer what has finished.  False when nothing is held or in flight."""
         if self._held:
             if sum(len(t.rows) for t in self._held) * self._block_bytes <= HELP_BYTES:
                 self._start_held(now=True)
@@ -289,6 +289,7 @@ class NativeMover(Mover):
 
 
 def _first_line(exc: BaseException) -> str:
-    """A TorchScript error's first line with its type (the rest is the script's traceback)."""
+    """A TorchScript error's type and last line: the error itself (the lines before it are the script's
+    traceback)."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[-1] if text else ''}"

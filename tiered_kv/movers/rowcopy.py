@@ -4,7 +4,8 @@ torch index ops and no Python per row.
 :data:`COPY_SOURCE` is both Python and TorchScript.  :func:`copy_rows` is it run as Python (the
 :class:`~.thread.ThreadMover`'s workers call it through :func:`~.thread.batch_copy`); :func:`compiled`
 compiles it with a launcher that starts a flush's groups of copies with one ``torch.jit.fork`` in
-torch's inter-op threads (the :class:`~.native.NativeMover`).  The cases, per plane (rows viewed as 16- or 8-byte elements):
+torch's inter-op threads (the :class:`~.native.NativeMover`).  The cases, per plane (rows viewed as
+16- or 8-byte elements):
 
 * both sides' rows consecutive: one ``copy_`` of the range;
 * the destination's consecutive: one ``index_select`` into them (also where the rows are padded, as
