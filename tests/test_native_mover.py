@@ -506,3 +506,32 @@ def test_a_stale_uuid_token_is_just_data():
         assert r.token is tok
     finally:
         m.close()
+
+
+def test_a_lone_small_transfer_held_by_a_blocking_owner_is_copied_with_memmove_not_launched():
+    """One held transfer of at most FEW_ROWS rows: copied on the calling thread without the compiled
+    copy or a launch (a lone load's row copy); a cancelled one is answered without a copy."""
+    launch = _Deferred()
+
+    def run(*args: Any) -> int:
+        raise AssertionError("the compiled copy was used for a lone small transfer")
+
+    dev, host = _rows(8, 64, 17), torch.zeros((8, 64), dtype=torch.uint8)
+    q = CompletionQueue()
+    m = NativeMover([(dev, host)], q, batch_max=64, launch_fn=launch, run_fn=run)
+    try:
+        m.hold(True)
+        m.submit(Transfer("two", _STORE, [5, 2], [1, 6]))
+        assert m.help_one() is True and not m._held and launch.calls == []
+        (r,) = q.drain()
+        assert r.token == "two" and r.ok and r.nbytes == 128 and torch.equal(host[[1, 6]], dev[[5, 2]])
+        m.submit(Transfer("gone", _LOAD, [0], [1], cancelled=True))
+        assert m.help_one() is True
+        (r,) = q.drain()
+        assert r.token == "gone" and not r.ok and r.error == "cancelled before copy"
+        assert not dev[0].equal(host[1])
+        m.submit(Transfer("three", _STORE, [0, 1, 2], [0, 2, 3]))   # more than FEW_ROWS: not memmove
+        m.hold(False)
+        assert len(launch.calls) == 1
+    finally:
+        launch.close(m)

@@ -36,7 +36,7 @@ import torch
 from ..jobs import JobKind
 from .base import CompletionQueue, Mover, Plane, Report, Transfer, check_planes, rows_in_range
 from .rowcopy import compiled, index_args, native_available
-from .thread import HELP_BYTES, STAGE_BYTES, screen, split_batches, wide_planes
+from .thread import FEW_ROWS, HELP_BYTES, STAGE_BYTES, fast_planes, memmove_rows, screen, split_batches, wide_planes
 
 __all__ = ["NativeMover", "native_fits", "native_available", "LaunchFn"]
 
@@ -87,6 +87,7 @@ class NativeMover(Mover):
         # rows per staging pass; 0 (rows wider than the stage): one copy_ per row where neither side is a range
         self._stage_rows = [STAGE_BYTES // (int(h.shape[1]) * h.element_size()) for h in self._host]
         self._nrows, self._nslots = rows_in_range(self._planes)
+        self._fast = fast_planes(self._planes)   # row addresses, for a lone transfer copied by the owner
         self._launch: LaunchFn = launch_fn or compiled().launch
         self._run: LaunchFn = run_fn or compiled().copy_groups   # the same copy, on the calling thread
         self._out = completions
@@ -262,8 +263,12 @@ class NativeMover(Mover):
         two thread hand-offs more (a lone 256 KiB copy took 45 us so on the reference VM, 33 us copied
         here); more than that is started in the inter-op threads.  Then, with nothing held, wait for the
         oldest batch in flight and answer what has finished.  False when nothing is held or in flight."""
-        if self._held:
-            if sum(len(t.rows) for t in self._held) * self._block_bytes <= HELP_BYTES:
+        held = self._held
+        if len(held) == 1 and len(held[0].rows) <= FEW_ROWS and self._fast is not None:
+            self._memmove_one(held)
+            return True
+        if held:
+            if sum(len(t.rows) for t in held) * self._block_bytes <= HELP_BYTES:
                 self._start_held(now=True)
                 self.harvest()
                 return True
@@ -276,6 +281,32 @@ class NativeMover(Mover):
             pass
         self.harvest()
         return True
+
+    def _memmove_one(self, held: collections.deque[Transfer]) -> None:
+        """The one held transfer of at most :data:`~.thread.FEW_ROWS` rows, copied here with ``memmove``
+        (the GIL released) and answered: a lone load's row copy (2 MiB: 77 us, against 132 us through the
+        compiled copy, whose ``copy_`` wakes torch's intra-op threads; ``benchmarks/breakdown.py promote``).
+        Taken off the queue first, so never copied twice; an interrupt answers it failed (a second answer
+        after its real one is discarded by the owner as an unknown token)."""
+        t = held.popleft()
+        put = self._out.put
+        try:
+            (_, report), = screen([t], self._nrows, self._nslots)
+            if report is None:
+                assert self._fast is not None
+                t0 = time.perf_counter()
+                try:
+                    memmove_rows(self._fast, t)
+                except Exception as exc:   # noqa: BLE001 - answered failed, like any copy
+                    report = Report(t.token, t.kind, False, f"copy failed: {exc!r}",
+                                    seconds=time.perf_counter() - t0)
+                else:
+                    report = Report(t.token, t.kind, True, None, len(t.rows) * self._block_bytes,
+                                    time.perf_counter() - t0)
+            put(report)
+        except BaseException as exc:
+            put(Report(t.token, t.kind, False, f"copy interrupted: {exc!r}"))
+            raise
 
     def close(self) -> None:
         """Start what is queued and answer everything in flight once its copy is done."""

@@ -30,7 +30,8 @@ from .base import (CompletionQueue, Mover, Plane, Report, Transfer, check_planes
                    transfer_error, widen)
 from .rowcopy import copy_rows, index_args
 
-__all__ = ["ThreadMover", "CopyFn", "BatchFn", "batch_copy", "wide_planes", "split_batches", "screen", "BATCH_BYTES",
+__all__ = ["ThreadMover", "CopyFn", "BatchFn", "batch_copy", "wide_planes", "fast_planes", "memmove_rows",
+           "split_batches", "screen", "FEW_ROWS", "BATCH_BYTES",
            "STAGE_BYTES", "HELP_BYTES", "CATCH_UP_S"]
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ per row: rows no wide view fits are copied row by row).  A copy of these element
 unchanged (no arithmetic touches them; the byte-for-byte tests use random rows)."""
 
 
-_FEW_ROWS = 2
+FEW_ROWS = 2
 """A batch of one transfer of at most this many rows is copied row by row: a ``memmove`` call costs
 less than building index tensors (the per-block API with ``copy_batch_max=1``)."""
 
@@ -109,7 +110,7 @@ def wide_planes(planes: list[Plane]) -> Optional[list[tuple[torch.Tensor, torch.
     return out
 
 
-def _fast_planes(planes: list[Plane]) -> Optional[tuple[tuple[int, int, int, int, int], ...]]:
+def fast_planes(planes: list[Plane]) -> Optional[tuple[tuple[int, int, int, int, int], ...]]:
     """Per plane ``(device row 0, device row stride, host row 0, host row stride, row bytes)`` in bytes,
     when every plane is two CPU tensors with contiguous rows of equal size; else None."""
     out = []
@@ -162,6 +163,19 @@ def screen(ts: Sequence[Transfer], nrows: int, nslots: int) -> list[tuple[Transf
     return out
 
 
+def memmove_rows(planes: tuple[tuple[int, int, int, int, int], ...], t: Transfer) -> None:
+    """Copy ``t`` row by row with ``memmove`` (ctypes releases the GIL) between the addresses of
+    :func:`fast_planes`; ``t`` must have been checked in range (:func:`screen`)."""
+    mm = ctypes.memmove
+    store = t.kind is _STORE
+    for r, s in zip(t.rows, t.slots, strict=True):
+        for d0, ds, h0, hs, n in planes:
+            if store:
+                mm(h0 + s * hs, d0 + r * ds, n)
+            else:
+                mm(d0 + r * ds, h0 + s * hs, n)
+
+
 class ThreadMover(Mover):
     """Copies on worker threads, a batch of transfers at a time; reports through ``completions``.
 
@@ -196,7 +210,7 @@ class ThreadMover(Mover):
             raise ValueError(f"batch_max must be >= 1, got {batch_max}")
         self._planes, self._block_bytes = check_planes(planes)
         self._batch_max = batch_max
-        self._fast = _fast_planes(self._planes) if copy_fn is None else None
+        self._fast = fast_planes(self._planes) if copy_fn is None else None
         self._wide = wide_planes(self._planes) if copy_fn is None or batch_fn is not None else None
         self._batch_fn: BatchFn = batch_fn or batch_copy
         # bounds of rows and slots valid in every plane: never copy out of bounds
@@ -364,7 +378,7 @@ class ThreadMover(Mover):
     def _do_batch(self, ts: list[Transfer]) -> list[Report]:
         """Copy a batch; its reports, one per transfer, in the batch's order."""
         out: list[Optional[Report]] = [None] * len(ts)
-        if self._wide is None or (len(ts) == 1 and len(ts[0].rows) <= _FEW_ROWS):
+        if self._wide is None or (len(ts) == 1 and len(ts[0].rows) <= FEW_ROWS):
             return [self._do(t) for t in ts]
         stores: list[int] = []
         loads: list[int] = []
@@ -441,15 +455,8 @@ class ThreadMover(Mover):
         return Report(t.token, t.kind, True, None, len(t.rows) * self._block_bytes, time.perf_counter() - t0)
 
     def _memmove(self, t: Transfer) -> None:
-        planes, mm = self._fast, ctypes.memmove
-        assert planes is not None
-        store = t.kind is _STORE
-        for r, s in zip(t.rows, t.slots, strict=True):   # in range: _do checked the transfer first
-            for d0, ds, h0, hs, n in planes:
-                if store:
-                    mm(h0 + s * hs, d0 + r * ds, n)
-                else:
-                    mm(d0 + r * ds, h0 + s * hs, n)
+        assert self._fast is not None
+        memmove_rows(self._fast, t)
 
     def _copy_rows(self, t: Transfer) -> None:
         copy, planes, store = self._copy, self._planes, t.kind is _STORE
