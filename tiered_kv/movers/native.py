@@ -36,7 +36,8 @@ import torch
 from ..jobs import JobKind
 from .base import CompletionQueue, Mover, Plane, Report, Transfer, check_planes, rows_in_range
 from .rowcopy import compiled, index_args, native_available
-from .thread import FEW_ROWS, HELP_BYTES, STAGE_BYTES, fast_planes, memmove_rows, screen, split_batches, wide_planes
+from .thread import (FEW_ROWS, HELP_BYTES, STAGE_BYTES, copy_one, fast_planes, memmove_rows, screen, split_batches,
+                     wide_planes)
 
 __all__ = ["NativeMover", "native_fits", "native_available", "LaunchFn"]
 
@@ -284,25 +285,16 @@ class NativeMover(Mover):
 
     def _memmove_one(self, held: collections.deque[Transfer]) -> None:
         """The one held transfer of at most :data:`~.thread.FEW_ROWS` rows, copied here with ``memmove``
-        (the GIL released) and answered: a lone load's row copy (2 MiB: 77 us, against 132 us through the
+        (the GIL released) and answered: a lone load's row copy (2 MiB: 88-90 us, against 132-134 us through the
         compiled copy, whose ``copy_`` wakes torch's intra-op threads; ``benchmarks/breakdown.py promote``).
         Taken off the queue first, so never copied twice; an interrupt answers it failed (a second answer
         after its real one is discarded by the owner as an unknown token)."""
         t = held.popleft()
         put = self._out.put
+        fast = self._fast
+        assert fast is not None
         try:
-            (_, report), = screen([t], self._nrows, self._nslots)
-            if report is None:
-                assert self._fast is not None
-                t0 = time.perf_counter()
-                try:
-                    memmove_rows(self._fast, t)
-                except Exception as exc:   # noqa: BLE001 - answered failed, like any copy
-                    report = Report(t.token, t.kind, False, f"copy failed: {exc!r}",
-                                    seconds=time.perf_counter() - t0)
-                else:
-                    report = Report(t.token, t.kind, True, None, len(t.rows) * self._block_bytes,
-                                    time.perf_counter() - t0)
+            report = copy_one(t, self._nrows, self._nslots, self._block_bytes, lambda x: memmove_rows(fast, x))
             put(report)
         except BaseException as exc:
             put(Report(t.token, t.kind, False, f"copy interrupted: {exc!r}"))

@@ -31,7 +31,7 @@ from .base import (CompletionQueue, Mover, Plane, Report, Transfer, check_planes
 from .rowcopy import copy_rows, index_args
 
 __all__ = ["ThreadMover", "CopyFn", "BatchFn", "batch_copy", "wide_planes", "fast_planes", "memmove_rows",
-           "split_batches", "screen", "FEW_ROWS", "BATCH_BYTES",
+           "copy_one", "split_batches", "screen", "FEW_ROWS", "BATCH_BYTES",
            "STAGE_BYTES", "HELP_BYTES", "CATCH_UP_S"]
 
 log = logging.getLogger(__name__)
@@ -174,6 +174,19 @@ def memmove_rows(planes: tuple[tuple[int, int, int, int, int], ...], t: Transfer
                 mm(h0 + s * hs, d0 + r * ds, n)
             else:
                 mm(d0 + r * ds, h0 + s * hs, n)
+
+
+def copy_one(t: Transfer, nrows: int, nslots: int, block_bytes: int, copy: Callable[[Transfer], None]) -> Report:
+    """``t`` screened (:func:`screen`), then copied by ``copy(t)`` and answered by its outcome, timed."""
+    (_, report), = screen([t], nrows, nslots)
+    if report is not None:
+        return report
+    t0 = time.perf_counter()
+    try:
+        copy(t)
+    except Exception as exc:
+        return Report(t.token, t.kind, False, f"copy failed: {exc!r}", seconds=time.perf_counter() - t0)
+    return Report(t.token, t.kind, True, None, len(t.rows) * block_bytes, time.perf_counter() - t0)
 
 
 class ThreadMover(Mover):
@@ -439,20 +452,8 @@ class ThreadMover(Mover):
 
     def _do(self, t: Transfer) -> Report:
         """Copy one transfer row by row."""
-        if t.cancelled:
-            return Report(t.token, t.kind, False, "cancelled before copy")
-        error = transfer_error(t, self._nrows, self._nslots)
-        if error is not None:
-            return Report(t.token, t.kind, False, error)
-        t0 = time.perf_counter()
-        try:
-            if self._fast is not None:
-                self._memmove(t)
-            else:
-                self._copy_rows(t)
-        except Exception as exc:
-            return Report(t.token, t.kind, False, f"copy failed: {exc!r}", seconds=time.perf_counter() - t0)
-        return Report(t.token, t.kind, True, None, len(t.rows) * self._block_bytes, time.perf_counter() - t0)
+        return copy_one(t, self._nrows, self._nslots, self._block_bytes,
+                        self._memmove if self._fast is not None else self._copy_rows)
 
     def _memmove(self, t: Transfer) -> None:
         assert self._fast is not None
