@@ -133,6 +133,23 @@ def test_the_spill_rate_counts_only_the_bytes_written(tmp_path: Path, monkeypatc
     assert r["gbps"] * 1e9 * r["seconds"] == pytest.approx(written), (r["bytes"], written)
 
 
+@pytest.mark.parametrize("disk_io", ["thread", "process"])
+def test_the_writer_probe_times_every_commit_without_breaking_the_writer(tmp_path: Path, disk_io: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """_WriterProbe wraps the writer's ``_commit`` (threads) or the owner's dispatch (process).  The writer's
+    ``_commit`` returns (op, report) pairs: a probe that read them as reports made every commit raise, so that
+    with ``disk_io="thread"`` no spill was ever written."""
+    monkeypatch.setattr(bench_disk, "_HOT_ALLOWED", [False])
+    blocks = bench_disk._Blocks(64 * KiB, 8, 0)
+    orig = bench_disk._manager
+    monkeypatch.setattr(bench_disk, "_manager", lambda *a, **k: orig(*a, **k, disk_io=disk_io))
+    r = bench_disk._tkv_spill(tmp_path / "d", blocks, [b"k%d" % i for i in range(8)], durability="batch",
+                              capacity=64 << 20, host_bytes=24 * 64 * KiB)
+    assert r["spills_ok"] == 8 and r["flush_ok"], r
+    commits = r["_probe"].commits
+    assert commits and sum(n for _, _, n in commits) == 8, commits
+
+
 def test_the_evicting_vs_diskcache_figure_is_the_median_overall_rate(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """bench_evicting keeps as ``tkv`` the run with the median *steady* rate; report takes that run's overall
