@@ -233,3 +233,28 @@ def test_revive_brings_back_nan_only_where_the_bench_measured() -> None:
                        "gbps_runs": [None, 1.0], "skipped": None, "diskcache": None})
     assert math.isnan(r["ratios"]["a_vs_b"]) and math.isnan(r["tkv_us"]["median"]) and math.isnan(r["gbps_runs"][0])
     assert r["tkv_us"]["skipped"] is None and r["skipped"] is None and r["diskcache"] is None
+
+
+def test_the_latency_baseline_alternates_with_the_saturated_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench_engine_latency's two sides are measured in alternating segments (order flipped each time), each
+    side's samples adding up over its segments: measured one after the other, the baseline's own p99 moved
+    between 10 and 23 us from run to run on the reference VM, and the ratio with it."""
+    monkeypatch.setattr(bench_disk, "_HOT_ALLOWED", [False])
+    order: list[str] = []
+    real_run = bench_disk._LatencyLoop.run
+
+    def run(self: Any, seconds: float, warmup_s: float) -> None:
+        order.append("disk" if self.mgr.disk is not None else "none")
+        real_run(self, seconds, warmup_s)
+
+    monkeypatch.setattr(bench_disk._LatencyLoop, "run", run)
+    blocks = bench_disk._Blocks(64 * KiB, 16, 0)
+    r = bench_disk.bench_engine_latency(tmp_path, blocks, seconds=0.09, warmup_s=0.01, n_disk_keys=8,
+                                        idle_seconds=0.06, writer_queue_blocks=8, segments=3)
+    assert order == ["disk", "none", "none", "disk", "disk", "none"], order
+    for side in ("saturated", "no_disk_tier"):
+        res = r[side]
+        assert res["segments"] == 3, res
+        assert res["calls_us"]["store"]["n"] > 0 and res["calls_us"]["lookup"]["n"] > 0, res["calls_us"]
+    assert r["saturated"]["measured_seconds"] == pytest.approx(0.09)   # the planned windows, not a timing
+    assert r["no_disk_tier"]["measured_seconds"] == pytest.approx(0.06)

@@ -56,8 +56,10 @@ all):
    thread while the disk writer is saturated: each step stores new 2 MiB
    blocks faster than the disk takes them, looks up 8 keys, loads a key that
    is only on disk (a promote), polls, then "computes" (sleeps) 1 ms.  The
-   writer's busy fraction and queue depth show the saturation.  Context: the
-   same loop on a manager without a disk tier.
+   writer's busy fraction and queue depth show the saturation.  Baseline: the
+   same loop on a manager without a disk tier, in segments that alternate
+   with the saturated run's (each after its own warm-up; the writer's queue
+   drains before a baseline segment starts).
 
 Method: seeded; one warm-up repeat per figure, discarded; systems alternate
 (order rotated each repeat); before each timed repeat ``gc.collect()``,
@@ -320,14 +322,19 @@ class _WriterProbe:
         disk.writer._sync = sync  # type: ignore[method-assign]
 
     def summary(self, t0: float, t1: float) -> dict[str, Any]:
-        inside = [c for c in self.commits if t0 <= c[0] <= t1]
+        return self.summary_windows([(t0, t1)])
+
+    def summary_windows(self, windows: Sequence[tuple[float, float]]) -> dict[str, Any]:
+        """The commits that ended inside any of ``windows`` ((start, end) perf_counter times)."""
+        inside = [c for c in self.commits if any(t0 <= c[0] <= t1 for t0, t1 in windows)]
+        span = sum(t1 - t0 for t0, t1 in windows)
         busy = sum(c[1] for c in inside)
         sizes = [c[2] for c in inside if c[2]]
         return {
             "commits": len(inside),
             "spills_per_commit": summarize(sizes, "blocks") if sizes else None,
             "commit_seconds": summarize([c[1] for c in inside], "s") if inside else None,
-            "writer_busy_fraction": busy / (t1 - t0) if t1 > t0 else float("nan"),
+            "writer_busy_fraction": busy / span if span > 0 else float("nan"),
             "syncs": len(self.syncs),
             "sync_seconds_total": sum(self.syncs),
         }
@@ -1046,103 +1053,126 @@ def _call_stats(rows: list[tuple[float, float, float]], slow_us: float) -> dict[
     return out
 
 
-def _latency_run(mgr: TierManager, blocks: _Blocks, rng: random.Random, disk_keys: Optional[Sequence[bytes]],
-                 seconds: float, warmup_s: float, stores_per_step: int, step_sleep_s: float, load_every: int,
-                 probe: Optional[_WriterProbe]) -> dict[str, Any]:
-    """The engine loop.  ``disk_keys``: keys to load (cycled); None: load a key stored 16 steps ago.
+class _LatencyLoop:
+    """The engine loop of :func:`bench_engine_latency`, run in segments that add to one set of samples.
 
-    Each call is timed with perf_counter_ns (wall) and thread_time_ns (this thread's CPU time); a call
-    whose wall time is mostly not CPU time was waiting (for the GIL, a lock, or a core).  GC pauses
-    overlapping a call are measured with gc.callbacks.
+    ``disk_keys``: keys to load (cycled); None: load a key stored 16 steps ago.  Each call is timed with
+    perf_counter_ns (wall) and thread_time_ns (this thread's CPU time); a call whose wall time is mostly
+    not CPU time was waiting (for the GIL, a lock, or a core).  GC pauses overlapping a call are measured
+    with gc.callbacks.
     """
-    n_rows = blocks.n_rows
-    store_rows = list(range(n_rows // 2))
-    load_rows = list(range(n_rows // 2, n_rows))
-    rows: dict[str, list[tuple[float, float, float]]] = {"store": [], "lookup": [], "load": [], "poll": []}
-    depth: list[int] = []
-    salt = rng.getrandbits(64)
-    recent: list[bytes] = []
-    dk = list(disk_keys or ())
-    rng.shuffle(dk)
-    n_loads = busy_rows = load_none = 0
-    disk = mgr.disk
-    pc, tt = time.perf_counter_ns, time.thread_time_ns
-    BlockBusy = BlockBusyError
-    gc_ns = [0, 0]
 
-    def gc_cb(phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            gc_ns[1] = pc()
-        else:
-            gc_ns[0] += pc() - gc_ns[1]
+    def __init__(self, mgr: TierManager, blocks: _Blocks, rng: random.Random, disk_keys: Optional[Sequence[bytes]],
+                 stores_per_step: int, step_sleep_s: float, load_every: int, probe: Optional[_WriterProbe]) -> None:
+        self.mgr, self.blocks, self.probe = mgr, blocks, probe
+        self.stores_per_step, self.step_sleep_s, self.load_every = stores_per_step, step_sleep_s, load_every
+        n_rows = blocks.n_rows
+        self.store_rows = list(range(n_rows // 2))
+        self.load_rows = list(range(n_rows // 2, n_rows))
+        self.rows: dict[str, list[tuple[float, float, float]]] = {"store": [], "lookup": [], "load": [], "poll": []}
+        self.depth: list[int] = []
+        self.salt = rng.getrandbits(64)
+        self.recent: list[bytes] = []
+        self.dk = list(disk_keys or ())
+        rng.shuffle(self.dk)
+        self.n_loads = self.busy_rows = self.load_none = self.step = self.n_stored = 0
+        self.windows: list[tuple[float, float]] = []   # the measured part of each segment
+        self.seconds = 0.0                               # wall time of the segments, warm-ups included
+        self.warmup_s = 0.0
 
-    recording = [False]
+    def run(self, seconds: float, warmup_s: float) -> None:
+        """One segment: ``warmup_s`` of steps not recorded, then ``seconds`` recorded; then wait for every job
+        (with a disk tier: the writer's queue drains, so the next segment of the other side runs beside a
+        quiet disk tier)."""
+        mgr, rows, recent, dk = self.mgr, self.rows, self.recent, self.dk
+        self.warmup_s = warmup_s
+        disk = mgr.disk
+        pc, tt = time.perf_counter_ns, time.thread_time_ns
+        BlockBusy = BlockBusyError
+        gc_ns = [0, 0]
 
-    def call(kind: str, fn: Callable[..., Any], *args: Any) -> Any:
-        g0 = gc_ns[0]
-        c0 = tt()
-        a = pc()
+        def gc_cb(phase: str, info: dict[str, Any]) -> None:
+            if phase == "start":
+                gc_ns[1] = pc()
+            else:
+                gc_ns[0] += pc() - gc_ns[1]
+
+        recording = [False]
+
+        def call(kind: str, fn: Callable[..., Any], *args: Any) -> Any:
+            g0 = gc_ns[0]
+            c0 = tt()
+            a = pc()
+            try:
+                res = fn(*args)
+            except BlockBusy:
+                res = BlockBusy
+            b = pc()
+            c1 = tt()
+            if recording[0]:
+                rows[kind].append(((b - a) / 1e3, (c1 - c0) / 1e3, (gc_ns[0] - g0) / 1e3))
+            return res
+
+        _quiesce(_hot_for(self.blocks.n_rows * self.blocks.block_bytes + 512 * MiB))
+        gc.callbacks.append(gc_cb)
+        t_start = time.perf_counter()
+        t_measure = t_start + warmup_s
+        t_end = t_measure + seconds
+        sps, load_every = self.stores_per_step, self.load_every
         try:
-            res = fn(*args)
-        except BlockBusy:
-            res = BlockBusy
-        b = pc()
-        c1 = tt()
-        if recording[0]:
-            rows[kind].append(((b - a) / 1e3, (c1 - c0) / 1e3, (gc_ns[0] - g0) / 1e3))
-        return res
+            while True:
+                now = time.perf_counter()
+                if now >= t_end:
+                    break
+                recording[0] = now >= t_measure
+                for _ in range(sps):
+                    k = b"lat:%016x:%09d" % (self.salt, self.n_stored)
+                    row = self.store_rows[self.n_stored % len(self.store_rows)]
+                    self.n_stored += 1
+                    call("store", mgr.store, k, row)
+                    recent.append(k)
+                n_loads = self.n_loads
+                probe_keys = recent[-4:] + (dk[max(0, n_loads - 4):n_loads] if n_loads and dk else recent[-8:-4])
+                call("lookup", mgr.lookup, probe_keys)
+                if self.step % load_every == 0 and (dk or len(recent) > 16 * sps):
+                    k = dk[n_loads % len(dk)] if dk else recent[-16 * sps]
+                    row = self.load_rows[n_loads % len(self.load_rows)]
+                    self.n_loads += 1
+                    job = call("load", mgr.load, k, row)
+                    self.busy_rows += job is BlockBusy
+                    self.load_none += job is None
+                call("poll", mgr.poll)
+                if recording[0] and disk is not None:
+                    self.depth.append(disk.queue_depth)
+                if len(recent) > 256:
+                    del recent[:-128]
+                self.step += 1
+                time.sleep(self.step_sleep_s)
+        finally:
+            gc.callbacks.remove(gc_cb)
+        self.windows.append((t_measure, t_end))
+        mgr.wait(timeout=60)
+        self.seconds += time.perf_counter() - t_start
 
-    _quiesce(_hot_for(n_rows * blocks.block_bytes + 512 * MiB))
-    gc.callbacks.append(gc_cb)
-    t_start = time.perf_counter()
-    t_measure = t_start + warmup_s
-    t_end = t_measure + seconds
-    step = n_stored = 0
-    try:
-        while True:
-            now = time.perf_counter()
-            if now >= t_end:
-                break
-            recording[0] = now >= t_measure
-            for _ in range(stores_per_step):
-                k = b"lat:%016x:%09d" % (salt, n_stored)
-                row = store_rows[n_stored % len(store_rows)]
-                n_stored += 1
-                call("store", mgr.store, k, row)
-                recent.append(k)
-            probe_keys = recent[-4:] + (dk[max(0, n_loads - 4):n_loads] if n_loads and dk else recent[-8:-4])
-            call("lookup", mgr.lookup, probe_keys)
-            if step % load_every == 0 and (dk or len(recent) > 16 * stores_per_step):
-                k = dk[n_loads % len(dk)] if dk else recent[-16 * stores_per_step]
-                row = load_rows[n_loads % len(load_rows)]
-                n_loads += 1
-                job = call("load", mgr.load, k, row)
-                busy_rows += job is BlockBusy
-                load_none += job is None
-            call("poll", mgr.poll)
-            if recording[0] and disk is not None:
-                depth.append(disk.queue_depth)
-            if len(recent) > 256:
-                del recent[:-128]
-            step += 1
-            time.sleep(step_sleep_s)
-    finally:
-        gc.callbacks.remove(gc_cb)
-    mgr.wait(timeout=60)
-    out: dict[str, Any] = {
-        "steps": step, "measured_seconds": seconds, "warmup_seconds_discarded": warmup_s,
-        "stores_per_step": stores_per_step, "step_sleep_s": step_sleep_s, "load_every_steps": load_every,
-        "calls_us": {k: summarize([r[0] for r in v], "us") for k, v in rows.items() if v},
-        "calls": {k: _call_stats(v, _SLOW_CALL_US) for k, v in rows.items() if v},
-        "loads": n_loads, "loads_returning_none": load_none, "load_row_busy": busy_rows,
-        "offered_store_gbps": n_stored * blocks.block_bytes / (time.perf_counter() - t_start) / 1e9,
-    }
-    if depth:
-        out["writer_queue_depth"] = summarize(depth, "blocks")
-        out["writer_queue_nonempty_fraction"] = sum(1 for d in depth if d > 0) / len(depth)
-    if probe is not None:
-        out["writer"] = probe.summary(t_measure, t_end)
-    return out
+    def result(self) -> dict[str, Any]:
+        rows = self.rows
+        out: dict[str, Any] = {
+            "steps": self.step, "segments": len(self.windows),
+            "measured_seconds": sum(b - a for a, b in self.windows), "warmup_seconds_per_segment": self.warmup_s,
+            "stores_per_step": self.stores_per_step, "step_sleep_s": self.step_sleep_s,
+            "load_every_steps": self.load_every,
+            "calls_us": {k: summarize([r[0] for r in v], "us") for k, v in rows.items() if v},
+            "calls": {k: _call_stats(v, _SLOW_CALL_US) for k, v in rows.items() if v},
+            "loads": self.n_loads, "loads_returning_none": self.load_none, "load_row_busy": self.busy_rows,
+            "offered_store_gbps": (self.n_stored * self.blocks.block_bytes / self.seconds / 1e9
+                                   if self.seconds else float("nan")),
+        }
+        if self.depth:
+            out["writer_queue_depth"] = summarize(self.depth, "blocks")
+            out["writer_queue_nonempty_fraction"] = sum(1 for d in self.depth if d > 0) / len(self.depth)
+        if self.probe is not None:
+            out["writer"] = self.probe.summary_windows(self.windows)
+        return out
 
 
 _LAT_LOADS = 600   # load() calls wanted in a latency run (see bench_engine_latency)
@@ -1150,9 +1180,12 @@ _LAT_LOADS = 600   # load() calls wanted in a latency run (see bench_engine_late
 
 def bench_engine_latency(base: Path, blocks: _Blocks, *, seconds: float = 8.0, warmup_s: float = 1.0, seed: int = 0,
                          stores_per_step: int = 2, step_sleep_s: float = 0.001, n_disk_keys: int = 192,
-                         idle_seconds: Optional[float] = None, writer_queue_blocks: Optional[int] = None
-                         ) -> dict[str, Any]:
+                         idle_seconds: Optional[float] = None, writer_queue_blocks: Optional[int] = None,
+                         segments: int = 3) -> dict[str, Any]:
     """store()/lookup()/load() wall time on the engine thread while the disk writer is saturated.
+
+    ``segments``: the measured time of each side is cut into this many parts, each after its own warm-up,
+    the saturated run's and the baseline's alternating.
 
     ``writer_queue_blocks``: the writer queue bound (default: the writer's own for the block size); the host tier is sized
     to hold the queue, so a smaller queue makes a cheaper run (smoke runs).
@@ -1177,11 +1210,27 @@ def bench_engine_latency(base: Path, blocks: _Blocks, *, seconds: float = 8.0, w
         _spill_loop(mgr, disk_keys, [i % blocks.n_rows for i in range(n_disk_keys)], _default_queue(bb))
     finally:
         mgr.close()
+    # the same loop without a disk tier (no writer; loads copy a host-resident key) is the baseline: the two
+    # managers' segments alternate, the order flipped each time, so that both sides meet the same hours of
+    # this VM (measured one after the other, the baseline's own p99 moved between 10 and 23 us from run to run)
+    idle_s = idle_seconds if idle_seconds is not None else seconds / 2
+    segments = max(1, segments)
     mgr, reg = _manager(d, blocks, capacity=capacity, host_bytes=host_bytes, writer_queue_blocks=queue)
     try:
-        probe = _WriterProbe(mgr)
-        sat = _latency_run(mgr, blocks, rng, disk_keys, seconds, warmup_s, stores_per_step, step_sleep_s,
-                           load_every, probe)
+        cfg = TieredKVConfig(namespace=f"bench-disk-idle|{bb}", host_capacity_bytes=(blocks.n_rows + 64) * bb)
+        m2 = TierManager(cfg, blocks.dev, registry=CollectorRegistry())
+        try:
+            sat_loop = _LatencyLoop(mgr, blocks, rng, disk_keys, stores_per_step, step_sleep_s, load_every,
+                                    _WriterProbe(mgr))
+            idle_loop = _LatencyLoop(m2, blocks, rng, None, stores_per_step, step_sleep_s, load_every, None)
+            for seg in range(segments):
+                sides = [(sat_loop, seconds), (idle_loop, idle_s)]
+                for loop, secs in (sides if seg % 2 == 0 else sides[::-1]):
+                    loop.run(secs / segments, warmup_s)
+            idle = idle_loop.result()
+        finally:
+            m2.close()
+        sat = sat_loop.result()
         sat["spills_shed_backpressure"] = int(sample_total(reg, "tiered_kv_shed_total", kind="spill",
                                                            reason="backpressure"))
         sat["spills_ok"] = int(sample_total(reg, "tiered_kv_jobs_total", kind="spill", outcome="ok"))
@@ -1191,14 +1240,6 @@ def bench_engine_latency(base: Path, blocks: _Blocks, *, seconds: float = 8.0, w
     finally:
         mgr.close()
     _rmtree(d)
-    # context: the same loop without a disk tier (no writer; loads copy a host-resident key)
-    idle_s = idle_seconds if idle_seconds is not None else seconds / 2
-    cfg = TieredKVConfig(namespace=f"bench-disk-idle|{bb}", host_capacity_bytes=(blocks.n_rows + 64) * bb)
-    m2 = TierManager(cfg, blocks.dev, registry=CollectorRegistry())
-    try:
-        idle = _latency_run(m2, blocks, rng, None, idle_s, warmup_s, stores_per_step, step_sleep_s, load_every, None)
-    finally:
-        m2.close()
     return {"block_bytes": bb, "saturated": sat, "no_disk_tier": idle, "disk_keys": n_disk_keys,
             "note": "each engine step: store() x stores_per_step new blocks, lookup() of 8 keys (recent host "
                     "keys + keys loaded from disk), every load_every steps one load() of a key only on disk "
