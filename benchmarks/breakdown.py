@@ -1,9 +1,10 @@
-"""Where the time of three missed targets goes: one load from disk at a time, the engine step, and
-a step's copies batched.
+"""Where the time of four missed targets goes: one load from disk at a time, the engine step, a
+step's copies batched, and ``store()``'s p99 while copies run.
 
     .venv/bin/python benchmarks/breakdown.py promote [--block-kib 2048] [--loads 32]
     .venv/bin/python benchmarks/breakdown.py step [--steps 600]
     .venv/bin/python benchmarks/breakdown.py batched [--block-kib 64] [--pass-mib 128]
+    .venv/bin/python benchmarks/breakdown.py first-store [--steps 400]
 
 ``promote``: the parts of one ``load(key, row)`` + ``wait([job])`` of a key only on disk (page
 cache warm), each a median over 32 loads, timed by wrapping the methods that do them (the reader's
@@ -23,6 +24,15 @@ off, beside the unsafe dict original's whole step.
 step after step, then ``wait()``; the loads likewise), split into the time in the engine's calls
 and in the final ``wait()``, beside one ``copy_`` of the pass's bytes; 128 MiB per pass, 4 passes
 (the first a warm-up).
+
+``first-store``: ``tiered-kv bench``'s ``store()`` latency loop (16 ``store()`` calls of 2 MiB rows,
+``poll()``, 10 ms of sleep; 512 rows, host tier = rows, so every store evicts), the wall time of each
+step's first ``store()`` and of the others, and of ``poll()``, medians; four managers taking turns
+of 25 steps (after 5 more, not recorded): with the native
+CPU mover as it is, with its copy made on the engine thread inside ``poll()`` (the launch replaced by
+a synchronous run of the same compiled copy), with no copy at all (a launch that answers at once),
+and with the Python copy threads.  The bench's p99 over all calls is one of the first calls (one in
+16), so this shows what that call pays for.
 
 Diagnostics, not figures of record: wrapping methods adds a little to each part, and the figures
 move with the machine's load.  Nothing here is imported by the library or the tests.
@@ -237,11 +247,76 @@ def batched(block: int, pass_bytes: int = 128 << 20) -> None:
         mgr.close()
 
 
+def first_store(steps: int) -> None:
+    from tiered_kv.movers import native as native_mod
+    from tiered_kv.movers.rowcopy import compiled
+
+    cu = compiled()
+
+    def on_engine(*a: Any) -> Any:    # the same copy, on the calling thread, its outcome a finished future
+        fut: Any = torch.futures.Future()
+        with torch.jit.optimized_execution(False):
+            fut.set_result(cu.copy_groups(*a))
+        return fut
+
+    def no_copy(*a: Any) -> Any:
+        fut: Any = torch.futures.Future()
+        fut.set_result(0)
+        return fut
+
+    n, row, per_round = 512, 2 << 20, 25
+    kv = torch.empty((n, row), dtype=torch.uint8).fill_(1)
+    real_init = native_mod.NativeMover.__init__
+    managers: dict[str, TierManager] = {}
+    for label, mover, launch in (("native mover", "native", None), ("copy on the engine thread", "native", on_engine),
+                                 ("no copy", "native", no_copy), ("Python copy threads", "threads", None)):
+        if launch is not None:
+            def init(self: Any, planes: Any, completions: Any, batch_max: int = 1, launch_fn: Any = None,
+                     run_fn: Any = None, _launch: Any = launch) -> None:
+                real_init(self, planes, completions, batch_max, launch_fn=_launch, run_fn=cu.copy_groups)
+            native_mod.NativeMover.__init__ = init   # type: ignore[method-assign]
+        try:
+            cfg = TieredKVConfig(namespace="breakdown/first-store", host_capacity_bytes=n * row, cpu_mover=mover)
+            managers[label] = TierManager(cfg, kv, registry=CollectorRegistry())
+        finally:
+            native_mod.NativeMover.__init__ = real_init   # type: ignore[method-assign]
+    pc = time.perf_counter_ns
+    samples: dict[str, tuple[list[int], list[int], list[int]]] = {k: ([], [], []) for k in managers}
+    i = 0
+    try:
+        # the managers take turns, a round of steps each (the first 5 of a turn not recorded), so that all
+        # four meet the same moments of the machine
+        for rnd in range(-(-steps // per_round)):
+            for label, mgr in (managers.items() if rnd % 2 == 0 else reversed(managers.items())):
+                first, rest, polls = samples[label]
+                for s in range(per_round + 5):
+                    keep = s >= 5
+                    for j in range(16):
+                        t = pc()
+                        mgr.store(b"k%d" % i, i % n)
+                        if keep:
+                            (first if j == 0 else rest).append(pc() - t)
+                        i += 1
+                    t = pc()
+                    mgr.poll()
+                    if keep:
+                        polls.append(pc() - t)
+                    time.sleep(0.010)
+                mgr.wait()
+    finally:
+        for mgr in managers.values():
+            mgr.close()
+    med = statistics.median
+    for label, (first, rest, polls) in samples.items():
+        print(f"{label:26s} ({type(managers[label]._mover).__name__}): first store() {med(first) / 1e3:5.1f} us, "
+              f"the others {med(rest) / 1e3:4.1f} us, poll() {med(polls) / 1e3:5.0f} us")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["promote", "step", "batched"])
+    ap.add_argument("what", choices=["promote", "step", "batched", "first-store"])
     ap.add_argument("--block-kib", type=int, default=None, help="default: 2048 (promote), 64 (batched)")
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--steps", type=int, default=None, help="default: 600 (step), 400 (first-store)")
     ap.add_argument("--loads", type=int, default=32, help="promote: blocks loaded one at a time")
     ap.add_argument("--pass-mib", type=int, default=128, help="batched: MiB per pass")
     a = ap.parse_args()
@@ -249,8 +324,10 @@ def main() -> None:
         promote((a.block_kib or 2048) << 10, a.loads)
     elif a.what == "batched":
         batched((a.block_kib or 64) << 10, a.pass_mib << 20)
+    elif a.what == "first-store":
+        first_store(a.steps or 400)
     else:
-        step(a.steps)
+        step(a.steps or 600)
 
 
 if __name__ == "__main__":
