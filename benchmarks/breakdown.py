@@ -4,7 +4,7 @@ step's copies batched, and ``store()``'s p99 while copies run.
     .venv/bin/python benchmarks/breakdown.py promote [--block-kib 2048] [--loads 32]
     .venv/bin/python benchmarks/breakdown.py step [--steps 600]
     .venv/bin/python benchmarks/breakdown.py batched [--block-kib 64] [--pass-mib 128]
-    .venv/bin/python benchmarks/breakdown.py first-store [--steps 400]
+    .venv/bin/python benchmarks/breakdown.py first-store [--steps 400] [--torch-threads N]
 
 ``promote``: the parts of one ``load(key, row)`` + ``wait([job])`` of a key only on disk (page
 cache warm), each a median over 32 loads, timed by wrapping the methods that do them (the reader's
@@ -319,7 +319,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="default: 600 (step), 400 (first-store)")
     ap.add_argument("--loads", type=int, default=32, help="promote: blocks loaded one at a time")
     ap.add_argument("--pass-mib", type=int, default=128, help="batched: MiB per pass")
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="torch.set_num_threads(N) first (the copies' intra-op threads)")
     a = ap.parse_args()
+    if a.torch_threads:
+        torch.set_num_threads(a.torch_threads)
     if a.what == "promote":
         promote((a.block_kib or 2048) << 10, a.loads)
     elif a.what == "batched":
