@@ -241,10 +241,16 @@ def test_the_latency_baseline_alternates_with_the_saturated_run(tmp_path: Path, 
     between 10 and 23 us from run to run on the reference VM, and the ratio with it."""
     monkeypatch.setattr(bench_disk, "_HOT_ALLOWED", [False])
     order: list[str] = []
+    depth_before_baseline: list[int] = []
+    saturated: list[TierManager] = []
     real_run = bench_disk._LatencyLoop.run
 
     def run(self: Any, seconds: float, warmup_s: float) -> None:
         order.append("disk" if self.mgr.disk is not None else "none")
+        if self.mgr.disk is not None:
+            saturated[:] = [self.mgr]
+        elif saturated:    # the saturated run's spills are all written before a baseline segment
+            depth_before_baseline.append(saturated[0].disk.queue_depth)
         real_run(self, seconds, warmup_s)
 
     monkeypatch.setattr(bench_disk._LatencyLoop, "run", run)
@@ -252,6 +258,7 @@ def test_the_latency_baseline_alternates_with_the_saturated_run(tmp_path: Path, 
     r = bench_disk.bench_engine_latency(tmp_path, blocks, seconds=0.09, warmup_s=0.01, n_disk_keys=8,
                                         idle_seconds=0.06, writer_queue_blocks=8, segments=3)
     assert order == ["disk", "none", "none", "disk", "disk", "none"], order
+    assert depth_before_baseline == [0, 0, 0], depth_before_baseline
     for side in ("saturated", "no_disk_tier"):
         res = r[side]
         assert res["segments"] == 3, res

@@ -1082,8 +1082,8 @@ class _LatencyLoop:
 
     def run(self, seconds: float, warmup_s: float) -> None:
         """One segment: ``warmup_s`` of steps not recorded, then ``seconds`` recorded; then wait for every job
-        (with a disk tier: the writer's queue drains, so the next segment of the other side runs beside a
-        quiet disk tier)."""
+        and ``flush()`` (with a disk tier: the writer's queue drains, so the next segment of the other side
+        runs beside a quiet disk tier)."""
         mgr, rows, recent, dk = self.mgr, self.rows, self.recent, self.dk
         self.warmup_s = warmup_s
         disk = mgr.disk
@@ -1152,6 +1152,7 @@ class _LatencyLoop:
             gc.callbacks.remove(gc_cb)
         self.windows.append((t_measure, t_end))
         mgr.wait(timeout=60)
+        mgr.flush(timeout=60)   # the spills too (wait() leaves them to flush())
         self.seconds += time.perf_counter() - t_start
 
     def result(self) -> dict[str, Any]:
