@@ -9,6 +9,8 @@ row-by-row path copied (in part) instead of failing before any copy."""
 from __future__ import annotations
 
 import inspect
+import os
+import sys
 import threading
 import uuid
 from typing import Any
@@ -187,13 +189,24 @@ def test_close_joins_a_replacement_worker_spawned_while_it_runs():
 
 # ---------------------------------------------------------------------------- a worker killed between batches
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def _running(cls: type, name: str) -> Any:
+    """The function a call of ``cls.name`` runs, for a test that traces its code: the method itself, or
+    under ``make mutate`` the copy mutmut's trampoline calls instead (the mutant under test when it is
+    one of this method's, else the unmutated copy)."""
+    table = getattr(sys.modules[cls.__module__], f"mutants_xǁ{cls.__name__}ǁ{name}__mutmut", None)
+    if table is None:
+        return getattr(cls, name)
+    return table.get(os.environ.get("MUTANT_UNDER_TEST", "").rpartition(".")[2], table["_mutmut_orig"])
+
+
 def test_a_worker_killed_just_after_taking_a_batch_answers_every_transfer_of_it():
     """``_run`` resets ``answered`` only after ``current = self._q.get()``: an exception landing between
     the two (an asynchronous exception; forced here by a trace hook raising at the line after the take)
     answers ``current[answered:]`` with the previous batch's count, so the new batch's first transfers
     are never answered."""
-    code = ThreadMover._run.__code__
-    lines, first = inspect.getsourcelines(ThreadMover._run)
+    run = _running(ThreadMover, "_run")
+    code = run.__code__
+    lines, first = inspect.getsourcelines(run)
     target = first + next(i for i, s in enumerate(lines) if "current = self._q.get()" in s) + 1   # the line after the take
     fired = threading.Event()
 
