@@ -221,7 +221,8 @@ def test_a_failed_batch_is_copied_again_transfer_by_transfer_each_answered_by_it
         reps = {r.token: r for r in q.drain()}
         assert set(reps) == {"t0", "t1", "t2"} and not m._inflight
         assert reps["t0"].ok and reps["t2"].ok and not reps["t1"].ok
-        assert "injected failure of call 2" in reps["t1"].error
+        assert reps["t1"].error == "copy failed: RuntimeError: injected failure of call 2"
+        assert all(r.kind is _STORE for r in reps.values())
         assert torch.equal(host[[4, 6]], dev[[0, 2]]) and not host[5].any()
     finally:
         launch.close(m)
@@ -250,12 +251,42 @@ def test_an_interrupt_while_a_failed_batch_starts_again_answers_only_what_is_not
             m.harvest()
         early = {r.token: r for r in q.drain()}
         assert set(early) == {"t1", "t2"} and not any(r.ok for r in early.values())
+        assert {r.error for r in early.values()} == {"copy failed: RuntimeError: injected failure of call 0"}
+        assert all(r.kind is _STORE for r in early.values())
         launch.finish(1)
         m.harvest()
         (r,) = q.drain()
         assert r.token == "t0" and r.ok and torch.equal(host[0], dev[0])
     finally:
         launch.close(m)
+
+
+@pytest.mark.parametrize("exc,text", [
+    (RuntimeError("The following operation failed in the TorchScript interpreter.\nTraceback of TorchScript code:\n"
+                  "  File \"<copy>\", line 9\nRuntimeError: index 99 is out of bounds for dimension 0 with size 8\n"),
+     "copy failed: RuntimeError: RuntimeError: index 99 is out of bounds for dimension 0 with size 8"),
+    (RuntimeError(), "copy failed: RuntimeError: "),
+    (IndexError("  \n"), "copy failed: IndexError: "),
+])
+def test_a_failed_copy_is_answered_with_the_last_line_of_its_error(exc: Exception, text: str):
+    """A TorchScript error's message is the script's traceback, then the error: the report keeps the type
+    and the last line.  A message with no line at all still gives a report (and the owner a job error)."""
+    def launch(*args: Any) -> Any:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_exception(exc)
+        return fut
+
+    dev, host = _rows(4, 16, 21), torch.zeros((4, 16), dtype=torch.uint8)
+    q = CompletionQueue()
+    m = NativeMover([(dev, host)], q, batch_max=64, launch_fn=launch)
+    try:
+        m.submit(Transfer("a", _LOAD, [0], [1]))
+        m.flush()
+        m.harvest()
+        (r,) = q.drain()
+        assert (r.token, r.kind, r.ok, r.error) == ("a", _LOAD, False, text)
+    finally:
+        m.close()
 
 
 def test_a_launch_that_raises_fails_its_transfers():
@@ -300,6 +331,8 @@ def test_an_interrupt_during_flush_leaves_no_transfer_unanswered_and_none_answer
             m.flush()
         early = {r.token: r for r in q.drain()}
         assert set(early) == {"l1", "l2"} and not any(r.ok for r in early.values())
+        assert {r.error for r in early.values()} == {"copy not started: KeyboardInterrupt()"}
+        assert all(r.kind is _LOAD for r in early.values())
         launch.finish(0)
         m.harvest()
         (r,) = q.drain()
