@@ -289,6 +289,72 @@ def test_a_failed_copy_is_answered_with_the_last_line_of_its_error(exc: Exceptio
         m.close()
 
 
+def test_a_copy_the_blocking_owner_makes_itself_that_raises_is_answered_like_a_launched_one():
+    """help_one copies what it holds on the calling thread (``run_fn``); when that copy raises, its
+    transfers are answered by its error as a launched batch's would be: a lone one failed at once, two
+    started again one by one (here in the inter-op threads: ``launch_fn``), each by its own outcome."""
+    launch = _Deferred()
+    runs = [0]
+
+    def run(*args: Any) -> int:
+        runs[0] += 1
+        raise RuntimeError(f"owner copy {runs[0]} failed")
+
+    dev, host = _rows(8, 4096, 22), torch.zeros((8, 4096), dtype=torch.uint8)
+    q = CompletionQueue()
+    m = NativeMover([(dev, host)], q, batch_max=64, launch_fn=launch, run_fn=run)
+    try:
+        m.hold(True)
+        m.submit(Transfer("lone", _STORE, [0, 1, 2], [0, 1, 2]))    # more rows than memmove takes
+        assert m.help_one() is True
+        (r,) = q.drain()
+        assert (r.token, r.kind, r.ok, r.error) == ("lone", _STORE, False, "copy failed: RuntimeError: owner copy 1 failed")
+        m.submit(Transfer("a", _LOAD, [3, 4, 5], [3, 4, 5]))
+        m.submit(Transfer("b", _LOAD, [6, 7, 0], [6, 7, 0]))
+        assert m.help_one() is True
+        assert q.drain() == [] and m.retried == 2 and len(launch.calls) == 2
+        launch.finish(0)
+        launch.finish(1)
+        m.harvest()
+        reps = {r.token: r for r in q.drain()}
+        assert set(reps) == {"a", "b"} and all(r.ok and r.kind is _LOAD for r in reps.values())
+        assert torch.equal(dev[[3, 4, 5, 6, 7, 0]], host[[3, 4, 5, 6, 7, 0]])
+    finally:
+        m.hold(False)
+        launch.close(m)
+
+
+def test_a_batchs_copy_time_is_shared_by_its_rows(monkeypatch: pytest.MonkeyPatch):
+    """Each transfer's report carries the batch's time from launch to answer, shared by rows (the copy-time
+    histogram is per block): on a fake clock, 0.8 s over 1 + 3 rows, and 0.5 s for a lone row."""
+    from tiered_kv.movers import native as native_mover_mod
+    now = [100.0]
+    monkeypatch.setattr(native_mover_mod.time, "perf_counter", lambda: now[0])
+    launch = _Deferred()
+    dev, host = _rows(8, 16, 23), torch.zeros((8, 16), dtype=torch.uint8)
+    q = CompletionQueue()
+    m = NativeMover([(dev, host)], q, batch_max=64, launch_fn=launch)
+    try:
+        m.submit(Transfer("one", _STORE, [0], [0]))
+        m.submit(Transfer("three", _STORE, [1, 2, 3], [1, 2, 3]))
+        m.flush()
+        now[0] += 0.8
+        launch.finish(0)
+        m.harvest()
+        reps = {r.token: r for r in q.drain()}
+        assert reps["one"].seconds == pytest.approx(0.2) and reps["three"].seconds == pytest.approx(0.6)
+        assert (reps["one"].nbytes, reps["three"].nbytes) == (16, 48)
+        m.submit(Transfer("lone", _LOAD, [5], [0]))
+        m.flush()
+        now[0] += 0.5
+        launch.finish(1)
+        m.harvest()
+        (r,) = q.drain()
+        assert r.seconds == pytest.approx(0.5) and r.nbytes == 16
+    finally:
+        launch.close(m)
+
+
 def test_a_launch_that_raises_fails_its_transfers():
     def launch(*args: Any) -> Any:
         raise RuntimeError("no threads")
