@@ -368,7 +368,8 @@ def test_a_launch_that_raises_fails_its_transfers():
         m.flush()
         reps = q.drain()
         assert sorted(r.token for r in reps) == ["a", "b"]
-        assert all(not r.ok and "no threads" in r.error for r in reps)
+        assert all(r.ok is False and r.kind is _STORE and r.error == "copy failed to start: RuntimeError('no threads')"
+                   for r in reps)
     finally:
         m.close()
 
@@ -605,6 +606,33 @@ def test_a_stale_uuid_token_is_just_data():
         assert r.token is tok
     finally:
         m.close()
+
+
+def test_an_interrupt_inside_the_owners_memmove_answers_the_transfer_once_and_propagates(monkeypatch: pytest.MonkeyPatch):
+    """A KeyboardInterrupt while the blocking owner copies a lone transfer with memmove: the transfer is
+    off the queue (never copied twice) and answered failed, by token and kind, saying why; the
+    interrupt reaches the caller."""
+    from tiered_kv.movers import native as native_mover_mod
+
+    def interrupted(planes: Any, t: Transfer) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(native_mover_mod, "memmove_rows", interrupted)
+    launch = _Deferred()
+    dev, host = _rows(8, 64, 24), torch.zeros((8, 64), dtype=torch.uint8)
+    q = CompletionQueue()
+    m = NativeMover([(dev, host)], q, batch_max=64, launch_fn=launch)
+    try:
+        m.hold(True)
+        m.submit(Transfer("lone", _LOAD, [3], [4]))
+        with pytest.raises(KeyboardInterrupt):
+            m.help_one()
+        assert not m._held and launch.calls == []
+        (r,) = q.drain()
+        assert (r.token, r.kind, r.ok, r.error) == ("lone", _LOAD, False, "copy interrupted: KeyboardInterrupt()")
+    finally:
+        m.hold(False)
+        launch.close(m)
 
 
 def test_a_lone_small_transfer_held_by_a_blocking_owner_is_copied_with_memmove_not_launched():
