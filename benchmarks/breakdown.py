@@ -28,11 +28,11 @@ and in the final ``wait()``, beside one ``copy_`` of the pass's bytes; 128 MiB p
 ``first-store``: ``tiered-kv bench``'s ``store()`` latency loop (16 ``store()`` calls of 2 MiB rows,
 ``poll()``, 10 ms of sleep; 512 rows, host tier = rows, so every store evicts), the wall time of each
 step's first ``store()`` and of the others, and of ``poll()``, medians; four managers taking turns
-of 25 steps (after 5 more, not recorded): with the native
-CPU mover as it is, with its copy made on the engine thread inside ``poll()`` (the launch replaced by
-a synchronous run of the same compiled copy), with no copy at all (a launch that answers at once),
-and with the Python copy threads.  The bench's p99 over all calls is one of the first calls (one in
-16), so this shows what that call pays for.
+of 25 steps (after 5 more, not recorded): with the native CPU mover as it is, with its copy made on
+the engine thread inside ``poll()`` (the launch replaced by a synchronous run of the same compiled
+copy), with no copy at all (a launch that answers at once), and with the Python copy threads.  The
+bench's p99 over all calls is one of the first calls (one in 16), so this shows what that call pays
+for.  ``--torch-threads 1``: the same with the copies on one core.
 
 Diagnostics, not figures of record: wrapping methods adds a little to each part, and the figures
 move with the machine's load.  Nothing here is imported by the library or the tests.
