@@ -4,7 +4,7 @@ step's copies batched, and ``store()``'s p99 while copies run.
     .venv/bin/python benchmarks/breakdown.py promote [--block-kib 2048] [--loads 32]
     .venv/bin/python benchmarks/breakdown.py step [--steps 600]
     .venv/bin/python benchmarks/breakdown.py batched [--block-kib 64] [--pass-mib 128]
-    .venv/bin/python benchmarks/breakdown.py first-store [--steps 400] [--torch-threads N]
+    .venv/bin/python benchmarks/breakdown.py first-store [--steps 400] [--block-kib 2048] [--rows 512] [--torch-threads N]
 
 ``promote``: the parts of one ``load(key, row)`` + ``wait([job])`` of a key only on disk (page
 cache warm), each a median over 32 loads, timed by wrapping the methods that do them (the reader's
@@ -247,7 +247,7 @@ def batched(block: int, pass_bytes: int = 128 << 20) -> None:
         mgr.close()
 
 
-def first_store(steps: int) -> None:
+def first_store(steps: int, row: int = 2 << 20, n: int = 512) -> None:
     from tiered_kv.movers import native as native_mod
     from tiered_kv.movers.rowcopy import compiled
 
@@ -264,7 +264,7 @@ def first_store(steps: int) -> None:
         fut.set_result(0)
         return fut
 
-    n, row, per_round = 512, 2 << 20, 25
+    per_round = 25
     kv = torch.empty((n, row), dtype=torch.uint8).fill_(1)
     real_init = native_mod.NativeMover.__init__
     managers: dict[str, TierManager] = {}
@@ -315,7 +315,8 @@ def first_store(steps: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("what", choices=["promote", "step", "batched", "first-store"])
-    ap.add_argument("--block-kib", type=int, default=None, help="default: 2048 (promote), 64 (batched)")
+    ap.add_argument("--block-kib", type=int, default=None, help="default: 2048 (promote, first-store), 64 (batched)")
+    ap.add_argument("--rows", type=int, default=512, help="first-store: device rows (and host slots)")
     ap.add_argument("--steps", type=int, default=None, help="default: 600 (step), 400 (first-store)")
     ap.add_argument("--loads", type=int, default=32, help="promote: blocks loaded one at a time")
     ap.add_argument("--pass-mib", type=int, default=128, help="batched: MiB per pass")
@@ -329,7 +330,7 @@ def main() -> None:
     elif a.what == "batched":
         batched((a.block_kib or 64) << 10, a.pass_mib << 20)
     elif a.what == "first-store":
-        first_store(a.steps or 400)
+        first_store(a.steps or 400, (a.block_kib or 2048) << 10, a.rows)
     else:
         step(a.steps or 600)
 

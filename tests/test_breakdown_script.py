@@ -1,4 +1,4 @@
-"""``benchmarks/breakdown.py`` runs: each of its three diagnostics, on tiny sizes, in a child process.
+"""``benchmarks/breakdown.py`` runs: each of its four diagnostics, on tiny sizes, in a child process.
 
 The script is not imported by the library or by the bench command, so nothing else would notice when
 a change to the code it wraps breaks it (its ``promote`` part once failed with a ``KeyError`` once the
@@ -40,6 +40,8 @@ def test_promote_prints_every_part_for_both_disk_io_modes() -> None:
 @pytest.mark.parametrize("args, lines", [
     (("step", "--steps", "20"), ("engine step, host + disk", "engine step, host only", "engine step, dict original")),
     (("batched", "--block-kib", "64", "--pass-mib", "8"), ("pass 0 (warm-up)", "pass 3:")),
+    (("first-store", "--steps", "2", "--block-kib", "64", "--rows", "32", "--torch-threads", "1"),
+     ("native mover", "copy on the engine thread", "no copy", "Python copy threads", "(ThreadMover)")),
 ])
 def test_the_other_diagnostics_run(args: tuple[str, ...], lines: tuple[str, ...]) -> None:
     out = _run(*args)
