@@ -89,6 +89,9 @@ def test_the_engine_step_drives_both_systems_through_the_same_workload(smoke: di
         assert t["counts"]["loads"] > 0 and t["loads_failed"] == 0
         assert t["spills_ok"] + t["spills_shed"] > 0
         assert t["cpu_us"]["n"] == b["cpu_us"]["n"] == steps
+        assert set(t["gc"]) == set(b["gc"]) == {"us_per_step", "gen0", "gen1", "gen2"}
+    note = {f["id"]: f for f in _strict_load(smoke["json"])["figures"]}["step.engine_cpu_us"]["note"]
+    assert "of which the garbage collector" in note and "dict original: of which the garbage collector" in note
 
 
 def test_the_copy_step_runs_each_api_and_the_baseline_with_real_copies(smoke: dict[str, Any]) -> None:

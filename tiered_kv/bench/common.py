@@ -13,6 +13,7 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -23,7 +24,7 @@ import tiered_kv
 
 __all__ = [
     "KiB", "MiB", "GiB", "MODES", "as_mode", "percentile", "summarize", "ratio", "gbs",
-    "machine_facts", "filesystem_of", "LoadMonitor", "git", "TARGETS",
+    "machine_facts", "filesystem_of", "LoadMonitor", "GcClock", "git", "TARGETS",
 ]
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -288,3 +289,44 @@ class LoadMonitor:
             foreign = max(0.0, (stat1[0] - self.stat0[0]) - own)
             self.result.update({"foreign_cpu_s": foreign, "steal_s": stat1[1] - self.stat0[1],
                                 "foreign_share": foreign / (wall * (os.cpu_count() or 1)) if wall else 0.0})
+
+
+class GcClock:
+    """The cyclic garbage collector's runs on the thread that made this clock, while :attr:`on`: each
+    run's generation and CPU time (``time.thread_time``).  A run is timed by the thread whose allocation
+    started it, inside whatever call made that allocation, so a step's CPU time includes its share.
+
+    ``with GcClock() as clock:``, then ``clock.on = True`` around the timed part; :meth:`summary` after.
+    """
+
+    def __init__(self) -> None:
+        self.on = False
+        self.runs: list[tuple[int, int]] = []   # (generation, thread CPU ns)
+        self._ident = threading.get_ident()
+        self._t0 = 0
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if threading.get_ident() != self._ident:
+            return
+        if phase == "start":
+            self._t0 = time.thread_time_ns() if self.on else 0
+        elif self._t0:
+            self.runs.append((int(info["generation"]), time.thread_time_ns() - self._t0))
+            self._t0 = 0
+
+    def __enter__(self) -> "GcClock":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.on = False
+        gc.callbacks.remove(self._callback)
+
+    def summary(self, steps: int) -> dict[str, Any]:
+        """CPU microseconds per step in all runs; per generation the runs' count, mean and longest."""
+        out: dict[str, Any] = {"us_per_step": sum(ns for _, ns in self.runs) / 1e3 / steps if steps else float("nan")}
+        for g in range(3):
+            ns = [t for gen, t in self.runs if gen == g]
+            out[f"gen{g}"] = {"runs": len(ns), "mean_us": sum(ns) / 1e3 / len(ns) if ns else 0.0,
+                              "max_us": max(ns) / 1e3 if ns else 0.0}
+        return out

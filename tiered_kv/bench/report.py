@@ -477,7 +477,7 @@ def _step_figures(r: dict[str, Any]) -> list[dict[str, Any]]:
                  threshold=TARGETS["step_engine_cpu_us"], source=_ISSUE22_5,
                  note=f"engine-thread CPU per step, mean of {r['steps']} steps (median of {r['repeats']} runs); "
                       f"p50 {t['cpu_us_p50']:.0f} / p99 {t['cpu_us_p99']:.0f} us; wall mean {t['wall_us_mean']:.0f} "
-                      f"/ p99 {t['wall_us_p99']:.0f} us; {r['row_bytes']}-byte rows")]
+                      f"/ p99 {t['wall_us_p99']:.0f} us; {r['row_bytes']}-byte rows{_gc(t, b)}")]
 
 
 def _copy_step_figures(r: dict[str, Any]) -> list[dict[str, Any]]:
@@ -504,8 +504,15 @@ def _copy_step_figures(r: dict[str, Any]) -> list[dict[str, Any]]:
                  f"{t['cpu_us_p50']:.0f} / p99 {t['cpu_us_p99']:.0f} us; the per-block API (64 store() + 64 load()) "
                  f"{pb['cpu_us_mean']:.0f} us; run 1: {c['loads']} loads, {c['loads_none']} found their keys not yet "
                  f"stored, {c['loads_skipped_busy']} skipped (rows still loading), {c['stores_none']} stores shed"
-                 f"{threads}"))
+                 f"{threads}{_gc(t, b)}"))
     return out
+
+
+def _gc(t: dict[str, Any], b: dict[str, Any]) -> str:
+    """The collector's share of tiered_kv's and the baseline's steps, for a step figure's note."""
+    if not _step.gc_note(t):
+        return ""
+    return f"; {_step.gc_note(t)}; dict original: {_step.gc_note(b)}"
 
 
 # ----------------------------------------------------------------------------- busy engine (issue 26)

@@ -32,6 +32,7 @@ answers at once without copying) -- the bookkeeping floor.  Nothing here asserts
 
 from __future__ import annotations
 
+import collections
 import gc
 import random
 import shutil
@@ -46,10 +47,10 @@ from prometheus_client import CollectorRegistry
 from tiered_kv import TieredKVConfig, TierManager
 from tiered_kv.metrics import sample_total
 
-from .common import LoadMonitor, as_mode, summarize
+from .common import GcClock, LoadMonitor, as_mode, summarize
 from .core import UnsafeDictOffloader
 
-__all__ = ["bench_step", "format_step", "bench_copy_step", "format_copy_step", "PLANS", "ROW_BYTES", "LOOKUPS", "KEYS_PER_LOOKUP", "STORES", "LOADS"]
+__all__ = ["bench_step", "format_step", "bench_copy_step", "format_copy_step", "gc_note", "PLANS", "ROW_BYTES", "LOOKUPS", "KEYS_PER_LOOKUP", "STORES", "LOADS"]
 
 ROW_BYTES = 256
 LOOKUPS, KEYS_PER_LOOKUP, STORES, LOADS = 32, 16, 64, 64
@@ -66,12 +67,15 @@ PLANS: dict[str, dict[str, Any]] = {
 
 
 class _Workload:
-    """The step's keys, the same for tiered_kv and the baseline (seeded)."""
+    """The step's keys, the same for tiered_kv and the baseline (seeded).  :meth:`prepare` makes a
+    step's keys before the step is timed: the figure is the calls' cost, not the bench's."""
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
         self.chains: list[list[bytes]] = []
         self._n = 0
+        self.picked: list[list[bytes]] = []   # this step's lookups, a chain each
+        self.new: list[bytes] = []            # this step's stores: the keys of STORES // KEYS_PER_LOOKUP new chains
 
     def new_chains(self, n: int) -> list[list[bytes]]:
         out = []
@@ -83,21 +87,27 @@ class _Workload:
 
     def pick(self, n: int) -> list[list[bytes]]:
         """``n`` chains stored at least two steps ago, popular ones (Zipf-like over their age rank) first."""
-        pool = self.chains[:-8]
-        if not pool:
+        chains = self.chains
+        m = len(chains) - 8   # the pool: all but the last 8 chains
+        if m <= 0:
             return []
         rnd = self.rng.random
-        m = len(pool)
         # rank r with probability ~ 1/(r+1): r = m**u - 1 for uniform u (a log-uniform rank)
-        return [pool[m - int(m ** rnd())] for _ in range(n)]
+        return [chains[m - int(m ** rnd())] for _ in range(n)]
+
+    def prepare(self) -> None:
+        """The next step's lookups and new keys (the new chains join the pool)."""
+        self.picked = self.pick(LOOKUPS)
+        new = self.new_chains(STORES // KEYS_PER_LOOKUP)
+        self.new = [k for c in new for k in c]
+        self.chains += new
 
 
 def _tkv_step(mgr: TierManager, w: _Workload, step: int, load_jobs: list[Any], counts: dict[str, int]) -> None:
-    picked = w.pick(LOOKUPS)
     lookup = mgr.lookup
     full: list[bytes] = []
     seen: set[int] = set()   # two requests of a batch may share a chain: load it once
-    for c in picked:
+    for c in w.picked:
         if lookup(c) == KEYS_PER_LOOKUP and len(full) < LOADS and id(c) not in seen:
             seen.add(id(c))
             full += c
@@ -113,19 +123,15 @@ def _tkv_step(mgr: TierManager, w: _Workload, step: int, load_jobs: list[Any], c
             counts["loads" if job is not None else "loads_none"] += 1
     else:
         counts["loads_too_few_hits"] += 1
-    new = w.new_chains(STORES // KEYS_PER_LOOKUP)
-    keys = [k for c in new for k in c]
-    job = mgr.store_many(keys, list(range(STORES)))
+    job = mgr.store_many(w.new, list(range(STORES)))
     counts["stores" if job is not None else "stores_none"] += 1
-    w.chains += new
     mgr.poll()
 
 
 def _base_step(base: UnsafeDictOffloader, w: _Workload, step: int, counts: dict[str, int]) -> None:
-    picked = w.pick(LOOKUPS)
     full: list[bytes] = []
     seen: set[int] = set()
-    for c in picked:
+    for c in w.picked:
         if base.lookup(c) == KEYS_PER_LOOKUP and len(full) < LOADS and id(c) not in seen:
             seen.add(id(c))
             full += c
@@ -137,34 +143,40 @@ def _base_step(base: UnsafeDictOffloader, w: _Workload, step: int, counts: dict[
         counts["loads"] += 1
     else:
         counts["loads_too_few_hits"] += 1
-    new = w.new_chains(STORES // KEYS_PER_LOOKUP)
-    for i, k in enumerate(k for c in new for k in c):
+    for i, k in enumerate(w.new):
         base.store(k, i)
     counts["stores"] += 1
-    w.chains += new
     base.poll()
 
 
 def _timed_steps(one: Callable[[int], None], warmup: int, steps: int, counts: dict[str, int],
-                 between: Callable[[], None]) -> tuple[list[float], list[float]]:
-    """``one(s)`` for ``warmup + steps`` steps, ``between()`` after each (the engine's compute); the
-    engine thread's CPU and wall microseconds of each step after the warm-up (``counts`` zeroed then)."""
+                 between: Callable[[], None], prepare: Optional[Callable[[], None]] = None
+                 ) -> tuple[list[float], list[float], dict[str, Any]]:
+    """``one(s)`` for ``warmup + steps`` steps, ``prepare()`` before each (untimed: the step's inputs),
+    ``between()`` after each (the engine's compute); the engine thread's CPU and wall microseconds of each
+    step after the warm-up (``counts`` zeroed then), and the garbage collector's runs on the engine
+    thread during those steps (:meth:`.common.GcClock.summary`: included in the steps' times)."""
     cpu_us: list[float] = []
     wall_us: list[float] = []
     tt, pc = time.thread_time_ns, time.perf_counter_ns
     gc.collect()
-    for s in range(warmup + steps):
-        if s == warmup:
-            for k in counts:
-                counts[k] = 0
-        c0, t0 = tt(), pc()
-        one(s)
-        c1, t1 = tt(), pc()
-        if s >= warmup:
-            cpu_us.append((c1 - c0) / 1e3)
-            wall_us.append((t1 - t0) / 1e3)
-        between()
-    return cpu_us, wall_us
+    with GcClock() as clock:
+        for s in range(warmup + steps):
+            if s == warmup:
+                for k in counts:
+                    counts[k] = 0
+            if prepare is not None:
+                prepare()
+            clock.on = s >= warmup
+            c0, t0 = tt(), pc()
+            one(s)
+            c1, t1 = tt(), pc()
+            clock.on = False
+            if s >= warmup:
+                cpu_us.append((c1 - c0) / 1e3)
+                wall_us.append((t1 - t0) / 1e3)
+            between()
+    return cpu_us, wall_us, clock.summary(steps)
 
 
 def _run(system: str, seed: int, steps: int, warmup: int, compute_s: float, disk_dir: Optional[Path]) -> dict[str, Any]:
@@ -187,9 +199,9 @@ def _run(system: str, seed: int, steps: int, warmup: int, compute_s: float, disk
         def one(s: int) -> None:
             _base_step(base, w, s, counts)
     try:
-        cpu_us, wall_us = _timed_steps(one, warmup, steps, counts, lambda: time.sleep(compute_s))
+        cpu_us, wall_us, gcs = _timed_steps(one, warmup, steps, counts, lambda: time.sleep(compute_s), w.prepare)
         out: dict[str, Any] = {"cpu_us": summarize(cpu_us, "us"), "wall_us": summarize(wall_us, "us"),
-                               "counts": counts}
+                               "counts": counts, "gc": gcs}
         if mgr is not None:
             mgr.wait(timeout=60)
             reg = mgr.metrics.registry
@@ -237,8 +249,16 @@ def bench_step(quick: Union[bool, str] = False, seed: int = 0, base_dir: Optiona
     for s in runs:
         out[s] = {"cpu_us_mean": med(s, "cpu_us", "mean"), "cpu_us_p50": med(s, "cpu_us", "median"),
                   "cpu_us_p99": med(s, "cpu_us", "p99"), "wall_us_mean": med(s, "wall_us", "mean"),
-                  "wall_us_p99": med(s, "wall_us", "p99")}
+                  "wall_us_p99": med(s, "wall_us", "p99"), **_gc_totals(runs[s])}
     return out
+
+
+def _gc_totals(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """The collector's share of the engine thread over a mode's runs: the median CPU us per step, and the
+    full (generation 2) collections of all runs, counted, and the longest."""
+    return {"gc_us_per_step": _median(r["gc"]["us_per_step"] for r in runs),
+            "gc_full_runs": sum(r["gc"]["gen2"]["runs"] for r in runs),
+            "gc_full_max_us": max(r["gc"]["gen2"]["max_us"] for r in runs)}
 
 
 def format_step(r: dict[str, Any]) -> str:
@@ -250,7 +270,8 @@ def format_step(r: dict[str, Any]) -> str:
     for s, name in (("tkv", "tiered_kv, host + disk"), ("dict", "dict original (baseline)")):
         x = r[s]
         lines.append(f"  {name:26s} CPU us/step mean {x['cpu_us_mean']:7.1f}  p50 {x['cpu_us_p50']:7.1f}  "
-                     f"p99 {x['cpu_us_p99']:7.1f}   wall us/step mean {x['wall_us_mean']:7.1f}  p99 {x['wall_us_p99']:7.1f}")
+                     f"p99 {x['cpu_us_p99']:7.1f}   wall us/step mean {x['wall_us_mean']:7.1f}  p99 {x['wall_us_p99']:7.1f}"
+                     f"{_gc_text(x)}")
     t = r["runs"]["tkv"][0]
     c = t["counts"]
     lines.append(f"  tiered_kv run 1: loads {c['loads']} (busy rows skipped {c['loads_skipped_busy']}, "
@@ -295,7 +316,7 @@ def _copy_run(mode: str, seed: int, steps: int, warmup: int, compute_s: float, b
     mgr: Optional[TierManager] = None
     base: Optional[UnsafeDictOffloader] = None
     base_mover: Optional[ThreadMover] = None
-    stored: list[list[bytes]] = []
+    stored: collections.deque[list[bytes]] = collections.deque(maxlen=COPY_LAG)   # the last steps' keys
     pending: list[Any] = [None] * LOAD_GROUPS   # per group of load rows: its last load (job, or list of jobs)
     if mode == "dict":
         base = UnsafeDictOffloader(slots)
@@ -311,25 +332,36 @@ def _copy_run(mode: str, seed: int, steps: int, warmup: int, compute_s: float, b
         cfg = TieredKVConfig(namespace="bench/copy-step", host_capacity_bytes=slots * COPY_ROW_BYTES,
                              cpu_mover="threads" if mode == "threads" else "native")
         mgr = TierManager(cfg, kv, registry=CollectorRegistry())
-    finished: set[Any] = set()
+    # nothing finished is kept: a run holds what an engine would (kept jobs would feed the garbage collector)
     store: Callable[[bytes, int], Any]
     load: Callable[[bytes, int], Any]
     poll: Callable[[], Any]
+    unreported: Callable[[Any], bool]   # a load not yet reported
     if base is not None:
         store, load, poll = base.store, base.load, base.poll_reports
+        unreported = base.loading.__contains__
     else:
         assert mgr is not None
-        m = mgr
-        store, load, poll = m.store, m.load, lambda: [c.job for c in m.poll()]
+        store, load, poll = mgr.store, mgr.load, mgr.poll
+
+        def unreported(j: Any) -> bool:
+            return not j.done
+
+    made: list[tuple[list[bytes], list[int]]] = []   # the step's keys and load rows, made before it is timed
+    step = iter(range(1 << 62))
+
+    def prepare() -> None:
+        s = next(step)
+        g = s % LOAD_GROUPS
+        made[:] = [([b"c:%d:%d:%02d" % (seed, s, i) for i in range(STORES)],
+                    list(range(STORES + g * LOADS, STORES + (g + 1) * LOADS)))]
 
     def one(s: int) -> None:
-        keys = [b"c:%d:%d:%02d" % (seed, s, i) for i in range(STORES)]
+        (keys, dst), = made
         g = s % LOAD_GROUPS
-        dst = list(range(STORES + g * LOADS, STORES + (g + 1) * LOADS))
-        src = stored[-COPY_LAG] if len(stored) >= COPY_LAG else None
+        src = stored[0] if len(stored) == COPY_LAG else None
         prev = pending[g]
-        busy_rows = prev is not None and (any(j not in finished for j in prev) if type(prev) is list
-                                          else prev not in finished)
+        busy_rows = prev is not None and (any(map(unreported, prev)) if type(prev) is list else unreported(prev))
         if mode in ("batched", "threads"):
             assert mgr is not None
             if src is not None and busy_rows:
@@ -340,7 +372,7 @@ def _copy_run(mode: str, seed: int, steps: int, warmup: int, compute_s: float, b
                 counts["loads" if job is not None else "loads_none"] += 1
             job = mgr.store_many(keys, list(range(STORES)))
             counts["stores" if job is not None else "stores_none"] += 1
-            finished.update(c.job for c in mgr.poll())
+            mgr.poll()
         else:   # one store() and load() per block, on tiered_kv or on the dict original
             if src is not None and busy_rows:
                 counts["loads_skipped_busy"] += 1
@@ -351,14 +383,15 @@ def _copy_run(mode: str, seed: int, steps: int, warmup: int, compute_s: float, b
                 counts["loads_none"] += len(jobs) - len(pending[g])
             for i, k in enumerate(keys):
                 counts["stores" if store(k, i) is not None else "stores_none"] += 1
-            finished.update(poll())
+            poll()
         stored.append(keys)
 
     junk = list(range(200_000))
     try:
-        cpu_us, _ = _timed_steps(one, warmup, steps, counts,
-                                 (lambda: _spin(compute_s, junk)) if busy else (lambda: time.sleep(compute_s)))
-        out: dict[str, Any] = {"cpu_us": summarize(cpu_us, "us"), "counts": counts}
+        cpu_us, _, gcs = _timed_steps(one, warmup, steps, counts,
+                                      (lambda: _spin(compute_s, junk)) if busy else (lambda: time.sleep(compute_s)),
+                                      prepare)
+        out: dict[str, Any] = {"cpu_us": summarize(cpu_us, "us"), "counts": counts, "gc": gcs}
         if mgr is not None:
             out["mover"] = type(mgr._mover).__name__
             reg = mgr.metrics.registry
@@ -393,7 +426,8 @@ def bench_copy_step(quick: Union[bool, str] = False, seed: int = 0,
             out["runs"][compute] = runs
             out[compute] = {m: {"cpu_us_mean": _median(r["cpu_us"]["mean"] for r in runs[m]),
                                 "cpu_us_p50": _median(r["cpu_us"]["median"] for r in runs[m]),
-                                "cpu_us_p99": _median(r["cpu_us"]["p99"] for r in runs[m])} for m in COPY_MODES}
+                                "cpu_us_p99": _median(r["cpu_us"]["p99"] for r in runs[m]),
+                                **_gc_totals(runs[m])} for m in COPY_MODES}
     out["background_load"] = lm.result
     return out
 
@@ -417,5 +451,18 @@ def format_copy_step(r: dict[str, Any]) -> str:
             lines.append(f"  {compute:5s} {names[m]:34s} CPU us/step mean {x['cpu_us_mean']:7.1f}  p50 "
                          f"{x['cpu_us_p50']:7.1f}  p99 {x['cpu_us_p99']:7.1f}   run 1: loads {c['loads']} "
                          f"(none {c['loads_none']}, rows busy {c['loads_skipped_busy']}), stores {c['stores']} "
-                         f"(none {c['stores_none']})")
+                         f"(none {c['stores_none']}){_gc_text(x)}")
     return "\n".join(lines)
+
+
+def gc_note(x: dict[str, Any]) -> str:
+    """The collector's share of a mode's steps in words ('' for results made before it was measured)."""
+    if "gc_us_per_step" not in x:
+        return ""
+    return (f"of which the garbage collector {x['gc_us_per_step']:.0f} us ({x['gc_full_runs']} full collections, "
+            f"longest {x['gc_full_max_us'] / 1e3:.1f} ms)")
+
+
+def _gc_text(x: dict[str, Any]) -> str:
+    note = gc_note(x)
+    return f"; {note}" if note else ""
