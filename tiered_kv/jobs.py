@@ -29,6 +29,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Optional
 
+from .untrack import untrack
+
 __all__ = ["Job", "JobKind", "JobState", "Completion", "StaleReason", "TokenFactory", "uuid_from_int"]
 
 
@@ -121,6 +123,7 @@ def uuid_from_int(value: int) -> uuid.UUID:
     u = _new_uuid(_UUID)
     _set(u, "int", value)
     _set(u, "is_safe", _UNKNOWN)
+    untrack(u)   # an int and an enum member: never in a cycle (tokens live as long as their blocks; untrack.py)
     return u
 
 

@@ -24,6 +24,7 @@ from collections.abc import Callable, Collection, Container, Iterator, Sequence
 from itertools import islice, repeat
 from typing import Any, Optional
 
+from ..untrack import untrack
 from .policy import LRU, Admission, Policy, admission_victim
 
 __all__ = ["TierIndex", "Entry", "EntryState"]
@@ -54,6 +55,7 @@ class Entry:
         self.live = True          # present in the index
         self.writing = True       # a worker may still write the slot
         self.spilled = False      # host index only: offered to disk once in this residency (written, found, refused)
+        untrack(self)             # no container here: never in a cycle, freed by its reference count (untrack.py)
 
     def __repr__(self) -> str:
         return (f"Entry(key={self.key!r}, slot={self.slot}, {self.state.value}, "
