@@ -89,6 +89,29 @@ class BatchedIndexMachine(RuleBasedStateMachine):
             assert not prot & set(self.evicted[0][before:])
             self.writing += a[0]
 
+    @rule(n=st.integers(1, 5), present=st.booleans())
+    def reserve_each_under_its_own_writer(self, n: int, present: bool) -> None:
+        """A spill's blocks: new keys, a writer each, reserved in order until one finds no slot (a key
+        already here is refused as a bug, before anything changes)."""
+        new = [k for k in KEYS if self.ix[0].get(k) is None][:n]
+        if present and len(self.ix[0]):
+            keys = new + [next(iter(self.ix[0]._entries))]
+            before = [(len(ix), ix.used_slots) for ix in self.ix]
+            for ix in self.ix:
+                try:
+                    ix.reserve_each(keys, [uuid.uuid4() for _ in keys])
+                except AssertionError:
+                    pass
+                else:
+                    raise AssertionError("reserve_each took a present key")
+            assert [(len(ix), ix.used_slots) for ix in self.ix] == before
+            return
+        writers = [uuid.uuid4() for _ in new]
+        a, b = (ix.reserve_each(new, writers) for ix in self.ix)
+        assert [(e.key, e.writer) for e in a] == [(e.key, e.writer) for e in b] == list(zip(new, writers))[:len(a)]
+        assert self.evicted[0] == self.evicted[1]
+        self.writing += [e.key for e in a]
+
     @precondition(lambda self: self.writing)
     @rule()
     def publish_every_write(self) -> None:

@@ -428,3 +428,65 @@ def test_scheduler_reset_while_a_group_is_held_publishes_nothing_and_frees_every
         tiers.close()
         slab.close()
     assert raw_keys(tmp_path / "disk") == set()
+
+
+# ---------------------------------------------------------------------- a step's reservations together
+def _host_entries(mgr, keys):
+    """READY host entries for ``keys``, made in the host index directly (no spill started for them)."""
+    core = mgr._core
+    out = []
+    for k in keys:
+        e = core.index.reserve(k, core.tokens())
+        core.index.publish(e)
+        out.append(e)
+    return out
+
+
+def _spill_outcome(tmp_path, name, keys_first, keys_then, room, one_by_one, monkeypatch):
+    """Two DiskTier.start_spills calls, the first's writes left in flight (their disk entries WRITING):
+    what the second reserved and shed, by the step's batched path or key by key."""
+    mgr, _, _ = _manager(tmp_path / name, disk_blocks=64, host_slots=64)
+    try:
+        disk = mgr._core.disk
+        if keys_first is None:   # all but two of the disk tier's slots
+            keys_first = [b"first%02d" % i for i in range(disk.index.num_slots - 2)]
+        monkeypatch.setattr(disk.store, "submit_spills", lambda tokens, keys, slots, view: True)
+        monkeypatch.setattr(disk.store, "spill_room", lambda: room)
+        if one_by_one:
+            monkeypatch.setattr(disk.index, "none_of", lambda keys: False)
+        calls = []
+        real = disk.index.reserve_each
+        monkeypatch.setattr(disk.index, "reserve_each", lambda *a: calls.append(a) or real(*a))
+        view = mgr._core.slot_views.__getitem__
+        first = disk.start_spills(_host_entries(mgr, keys_first), mgr._core.index, mgr._core.tokens, view)
+        hosts, disks, shed = disk.start_spills(_host_entries(mgr, keys_then), mgr._core.index, mgr._core.tokens, view)
+        assert bool(calls) is not one_by_one
+        assert [d.key for d in disks] == [e.key for e in hosts]
+        assert len({d.writer for d in disks}) == len(disks), "a token per block"
+        assert all(e.readers == 1 for e in hosts), "each written host entry leased to its write"
+        assert all(e.readers == 0 for e, _ in shed), "a shed one holds nothing"
+        return len(first[0]), [e.key for e in hosts], [(e.key, why) for e, why in shed]
+    finally:
+        mgr.close()
+
+
+@pytest.mark.parametrize("room, first, then, expect_written, expect_shed", [
+    (64, None, 6, 2, ["disk_full"] * 4),        # 2 slots left, the rest leased to writes in flight
+    (64, 0, 6, 6, []),
+    (3, 0, 6, 3, ["backpressure"] * 3),         # the writer queue's room
+    (0, 0, 4, 0, ["backpressure"] * 4),
+], ids=["disk-full", "all", "queue-room", "no-room"])
+def test_a_steps_spills_reserved_together_match_the_key_by_key_loop(tmp_path, monkeypatch, room, first, then,
+                                                                    expect_written, expect_shed):
+    """DiskTier.start_spills takes a step's new blocks together (``TierIndex.reserve_each``); what it
+    writes and sheds, and why, is what the key-by-key loop gives."""
+    first_keys = None if first is None else [b"first%02d" % i for i in range(first)]
+    then_keys = [b"then%02d" % i for i in range(then)]
+    outcomes = []
+    for one_by_one in (False, True):
+        with monkeypatch.context() as m:
+            outcomes.append(_spill_outcome(tmp_path, f"d{one_by_one}", first_keys, then_keys, room, one_by_one, m))
+    assert outcomes[0] == outcomes[1]
+    _, written, shed = outcomes[0]
+    assert written == then_keys[:expect_written]
+    assert [why for _, why in shed] == expect_shed

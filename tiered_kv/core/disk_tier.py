@@ -271,6 +271,37 @@ class DiskTier:
         shed: list[tuple[Entry, str]] = []
         usable = self.usable and store.writer_alive()   # a writer (or I/O process) that died this step: down
         room = store.spill_room() if usable else 0
+        keys = [e.key for e in entries]
+        n = len(keys)
+        if usable and index.admission is None and n > 1 and index.none_of(keys) and len(set(keys)) == n:
+            # the step's new blocks (write-through): reserved together, the outcome of the loop below
+            take = keys[:max(0, room)]
+            disks = index.reserve_each(take, [make_token() for _ in take])
+            hosts = entries[:len(disks)]
+            why = "disk_full" if len(disks) < len(take) else "backpressure"   # past a failed reservation all fail
+            shed = [(e, why) for e in entries[len(disks):]]
+        else:
+            hosts, disks, shed = self._reserve_one_by_one(entries, usable, room, make_token)
+        if not hosts:
+            return hosts, disks, shed
+        hindex.acquire_all(hosts)
+        if not store.submit_spills([d.writer for d in disks], [e.key for e in hosts], [e.slot for e in hosts], view):
+            for e, d in zip(hosts, disks):
+                hindex.release(e)
+                index.writer_done(d)
+                index.abort(d)
+                shed.append((e, "backpressure"))
+            return [], [], shed
+        return hosts, disks, shed
+
+    def _reserve_one_by_one(self, entries: list[Entry], usable: bool, room: int, make_token: Callable[[], uuid.UUID]
+                            ) -> tuple[list[Entry], list[Entry], list[tuple[Entry, str]]]:
+        """:meth:`start_spills`' reservations key by key: a key on disk already passed over, the writer
+        queue's room asked first, then the admission filter, then a slot."""
+        index = self.index
+        hosts: list[Entry] = []
+        disks: list[Entry] = []
+        shed: list[tuple[Entry, str]] = []
         for e in entries:
             if e.key in index:
                 continue
@@ -286,17 +317,6 @@ class DiskTier:
             hosts.append(e)
             disks.append(d)
             room -= 1
-        if not hosts:
-            return hosts, disks, shed
-        for e in hosts:
-            hindex.acquire(e)
-        if not store.submit_spills([d.writer for d in disks], [e.key for e in hosts], [e.slot for e in hosts], view):
-            for e, d in zip(hosts, disks):
-                hindex.release(e)
-                index.writer_done(d)
-                index.abort(d)
-                shed.append((e, "backpressure"))
-            return [], [], shed
         return hosts, disks, shed
 
     def finish_spill(self, d: Entry, ok: bool, error: Optional[str]) -> bool:

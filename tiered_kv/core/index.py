@@ -102,6 +102,10 @@ class TierIndex:
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
 
+    def none_of(self, keys: Collection[bytes]) -> bool:
+        """Whether no key of ``keys`` is here (in C)."""
+        return self._entries.keys().isdisjoint(keys)
+
     def ready(self, key: bytes) -> Optional[Entry]:
         e = self._entries.get(key)
         return e if e is not None and e.state is _READY else None
@@ -221,6 +225,37 @@ class TierIndex:
         entry = Entry(key, free.pop(), writer)
         entries[key] = entry
         return entry
+
+    def reserve_each(self, keys: Sequence[bytes], writers: Sequence[uuid.UUID]) -> list[Entry]:
+        """:meth:`reserve` for ``keys`` in order, each under its own writer (a spill's blocks: a token each),
+        until one finds no slot: the entries made, for a prefix of ``keys``.  None of ``keys`` may be here,
+        none twice; the admission filter is not asked (the caller asks it).  With the default policy the
+        victims leave together and the new entries are made in C: the same outcome as key by key, except
+        which free slot each key gets."""
+        entries, free, lru = self._entries, self._free, self._lru
+        n = len(keys)
+        if not entries.keys().isdisjoint(keys) or len(set(keys)) != n:   # internal bug: callers check first
+            raise AssertionError(f"reserve_each of present or repeated keys {list(keys)!r}")
+        if not self._batched or (lru is None and n > len(free)):
+            out: list[Entry] = []
+            for k, w in zip(keys, writers):
+                e = self.reserve(k, w)
+                if e is None:
+                    break
+                out.append(e)
+            return out
+        if n > len(free):
+            self._evict_lru(n - len(free), ())   # fewer when fewer are evictable: the keys past them get none
+        m = min(n, len(free))
+        if not m:
+            return []
+        got = keys[:m] if m < n else keys
+        slots = free[-m:]
+        slots.reverse()
+        del free[-m:]
+        new = list(map(Entry, got, slots, writers[:m] if m < len(writers) else writers))
+        entries.update(zip(got, new))
+        return new
 
     def reserve_absent(self, keys: Sequence[bytes], writer: uuid.UUID, protect: Collection[bytes],
                        elsewhere: Optional[Container[bytes]]) -> tuple[list[bytes], list[Entry], int]:

@@ -72,6 +72,7 @@ _PENDING, _CANCELLING, _DONE, _FAILED, _CANCELLED = (JobState.PENDING, JobState.
                                                    JobState.FAILED, JobState.CANCELLED)
 _READY = EntryState.READY
 _state_of = attrgetter("state")
+_writer_int = attrgetter("writer.int")
 _R_CANCELLED, _R_SUPERSEDED, _R_UNKNOWN = StaleReason.CANCELLED, StaleReason.SUPERSEDED, StaleReason.UNKNOWN_TOKEN
 
 EVICT_AHEAD_MAX = 64
@@ -624,8 +625,16 @@ class TierCore:
         live = job.state is _PENDING
         job._move(_CANCELLED if not live else _DONE if r.ok else _FAILED)
         dead, failed = job._dead, r.failed
+        parts = job._dentry
+        if live and r.ok and dead is None and failed is None:   # every part written: the loop below, batched
+            self.index.release_all(job._entries)
+            for d in parts[1:]:   # the first part's token was the report's
+                jobs.pop(d.writer.int, None)
+            dindex.publish_all(parts)   # DiskTier.finish_spill(d, True, None) for each
+            self.metrics.moved(_SPILL, _HOST_DISK, len(parts) * self.row_bytes, r.seconds / len(parts), len(parts))
+            return
         ok_parts = 0
-        for i, d in enumerate(job._dentry):
+        for i, d in enumerate(parts):
             release(job._entries[i])
             if i:
                 jobs.pop(d.writer.int, None)   # the first part's token was the report's
@@ -825,9 +834,8 @@ class TierCore:
         job = Job(disks[0].writer, _SPILL, hosts[0].key, -1, keys=[e.key for e in hosts])
         job._entries = hosts
         job._dentry = disks
-        jobs = self.jobs
-        for d in disks:   # every part's token names the job: an invalidated key finds its write
-            jobs[d.writer.int] = job
+        # every part's token names the job: an invalidated key finds its write
+        self.jobs.update(zip(map(_writer_int, disks), [job] * len(disks)))
         self.n_in_flight[_SPILL] += 1
 
     def start_promote(self, key: bytes, d: Entry, protect: Collection[bytes] = ()) -> Optional[Job]:
