@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import os
 import shutil
 import statistics
@@ -210,9 +211,10 @@ def step(steps: int) -> None:
             shutil.rmtree(top, ignore_errors=True)
         per = {k: v / (steps + warm) / 1e3 for k, v in acc.items()}
         print(f"engine step, {'host + disk' if disk else 'host only  '}: CPU {r['cpu_us']['mean']:6.0f} us per step; "
-              + ", ".join(f"{k} {v:.0f}" for k, v in per.items()) + " us")
+              + ", ".join(f"{k} {v:.0f}" for k, v in per.items()) + f" us; garbage collector {r['gc']['us_per_step']:.0f}")
     r = st._run("dict", 0, steps, warm, 0.002, None)
-    print(f"engine step, dict original: CPU {r['cpu_us']['mean']:6.0f} us per step")
+    print(f"engine step, dict original: CPU {r['cpu_us']['mean']:6.0f} us per step; garbage collector "
+          f"{r['gc']['us_per_step']:.0f}")
 
 
 def batched(block: int, pass_bytes: int = 128 << 20) -> None:
@@ -323,6 +325,8 @@ def main() -> None:
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="torch.set_num_threads(N) first (the copies' intra-op threads)")
     a = ap.parse_args()
+    gc.collect()
+    gc.freeze()   # what was alive after the imports joins the permanent generation, as tiered-kv bench does
     if a.torch_threads:
         torch.set_num_threads(a.torch_threads)
     if a.what == "promote":
