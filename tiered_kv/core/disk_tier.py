@@ -273,8 +273,10 @@ class DiskTier:
         room = store.spill_room() if usable else 0
         keys = [e.key for e in entries]
         n = len(keys)
-        if usable and index.admission is None and n > 1 and index.none_of(keys) and len(set(keys)) == n:
-            # the step's new blocks (write-through): reserved together, the outcome of the loop below
+        if (usable and index.admission is None and index.plain_lru and n > 1 and index.none_of(keys)
+                and len(set(keys)) == n):
+            # the step's new blocks (write-through): reserved together, the outcome of the loop below (the
+            # default policy: past a key without a slot, the loop finds none and changes nothing)
             take = keys[:max(0, room)]
             disks = index.reserve_each(take, [make_token() for _ in take])
             hosts = entries[:len(disks)]

@@ -106,6 +106,12 @@ class TierIndex:
         """Whether no key of ``keys`` is here (in C)."""
         return self._entries.keys().isdisjoint(keys)
 
+    @property
+    def plain_lru(self) -> bool:
+        """Whether this tier evicts by the default policy (:class:`~.policy.LRU`), whose answer to "no
+        victim" changes nothing: the batched paths that stop at the first key without a slot need it."""
+        return self._lru is not None
+
     def ready(self, key: bytes) -> Optional[Entry]:
         e = self._entries.get(key)
         return e if e is not None and e.state is _READY else None
@@ -230,8 +236,11 @@ class TierIndex:
         """:meth:`reserve` for ``keys`` in order, each under its own writer (a spill's blocks: a token each),
         until one finds no slot: the entries made, for a prefix of ``keys``.  None of ``keys`` may be here,
         none twice; the admission filter is not asked (the caller asks it).  With the default policy the
-        victims leave together and the new entries are made in C: the same outcome as key by key, except
-        which free slot each key gets."""
+        victims leave together and the new entries are made in C: the same outcome as :meth:`reserve` key
+        by key, except which free slot each key gets, and once one key found no slot no later one would
+        (:attr:`plain_lru`).  Another policy may change its state when asked for a victim it does not
+        find (ARC moves its target), so a caller that must match a loop over every key uses this only
+        under the default policy."""
         entries, free, lru = self._entries, self._free, self._lru
         n = len(keys)
         if not entries.keys().isdisjoint(keys) or len(set(keys)) != n:   # internal bug: callers check first
