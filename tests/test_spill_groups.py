@@ -465,6 +465,7 @@ def _spill_outcome(tmp_path, name, keys_first, keys_then, room, one_by_one, monk
         assert len({d.writer for d in disks}) == len(disks), "a token per block"
         assert all(e.readers == 1 for e in hosts), "each written host entry leased to its write"
         assert all(e.readers == 0 for e, _ in shed), "a shed one holds nothing"
+        assert disk.index.used_slots == len(disk.index), "a slot taken without an entry"
         return len(first[0]), [e.key for e in hosts], [(e.key, why) for e, why in shed]
     finally:
         mgr.close()
@@ -490,3 +491,85 @@ def test_a_steps_spills_reserved_together_match_the_key_by_key_loop(tmp_path, mo
     _, written, shed = outcomes[0]
     assert written == then_keys[:expect_written]
     assert [why for _, why in shed] == expect_shed
+
+
+def _spill_step(tmp_path, name, monkeypatch, one_by_one, *, on_disk=(), twice=False, alive=True, **over):
+    """One DiskTier.start_spills of six host entries (``on_disk``: keys written to the disk index
+    first; ``twice``: the list names its first entry twice; ``alive``: the writer alive), by the step's
+    batched path or key by key: what it wrote and shed, the disk index's keys and what was asked of
+    the admission filter."""
+    mgr, _, _ = _manager(tmp_path / name, disk_blocks=64, host_slots=64, **over)
+    try:
+        core, disk = mgr._core, mgr._core.disk
+        monkeypatch.setattr(disk.store, "submit_spills", lambda tokens, keys, slots, view: True)
+        monkeypatch.setattr(disk.store, "spill_room", lambda: 64)
+        monkeypatch.setattr(disk.store, "writer_alive", lambda: alive)
+        asked: list[bytes] = []
+        real_admits = disk.index.admits
+        monkeypatch.setattr(disk.index, "admits", lambda key, protect=(): asked.append(key) or real_admits(key, protect))
+        if one_by_one:
+            monkeypatch.setattr(disk.index, "none_of", lambda keys: False)
+        for k in on_disk:
+            d = disk.index.reserve(k, core.tokens())
+            disk.index.publish(d)
+        hosts = _host_entries(mgr, [b"s%d" % i for i in range(6)])
+        if twice:
+            hosts = [hosts[0]] + hosts
+        written, disks, shed = disk.start_spills(hosts, core.index, core.tokens, core.slot_views.__getitem__)
+        assert [e.readers for e in written] == [1] * len(written)
+        assert disk.index.used_slots == len(disk.index)
+        return ([e.key for e in written], [d.key for d in disks], [(e.key, why) for e, why in shed],
+                sorted(e.key for e in disk.index.entries()), asked)
+    finally:
+        mgr.close()
+
+
+@pytest.mark.parametrize("case", ["on-disk", "twice", "admission", "writer-dead"])
+def test_a_step_the_batched_reservation_cannot_take_goes_key_by_key(tmp_path, monkeypatch, case):
+    """What the step's batched reservation must leave to the loop: keys already on disk (passed over,
+    neither written nor shed), an entry named twice (written once), an admission filter (asked for
+    every new key), a dead writer (every block shed ``disk_down``).  Each gives what the key-by-key
+    loop gives."""
+    over = dict(on_disk=[b"s1", b"s4"] if case == "on-disk" else (), twice=case == "twice",
+                alive=case != "writer-dead")
+    if case == "admission":
+        over["disk_admission"] = "second_hit"
+    outcomes = []
+    for one_by_one in (False, True):
+        with monkeypatch.context() as m:
+            outcomes.append(_spill_step(tmp_path, f"{case}-{one_by_one}", m, one_by_one, **over))
+    assert outcomes[0] == outcomes[1]
+    written, _, shed, on_disk, asked = outcomes[0]
+    if case == "on-disk":
+        assert written == [b"s0", b"s2", b"s3", b"s5"] and shed == [] and on_disk == sorted(b"s%d" % i for i in range(6))
+    elif case == "twice":
+        assert written == [b"s%d" % i for i in range(6)] and shed == []
+    elif case == "admission":
+        assert asked == [b"s%d" % i for i in range(6)] and written == [] and shed == []   # seen once: refused
+    else:
+        assert written == [] and shed == [(b"s%d" % i, "disk_down") for i in range(6)]
+
+
+def test_a_cancelled_spill_whose_write_landed_is_counted_stale_not_published(tmp_path, monkeypatch):
+    """A spill job cancelled whole (its one key invalidated) whose report then says the write landed:
+    every part is discarded as stale, nothing is published, the host slot's lease goes, no bytes are
+    counted as moved; the clean-report shortcut of ``_apply_spill`` must not take it."""
+    from tiered_kv.jobs import StaleReason
+    mgr, _, _ = _manager(tmp_path, disk_blocks=64, host_slots=64)
+    try:
+        core, disk = mgr._core, mgr._core.disk
+        monkeypatch.setattr(disk.store, "submit_spills", lambda tokens, keys, slots, view: True)
+        monkeypatch.setattr(disk.store, "cancel", lambda token, key: None)
+        hosts = _host_entries(mgr, [b"c0", b"c1"])
+        core.start_spills(hosts)
+        job = core.jobs[disk.index.get(b"c0").writer.int]
+        core.cancel(job, StaleReason.SUPERSEDED)
+        assert job._dead is None
+        before = mgr_metric(mgr, "tiered_kv_stale_callbacks_total", kind="spill", reason="superseded")
+        core._apply_spill(job, Report(job.token, JobKind.SPILL, True, None, 2 * ROW_BYTES, 0.001))
+        assert mgr_metric(mgr, "tiered_kv_stale_callbacks_total", kind="spill", reason="superseded") == before + 2
+        assert b"c0" not in disk.index and b"c1" not in disk.index
+        assert [e.readers for e in hosts] == [0, 0]
+        assert mgr_metric(mgr, "tiered_kv_transfer_bytes_total", src="host", dst="disk") == 0
+    finally:
+        mgr.close()

@@ -295,3 +295,15 @@ def test_ready_run_touches_the_leading_ready_entries_and_returns_where_it_stoppe
     assert list(idx.policy.od) == [b"c", b"a", b"d"]
     assert idx.ready_run([b"x", b"a"]) == 0 and idx.ready_run([]) == 0 and idx.ready_run([b"a"], 1) == 1
     assert list(idx.policy.od) == [b"c", b"a", b"d"]    # nothing touched past a miss
+
+
+@pytest.mark.parametrize("keys", [[b"n1", b"n2", b"n1"], [b"n1", b"old"]], ids=["repeated", "present"])
+def test_reserve_each_refuses_a_repeated_or_present_key_before_changing_anything(keys):
+    """An internal caller's bug (a spill of a key twice, or of a key already in the tier) is an
+    AssertionError before any slot is taken: two entries for one key would leak a slot."""
+    ix = TierIndex(4)
+    old = ix.reserve(b"old", uuid.uuid4())
+    assert old is not None
+    with pytest.raises(AssertionError, match="reserve_each of present or repeated keys"):
+        ix.reserve_each(keys, [uuid.uuid4() for _ in keys])
+    assert len(ix) == 1 and ix.used_slots == 1 and ix.get(b"n1") is None
