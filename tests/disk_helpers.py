@@ -474,3 +474,14 @@ def fail_first_batch(disk: Any) -> threading.Event:
     disk.fault_hook = hook
     return failed
 
+
+def ready_host_entries(mgr: Any, keys: list[bytes]) -> list[Any]:
+    """READY host entries for ``keys``, made in ``mgr``'s host index directly (no store, no spill
+    started for them): what ``DiskTier.start_spills`` is handed, for tests that call it themselves."""
+    core = mgr._core
+    out = []
+    for k in keys:
+        e = core.index.reserve(k, core.tokens())
+        core.index.publish(e)
+        out.append(e)
+    return out

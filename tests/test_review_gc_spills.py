@@ -20,6 +20,7 @@ import weakref
 from typing import Any
 
 import pytest
+from disk_helpers import ready_host_entries
 from fakes import ROW_BYTES, make_config, make_fake_manager, make_kv
 
 from tiered_kv.core.index import Entry
@@ -48,16 +49,6 @@ def _stub_store(mgr, monkeypatch, room: int = 64) -> list[tuple[Any, bytes]]:
     return deletes
 
 
-def _host_entries(mgr, keys):
-    core = mgr._core
-    out = []
-    for k in keys:
-        e = core.index.reserve(k, core.tokens())
-        core.index.publish(e)
-        out.append(e)
-    return out
-
-
 # ---------------------------------------------------------------------------------------------- the finding
 def _arc_outcome(tmp_path, name, one_by_one, monkeypatch):
     """An ARC disk tier full of leased entries (nothing evictable) with ghosts in B1; a step spills
@@ -84,7 +75,7 @@ def _arc_outcome(tmp_path, name, one_by_one, monkeypatch):
             leased = list(dix.entries())
             for e in leased:             # every slot read by a promote: nothing evictable
                 dix.acquire(e)
-            hosts = _host_entries(mgr, [b"a%02d" % i for i in range(4)])
+            hosts = ready_host_entries(mgr, [b"a%02d" % i for i in range(4)])
             written, _, shed = core.disk.start_spills(hosts, core.index, core.tokens, core.slot_views.__getitem__)
             assert written == [] and [w for _, w in shed] == ["disk_full"] * 4
             for e in leased:
@@ -163,7 +154,7 @@ def _partial_eviction_outcome(tmp_path, name, one_by_one, monkeypatch):
             leased = [e for e in dix.entries() if e.key not in keep]
             for e in leased:
                 dix.acquire(e)
-            hosts = _host_entries(mgr, [b"new%d" % i for i in range(6)])
+            hosts = ready_host_entries(mgr, [b"new%d" % i for i in range(6)])
             written, disks, shed = core.disk.start_spills(hosts, core.index, core.tokens, core.slot_views.__getitem__)
             out = ([e.key for e in written], [d.key for d in disks], [(e.key, w) for e, w in shed],
                    [k for _, k in deletes], dix.evictions, [e.readers for e in hosts], len(dix), dix.used_slots)

@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 import torch
-from disk_helpers import WriterGate, drain, raw_keys, raw_token, raw_tombs, spy_spills
+from disk_helpers import WriterGate, drain, raw_keys, raw_token, raw_tombs, ready_host_entries, spy_spills
 from fakes import ROW_BYTES, make_config, make_fake_manager, make_kv, mgr_metric, stored
 from prometheus_client import CollectorRegistry
 
@@ -431,17 +431,6 @@ def test_scheduler_reset_while_a_group_is_held_publishes_nothing_and_frees_every
 
 
 # ---------------------------------------------------------------------- a step's reservations together
-def _host_entries(mgr, keys):
-    """READY host entries for ``keys``, made in the host index directly (no spill started for them)."""
-    core = mgr._core
-    out = []
-    for k in keys:
-        e = core.index.reserve(k, core.tokens())
-        core.index.publish(e)
-        out.append(e)
-    return out
-
-
 def _spill_outcome(tmp_path, name, keys_first, keys_then, room, one_by_one, monkeypatch):
     """Two DiskTier.start_spills calls, the first's writes left in flight (their disk entries WRITING):
     what the second reserved and shed, by the step's batched path or key by key."""
@@ -458,8 +447,8 @@ def _spill_outcome(tmp_path, name, keys_first, keys_then, room, one_by_one, monk
         real = disk.index.reserve_each
         monkeypatch.setattr(disk.index, "reserve_each", lambda *a: calls.append(a) or real(*a))
         view = mgr._core.slot_views.__getitem__
-        first = disk.start_spills(_host_entries(mgr, keys_first), mgr._core.index, mgr._core.tokens, view)
-        hosts, disks, shed = disk.start_spills(_host_entries(mgr, keys_then), mgr._core.index, mgr._core.tokens, view)
+        first = disk.start_spills(ready_host_entries(mgr, keys_first), mgr._core.index, mgr._core.tokens, view)
+        hosts, disks, shed = disk.start_spills(ready_host_entries(mgr, keys_then), mgr._core.index, mgr._core.tokens, view)
         assert bool(calls) is not one_by_one
         assert [d.key for d in disks] == [e.key for e in hosts]
         assert len({d.writer for d in disks}) == len(disks), "a token per block"
@@ -512,7 +501,7 @@ def _spill_step(tmp_path, name, monkeypatch, one_by_one, *, on_disk=(), twice=Fa
         for k in on_disk:
             d = disk.index.reserve(k, core.tokens())
             disk.index.publish(d)
-        hosts = _host_entries(mgr, [b"s%d" % i for i in range(6)])
+        hosts = ready_host_entries(mgr, [b"s%d" % i for i in range(6)])
         if twice:
             hosts = [hosts[0]] + hosts
         written, disks, shed = disk.start_spills(hosts, core.index, core.tokens, core.slot_views.__getitem__)
@@ -560,7 +549,7 @@ def test_a_cancelled_spill_whose_write_landed_is_counted_stale_not_published(tmp
         core, disk = mgr._core, mgr._core.disk
         monkeypatch.setattr(disk.store, "submit_spills", lambda tokens, keys, slots, view: True)
         monkeypatch.setattr(disk.store, "cancel", lambda token, key: None)
-        hosts = _host_entries(mgr, [b"c0", b"c1"])
+        hosts = ready_host_entries(mgr, [b"c0", b"c1"])
         core.start_spills(hosts)
         job = core.jobs[disk.index.get(b"c0").writer.int]
         core.cancel(job, StaleReason.SUPERSEDED)
