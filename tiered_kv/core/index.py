@@ -13,6 +13,11 @@ capacity; the disk store places the bytes).  Invariants (tested in tests/test_ti
   of what is evictable, so a policy cannot pick a leased entry;
 * entries are objects that jobs hold directly: nothing keyed by a slot number
   outlives the job that leased it.
+
+A little over the project's usual 500 lines on purpose: each batched path (a step's keys reserved,
+leased, published or evicted together) sits beside the per-key method whose outcome it must
+match, and both write the same private maps, free list and policy; split apart, a change to one
+would not be seen next to the other.
 """
 
 from __future__ import annotations
