@@ -24,7 +24,9 @@ the keys of the looked-up chains that are fully cached, 64 of them; its rows rot
 
 Figure: the engine thread's CPU time per step (``time.thread_time``: what the calls cost the
 scheduler, not time waiting for the GIL or a core), mean over the steps, with the wall time
-beside.  Baseline: the same step's calls on the unsafe plain-dict original
+beside.  A step's keys are made before its clocks are read (``_Workload.prepare``), and the garbage
+collector's runs on the engine thread during the timed steps are timed (:class:`.common.GcClock`):
+part of the figure, given apart in its note.  Baseline: the same step's calls on the unsafe plain-dict original
 (:class:`.core.UnsafeDictOffloader`: no tokens, leases, fences, tombstones, metrics or disk tier,
 answers at once without copying) -- the bookkeeping floor.  Nothing here asserts a timing;
 :mod:`.report` applies the target.
