@@ -77,6 +77,8 @@ def _consume(it: Iterable[Any]) -> None:
 def _add_job(m: dict[Any, Any], ks: Sequence[Any], job: Job) -> None:
     """Record ``job`` under each of ``ks`` in a map whose values are one job, or a list of the jobs
     where several share a key (the rare case: one store per row, one load per key is the rule)."""
+    if len(ks) == 1 and m.setdefault(ks[0], job) is job:   # store()/load(): one key, not held (a C call)
+        return
     if m.keys().isdisjoint(ks):
         m.update(dict.fromkeys(ks, job))   # one C loop
         return
@@ -97,6 +99,9 @@ def _jobs_of(held: Any) -> Sequence[Job]:
 
 def _drop_job(m: dict[Any, Any], ks: Sequence[Any], job: Job) -> None:
     """Undo :func:`_add_job` for ``job`` under ``ks`` (keys it is no longer under are passed over)."""
+    if len(ks) == 1 and m.get(ks[0]) is job:   # store()/load(): one key, the job alone under it
+        del m[ks[0]]
+        return
     if list(map(m.get, ks)).count(job) == len(ks):
         _consume(map(m.pop, ks))   # the job alone under each key: one C loop
         return
