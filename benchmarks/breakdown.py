@@ -258,7 +258,7 @@ def first_store(steps: int, row: int = 2 << 20, n: int = 512) -> None:
     def on_engine(*a: Any) -> Any:    # the same copy, on the calling thread, its outcome a finished future
         fut: Any = torch.futures.Future()
         with torch.jit.optimized_execution(False):
-            fut.set_result(cu.copy_groups(*a))
+            fut.set_result(cu.copy_groups(a[0].wait(), *a[1:]))   # the planes the launcher holds, then the rest
         return fut
 
     def no_copy(*a: Any) -> Any:

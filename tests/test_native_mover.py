@@ -56,8 +56,8 @@ class _Deferred:
         if i in self.fail:
             fut.set_exception(RuntimeError(f"injected failure of call {i}"))
             return
-        try:   # what the launcher forks, on the launcher's arguments
-            n = native_mod.compiled().copy_groups(*args)
+        try:   # what the launcher forks, on the launcher's arguments (the planes it holds, then the rest)
+            n = native_mod.compiled().copy_groups(args[0].wait(), *args[1:])
         except Exception as exc:   # as the real fork does: the future carries the copy's error
             self.errors.append(exc)
             fut.set_exception(exc)
@@ -662,3 +662,48 @@ def test_a_lone_small_transfer_held_by_a_blocking_owner_is_copied_with_memmove_n
         assert len(launch.calls) == 1
     finally:
         launch.close(m)
+
+
+def test_the_launcher_is_handed_no_tensor_python_holds():
+    """What crosses to the inter-op thread: the planes as the future made at start (detached there), every
+    other argument lists of ints and bools; the row indexes become tensors in the inter-op thread.  A tensor
+    made here would be dropped there, and take the GIL (``test_the_copy_runs_while_the_owner_holds_the_gil``)."""
+    seen: list[tuple[Any, ...]] = []
+    real = native_mod.compiled().launch
+
+    def launch(*args: Any) -> Any:
+        seen.append(args)
+        return real(*args)
+
+    dev, host = _rows(16, 64, 21), torch.zeros((16, 64), dtype=torch.uint8)
+    q = CompletionQueue()
+    m = NativeMover([(dev, host)], q, batch_max=64, launch_fn=launch)
+    try:
+        m.submit(Transfer("scattered", _STORE, [3, 1, 7], [9, 2, 5]))
+        m.submit(Transfer("run", _STORE, [10, 11], [12, 13]))
+        m.submit(Transfer("back", _LOAD, [4, 6], [2, 9]))
+        m.flush()
+        assert all(r.ok for r in _answers(m, q, 3))
+        (args,) = seen
+        assert args[0] is m._planes_held and isinstance(args[0], torch._C.Future)
+
+        def tensors(x: Any) -> int:
+            return 1 if isinstance(x, torch.Tensor) else sum(map(tensors, x)) if isinstance(x, (list, tuple)) else 0
+
+        assert tensors(args[1:]) == 0, args
+        assert list(args[1]) == [True, False]                 # the stores' group, then the loads'
+        assert list(args[2]) == [[9, 2, 5, 12, 13], [4, 6]] and list(args[3]) == [[3, 1, 7, 10, 11], [2, 9]]
+        assert torch.equal(host[[9, 2, 5, 12, 13]], dev[[3, 1, 7, 10, 11]]) and torch.equal(dev[[4, 6]], host[[2, 9]])
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("dst,src,want", [
+    ([4, 5, 6], [0, 1, 2], ([], [], 4, 0, 3, True, True)),
+    ([4, 5, 6], [2, 0, 1], ([], [2, 0, 1], 4, 2, 3, True, False)),
+    ([6, 5, 4], [0, 1, 2], ([6, 5, 4], [], 6, 0, 3, False, True)),
+    ([7], [3], ([], [], 7, 3, 1, True, True)),
+    ([1, 3], [2, 4], ([1, 3], [2, 4], 1, 2, 2, False, False)),
+])
+def test_list_args_pass_an_index_only_where_a_side_is_not_a_range(dst, src, want):
+    assert native_mod.list_args(dst, src) == want

@@ -35,7 +35,7 @@ import torch
 
 from ..jobs import JobKind
 from .base import CompletionQueue, Mover, Plane, Report, Transfer, check_planes, rows_in_range
-from .rowcopy import compiled, index_args, native_available
+from .rowcopy import compiled, list_args, native_available
 from .thread import (FEW_ROWS, HELP_BYTES, STAGE_BYTES, copy_one, fast_planes, memmove_rows, screen, split_batches,
                      wide_planes)
 
@@ -47,9 +47,11 @@ _STORE = JobKind.STORE
 _NO_CUT = 1 << 62   # split_batches' cap: a flush's transfers of one direction are one group
 
 LaunchFn = Callable[..., Any]
-"""``launch(dsts, srcs, dst_rows, src_rows, d0, s0, n, dst_run, src_run, stage_rows)`` -> a
-``torch.futures.Future``: the compiled launcher (:data:`.rowcopy.COPY_SOURCE`'s ``launch``), each
-argument but the last a list with one entry per group of one direction; tests inject failing ones."""
+"""``launch(planes, to_host, dst_idx, src_idx, d0, s0, n, dst_run, src_run, stage_rows)`` -> a
+``torch.futures.Future``: the compiled launcher (:mod:`.rowcopy`'s ``launch``; ``planes`` the future
+``hold_planes`` made), each argument but the first and the last a list with one entry per group of one
+direction; tests inject failing ones.  ``run_fn`` takes the same arguments, with ``planes`` the list
+``[device planes, host planes]`` itself, and copies on the calling thread."""
 
 def native_fits(planes: Sequence[Plane]) -> bool:
     """Whether :class:`NativeMover` can copy these planes: CPU tensors whose rows are byte ranges
@@ -61,7 +63,6 @@ class _Batch(NamedTuple):
     future: Any
     transfers: list[Transfer]
     started: float
-    keep: tuple[torch.Tensor, ...]    # the index tensors the copy reads: released here, on the owner thread
 
 
 class NativeMover(Mover):
@@ -91,12 +92,15 @@ class NativeMover(Mover):
         self._fast = fast_planes(self._planes)   # row addresses, for a lone transfer copied by the owner
         self._launch: LaunchFn = launch_fn or compiled().launch
         self._run: LaunchFn = run_fn or compiled().copy_groups   # the same copy, on the calling thread
+        self._planes_now = [self._dev, self._host]                # its planes
+        # the launcher's: detached once, in a future Python never reads (rowcopy's hold_planes)
+        self._planes_held: Any = compiled().hold_planes(self._dev, self._host)
+        self._planes_held.wait()
         self._out = completions
         self._batch_max = batch_max
         self._held: collections.deque[Transfer] = collections.deque()
         self._holding = False
         self._inflight: collections.deque[_Batch] = collections.deque()
-        self._empty = torch.empty(0, dtype=torch.int64)
         self._closed = False
         if launch_fn is None and run_fn is None:
             self._warm_up()
@@ -107,13 +111,15 @@ class NativeMover(Mover):
         """Run the compiled copy on scratch rows of the planes' element types, in the inter-op threads
         and here, so that its first runs -- TorchScript's profiling runs and the optimization after them,
         21 ms and 2.5 ms on the reference VM -- happen at start, not in the engine's first steps."""
-        dst, src = ([torch.zeros((2, int(h.shape[1])), dtype=h.dtype) for h in self._host] for _ in range(2))
-        one = [torch.zeros(1, dtype=torch.int64)]
-        args = ([dst], [src], one, one, [1], [0], [1], [True], [False], self._stage_rows)
+        dev, host = ([torch.zeros((2, int(h.shape[1])), dtype=h.dtype) for h in self._host] for _ in range(2))
+        cu = compiled()
+        held = cu.hold_planes(dev, host)
+        args = ([True, False], [[1], [1]], [[0], [1]], [1, 1], [0, 0], [1, 1], [False] * 2, [False] * 2,
+                self._stage_rows)   # both directions, both indexes made: every case the step's copies take
         for _ in range(3):
-            self._launch(*args).wait()
+            self._launch(held, *args).wait()
         with torch.jit.optimized_execution(False):
-            self._run(*args)
+            self._run([dev, host], *args)
 
     # ------------------------------------------------------------------ owner thread
     def submit(self, t: Transfer) -> None:
@@ -157,8 +163,7 @@ class NativeMover(Mover):
         future, answered like a launched one."""
         put = self._out.put
         go: list[Transfer] = []
-        dsts: list[list[torch.Tensor]] = []
-        srcs: list[list[torch.Tensor]] = []
+        to_host: list[bool] = []
         args: list[tuple[Any, ...]] = []
         for group in groups:
             ts: list[Transfer] = []
@@ -177,13 +182,11 @@ class NativeMover(Mover):
                     rows += t.rows
                     slots += t.slots
             if ts[0].kind is _STORE:
-                dsts.append(self._host)
-                srcs.append(self._dev)
-                args.append(index_args(slots, rows, self._empty))
+                to_host.append(True)
+                args.append(list_args(slots, rows))
             else:
-                dsts.append(self._dev)
-                srcs.append(self._host)
-                args.append(index_args(rows, slots, self._empty))
+                to_host.append(False)
+                args.append(list_args(rows, slots))
             go += ts
         if not go:
             return
@@ -193,17 +196,16 @@ class NativeMover(Mover):
                 fut = torch.futures.Future()
                 try:
                     with torch.jit.optimized_execution(False):   # this thread only: no profiling runs
-                        fut.set_result(self._run(dsts, srcs, *cols, self._stage_rows))
+                        fut.set_result(self._run(self._planes_now, to_host, *cols, self._stage_rows))
                 except Exception as exc:   # noqa: BLE001 - the copy's own error, reported by harvest()
                     fut.set_exception(exc)
             else:
-                fut = self._launch(dsts, srcs, *cols, self._stage_rows)
+                fut = self._launch(self._planes_held, to_host, *cols, self._stage_rows)
         except Exception as exc:
             for t in go:
                 put(Report(t.token, t.kind, False, f"copy failed to start: {exc!r}"))
             return
-        # the index tensors stay referenced here until the batch is harvested (see rowcopy._index)
-        self._inflight.append(_Batch(fut, go, time.perf_counter(), cols[0] + cols[1]))
+        self._inflight.append(_Batch(fut, go, time.perf_counter()))
         self.batches += 1
 
     def harvest(self) -> None:

@@ -4,7 +4,8 @@ torch index ops and no Python per row.
 :data:`COPY_SOURCE` is both Python and TorchScript.  :func:`copy_rows` is it run as Python (the
 :class:`~.thread.ThreadMover`'s workers call it through :func:`~.thread.batch_copy`); :func:`compiled`
 compiles it with a launcher that starts a flush's groups of copies with one ``torch.jit.fork`` in
-torch's inter-op threads (the :class:`~.native.NativeMover`).  The cases, per plane (rows viewed as
+torch's inter-op threads (the :class:`~.native.NativeMover`); its row indexes cross as lists of ints and
+become tensors there, off the engine's thread.  The cases, per plane (rows viewed as
 16- or 8-byte elements):
 
 * both sides' rows consecutive: one ``copy_`` of the range;
@@ -15,7 +16,7 @@ torch's inter-op threads (the :class:`~.native.NativeMover`).  The cases, per pl
   rows per pass (while the stage is still in the CPU's cache); rows wider than the stage: one
   ``copy_`` each.
 
-:func:`index_args` builds the arguments both callers pass, so that a side's index tensor is made only
+:func:`index_args` builds the Python copy's arguments, so that a side's index tensor is made only
 where a case uses it.
 """
 
@@ -31,7 +32,7 @@ import torch
 
 from .base import is_run
 
-__all__ = ["COPY_SOURCE", "copy_rows", "compiled", "native_available", "index_args"]
+__all__ = ["COPY_SOURCE", "copy_rows", "compiled", "native_available", "index_args", "list_args"]
 
 log = logging.getLogger(__name__)
 
@@ -73,29 +74,51 @@ given, is plane ``p``'s staging buffer (never resized); else one of ``stage_rows
 The destination rows must be distinct (the owner's leases and fences see to it)."""
 
 _LAUNCH_SOURCE = '''
-def copy_groups(dsts: List[List[Tensor]], srcs: List[List[Tensor]], dst_rows: List[Tensor], src_rows: List[Tensor],
+def copy_groups(planes: List[List[Tensor]], to_host: List[bool], dst_idx: List[List[int]], src_idx: List[List[int]],
                 d0: List[int], s0: List[int], n: List[int], dst_run: List[bool], src_run: List[bool],
                 stage_rows: List[int]) -> int:
+    dev = planes[0]
+    host = planes[1]
     no_stages: List[Tensor] = []
+    empty = torch.empty([0], dtype=torch.long)
     total = 0
     for g in range(len(n)):
-        total += copy_rows(dsts[g], srcs[g], dst_rows[g], src_rows[g], d0[g], s0[g], n[g], dst_run[g], src_run[g],
-                           no_stages, stage_rows)
+        dst_rows = empty if dst_run[g] else torch.tensor(dst_idx[g], dtype=torch.long)
+        src_rows = empty if src_run[g] else torch.tensor(src_idx[g], dtype=torch.long)
+        if to_host[g]:
+            total += copy_rows(host, dev, dst_rows, src_rows, d0[g], s0[g], n[g], dst_run[g], src_run[g],
+                               no_stages, stage_rows)
+        else:
+            total += copy_rows(dev, host, dst_rows, src_rows, d0[g], s0[g], n[g], dst_run[g], src_run[g],
+                               no_stages, stage_rows)
     return total
 
-def launch(dsts: List[List[Tensor]], srcs: List[List[Tensor]], dst_rows: List[Tensor], src_rows: List[Tensor],
-           d0: List[int], s0: List[int], n: List[int], dst_run: List[bool], src_run: List[bool],
-           stage_rows: List[int]) -> Future[int]:
-    # detached: tensors with no Python object, so that the inter-op thread never needs the GIL to drop its
-    # references (a tensor Python holds would take the GIL there when its count falls to the Python
-    # object's own: the copy would wait for an engine thread running Python, up to the switch interval)
-    return torch.jit.fork(copy_groups, [[d.detach() for d in ds] for ds in dsts],
-                          [[x.detach() for x in xs] for xs in srcs], [r.detach() for r in dst_rows],
-                          [r.detach() for r in src_rows], d0, s0, n, dst_run, src_run, stage_rows)
+def _detached(dev: List[Tensor], host: List[Tensor]) -> List[List[Tensor]]:
+    d = [t.detach() for t in dev]
+    h = [t.detach() for t in host]
+    return [d, h]
+
+def hold_planes(dev: List[Tensor], host: List[Tensor]) -> Future[List[List[Tensor]]]:
+    # the planes detached once, held by a future Python never reads: the inter-op thread must never need the
+    # GIL to drop a reference (a tensor Python holds takes the GIL there when its count falls to the Python
+    # object's own: the copy would wait for an engine thread running Python, up to the switch interval).  The
+    # future's own reference already keeps the planes' counts above that; detached, they have no Python
+    # object at all
+    return torch.jit.fork(_detached, dev, host)
+
+def launch(planes: Future[List[List[Tensor]]], to_host: List[bool], dst_idx: List[List[int]],
+           src_idx: List[List[int]], d0: List[int], s0: List[int], n: List[int], dst_run: List[bool],
+           src_run: List[bool], stage_rows: List[int]) -> Future[int]:
+    # the indexes cross as lists of ints and become tensors in the inter-op thread (no Python object either)
+    return torch.jit.fork(copy_groups, torch.jit.wait(planes), to_host, dst_idx, src_idx, d0, s0, n, dst_run,
+                          src_run, stage_rows)
 '''
-"""``launch(...)``: ``copy_groups`` started in torch's inter-op threads, its future returned.  Each argument
-is a list with one entry per group (a direction's transfers: their planes, indexes, starts, lengths and
-runs, as :func:`index_args` makes them); the groups are copied one after the other."""
+"""``copy_groups(planes, to_host, dst_idx, src_idx, d0, s0, n, dst_run, src_run, stage_rows)``: the groups of a
+flush one after the other, each of one direction (``to_host[g]``: device rows into host slots, else back), between
+``planes`` = ``[device planes, host planes]``, as :func:`copy_rows` per plane; a side's rows are ``idx[g]``, or
+the ``n[g]`` rows from ``d0[g]``/``s0[g]`` where ``*_run[g]`` (its list may then be empty).  ``launch(...)``:
+the same started in torch's inter-op threads, its future returned, on planes held by ``hold_planes(dev, host)``
+(a finished future); its other arguments are ``copy_groups``'."""
 
 
 def _python() -> Any:
@@ -132,6 +155,17 @@ def index_args(dst_idx: list[int], src_idx: list[int],
     dst_run, src_run = is_run(dst_idx), is_run(src_idx)
     return (empty if dst_run else _index(dst_idx),
             empty if src_run else _index(src_idx), dst_idx[0], src_idx[0], len(dst_idx), dst_run, src_run)
+
+
+_NONE: list[int] = []   # a side whose rows are a range: no index crosses (never appended to)
+
+
+def list_args(dst_idx: list[int], src_idx: list[int]) -> tuple[list[int], list[int], int, int, int, bool, bool]:
+    """:func:`index_args` for the compiled ``copy_groups``: a side's index as the list itself (made a tensor on
+    the thread that copies), or an empty list where its rows are a range."""
+    dst_run, src_run = is_run(dst_idx), is_run(src_idx)
+    return (_NONE if dst_run else dst_idx, _NONE if src_run else src_idx, dst_idx[0], src_idx[0], len(dst_idx),
+            dst_run, src_run)
 
 
 def _index(idx: list[int]) -> torch.Tensor:
