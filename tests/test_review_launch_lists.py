@@ -20,22 +20,9 @@ from tiered_kv.jobs import JobKind
 from tiered_kv.movers import CompletionQueue, NativeMover, Transfer
 from tiered_kv.movers.thread import STAGE_BYTES
 
+from test_native_mover import _answers, _rows   # the mover tests' helpers, shared
+
 _STORE, _LOAD = JobKind.STORE, JobKind.LOAD
-
-
-def _rows(n: int, width: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 256, (n, width), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
-
-
-def _answers(m: NativeMover, q: CompletionQueue, n: int) -> list[Any]:
-    out: list[Any] = []
-    while len(out) < n:
-        out += q.drain()
-        if len(out) < n and not m.help_one():
-            out += q.drain()
-            assert len(out) >= n, f"{len(out)} of {n} reports, nothing in flight"
-    assert not q.drain(), "more reports than transfers"
-    return out
 
 
 def _expect(devs: list[torch.Tensor], slab: torch.Tensor, widths: list[int],
