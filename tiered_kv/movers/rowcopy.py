@@ -150,11 +150,10 @@ def native_available() -> bool:
 
 def index_args(dst_idx: list[int], src_idx: list[int],
                empty: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int, int, bool, bool]:
-    """``(dst_rows, src_rows, d0, s0, n, dst_run, src_run)`` for :func:`copy_rows`; a side's index is
-    ``empty`` where its rows are a range (no case reads it then)."""
-    dst_run, src_run = is_run(dst_idx), is_run(src_idx)
-    return (empty if dst_run else _index(dst_idx),
-            empty if src_run else _index(src_idx), dst_idx[0], src_idx[0], len(dst_idx), dst_run, src_run)
+    """``(dst_rows, src_rows, d0, s0, n, dst_run, src_run)`` for :func:`copy_rows`: :func:`list_args` with each
+    index made a tensor here, ``empty`` where its rows are a range (no case reads it then)."""
+    dst, src, d0, s0, n, dst_run, src_run = list_args(dst_idx, src_idx)
+    return empty if dst_run else _index(dst), empty if src_run else _index(src), d0, s0, n, dst_run, src_run
 
 
 _NONE: list[int] = []   # a side whose rows are a range: no index crosses (never appended to)
