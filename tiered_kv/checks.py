@@ -16,7 +16,7 @@ from .errors import ConfigError, DeviceTensorError, InvalidBlockError, InvalidKe
 log = logging.getLogger(__name__)
 
 __all__ = ["SUPPORTED_DTYPES", "check_key", "check_block", "check_many", "check_timeout", "check_device_blocks",
-           "pin_decision"]
+           "pin_decision", "plain_alias"]
 
 SUPPORTED_DTYPES = frozenset(
     getattr(torch, n) for n in ("float16", "bfloat16", "float32", "float64", "int8", "uint8",
@@ -121,6 +121,19 @@ def check_device_blocks(t: Any) -> None:
                                 f"strides {t.stride()}")
     if t.requires_grad:
         raise DeviceTensorError("device_blocks must not require grad")
+
+def plain_alias(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or where ``t`` is an inference tensor (made under ``torch.inference_mode()``), a normal
+    tensor over the same memory.  The copy threads write the engine's rows outside inference mode (it is
+    per thread), where torch refuses any in-place write to an inference tensor; through this alias they
+    write the same bytes.  (The tiers' own tensors -- slabs, staging rows -- are made outside inference mode, for
+    the same reason, whatever the caller's mode.)"""
+    if not t.is_inference():
+        return t
+    with torch.inference_mode(False):
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(),
+                                                                  t.shape, t.stride())
+
 
 def pin_decision(pin: Optional[bool], device_is_cuda: bool) -> bool:
     """Whether to pin the host slab (``pin_host_memory``), the same rule under every front end.

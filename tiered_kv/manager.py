@@ -39,7 +39,7 @@ from prometheus_client import CollectorRegistry
 from .config import TieredKVConfig
 from .core import CLOSE_TIMEOUT_S, TierCore
 from .checks import (SUPPORTED_DTYPES, check_block, check_device_blocks, check_key, check_many, check_timeout,
-                     pin_decision)
+                     pin_decision, plain_alias)
 from .errors import BlockBusyError, ConfigError, InvalidJobError, InvalidKeyError, ManagerClosedError
 from .disk.proc import SharedHost
 from .hostmem import make_shared_rows, prepare_host_memory, register_pinned, unregister_pinned
@@ -161,7 +161,8 @@ class TierManager:
         self._host_fd = -1
         self._host_pinned = False   # registered with CUDA here (a shared slab), unregistered at close
         try:
-            self._open(config, device_blocks, num_slots, mover_factory)
+            with torch.inference_mode(False):   # the slab, the movers' planes: never inference tensors (plain_alias)
+                self._open(config, device_blocks, num_slots, mover_factory)
         except BaseException:
             self._close_host_fd()
             self.metrics.close()
@@ -172,7 +173,8 @@ class TierManager:
         """The constructor's resources: the host slab, the mover, the core (and its disk and remote tiers).
         When one fails, the mover is closed here and the slab by the caller."""
         self._device_blocks = device_blocks
-        self._dev_rows = device_blocks.view(torch.uint8).view(self.num_blocks, self.row_bytes)
+        # (torch 2.13's view(dtype) outside inference mode happens to drop the flag too; nothing documents it)
+        self._dev_rows = plain_alias(device_blocks).view(torch.uint8).view(self.num_blocks, self.row_bytes)
         pin = pin_decision(config.pin_host_memory, device_blocks.is_cuda)
         host: Optional[SharedHost] = None
         if config.disk_path is not None and config.disk_io == "process":

@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..checks import pin_decision
+from ..checks import pin_decision, plain_alias
 from ..errors import ConfigError
 from ..hostmem import prepare_host_memory
 from ..jobs import JobKind, StaleReason
@@ -151,9 +151,10 @@ class SlabCopier:
         self._on_stale = on_stale
         planes: list[Plane] = []  # (engine tensor as uint8, its region of the slab rows)
         off = base = rank * slab.rank_bytes
-        for t, w in zip(tensors, widths):
-            planes.append((t.view(torch.uint8), slab.rows[:, off:off + w]))
-            off += w
+        with torch.inference_mode(False):   # the planes and the mover's views of them: never inference tensors
+            for t, w in zip(tensors, widths):
+                planes.append((plain_alias(t).view(torch.uint8), slab.rows[:, off:off + w]))
+                off += w
         self.block_bytes = off - base
         self._jobs: dict[bytes, _CopyJob] = {}          # token -> job, owner thread only
         self._done: "queue.SimpleQueue[Report]" = queue.SimpleQueue()
@@ -165,7 +166,8 @@ class SlabCopier:
             slab.pin(cudart)
         self.host_memory = prepare_host_memory(slab.rows, prefault, pinned)
         self._sink = _MarkThenPost(slab, rank, self._done)
-        self._mover: Optional[Mover] = _copy_mover(planes, self._sink, batch_max) if planes else None
+        with torch.inference_mode(False):
+            self._mover: Optional[Mover] = _copy_mover(planes, self._sink, batch_max) if planes else None
 
     def submit(self, job_id: int, token: bytes, seq: int, store: bool, blocks: Sequence[int],
                slots: Sequence[int]) -> bool:

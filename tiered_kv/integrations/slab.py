@@ -82,8 +82,9 @@ class SharedSlab:
         self._rings = [(ctypes.c_int64 * ring_size).from_buffer(mm, rings_off + r * ring_size * 8)
                        for r in range(world_size)]
         #: the rows as one uint8 tensor, shape (num_slots, row_bytes), sharing the mapping
-        self.rows = torch.frombuffer(mm, dtype=torch.uint8, count=num_slots * row_bytes,
-                                     offset=rows_off).view(num_slots, row_bytes)
+        with torch.inference_mode(False):   # never an inference tensor: the copy threads write it (plain_alias)
+            self.rows = torch.frombuffer(mm, dtype=torch.uint8, count=num_slots * row_bytes,
+                                         offset=rows_off).view(num_slots, row_bytes)
         self._rows_addr = ctypes.addressof(ctypes.c_char.from_buffer(mm, rows_off))
         #: where the rows start in the file (the disk I/O process maps them from there)
         self.rows_offset = rows_off

@@ -398,8 +398,9 @@ class CudaMover(Mover):
         and only ever used on it: the stream's order keeps one chunk's use from overlapping the next)."""
         st = self._stages[stream][plane]
         if st is None:
-            st = self._stages[stream][plane] = torch.empty((self._stage_rows(like), int(like.shape[1])),
-                                                            dtype=like.dtype, device=like.device)
+            with torch.inference_mode(False):   # made in the caller's step, written in later ones, in any mode
+                st = self._stages[stream][plane] = torch.empty((self._stage_rows(like), int(like.shape[1])),
+                                                                dtype=like.dtype, device=like.device)
         return st
 
     def harvest(self) -> None:
