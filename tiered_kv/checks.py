@@ -122,6 +122,7 @@ def check_device_blocks(t: Any) -> None:
     if t.requires_grad:
         raise DeviceTensorError("device_blocks must not require grad")
 
+
 def plain_alias(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself, or where ``t`` is an inference tensor (made under ``torch.inference_mode()``), a normal
     tensor over the same memory.  The copy threads write the engine's rows outside inference mode (it is
