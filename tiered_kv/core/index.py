@@ -168,6 +168,8 @@ class TierIndex:
         the same outcome (``tests/test_index_batched.py`` runs both side by side).
         """
         lru, below_lru = self._lru, below._lru
+        if below.policy.uses_links:   # the chain runs through the tier below too (this tier's: ready_run)
+            below.policy.link(keys)
         if self._batched and lru is not None and below_lru is not None:
             get, below_get = self._entries.get, below._entries.get
             lru_get, below_lru_get = lru.get, below_lru.get

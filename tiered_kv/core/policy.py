@@ -30,11 +30,12 @@ checked against it line by line, and tests/test_policies.py runs one contract ma
 
 from __future__ import annotations
 
-import zlib
 from collections import OrderedDict, deque
 from collections.abc import Collection, Sequence
 from itertools import chain
 from typing import TYPE_CHECKING, Optional
+
+from xxhash import xxh3_64_intdigest
 
 if TYPE_CHECKING:   # pragma: no cover
     from .index import Entry
@@ -619,6 +620,12 @@ class PrefixLRU(Policy):
                     self._adopt(k, node, prev)
             prev = k
 
+    def _by_use(self, kids: set[bytes]) -> list[bytes]:
+        """``kids`` least recently used first: the order they join a queue in (a set's own order is its
+        hashes', which changes from one process to the next with Python's hash seed)."""
+        nodes = self.nodes
+        return sorted(kids, key=lambda c: nodes[c].t) if len(kids) > 1 else list(kids)
+
     def _adopt(self, k: bytes, node: _Node, parent: bytes) -> None:
         node.parent = parent
         kids = self.children.get(parent)
@@ -644,7 +651,7 @@ class PrefixLRU(Policy):
             self._adopt(k, node, parent)
         kids = self.children.get(k)
         if kids:   # back in this tier: its children are no orphans any more
-            for c in kids:
+            for c in self._by_use(kids):
                 cn = nodes[c]
                 if cn.orphan:
                     cn.orphan = False
@@ -692,7 +699,7 @@ class PrefixLRU(Policy):
             self._queue(node.q).pop(k, None)
         kids = children.get(k)
         if kids:   # kept (for a return of k) while any of them is held
-            for c in kids:
+            for c in self._by_use(kids):
                 cn = nodes[c]
                 if not cn.orphan:
                     cn.orphan = True
@@ -857,8 +864,9 @@ class TinyLFU(Admission):
 
     @staticmethod
     def _hash(key: bytes) -> int:
-        h = zlib.crc32(key)
-        return ((h << 32) | zlib.crc32(key, h ^ 0x5BD1E995)) & _M64
+        # 64 bits of xxh3: two independent 32-bit halves (two CRC-32s of one key are not: CRC is linear,
+        # so keys of one length with one CRC-32 would share every row and the doorkeeper)
+        return xxh3_64_intdigest(key)
 
     def _in_door(self, h: int) -> bool:
         door, m = self.door, self.door_mask
