@@ -68,9 +68,6 @@ def hot_source(tmp_path_factory):
 
 
 # ============================================================================ findings
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="export drops the touch (recency) records: an imported tier evicts the source's "
-                          "most recently used blocks first")
 def test_export_import_keeps_the_recency_of_promoted_entries(hot_source, tmp_path):
     """docs/operations.md: entries keep their source sequence "so the destination's LRU orders imported
     entries by their age on the source node".  On the source a promoted block's recency is its touch
@@ -87,15 +84,15 @@ def test_export_import_keeps_the_recency_of_promoted_entries(hot_source, tmp_pat
     assert HOT in _survivors(dst, ks, disk_slots=4), "the pre-warmed node evicted the source's hottest block"
 
 
-@pytest.mark.parametrize("record,value", [(b"created", b"inf"), (b"last_recovery", b"[1]")])
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="inspect's text output raises (OverflowError / AttributeError) on a damaged meta "
-                          "record instead of showing it")
-def test_inspect_text_survives_a_damaged_meta_record(record, value, tmp_path, capsys):
-    """inspect is the command an operator runs on a damaged tier; _read_meta accepts any float for
-    ``created`` and any JSON for ``last_recovery``, and ops_cli._inspect then calls
-    datetime.fromtimestamp(inf) / list.get: a traceback (OverflowError is not among the errors cli.main
-    turns into exit 2), no output at all."""
+@pytest.mark.parametrize("record,value", [
+    (b"created", b"inf"), (b"created", b"nan"), (b"created", b"-1"), (b"created", b"1e300"), (b"created", b"x"),
+    (b"last_recovery", b"[1]"), (b"last_recovery", b'{"at": "x"}'), (b"last_recovery", b'{"seconds": "y"}'),
+    (b"last_recovery", b'{"at": 1e300}'), (b"last_recovery", b"{bad"),
+])
+def test_inspect_text_shows_a_damaged_meta_record_as_unreadable(record, value, tmp_path, capsys):
+    """inspect is the command an operator runs on a damaged tier: a meta record that is no date (``created``)
+    or no recovery report (``last_recovery``) is shown as the unreadable text it is, the rest as usual --
+    never a traceback (``datetime.fromtimestamp(inf)`` raised OverflowError, ``[1].get`` AttributeError)."""
     path = build_env(tmp_path / "disk", keys(2))
     set_meta(path, record, value)
     try:
@@ -103,6 +100,8 @@ def test_inspect_text_survives_a_damaged_meta_record(record, value, tmp_path, ca
     except Exception as exc:   # noqa: BLE001 - what escapes the CLI is the defect
         raise AssertionError(f"inspect raised {exc!r} for meta {record!r}={value!r}") from exc
     assert rc == 0 and "namespace" in out and "Traceback" not in err, (rc, out, err)
+    line = next(ln for ln in out.splitlines() if ln.startswith("created" if record == b"created" else "last recovery"))
+    assert "unreadable record" in line and value.decode() in line, line
 
 
 # ============================================================================ pinned guarantees
@@ -178,3 +177,24 @@ def test_an_archive_altered_between_the_two_passes_publishes_nothing_into_an_exi
         assert mgr.lookup([keys(6, "a")[0]]) == 0
     finally:
         mgr.close()
+
+
+def test_an_inline_entry_promoted_since_its_import_carries_that_recency_to_the_next_export(hot_source, tmp_path):
+    """Imported entries are inline (header + bytes in LMDB).  Promoted on the node they were imported to,
+    one of them is its newest: exported again, that recency goes with it (the inline entry re-packed)."""
+    src, ks = hot_source
+    assert import_archive(tmp_path / "mid", export_archive(src, NS, tmp_path / "a.tkv").out).imported == len(ks)
+    cold = ks[5]
+    mgr, kv = open_manager(tmp_path / "mid", host_slots=2)
+    try:
+        assert load_bytes(mgr, kv, cold) == content(cold)
+        assert mgr.flush(timeout=30) is True
+    finally:
+        mgr.close()
+    rec = _recency(tmp_path / "mid")
+    assert max(rec, key=rec.__getitem__) == cold, rec
+    export_archive(tmp_path / "mid", NS, tmp_path / "b.tkv")
+    assert import_archive(tmp_path / "dst", tmp_path / "b.tkv").imported == len(ks)
+    rec = _recency(tmp_path / "dst")
+    assert max(rec, key=rec.__getitem__) == cold, rec
+    assert cold in _survivors(tmp_path / "dst", ks, disk_slots=4)

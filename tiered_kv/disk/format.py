@@ -113,17 +113,23 @@ def pack_slot_entry(namespace: bytes, key: bytes, token: uuid.UUID, payload: Buf
     return pack_header(namespace, key, token, payload, seq, FLAG_SLOT) + _SLOT.pack(slot)
 
 
-def inline_value(value: Buffer, payload: Buffer) -> bytes:
-    """The inline form of a slot entry (same header fields and checksum input, payload inside).
+def inline_value(value: Buffer, payload: Optional[Buffer], seq: Optional[int] = None) -> bytes:
+    """The inline form of an entry (same header fields and checksum input, payload inside).
 
     For tools that must hand out self-contained entries (``tiered-kv
     export``).  The checksum is recomputed over the flags change only after
-    the payload was verified against the stored one by the caller.
+    the payload was verified against the stored one by the caller.  ``payload``:
+    a slot entry's bytes (None for an entry inline already); ``seq``: a newer
+    sequence number to carry instead of the write's (its recency: a touch record).
     """
     h = parse_header(value)
+    new_seq = h.seq if seq is None else seq
     if not h.in_slot:
-        return bytes(value)
-    return pack_header(h.namespace, h.key, h.token, payload, h.seq) + bytes(payload)
+        if new_seq == h.seq:
+            return bytes(value)
+        payload = memoryview(value)[h.payload_offset:h.payload_offset + h.length]
+    assert payload is not None
+    return pack_header(h.namespace, h.key, h.token, payload, new_seq) + bytes(payload)
 
 
 def parse_header(value: Buffer, apart: int = 0) -> EntryHeader:

@@ -70,6 +70,7 @@ from ..disk.env import init_meta
 from ..disk.format import (FORMAT_VERSION, HEADER_SIZE, CorruptEntry, SlotReader, inline_value, lmdb_key, pack_header,
                            verify_entry)
 from ..disk.lock import LOCK_NAME
+from ..disk.recovery import U64
 from .ops import (OpenEnv, OpsError, PathLike, fsync_path, check_env_dir, check_meta, grow_map,
                   hold_path, open_readonly, open_writable, record_changed, stored_payload)
 
@@ -405,8 +406,15 @@ async def export_async(path: PathLike, namespace: str, out: PathLike,
                             if h.token.bytes in tombs:
                                 rep.skipped_orphaned += 1
                                 continue
-                            # frames carry self-contained inline entries (the payload inside)
-                            value = bytes(v) if payload is None else inline_value(v, payload)
+                            # frames carry self-contained inline entries (the payload inside), with the
+                            # entry's recency: a promote's touch record is newer than the write (recovery
+                            # orders the LRU by the newer of the two; the archive has no touch records)
+                            t = txn.get(lk, db=oe.dbs["touch"])
+                            touched = U64.unpack(bytes(t))[0] if t is not None and len(t) == U64.size else 0
+                            if payload is None and touched <= h.seq:
+                                value = bytes(v)
+                            else:
+                                value = inline_value(v, payload, max(h.seq, touched))
                             frame = pack_frame(rep.frames, value)
                             digest.update(frame)
                             buf.append(frame)

@@ -32,6 +32,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import math
 import os
 import shutil
 import stat
@@ -240,19 +241,35 @@ def _read_meta(txn: Any, meta_db: Any) -> dict[str, Any]:
         out["block_bytes"] = None
         out["block_bytes_raw"] = bb.decode(errors="replace") if bb is not None else None
     cr = raw.get(b"created")
-    try:
-        out["created"] = None if cr is None else float(cr)
-    except ValueError:
-        out["created"] = None
+    out["created"] = None if cr is None else _timestamp(cr)
+    if cr is not None and out["created"] is None:
+        out["created_raw"] = cr[:200].decode(errors="replace")
     lr = raw.get(b"last_recovery")
     if lr is None:
         out["last_recovery"] = None
     else:
         try:
-            out["last_recovery"] = json.loads(lr)
+            rec = json.loads(lr)
         except ValueError:
-            out["last_recovery"] = {"unparsable": lr[:200].decode(errors="replace")}
+            rec = None
+        # a report as recovery writes it: numbers only (its time a timestamp); else shown as the text it is
+        ok = isinstance(rec, dict) and all(type(v) in (int, float) and math.isfinite(v) for v in rec.values())
+        if ok and "at" in rec and _timestamp(rec["at"]) is None:
+            ok = False
+        out["last_recovery"] = rec if ok else {"unparsable": lr[:200].decode(errors="replace")}
     return out
+
+
+_LAST_TIMESTAMP = 253402300799.0   # 9999-12-31 23:59:59 UTC: the last second a datetime can show
+
+
+def _timestamp(raw: Union[bytes, float]) -> Optional[float]:
+    """``raw`` as a Unix time a date can be printed for, or None (not a number, not finite, out of range)."""
+    try:
+        t = float(raw)
+    except (ValueError, TypeError):
+        return None
+    return t if 0.0 <= t <= _LAST_TIMESTAMP else None
 
 
 def check_meta(meta: dict[str, Any], path: Path) -> tuple[bytes, int]:
@@ -433,6 +450,7 @@ def inspect(path: PathLike) -> dict[str, Any]:
             "namespace": meta["namespace"],
             "block_bytes": meta["block_bytes"],
             "created": meta["created"],
+            **({"created_raw": meta["created_raw"]} if "created_raw" in meta else {}),
             "capacity_bytes": None,   # not recorded on disk: it is the TierManager's disk_capacity_bytes
             "last_recovery": meta["last_recovery"],
             "writer_pids": lock_holders(p),

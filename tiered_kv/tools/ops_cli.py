@@ -154,7 +154,9 @@ def _inspect(args: argparse.Namespace) -> int:
         return 0
     lm = rep["lmdb"]
     rec = rep["last_recovery"]
-    if rec:
+    if rec and "unparsable" in rec:
+        rec_s = f"unreadable record {rec['unparsable']!r}"
+    elif rec:
         rec_s = (f"{_when(rec.get('at'))}, {rec.get('seconds', 0):.3f} s: {rec.get('entries', 0):,} entries, "
                  f"{rec.get('purged', 0)} purged under tombstones, {rec.get('corrupt', 0)} corrupt, "
                  f"{rec.get('foreign', 0)} foreign, {rec.get('tombs_dropped', 0)} tombstones dropped")
@@ -166,7 +168,7 @@ def _inspect(args: argparse.Namespace) -> int:
         ("format version", f"{rep['format_version']} (this tiered_kv: {rep['format_version_supported']})"),
         ("namespace", repr(rep["namespace"])),
         ("block bytes", _n(rep["block_bytes"])),
-        ("created", _when(rep["created"])),
+        ("created", f"unreadable record {rep['created_raw']!r}" if "created_raw" in rep else _when(rep["created"])),
         ("writer", ", ".join(f"pid {p}" for p in rep["writer_pids"]) + " (a TierManager holds the path)"
          if rep["writer_pids"] else "none (no TierManager holds the path)"),
         ("entries", f"{rep['entries']:,}" + (f" ({rep['foreign_entries']:,} of another namespace or size, "
