@@ -13,7 +13,10 @@ change of that, so a policy never sees, and never returns, a leased entry:
 ``remove(e)``       it left the index for another reason than eviction (invalidated, aborted)
 ``victim(p, k)``    choose, forget and return the next evictable entry whose key is not ``k`` and
                     not in ``p`` (None: nothing evictable)
-``coldest(n)``      up to ``n`` evictable entries, the next victims first, forgetting none
+``peek(p, k)``      the entry ``victim(p, k)`` would take now, changing nothing (what an admission
+                    filter weighs a new key against: :func:`admission_victim`)
+``coldest(n)``      up to ``n`` evictable entries, the next victims first, forgetting none (a bounded
+                    simulation: past its steps, queue order; write-back spills in this order)
 ``link(keys)``      ``keys`` were seen in prefix order (a lookup's or a store's sequence)
 ==================  =========================================================================
 
@@ -31,14 +34,16 @@ checked against it line by line, and tests/test_policies.py runs one contract ma
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from itertools import chain
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, TypeVar
 
 from xxhash import xxh3_64_intdigest
 
 if TYPE_CHECKING:   # pragma: no cover
     from .index import Entry
+
+_T = TypeVar("_T")
 
 __all__ = ["Policy", "LRU", "S3FIFO", "ARC", "PrefixLRU", "Admission", "AdmitAll", "SecondHit", "TinyLFU", "POLICIES",
            "ADMISSIONS", "make_policy", "make_admission", "admission_victim"]
@@ -75,6 +80,10 @@ class Policy:
         raise NotImplementedError
 
     def coldest(self, n: int) -> list["Entry"]:   # pragma: no cover
+        raise NotImplementedError
+
+    def peek(self, protect: Collection[bytes], key: Optional[bytes]) -> Optional["Entry"]:   # pragma: no cover
+        """The entry ``victim(protect, key)`` would take now, changing nothing (None: it would take none)."""
         raise NotImplementedError
 
     uses_links = False   # True: the index calls link() (the others ignore the prefix structure: no call)
@@ -136,6 +145,12 @@ class LRU(Policy):
                 break
             out.append(e)
         return out
+
+    def peek(self, protect: Collection[bytes], key: Optional[bytes]) -> Optional["Entry"]:
+        for k, e in self.od.items():
+            if k != key and k not in protect:
+                return e
+        return None
 
 
 class Admission:
@@ -343,6 +358,46 @@ class S3FIFO(Policy):
         return out
 
 
+    def peek(self, protect: Collection[bytes], key: Optional[bytes]) -> Optional["Entry"]:
+        """:meth:`victim`'s walk on a view of the FIFOs: protected entries passed over, used small ones
+        moved to main, used main ones going round with one use less (at most four rounds of main)."""
+        freq, small, main = self.freq, self.small, self.main
+        moved: deque[tuple["Entry", int]] = deque()   # appended to main's view meanwhile, with its uses left
+
+        def from_small() -> Optional["Entry"]:
+            for k, e in small.items():
+                if k != key and k not in protect:
+                    f = freq[k]
+                    if f == 0:
+                        return e
+                    moved.append((e, f))
+            return None
+
+        def from_main(own: bool) -> Optional["Entry"]:
+            src = ((e, freq[k]) for k, e in main.items() if k != key and k not in protect) if own else ()
+            for e, f in chain(src, _drain(moved)):
+                if f == 0:
+                    return e
+                moved.append((e, f - 1))
+            return None
+
+        if small and (len(small) + self.n_leased_small >= self.target or not main):
+            e = from_small()
+            return e if e is not None else from_main(True)
+        e = from_main(True)
+        if e is not None or not small:
+            return e
+        # main held only protected entries: victim() found it empty then, and went on to the small FIFO
+        e = from_small()
+        return e if e is not None else from_main(False)
+
+
+def _drain(q: "deque[_T]") -> Iterator[_T]:
+    """``q``'s items, oldest first, including those appended while it is drained."""
+    while q:
+        yield q.popleft()
+
+
 # -- ARC -------------------------------------------------------------------------------------------
 
 class ARC(Policy):
@@ -375,15 +430,21 @@ class ARC(Policy):
     def __len__(self) -> int:
         return len(self.t1) + len(self.t2)
 
-    def _adapt(self, k: bytes) -> bool:
-        """A miss on ``k``: move ``p`` if ``k`` is a ghost; whether it was."""
+    def _adapted(self, k: bytes) -> Optional[float]:
+        """``p`` after a miss on ``k`` when ``k`` is a ghost (B1 grows it, B2 shrinks it); None when not."""
         b1, b2 = self.b1, self.b2
         if k in b1:
-            self.p = min(float(self.c), self.p + (1.0 if len(b1) >= len(b2) else len(b2) / len(b1)))
-        elif k in b2:
-            self.p = max(0.0, self.p - (1.0 if len(b2) >= len(b1) else len(b1) / len(b2)))
-        else:
+            return min(float(self.c), self.p + (1.0 if len(b1) >= len(b2) else len(b2) / len(b1)))
+        if k in b2:
+            return max(0.0, self.p - (1.0 if len(b2) >= len(b1) else len(b1) / len(b2)))
+        return None
+
+    def _adapt(self, k: bytes) -> bool:
+        """A miss on ``k``: move ``p`` if ``k`` is a ghost; whether it was."""
+        p = self._adapted(k)
+        if p is None:
             return False
+        self.p = p
         return True
 
     def insert(self, e: "Entry") -> None:
@@ -456,7 +517,6 @@ class ARC(Policy):
         for k, e in od.items():
             if k == key or k in protect:
                 continue
-            del od[k]
             return e
         return None
 
@@ -482,22 +542,47 @@ class ARC(Policy):
 
     def _replace(self, protect: Collection[bytes], key: Optional[bytes], ghost: bool) -> Optional["Entry"]:
         """ARC's REPLACE for a reservation of ``key`` (``ghost``: a ghost hit, ``p`` adapted already)."""
-        t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
+        picked = self._pick(protect, key, ghost, self.p)
+        if picked is None:
+            return None
+        e, od, ghosts = picked
+        del od[e.key]
+        if ghosts is not None:
+            ghosts[e.key] = None
+            b1, b2 = self.b1, self.b2
+            if len(b1) + len(b2) > 2 * self.c:   # a safety net: REPLACE keeps them within 2c
+                (b2 if b2 else b1).popitem(last=False)
+        return e
+
+    def _pick(self, protect: Collection[bytes], key: Optional[bytes], ghost: bool, p: float
+              ) -> Optional[tuple["Entry", "OrderedDict[bytes, Entry]", "Optional[OrderedDict[bytes, None]]"]]:
+        """REPLACE's choice with target ``p``, changing nothing: the entry, its list, and the ghost list
+        its key joins (None: T1 is the whole cache, its oldest goes without a ghost)."""
+        t1, t2 = self.t1, self.t2
         n1 = len(t1) + self.n_leased[1]
         if key is not None and not ghost and n1 >= self.c:
-            e = self._oldest(t1, protect, key)   # T1 is the whole cache: its oldest goes, no ghost
+            e = self._oldest(t1, protect, key)
             if e is not None:
-                return e
-        in_b2 = key is not None and key in b2
-        from_t1 = n1 >= 1 and ((in_b2 and n1 == self.p) or n1 > self.p)
-        for od, ghosts in (((t1, b1), (t2, b2)) if from_t1 else ((t2, b2), (t1, b1))):
+                return e, t1, None
+        in_b2 = key is not None and key in self.b2
+        from_t1 = n1 >= 1 and ((in_b2 and n1 == p) or n1 > p)
+        for od, ghosts in (((t1, self.b1), (t2, self.b2)) if from_t1 else ((t2, self.b2), (t1, self.b1))):
             e = self._oldest(od, protect, key)
             if e is not None:
-                ghosts[e.key] = None
-                if len(b1) + len(b2) > 2 * self.c:   # a safety net: REPLACE keeps them within 2c
-                    (b2 if b2 else b1).popitem(last=False)
-                return e
+                return e, od, ghosts
         return None
+
+    def peek(self, protect: Collection[bytes], key: Optional[bytes]) -> Optional["Entry"]:
+        """REPLACE as :meth:`victim` would run it: with ``p`` adapted first for a ghost ``key``."""
+        p, ghost = self.p, False
+        if key is not None:
+            ghost = key in self.adapted
+            if not ghost:
+                q = self._adapted(key)
+                if q is not None:
+                    p, ghost = q, True
+        picked = self._pick(protect, key, ghost, p)
+        return None if picked is None else picked[0]
 
     def coldest(self, n: int) -> list["Entry"]:
         """The next ``n`` victims by REPLACE for keys that are no ghosts."""
@@ -754,21 +839,45 @@ class PrefixLRU(Policy):
                 return node.entry
         return None
 
+    def peek(self, protect: Collection[bytes], key: Optional[bytes]) -> Optional["Entry"]:
+        """:meth:`victim`'s choice on a view of the queues: the first orphan, else the leaves' CLOCK
+        (a used leaf goes round with one use less), else the first inner block; protected ones passed over."""
+        for k, node in self.orphans.items():
+            if k != key and k not in protect:
+                return node.entry
+        again: deque[tuple[_Node, int]] = deque()   # leaves gone round meanwhile, with their uses left
+        for node, f in chain(((nd, nd.freq) for k, nd in self.leaves.items() if k != key and k not in protect),
+                             _drain(again)):
+            if f == 0:
+                return node.entry
+            again.append((node, f - 1))
+        for k, node in self.inner.items():
+            if k != key and k not in protect:
+                return node.entry
+        return None
+
     def coldest(self, n: int) -> list["Entry"]:
-        """The next ``n`` victims: orphans, then leaves (their second chances and the parents a
-        leaf's eviction makes leaves foreseen, within ``8 n + 64`` steps), then inner blocks (the
-        children their eviction orphans not foreseen)."""
+        """The next ``n`` victims: orphans (and the children their eviction orphans), then leaves (their
+        second chances and the parents a leaf's eviction makes leaves foreseen, within ``8 n + 64``
+        steps), then inner blocks (the children their eviction orphans not foreseen)."""
         out: list["Entry"] = []
-        for node in self.orphans.values():
-            if len(out) >= n:
-                return out
-            out.append(node.entry)
         nodes, children = self.nodes, self.children
+        taken: set[int] = set()
+        orphans: deque[_Node] = deque(self.orphans.values())
+        while orphans and len(out) < n:
+            node = orphans.popleft()
+            out.append(node.entry)
+            taken.add(id(node))
+            kids = children.get(node.entry.key)
+            if kids:   # orphaned by its eviction: at the hot end of the orphans
+                orphans.extend(cn for cn in map(nodes.__getitem__, self._by_use(kids))
+                               if not cn.orphan and cn.q != _LEASED and id(cn) not in taken)
+        if len(out) >= n:
+            return out
         gone: dict[bytes, int] = {}                 # parent -> children of it taken here
         front: list[tuple[_Node, int]] = []         # new leaves at the cold end (last: first)
         back: deque[tuple[_Node, int]] = deque()    # at the hot end: second chances, new leaves
-        taken: set[int] = set()
-        it = iter(self.leaves.values())
+        it = (nd for nd in self.leaves.values() if id(nd) not in taken)
         nxt = next(it, None)
         budget = 8 * n + 64
         while len(out) < n and budget > 0:
@@ -912,18 +1021,12 @@ ADMISSIONS: dict[str, type[Admission]] = {"all": AdmitAll, "second_hit": SecondH
 
 
 def admission_victim(policy: Policy, protect: Collection[bytes], key: bytes) -> Optional[bytes]:
-    """The key an admission filter weighs ``key`` against in a full tier: the coldest evictable entry
-    that ``victim(protect, key)`` may take (not ``key``, not in ``protect``), found with ``coldest``,
-    which changes nothing (the filter may refuse, and then nothing is evicted); None when every
-    evictable entry is protected.  The tier index and the trace simulator both ask through here."""
-    cold = policy.coldest(1)
-    if not cold:
-        return None
-    k = cold[0].key
-    if k != key and k not in protect:
-        return k   # the rule: the coldest is not one the caller protects
-    n = len(protect) + 2   # at most len(protect) + 1 of the coldest are excluded
-    return next((e.key for e in policy.coldest(n) if e.key != key and e.key not in protect), None)
+    """The key an admission filter weighs ``key`` against in a full tier: the entry ``victim(protect, key)``
+    would take, found with ``peek``, which changes nothing (the filter may refuse, and then nothing is
+    evicted); None when every evictable entry is protected.  The tier index and the trace simulator both
+    ask through here."""
+    e = policy.peek(protect, key)
+    return None if e is None else e.key
 
 
 def make_policy(name: str, num_slots: int) -> Policy:
