@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from test_ops_common import (NS, build_env, cli, content, keys, load_bytes, open_manager, raw, raw_all, set_meta,
-                             snapshot, store_keys)
-from tiered_kv.disk.format import parse_header
+from test_ops_common import (NS, build_env, cli, content, keys, load_bytes, open_manager, raw, raw_all, raw_put,
+                             set_meta, snapshot, store_keys)
+from tiered_kv.disk.format import HEADER_SIZE, parse_header
 from tiered_kv.tools.archive import FRAME_OVERHEAD, _FILE_HDR, export_archive, import_archive
 
 HOT = b"k0000"
@@ -198,3 +198,28 @@ def test_an_inline_entry_promoted_since_its_import_carries_that_recency_to_the_n
     rec = _recency(tmp_path / "dst")
     assert max(rec, key=rec.__getitem__) == cold, rec
     assert cold in _survivors(tmp_path / "dst", ks, disk_slots=4)
+
+
+@pytest.mark.parametrize("record,value", [(b"block_bytes", b"6144"), (b"namespace", b"another|model")])
+def test_repair_removes_nothing_when_no_entry_agrees_with_meta(record, value, tmp_path, capsys):
+    """A damaged meta record (another block size or namespace) makes every good entry look foreign; a
+    TierManager refuses such a path, and ``verify --repair`` would have emptied the tier.  It refuses
+    instead (exit 2, naming meta), and leaves every byte as it was; plain ``verify`` still lists them."""
+    path = build_env(tmp_path / "disk", keys(3))
+    set_meta(path, record, value)
+    before = snapshot(path)
+    rc, out, err = cli(capsys, "verify", "--repair", str(path))
+    assert rc == 2 and "meta" in err and "nothing was removed" in err, (rc, out, err)
+    assert snapshot(path) == before
+    rc, out, err = cli(capsys, "verify", str(path))
+    assert rc != 0 and ("wrong_length" in out + err or "wrong_namespace" in out + err), (rc, out, err)
+
+
+def test_repair_still_removes_every_entry_when_every_one_is_damaged_itself(tmp_path, capsys):
+    """The guard above is for entries that disagree with meta only: entries that are each bad on their own
+    (a wrong checksum) are removed even when none is left."""
+    path = build_env(tmp_path / "disk", keys(3))
+    for lk, v in raw(path, inline=False).items():
+        raw_put(path, "blocks", lk, v[:HEADER_SIZE - 1] + bytes([v[HEADER_SIZE - 1] ^ 1]) + v[HEADER_SIZE:])
+    rc, out, err = cli(capsys, "verify", "--repair", str(path))
+    assert rc == 0 and not raw(path, inline=False), (rc, out, err)

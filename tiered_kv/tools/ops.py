@@ -617,9 +617,13 @@ def _scan(txn: Any, dbs: dict[str, Any], ns: bytes, bb: int, rep: VerifyReport, 
     return bad
 
 
+_META_REASONS = ("wrong_namespace", "wrong_length")   # an entry that disagrees with meta, not with itself
+
+
 def verify(path: PathLike, repair: bool = False,
            progress: Optional[Callable[[int, int], None]] = None) -> VerifyReport:
-    """Check every entry's header and checksum; with ``repair`` remove the bad ones (and only those).
+    """Check every entry's header and checksum; with ``repair`` remove the bad ones (and only those),
+    unless no entry agrees with meta's namespace and block size (then meta is suspect: nothing is removed).
 
     Without ``repair`` the environment is opened read-only (safe beside a live
     TierManager in another process).  With ``repair`` the TierManager lock is
@@ -643,6 +647,12 @@ def verify(path: PathLike, repair: bool = False,
             # (a removed entry's slot is free at the next open: the free list is derived from the index)
             with oe.env.begin(write=True, buffers=True) as txn, SlotReader(p, bb) as slots:
                 bad = _scan(txn, oe.dbs, ns, bb, rep, slots, progress)
+                if rep.ok == 0 and rep.corrupt and all(pr.reason in _META_REASONS for pr in rep.corrupt):
+                    # no entry agrees with meta: a damaged meta record is likelier than a tier of foreign
+                    # entries, and removing them would empty the tier
+                    raise OpsError(f"{str(p)!r}: none of its {rep.checked:,} entries has meta's namespace "
+                                   f"{ns.decode(errors='replace')!r} and block size {bb:,} (see verify without "
+                                   f"--repair); meta itself may be damaged: nothing was removed")
                 for lk in bad:
                     if txn.delete(lk, db=oe.dbs["blocks"]):
                         rep.removed += 1
