@@ -1,10 +1,14 @@
-"""Adversarial review of the operator commands (tools/ops.py, ops_cli.py, archive.py).
+"""Adversarial review of the operator commands (tools/ops.py, ops_cli.py, archive.py): what it proved
+wrong, each pinned by a test that failed before its fix, and guarantees no tests/test_ops_*.py test held.
 
-Open findings are ``xfail(strict=True)``: each fails on the current code for the reason it
-names and passes once that defect is fixed.  The other tests pin guarantees that no
-tests/test_ops_*.py test held before: digested (over-long) keys through every command, and
-an archive altered between import's two passes.  Deterministic: seeded content
-(test_ops_common.content), tmp_path directories, no sleeps, no timing asserts.
+* export carries each entry's last use (the newer of its write and its promote's touch record), so an
+  imported tier keeps the source's LRU order -- also for an inline entry promoted since its import;
+* inspect shows a damaged ``created`` / ``last_recovery`` meta record as unreadable text, never a traceback;
+* ``verify --repair`` removes nothing when no entry agrees with meta (a damaged meta), and still removes
+  entries that are each bad on their own;
+* held: digested (over-long) keys through every command; an archive altered between import's two passes.
+
+Deterministic: seeded content (test_ops_common.content), tmp_path directories, no sleeps, no timing asserts.
 """
 
 from __future__ import annotations
