@@ -227,3 +227,16 @@ def test_repair_still_removes_every_entry_when_every_one_is_damaged_itself(tmp_p
         raw_put(path, "blocks", lk, v[:HEADER_SIZE - 1] + bytes([v[HEADER_SIZE - 1] ^ 1]) + v[HEADER_SIZE:])
     rc, out, err = cli(capsys, "verify", "--repair", str(path))
     assert rc == 0 and not raw(path, inline=False), (rc, out, err)
+
+
+@pytest.mark.parametrize("cmd", ["verify", "export"])
+def test_an_io_error_on_a_descriptor_names_the_tier(cmd, tmp_path, capsys):
+    """A slot file that is a directory fails its reads with EISDIR on a descriptor, whose error names no
+    file: the one-line error names the tier's path instead (exit 2, no traceback)."""
+    path = build_env(tmp_path / "disk", keys(2))
+    slots = path / "slots.tkv"
+    slots.unlink()
+    slots.mkdir()
+    args = [cmd, str(path)] + (["--namespace", NS, str(tmp_path / "out.tkv")] if cmd == "export" else [])
+    rc, out, err = cli(capsys, *args)
+    assert rc == 2 and str(path) in err and "Traceback" not in err, (rc, out, err)

@@ -88,7 +88,10 @@ def _run(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespac
             _err(args, str(exc))
             return exc.exit_code
         except (lmdb.Error, OSError) as exc:
-            _err(args, f"{type(exc).__name__}: {exc}")
+            where = getattr(args, "path", None)
+            # an error on a descriptor (a read of a slot file that is a directory) names no file: say which tier
+            named = getattr(exc, "filename", None) is not None or where is None
+            _err(args, f"{type(exc).__name__}: {exc}" + ("" if named else f" (in {str(where)!r})"))
             return EXIT_BAD_INPUT
     return run
 
