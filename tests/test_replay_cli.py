@@ -26,17 +26,32 @@ def small_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return p
 
 
+@pytest.fixture(scope="module")
+def chat_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The chat trace's first 400 requests: blocks found cached after a miss, which a load's lease orders."""
+    p = tmp_path_factory.mktemp("replay") / "chat.jsonl"
+    write_trace(p, read_trace(Path(TRACE).with_name("chat_synthetic_trace.jsonl"), limit=400))
+    return p
+
+
 def run(tmp_path: Path, *argv: str) -> tuple[int, dict[str, Any]]:
     out = tmp_path / "r.json"
     rc = main(["replay", *argv, "--quiet", "--json", str(out)])
     return rc, (json.loads(out.read_text()) if rc == 0 else {})
 
 
+@pytest.mark.parametrize("trace", ["small_trace", "chat_trace"])
+@pytest.mark.parametrize("admission", ["all", "second_hit", "tinylfu"])
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_host_only_replay_through_the_core_equals_the_simulation(policy: str, small_trace: Path, tmp_path: Path) -> None:
+def test_host_only_replay_through_the_core_equals_the_simulation(policy: str, admission: str, trace: str,
+                                                                request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """One request a step, host tier only: the core's hits and prefill tokens saved are exactly the
-    simulator's, for every policy (the simulator makes the index's calls in the index's order)."""
-    rc, o = run(tmp_path, str(small_trace), "--host", "3%", "--policy", policy)
+    simulator's, for every policy and filter (the simulator makes the index's calls in the index's order,
+    a load's lease included, on the core's keys)."""
+    path = request.getfixturevalue(trace)
+    # (chat: a host tier that holds its longest request, so that no store is shed)
+    size = "3%" if trace == "small_trace" else "8%"
+    rc, o = run(tmp_path, str(path), "--host", size, "--policy", policy, "--host-admission", admission)
     assert rc == 0
     core, sim = o["core"], o["simulated"]
     assert core["refs"] == sim["refs"] == o["block_refs"]

@@ -35,7 +35,7 @@ from tiered_kv.metrics import sample_total
 
 from ..tools.tracetools import TRACE_ENV as _TRACE_ENV
 from ..tools.tracetools import TRACE_NAME as _TRACE_NAME
-from ..tools.tracetools import TraceError, default_trace, read_trace
+from ..tools.tracetools import TraceError, block_key, default_trace, read_trace
 from .common import LoadMonitor, as_mode, summarize
 
 __all__ = ["bench_trace", "load_trace", "default_trace", "TraceError", "PLANS", "ROW_BYTES", "keys_of",
@@ -62,7 +62,8 @@ def load_trace(path: Union[str, Path], limit: Optional[int] = None) -> list[list
 
 
 def keys_of(requests: list[list[int]]) -> list[list[bytes]]:
-    """One 16-byte key per hash id (the size of an xxh3-128 prefix-chain hash), shared across requests."""
+    """One key per hash id (:func:`~tiered_kv.tools.tracetools.block_key`: 16 bytes, the size of an xxh3-128
+    prefix-chain hash), the same bytes object for every reference to it."""
     cache: dict[int, bytes] = {}
     out = []
     for ids in requests:
@@ -70,7 +71,7 @@ def keys_of(requests: list[list[int]]) -> list[list[bytes]]:
         for h in ids:
             k = cache.get(h)
             if k is None:
-                k = cache[h] = b"mooncake" + h.to_bytes(8, "little")
+                k = cache[h] = block_key(h)
             row.append(k)
         out.append(row)
     return out

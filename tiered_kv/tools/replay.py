@@ -104,6 +104,7 @@ def replay(requests: Sequence[Any], host_blocks: int, disk_blocks: int, *, host_
 
     from .. import TieredKVConfig, TierManager
     from ..bench.trace import keys_of, replay_engine
+    from .tracetools import hit_tokens
     from ..metrics import sample_total
     from ..movers import ImmediateMover
 
@@ -145,7 +146,7 @@ def replay(requests: Sequence[Any], host_blocks: int, disk_blocks: int, *, host_
 
             out = {
                 "refs": r["refs"], "hits": r["hits"], "wall_s": r["wall_s"], "refs_per_s": r["refs_per_s"],
-                "tokens_saved": sum(min(n * tokens_per_block, q.input_length) for n, q in zip(per_request, requests)),
+                "tokens_saved": sum(hit_tokens(q, n, tokens_per_block) for n, q in zip(per_request, requests)),
                 "input_tokens": sum(q.input_length for q in requests),
                 "host_hits": total("tiered_kv_lookup_hits_total", tier="host"),
                 "disk_hits": total("tiered_kv_lookup_hits_total", tier="disk"),
@@ -183,6 +184,7 @@ def _run(args: argparse.Namespace) -> int:
             if args.sweep and args.sweep_sizes else None
         # the places written at the end of a long run, checked before it
         for opt, where in (("--json", Path(args.json).parent if args.json else None),
+                           ("--sweep", Path(args.sweep).parent if args.sweep else None),
                            ("--scratch", Path(args.scratch) if args.scratch else None)):
             if where is not None and not (where.is_dir() and os.access(where, os.W_OK)):
                 raise ValueError(f"{opt}: {str(where)!r} is not a writable directory")
@@ -213,20 +215,29 @@ def _run(args: argparse.Namespace) -> int:
     out["core"] = core
     say(f"  {core['refs_per_s']:,.0f} block references/s ({time.perf_counter() - t0:.1f} s)")
     say("simulating the same sizes: this policy, LRU, Belady, an unbounded cache ...")
+    tpb = args.tokens_per_block
     if disk:
         sim = simulate_tiers(requests, host, disk, args.policy, disk_policy, args.disk_admission,
-                             host_admission=args.host_admission, block_bytes=block_bytes, write_mode=args.write_mode)
+                             host_admission=args.host_admission, block_bytes=block_bytes, write_mode=args.write_mode,
+                             tokens_per_block=tpb)
         lru = simulate_tiers(requests, host, disk, "lru", "lru", "all", block_bytes=block_bytes,
-                             write_mode=args.write_mode)
+                             write_mode=args.write_mode, tokens_per_block=tpb)
         out["simulated"] = sim.as_dict()
         out["lru"] = lru.as_dict()
     else:
-        s1 = simulate(requests, host, args.policy, args.host_admission, block_bytes=block_bytes)
-        l1 = simulate(requests, host, "lru", "all", block_bytes=block_bytes)
+        s1 = simulate(requests, host, args.policy, args.host_admission, block_bytes=block_bytes, tokens_per_block=tpb)
+        l1 = simulate(requests, host, "lru", "all", block_bytes=block_bytes, tokens_per_block=tpb)
         out["simulated"] = s1.as_dict()
         out["lru"] = l1.as_dict()
-    out["belady"] = belady(requests, host + disk, block_bytes=block_bytes).as_dict()
-    unbounded = simulate(requests, max(distinct, 1), "lru", "all", block_bytes=block_bytes)
+    bound = belady(requests, host + disk, block_bytes=block_bytes, tokens_per_block=tpb)
+    unbounded = simulate(requests, max(distinct, 1), "lru", "all", block_bytes=block_bytes, tokens_per_block=tpb)
+    out["belady"] = bound.as_dict()
+    if bound.hits > unbounded.hits:
+        # ids that are no prefix tree: Belady counts blocks found cached behind a miss, which no prefix lookup
+        # hits; the unbounded cache's prefix hits bound every policy too, and are the tighter bound then
+        out["belady"].update(hits=unbounded.hits, hit_ratio=unbounded.hit_ratio, tokens_saved=unbounded.tokens_saved,
+                             capped_at_unbounded=True, uncapped_hit_ratio=bound.hit_ratio)
+        say("the trace's block ids are no prefix tree: Belady's bound is capped at the unbounded cache's hits")
     out["possible"] = unbounded.as_dict()
     possible = unbounded.hits
     out["share_of_possible"] = core["hits"] / possible if possible else float("nan")
@@ -273,9 +284,7 @@ def _print(o: dict[str, Any]) -> None:
                      f"{lru['disk_hit_ratio']:.4f}", "", ""))
         rows.append(("bytes written to disk", _human(core["disk_blocks_written"] * bb),
                      _human(sim["disk_bytes_written"]), _human(lru["disk_bytes_written"]), "", ""))
-    rows.append(("prefill tokens saved", f"{core['tokens_saved'] / core['input_tokens']:.4f}",
-                 f"{sim['tokens_saved'] / sim['input_tokens']:.4f}", f"{lru['tokens_saved'] / lru['input_tokens']:.4f}",
-                 f"{bel['tokens_saved'] / bel['input_tokens']:.4f}", f"{pos['tokens_saved'] / pos['input_tokens']:.4f}"))
+    rows.append(("prefill tokens saved", *(_share(x["tokens_saved"], x["input_tokens"]) for x in (core, sim, lru, bel, pos))))
     rows.append(("bytes written to host", _human(core["host_blocks_written"] * bb),
                  _human(sim.get("host_bytes_written", sim.get("bytes_written", 0))),
                  _human(lru.get("host_bytes_written", lru.get("bytes_written", 0))), "", ""))
@@ -291,6 +300,11 @@ def _print(o: dict[str, Any]) -> None:
     ratio = core["hit_ratio"] / sim["hit_ratio"] if sim["hit_ratio"] else float("nan")
     print(f"replay / simulated hit ratio: {ratio:.3f} (stores shed {core['stores_shed']}, spills shed "
           f"{core['spills_shed']}); replay speed {core['refs_per_s']:,.0f} block references/s")
+
+
+def _share(part: float, whole: float) -> str:
+    """``part / whole`` to four places; "n/a" for a trace of no prompt tokens."""
+    return f"{part / whole:.4f}" if whole else "n/a"
 
 
 def _plot_sweep(curves: dict[str, Any], block_bytes: int, path: Path, title: str) -> None:

@@ -43,6 +43,7 @@ from ..core.policy import ADMISSIONS, POLICIES, Admission, AdmitAll, Policy, adm
 __all__ = [
     "BLOCK_TOKENS", "DTYPE_BYTES", "DEFAULT_BLOCK_BYTES", "Request", "SimResult", "TierSimResult", "ModelShape",
     "TraceError", "default_trace", "TRACE_ENV", "TRACE_NAME", "read_trace", "write_trace", "trace_stats", "prefix_consistent", "simulate", "belady",
+    "block_key", "hit_tokens",
     "simulate_tiers", "sweep", "model_block_bytes", "model_from_hf_config",
 ]
 
@@ -125,6 +126,9 @@ def _parse(path: Union[str, Path], n: int, line: str, ids_only: bool = False) ->
             raise _bad(path, n, f"'hash_ids' must be a list of ints, got element {i!r:.80}")
         if i < 0:
             raise _bad(path, n, f"'hash_ids' must be non-negative, got {i}")
+    if len(set(ids)) != len(ids):   # a prompt's blocks are a prefix chain: one id twice is no such chain
+        dup = next(i for k, i in enumerate(ids) if i in ids[:k])
+        raise _bad(path, n, f"'hash_ids' names block {dup} twice in one request")
     return Request(ts, rec["input_length"], rec["output_length"], tuple(ids))
 
 
@@ -325,19 +329,26 @@ class TierSimResult:
         return d
 
 
-def _key(h: int) -> bytes:
-    """A tier key per block id (8 bytes below 2**64, longer above: distinct ids, distinct keys)."""
-    return h.to_bytes(max(8, (h.bit_length() + 7) // 8), "little")
+def block_key(h: int) -> bytes:
+    """The tier key of block id ``h``: ``b"mooncake"`` and the id in 8 bytes (16 in all, the size of an
+    xxh3-128 prefix-chain hash), longer from 2**64 (distinct ids, distinct keys).  The simulators and the
+    replay through the core (:func:`tiered_kv.bench.trace.keys_of`) key blocks alike, so that an admission
+    filter's sketch sees the same bytes in both."""
+    return b"mooncake" + h.to_bytes(max(8, (h.bit_length() + 7) // 8), "little")
 
 
-def _block_tokens(r: Request) -> list[int]:
-    """Prefill tokens of each block of ``r``'s prompt: 512, the last one what is left of the prompt
-    (clamped to 0..512 for a trace whose lengths disagree with its block count)."""
-    n = len(r.hash_ids)
-    if n == 0:
-        return []
-    last = min(BLOCK_TOKENS, max(0, r.input_length - BLOCK_TOKENS * (n - 1)))
-    return [BLOCK_TOKENS] * (n - 1) + [last]
+def _block_tokens(r: Request, tokens_per_block: int = BLOCK_TOKENS) -> list[int]:
+    """Prefill tokens of each block of ``r``'s prompt: ``tokens_per_block`` each, as far as the prompt's
+    ``input_length`` goes (a trace whose lengths disagree with its block count saves no token past its
+    prompt).  The first ``n`` blocks hold :func:`hit_tokens` of them."""
+    tpb, left = tokens_per_block, r.input_length
+    return [max(0, min(tpb, left - tpb * i)) for i in range(len(r.hash_ids))]
+
+
+def hit_tokens(r: Request, n: int, tokens_per_block: int = BLOCK_TOKENS) -> int:
+    """Prefill tokens a hit on the first ``n`` blocks of ``r`` saves (the sum of :func:`_block_tokens`'
+    first ``n``): what every simulator here and the replay through the core count."""
+    return max(0, min(n * tokens_per_block, r.input_length))
 
 
 def _check_capacity(name: str, capacity: int) -> None:
@@ -408,14 +419,14 @@ class _Tier:
                 insert(e)
 
 
-def _replay(requests: Sequence[Request], host: _Tier, disk: Optional[_Tier], write_mode: str = "back") -> dict[str, int]:
+def _replay(requests: Sequence[Request], host: _Tier, disk: Optional[_Tier], write_mode: str = "back",
+            tokens_per_block: int = BLOCK_TOKENS) -> dict[str, int]:
     """The cache model of the module doc over ``host`` (and ``disk`` behind it: see simulate_tiers)."""
     hpol, hadm, hent = host.policy, host.admission, host.entries
     hhit, dhit_n, tokens_saved, input_tokens, refs = 0, 0, 0, 0, 0
     promotes = spills_refused = spills_shed = 0
     for r in requests:
-        keys = [_key(h) for h in r.hash_ids]
-        toks = _block_tokens(r)
+        keys = [block_key(h) for h in r.hash_ids]
         refs += len(keys)
         input_tokens += r.input_length
         protect = set(keys)
@@ -426,13 +437,18 @@ def _replay(requests: Sequence[Request], host: _Tier, disk: Optional[_Tier], wri
             hadm.record(k)
             if disk is not None:
                 disk.admission.record(k)
-        # lookup
+        # lookup; a host hit is then leased by the request's load until it lands (after the store's
+        # touches, before its inserts land: the core's order)
         n = 0
         promote: list[bytes] = []
+        leased: dict[bytes, Entry] = {}
         for k in keys:
             e = hent.get(k)
             if e is not None:
                 hpol.hit(e)
+                if k not in leased:   # (an id twice in one request: one lease; the core refuses such a call)
+                    hpol.lease(e)
+                    leased[k] = e
                 hhit += 1
             else:
                 d = disk.entries.get(k) if disk is not None else None
@@ -441,8 +457,8 @@ def _replay(requests: Sequence[Request], host: _Tier, disk: Optional[_Tier], wri
                 disk.policy.hit(d)   # type: ignore[union-attr]
                 dhit_n += 1
                 promote.append(k)
-            tokens_saved += toks[n]
             n += 1
+        tokens_saved += hit_tokens(r, n, tokens_per_block)
         # store: promotes, then the blocks after the hits that are in no tier
         evicted: list[Entry] = []
         new: list[Entry] = []
@@ -464,6 +480,8 @@ def _replay(requests: Sequence[Request], host: _Tier, disk: Optional[_Tier], wri
             e2 = host.reserve(k, protect, evicted)
             if e2 is not None:
                 new.append(e2)
+        for e in leased.values():
+            hpol.unlease(e)
         host.publish(new)
         if disk is not None and write_mode == "through":
             # write-through: the blocks stored are written at once (a promote's is on disk already); host
@@ -490,7 +508,7 @@ def _replay(requests: Sequence[Request], host: _Tier, disk: Optional[_Tier], wri
 
 
 def simulate(requests: Sequence[Request], capacity: int, policy_name: str, admission_name: str = "all",
-             *, block_bytes: int = DEFAULT_BLOCK_BYTES) -> SimResult:
+             *, block_bytes: int = DEFAULT_BLOCK_BYTES, tokens_per_block: int = BLOCK_TOKENS) -> SimResult:
     """Replay ``requests`` through one tier of ``capacity`` blocks evicting in the order of
     ``POLICIES[policy_name]`` and admitting through ``ADMISSIONS[admission_name]``.
 
@@ -504,7 +522,7 @@ def simulate(requests: Sequence[Request], capacity: int, policy_name: str, admis
     capacity."""
     _check_capacity("capacity", capacity)
     tier = _Tier(capacity, policy_name, admission_name)
-    s = _replay(requests, tier, None)
+    s = _replay(requests, tier, None, tokens_per_block=tokens_per_block)
     return SimResult(policy_name, admission_name, capacity, len(requests), s["refs"], s["host_hits"], s["host_hits"],
                      tier.inserts, tier.evictions, tier.shed, tier.refused, s["tokens_saved"], s["input_tokens"],
                      block_bytes)
@@ -512,7 +530,8 @@ def simulate(requests: Sequence[Request], capacity: int, policy_name: str, admis
 
 def simulate_tiers(requests: Sequence[Request], host_capacity: int, disk_capacity: int, host_policy: str = "lru",
                    disk_policy: str = "lru", disk_admission: str = "all", *, host_admission: str = "all",
-                   block_bytes: int = DEFAULT_BLOCK_BYTES, write_mode: str = "back") -> TierSimResult:
+                   block_bytes: int = DEFAULT_BLOCK_BYTES, write_mode: str = "back",
+                   tokens_per_block: int = BLOCK_TOKENS) -> TierSimResult:
     """Replay ``requests`` through a host tier in front of a disk tier (capacities in blocks).
 
     The model, kept simple: a lookup's prefix runs over both tiers, each block served by the host when
@@ -533,14 +552,15 @@ def simulate_tiers(requests: Sequence[Request], host_capacity: int, disk_capacit
     _check_capacity("disk_capacity", disk_capacity)
     host = _Tier(host_capacity, host_policy, host_admission)
     disk = _Tier(disk_capacity, disk_policy, disk_admission)
-    s = _replay(requests, host, disk, write_mode)
+    s = _replay(requests, host, disk, write_mode, tokens_per_block)
     return TierSimResult(host_policy, disk_policy, disk_admission, host_capacity, disk_capacity, len(requests),
                          s["refs"], s["host_hits"], s["disk_hits"], host.inserts, s["promotes"], disk.inserts,
                          host.evictions, disk.evictions, host.shed, s["spills_refused"], s["spills_shed"],
                          s["tokens_saved"], s["input_tokens"], block_bytes)
 
 
-def belady(requests: Sequence[Request], capacity: int, *, block_bytes: int = DEFAULT_BLOCK_BYTES) -> SimResult:
+def belady(requests: Sequence[Request], capacity: int, *, block_bytes: int = DEFAULT_BLOCK_BYTES,
+           tokens_per_block: int = BLOCK_TOKENS) -> SimResult:
     """Belady's offline optimum (MIN with bypass) at ``capacity`` blocks.
 
     Over the stream of block references (every request's ids in order): a reference to a cached block
@@ -566,7 +586,7 @@ def belady(requests: Sequence[Request], capacity: int, *, block_bytes: int = DEF
     input_tokens = 0
     for r in requests:
         ids.extend(r.hash_ids)
-        toks.extend(_block_tokens(r))
+        toks.extend(_block_tokens(r, tokens_per_block))
         ends.append(len(ids))
         input_tokens += r.input_length
     total = len(ids)
