@@ -19,7 +19,6 @@ from fake_cuda import FakeGPU
 from fakes import FakeMover, make_config
 from tiered_kv import TierManager
 from tiered_kv.checks import plain_alias
-from tiered_kv.integrations import copier as copier_mod
 from tiered_kv.integrations.copier import SlabCopier
 from tiered_kv.integrations.slab import SharedSlab
 from tiered_kv.jobs import JobKind

@@ -20,10 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from test_ops_archive import _frame_offsets
 from test_ops_common import (NS, build_env, cli, content, keys, load_bytes, open_manager, raw, raw_all, raw_put,
                              set_meta, snapshot, store_keys)
 from tiered_kv.disk.format import HEADER_SIZE, parse_header
-from tiered_kv.tools.archive import FRAME_OVERHEAD, _FILE_HDR, export_archive, import_archive
+from tiered_kv.tools.archive import FRAME_OVERHEAD, export_archive, import_archive
 
 HOT = b"k0000"
 
@@ -132,17 +133,6 @@ def test_digested_long_keys_round_trip_through_verify_export_import_and_are_serv
             assert load_bytes(mgr, kv, k) == content(k), k[-8:]
     finally:
         mgr.close()
-
-
-def _frame_offsets(data: bytes) -> list[int]:
-    _m, _v, _f, _fl, _bb, _cr, ns_len, info_len = _FILE_HDR.unpack_from(data, 0)
-    off = _FILE_HDR.size + ns_len + info_len + 8
-    offs = []
-    while data[off:off + 4] == b"TKVF":
-        offs.append(off)
-        (length,) = struct.unpack_from("<I", data, off + 12)
-        off += FRAME_OVERHEAD + length
-    return offs
 
 
 def test_an_archive_altered_between_the_two_passes_publishes_nothing_into_an_existing_tier(tmp_path, capsys,

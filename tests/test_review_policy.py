@@ -110,45 +110,42 @@ def test_prefix_coldest_foresees_the_children_an_orphan_eviction_orphans() -> No
     assert cold == victims and every == victims
 
 
-def test_prefix_orphans_leave_least_recently_used_first() -> None:
-    """Twelve children of one head, used in order; the head is invalidated: the orphans' queue is "least
-    recently used first" (the class doc), so they go c00, c01, ...  Today the order is the set's, which
-    changes with PYTHONHASHSEED: the trace simulator and the tier give other results in another process."""
+def _head_and_children(n: int) -> tuple[PrefixLRU, list[bytes]]:
+    """A head and ``n`` children linked to it, inserted (used) in order; the head then invalidated: the
+    children are orphans."""
     pol = PrefixLRU(32)
-    head = ready(b"head")
-    pol.insert(head)
-    kids = [b"c%02d" % i for i in range(12)]
+    pol.insert(ready(b"head"))
+    kids = [b"c%02d" % i for i in range(n)]
     for k in kids:
         pol.link([b"head", k])
         pol.insert(ready(k))
-    pol.remove(head)
-    order = []
-    for _ in kids:
-        v = pol.victim((), None)
-        assert v is not None
-        order.append(v.key)
-    assert order == kids
+    pol.remove(pol.nodes[b"head"].entry)
+    return pol, kids
 
+
+def _victims(pol: Policy, n: int, protect: set[bytes]) -> list[bytes]:
+    out = []
+    for _ in range(n):
+        v = pol.victim(protect, None)
+        assert v is not None
+        out.append(v.key)
+    return out
+
+
+def test_prefix_orphans_leave_least_recently_used_first() -> None:
+    """Twelve children of one head, used in order; the head is invalidated: the orphans' queue is "least
+    recently used first" (the class doc), so they go c00, c01, ..., in every process (a set's order, which
+    they once followed, changes with PYTHONHASHSEED)."""
+    pol, kids = _head_and_children(12)
+    assert _victims(pol, len(kids), set()) == kids
 
 
 def test_prefix_children_adopted_again_rejoin_least_recently_used_first() -> None:
-    """The head of twelve children leaves (they are orphans) and comes back (a promote): the children are
-    leaves again, and leave least recently used first, whatever Python's hash seed."""
-    pol = PrefixLRU(32)
-    head = ready(b"head")
-    pol.insert(head)
-    kids = [b"c%02d" % i for i in range(12)]
-    for k in kids:
-        pol.link([b"head", k])
-        pol.insert(ready(k))
-    pol.remove(head)
+    """The head comes back (a promote): its orphans are leaves again, and leave least recently used first."""
+    pol, kids = _head_and_children(12)
     pol.insert(ready(b"head"))
-    order = []
-    for _ in kids:
-        v = pol.victim((b"head",), None)
-        assert v is not None
-        order.append(v.key)
-    assert order == kids
+    assert _victims(pol, len(kids), {b"head"}) == kids
+
 
 # --------------------------------------------------------------------------- admission_victim == victim(protect, key)
 
