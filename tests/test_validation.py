@@ -267,11 +267,11 @@ def test_disk_path_without_capacity():
 
 
 EDGES = dict(namespace="n" * 512, host_capacity_bytes=1, max_inflight_jobs=1 << 24, num_copy_workers=64,
-             num_copy_streams=1, copy_batch_max=1, pin_host_memory=False, max_key_bytes=65536, writer_batch_seconds=0,
+             num_copy_streams=1, copy_batch_max=1, pin_host_memory=False, max_key_bytes=65535, writer_batch_seconds=0,
              writer_queue_blocks=1 << 20, writer_batch_blocks=1 << 16, host_evict_ahead_blocks=0,
              disk_capacity_bytes=0, disk_map_size_bytes=0)
 PAST_EDGES = dict(namespace="n" * 513, host_capacity_bytes=0, max_inflight_jobs=(1 << 24) + 1, num_copy_workers=65,
-                  num_copy_streams=0, copy_batch_max=0, max_key_bytes=65537, writer_batch_seconds=-1e-9,
+                  num_copy_streams=0, copy_batch_max=0, max_key_bytes=65536, writer_batch_seconds=-1e-9,
                   writer_queue_blocks=(1 << 20) + 1, writer_batch_blocks=(1 << 16) + 1, host_evict_ahead_blocks=-1,
                   disk_capacity_bytes=-1, disk_map_size_bytes=-1)
 

@@ -29,7 +29,9 @@ _WRITE_MODES = ("through", "back")
 _DISK_IO = ("process", "thread")
 _CPU_MOVERS = ("native", "threads")
 _MAX_NAMESPACE = 512
-_MAX_DISK_BYTES = 1 << 56   # 64 PiB: past it LMDB cannot map the index the capacity implies
+_MAX_DISK_BYTES = 1 << 56   # 64 PiB: past it LMDB cannot map the index the capacity implies (and a slab's size overflows)
+_MIN_MAP_BYTES = 1 << 20    # a smaller LMDB map cannot hold a fresh environment's sub-databases
+MAX_KEY_BYTES = 65535       # the disk entry header stores a key's length in 16 bits
 
 
 def _check_int(name: str, value: Any, lo: int, hi: Optional[int] = None) -> None:
@@ -65,8 +67,9 @@ class TieredKVConfig:
     durability: ``"sync"`` | ``"batch"`` | ``"none"`` (see docs/architecture.md).
     write_mode: ``"through"`` spills each block once its store is done; ``"back"``
         spills the least recently used host blocks not yet on disk once the host
-        tier is 3/4 full (each host residency at most once; a block evicted
-        from the host before its turn is not spilled).
+        tier is 3/4 full, or as full as ``host_evict_ahead_blocks`` lets it get
+        (each host residency at most once; a block evicted from the host before
+        its turn is not spilled).
     max_inflight_jobs: bound on jobs in flight.  A store or load is shed (counted,
         ``reason="inflight_limit"``) when the jobs in flight of every kind -- spills
         and promotes included -- have reached it; spills themselves are not shed by
@@ -97,7 +100,7 @@ class TieredKVConfig:
         engine's first stores copy at full speed (:mod:`tiered_kv.hostmem`; it
         costs about 0.25 s per GiB at start on the reference VM).  ``False``
         leaves the faults to the first stores.  Pinned slabs are resident already.
-    max_key_bytes: longest accepted key.
+    max_key_bytes: longest accepted key (at most 65535: a disk entry's header stores its length in 16 bits).
     writer_queue_blocks: bound of the disk writer's queue (spills shed beyond).
         ``None``: four write batches (of the size below, configured or derived), at least 256.
     writer_batch_blocks / writer_batch_bytes / writer_batch_seconds: a disk
@@ -105,7 +108,7 @@ class TieredKVConfig:
         its blocks durable with one ``fdatasync``, so small blocks need large
         batches to keep up.  ``writer_batch_blocks=None``: 16 MiB of blocks, at
         least 64 and at most 512 (64 from 256 KiB blocks up, 512 up to 32 KiB).
-    disk_map_size_bytes: initial LMDB map size (``0``: derived from capacity).
+    disk_map_size_bytes: initial LMDB map size (``0``: derived from capacity; else at least 1 MiB).
     disk_io: where the disk tier's writer and readers run.  ``"process"`` (the
         default): in a child process of their own, which maps the host slab
         (shared memory) and talks to the engine over two pipes, so a busy engine
@@ -196,7 +199,7 @@ class TieredKVConfig:
             raise ConfigError(f"namespace must be valid UTF-8, got {self.namespace!r}") from None
         if ns_bytes > _MAX_NAMESPACE:
             raise ConfigError(f"namespace must be at most {_MAX_NAMESPACE} bytes, got {ns_bytes}")
-        _check_int("host_capacity_bytes", self.host_capacity_bytes, 1)
+        _check_int("host_capacity_bytes", self.host_capacity_bytes, 1, _MAX_DISK_BYTES)
         if self.disk_path is not None and not isinstance(self.disk_path, (str, os.PathLike)):
             raise ConfigError(f"disk_path must be a path or None, got {self.disk_path!r}")
         if self.disk_path is not None and not str(os.fspath(self.disk_path)):
@@ -222,7 +225,7 @@ class TieredKVConfig:
             raise ConfigError(f"pin_host_memory must be a bool or None, got {self.pin_host_memory!r}")
         if not isinstance(self.prefault_host_memory, bool):
             raise ConfigError(f"prefault_host_memory must be a bool, got {self.prefault_host_memory!r}")
-        _check_int("max_key_bytes", self.max_key_bytes, 1, 65536)
+        _check_int("max_key_bytes", self.max_key_bytes, 1, MAX_KEY_BYTES)
         if self.writer_queue_blocks is not None:
             _check_int("writer_queue_blocks", self.writer_queue_blocks, 1, 1 << 20)
         if self.writer_batch_blocks is not None:
@@ -230,6 +233,9 @@ class TieredKVConfig:
         _check_int("writer_batch_bytes", self.writer_batch_bytes, 1)
         _check_float("writer_batch_seconds", self.writer_batch_seconds, 0.0, 60.0)
         _check_int("disk_map_size_bytes", self.disk_map_size_bytes, 0, _MAX_DISK_BYTES)
+        if 0 < self.disk_map_size_bytes < _MIN_MAP_BYTES:   # LMDB cannot even create its sub-databases
+            raise ConfigError(f"disk_map_size_bytes must be 0 (derived from the capacity) or >= {_MIN_MAP_BYTES}, "
+                              f"got {self.disk_map_size_bytes!r}")
         if self.disk_io not in _DISK_IO:
             raise ConfigError(f"disk_io must be one of {_DISK_IO}, got {self.disk_io!r}")
         if self.remote_url is not None:

@@ -860,7 +860,8 @@ class TierCore:
         return job
 
     def _writeback(self) -> None:
-        """Write-back: spill the coldest host entries not yet on disk once the host is filling up.
+        """Write-back: spill the coldest host entries not yet on disk once the host is filling up (3/4 full,
+        or as full as evict-ahead lets it get: else evict-ahead would drop blocks never written).
 
         Each host residency is spilled at most once (``Entry.spilled``): with a disk tier
         smaller than the host tier, each spill evicts a disk entry whose key is still on the
@@ -869,7 +870,7 @@ class TierCore:
         """
         disk, index = self.disk, self.index
         if (disk is None or not disk.usable or self.closing
-                or index.used_slots < index.num_slots * WRITEBACK_FILL):
+                or index.used_slots < min(index.num_slots * WRITEBACK_FILL, index.num_slots - self.evict_ahead)):
             return
         budget = min(WRITEBACK_PER_STEP, disk.store.opts.queue_blocks - disk.store.queue_depth)
         todo = []

@@ -66,6 +66,7 @@ import aiofiles
 import lmdb
 import xxhash
 
+from ..config import MAX_KEY_BYTES
 from ..disk.env import init_meta
 from ..disk.format import (FORMAT_VERSION, HEADER_SIZE, CorruptEntry, SlotReader, inline_value, lmdb_key, pack_header,
                            verify_entry)
@@ -87,7 +88,7 @@ _TRAILER = struct.Struct("<4sQQQ")        # 28 bytes, then the checksum
 _SUM = struct.Struct("<Q")
 FRAME_OVERHEAD = _FRAME.size + _SUM.size
 _MAX_NS = 512            # config's namespace limit
-_MAX_KEY = 65536         # config's max_key_bytes limit
+_MAX_KEY = MAX_KEY_BYTES  # config's max_key_bytes limit
 _MAX_INFO = 1 << 20
 CHUNK = 1 << 20          # aiofiles read size
 WRITE_CHUNK = 4 << 20    # bytes of frames gathered per aiofiles write
