@@ -134,11 +134,13 @@ def test_disk_sizes_beyond_lmdb_are_refused_or_degrade_under_disk_io_thread(kw, 
     assert raw is None, raw
 
 
-def test_host_capacity_that_cannot_be_allocated_is_a_config_error():
-    """host_capacity_bytes is unbounded; one no machine can allocate makes TierManager() raise torch's
-    RuntimeError (or OSError from the shared slab's mmap), naming neither the field nor the value."""
-    cfg = TieredKVConfig(namespace=NS, host_capacity_bytes=1 << 62)
-    _refused_with(ConfigError, lambda: TierManager(cfg, make_kv(16), registry=CollectorRegistry()),
+@pytest.mark.parametrize("size", [1 << 55, 1 << 62])
+def test_host_capacity_that_cannot_be_allocated_is_a_config_error(size):
+    """A host slab no machine can allocate is a ConfigError naming host_capacity_bytes: past 64 PiB from
+    the config itself (bounded as the disk capacity is), below it from the constructor (not torch's
+    RuntimeError, nor OSError from the shared slab's mmap)."""
+    _refused_with(ConfigError, lambda: TierManager(TieredKVConfig(namespace=NS, host_capacity_bytes=size),
+                                                   make_kv(16), registry=CollectorRegistry()),
                   "host_capacity_bytes")
 
 

@@ -1,7 +1,12 @@
 """Adversarial review of ``tiered-kv demo`` (tiered_kv/tools/demo.py) and its command line (tools/cli.py).
 
-Every ``xfail(strict=True)`` test is a defect proven on the current code: it fails for the reason in
-its ``reason`` and passes once fixed.  The plain tests pin guarantees the other suites do not cover.
+What it proved wrong, each pinned by a test that failed before its fix: a request re-hashed its user's
+whole history (its cost grew with the rounds of a long run); ``--steps`` alone stopped at 20 s;
+``--compare``'s runs saw different requests (the invalidation draw only with a manager) and the remote
+run started on the host+disk run's LMDB; a ``--disk-path`` that cannot be opened ran without a disk
+tier and exited 0; ``--json``, ``--remote-url``, ``--metrics-port`` and ``--linger`` are checked before
+any run; sizes that cannot be allocated are one-line errors.  The other tests pin guarantees the other
+suites do not cover.
 Runs are in-process (``cli.main``), seeded, with a few engine steps; nothing here asserts on timing.
 """
 
@@ -54,7 +59,6 @@ def runs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 # ======================================================================= findings
 
 
-@pytest.mark.xfail(strict=True, reason="_new_request re-hashes a user's whole history chain: cost grows with rounds")
 def test_a_requests_hashing_does_not_grow_with_the_users_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each request recomputes ``chain_keys`` over every earlier round of its user (to reach the parent
     of the 3-round window), so a request costs O(rounds).  At the default ~850 requests/s over 48
@@ -83,7 +87,6 @@ def test_a_requests_hashing_does_not_grow_with_the_users_rounds(monkeypatch: pyt
     assert worst <= 2 * per_request, f"one request hashed {worst} blocks (it holds at most {per_request})"
 
 
-@pytest.mark.xfail(strict=True, reason="--steps keeps the 20 s default of --seconds: a slow run stops before N steps")
 def test_steps_alone_runs_that_many_steps(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
                                           tmp_path: Path) -> None:
     """``--steps N`` ("stop after this many engine steps instead") is passed with ``seconds=20.0``, the
@@ -103,7 +106,6 @@ def test_steps_alone_runs_that_many_steps(monkeypatch: pytest.MonkeyPatch, capsy
     assert json.loads(out.read_text())["steps"] == 5
 
 
-@pytest.mark.xfail(strict=True, reason="the invalidate draw is skipped without a manager: --compare modes get other requests")
 def test_compare_modes_see_the_same_arrivals(monkeypatch: pytest.MonkeyPatch,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     """``step()`` draws ``rng.random()`` for an invalidation only when there is a manager, so from the
@@ -127,7 +129,6 @@ def test_compare_modes_see_the_same_arrivals(monkeypatch: pytest.MonkeyPatch,
     assert made["none"] == made["host"], {m: len(v) for m, v in made.items()}
 
 
-@pytest.mark.xfail(strict=True, reason="--compare --disk-path: the remote run reopens the host+disk run's LMDB, warm")
 def test_compare_remote_run_does_not_start_on_the_previous_runs_disk(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """With ``--compare --remote-url URL --disk-path DIR`` the "host+disk" and "host+disk+remote" runs get
@@ -152,7 +153,6 @@ def test_compare_remote_run_does_not_start_on_the_previous_runs_disk(monkeypatch
     assert [warm for _, _, warm in starts] == [False] * 4, starts
 
 
-@pytest.mark.xfail(strict=True, reason="a --disk-path that cannot be opened runs without a disk tier and exits 0")
 def test_a_disk_path_that_cannot_be_opened_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--disk-path`` naming a regular file: the manager absorbs the open failure (counted, disk tier
     missing, as the library should for an engine), and the demo then runs host-only, prints its
@@ -164,7 +164,6 @@ def test_a_disk_path_that_cannot_be_opened_is_an_error(tmp_path: Path, capsys: p
     assert rc == 2 and err.startswith("tiered-kv demo") and str(path) in err, (rc, err)
 
 
-@pytest.mark.xfail(strict=True, reason="unusable --json / --remote-url / --metrics-port found only after earlier runs")
 @pytest.mark.parametrize("argv", [
     ["--json", "{tmp}/no-such-dir/out.json"],
     ["--compare", "--remote-url", "http://cache:6379/0"],
@@ -185,7 +184,6 @@ def test_an_unusable_option_is_refused_before_any_run(argv: list[str], runs: lis
     assert runs == [], f"ran {runs} before refusing"
 
 
-@pytest.mark.xfail(strict=True, reason="RuntimeError/OverflowError escape cli.main as tracebacks (exit 1)")
 @pytest.mark.parametrize("argv", [
     ["--device-blocks", "1000000000000"],             # torch.zeros: RuntimeError (DefaultCPUAllocator)
     ["--host-blocks", "1000000000000000"],            # hostmem.make_shared_rows: os.ftruncate OverflowError

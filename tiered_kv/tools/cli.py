@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import os
+import socket
 import sys
 import time
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..errors import DiskInUseError, TieredKVError
@@ -16,14 +20,44 @@ __all__ = ["main"]
 log = logging.getLogger(__name__)
 
 
-def _workload_config(args: argparse.Namespace, offload: str, remote: bool = False) -> Any:
+def _workload_config(args: argparse.Namespace, offload: str, label: str, remote: bool = False) -> Any:
+    """The run ``label``'s workload.  Under ``--compare`` each run with a disk tier gets its own directory
+    under ``--disk-path`` (one run's spills are not the next one's warm start)."""
     from .demo import WorkloadConfig
 
-    return WorkloadConfig(seconds=args.seconds, steps=args.steps, seed=args.seed, offload=offload,
+    disk_path = args.disk_path
+    if disk_path is not None and args.compare and offload == "disk":
+        disk_path = str(Path(disk_path) / label.replace("+", "-").replace(" ", "-"))
+    seconds = args.seconds if args.seconds is not None else (None if args.steps is not None else 20.0)
+    return WorkloadConfig(seconds=seconds, steps=args.steps, seed=args.seed, offload=offload,
                           abort_rate=args.abort_rate, preempt_rate=args.preempt_rate,
                           device_blocks=args.device_blocks, host_blocks=args.host_blocks,
-                          disk_blocks=args.disk_blocks, disk_path=args.disk_path,
+                          disk_blocks=args.disk_blocks, disk_path=disk_path,
                           remote_url=args.remote_url if remote else None)
+
+
+def _check_demo(args: argparse.Namespace, modes: list[tuple[str, str, bool]]) -> None:
+    """What every run needs, checked before the first starts (a bad value found after a run, or after
+    three with --compare, would waste them): each run's workload, the remote URL, the JSON file's
+    directory, the metrics port and the linger.  Raises ValueError naming the option."""
+    for label, mode, remote in modes:
+        _workload_config(args, mode, label, remote)
+    if args.remote_url is not None:
+        from ..remote.url import parse_url
+
+        parse_url(args.remote_url)
+    if args.json:
+        where = Path(args.json).parent
+        if not (where.is_dir() and os.access(where, os.W_OK)):
+            raise ValueError(f"--json: {str(where)!r} is not a writable directory")
+    if not (math.isfinite(args.linger) and args.linger >= 0):
+        raise ValueError(f"--linger must be a finite number of seconds >= 0, got {args.linger!r}")
+    if args.metrics_port:   # (0: any free port)
+        with socket.socket(socket.AF_INET6 if ":" in args.metrics_addr else socket.AF_INET) as s:
+            try:
+                s.bind((args.metrics_addr, args.metrics_port))
+            except OSError as exc:
+                raise ValueError(f"--metrics-port {args.metrics_port} on {args.metrics_addr}: {exc}") from None
 
 
 def _run_one(args: argparse.Namespace, offload: str, label: str, remote: bool = False) -> dict[str, Any]:
@@ -32,7 +66,7 @@ def _run_one(args: argparse.Namespace, offload: str, label: str, remote: bool = 
 
     from .demo import remote_url_for_display, run_workload
 
-    cfg = _workload_config(args, offload, remote)
+    cfg = _workload_config(args, offload, label, remote)
     if cfg.remote_url is not None:
         print(f"{label}: remote tier at {remote_url_for_display(cfg.remote_url)}", file=sys.stderr, flush=True)
     registry = CollectorRegistry()
@@ -137,6 +171,7 @@ def _demo(args: argparse.Namespace) -> int:
             modes.append(("host+disk+remote", "disk", True))
     else:
         modes = [("tiered-kv demo", "disk", remote)]
+    _check_demo(args, modes)
     summaries: dict[str, dict[str, Any]] = {}
     for label, mode, with_remote in modes:
         summaries[label] = _run_one(args, mode, label, with_remote)
@@ -158,7 +193,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="run a seeded serving simulation through tiered_kv (CPU, no server needed)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    d.add_argument("--seconds", type=float, default=20.0, help="wall-clock length of the run")
+    d.add_argument("--seconds", type=float, default=None,
+                   help="wall-clock length of the run (default: 20, or as long as --steps takes)")
     d.add_argument("--steps", type=int, default=None, help="stop after this many engine steps instead")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--abort-rate", type=float, default=0.12, help="chance per step that a running request is aborted")
@@ -201,7 +237,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except DiskInUseError as exc:   # as the operator commands: one line, status 3
         print(f"tiered-kv {args.cmd}: {exc}", file=sys.stderr)
         return 3
-    except (TieredKVError, ValueError, OSError) as exc:   # a bad argument or a path it cannot use: one line
+    except (TieredKVError, ValueError, OSError, OverflowError, MemoryError) as exc:   # a bad argument or a path
+        # it cannot use, a size past what can be allocated: one line
         log.debug("tiered-kv %s failed", args.cmd, exc_info=True)
         print(f"tiered-kv {args.cmd}: error: {exc}", file=sys.stderr)
         return 2

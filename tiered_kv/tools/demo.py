@@ -89,6 +89,9 @@ class WorkloadConfig:
             raise ValueError("remote_url needs a manager: offload must be host or disk")
 
 
+_HISTORY = 3   # rounds of a user's history a request carries
+
+
 def chain_keys(parent: bytes, parts: list[bytes]) -> list[bytes]:
     """Prefix-chain hashes: each key names its block *and* everything before it."""
     out = []
@@ -128,6 +131,12 @@ class _Engine:
         self.recent: list[bytes] = []  # keys stored lately (candidates for invalidation)
         self.next_rid = 0
         self.rounds: dict[int, int] = {}
+        # user -> the chain keys of their last rounds (at most _HISTORY + 1): a request hashes one round
+        # more, not the user's whole history again
+        self.history: dict[int, list[bytes]] = {}
+        # invalidations draw from their own stream: a run without a manager (--compare's "no offload")
+        # sees the same arrivals, aborts and preemptions as the runs with one
+        self.inval_rng = random.Random(f"{cfg.seed}-invalidate")
 
     # -- requests -------------------------------------------------------------
     def _new_request(self) -> _Request:
@@ -137,11 +146,14 @@ class _Engine:
         self.rounds[user] = rounds + 1
         system = chain_keys(b"sys%d" % (user % cfg.system_prompts),
                             [b"s%d" % i for i in range(cfg.system_prompt_blocks)])
-        # keep the history a bounded window so requests fit the pool
-        first = max(0, rounds - 3)
-        parent = system[-1] if first == 0 else chain_keys(system[-1], [b"u%d.r%d" % (user, r) for r in range(first)])[-1]
-        history = chain_keys(parent, [b"u%d.r%d" % (user, r) for r in range(first, rounds)])
-        base = history[-1] if history else parent
+        # the user's rounds so far, chained after the system prompt; a request carries the last _HISTORY of
+        # them (a bounded window, so requests fit the pool)
+        past = self.history.setdefault(user, [])
+        if rounds:
+            past += chain_keys(past[-1] if past else system[-1], [b"u%d.r%d" % (user, rounds - 1)])
+            del past[:-_HISTORY]
+        history = past[-min(rounds, _HISTORY):] if rounds else []
+        base = history[-1] if history else system[-1]
         new = chain_keys(base, [b"u%d.r%d.n%d" % (user, rounds, i)
                                 for i in range(rng.randint(1, cfg.max_new_blocks))])
         self.next_rid += 1
@@ -213,9 +225,9 @@ class _Engine:
             self._release(self.running.pop(rid))
         if self.running and rng.random() < cfg.preempt_rate:
             self._preempt()
-        if mgr is not None and self.recent and rng.random() < cfg.invalidate_rate:
+        if mgr is not None and self.recent and self.inval_rng.random() < cfg.invalidate_rate:
             # e.g. a user edited a message: its KV must never be served again
-            mgr.invalidate(self.recent[rng.randrange(len(self.recent))])
+            mgr.invalidate(self.recent[self.inval_rng.randrange(len(self.recent))])
             self.stats["invalidations"] += 1
         if mgr is not None:
             for c in mgr.poll():
@@ -277,7 +289,10 @@ def run_workload(cfg: WorkloadConfig, registry: Optional[CollectorRegistry] = No
     ``progress(fraction_done)`` is called now and then; ``on_manager(mgr)`` once
     the manager exists (e.g. to start a metrics endpoint on its registry).
     """
-    kv = torch.zeros((cfg.device_blocks, *cfg.row_shape), dtype=torch.float16)
+    try:
+        kv = torch.zeros((cfg.device_blocks, *cfg.row_shape), dtype=torch.float16)
+    except (RuntimeError, MemoryError) as exc:   # torch's allocator: the memory is not there
+        raise ValueError(f"device_blocks={cfg.device_blocks}: cannot allocate the device pool ({exc})") from None
     row_bytes = kv[0].numel() * kv.element_size()
     registry = registry if registry is not None else CollectorRegistry()
     tmpdir = None
@@ -292,6 +307,11 @@ def run_workload(cfg: WorkloadConfig, registry: Optional[CollectorRegistry] = No
                               remote_url=cfg.remote_url)
         try:
             mgr = TierManager(mcfg, kv, registry=registry)
+            if disk_path is not None and not mgr.disk_healthy:
+                # the library runs on without a tier it cannot open (an engine must); a demo asked for one
+                mgr.close()
+                mgr = None
+                raise ValueError(f"disk_path {str(disk_path)!r}: the disk tier could not be opened (see the log)")
         except BaseException:
             if tmpdir is not None:
                 shutil.rmtree(tmpdir, ignore_errors=True)
