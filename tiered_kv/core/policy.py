@@ -357,7 +357,6 @@ class S3FIFO(Policy):
                     out.append(e)
         return out
 
-
     def peek(self, protect: Collection[bytes], key: Optional[bytes]) -> Optional["Entry"]:
         """:meth:`victim`'s walk on a view of the FIFOs: protected entries passed over, used small ones
         moved to main, used main ones going round with one use less (at most four rounds of main)."""

@@ -104,9 +104,9 @@ def replay(requests: Sequence[Any], host_blocks: int, disk_blocks: int, *, host_
 
     from .. import TieredKVConfig, TierManager
     from ..bench.trace import keys_of, replay_engine
-    from .tracetools import hit_tokens
     from ..metrics import sample_total
     from ..movers import ImmediateMover
+    from .tracetools import hit_tokens
 
     reqs = keys_of([list(r.hash_ids) for r in requests])
     rows = PER_STEP * max(len(k) for k in reqs)
