@@ -131,7 +131,7 @@ class _Engine:
         self.recent: list[bytes] = []  # keys stored lately (candidates for invalidation)
         self.next_rid = 0
         self.rounds: dict[int, int] = {}
-        # user -> the chain keys of their last rounds (at most _HISTORY + 1): a request hashes one round
+        # user -> the chain keys of their last rounds (at most _HISTORY): a request hashes one round
         # more, not the user's whole history again
         self.history: dict[int, list[bytes]] = {}
         # invalidations draw from their own stream: a run without a manager (--compare's "no offload")
