@@ -84,14 +84,15 @@ def test_a_key_of_max_key_bytes_does_not_lose_the_other_spills_of_its_batch(tmp_
     assert found == [b"a", b"b", b"c"] and flushed, (found, flushed)
 
 
-def test_a_disk_map_size_too_small_to_open_is_refused_or_works(tmp_path: Path) -> None:
+@pytest.mark.parametrize("size", [4096, 32768])
+def test_a_disk_map_size_too_small_to_open_is_refused_or_works(tmp_path: Path, size: int) -> None:
     """``disk_map_size_bytes`` is "the initial LMDB map size" and any value in [0, 2**56] passes the
     config.  With 4096 (a user who meant KiB or pages), a fresh directory fails to open with
     MDB_MAP_FULL, reported as ``disk_path ... is damaged``; the manager silently serves host-only.
     Fixed: a ConfigError naming the field (config or constructor), or a map grown to what is needed."""
     kv = _kv()
     try:
-        cfg = _disk_cfg(tmp_path / "d", disk_map_size_bytes=4096)
+        cfg = _disk_cfg(tmp_path / "d", disk_map_size_bytes=size)
         mgr = TierManager(cfg, kv, registry=CollectorRegistry())
     except ConfigError as exc:
         assert "disk_map_size_bytes" in str(exc)
@@ -254,3 +255,12 @@ def test_a_populate_refused_for_lack_of_memory_touches_nothing(monkeypatch: pyte
 
 def test_an_empty_slab_is_left_alone() -> None:
     assert prepare_host_memory(torch.empty((0, 4096), dtype=torch.uint8)) == hostmem.HostMemory(0, False, "no", 0.0)
+
+
+def test_the_smallest_disk_map_size_accepted_opens_a_fresh_tier(tmp_path: Path) -> None:
+    """The bound is no wider than it must be: the smallest map size the config takes (64 KiB) opens."""
+    with pytest.raises(ConfigError, match="disk_map_size_bytes"):
+        _disk_cfg(tmp_path / "d", disk_map_size_bytes=(1 << 16) - 1)
+    with TierManager(_disk_cfg(tmp_path / "d", disk_map_size_bytes=1 << 16), _kv(),
+                     registry=CollectorRegistry()) as mgr:
+        assert mgr.disk_healthy

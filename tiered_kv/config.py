@@ -30,7 +30,7 @@ _DISK_IO = ("process", "thread")
 _CPU_MOVERS = ("native", "threads")
 _MAX_NAMESPACE = 512
 _MAX_DISK_BYTES = 1 << 56   # 64 PiB: past it LMDB cannot map the index the capacity implies (and a slab's size overflows)
-_MIN_MAP_BYTES = 1 << 20    # a smaller LMDB map cannot hold a fresh environment's sub-databases
+_MIN_MAP_BYTES = 1 << 16    # a smaller LMDB map cannot hold a fresh environment's sub-databases (32 KiB cannot)
 MAX_KEY_BYTES = 65535       # the disk entry header stores a key's length in 16 bits
 
 
@@ -108,7 +108,7 @@ class TieredKVConfig:
         its blocks durable with one ``fdatasync``, so small blocks need large
         batches to keep up.  ``writer_batch_blocks=None``: 16 MiB of blocks, at
         least 64 and at most 512 (64 from 256 KiB blocks up, 512 up to 32 KiB).
-    disk_map_size_bytes: initial LMDB map size (``0``: derived from capacity; else at least 1 MiB).
+    disk_map_size_bytes: initial LMDB map size (``0``: derived from capacity; else at least 64 KiB).
     disk_io: where the disk tier's writer and readers run.  ``"process"`` (the
         default): in a child process of their own, which maps the host slab
         (shared memory) and talks to the engine over two pipes, so a busy engine
