@@ -77,6 +77,17 @@ def test_the_fallback_touches_every_page_of_an_unaligned_slab(monkeypatch):
     assert resident_fraction(t) == 1.0
 
 
+def test_the_fallback_keeps_what_the_slab_holds(monkeypatch):
+    """A slab another process filled already (a vLLM worker attaching to the shared one): the touch writes
+    every byte back as it was, never a zero."""
+    monkeypatch.setattr(hostmem, "_madvise", lambda lib, a, n, adv: (ctypes.set_errno(errno.EINVAL), False)[1]
+                        if adv == hostmem.MADV_POPULATE_WRITE else False)
+    t = torch.randint(1, 256, (9 * PAGE + 5,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))[3:]
+    before = t.clone()
+    assert prepare_host_memory(t).populated == "touch"
+    assert torch.equal(t, before)
+
+
 def test_nothing_is_populated_when_not_asked_or_pinned():
     t = fresh()
     assert prepare_host_memory(t, populate=False).populated == "no"

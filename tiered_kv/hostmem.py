@@ -65,8 +65,8 @@ def _madvise(lib: Optional[ctypes.CDLL], addr: int, length: int, advice: int) ->
 def prepare_host_memory(rows: torch.Tensor, populate: bool = True, pinned: bool = False) -> HostMemory:
     """Make the CPU tensor ``rows`` (contiguous, any contents) ready for copies at full speed.
 
-    Its contents are undefined afterwards (the fallback writes zeros into one byte per page).
-    Never raises for an advice the kernel refuses: the slab then works as before, only slower
+    Its contents are kept (the fallback writes one byte per page back as it was read: a slab another
+    process already filled, as a vLLM worker attaching to the shared one, loses nothing).  Never raises for an advice the kernel refuses: the slab then works as before, only slower
     on its first pass."""
     t0 = time.perf_counter()
     nbytes = rows.numel() * rows.element_size()
@@ -92,8 +92,8 @@ def prepare_host_memory(rows: torch.Tensor, populate: bool = True, pinned: bool 
                         "with %s", nbytes, errno.errorcode.get(ctypes.get_errno(), ctypes.get_errno()))
         else:   # a kernel before 5.14 (EINVAL: no such advice), or no libc: one write per page
             flat = rows.reshape(-1).view(torch.uint8)
-            flat[(-addr) % _PAGE::_PAGE].fill_(0)   # the first byte of every page the tensor starts a page in
-            flat[:1].fill_(0)                         # ... and of the page it begins in
+            for first in (flat[(-addr) % _PAGE::_PAGE], flat[:1]):   # the first byte of every page the tensor
+                first.copy_(first.clone())                           # starts a page in, and of the one it begins in
             how = "touch"
     dt = time.perf_counter() - t0
     log.debug("host memory of %d bytes: huge pages %s, populated %s in %.3f s", nbytes, huge, how, dt)
