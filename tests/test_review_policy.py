@@ -23,6 +23,8 @@ from typing import Optional
 import pytest
 
 from tiered_kv.core.index import Entry, EntryState, TierIndex
+from test_review_index import _Asked
+from test_review_index import _put as put
 from tiered_kv.core.policy import (ARC, LRU, S3FIFO, Admission, Policy, PrefixLRU, TinyLFU, admission_victim,
                                    make_admission, make_policy)
 
@@ -36,25 +38,7 @@ def ready(key: bytes) -> Entry:
     return e
 
 
-def put(ix: TierIndex, key: bytes) -> Entry:
-    e = ix.reserve(key, uuid.uuid4())
-    assert e is not None
-    assert ix.publish(e)
-    return e
-
-
-class Asked(Admission):
-    """Admits every key; records the victim each admission was weighed against."""
-
-    def __init__(self) -> None:
-        self.asked: list[tuple[bytes, Optional[bytes]]] = []
-
-    def admit(self, key: bytes, victim: Optional[bytes]) -> bool:
-        self.asked.append((key, victim))
-        return True
-
-
-# --------------------------------------------------------------------------- coldest(n) == the next victims
+# --------------------------------------------------------------------------- the next victim, named before it goes
 
 def test_s3fifo_admission_is_asked_against_the_next_victim_with_a_hot_shared_prefix() -> None:
     """A shared prompt prefix of 30 blocks, each hit by three requests, sits in the main FIFO with frequency 3.
@@ -206,7 +190,7 @@ def test_arc_admission_is_asked_against_the_entry_a_ghost_key_evicts() -> None:
     """Through the index: a tier with a filter stores a key that is an ARC ghost; the filter must weigh it
     against the entry its reservation evicts."""
     evicted: list[bytes] = []
-    adm = Asked()
+    adm = _Asked()
     ix = TierIndex(2, policy=ARC(2), admission=adm, on_evict=lambda e: evicted.append(e.key))
     a = put(ix, b"a")
     put(ix, b"b")
