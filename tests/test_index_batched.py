@@ -1,5 +1,5 @@
 """The tier index's batched paths (a step's new keys reserved together, the default policy's victims
-evicted together, a load's entries leased and released together, a lookup's run through the host
+evicted together (passing over pinned entries), a load's entries leased and released together, a lookup's run through the host
 tier and the tier below it in one loop) against the same index taking every key one by one: after
 every call both hold the same keys in the same states, the policy's order, the counts and the leases
 agree, and slots stay unique (which free slot a key gets may differ)."""
@@ -58,6 +58,7 @@ class BatchedIndexMachine(RuleBasedStateMachine):
         self.below_leases: list[tuple[Entry, Entry]] = []
         self.writing: list[bytes] = []          # keys WRITING in both
         self.leases: list[tuple[list[Entry], list[Entry]]] = []   # entries leased together (a load), per index
+        self.pins: list[tuple[list[Entry], list[Entry]]] = []     # entries pinned together (a spill), per index
 
     def _entry(self, i: int, key: bytes) -> Entry:
         e = self.ix[i].get(key)
@@ -156,6 +157,24 @@ class BatchedIndexMachine(RuleBasedStateMachine):
         for ix, es in zip(self.ix, held):
             ix.release_all(es + [None])   # a load's entries: None where it waited for a read
 
+    @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=5, unique=True))
+    def pin(self, keys: list[bytes]) -> None:
+        """A spill (or put) of the keys READY in both: pinned in place, passed over by evictions."""
+        ready = [k for k in keys if self.ix[0].ready(k) is not None]
+        assert ready == [k for k in keys if self.ix[1].ready(k) is not None]
+        if ready:
+            held = tuple([self._entry(i, k) for k in ready] for i in (0, 1))
+            for ix, es in zip(self.ix, held):
+                ix.pin_all(es)
+            self.pins.append(held)
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data())
+    def unpin(self, data: Any) -> None:
+        held = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
+        for ix, es in zip(self.ix, held):
+            ix.release_all(es)   # the spill's report: batched, and key by key in the reference
+
     @rule(keys=st.lists(st.sampled_from(KEYS), max_size=5))
     def hits(self, keys: list[bytes]) -> None:
         assert self.ix[0].ready_run(keys) == self.ix[1].ready_run(keys)
@@ -228,7 +247,8 @@ class BatchedIndexMachine(RuleBasedStateMachine):
             live = [e.slot for k in KEYS if (e := ix.get(k)) is not None]
             assert len(set(live)) == len(live) and not set(live) & set(ix._free)
             assert len(set(ix._free)) == len(ix._free) and all(0 <= s < SLOTS for s in ix._free)
-            assert all(e.state is EntryState.READY for e in ix.coldest(SLOTS))
+            assert all(e.state is EntryState.READY and not e.readers for e in ix.coldest(SLOTS))
+            assert all(e.readers for e in ix._pinned)   # (a pinned entry removed meanwhile stays until released)
 
 
 BatchedIndexMachine.TestCase.settings = sm_settings(300, 60)

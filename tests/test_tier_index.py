@@ -125,6 +125,51 @@ def test_release_makes_entry_evictable_again_as_mru():
     assert evicted == [b"b"]
 
 
+@pytest.mark.parametrize("policy", ["lru", "s3fifo", "arc", "prefix"])
+def test_a_pin_is_no_use_and_never_evicted(policy):
+    """A spill's or a put's read pins the entry where it is: evictions pass over it, and released it is
+    the next victim again (before the fix it came back as the most recently used, so a write-back spill
+    of the coldest blocks made them the hottest)."""
+    from tiered_kv.core.policy import make_policy
+    evicted = []
+    ix = TierIndex(4, on_evict=lambda e: evicted.append(e.key), policy=make_policy(policy, 4))
+    a, b, c = (ready_entry(ix, k) for k in (b"a", b"b", b"c"))
+    ix.pin_all([a, b])
+    assert ix.coldest(3) == [c]
+    assert ix.evict_ahead(2) == 1 and evicted == [b"c"]
+    assert ix.reserve(b"d", tok()) is not None and ix.reserve(b"e", tok()) is not None
+    assert ix.reserve(b"f", tok()) is None   # d and e being written, a and b pinned
+    ix.release_all([a, b])
+    assert [e.key for e in ix.coldest(2)] == [b"a", b"b"]
+    assert ix.evict_ahead(2) == 2 and evicted == [b"c", b"a", b"b"]
+
+
+def test_a_load_of_a_pinned_entry_is_a_use():
+    """A load that leases an entry while a spill has it pinned takes it out of the policy: released, it
+    is the most recently used (the order a lease gives), whichever reader lets go last."""
+    for spill_last in (True, False):
+        evicted = []
+        ix = TierIndex(3, on_evict=lambda e: evicted.append(e.key))
+        a, b, c = (ready_entry(ix, k) for k in (b"a", b"b", b"c"))
+        ix.pin_all([a])
+        ix.acquire(a)   # a load
+        assert ix.coldest(3) == [b, c]
+        for _ in range(2):
+            ix.release(a)
+        assert ix.coldest(3) == [b, c, a], spill_last
+        assert ix.evict_ahead(1) == 1 and evicted == [b"b"]
+
+
+def test_a_pinned_entry_removed_frees_its_slot_on_release():
+    ix = TierIndex(1)
+    a = ready_entry(ix, b"a")
+    ix.pin_all([a])
+    ix.remove(a)
+    assert ix.reserve(b"b", tok()) is None
+    ix.release(a)
+    assert ix.reserve(b"b", tok()) is not None and not ix._pinned
+
+
 def test_release_without_acquire_is_an_internal_error():
     ix = TierIndex(1)
     a = ready_entry(ix, b"a")

@@ -259,7 +259,7 @@ class DiskTier:
         """Queue the writes of READY host ``entries`` (host slot ``s``'s bytes are ``view(s)``) as one
         store request, each under a new token.
 
-        Returns the host entries written, their new disk entries (the host slots leased to the
+        Returns the host entries written, their new disk entries (the host slots pinned for the
         writes until their report is applied), and each entry shed with why (``"disk_down"``,
         ``"disk_full"``, ``"backpressure"``), nothing left held for those.  A key on disk
         already is neither.  The writer queue's room is asked first: reserving a disk entry may
@@ -286,7 +286,7 @@ class DiskTier:
             hosts, disks, shed = self._reserve_one_by_one(entries, usable, room, make_token)
         if not hosts:
             return hosts, disks, shed
-        hindex.acquire_all(hosts)
+        hindex.pin_all(hosts)   # a copy to disk is no use: each stays where it is in the eviction order
         if not store.submit_spills([d.writer for d in disks], [e.key for e in hosts], [e.slot for e in hosts], view):
             for e, d in zip(hosts, disks):
                 hindex.release(e)

@@ -9,8 +9,11 @@ capacity; the disk store places the bytes).  Invariants (tested in tests/test_ti
   write it (``writing``) *and* no load reads it (``readers == 0``);
 * only READY entries with no readers are evictable, and never a key the
   evicting call protects; which of them goes first is the policy's choice
-  (:mod:`.policy`: LRU by default), and the index tells the policy each change
-  of what is evictable, so a policy cannot pick a leased entry;
+  (:mod:`.policy`: LRU by default).  A load's reader is a *lease*: the index takes
+  the entry out of the policy until it is released (a use: back as the policy
+  orders a use).  A spill's or a put's reader is a *pin*: the entry stays where it
+  is in the policy's order and the policy passes over it while it has readers
+  (reading a block to copy it elsewhere is no use of it);
 * entries are objects that jobs hold directly: nothing keyed by a slot number
   outlives the job that leased it.
 
@@ -56,7 +59,7 @@ class Entry:
         self.slot = slot
         self.state = _WRITING
         self.writer = writer      # token of the job that fills the slot
-        self.readers = 0          # loads/spills reading the slot right now
+        self.readers = 0          # loads, spills and puts reading the slot right now
         self.live = True          # present in the index
         self.writing = True       # a worker may still write the slot
         self.spilled = False      # host index only: offered to disk once in this residency (written, found, refused)
@@ -96,6 +99,7 @@ class TierIndex:
         # engine step: 512 lookup hits a step); None for the other policies
         self._lru = self.policy.od if type(self.policy) is LRU else None
         self.admission = admission   # None: every new key is admitted
+        self._pinned: set[Entry] = set()   # entries whose readers are all pins: still in the policy, in place
         self._on_evict = on_evict
         self.evictions = 0
         self.refused = 0             # new keys the admission filter kept out (running total, like evictions)
@@ -370,24 +374,42 @@ class TierIndex:
         self._maybe_free(entry)
 
     def acquire(self, entry: Entry) -> None:
-        """Lease a READY entry's slot to a reader (load or spill)."""
+        """Lease a READY entry's slot to a load (a use: out of the policy until released)."""
         if entry.state is not _READY or not entry.live:
             raise AssertionError(f"acquire of {entry!r}")  # internal bug
-        if entry.readers == 0:
+        pinned = self._pinned
+        if entry.readers == 0 or (pinned and entry in pinned):
+            pinned.discard(entry)   # pinned so far: the lease takes it out of the policy now
             lru = self._lru
             if lru is not None:
-                lru.pop(entry.key, None)   # LRU.lease written out (each load and spill leases)
+                lru.pop(entry.key, None)   # LRU.lease written out (each load leases)
             else:
                 self.policy.lease(entry)
         entry.readers += 1
 
+    def pin_all(self, entries: Sequence[Entry]) -> None:
+        """A reader that is no use for each READY entry of ``entries`` (a spill's or a put's copy): each
+        stays where it is in the policy's order, passed over by eviction until :meth:`release`."""
+        pinned = self._pinned
+        for e in entries:
+            if e.state is not _READY or not e.live:
+                raise AssertionError(f"pin of {e!r}")  # internal bug
+            if e.readers == 0:
+                pinned.add(e)
+            e.readers += 1
+
     def release(self, entry: Entry) -> None:
-        """A reader finished; the slot becomes evictable (MRU) or is freed if removed."""
+        """A reader finished; the slot becomes evictable (a lease's: as a use; a pin's: where it was)
+        or is freed if removed."""
         if entry.readers <= 0:
             raise AssertionError(f"release without acquire: {entry!r}")  # internal bug
         entry.readers -= 1
         if entry.readers == 0:
-            if entry.live and entry.state is _READY:
+            pinned = self._pinned
+            if pinned and entry in pinned:
+                pinned.discard(entry)   # never left the policy
+                self._maybe_free(entry)
+            elif entry.live and entry.state is _READY:
                 lru = self._lru
                 if lru is not None:
                     lru[entry.key] = entry   # LRU.unlease written out
@@ -398,11 +420,12 @@ class TierIndex:
 
     def acquire_all(self, entries: Sequence[Entry]) -> None:
         """:meth:`acquire` for each of ``entries`` (a load's, leased together)."""
-        lru, lease = self._lru, self.policy.lease
+        lru, lease, pinned = self._lru, self.policy.lease, self._pinned
         for e in entries:
             if e.state is not _READY or not e.live:
                 raise AssertionError(f"acquire of {e!r}")  # internal bug
-            if e.readers == 0:
+            if e.readers == 0 or (pinned and e in pinned):
+                pinned.discard(e)
                 if lru is not None:
                     lru.pop(e.key, None)   # LRU.lease written out
                 else:
@@ -411,7 +434,7 @@ class TierIndex:
 
     def release_all(self, entries: Sequence[Optional[Entry]]) -> None:
         """:meth:`release` for each of ``entries`` that is not None (a load's, released together)."""
-        lru, unlease = self._lru, self.policy.unlease
+        lru, unlease, pinned = self._lru, self.policy.unlease, self._pinned
         for e in entries:
             if e is None:
                 continue
@@ -420,7 +443,10 @@ class TierIndex:
                 raise AssertionError(f"release without acquire: {e!r}")  # internal bug
             e.readers = n - 1
             if n == 1:
-                if e.live and e.state is _READY:
+                if pinned and e in pinned:
+                    pinned.discard(e)   # never left the policy
+                    self._maybe_free(e)
+                elif e.live and e.state is _READY:
                     if lru is not None:
                         lru[e.key] = e   # LRU.unlease written out
                     else:
@@ -474,7 +500,10 @@ class TierIndex:
         dicts' work in C; False, evicting nothing, when one of them is in ``protect``."""
         lru = self._lru
         assert lru is not None
-        keys = list(islice(lru, n))
+        if self._pinned:   # passed over where they are (write-back spills: among the oldest)
+            keys = list(islice((k for k, e in lru.items() if not e.readers), n))
+        else:
+            keys = list(islice(lru, n))
         if protect and not set(keys).isdisjoint(protect):
             return False
         victims = list(map(lru.pop, keys))

@@ -2,8 +2,16 @@
 
 A :class:`~tiered_kv.core.index.TierIndex` keeps the leases (which slot may be written or read, and
 when a slot is free); its policy only keeps the *order*: which of the evictable entries goes next.
-An entry is evictable while it is READY, live and has no reader; the index tells the policy every
-change of that, so a policy never sees, and never returns, a leased entry:
+An entry is evictable while it is READY, live and has no reader.  A reader is one of two kinds:
+
+* a *lease* (a load reading the slot: a use) takes the entry out of the policy (``lease``) until its
+  last reader lets go (``unlease``), so a policy never sees a leased entry;
+* a *pin* (a spill or a remote put reading the slot: not a use) leaves the entry where it is in the
+  policy's order; the policy passes over an entry with readers (``e.readers``) exactly as over a
+  protected key, in ``victim``, ``peek`` and ``coldest``, and it is evictable again, in the same place,
+  once the index unpins it.  A write-back spill of the coldest blocks leaves them the coldest.
+
+The calls:
 
 ==================  =========================================================================
 ``insert(e)``       a new entry became READY with no reader (a store's or promote's copy landed)
@@ -12,11 +20,12 @@ change of that, so a policy never sees, and never returns, a leased entry:
 ``unlease(e)``      its last reader let go and it is still READY and live: evictable again
 ``remove(e)``       it left the index for another reason than eviction (invalidated, aborted)
 ``victim(p, k)``    choose, forget and return the next evictable entry whose key is not ``k`` and
-                    not in ``p`` (None: nothing evictable)
+                    not in ``p``, with no reader (None: nothing evictable)
 ``peek(p, k)``      the entry ``victim(p, k)`` would take now, changing nothing (what an admission
                     filter weighs a new key against: :func:`admission_victim`)
-``coldest(n)``      up to ``n`` evictable entries, the next victims first, forgetting none (a bounded
-                    simulation: past its steps, queue order; write-back spills in this order)
+``coldest(n)``      up to ``n`` evictable entries with no reader, the next victims first, forgetting
+                    none (a bounded simulation: past its steps, queue order; write-back spills in
+                    this order)
 ``link(keys)``      ``keys`` were seen in prefix order (a lookup's or a store's sequence)
 ==================  =========================================================================
 
@@ -27,7 +36,7 @@ refused key costs nothing already stored: admission only gates new entries.
 Every call runs on the owner thread (the index's caller); nothing here locks.
 
 Why one module of this size: every policy and filter here implements the one contract of the tables
-above, which the index relies on (a policy never returns a leased entry); kept beside it, each can be
+above, which the index relies on (a policy never returns an entry with a reader); kept beside it, each can be
 checked against it line by line, and tests/test_policies.py runs one contract machine over them all.
 """
 
@@ -94,7 +103,7 @@ class Policy:
 
 class LRU(Policy):
     """Least recently used first; a lease takes the entry out and its release puts it back as most
-    recently used (a read is a use)."""
+    recently used (a read is a use); a pinned entry stays in place, passed over."""
 
     name = "lru"
     __slots__ = ("od",)
@@ -128,11 +137,11 @@ class LRU(Policy):
         if not od:
             return None
         k, e = next(iter(od.items()))   # the oldest, in C: the common case (not protected) scans no further
-        if k != key and k not in protect:
+        if k != key and k not in protect and not e.readers:
             del od[k]
             return e
         for k, e in od.items():
-            if k == key or k in protect:
+            if k == key or k in protect or e.readers:
                 continue
             del od[k]
             return e
@@ -143,12 +152,13 @@ class LRU(Policy):
         for e in self.od.values():
             if len(out) >= n:
                 break
-            out.append(e)
+            if not e.readers:
+                out.append(e)
         return out
 
     def peek(self, protect: Collection[bytes], key: Optional[bytes]) -> Optional["Entry"]:
         for k, e in self.od.items():
-            if k != key and k not in protect:
+            if k != key and k not in protect and not e.readers:
                 return e
         return None
 
@@ -272,7 +282,7 @@ class S3FIFO(Policy):
                 if small and (len(small) + self.n_leased_small >= self.target or not main):
                     while small:   # evict from the small FIFO: used entries move to main
                         k, e = small.popitem(last=False)
-                        if k == key or k in protect:
+                        if k == key or k in protect or e.readers:
                             held_small.append((k, e))
                         elif freq[k] > 0:
                             main[k] = e
@@ -287,7 +297,7 @@ class S3FIFO(Policy):
                 if main:
                     while main:    # evict from the main FIFO: used entries go round once more
                         k, e = main.popitem(last=False)
-                        if k == key or k in protect:
+                        if k == key or k in protect or e.readers:
                             held_main.append((k, e))
                             continue
                         f = freq[k]
@@ -323,6 +333,8 @@ class S3FIFO(Policy):
                     budget -= 1
                     k, e = next(s_it)
                     s_left -= 1
+                    if e.readers:   # pinned: passed over, it stays in the small FIFO
+                        continue
                     n_small -= 1
                     f = freq[k]
                     if f > 0:
@@ -337,6 +349,8 @@ class S3FIFO(Policy):
                     if m_left:
                         k, e = next(m_it)
                         m_left -= 1
+                        if e.readers:   # pinned: passed over
+                            continue
                         f = freq[k]
                     else:
                         k, e, f = moved.popleft()
@@ -352,7 +366,7 @@ class S3FIFO(Policy):
             for e in chain((e for _, e in s_it), (e for _, e in m_it), (e for _, e, _ in moved)):
                 if len(out) >= n:
                     break
-                if id(e) not in seen:
+                if id(e) not in seen and not e.readers:
                     seen.add(id(e))
                     out.append(e)
         return out
@@ -365,7 +379,7 @@ class S3FIFO(Policy):
 
         def from_small() -> Optional["Entry"]:
             for k, e in small.items():
-                if k != key and k not in protect:
+                if k != key and k not in protect and not e.readers:
                     f = freq[k]
                     if f == 0:
                         return e
@@ -373,7 +387,7 @@ class S3FIFO(Policy):
             return None
 
         def from_main(own: bool) -> Optional["Entry"]:
-            src = ((e, freq[k]) for k, e in main.items() if k != key and k not in protect) if own else ()
+            src = ((e, freq[k]) for k, e in main.items() if k != key and k not in protect and not e.readers) if own else ()
             for e, f in chain(src, _drain(moved)):
                 if f == 0:
                     return e
@@ -514,7 +528,7 @@ class ARC(Policy):
     def _oldest(od: "OrderedDict[bytes, Entry]", protect: Collection[bytes],
                 key: Optional[bytes]) -> Optional["Entry"]:
         for k, e in od.items():
-            if k == key or k in protect:
+            if k == key or k in protect or e.readers:
                 continue
             return e
         return None
@@ -586,18 +600,19 @@ class ARC(Policy):
     def coldest(self, n: int) -> list["Entry"]:
         """The next ``n`` victims by REPLACE for keys that are no ghosts."""
         out: list["Entry"] = []
-        it1, it2 = iter(self.t1.values()), iter(self.t2.values())
-        r1, r2 = len(self.t1), len(self.t2)
-        n1 = r1 + self.n_leased[1]
+        it1 = (e for e in self.t1.values() if not e.readers)   # a pinned entry is passed over, in its list
+        it2 = (e for e in self.t2.values() if not e.readers)
+        h1, h2 = next(it1, None), next(it2, None)
+        n1 = len(self.t1) + self.n_leased[1]
         p = self.p
-        while len(out) < n and (r1 or r2):
-            if (n1 >= 1 and n1 > p and r1) or not r2:
-                out.append(next(it1))
-                r1 -= 1
+        while len(out) < n and (h1 is not None or h2 is not None):
+            if (n1 >= 1 and n1 > p and h1 is not None) or h2 is None:
+                out.append(h1)   # type: ignore[arg-type]
+                h1 = next(it1, None)
                 n1 -= 1
             else:
-                out.append(next(it2))
-                r2 -= 1
+                out.append(h2)
+                h2 = next(it2, None)
         return out
 
 
@@ -812,7 +827,7 @@ class PrefixLRU(Policy):
 
     def victim(self, protect: Collection[bytes], key: Optional[bytes]) -> Optional["Entry"]:
         for k, node in self.orphans.items():
-            if k != key and k not in protect:
+            if k != key and k not in protect and not node.entry.readers:
                 self._drop(k, node, True)   # changes the queues: no next step of this loop
                 return node.entry
         leaves = self.leaves
@@ -820,7 +835,7 @@ class PrefixLRU(Policy):
         try:
             while leaves:
                 k, node = leaves.popitem(last=False)
-                if k == key or k in protect:
+                if k == key or k in protect or node.entry.readers:
                     held.append((k, node))
                 elif node.freq > 0:            # used since it came: one more round
                     node.freq -= 1
@@ -833,7 +848,7 @@ class PrefixLRU(Policy):
                 leaves[k] = node
                 leaves.move_to_end(k, last=False)
         for k, node in self.inner.items():
-            if k != key and k not in protect:
+            if k != key and k not in protect and not node.entry.readers:
                 self._drop(k, node, True)
                 return node.entry
         return None
@@ -842,16 +857,16 @@ class PrefixLRU(Policy):
         """:meth:`victim`'s choice on a view of the queues: the first orphan, else the leaves' CLOCK
         (a used leaf goes round with one use less), else the first inner block; protected ones passed over."""
         for k, node in self.orphans.items():
-            if k != key and k not in protect:
+            if k != key and k not in protect and not node.entry.readers:
                 return node.entry
         again: deque[tuple[_Node, int]] = deque()   # leaves gone round meanwhile, with their uses left
-        for node, f in chain(((nd, nd.freq) for k, nd in self.leaves.items() if k != key and k not in protect),
-                             _drain(again)):
+        for node, f in chain(((nd, nd.freq) for k, nd in self.leaves.items()
+                              if k != key and k not in protect and not nd.entry.readers), _drain(again)):
             if f == 0:
                 return node.entry
             again.append((node, f - 1))
         for k, node in self.inner.items():
-            if k != key and k not in protect:
+            if k != key and k not in protect and not node.entry.readers:
                 return node.entry
         return None
 
@@ -865,6 +880,8 @@ class PrefixLRU(Policy):
         orphans: deque[_Node] = deque(self.orphans.values())
         while orphans and len(out) < n:
             node = orphans.popleft()
+            if node.entry.readers:   # pinned: passed over (and its children stay where they are)
+                continue
             out.append(node.entry)
             taken.add(id(node))
             kids = children.get(node.entry.key)
@@ -890,6 +907,8 @@ class PrefixLRU(Policy):
                 node, f = back.popleft()
             else:
                 break
+            if node.entry.readers:   # pinned: passed over, its uses kept
+                continue
             if f > 0:
                 back.append((node, f - 1))
                 continue
@@ -909,7 +928,7 @@ class PrefixLRU(Policy):
             for node in rest:
                 if len(out) >= n:
                     break
-                if id(node) not in taken:
+                if id(node) not in taken and not node.entry.readers:
                     taken.add(id(node))
                     out.append(node.entry)
         return out

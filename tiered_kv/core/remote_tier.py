@@ -97,7 +97,7 @@ class RemoteTier:
                    view: Callable[[int], Any]) -> tuple[list[Entry], list[uuid.UUID], int]:
         """Queue the writes of READY host ``entries`` as one store request, a new token each.
 
-        Returns the host entries written (their slots leased to the write until its report is
+        Returns the host entries written (their slots pinned for the write until its report is
         applied), their tokens, and how many were shed (no room: the server is down or slow)."""
         store = self.store
         room = store.put_room()
@@ -107,8 +107,7 @@ class RemoteTier:
         tokens = [make_token() for _ in hosts]
         if not store.submit_puts(tokens, [e.key for e in hosts], [view(e.slot) for e in hosts]):
             return [], [], len(entries)
-        for e in hosts:
-            hindex.acquire(e)
+        hindex.pin_all(hosts)   # a copy elsewhere is no use: each stays where it is in the eviction order
         return hosts, tokens, len(entries) - len(hosts)
 
     @staticmethod
