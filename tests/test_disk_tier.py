@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import textwrap
+import time
 
 import pytest
 import torch
@@ -192,19 +193,99 @@ def test_each_durability_mode_flushes_and_reopens(rig, durability):
 
 def test_write_back_spills_only_under_host_pressure_and_never_loses_a_block(rig):
     kv = make_kv(8)
-    mgr = rig.open(kv, host_slots=8, write_mode="back")
-    ks = keys(16)
-    for i in range(5):                     # 5/8 slots: below the 3/4 mark, nothing spilled
+    mgr = rig.open(kv, host_slots=32, write_mode="back")
+    ks = keys(48)
+    for i in range(20):                    # 20/32 slots: below the 3/4 mark, nothing spilled
         store_one(mgr, kv, ks[i], i % 8)
     assert mgr.disk_blocks == 0 and metric(mgr, "tiered_kv_jobs_total", kind="spill", outcome="ok") == 0
-    for i in range(5, 16):                 # past 3/4: the coldest are written before being evicted
+    for i in range(20, 48):                # past 3/4: the coldest are written before being evicted
         store_one(mgr, kv, ks[i], i % 8)
     assert mgr.flush(timeout=30) is True
     drain(mgr)
-    assert mgr.lookup(ks) == 16
-    for i, k in enumerate(ks[:8]):         # evicted from host: served from disk
+    assert mgr.lookup(ks) == 48
+    for i, k in enumerate(ks[:16]):        # evicted from host: served from disk
         assert mgr.host_bytes(k) is None
         assert load_ok(mgr, kv, k, i % 8), k
+
+
+@pytest.mark.disk_threads
+def test_write_back_spills_leave_the_written_blocks_the_next_victims(rig):
+    """A write-back spill reads the coldest host blocks.  It used to lease them like a load, and the
+    lease's release made them the most recently used: the blocks not yet written became the coldest,
+    and the next store that evicted took them, unwritten (lost, though the disk had room; the trace
+    replay hit 33 where its simulation hit 118).  A spill is no use of a block now (it is pinned where
+    it is), so the blocks written are the next victims."""
+    kv = torch.zeros((64, ROW), dtype=torch.uint8)
+    mgr = rig.open(kv, host_slots=64, disk_slots=256, write_mode="back", host_evict_ahead_blocks=0,
+                   writer_queue_blocks=8, writer_batch_blocks=8)
+    gate = rig.gate(mgr)
+    old, new = keys(48), keys(24, "n")
+    for i, k in enumerate(old):
+        fill(kv, i, k)
+    job = mgr.store_many(old, list(range(48)))     # 3/4 of the host: the 8 coldest are spilled
+    assert job is not None and mgr.wait([job], timeout=30) and job.done
+    gate.step(1)                                   # k0..k7 written; 16 more on their way, held
+    deadline = time.monotonic() + 30
+    while metric(mgr, "tiered_kv_jobs_total", kind="spill", outcome="ok") < 8 and time.monotonic() < deadline:
+        gate.entered(1)
+        mgr.wait(timeout=0.01)
+    assert metric(mgr, "tiered_kv_jobs_total", kind="spill", outcome="ok") == 8
+    for i, k in enumerate(new):
+        fill(kv, i, k)
+    job = mgr.store_many(new, list(range(24)))     # 16 free slots, 8 evictions
+    assert job is not None and mgr.wait([job], timeout=30) and job.done
+    assert metric(mgr, "tiered_kv_evictions_total", tier="host") == 8
+    assert metric(mgr, "tiered_kv_shed_total", kind="spill", reason="evicted_unwritten") == 0
+    gate.open()
+    assert mgr.flush(timeout=30) is True
+    assert [k for k in old + new if mgr.lookup([k]) == 0] == []
+    for i, k in enumerate(old[:8]):                # the 8 written first were the victims: from disk
+        assert mgr.host_bytes(k) is None
+        assert load_ok(mgr, kv, k, i), k
+
+
+@pytest.mark.disk_threads
+def test_write_back_counts_each_block_evicted_before_its_spill(rig):
+    """With the writer held, the spills write-back started stay pinned and a store that evicts takes
+    blocks not written yet: each is counted (``tiered_kv_shed_total{kind="spill",
+    reason="evicted_unwritten"}``), and they are exactly the blocks in no tier afterwards."""
+    kv = torch.zeros((64, ROW), dtype=torch.uint8)
+    mgr = rig.open(kv, host_slots=64, disk_slots=256, write_mode="back", host_evict_ahead_blocks=0,
+                   writer_queue_blocks=8, writer_batch_blocks=8)
+    gate = rig.gate(mgr)                           # nothing is written until the end
+    old, new = keys(48), keys(40, "n")
+    for i, k in enumerate(old):
+        fill(kv, i, k)
+    job = mgr.store_many(old, list(range(48)))
+    assert job is not None and mgr.wait([job], timeout=30) and job.done
+    for i, k in enumerate(new):
+        fill(kv, i, k)
+    job = mgr.store_many(new, list(range(40)))     # 16 free slots, 24 evictions past the pinned spills
+    assert job is not None and mgr.wait([job], timeout=30) and job.done
+    unwritten = metric(mgr, "tiered_kv_shed_total", kind="spill", reason="evicted_unwritten")
+    assert metric(mgr, "tiered_kv_evictions_total", tier="host") == 24 and 0 < unwritten <= 24
+    gate.open()
+    assert mgr.flush(timeout=30) is True
+    assert len([k for k in old + new if mgr.lookup([k]) == 0]) == unwritten
+
+
+def test_write_back_keeps_up_with_steps_that_store_more_than_a_few_blocks(rig):
+    """Write-back spills, once per call, the blocks stored since the last one (plus a few) from a
+    reserve of the next victims sized to the steps' stores: 32 stores a step on a 128-block host
+    lose none, and the blocks it wrote first are the first evicted."""
+    kv = torch.zeros((32, ROW), dtype=torch.uint8)
+    mgr = rig.open(kv, host_slots=128, disk_slots=1024, write_mode="back")
+    ks = keys(20 * 32)
+    for step in range(20):
+        part = ks[32 * step: 32 * step + 32]
+        for i, k in enumerate(part):
+            fill(kv, i, k)
+        job = mgr.store_many(part, list(range(32)))
+        assert job is not None and mgr.wait([job], timeout=30) and job.done
+        assert mgr.flush(timeout=30) is True
+    assert metric(mgr, "tiered_kv_evictions_total", tier="host") >= 20 * 32 - 128
+    assert metric(mgr, "tiered_kv_shed_total", kind="spill", reason="evicted_unwritten") == 0
+    assert [k for k in ks if mgr.lookup([k]) == 0] == []
 
 
 def test_write_back_spills_each_host_residency_once_even_when_the_disk_tier_is_smaller(rig):

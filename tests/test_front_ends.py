@@ -253,13 +253,13 @@ def test_write_through_spills_every_stored_block_and_a_restart_serves_its_bytes(
 
 
 def test_write_back_spills_only_once_the_host_fills_and_each_block_once(open_front):
-    f = open_front(host_slots=8, disk_slots=64, write_mode="back", host_evict_ahead_blocks=0)
-    ks = keys(8)
-    for k in ks[:5]:                      # 5 of 8 slots: below the write-back threshold
+    f = open_front(host_slots=32, disk_slots=64, write_mode="back", host_evict_ahead_blocks=0)
+    ks = keys(32)
+    for k in ks[:20]:                     # 20 of 32 slots: below the write-back threshold (3/4)
         store_all(f, [k])
     f.step()
     assert f.flush() and f.disk_blocks == 0
-    for k in ks[5:7]:                     # 7 of 8: write-back spills the coldest at the next steps
+    for k in ks[20:28]:                   # 28 of 32: write-back spills the coldest at the next steps
         store_all(f, [k])
     for _ in range(3):
         f.step()

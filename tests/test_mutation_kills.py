@@ -482,7 +482,7 @@ def test_close_with_nothing_in_flight_never_sleeps(tmp_path):
 
 
 def _write_back_manager(path, host_slots: int = 32):
-    kv = make_kv(64)
+    kv = make_kv(max(64, host_slots))
     cfg = make_config(host_slots=host_slots, disk_path=path, disk_capacity_bytes=128 * ROW_BYTES,
                       host_evict_ahead_blocks=0, writer_batch_seconds=0.0, write_mode="back")
     mgr, mover = make_fake_manager(cfg, kv)
@@ -504,20 +504,49 @@ def _store_24(mgr, mover, kv, prefix: bytes) -> None:
     mgr.poll()
 
 
-def test_write_back_spills_at_most_its_per_step_budget_coldest_first(tmp_path):
-    """Kills ``tiered_kv.core.tiers.xǁTierCoreǁ_writeback__mutmut_11``, ``..._13``, ``..._20``, ``..._21``
-    and ``..._22`` (the per-step budget ignored, or counted wrong): a host tier filled past
-    ``WRITEBACK_FILL`` in one step starts exactly ``WRITEBACK_PER_STEP`` spills, the coldest entries."""
-    mgr, mover, kv = _write_back_manager(tmp_path / "d")
-    try:
-        keys = [b"wb-%02d" % i for i in range(24)]            # 24 of 32 slots: exactly WRITEBACK_FILL
-        for i, k in enumerate(keys):
-            fill_row(kv, i, k)
-        job = mgr.store_many(keys, list(range(24)))
-        assert job is not None and _spilling(mgr) == []
+def _store_steps(mgr, mover, kv, steps: int, per_step: int = 8) -> list[bytes]:
+    """``steps`` engine steps of ``per_step`` fresh keys each (store_many, answered, poll); the keys.  No
+    spill starts before the last step, which fills 3/4 of a 128-slot host with 12 steps of 8."""
+    keys = [b"wb-%03d" % i for i in range(steps * per_step)]
+    for s in range(steps):
+        part = keys[s * per_step: (s + 1) * per_step]
+        for i, k in enumerate(part):
+            fill_row(kv, s * per_step + i, k)
+        job = mgr.store_many(part, list(range(s * per_step, (s + 1) * per_step)))
+        assert job is not None
         mover.complete(job)
         mgr.poll()                                             # publishes, then one write-back pass
-        assert _spilling(mgr) == keys[:WRITEBACK_PER_STEP]
+        assert s == steps - 1 or _spilling(mgr) == []
+    return keys
+
+
+def test_write_back_spills_at_most_its_per_step_budget_coldest_first(tmp_path):
+    """Kills mutants of ``TierCore._writeback``'s budget (ignored, or counted wrong): the pass after a
+    step that fills the host to ``WRITEBACK_FILL`` starts the spills of as many blocks as the step
+    stored plus ``WRITEBACK_PER_STEP``, the coldest entries."""
+    mgr, mover, kv = _write_back_manager(tmp_path / "d", host_slots=128)
+    try:
+        keys = _store_steps(mgr, mover, kv, 12)                # 96 of 128 slots: exactly WRITEBACK_FILL
+        assert _spilling(mgr) == keys[:8 + WRITEBACK_PER_STEP]
+    finally:
+        mgr.close()
+
+
+def test_a_flush_covers_the_write_back_spills_of_the_stores_it_applies(tmp_path):
+    """Kills a ``TierCore.flush`` without its write-back pass: a flush right after the stores of the step
+    that fills the host to ``WRITEBACK_FILL`` (their copies answered, not yet applied) returns with the
+    spills those stores call for durable, not started after it returned."""
+    mgr, mover, kv = _write_back_manager(tmp_path / "d", host_slots=128)
+    try:
+        _store_steps(mgr, mover, kv, 11)
+        part = [b"last-%d" % i for i in range(8)]
+        for i, k in enumerate(part):
+            fill_row(kv, 88 + i, k)
+        job = mgr.store_many(part, list(range(88, 96)))
+        assert job is not None
+        mover.complete(job)
+        assert mgr.flush(timeout=30) is True
+        assert mgr_metric(mgr, "tiered_kv_jobs_total", kind="spill", outcome="ok") == 8 + WRITEBACK_PER_STEP
     finally:
         mgr.close()
 
@@ -547,11 +576,11 @@ def test_close_starts_no_write_back_spill_of_its_own(tmp_path):
     the core as closing before its last passes): ``close()`` lets the spills already running finish and
     starts none, so a write-back manager closed with cold entries not yet spilled writes only the
     spills its last step started."""
-    mgr, mover, kv = _write_back_manager(tmp_path / "d")
-    _store_24(mgr, mover, kv, b"c")
-    assert len(_spilling(mgr)) == WRITEBACK_PER_STEP          # 16 cold entries left for later steps
+    mgr, mover, kv = _write_back_manager(tmp_path / "d", host_slots=128)
+    _store_steps(mgr, mover, kv, 12)
+    assert len(_spilling(mgr)) == 8 + WRITEBACK_PER_STEP      # 80 cold entries left for later steps
     mgr.close()
-    assert mgr_metric(mgr, "tiered_kv_jobs_total", kind="spill", outcome="ok") == WRITEBACK_PER_STEP
+    assert mgr_metric(mgr, "tiered_kv_jobs_total", kind="spill", outcome="ok") == 8 + WRITEBACK_PER_STEP
     assert mgr_metric(mgr, "tiered_kv_shed_total", kind="spill") == 0
 
 def test_write_back_stops_when_the_writer_queue_is_full(tmp_path, monkeypatch):

@@ -66,10 +66,13 @@ class TieredKVConfig:
     disk_capacity_bytes: bytes of block data the disk tier may hold (LRU beyond).
     durability: ``"sync"`` | ``"batch"`` | ``"none"`` (see docs/architecture.md).
     write_mode: ``"through"`` spills each block once its store is done; ``"back"``
-        spills the least recently used host blocks not yet on disk once the host
-        tier is 3/4 full, or as full as ``host_evict_ahead_blocks`` lets it get
-        (each host residency at most once; a block evicted from the host before
-        its turn is not spilled).
+        keeps the host tier's next victims written: once the host tier is 3/4
+        full (or as full as ``host_evict_ahead_blocks`` lets it get, or sooner
+        when four steps' stores would not fit in what is free), each call spills
+        the coldest host blocks not yet on disk, about as many as were stored
+        since the last call (each host residency at most once).  A block evicted
+        from the host before its turn is gone, counted as a shed spill
+        (``tiered_kv_shed_total{reason="evicted_unwritten"}``).
     max_inflight_jobs: bound on jobs in flight.  A store or load is shed (counted,
         ``reason="inflight_limit"``) when the jobs in flight of every kind -- spills
         and promotes included -- have reached it; spills themselves are not shed by

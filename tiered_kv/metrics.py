@@ -25,7 +25,8 @@ __all__ = ["Metrics", "sample_total", "TIERS", "OUTCOMES", "SHED_REASONS", "CORR
 
 TIERS = ("device", "host", "disk")
 OUTCOMES = ("ok", "failed", "cancelled", "shed")
-SHED_REASONS = ("inflight_limit", "host_full", "disk_full", "backpressure", "disk_down", "remote_down")
+SHED_REASONS = ("inflight_limit", "host_full", "disk_full", "backpressure", "disk_down", "remote_down",
+                "evicted_unwritten")
 # label values known in advance, exported at 0 from the start (dashboards and alerts see a series)
 CORRUPT_REASONS = ("truncated", "bad_magic", "bad_version", "wrong_namespace", "wrong_key", "wrong_length",
                    "checksum", "recovery", "foreign", "bad_flags", "bad_slot", "slot_entry")

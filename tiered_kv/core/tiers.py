@@ -84,9 +84,16 @@ CLOSE_TIMEOUT_S = 30.0
 """``close()`` waits this long for promotes and spills in flight: a disk that stopped answering must not
 hang the host's shutdown (what is left is a miss after restart, never wrong bytes)."""
 WRITEBACK_FILL = 0.75
-"""Write-back starts spilling once the host slab is this full."""
+"""Write-back starts spilling once the host slab is this full (sooner when a step stores more than the rest)."""
 WRITEBACK_PER_STEP = 8
-"""Write-back spills at most this many blocks per step (from the 64 coldest): a step's cost stays flat."""
+"""Write-back keeps the next ``max(EVICT_AHEAD_MAX, evict-ahead + WRITEBACK_AHEAD x the blocks a step
+stores)`` victims written: each step it spills the blocks of that window not yet on disk, at most the
+blocks stored since the last step plus this many (the backlog drains a few a step: a step's cost
+follows its stores)."""
+WRITEBACK_AHEAD = 4
+"""The written reserve in steps of stores (a decaying peak of them): on the Mooncake and chat traces'
+first 400 requests (host 200, disk 400 blocks) 4 leaves 0-13 victims unwritten per policy, 2 leaves
+300-400 (``tiered-kv replay --write-mode back``, docs/policies.md)."""
 
 
 class SlotViews:
@@ -137,7 +144,9 @@ class TierCore:
         self.collect_published = collect_published
         self.evicted: list[bytes] = []     # keys no longer in any tier (collect_evicted only)
         self.published: list[bytes] = []   # keys stores made READY (collect_published only)
-        self.index = TierIndex(num_slots, on_evict=self._host_evicted if collect_evicted else None,
+        # write-back: a host victim never offered to the disk is counted (shed, evicted_unwritten)
+        self.write_back = config.write_mode == "back" and config.disk_path is not None
+        self.index = TierIndex(num_slots, on_evict=self._host_evicted if collect_evicted or self.write_back else None,
                                policy=make_policy(config.host_policy, num_slots),
                                admission=None if config.host_admission == "all"
                                else make_admission(config.host_admission, num_slots))
@@ -145,6 +154,8 @@ class TierCore:
         self.jobs: dict[int, Job] = {}
         self.n_in_flight = {k: 0 for k in JobKind}
         self.spill_faults = 0   # spills whose write failed (applied reports): flush() looks at what it applies
+        self._wb_mark = 0       # write-back: host slots used + evictions at its last pass (the difference: stores)
+        self._wb_rate = 0       # write-back: a decaying peak of the blocks stored between two passes
         self.closing = False
         self.log_debug = log.isEnabledFor(logging.DEBUG)   # refreshed once per step
         self.slot_views = SlotViews(host_rows)
@@ -860,8 +871,16 @@ class TierCore:
         return job
 
     def _writeback(self) -> None:
-        """Write-back: spill the coldest host entries not yet on disk once the host is filling up (3/4 full,
-        or as full as evict-ahead lets it get: else evict-ahead would drop blocks never written).
+        """Write-back, once per API call (its last pass, and before a flush waits): keep the host's next
+        victims written.  Once the host is filling up (3/4 full, as full as evict-ahead lets it get, or
+        within ``reserve`` of full), the entries not yet on disk among the ``window`` coldest are spilled:
+        at most the blocks stored since the last pass plus ``WRITEBACK_PER_STEP``, and what the writer
+        queue takes.
+
+        A spill pins its blocks where they are (no use of them), so the blocks written stay the next
+        victims and a pass walks past them to the ones not written: the window holds the reserve of
+        written blocks evictions take from, sized to ``WRITEBACK_AHEAD`` steps of stores (a decaying
+        peak) beside evict-ahead.  A victim evicted before its spill is counted (``evicted_unwritten``).
 
         Each host residency is spilled at most once (``Entry.spilled``): with a disk tier
         smaller than the host tier, each spill evicts a disk entry whose key is still on the
@@ -869,21 +888,31 @@ class TierCore:
         Nothing starts while closing, so ``close()`` waits only for the spills already running.
         """
         disk, index = self.disk, self.index
+        mark = index.used_slots + index.evictions
+        stored, self._wb_mark = max(0, mark - self._wb_mark), mark
+        rate = self._wb_rate = max(stored, self._wb_rate - (self._wb_rate + 7) // 8)
+        slots = index.num_slots
+        reserve = self.evict_ahead + WRITEBACK_AHEAD * rate   # written victims the next steps may take
         if (disk is None or not disk.usable or self.closing
-                or index.used_slots < min(index.num_slots * WRITEBACK_FILL, index.num_slots - self.evict_ahead)):
+                or index.used_slots < min(slots * WRITEBACK_FILL, slots - self.evict_ahead, slots - reserve)):
             return
-        budget = min(WRITEBACK_PER_STEP, disk.store.opts.queue_blocks - disk.store.queue_depth)
+        window = min(slots, max(EVICT_AHEAD_MAX, reserve))
+        budget = min(stored + WRITEBACK_PER_STEP, disk.store.opts.queue_blocks - disk.store.queue_depth)
         todo = []
-        for entry in index.coldest(EVICT_AHEAD_MAX):
+        on_disk = disk.index
+        for entry in index.coldest(window):
             if len(todo) >= budget:
                 break
-            if not entry.spilled and entry.key not in disk.index:
+            if not entry.spilled and entry.key not in on_disk:
                 todo.append(entry)
         if todo:
             self.start_spills(todo)
 
     def _host_evicted(self, entry: Entry) -> None:
-        if self.dindex is None or self.dindex.ready(entry.key) is None:
+        dindex = self.dindex
+        if self.write_back and not entry.spilled and dindex is not None and entry.key not in dindex:
+            self.shed(_SPILL, "evicted_unwritten")   # write-back did not reach it in time: gone
+        if self.collect_evicted and (dindex is None or dindex.ready(entry.key) is None):
             self.evicted.append(entry.key)
 
     def _disk_evicted(self, d: Entry) -> None:
@@ -901,7 +930,7 @@ class TierCore:
                 self.apply_arrived()   # the dead I/O process's answers, before the index is reconciled
                 disk.restart()
             disk.check_writer(self.closing)
-            if self.config.write_mode == "back":
+            if last and self.write_back:
                 self._writeback()
             disk.store.kick()
         remote = self.remote
@@ -956,6 +985,8 @@ class TierCore:
             return ok
         if not disk.store.writer_alive():
             return False
+        if self.write_back:   # what write-back would spill now is covered by this flush too
+            self._writeback()
         faults = self.spill_faults
         token = self.tokens()
         self._flushes[token] = None
