@@ -160,18 +160,18 @@ def _store(p: Pair, ks: list[bytes], first_block: int) -> None:
 
 @pytest.mark.parametrize("mode", ["through", "back"])
 def test_write_mode_back_spills_only_once_the_host_fills(model_dir: str, tmp_path: Path, mode: str) -> None:
-    p = _pair(model_dir, tmp_path, host_bytes=8 * ROW_BYTES, disk_path=str(tmp_path / "disk"),
+    p = _pair(model_dir, tmp_path, host_bytes=32 * ROW_BYTES, disk_path=str(tmp_path / "disk"),
               disk_bytes=64 * ROW_BYTES, write_mode=mode)
     try:
         _store(p, keys(2, "a"), 0)
         tick(p.mgr)
         assert p.mgr.tiers.flush(timeout=30)
-        assert p.mgr.tiers.disk_blocks == (2 if mode == "through" else 0)   # back: host 2/8 full, no spill
-        _store(p, keys(4, "b"), 2)                                          # 6 of 8 slots: 3/4 full
+        assert p.mgr.tiers.disk_blocks == (2 if mode == "through" else 0)   # back: host 2/32 full, no spill
+        _store(p, keys(22, "b"), 2)                                         # 24 of 32 slots: 3/4 full
         tick(p.mgr)
         assert p.mgr.tiers.flush(timeout=30)
         spilled = p.mgr.tiers.disk_blocks
-        assert (spilled == 6) if mode == "through" else (0 < spilled <= 6)   # back: the coldest, once 3/4 full
+        assert (spilled == 24) if mode == "through" else (0 < spilled <= 24)   # back: the coldest, once 3/4 full
     finally:
         p.close()
 
