@@ -5,8 +5,9 @@ What it proved wrong, each pinned by a test that failed before its fix: a key of
 fit the disk header's 16-bit length (it failed its whole write batch); an LMDB map too small to open is
 refused (the tier ran host-only, the directory called "damaged"); an impossible ``host_capacity_bytes``
 is a ConfigError (it escaped as OverflowError/TypeError); write-back spills even when evict-ahead keeps
-the host below 3/4 full (nothing ever reached disk).  The other tests pin guarantees the other test files
-do not check.
+the host below 3/4 full (nothing ever reached disk); ``from_env`` ignored a misspelled ``TIERED_KV_``
+variable without a word (now a warning naming the setting it resembles).  The other tests pin
+guarantees the other test files do not check.
 """
 
 from __future__ import annotations
@@ -264,3 +265,17 @@ def test_the_smallest_disk_map_size_accepted_opens_a_fresh_tier(tmp_path: Path) 
     with TierManager(_disk_cfg(tmp_path / "d", disk_map_size_bytes=1 << 16), _kv(),
                      registry=CollectorRegistry()) as mgr:
         assert mgr.disk_healthy
+
+
+def test_from_env_warns_of_a_variable_that_looks_like_a_misspelled_setting(caplog: pytest.LogCaptureFixture) -> None:
+    """A typo in a variable's name used to be ignored silently: the tier ran with the default size.  It is
+    still ignored (other tools use the prefix too: the bench's TIERED_KV_TRACE, the remote tier's
+    TIERED_KV_REMOTE_USERNAME), but a name close to a setting's is logged, naming both."""
+    env = {"TIERED_KV_NAMESPACE": NS, "TIERED_KV_HOST_CAPACTY_BYTES": "4096", "TIERED_KV_TRACE": "t.jsonl",
+           "TIERED_KV_REMOTE_USERNAME": "u", "TIERED_KV_SOAK_CYCLES": "5", "OTHER_HOST_CAPACTY_BYTES": "1"}
+    with caplog.at_level(logging.WARNING, logger="tiered_kv.config"):
+        cfg = TieredKVConfig.from_env(environ=env, host_capacity_bytes=1 << 20)
+    assert cfg.host_capacity_bytes == 1 << 20
+    msgs = [r.getMessage() for r in caplog.records if r.name == "tiered_kv.config"]
+    assert len(msgs) == 1, msgs
+    assert "TIERED_KV_HOST_CAPACTY_BYTES" in msgs[0] and "TIERED_KV_HOST_CAPACITY_BYTES" in msgs[0]

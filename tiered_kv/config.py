@@ -10,12 +10,16 @@ keyword arguments, from a mapping (``from_dict``, e.g. vLLM's
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 from .errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 __all__ = ["TieredKVConfig", "Durability", "WriteMode", "DiskIO", "CpuMover"]
 
@@ -313,14 +317,27 @@ class TieredKVConfig:
 
     @classmethod
     def from_env(cls, prefix: str = "TIERED_KV_", environ: Optional[Mapping[str, str]] = None, **overrides: Any) -> "TieredKVConfig":
-        """Build from ``{prefix}{FIELD}`` environment variables, then ``overrides``."""
+        """Build from ``{prefix}{FIELD}`` environment variables, then ``overrides``.
+
+        A ``{prefix}`` variable that names no setting but is close to one (a typo: ``..._HOST_CAPACTY_BYTES``)
+        is logged as a warning naming the setting it resembles, and ignored: other ``{prefix}`` variables
+        may belong to other tools, so none is refused."""
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
+        fields = dataclasses.fields(cls)
+        for f in fields:
             raw = env.get(prefix + f.name.upper())
             if raw is None:
                 continue
             values[f.name] = _parse_env(f.name, raw, f.default)
+        if prefix:
+            names = [f.name.upper() for f in fields]
+            for var in env:
+                if var.startswith(prefix) and var[len(prefix):] not in names:
+                    near = difflib.get_close_matches(var[len(prefix):], names, 1, 0.8)
+                    if near:
+                        log.warning("environment variable %s is no tiered_kv setting (ignored); did you mean %s%s?",
+                                    var, prefix, near[0])
         values.update(overrides)
         return cls.from_dict(values)
 
