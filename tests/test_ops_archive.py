@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 
 import pytest
 
@@ -51,6 +52,30 @@ def _frame_offsets(data: bytes) -> list[int]:
 
 
 # ============================================================================ happy paths
+def test_an_import_into_new_directories_syncs_each_one_and_its_parent(archive, tmp_path, monkeypatch):
+    """LMDB's commit syncs data.mdb, not the directory entries naming it and the directories the import
+    made: a crash after ``import`` reported success could lose the whole new tier.  Each directory from
+    the tier's up to the first that existed before is synced after the import."""
+    from tiered_kv.tools import archive as archive_mod
+    synced: list[Path] = []
+    real = archive_mod.fsync_path
+
+    def spy(p: Path, directory: bool = False) -> None:
+        if directory:
+            synced.append(Path(p))
+        real(p, directory)
+
+    monkeypatch.setattr(archive_mod, "fsync_path", spy)
+    dst = tmp_path / "a" / "b" / "tier"
+    rep = archive_mod.import_archive(dst, archive)
+    assert rep.imported == N
+    assert synced == [dst.absolute(), (tmp_path / "a" / "b").absolute(), (tmp_path / "a").absolute(),
+                      tmp_path.absolute()]
+    synced.clear()
+    archive_mod.import_archive(dst, archive)   # nothing new: no directory to sync
+    assert synced == []
+
+
 def test_export_import_end_to_end_serves_the_same_bytes(tpl, tmp_path, capsys):
     src = tpl.copy(tmp_path / "src")
     out = tmp_path / "warm.tkv"

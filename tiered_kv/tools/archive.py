@@ -659,6 +659,15 @@ async def import_async(path: PathLike, archive: PathLike, force_namespace: bool 
                     with contextlib.suppress(OSError):
                         f.unlink()
             raise
+    if created is not None or made:
+        # the new files' directory entries, and each directory this call made, survive a crash too (LMDB's
+        # commit syncs its file, not the entry naming it): each parent up to the first that existed
+        d, stop = p.absolute(), (created if created is not None else p.absolute()).parent
+        while True:
+            fsync_path(d, directory=True)
+            if d == stop or d.parent == d:
+                break
+            d = d.parent
     rep.seconds = time.perf_counter() - t0
     return rep
 
