@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import textwrap
+from pathlib import Path
 import time
 
 import pytest
@@ -157,6 +158,33 @@ def test_cancel_of_a_load_waiting_for_its_promote(rig):
     # the promote itself completed: the key is readable, from the host tier now
     assert mgr.lookup([ks[0]]) == 1
     assert load_ok(mgr, kv, ks[0], 4)
+
+
+@pytest.mark.disk_threads
+@pytest.mark.parametrize("durability", ["sync", "batch", "none"])
+def test_a_new_tier_directory_and_its_files_are_named_durably(rig, tmp_path, monkeypatch, durability):
+    """A file's fsync does not sync its name: a tier made in new directories, whose spills a flush()
+    reported durable, could vanish whole in a power loss.  Each directory made is synced into its
+    parent when the path is taken, and the tier's directory once its files exist (not for "none")."""
+    from tiered_kv.disk import lock
+    synced: list[Path] = []
+    real = lock.fsync_path
+
+    def spy(p, directory=False):
+        if directory:
+            synced.append(Path(p).absolute())
+        real(p, directory)
+
+    monkeypatch.setattr(lock, "fsync_path", spy)
+    path = tmp_path / "x" / "y" / "tier"
+    kv = make_kv(8)
+    mgr = rig.open(kv, path=path, durability=durability)
+    parents = [(tmp_path / "x" / "y").absolute(), (tmp_path / "x").absolute(), tmp_path.absolute()]
+    assert synced == parents + ([] if durability == "none" else [path.absolute()])
+    rig.close(mgr)
+    synced.clear()
+    rig.open(kv, path=path, durability=durability)   # nothing made: the tier's directory only
+    assert synced == ([] if durability == "none" else [path.absolute()])
 
 
 def test_reopen_serves_every_entry_with_its_bytes(rig):

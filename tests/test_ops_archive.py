@@ -56,16 +56,17 @@ def test_an_import_into_new_directories_syncs_each_one_and_its_parent(archive, t
     """LMDB's commit syncs data.mdb, not the directory entries naming it and the directories the import
     made: a crash after ``import`` reported success could lose the whole new tier.  Each directory from
     the tier's up to the first that existed before is synced after the import."""
+    from tiered_kv.disk import lock
     from tiered_kv.tools import archive as archive_mod
     synced: list[Path] = []
-    real = archive_mod.fsync_path
+    real = lock.fsync_path
 
     def spy(p: Path, directory: bool = False) -> None:
         if directory:
             synced.append(Path(p))
         real(p, directory)
 
-    monkeypatch.setattr(archive_mod, "fsync_path", spy)
+    monkeypatch.setattr(lock, "fsync_path", spy)
     dst = tmp_path / "a" / "b" / "tier"
     rep = archive_mod.import_archive(dst, archive)
     assert rep.imported == N

@@ -1,4 +1,5 @@
-"""The path lock: one exclusive ``flock`` on ``DIR/tiered_kv.lock`` per disk tier directory.
+"""The path lock: one exclusive ``flock`` on ``DIR/tiered_kv.lock`` per disk tier directory (and the
+directory syncs that make a new tier directory's entries durable: :func:`fsync_path`, :func:`sync_dirs`).
 
 Owns taking it (never waiting), writing the holder's pid into it, and releasing it.  Invariants:
 a :class:`~tiered_kv.disk.DiskStore` and every writing operator tool take this same lock, so at
@@ -16,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Union
 
-__all__ = ["LOCK_NAME", "LockHeld", "take", "release", "holder_pid"]
+__all__ = ["LOCK_NAME", "LockHeld", "take", "release", "holder_pid", "fsync_path", "sync_dirs"]
 
 LOCK_NAME = "tiered_kv.lock"
 ORPHAN_WAIT_S = 10.0   # how long take() waits for the I/O process of a dead owner to exit
@@ -28,6 +29,25 @@ class LockHeld(Exception):
     def __init__(self, holder: str) -> None:
         super().__init__(f"held by pid {holder}")
         self.holder = holder
+
+
+def fsync_path(p: Union[str, "os.PathLike[str]"], directory: bool = False) -> None:
+    """fsync a file, or a directory (its entries: the files and directories made in it)."""
+    fd = os.open(p, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_dirs(d: Path, stop: Path) -> None:
+    """fsync directory ``d`` and each parent of it up to ``stop`` (included), the way the files and
+    directories made under ``stop`` survive a crash (a file's own fsync does not sync its name)."""
+    while True:
+        fsync_path(d, directory=True)
+        if d == stop or d.parent == d:
+            return
+        d = d.parent
 
 
 def holder_pid(fd: int) -> str:

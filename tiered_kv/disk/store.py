@@ -48,8 +48,14 @@ def take_path(path: Path) -> int:
 
     Raises :class:`DiskInUseError` (naming the holder's pid) when another owner holds it, and
     :class:`DiskTierError` when it cannot be made, written or locked."""
+    top = None   # the topmost directory made here
+    p = path.absolute()
+    while not p.exists() and p.parent != p:
+        top, p = p, p.parent
     try:
         path.mkdir(parents=True, exist_ok=True)
+        if top is not None:   # each directory made: its entry in its parent synced (the files in it: DiskStore)
+            lock.sync_dirs(path.absolute().parent, top.parent)
     except OSError as exc:
         raise DiskTierError(f"disk_path {str(path)!r} cannot be created: {exc}") from exc
     if not os.access(path, os.W_OK):
@@ -100,6 +106,8 @@ class DiskStore:
                               o.num_readers, on_error)
             self.slots = SlotFile(o.path, o.block_bytes, o.target_slots(), o.durability, o.batch_blocks)
             self.entries, seq, self.recovery = recover(self.db, self.slots, ns, o.block_bytes)
+            if o.durability != "none":   # the files' names survive a crash with their contents
+                lock.fsync_path(o.path, directory=True)
             return seq
         except lmdb.Error as exc:
             self._release()

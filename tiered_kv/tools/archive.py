@@ -72,6 +72,7 @@ from ..disk.format import (FORMAT_VERSION, HEADER_SIZE, CorruptEntry, SlotReader
                            verify_entry)
 from ..disk.lock import LOCK_NAME
 from ..disk.recovery import U64
+from ..disk.lock import sync_dirs
 from .ops import (OpenEnv, OpsError, PathLike, fsync_path, check_env_dir, check_meta, grow_map,
                   hold_path, open_readonly, open_writable, record_changed, stored_payload)
 
@@ -662,12 +663,7 @@ async def import_async(path: PathLike, archive: PathLike, force_namespace: bool 
     if created is not None or made:
         # the new files' directory entries, and each directory this call made, survive a crash too (LMDB's
         # commit syncs its file, not the entry naming it): each parent up to the first that existed
-        d, stop = p.absolute(), (created if created is not None else p.absolute()).parent
-        while True:
-            fsync_path(d, directory=True)
-            if d == stop or d.parent == d:
-                break
-            d = d.parent
+        sync_dirs(p.absolute(), (created if created is not None else p.absolute()).parent)
     rep.seconds = time.perf_counter() - t0
     return rep
 

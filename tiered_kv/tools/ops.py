@@ -50,7 +50,7 @@ from ..disk import lock
 from ..disk.env import MAX_DBS, MIN_MAP, MIN_READERS, SUBDBS, map_in_use
 from ..disk.format import (FORMAT_VERSION, HEADER_SIZE, HEADER_STRUCT, SLOTS_NAME, CorruptEntry, SlotReader, lmdb_key,
                            parse_header, verify_entry)
-from ..disk.lock import LOCK_NAME
+from ..disk.lock import LOCK_NAME, fsync_path
 
 __all__ = [
     "OpsError", "PathInUseError", "EXIT_OK", "EXIT_PROBLEMS", "EXIT_BAD_INPUT", "EXIT_IN_USE",
@@ -679,14 +679,6 @@ class CompactReport:
         d = asdict(self)
         d["saved_bytes"] = self.before_bytes - self.after_bytes
         return d
-
-
-def fsync_path(p: Path, directory: bool = False) -> None:
-    fd = os.open(p, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _counts(oe: OpenEnv) -> dict[str, int]:
