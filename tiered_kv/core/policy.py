@@ -880,7 +880,8 @@ class PrefixLRU(Policy):
         orphans: deque[_Node] = deque(self.orphans.values())
         while orphans and len(out) < n:
             node = orphans.popleft()
-            if node.entry.readers:   # pinned: passed over (and its children stay where they are)
+            if node.entry.readers:   # pinned: passed over (and its children stay where they are); an orphan
+                taken.add(id(node))  # now, in no other queue: not a leaf the leaves below compare with
                 continue
             out.append(node.entry)
             taken.add(id(node))
