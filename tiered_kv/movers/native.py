@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Callable, NamedTuple, Optional
+from itertools import starmap
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -59,10 +61,27 @@ def native_fits(planes: Sequence[Plane]) -> bool:
     return wide_planes(list(planes)) is not None
 
 
-class _Batch(NamedTuple):
-    future: Any
-    transfers: list[Transfer]
-    started: float
+HELP_WAIT_S = 0.001
+""":meth:`NativeMover.help_one` waits at most this long for the oldest copy in flight, so that a ``wait()``
+with a timeout returns within about this of it however long the copy takes."""
+
+
+class _Batch:
+    """A launch's transfers, in flight from before the launch: ``futs`` gets the launch's future from C
+    (``list.extend`` of the launcher's result), so no interrupt can fall between the launch returning
+    and the batch knowing it (an empty ``futs`` after an interrupt: nothing was launched)."""
+
+    __slots__ = ("futs", "transfers", "started", "done")
+
+    def __init__(self, transfers: list[Transfer], started: float) -> None:
+        self.futs: list[Any] = []
+        self.transfers = transfers
+        self.started = started
+        self.done: Optional[threading.Event] = None   # set when the copy ends (made by help_one, on demand)
+
+    @property
+    def future(self) -> Any:
+        return self.futs[0] if self.futs else None
 
 
 class NativeMover(Mover):
@@ -191,6 +210,9 @@ class NativeMover(Mover):
         if not go:
             return
         cols = list(zip(*args))   # per argument of copy_rows, one entry per group
+        b = _Batch(go, time.perf_counter())
+        inflight = self._inflight
+        inflight.append(b)   # before the launch: once it returned, an interrupt must not answer these
         try:
             if now:
                 fut = torch.futures.Future()
@@ -199,13 +221,18 @@ class NativeMover(Mover):
                         fut.set_result(self._run(self._planes_now, to_host, *cols, self._stage_rows))
                 except Exception as exc:   # noqa: BLE001 - the copy's own error, reported by harvest()
                     fut.set_exception(exc)
+                b.futs.append(fut)   # (interrupted before: the copy is done, nothing lands later)
             else:
-                fut = self._launch(self._planes_held, to_host, *cols, self._stage_rows)
+                b.futs.extend(starmap(self._launch, ((self._planes_held, to_host, *cols, self._stage_rows),)))
         except Exception as exc:
+            inflight.remove(b)
             for t in go:
                 put(Report(t.token, t.kind, False, f"copy failed to start: {exc!r}"))
             return
-        self._inflight.append(_Batch(fut, go, time.perf_counter()))
+        except BaseException:
+            if not b.futs:   # not launched: the caller answers its transfers (_answer_unstarted)
+                inflight.remove(b)
+            raise
         self.batches += 1
 
     def harvest(self) -> None:
@@ -213,11 +240,10 @@ class NativeMover(Mover):
         inflight = self._inflight
         if not inflight:
             return
-        for b in [b for b in inflight if b.future.done()]:
+        for b in [b for b in inflight if b.futs and b.futs[0].done()]:
             try:
-                b.future.value()
+                b.futs[0].value()
             except Exception as exc:   # noqa: BLE001 - the copy's own error, reported
-                inflight.remove(b)     # first: its transfers are started again (or failed) exactly once below
                 self._failed(b, exc)
                 continue
             self._answer(b)
@@ -225,16 +251,20 @@ class NativeMover(Mover):
             #                      discards the second as an unknown token), never not at all
 
     def _failed(self, b: _Batch, exc: Exception) -> None:
-        """A batch whose copy raised: one transfer is answered failed; several are started again one by one,
-        so that each is answered by its own outcome (and none is copied twice)."""
+        """A batch whose copy raised leaves the batches in flight: one transfer is answered failed; several
+        are started again one by one, so that each is answered by its own outcome (and none is copied
+        twice).  Interrupted anywhere, each transfer is still answered: by this, by its new copy, or --
+        interrupted before the batch left -- by the next harvest."""
         put, ts = self._out.put, b.transfers
-        if len(ts) == 1:
-            t = ts[0]
-            put(Report(t.token, t.kind, False, f"copy failed: {_first_line(exc)}",
-                       seconds=time.perf_counter() - b.started))
-            return
-        log.warning("a batched copy of %d transfers failed (%s); copying them one by one", len(ts), _first_line(exc))
         try:
+            self._inflight.remove(b)   # first: its transfers are started again (or failed) exactly once below
+            if len(ts) == 1:
+                t = ts[0]
+                put(Report(t.token, t.kind, False, f"copy failed: {_first_line(exc)}",
+                           seconds=time.perf_counter() - b.started))
+                return
+            log.warning("a batched copy of %d transfers failed (%s); copying them one by one", len(ts),
+                        _first_line(exc))
             for t in ts:
                 self._start([[t]])
                 self.retried += 1
@@ -278,12 +308,28 @@ class NativeMover(Mover):
             self._start_held(now=False)
         if not self._inflight:
             return False
-        try:
-            self._inflight[0].future.wait()
-        except Exception:   # noqa: BLE001 - its error is reported by harvest()
-            pass
+        self._wait_oldest(HELP_WAIT_S)
         self.harvest()
         return True
+
+    def _wait_oldest(self, timeout: Optional[float]) -> None:
+        """Wait until the oldest batch's copy ends, at most ``timeout`` seconds (None: for as long as it
+        takes); a torch future has no timed wait, so a done-callback sets an event, made once per batch."""
+        b = self._inflight[0]
+        fut = b.future
+        if fut is None or fut.done():
+            return
+        if timeout is None:
+            try:
+                fut.wait()
+            except Exception:   # noqa: BLE001 - its error is reported by harvest()
+                pass
+            return
+        ev = b.done
+        if ev is None:
+            ev = b.done = threading.Event()
+            fut.add_done_callback(lambda _f: ev.set())   # type: ignore[union-attr]
+        ev.wait(timeout)
 
     def _memmove_one(self, held: collections.deque[Transfer]) -> None:
         """The one held transfer of at most :data:`~.thread.FEW_ROWS` rows, copied here with ``memmove``
@@ -309,7 +355,8 @@ class NativeMover(Mover):
         self._holding = False
         self.flush()
         while self._inflight:
-            self.help_one()
+            self._wait_oldest(None)
+            self.harvest()
         self._closed = True
 
 
