@@ -308,7 +308,6 @@ class Writer:
         t0 = time.perf_counter()
         if self.fault_hook is not None:
             self.fault_hook("commit")
-        spills = [op for op in batch if isinstance(op, Spill)]
         placed: list[int] = []      # slots taken by this batch, given back if it fails
         frees: list[int] = []       # slots of entries this transaction drops
         # the in-memory tomb state this transaction changes, put back if it aborts: a retry after
@@ -318,7 +317,14 @@ class Writer:
         hashing: Optional[concurrent.futures.Future[None]] = None
         try:
             todo: list[Spill] = []
-            for op in spills:
+            touch_seqs: list[int] = []   # each touch's sequence number, in batch order
+            for op in batch:   # numbered in the order queued: recovery ranks by them (a touch is a use then)
+                if isinstance(op, Touch):
+                    self._seq += 1
+                    touch_seqs.append(self._seq)
+                    continue
+                if not isinstance(op, Spill):
+                    continue
                 op.slot = -1
                 if tombs.is_cancelled(op.token):
                     continue        # never written; the transaction below answers it
@@ -327,6 +333,7 @@ class Writer:
                 self._seq += 1
                 op.seq = self._seq
                 todo.append(op)
+            touch_seq = iter(touch_seqs)
             # checksums and writes run in C without the GIL, straight from the leased host slots; a
             # large batch is checksummed on the hash thread while this one writes the same bytes
             # (the slots stay leased until the batch's reports, so both read what is published)
@@ -364,8 +371,10 @@ class Writer:
                         elif isinstance(op, Delete):
                             tombs.delete_if_token(txn, op.key, op.token, frees, op.unparseable_too)
                         elif isinstance(op, Touch):
-                            self._seq += 1
-                            txn.put(lmdb_key(op.key), U64.pack(self._seq), db=db.touch)
+                            seq = next(touch_seq)
+                            lk = lmdb_key(op.key)
+                            if txn.get(lk, db=db.blocks) is not None:   # not for an entry gone meanwhile
+                                txn.put(lk, U64.pack(seq), db=db.touch)
                     self.tombstones = txn.stat(db.tombs)["entries"]
             finally:
                 db.rw.release_shared()
