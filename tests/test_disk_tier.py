@@ -297,6 +297,38 @@ def test_write_back_counts_each_block_evicted_before_its_spill(rig):
     assert len([k for k in old + new if mgr.lookup([k]) == 0]) == unwritten
 
 
+@pytest.mark.disk_threads
+def test_write_back_counts_a_shed_block_once_however_often_it_offers_it_again(rig):
+    """Write-back offers a block shed at its spill's start (here ``disk_full``: every disk slot is being
+    written, the writer held) again at later passes; each block is counted once, whether it is shed again
+    or evicted unwritten at last: the shed counter counts blocks, not passes."""
+    kv = torch.zeros((64, ROW), dtype=torch.uint8)
+    mgr = rig.open(kv, host_slots=64, disk_slots=8, write_mode="back", host_evict_ahead_blocks=0)
+    rig.gate(mgr)                                  # nothing is written: the disk's slots stay reserved
+    ks = keys(48)
+    for i, k in enumerate(ks):
+        fill(kv, i, k)
+    job = mgr.store_many(ks, list(range(48)))
+    assert job is not None and mgr.wait([job], timeout=30) and job.done
+    for _ in range(5):                             # five more passes offer the shed blocks again
+        mgr.poll()
+    shed = metric(mgr, "tiered_kv_shed_total", kind="spill", reason="disk_full")
+    in_flight = mgr.disk_blocks                    # the disk entries reserved for spills held by the gate
+    assert 0 < shed == 48 - in_flight, (shed, in_flight)
+    new = keys(16, "n")
+    for i, k in enumerate(new):
+        fill(kv, i, k)
+    job = mgr.store_many(new, list(range(16)))     # 16 free slots: no eviction yet
+    assert job is not None and mgr.wait([job], timeout=30) and job.done
+    more = keys(8, "m")
+    for i, k in enumerate(more):
+        fill(kv, i, k)
+    job = mgr.store_many(more, list(range(8)))     # 8 evictions of blocks shed before: counted already
+    assert job is not None and mgr.wait([job], timeout=30) and job.done
+    assert metric(mgr, "tiered_kv_evictions_total", tier="host") == 8
+    assert metric(mgr, "tiered_kv_shed_total", kind="spill", reason="evicted_unwritten") == 0
+
+
 def test_write_back_keeps_up_with_steps_that_store_more_than_a_few_blocks(rig):
     """Write-back spills, once per call, the blocks stored since the last one (plus a few) from a
     reserve of the next victims sized to the steps' stores: 32 stores a step on a 128-block host

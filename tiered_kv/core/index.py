@@ -62,7 +62,9 @@ class Entry:
         self.readers = 0          # loads, spills and puts reading the slot right now
         self.live = True          # present in the index
         self.writing = True       # a worker may still write the slot
-        self.spilled = False      # host index only: offered to disk once in this residency (written, found, refused)
+        # host index only: offered to disk in this residency (True: written, on its way, found or refused;
+        # None: shed, counted once, offered again by write-back; False: not yet, or its write failed)
+        self.spilled: Optional[bool] = False
         untrack(self)             # no container here: never in a cycle, freed by its reference count (untrack.py)
 
     def __repr__(self) -> str:

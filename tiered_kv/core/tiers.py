@@ -835,11 +835,16 @@ class TierCore:
         disk = self.disk
         assert disk is not None
         hosts, disks, shed = disk.start_spills(entries, self.index, self.tokens, self.slot_views.__getitem__)
-        for e in entries:
-            e.spilled = True  # on disk, on its way, or refused by the disk's admission: write-back offers it again only if its write fails
-        for e, why in shed:
-            e.spilled = False
-            self.shed(_SPILL, why)
+        if shed:
+            for e, why in shed:   # counted once a residency: write-back offers it again (spilled None)
+                if e.spilled is not None:
+                    self.shed(_SPILL, why)
+            shed_now = {id(e) for e, _ in shed}
+            for e in entries:
+                e.spilled = None if id(e) in shed_now else True
+        else:
+            for e in entries:
+                e.spilled = True  # on disk, on its way, or refused by the disk's admission: write-back offers it again only if its write fails
         if not hosts:
             return
         job = Job(disks[0].writer, _SPILL, hosts[0].key, -1, keys=[e.key for e in hosts])
@@ -910,8 +915,8 @@ class TierCore:
 
     def _host_evicted(self, entry: Entry) -> None:
         dindex = self.dindex
-        if self.write_back and not entry.spilled and dindex is not None and entry.key not in dindex:
-            self.shed(_SPILL, "evicted_unwritten")   # write-back did not reach it in time: gone
+        if self.write_back and entry.spilled is False and dindex is not None and entry.key not in dindex:
+            self.shed(_SPILL, "evicted_unwritten")   # write-back did not reach it in time: gone (a shed one: counted)
         if self.collect_evicted and (dindex is None or dindex.ready(entry.key) is None):
             self.evicted.append(entry.key)
 
