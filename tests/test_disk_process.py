@@ -363,6 +363,37 @@ def test_a_second_owner_of_the_path_is_refused_naming_the_first(rig: Rig) -> Non
         rig.open(kv)
 
 
+def _slab_mapped_bytes(pid: int) -> int:
+    """Bytes of the host slab (the owner's memfd) that process ``pid``'s page table maps: the Rss of its
+    mapping in smaps."""
+    with open(f"/proc/{pid}/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                inside = "tiered_kv-host-slab" in line
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"pid {pid} maps no host slab")
+
+
+def test_the_child_maps_the_whole_host_slab_before_any_read_touches_it(rig: Rig) -> None:
+    """A promote's read into a slot the child never touched would take a page fault per 4 KiB page (a
+    fresh mapping read into at a fifth of the speed): the child fills its page table for the slab at start,
+    in the background, with no spill or read needed."""
+    row = 64 << 10
+    kv = make_kv(rows=4, row_bytes=row)
+    mgr = rig.open(kv, host_slots=64, disk_slots=64)
+    pid = _child(mgr).pid
+    deadline = time.monotonic() + 60
+    got = _slab_mapped_bytes(pid)
+    while got < 64 * row and time.monotonic() < deadline:
+        threading.Event().wait(0.01)   # another process's progress: nothing here to wait on
+        got = _slab_mapped_bytes(pid)
+    assert got == 64 * row
+    assert mgr.disk_blocks == 0 and metric_sum(mgr, "tiered_kv_jobs_total") == 0   # no spill or read did it
+
+
 # --------------------------------------------------------------------------- logs
 def test_the_childs_log_records_reach_the_engines_logging(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
     kv = make_kv(rows=4)
@@ -582,3 +613,4 @@ def test_a_lone_held_read_runs_on_the_calling_thread_when_asked(tmp_path: Path) 
         assert seen[1:] and all(name == "tiered-kv-disk-reader" for name in seen[1:])
     finally:
         store.close()
+

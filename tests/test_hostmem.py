@@ -152,3 +152,80 @@ def test_a_refused_registration_names_cudas_error(caplog: pytest.LogCaptureFixtu
     with caplog.at_level(logging.WARNING, logger="tiered_kv"):
         unregister_pinned(rows, _FakeCudart(rc=1))
     assert any("cudaHostUnregister" in r.getMessage() for r in caplog.records)
+
+
+# ----------------------------------------------------------------------------- another process's mapping
+def mapped_bytes(addr: int, pid: str = "self") -> int:
+    """Bytes of the mapping holding ``addr`` that ``pid``'s page table maps (its ``Rss`` in smaps): what
+    ``mincore`` cannot tell for shared memory, whose pages are resident whoever maps them."""
+    rss = None
+    with open(f"/proc/{pid}/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "Rss:":
+                rss = int(line.split()[1]) * 1024
+                break
+    assert rss is not None, f"no mapping holds {addr:#x}"
+    return rss
+
+
+def _second_mapping(nbytes: int) -> tuple[mmap.mmap, mmap.mmap, int]:
+    """A shared memory file of ``nbytes`` written through one mapping (its pages exist) and mapped a second
+    time, as the disk I/O process maps the owner's slab: (first, second, the second's address)."""
+    import os
+    fd = os.memfd_create("tkv-test-slab")
+    try:
+        os.ftruncate(fd, nbytes)
+        a = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        b = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    a.write(b"\x01" * nbytes)
+    buf = ctypes.c_char.from_buffer(b)
+    addr = ctypes.addressof(buf)
+    del buf
+    return a, b, addr
+
+
+def test_populate_read_fills_a_second_mappings_page_table_without_changing_a_byte():
+    from tiered_kv.pages import populate_read
+    n = 8 << 20
+    a, b, addr = _second_mapping(n)
+    assert mapped_bytes(addr) == 0          # a's writes made the pages, not b's page table entries
+    done, secs, why = populate_read(addr, n)
+    if why == "EINVAL":
+        pytest.skip("kernel before 5.14: no MADV_POPULATE_READ")
+    assert (done, why) == (n, None) and secs >= 0
+    assert mapped_bytes(addr) == n
+    assert b[:] == b"\x01" * n
+
+
+def test_populate_read_stops_between_chunks_when_told():
+    from tiered_kv.pages import populate_read
+    n, chunk = 8 << 20, 1 << 20
+    a, b, addr = _second_mapping(n)
+    asked = []
+
+    def stop() -> bool:
+        asked.append(1)
+        return len(asked) > 3
+
+    done, _, why = populate_read(addr + 100, n - 100, stop, chunk=chunk)   # an unaligned start: its page too
+    if why == "EINVAL":
+        pytest.skip("kernel before 5.14: no MADV_POPULATE_READ")
+    assert (done, why) == (3 * chunk, "stopped")
+    assert 3 * chunk <= mapped_bytes(addr) <= 4 * chunk   # the kernel may map a few neighbours (fault-around)
+
+
+def test_populate_read_reports_a_refusal_by_its_errno_and_never_raises():
+    from tiered_kv.pages import populate_read
+
+    class Refusing:
+        def madvise(self, addr: int, n: int, advice: int) -> int:
+            ctypes.set_errno(errno.EINVAL)
+            return -1
+    assert populate_read(4096, 1 << 20, lib=Refusing())[::2] == (0, "EINVAL")   # type: ignore[arg-type]

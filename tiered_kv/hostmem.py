@@ -13,28 +13,24 @@ under the config's ``prefault_host_memory``.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import dataclasses
 import errno
 import logging
 import mmap
 import os
-import sys
 import time
 from typing import Any, Optional
 
 import torch
 
 from .errors import ConfigError
+from .pages import HUGE, MADV_HUGEPAGE, MADV_POPULATE_WRITE, PAGE, libc, madvise
 
 __all__ = ["HostMemory", "prepare_host_memory", "make_shared_rows", "register_pinned", "unregister_pinned"]
 
 log = logging.getLogger(__name__)
 
-_PAGE = mmap.PAGESIZE
-_HUGE = 2 << 20
-MADV_HUGEPAGE = 14            # linux/mman.h
-MADV_POPULATE_WRITE = 23      # linux/mman.h, Linux 5.14+
+_PAGE, _HUGE = PAGE, HUGE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,20 +42,7 @@ class HostMemory:
     seconds: float
 
 
-def _libc() -> Optional[ctypes.CDLL]:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    except OSError:
-        return None
-    lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    lib.madvise.restype = ctypes.c_int
-    return lib
-
-
-def _madvise(lib: Optional[ctypes.CDLL], addr: int, length: int, advice: int) -> bool:
-    return lib is not None and length > 0 and lib.madvise(addr, length, advice) == 0
+_libc, _madvise = libc, madvise   # module globals: the tests replace them
 
 
 def prepare_host_memory(rows: torch.Tensor, populate: bool = True, pinned: bool = False) -> HostMemory:

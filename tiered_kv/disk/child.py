@@ -9,6 +9,9 @@ package's ``__init__`` (no torch; see ``proc._BOOT``).  Invariants:
   writing their frame happen under one lock (``_Outbox.send``);
 * the status (queue, health, tombs, sizes) travels with every frame that carries anything but
   promote answers, and at least every ``_STATUS_S`` otherwise;
+* the child's mapping of the host slab gets its page table filled in the background at start
+  (:func:`_populate`): a promote's read into a slot this process never touched would otherwise take a
+  page fault per 4 KiB page;
 * the child dies with its owner (``PR_SET_PDEATHSIG``, checked against the owner's pid after it
   is armed); ``SIGINT`` is the engine's, not ours: only ``close()`` (the ``X`` op) or the owner's
   end stops the store.
@@ -30,6 +33,7 @@ from typing import Any, Callable, Optional
 
 from ..errors import DiskInUseError, DiskTierError
 from ..jobs import JobKind
+from ..pages import populate_read
 from ..reports import CompletionQueue, Report
 from .pipes import _frame, _Frames
 from .proc import _PR_SET_PDEATHSIG, _STATUS_S
@@ -135,6 +139,24 @@ def _status(store: Any) -> dict[str, Any]:
             "slots_in_use": store.slots_in_use}
 
 
+def _populate(mm: mmap.mmap, offset: int, nbytes: int, stop: threading.Event) -> None:
+    """Fill this process's page table for the host slab's rows (:func:`tiered_kv.pages.populate_read`),
+    at a lower priority than the reads and writes, which may run meanwhile (a slot not populated yet
+    only faults in as before).  Stops at close."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (OSError, AttributeError):   # pragma: no cover - not Linux
+        pass
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(mm)) + offset
+    done, secs, why = populate_read(addr, nbytes, stop.is_set)
+    log = logging.getLogger(__name__)
+    if why is None:
+        log.debug("disk I/O process: host slab mapped, %d bytes of page table filled in %.3f s", done, secs)
+    elif why != "stopped":
+        log.debug("disk I/O process: host slab's page table not filled past %d of %d bytes (%s): its pages "
+                  "fault in as first read or written", done, nbytes, why)
+
+
 def child_main() -> None:
     """The disk I/O process: ``argv`` = cmd fd, report fd, host slab fd, lock fd, owner pid."""
     cmd_fd, rep_fd, host_fd, lock_fd, owner = (int(a) for a in sys.argv[1:6])
@@ -163,6 +185,9 @@ def child_main() -> None:
     root.propagate = False
     mm = mmap.mmap(host_fd, offset + num_slots * row_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     rows = memoryview(mm)[offset:offset + num_slots * row_bytes]
+    stopping = threading.Event()
+    threading.Thread(target=_populate, args=(mm, offset, num_slots * row_bytes, stopping),
+                     name="tiered-kv-disk-populate", daemon=True).start()
 
     def view(slot: int) -> memoryview:
         return rows[slot * row_bytes:(slot + 1) * row_bytes]
@@ -181,7 +206,6 @@ def child_main() -> None:
                        _status(store))])
     q.status = lambda: _status(store)
     q.inline = True
-    stopping = threading.Event()
 
     def sender() -> None:
         while not stopping.is_set():
