@@ -75,6 +75,9 @@ def test_the_promote_baselines_and_one_at_a_time_loads_checked_their_bytes(smoke
         one = p["one_at_a_time"]["warm"]
         assert one["blocks"] >= 1 and one["misses"] == 0 and one["failed"] == 0 and one["bad_rows"] == 0
         assert one["tkv_us"]["n"] == 2 * one["blocks"] and one["raw_us"]["n"] == 2 * one["blocks"]
+        ar = p["after_reopen"]["warm"]   # loads right after a reopen: every one a promote that landed its bytes
+        assert ar["tkv"]["n"] == ar["raw_copy"]["n"] == ar["rounds"] >= 1
+        assert ar["misses"] == ar["failed"] == ar["bad_rows"] == ar["in_host_before"] == 0
 
 
 def test_the_engine_step_drives_both_systems_through_the_same_workload(smoke: dict[str, Any]) -> None:
@@ -175,7 +178,8 @@ def test_every_figure_has_value_baseline_ratio_target_met(smoke: dict[str, Any])
     assert any(i.startswith("disk.spill.") for i in ids) and any(i.startswith("disk.promote.") for i in ids)
     assert any(i.startswith("disk.spill_vs_diskcache.") for i in ids)
     assert any(i.startswith("cuda.") for i in ids)
-    assert {"trace.refs_per_s.host", "trace.refs_per_s.disk", "step.engine_cpu_us", "disk.promote_one.2097152.warm"} <= ids
+    assert {"trace.refs_per_s.host", "trace.refs_per_s.disk", "step.engine_cpu_us", "disk.promote_one.2097152.warm",
+            "disk.promote_reopen.2097152.warm"} <= ids
 
 
 def test_cuda_row_is_skipped_without_cuda(smoke: dict[str, Any]) -> None:

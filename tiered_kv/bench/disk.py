@@ -663,9 +663,39 @@ def _one_at_a_time(mgr: TierManager, dest: torch.Tensor, blocks: _Blocks, sets: 
             "ratio_median": _ratio(statistics.median(tkv_s), statistics.median(raw_s)) if tkv_s and raw_s else None}
 
 
+def _after_reopen(open_mgr: Callable[[], TierManager], dest: torch.Tensor, blocks: _Blocks, keys: Sequence[bytes],
+                  tdir: Path, raw: Callable[[bool, Sequence[int]], list[float]], rounds: int) -> dict[str, Any]:
+    """A working set loaded right after the manager is reopened (what a restarted server meets: a new
+    disk I/O process, which had mapped nothing of the host slab yet; an empty host tier), page cache
+    warm, beside the same blocks' ``pread`` + ``copy_``; rounds alternating, the open not timed."""
+    tkv: list[float] = []
+    base: list[float] = []
+    checks: list[dict[str, Any]] = []
+    order = list(range(len(keys)))
+    for rnd in range(rounds):
+        if rnd % 2:
+            base.append(_gbs(len(keys) * blocks.block_bytes, sum(raw(False, order))))
+        _read_through(tdir / SLOTS_NAME)
+        mgr = open_mgr()
+        try:
+            sec, chk = _tkv_load_set(mgr, dest, blocks, keys, False)
+        finally:
+            mgr.close()
+        tkv.append(_gbs(len(keys) * blocks.block_bytes, sec))
+        checks.append(chk)
+        if not rnd % 2:
+            base.append(_gbs(len(keys) * blocks.block_bytes, sum(raw(False, order))))
+    return {"rounds": rounds, "tkv": _fig(tkv), "raw_copy": _fig(base),
+            "misses": sum(c["misses"] for c in checks), "failed": sum(c["failed"] for c in checks),
+            "bad_rows": sum(c["bad_rows_checked"] for c in checks),
+            "in_host_before": sum(c["in_host_before"] for c in checks),
+            "ratio": _ratio(statistics.median(tkv), statistics.median(base))}
+
+
 def bench_promote(base: Path, blocks: _Blocks, *, n_blocks: Optional[int] = None, repeats: int = 5, warmup: int = 1,
                   seed: int = 0, with_diskcache: bool = True, warm_repeats: int = 3,
-                  recovery_bytes: int = 0, with_link: bool = True, one_blocks: int = 32) -> dict[str, Any]:
+                  recovery_bytes: int = 0, with_link: bool = True, one_blocks: int = 32,
+                  reopen_rounds: int = 3) -> dict[str, Any]:
     """Promote GB/s (keys only on disk, host tier cold) beside a raw file read and diskcache get, one block size.
 
     How the host tier is made cold: one manager (host tier of exactly one working set) spills
@@ -673,7 +703,8 @@ def bench_promote(base: Path, blocks: _Blocks, *, n_blocks: Optional[int] = None
     their pages were written with ``pwrite`` into the slot file and never mapped, so ``drop_caches``
     drops them.  Repeat r loads set r.  Warm repeats reload the first sets after reading the slot file
     once (untimed): the cold repeats' ``drop_caches`` had dropped them.  The reopen is measured apart
-    (``recovery_*``: cold open of the directory holding every set).
+    (``recovery_*``: cold open of the directory holding every set), and so are ``reopen_rounds`` loads of
+    a set right after a reopen of the same directory (:func:`_after_reopen`).
     """
     rng = random.Random(seed + 1)
     n = min(n_blocks or blocks.n_rows, blocks.n_rows)
@@ -823,6 +854,11 @@ def bench_promote(base: Path, blocks: _Blocks, *, n_blocks: Optional[int] = None
         mgr.close()
         if lmgr is not None:
             lmgr.close()
+    after_reopen = None
+    if reopen_rounds:
+        after_reopen = _after_reopen(
+            lambda: _manager(tdir, blocks, capacity=(n_sets + 1) * n * bb, host_bytes=n * bb, dev=dest_dev)[0],
+            dest_dev, blocks, sets[0], tdir, raw_pread_copy, reopen_rounds)
     _rmtree(tdir), _rmtree(ddir), _rmtree(ldir), rawf.unlink()
     reopen = _reopen_cold(base, blocks, recovery_bytes, rng) if recovery_bytes else None
     dropped = results["dropped"]
@@ -836,6 +872,7 @@ def bench_promote(base: Path, blocks: _Blocks, *, n_blocks: Optional[int] = None
                          "(rows of the device tensor's shape and dtype); no checksum",
         "raw_copy_bad_rows": results.get("raw_bad_rows", 0),
         "one_at_a_time": {"warm": one} if one else {},
+        "after_reopen": {"warm": after_reopen} if after_reopen else {},
         "diskcache_note": "diskcache: Cache.get(key) of every key (returns bytes)",
         "tkv_note": "tkv: load(key, row) of every key of a working set that is only on disk (pushed out of the "
                     "host tier by later sets, never read since it was written), then wait(); cold: page cache "
@@ -1252,27 +1289,29 @@ def bench_engine_latency(base: Path, blocks: _Blocks, *, seconds: float = 8.0, w
 # ----------------------------------------------------------------------------- all
 PLANS: dict[str, dict[str, Any]] = {
     # spill: (block bytes, durability, repeats, with diskcache, working set bytes);
-    # promote: (block bytes, repeats, warm repeats, bytes for the cold-reopen measurement)
+    # promote: (block bytes, repeats, warm repeats, bytes for the cold-reopen measurement); promote_reopen_rounds:
+    # loads of a set right after a reopen (_after_reopen)
     "full": {"spill_bytes": 256 * MiB,
              # odd repeats: the median drops a run that met one of this VM's slow-disk spells (several times slower
              # for a second or so, seen in the raw baseline too)
              "spill": [(2 * MiB, "batch", 5, True, 256 * MiB), (2 * MiB, "sync", 3, True, 256 * MiB),
                        (256 * KiB, "batch", 3, True, 128 * MiB), (256 * KiB, "sync", 3, False, 128 * MiB)],
              "promote_bytes": 64 * MiB, "promote": [(2 * MiB, 5, 5, 64 * MiB), (256 * KiB, 3, 5, 0)],
+             "promote_reopen_rounds": 3,
              "evict_capacity": 256 * MiB, "evict_total": 2 * GiB, "evict_repeats": 3,
              "lat_seconds": 6.0, "lat_warmup": 1.0, "lat_idle_seconds": 3.0, "lat_disk_keys": 160,
              "sizes": [2 * MiB, 256 * KiB], "drop_caches": True},
     "quick": {"spill_bytes": 64 * MiB,
               "spill": [(2 * MiB, "batch", 2, True, 64 * MiB), (2 * MiB, "sync", 1, True, 64 * MiB),
                         (256 * KiB, "batch", 2, False, 32 * MiB)],
-              "promote_bytes": 32 * MiB, "promote": [(2 * MiB, 2, 1, 32 * MiB)],
+              "promote_bytes": 32 * MiB, "promote": [(2 * MiB, 2, 1, 32 * MiB)], "promote_reopen_rounds": 2,
               "evict_capacity": 64 * MiB, "evict_total": 320 * MiB,
               "lat_seconds": 1.0, "lat_warmup": 0.5, "lat_idle_seconds": 0.5, "lat_disk_keys": 48,
               "sizes": [2 * MiB, 256 * KiB], "drop_caches": True},
     # a few seconds, for the tests: tiny sets, no drop_caches (the machine's page cache is shared)
     "smoke": {"spill_bytes": 16 * MiB,
               "spill": [(2 * MiB, "batch", 1, True, 16 * MiB)],
-              "promote_bytes": 8 * MiB, "promote": [(2 * MiB, 1, 1, 0)],
+              "promote_bytes": 8 * MiB, "promote": [(2 * MiB, 1, 1, 0)], "promote_reopen_rounds": 1,
               "evict_capacity": 8 * MiB, "evict_total": 24 * MiB, "evict_repeats": 2,
               "lat_seconds": 0.4, "lat_warmup": 0.1, "lat_idle_seconds": 0.2, "lat_disk_keys": 8, "lat_queue": 32,
               "sizes": [2 * MiB], "drop_caches": False, "hot_memory": False},
@@ -1334,7 +1373,8 @@ def run_all(quick: Any = False, seed: int = 0, base_dir: Optional[str] = None,
             for bb, reps, warm, rec in plan["promote"]:
                 with step(f"promote {bb // KiB} KiB"):
                     r["promote"].append(bench_promote(base, blocks[bb], n_blocks=plan["promote_bytes"] // bb,
-                                                      repeats=reps, warm_repeats=warm, seed=seed, recovery_bytes=rec))
+                                                      repeats=reps, warm_repeats=warm, seed=seed, recovery_bytes=rec,
+                                                      reopen_rounds=plan.get("promote_reopen_rounds", 3)))
         if "evicting" in sections:
             with step(f"evicting: capacity {plan['evict_capacity'] // MiB} MiB, {plan['evict_total'] // MiB} MiB written"):
                 r["evicting"] = bench_evicting(base, blocks[2 * MiB], capacity=plan["evict_capacity"],
@@ -1419,6 +1459,10 @@ def format_report(r: dict[str, Any]) -> str:
                 lines.append(f"      {st:4} one at a time, us per block ({one['blocks']} blocks x 2 rounds): "
                              f"load+wait {_dist(one['tkv_us'], '.0f')}; pread+copy_ {_dist(one['raw_us'], '.0f')}; "
                              f"ratio of medians {_f(one['ratio_median'])}")
+            for st, ar in (p.get("after_reopen") or {}).items():
+                lines.append(f"      {st:4} right after a reopen ({ar['rounds']} rounds, a new disk I/O process each): "
+                             f"tkv {_dist(ar['tkv'])}; pread+copy_ {_dist(ar['raw_copy'])}; ratio of medians "
+                             f"{_f(ar['ratio'])}; misses {ar['misses']}, failed {ar['failed']}, wrong rows {ar['bad_rows']}")
             ro = p.get("reopen_cold")
             if ro:
                 lines.append(f"      reopen on a cold page cache: open {_f(ro['open_seconds'])} s, recovery "

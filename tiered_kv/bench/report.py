@@ -350,6 +350,17 @@ def _disk_figures(d: dict[str, Any]) -> list[dict[str, Any]]:
                     note=f"load(key, row) then wait([job]), {one['blocks']} blocks one by one, median per block; "
                          f"p90 {one['tkv_us']['p90']:.0f} us (baseline {one['raw_us']['p90']:.0f}); "
                          f"misses {one['misses']}, failed {one['failed']}, wrong rows {one['bad_rows']}"))
+            ar = (p.get("after_reopen") or {}).get(st)
+            if ar:
+                # no target of its own (the promote figure is the load above): what a restarted server meets
+                out.append(_fig(
+                    "disk tier", f"disk.promote_reopen.{bb}.{st}",
+                    f"promote right after a reopen (new disk I/O process), {_size(bb)}, {state}", "GB/s",
+                    ar["tkv"]["median"], ar["raw_copy"]["median"],
+                    "pread() of each block into a buffer, then copy_ into its row (no checksum)", "raw pread+copy_",
+                    stats={"value": ar["tkv"], "baseline": ar["raw_copy"]},
+                    note=f"a reopen then load() of a working set, {ar['rounds']} rounds; misses {ar['misses']}, "
+                         f"failed {ar['failed']}, wrong rows {ar['bad_rows']}"))
             tgt = TARGETS["promote_vs_diskcache"] if bb == 2 * MiB else None
             if "diskcache" in f:
                 out.append(_fig(
@@ -710,6 +721,12 @@ def problems(result: dict[str, Any]) -> dict[str, list[str]]:
             if one.get("misses") or one.get("failed"):
                 other.append(f"promote one at a time {_size(p['block_bytes'])} {st}: {one['misses']} misses, "
                              f"{one['failed']} failed")
+        for st, ar in (p.get("after_reopen") or {}).items():
+            if ar.get("bad_rows"):
+                wrong.append(f"promote after a reopen {_size(p['block_bytes'])} {st}: {ar['bad_rows']} rows with wrong bytes")
+            if ar.get("misses") or ar.get("failed") or ar.get("in_host_before"):
+                other.append(f"promote after a reopen {_size(p['block_bytes'])} {st}: {ar['misses']} misses, "
+                             f"{ar['failed']} failed, {ar['in_host_before']} loads found their key in the host tier")
         if p.get("link_bad_blocks"):
             wrong.append(f"promote link {_size(p['block_bytes'])}: {p['link_bad_blocks']} host blocks with wrong bytes")
         if p.get("link_misses") or p.get("link_failed"):
