@@ -614,3 +614,23 @@ def test_a_lone_held_read_runs_on_the_calling_thread_when_asked(tmp_path: Path) 
     finally:
         store.close()
 
+
+def test_the_childs_frames_to_an_owner_gone_are_dropped_not_raised() -> None:
+    """An owner that exits without close() closes its end of the report pipe before the kernel kills the
+    child with it: a frame sent meanwhile must not raise BrokenPipeError in the child's sender or reader
+    thread (a traceback on the engine's terminal)."""
+    from tiered_kv.disk import child
+
+    r, w = os.pipe()
+    try:
+        write = child._pipe_writer(w)
+        write(b"frame one")
+        assert os.read(r, 64) == b"frame one"
+        os.close(r)
+        r = -1
+        write(b"frame two")            # the owner is gone: dropped
+        write(b"frame three")          # and so is every later one, without another try
+    finally:
+        os.close(w)
+        if r >= 0:
+            os.close(r)

@@ -139,6 +139,23 @@ def _status(store: Any) -> dict[str, Any]:
             "slots_in_use": store.slots_in_use}
 
 
+def _pipe_writer(fd: int) -> Callable[[bytes], None]:
+    """Write all of a frame to the owner.  Once the owner is gone (it exited without ``close()``: its end
+    of the pipe is closed before it is killed with us), nobody reads what follows: it is dropped, not
+    raised in the thread that sent it (which would print a traceback on the engine's terminal)."""
+    gone = False
+
+    def write(data: bytes) -> None:
+        nonlocal gone
+        view = memoryview(data)
+        while view and not gone:
+            try:
+                view = view[os.write(fd, view):]
+            except BrokenPipeError:
+                gone = True
+    return write
+
+
 def _populate(mm: mmap.mmap, offset: int, nbytes: int, stop: threading.Event) -> None:
     """Fill this process's page table for the host slab's rows (:func:`tiered_kv.pages.populate_read`),
     at a lower priority than the reads and writes, which may run meanwhile (a slot not populated yet
@@ -168,11 +185,7 @@ def child_main() -> None:
     from .store import DiskStore   # the disk package, imported here without torch (see _BOOT)
 
     frames = _Frames(cmd_fd)
-
-    def write(data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(rep_fd, view):]
+    write = _pipe_writer(rep_fd)
 
     def send(items: list[Any]) -> None:
         write(_frame(items))
