@@ -556,6 +556,15 @@ def test_a_readers_answer_leaves_at_once_behind_what_was_queued_before_it() -> N
     assert frames[0][-1][0] == "s"                   # not only reads: the status comes along
 
 
+def test_a_readers_run_of_answers_leaves_in_one_frame_and_a_mixed_group_waits_for_the_sender() -> None:
+    box, frames = _outbox()
+    run = [_report("promote") for _ in range(3)]
+    box.put_many(run)
+    assert len(frames) == 1 and [it[1] for it in frames[0] if it[0] == "r"] == [r.token.int for r in run]
+    box.put_many([_report("promote"), _report("spill")])   # not promote answers alone: the sender's to send
+    assert len(frames) == 1 and box.pending()
+
+
 def test_a_readers_answer_waits_for_a_frame_being_written_and_is_not_lost() -> None:
     box, frames = _outbox()
     assert box._sending.acquire()                    # another thread is writing a frame
@@ -596,9 +605,9 @@ def test_a_lone_held_read_runs_on_the_calling_thread_when_asked(tmp_path: Path) 
         seen: list[str] = []
         real = store.readers._answer
 
-        def answer(op, r):  # type: ignore[no-untyped-def]
+        def answer(group):  # type: ignore[no-untyped-def]
             seen.append(threading.current_thread().name)
-            real(op, r)
+            real(group)
 
         store.readers._answer = answer
         dst = bytearray(4096)

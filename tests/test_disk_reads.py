@@ -157,7 +157,7 @@ class PreadvLog:
 
 def answers(store: Store, ops: list[_Promote]) -> dict[bytes, Report]:
     """Run the batch path on this thread; every read answered exactly once; key -> report."""
-    got = list(store.s.readers._read_many(ops))
+    got = [x for group in store.s.readers._read_many(ops) for x in group]
     assert sorted(id(op) for op, _ in got) == sorted(id(op) for op in ops), "a read answered twice or not at all"
     assert all(r.token == op.token for op, r in got)
     return {op.key: r for op, r in got}
@@ -282,7 +282,7 @@ def test_a_batch_answers_what_single_reads_answer(tmp_path_factory, data):
             return [st_.op(k, uuid.uuid4() if damage.get(k) == "stale" else None) for k in picked]
         single = [(op, st_.s.readers._read(op)) for op in ops()]
         batch_ops = ops()
-        got = list(st_.s.readers._read_many(batch_ops))
+        got = [x for group in st_.s.readers._read_many(batch_ops) for x in group]
         assert sorted(id(op) for op, _ in got) == sorted(id(op) for op in batch_ops)
         by_op = {id(op): r for op, r in got}
         for (sop, sr), bop in zip(single, batch_ops):
@@ -313,7 +313,7 @@ def test_a_slot_reused_between_the_batch_lookup_and_its_read_is_a_superseded_mis
     monkeypatch.setattr(disk_mod.os, "preadv", preadv)
     ops = [st_.op(k) for k in ks]
     got: list = []
-    t = threading.Thread(target=lambda: got.extend(st_.s.readers._read_many(ops)), name="batch")
+    t = threading.Thread(target=lambda: got.extend(x for g in st_.s.readers._read_many(ops) for x in g), name="batch")
     t.start()
     assert held.wait(30)                              # the records are looked up, no byte read yet
     st_.s.submit_delete(st_.tokens[ks[1]], ks[1])     # durability "none": slot 1 is free at once
@@ -467,6 +467,22 @@ def test_an_exception_after_some_runs_fails_only_the_reads_not_yet_answered(make
     assert [got[k].ok for k in ks] == [True, True, True, True, False, False]   # runs 0-1, 2-3 went out
     assert all(bytes_ok(op, ROW) for op in ops if got[op.key].ok)
     assert st_.q.get(0.0) is None and not st_.early
+
+
+def test_a_runs_answers_leave_together_in_one_put(make_store, monkeypatch):
+    """A reader hands its queue a run's answers in one call (the disk I/O process sends them as one frame:
+    one wake-up of the owner per run, not per block), and those its lookups answered in another, first."""
+    ks = keys(6)
+    st_ = make_store(ks, read_run_bytes=3 * ROW)
+    groups: list[list[uuid.UUID]] = []
+    real = st_.q.put_many
+    monkeypatch.setattr(st_.q, "put_many", lambda items: (groups.append([r.token for r in items]), real(items)))
+    by_key = {k: st_.op(k) for k in (ks[5], ks[0], ks[1], ks[2], ks[4], ks[3])}
+    absent = st_.op(b"absent")
+    st_.s.readers._run(list(by_key.values()) + [absent])
+    assert groups == [[absent.token], [by_key[k].token for k in ks[:3]], [by_key[k].token for k in ks[3:]]]
+    assert all(st_.answer(op.token).ok and bytes_ok(op, ROW) for op in by_key.values())
+    assert not st_.answer(absent.token).ok
 
 
 # ============================================================================ 5. the reader thread

@@ -42,6 +42,12 @@ class CompletionQueue:
     def put(self, item: Any) -> None:
         self._q.put(item)
 
+    def put_many(self, items: list[Any]) -> None:
+        """``put`` of each of ``items``, in order (a queue that sends them on may send them together)."""
+        put = self.put
+        for it in items:
+            put(it)
+
     def drain(self) -> list[Any]:
         """Every report queued so far (one consumer: ``qsize()`` items are there to take)."""
         q = self._q

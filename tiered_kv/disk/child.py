@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from ..errors import DiskInUseError, DiskTierError
 from ..jobs import JobKind
@@ -63,8 +63,9 @@ class _Outbox(CompletionQueue):
     Taking the queued items and writing their frame happen under one lock (``_sending``), so frames
     leave in the order their items were put (a flush's answer never overtakes the spill reports
     it covers).  The sender thread sends whatever is queued (waking at least every ``_STATUS_S``
-    with a status); a reader that answers a promote sends at once itself when no other frame is
-    being written, saving the owner's read a thread hand-off."""
+    with a status); a reader that answers promotes (a run's, together: :meth:`put_many`) sends
+    them at once itself when no other frame is being written, saving the owner's read a thread
+    hand-off."""
 
     def __init__(self, write: Callable[[bytes], None]) -> None:
         super().__init__()
@@ -77,13 +78,17 @@ class _Outbox(CompletionQueue):
         self.status_at = 0.0  # when the last status was sent (monotonic)
 
     def put(self, item: Any) -> None:
-        inline = self.inline and type(item) is Report and item.kind is JobKind.PROMOTE
+        self.put_many((item,))
+
+    def put_many(self, items: Sequence[Any]) -> None:
+        """Queue ``items``; promote answers (a reader's run of them) leave at once, in one frame."""
+        inline = self.inline and all(type(it) is Report and it.kind is JobKind.PROMOTE for it in items)
         with self._cond:
-            self._items.append(item)
-            if not inline:   # the reader sends its own answer: waking the sender would only contend
+            self._items.extend(items)
+            if not inline:   # the reader sends its own answers: waking the sender would only contend
                 self._cond.notify()
         if inline:
-            if not self.send(block=False):   # another frame is being written: the sender takes this
+            if not self.send(block=False):   # another frame is being written: the sender takes these
                 with self._cond:
                     self._cond.notify()
 

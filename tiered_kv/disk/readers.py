@@ -114,32 +114,34 @@ class Readers:
         answered: set[uuid.UUID] = set()
         try:
             # a lone read skips the batch machinery: less time per read, same outcomes
-            for op, r in (self._read_many(ops) if len(ops) > 1 else [(first, self._read(first))]):
-                self._answer(op, r)
-                answered.add(op.token)
+            for group in (self._read_many(ops) if len(ops) > 1 else [[(first, self._read(first))]]):
+                self._answer(group)
+                answered.update(op.token for op, _ in group)
         except BaseException as exc:
             # a bug or an interrupt inside the read path: every read taken is still answered
             # once (failed, its entry removed like any unreadable one), and the reader goes on
             self._on_error("reader_error", repr(exc))
-            for op in ops:
-                if op.token not in answered:
-                    self._answer(op, Report(op.token, JobKind.PROMOTE, False, f"{READ_FAILED} ({exc!r})"))
+            self._answer([(op, Report(op.token, JobKind.PROMOTE, False, f"{READ_FAILED} ({exc!r})"))
+                          for op in ops if op.token not in answered])
             if not isinstance(exc, Exception):
                 raise
 
-    def _answer(self, op: Promote, r: Report) -> None:
-        if not r.ok and r.error is not None:
-            # a bad entry stays out of the owner's index from now on: remove it here, where the
-            # reason is known, so that it holds no slot outside the capacity count
-            # token-matched (never a newer write of the key), and never re-read by the writer: the
-            # owner has forgotten the entry, so one kept because a second read found it good would
-            # hold a slot outside the capacity count, and a record whose length field is damaged
-            # would fail every later batch when the writer tried to read that many bytes
-            if r.error.startswith(CORRUPT):
-                self._push(Delete(op.expect, op.key, unparseable_too=True))
-            elif r.error.startswith(READ_FAILED):
-                self._push(Delete(op.expect, op.key))      # only if still the write that was read
-        self._out.put(r)
+    def _answer(self, group: list[tuple[Promote, Report]]) -> None:
+        """Answer reads that leave together (a run's: one frame to the owner, one wake-up of its thread)."""
+        for op, r in group:
+            if not r.ok and r.error is not None:
+                # a bad entry stays out of the owner's index from now on: remove it here, where the
+                # reason is known, so that it holds no slot outside the capacity count
+                # token-matched (never a newer write of the key), and never re-read by the writer: the
+                # owner has forgotten the entry, so one kept because a second read found it good would
+                # hold a slot outside the capacity count, and a record whose length field is damaged
+                # would fail every later batch when the writer tried to read that many bytes
+                if r.error.startswith(CORRUPT):
+                    self._push(Delete(op.expect, op.key, unparseable_too=True))
+                elif r.error.startswith(READ_FAILED):
+                    self._push(Delete(op.expect, op.key))      # only if still the write that was read
+        if group:
+            self._out.put_many([r for _, r in group])
 
     def _take_queued(self, first: Union[Promote, list[Promote]]) -> tuple[list[Promote], bool]:
         """``first`` (a read, or a batch from :meth:`start`) and the reads queued behind it, up to
@@ -159,9 +161,11 @@ class Readers:
             else:
                 ops.append(nxt)
         return ops, False
-    def _read_many(self, ops: list[Promote]) -> Iterator[tuple[Promote, Report]]:
+
+    def _read_many(self, ops: list[Promote]) -> Iterator[list[tuple[Promote, Report]]]:
         """The reads of a batch: index records in one read transaction, slots in file order, runs of
-        neighbouring slots in one ``preadv``; reports in file order, each run's as soon as it is verified.
+        neighbouring slots in one ``preadv``; reports in file order, each run's as soon as it is verified,
+        in groups that leave together (a run's; those the lookups answered; a read done on its own).
 
         Why: a slot nobody read lately comes from the device, and slots are
         allocated in the writer's order, not the engine's.  In queue order the
@@ -183,7 +187,7 @@ class Readers:
         env = self._db.env
         if env is None:
             for op in ops:
-                yield op, self._read(op)
+                yield [(op, self._read(op))]
             return
         done: list[tuple[Promote, Report]] = []
         try:
@@ -200,9 +204,10 @@ class Readers:
                 self._db.rw.release_shared()
         except lmdb.Error:
             for op in ops:
-                yield op, self._read(op)
+                yield [(op, self._read(op))]
             return
-        yield from done
+        if done:
+            yield done
         todo.sort(key=lambda x: x[0])
         pad = memoryview(bytearray(sb - n)) if sb > n else None
         most = max(1, min(IOV_MAX_SLOTS, self.opts.read_run_bytes // sb))
@@ -233,18 +238,18 @@ class Readers:
                     got = os.preadv(fd, iov, run[0][0] * sb)   # straight into the host slots, no GIL
                 except OSError as exc:
                     if len(run) == 1:   # that was the read: it failed
-                        yield run[0][1], self._read_failed(run[0][1], exc)
+                        yield [(run[0][1], self._read_failed(run[0][1], exc))]
                     else:               # find which slots fail: each on its own
                         for _, op, _, _ in run:
-                            yield op, self._read(op)
+                            yield [(op, self._read(op))]
                     t_last = time.perf_counter()
                     continue
-            # the run's reports leave together: the owner wakes once per run, not once per block
+            # the run's reports leave together (one frame): the owner wakes once per run, not once per block
             answers = []
             for k, (_, op, value, h) in enumerate(run):
                 answers.append((op, self._verify(op, value, max(0, min(n, got - k * sb)), t_last, h)))
                 t_last = time.perf_counter()
-            yield from answers
+            yield answers
 
     def _lookup(self, txn: Any, op: Promote, t0: float) -> Union[Report, tuple[bytes, EntryHeader]]:
         """Inside a read transaction: the read's answer (a Report), or its index record and header to read."""
