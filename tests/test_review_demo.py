@@ -298,3 +298,64 @@ def test_json_figures_agree_with_the_table(tmp_path: Path, capsys: pytest.Captur
     assert s["lookup_hits"] == sum(s["hits_by_tier"].values())
     assert s["blocks_computed"] >= s["blocks_needed"] - s["lookup_hits"]
     assert s["recompute_avoided_tokens"] == s["loads_ok"] * s["tokens_per_block"]
+
+
+# ======================================================================= Ctrl-C and --linger
+@pytest.fixture
+def servers(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every /metrics server the CLI starts, with whether it was closed (``closed`` attribute list)."""
+    import tiered_kv.exposition as expo
+
+    made: list[Any] = []
+    real = expo.serve_metrics
+
+    def recording(*a: Any, **kw: Any) -> Any:
+        s = real(*a, **kw)
+        made.append(s)
+        return s
+
+    monkeypatch.setattr(expo, "serve_metrics", recording)
+    return made
+
+
+def _port_open(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_ctrl_c_during_the_run_stops_at_once_and_closes_metrics_without_lingering(monkeypatch, capsys, servers):
+    """A Ctrl-C is the user asking to stop: the run's /metrics is not kept up for --linger seconds."""
+    import tiered_kv.tools.cli as cli
+
+    slept: list[float] = []
+    monkeypatch.setattr(cli.time, "sleep", slept.append)
+
+    def interrupted(cfg: Any, *a: Any, on_manager: Any = None, **kw: Any) -> dict[str, Any]:
+        on_manager(None)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "run_workload", interrupted)
+    rc, _, err = _cli(capsys, "demo", "--metrics-port", "0", "--linger", "600", "--no-progress")
+    assert rc == 130 and slept == [] and "keeping /metrics up" not in err
+    assert len(servers) == 1 and not _port_open(servers[0].port)
+
+
+def test_a_second_ctrl_c_while_lingering_still_closes_metrics(monkeypatch, capsys, servers):
+    import tiered_kv.tools.cli as cli
+
+    def second_ctrl_c(seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.time, "sleep", second_ctrl_c)
+
+    def finished(cfg: Any, *a: Any, on_manager: Any = None, **kw: Any) -> dict[str, Any]:
+        on_manager(None)
+        return {}
+
+    monkeypatch.setattr(demo, "run_workload", finished)
+    rc, _, err = _cli(capsys, "demo", "--metrics-port", "0", "--linger", "600", "--no-progress")
+    assert rc == 130 and "keeping /metrics up for 600 s" in err
+    assert len(servers) == 1 and not _port_open(servers[0].port)

@@ -80,26 +80,36 @@ def _run_one(args: argparse.Namespace, offload: str, label: str, remote: bool = 
             server = serve_metrics(args.metrics_port, addr=args.metrics_addr, registry=registry)
             print(f"serving /metrics on http://{args.metrics_addr}:{server.port}/metrics", file=sys.stderr, flush=True)
 
-    bar = tqdm(total=100, desc=label, unit="%", disable=args.no_progress, file=sys.stderr,
-               bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}<{remaining}")
+    # no bar at all with --no-progress: a disabled tqdm still starts its monitor thread
+    bar = None if args.no_progress else tqdm(total=100, desc=label, unit="%", file=sys.stderr,
+                                             bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}<{remaining}")
     last = [0]
 
     def progress(frac: float) -> None:
         n = int(frac * 100)
         if n > last[0]:
-            bar.update(n - last[0])
+            if bar is not None:
+                bar.update(n - last[0])
             last[0] = n
 
+    interrupted = False
     try:
         summary = run_workload(cfg, registry=registry, progress=progress, on_manager=on_manager)
-        bar.update(100 - last[0])
+        if bar is not None:
+            bar.update(100 - last[0])
+    except KeyboardInterrupt:   # the user asked to stop: no lingering
+        interrupted = True
+        raise
     finally:
-        bar.close()
-        if server is not None and args.linger > 0:
-            print(f"keeping /metrics up for {args.linger:g} s", file=sys.stderr, flush=True)
-            time.sleep(args.linger)
-        if server is not None:
-            server.close()
+        if bar is not None:
+            bar.close()
+        try:
+            if server is not None and args.linger > 0 and not interrupted:
+                print(f"keeping /metrics up for {args.linger:g} s", file=sys.stderr, flush=True)
+                time.sleep(args.linger)
+        finally:   # a second Ctrl-C while lingering still closes the server
+            if server is not None:
+                server.close()
     return summary
 
 
@@ -209,7 +219,8 @@ def _parser() -> argparse.ArgumentParser:
                         "default: none, no server needed")
     d.add_argument("--metrics-port", type=int, default=None, help="serve /metrics on this port while running")
     d.add_argument("--metrics-addr", default="127.0.0.1", help="address for --metrics-port")
-    d.add_argument("--linger", type=float, default=0.0, help="keep /metrics up this long after the run")
+    d.add_argument("--linger", type=float, default=0.0,
+                   help="keep /metrics up this many seconds after the run (not after a Ctrl-C)")
     d.add_argument("--compare", action="store_true",
                    help="run no offload, host only and host+disk side by side (and host+disk+remote with --remote-url)")
     d.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
