@@ -394,6 +394,19 @@ def test_the_child_maps_the_whole_host_slab_before_any_read_touches_it(rig: Rig)
     assert mgr.disk_blocks == 0 and metric_sum(mgr, "tiered_kv_jobs_total") == 0   # no spill or read did it
 
 
+def test_the_child_leaves_the_slab_unmapped_when_prefault_is_off(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+    """``prefault_host_memory=False``: the owner leaves its slab unfaulted, and the child must not fill
+    its page table either, which would allocate every page of the slab in the background."""
+    row = 64 << 10
+    kv = make_kv(rows=4, row_bytes=row)
+    with caplog.at_level(logging.DEBUG, logger="tiered_kv"):
+        mgr = rig.open(kv, host_slots=64, disk_slots=64, prefault_host_memory=False)
+    assert any("left to fill as slots are first read or written" in r.getMessage() for r in caplog.records)
+    assert not any("page table filled" in r.getMessage() for r in caplog.records)
+    assert mgr.flush(timeout=30)   # a round trip through the child
+    assert _slab_mapped_bytes(_child(mgr).pid) == 0
+
+
 # --------------------------------------------------------------------------- logs
 def test_the_childs_log_records_reach_the_engines_logging(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
     kv = make_kv(rows=4)

@@ -105,8 +105,9 @@ class TieredKVConfig:
     prefault_host_memory: fault an unpinned (CPU) host slab's pages in at start,
         with transparent huge pages where the kernel allows them, so that the
         engine's first stores copy at full speed (:mod:`tiered_kv.hostmem`; it
-        costs about 0.25 s per GiB at start on the reference VM).  ``False``
-        leaves the faults to the first stores.  Pinned slabs are resident already.
+        costs about 0.25 s per GiB at start on the reference VM); the disk I/O
+        process fills its own mapping's page table in the background too.  ``False``
+        leaves the faults to the first stores and reads.  Pinned slabs are resident already.
     max_key_bytes: longest accepted key (at most 65535: a disk entry's header stores its length in 16 bits).
     writer_queue_blocks: bound of the disk writer's queue (spills shed beyond).
         ``None``: four write batches (of the size below, configured or derived), at least 256.

@@ -187,7 +187,8 @@ class TierManager:
             if pin:
                 register_pinned(self._host_rows)
                 self._host_pinned = True
-            host = SharedHost(self._host_fd, 0, num_slots, self.row_bytes, self._host_rows.data_ptr())
+            host = SharedHost(self._host_fd, 0, num_slots, self.row_bytes, self._host_rows.data_ptr(),
+                              config.prefault_host_memory)
         else:
             try:
                 self._host_rows = torch.empty((num_slots, self.row_bytes), dtype=torch.uint8, pin_memory=pin)

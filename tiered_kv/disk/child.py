@@ -10,8 +10,8 @@ package's ``__init__`` (no torch; see ``proc._BOOT``).  Invariants:
 * the status (queue, health, tombs, sizes) travels with every frame that carries anything but
   promote answers, and at least every ``_STATUS_S`` otherwise;
 * the child's mapping of the host slab gets its page table filled in the background at start
-  (:func:`_populate`): a promote's read into a slot this process never touched would otherwise take a
-  page fault per 4 KiB page;
+  (:func:`_populate`, unless ``prefault_host_memory`` is off): a promote's read into a slot this process
+  never touched would otherwise take a page fault per 4 KiB page;
 * the child dies with its owner (``PR_SET_PDEATHSIG``, checked against the owner's pid after it
   is armed); ``SIGINT`` is the engine's, not ours: only ``close()`` (the ``X`` op) or the owner's
   end stops the store.
@@ -195,7 +195,7 @@ def child_main() -> None:
     def send(items: list[Any]) -> None:
         write(_frame(items))
 
-    opts, offset, num_slots, row_bytes, level = frames.next()
+    opts, offset, num_slots, row_bytes, level, populate = frames.next()
     q = _Outbox(write)
     root = logging.getLogger("tiered_kv")
     root.setLevel(level)
@@ -204,8 +204,12 @@ def child_main() -> None:
     mm = mmap.mmap(host_fd, offset + num_slots * row_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     rows = memoryview(mm)[offset:offset + num_slots * row_bytes]
     stopping = threading.Event()
-    threading.Thread(target=_populate, args=(mm, offset, num_slots * row_bytes, stopping),
-                     name="tiered-kv-disk-populate", daemon=True).start()
+    if populate:
+        threading.Thread(target=_populate, args=(mm, offset, num_slots * row_bytes, stopping),
+                         name="tiered-kv-disk-populate", daemon=True).start()
+    else:
+        logging.getLogger(__name__).debug("disk I/O process: host slab's page table left to fill as slots are first "
+                                          "read or written (prefault_host_memory off)")
 
     def view(slot: int) -> memoryview:
         return rows[slot * row_bytes:(slot + 1) * row_bytes]

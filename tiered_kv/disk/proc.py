@@ -84,12 +84,15 @@ class ProcessStartError(DiskTierError):
 class SharedHost:
     """Where the host slab lives for another process: an open file (a memfd, or the vLLM adapter's
     ``/dev/shm`` file) holding ``num_slots`` rows of ``row_bytes`` from ``offset`` on, and the
-    address of row 0 in this process (to turn a slot's memoryview into its number)."""
+    address of row 0 in this process (to turn a slot's memoryview into its number).  ``populate``:
+    the other process fills its page table for the rows at start (``prefault_host_memory``; off, it
+    would allocate a slab the owner was told to leave unfaulted)."""
     fd: int
     offset: int
     num_slots: int
     row_bytes: int
     base_addr: int
+    populate: bool = True
 
 
 # ---------------------------------------------------------------------------- the owner's side
@@ -156,7 +159,7 @@ class ProcessDiskStore:
         frames = _Frames(rep_r)
         try:
             os.write(cmd_w, _frame((self.opts, h.offset, h.num_slots, h.row_bytes,
-                                    logging.getLogger("tiered_kv").getEffectiveLevel())))
+                                    logging.getLogger("tiered_kv").getEffectiveLevel(), h.populate)))
             first = self._first_frame(frames)
         except OSError as exc:   # the child died at once (EPIPE)
             self._kill()

@@ -93,7 +93,8 @@ class SlabScheduler:
         host: Optional[SharedHost] = None
         if config.disk_path is not None and config.disk_io == "process":
             self._host_fd = os.open(slab.path, os.O_RDWR | os.O_CLOEXEC)
-            host = SharedHost(self._host_fd, slab.rows_offset, slab.num_slots, slab.row_bytes, slab.rows.data_ptr())
+            host = SharedHost(self._host_fd, slab.rows_offset, slab.num_slots, slab.row_bytes, slab.rows.data_ptr(),
+                              config.prefault_host_memory)
         try:
             core = self.core = TierCore(config, slab.rows, metrics, token_start=slab.max_seq() + 1,
                                         collect_evicted=True, collect_published=collect_published, host=host)
