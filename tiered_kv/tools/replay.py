@@ -27,6 +27,7 @@ import shutil
 import sys
 import tempfile
 import time
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -44,19 +45,19 @@ def parse_size(text: str, distinct: int, block_bytes: int) -> int:
     (bytes of the model's blocks).  Raises ValueError naming the text."""
     t = text.strip()
     m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*%", t)
-    if m:
-        blocks = math.floor(float(m.group(1)) / 100 * distinct)
+    if m:   # exact arithmetic: 29% of 100 is 29 (0.29 * 100 in floats is 28.999...)
+        blocks = math.floor(Fraction(m.group(1)) * distinct / 100)
     else:
         m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([A-Za-z]*)", t)
         if not m:
             raise ValueError(f"size {text!r}: expected blocks (4096), a share of the distinct blocks (2%) or bytes (8GiB)")
-        num, unit = float(m.group(1)), m.group(2).lower()
+        num, unit = Fraction(m.group(1)), m.group(2).lower()
         if unit in ("", "blocks"):
-            if not num.is_integer():
+            if num.denominator != 1:
                 raise ValueError(f"size {text!r}: a block count must be whole")
             blocks = int(num)
         elif unit in _UNITS:
-            blocks = int(num * _UNITS[unit]) // block_bytes
+            blocks = math.floor(num * _UNITS[unit]) // block_bytes
         else:
             raise ValueError(f"size {text!r}: unknown unit {m.group(2)!r} (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
     if blocks < 1:
@@ -109,7 +110,7 @@ def replay(requests: Sequence[Any], host_blocks: int, disk_blocks: int, *, host_
     from .tracetools import hit_tokens
 
     reqs = keys_of([list(r.hash_ids) for r in requests])
-    rows = PER_STEP * max(len(k) for k in reqs)
+    rows = PER_STEP * max(1, max(len(k) for k in reqs))   # a trace of no block references: one idle row
     tmp = tempfile.mkdtemp(prefix="tkv-replay-", dir=scratch) if disk_blocks else None
     try:
         cfg = TieredKVConfig(namespace="tiered-kv/replay", host_capacity_bytes=host_blocks * ROW_BYTES,
@@ -174,6 +175,14 @@ def _run(args: argparse.Namespace) -> int:
     from .tracetools import TraceError, belady, read_trace, simulate, simulate_tiers, trace_stats
 
     try:
+        if args.requests is not None and args.requests < 1:
+            raise ValueError(f"--requests must be >= 1, got {args.requests}")
+        if args.sweep:   # found before the run, not after it
+            from ..bench.plots import matplotlib_missing
+
+            why = matplotlib_missing()
+            if why is not None:
+                raise ValueError(f"--sweep needs matplotlib (pip install 'tiered-kv[bench]'): {why}")
         requests = read_trace(args.trace, limit=args.requests)
         block_bytes, model = parse_model(args.model, args.dtype, args.tokens_per_block)
         stats = trace_stats(requests)
@@ -188,6 +197,9 @@ def _run(args: argparse.Namespace) -> int:
                            ("--scratch", Path(args.scratch) if args.scratch else None)):
             if where is not None and not (where.is_dir() and os.access(where, os.W_OK)):
                 raise ValueError(f"{opt}: {str(where)!r} is not a writable directory")
+        for opt, path in (("--json", args.json), ("--sweep", args.sweep)):
+            if path and Path(path).is_dir():
+                raise ValueError(f"{opt}: {str(path)!r} is a directory, not a file to write")
     except (TraceError, ValueError, OSError) as exc:
         print(f"tiered-kv replay: {exc}", file=sys.stderr)
         return 2
@@ -242,12 +254,6 @@ def _run(args: argparse.Namespace) -> int:
     possible = unbounded.hits
     out["share_of_possible"] = core["hits"] / possible if possible else float("nan")
     if args.sweep:
-        from ..bench.plots import matplotlib_missing
-
-        why = matplotlib_missing()
-        if why is not None:
-            print(f"tiered-kv replay: --sweep needs matplotlib (pip install 'tiered-kv[bench]'): {why}", file=sys.stderr)
-            return 2
         from .tracetools import sweep
 
         caps = sweep_caps or [max(1, int(f * distinct)) for f in DEFAULT_SWEEP]
@@ -258,8 +264,10 @@ def _run(args: argparse.Namespace) -> int:
         say(f"wrote {args.sweep}")
     _print(out)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=2, sort_keys=True, default=str)
+        from ..bench.report import clean
+
+        with open(args.json, "w", encoding="utf-8") as f:   # strict JSON: a figure of no denominator is null
+            json.dump(clean(out), f, indent=2, sort_keys=True, default=str, allow_nan=False)
     return 0
 
 

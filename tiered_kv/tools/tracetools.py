@@ -95,6 +95,10 @@ def _bad(path: Union[str, Path], n: int, what: str) -> TraceError:
     return TraceError(f"{path}:{n}: {what}")
 
 
+_MAX_NUMBER = 2 ** 63 - 1   # timestamps and lengths
+_ID_LIMIT = 2 ** 128        # block ids: a 128-bit prefix-chain hash at most
+
+
 def _parse(path: Union[str, Path], n: int, line: str, ids_only: bool = False) -> Request:
     try:
         rec = json.loads(line)
@@ -108,16 +112,20 @@ def _parse(path: Union[str, Path], n: int, line: str, ids_only: bool = False) ->
         if f not in rec:
             raise _bad(path, n, f"missing field {f!r}")
     ts = rec["timestamp"]
-    if type(ts) not in (int, float) or not math.isfinite(ts):
+    if type(ts) not in (int, float) or (type(ts) is float and not math.isfinite(ts)):
         raise _bad(path, n, f"'timestamp' must be a number, got {ts!r:.80}")
     if ts < 0:
-        raise _bad(path, n, f"'timestamp' must be >= 0, got {ts!r}")
+        raise _bad(path, n, f"'timestamp' must be >= 0, got {ts!r:.80}")
+    if ts > _MAX_NUMBER:   # an int past what a float holds (math and the statistics would overflow)
+        raise _bad(path, n, f"'timestamp' must be at most 2**63 - 1, got {ts!r:.80}")
     for f in ("input_length", "output_length"):
         v = rec[f]
         if type(v) is not int:
             raise _bad(path, n, f"{f!r} must be an int, got {v!r:.80}")
         if v < 0:
-            raise _bad(path, n, f"{f!r} must be >= 0, got {v}")
+            raise _bad(path, n, f"{f!r} must be >= 0, got {v!r:.80}")
+        if v > _MAX_NUMBER:
+            raise _bad(path, n, f"{f!r} must be at most 2**63 - 1, got {v!r:.80}")
     ids = rec["hash_ids"]
     if not isinstance(ids, list):
         raise _bad(path, n, f"'hash_ids' must be a list of ints, got {ids!r:.80}")
@@ -125,7 +133,9 @@ def _parse(path: Union[str, Path], n: int, line: str, ids_only: bool = False) ->
         if type(i) is not int:
             raise _bad(path, n, f"'hash_ids' must be a list of ints, got element {i!r:.80}")
         if i < 0:
-            raise _bad(path, n, f"'hash_ids' must be non-negative, got {i}")
+            raise _bad(path, n, f"'hash_ids' must be non-negative, got {i!r:.80}")
+        if i >= _ID_LIMIT:   # block_key's keys stay short (a 128-bit prefix hash: 24 bytes)
+            raise _bad(path, n, f"'hash_ids' elements must be below 2**128, got {i!r:.80}")
     if len(set(ids)) != len(ids):   # a prompt's blocks are a prefix chain: one id twice is no such chain
         dup = next(i for k, i in enumerate(ids) if i in ids[:k])
         raise _bad(path, n, f"'hash_ids' names block {dup} twice in one request")
@@ -163,13 +173,22 @@ def read_trace(path: Union[str, Path], limit: Optional[int] = None, ids_only: bo
 
 
 def write_trace(path: Union[str, Path], requests: Iterable[Request]) -> int:
-    """Write ``requests`` as Mooncake-format JSONL (the fields in Mooncake's order); returns how many."""
+    """Write ``requests`` as Mooncake-format JSONL (the fields in Mooncake's order); returns how many.
+    A request :func:`read_trace` would refuse raises ValueError naming it (and what was written before it
+    stays in the file)."""
     n = 0
     with open(path, "w", encoding="utf-8") as f:
         for r in requests:
-            ts = int(r.timestamp) if float(r.timestamp).is_integer() else r.timestamp
-            f.write(json.dumps({"timestamp": ts, "input_length": r.input_length,
-                                "output_length": r.output_length, "hash_ids": list(r.hash_ids)}))
+            ts = r.timestamp
+            if isinstance(ts, float) and ts.is_integer():
+                ts = int(ts)
+            try:
+                line = json.dumps({"timestamp": ts, "input_length": r.input_length, "output_length": r.output_length,
+                                   "hash_ids": list(r.hash_ids)}, allow_nan=False)
+                _parse(path, n + 1, line)   # the reader's rules: what is written reads back
+            except (TraceError, ValueError, TypeError) as exc:
+                raise ValueError(f"write_trace: request {n} ({r!r:.200}) would not read back: {exc}") from None
+            f.write(line)
             f.write("\n")
             n += 1
     return n
@@ -211,7 +230,7 @@ def trace_stats(requests: Sequence[Request]) -> dict[str, Any]:
         "mean_blocks": refs / n, "max_blocks": max(len(r.hash_ids) for r in requests),
         "mean_input_tokens": sum(r.input_length for r in requests) / n,
         "mean_output_tokens": sum(r.output_length for r in requests) / n,
-        "duration_s": (requests[-1].timestamp - requests[0].timestamp) / 1000.0,
+        "duration_s": (max(r.timestamp for r in requests) - min(r.timestamp for r in requests)) / 1000.0,
         "infinite_cache_hit_ratio": hits / refs if refs else float("nan"),
         "prefix_consistent": prefix_consistent(requests),
     }
@@ -376,7 +395,8 @@ class _Tier:
         self.admission: Admission = _make("admission", ADMISSIONS, admission, capacity)
         self.admit_all = type(self.admission) is AdmitAll
         self.entries: dict[bytes, Entry] = {}
-        self.free = list(range(capacity - 1, -1, -1))
+        self.free: list[int] = []   # slots given back by evictions; those past next_slot were never used
+        self.next_slot = 0          # (a large tier a short trace never fills allocates nothing per slot)
         self.inserts = self.evictions = self.shed = self.refused = 0
 
     def reserve(self, key: bytes, protect: set[bytes], evicted: list[Entry], ask: bool = True) -> Optional[Entry]:
@@ -388,7 +408,7 @@ class _Tier:
         if self.capacity == 0:
             self.shed += 1
             return None
-        full = not self.free
+        full = not self.free and self.next_slot >= self.capacity
         if ask and not self.admit_all:
             cand = admission_victim(self.policy, protect, key) if full else None
             if not self.admission.admit(key, cand):
@@ -405,7 +425,11 @@ class _Tier:
             v.slot = -1
             self.evictions += 1
             evicted.append(v)
-        e = Entry(key, self.free.pop(), _WRITER)
+        if self.free:
+            slot = self.free.pop()
+        else:
+            slot, self.next_slot = self.next_slot, self.next_slot + 1
+        e = Entry(key, slot, _WRITER)
         e.writing = False
         self.entries[key] = e
         self.inserts += 1
