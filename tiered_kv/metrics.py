@@ -184,9 +184,9 @@ class Metrics:
         p = self._pending
         p[child] = p.get(child, 0) + n
 
-    def observe(self, child: Any, value: float) -> None:
-        """Observe into a bound histogram child; applied by :meth:`flush`."""
-        self._observations.append((child, value, 1))
+    def observe(self, child: Any, value: float, n: int = 1) -> None:
+        """Observe ``value`` ``n`` times into a bound histogram child; applied by :meth:`flush`."""
+        self._observations.append((child, value, n))
 
     def moved(self, kind: JobKind, link: tuple[str, str], nbytes: int, seconds: float, n: int = 1,
               blocks: Optional[int] = None) -> None:

@@ -222,14 +222,16 @@ class SlabCopier:
         del self._jobs[job.token]
         m = self.metrics
         n = job.nblocks * self.block_bytes
-        # bytes and copy times are counted here, job outcomes by the scheduler side (once per job)
+        # bytes and copy times are counted here, job outcomes by the scheduler side (once per job); a copy
+        # time per block, as TierManager observes it; a failed copy moved no bytes, and is counted on the
+        # tier it was to write (a failed load: the device's), as TierManager counts it
         if not r.ok:
-            m.error("host", "copy_failed")
+            m.error("host" if job.store else "device", "copy_failed")
         else:
             link = ("device", "host") if job.store else ("host", "device")
             m.count(m.link_bytes[link], n)
-            m.observe(m.link_seconds[link], r.seconds / max(1, job.nblocks))
-        out.append(CopyResult(job.job_id, r.ok, n, r.seconds, job.store))
+            m.observe(m.link_seconds[link], r.seconds / max(1, job.nblocks), max(1, job.nblocks))
+        out.append(CopyResult(job.job_id, r.ok, n if r.ok else 0, r.seconds, job.store))
 
     def _stale(self, kind: JobKind) -> None:
         self.metrics.count(self.metrics.stale[(kind, StaleReason.UNKNOWN_TOKEN)])

@@ -174,13 +174,17 @@ class SlabScheduler:
         if not self.slab.done(token_seq(job.token)):
             self._awaiting.append(job)
             return
-        self.core.apply(Report(job.token, _LOAD, True))
+        self._finish_load(job)
+
+    def _finish_load(self, job: Job) -> None:
+        # as a store: the outcome is what every rank's ring records (a copy that failed on one rank failed)
+        self.core.apply(Report(job.token, _LOAD, self.slab.ok(token_seq(job.token))))
 
     def _apply_load(self, job: Job, r: Report) -> None:
         self.core.release_load(job)
-        job.state = JobState.DONE
+        job.state = JobState.DONE if r.ok else JobState.FAILED
         # job outcomes are counted here, bytes and copy times by the worker that copied them
-        self.metrics.count(self.metrics.job_outcome[(_LOAD, "ok")])
+        self.metrics.count(self.metrics.job_outcome[(_LOAD, "ok" if r.ok else "failed")])
 
     # ------------------------------------------------------------ stores
     def prepare_store(self, keys: Sequence[bytes]) -> Prepared:
@@ -314,7 +318,7 @@ class SlabScheduler:
                 elif job.kind is _STORE:
                     self._finish_store(job, True)
                 else:
-                    core.apply(Report(job.token, _LOAD, True))
+                    self._finish_load(job)
         if self._quarantine:
             keep = []
             for job in self._quarantine:

@@ -118,39 +118,64 @@ class SharedSlab:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             created = True
         except FileExistsError:
-            fd = os.open(path, os.O_RDWR)
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except OSError as exc:   # another user's slab, a directory, ...
+                raise ConfigError(f"cannot attach to the shared host slab {str(path)!r}: {exc}") from exc
         except OSError as exc:
             raise ConfigError(f"cannot create the shared host slab {str(path)!r}: {exc}") from exc
+        mm: Optional[mmap.mmap] = None
         try:
+            try:
+                mm = cls._size_or_wait(fd, path, total, header, created, timeout,
+                                       (num_slots, row_bytes, world_size, ring_size))
+            finally:
+                os.close(fd)
+            slab = cls(path, mm, num_slots, row_bytes, world_size, ring_size, created)
+        except BaseException as exc:
+            # a file this process created and could not finish is removed: nobody else would (the engine's
+            # cleanup runs only once open() returned), and each failed start would leak a slab's memory
             if created:
                 try:
-                    os.posix_fallocate(fd, 0, total)  # fail now, not with SIGBUS on first touch
-                except OSError as exc:
-                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                        os.unlink(path)
-                        raise ConfigError(f"shared host slab {str(path)!r}: cannot reserve {total} bytes: {exc} "
-                                          f"(is /dev/shm large enough?)") from exc
-                    os.ftruncate(fd, total)
-                os.pwrite(fd, header, 0)  # written last: attachers wait for it
-            else:
-                deadline = time.monotonic() + timeout
-                while os.pread(fd, _HEADER.size, 0) != header:
-                    got = os.pread(fd, _HEADER.size, 0)
-                    if len(got) == _HEADER.size and got[:8] == MAGIC:
-                        raise ConfigError(f"shared host slab {str(path)!r} describes another slab "
-                                          f"{_HEADER.unpack(got)[2:]} than (num_slots, row_bytes, world_size, "
-                                          f"ring_size)={(num_slots, row_bytes, world_size, ring_size)}")
-                    if os.fstat(fd).st_nlink == 0 or time.monotonic() > deadline:
-                        raise ConfigError(f"shared host slab {str(path)!r} was not initialised by its creator "
-                                          f"within {timeout} s")
-                    time.sleep(0.01)  # start-up only: waiting for another process to size the file
-            mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        slab = cls(path, mm, num_slots, row_bytes, world_size, ring_size, created)
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+            if mm is not None:
+                mm.close()
+            if isinstance(exc, OSError):
+                raise ConfigError(f"shared host slab {str(path)!r}: {exc}") from exc
+            raise
         log.info("tiered_kv shared slab %s: %s, %d slots x %d bytes, %d ranks",
                  path, "created" if created else "attached", num_slots, row_bytes, world_size)
         return slab
+
+    @staticmethod
+    def _size_or_wait(fd: int, path: Path, total: int, header: bytes, created: bool, timeout: float,
+                      shape: tuple[int, int, int, int]) -> mmap.mmap:
+        """The creator sizes the file and writes its header last; an attacher waits for the header
+        (up to ``timeout`` seconds) and checks it.  Returns the file mapped."""
+        if created:
+            try:
+                os.posix_fallocate(fd, 0, total)  # fail now, not with SIGBUS on first touch
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise ConfigError(f"shared host slab {str(path)!r}: cannot reserve {total} bytes: {exc} "
+                                      f"(is /dev/shm large enough?)") from exc
+                os.ftruncate(fd, total)
+            os.pwrite(fd, header, 0)  # written last: attachers wait for it
+        else:
+            deadline = time.monotonic() + timeout
+            while os.pread(fd, _HEADER.size, 0) != header:
+                got = os.pread(fd, _HEADER.size, 0)
+                if len(got) == _HEADER.size and got[:8] == MAGIC:
+                    raise ConfigError(f"shared host slab {str(path)!r} describes another slab "
+                                      f"{_HEADER.unpack(got)[2:]} than (num_slots, row_bytes, world_size, "
+                                      f"ring_size)={shape}")
+                if os.fstat(fd).st_nlink == 0 or time.monotonic() > deadline:
+                    raise ConfigError(f"shared host slab {str(path)!r} was not initialised by its creator "
+                                      f"within {timeout} s")
+                time.sleep(0.01)  # start-up only: waiting for another process to size the file
+        return mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
     def unlink(self) -> None:
         """Remove the file name; the memory lives until the last process unmaps it.  Idempotent."""
@@ -206,6 +231,8 @@ class SharedSlab:
     # ------------------------------------------------------------ rings
     def mark_done(self, rank: int, seq: int, ok: bool = True) -> None:
         """Worker side: the job numbered ``seq`` has finished on ``rank`` (after its copies completed)."""
+        if not 0 <= rank < self.world_size:   # -1 would mark the last rank's ring
+            raise ConfigError(f"rank {rank!r} out of range [0, {self.world_size})")
         self._rings[rank][seq % self.ring_size] = 2 * seq + (0 if ok else 1)
 
     def done(self, seq: int) -> bool:
