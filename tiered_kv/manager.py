@@ -207,6 +207,7 @@ class TierManager:
         # key -> the load of that key, or a list when several load it (live jobs only)
         self._key_loads: dict[bytes, Any] = {}
         self._closed = False
+        self._mover_closed = False   # close() closed the mover: a load whose promote lands later gets no copy
         if mover_factory is None:
             self._mover: Mover = make_mover([(self._dev_rows, self._host_rows)], self._completions,
                                             config.num_copy_workers, config.num_copy_streams,
@@ -363,7 +364,15 @@ class TierManager:
         return job
 
     def _load_ready(self, job: Job) -> None:
-        """Every host slot of ``job`` is READY and leased to it: queue its copies."""
+        """Every host slot of ``job`` is READY and leased to it: queue its copies.  Once ``close()`` closed
+        the mover (its wait for promotes timed out), none: a copy queued then could land after close()
+        returned and would never be reported; the load is answered as a miss instead."""
+        if self._mover_closed:
+            self._core.abandon(job)
+            self._unfence_load(job)
+            self._fail(job, Report(job.token, _LOAD, False, "miss: the manager closed before its read from disk "
+                                   "landed"), "device")
+            return
         t = job._transfer = Transfer(job.token, _LOAD, list(job.blocks), _slots(job._entries))
         self._mover.submit(t)
 
@@ -484,6 +493,7 @@ class TierManager:
         core.closing = True
         if core.disk is not None:  # promotes may still hand loads to the mover
             self._block_until(lambda: core.n_in_flight[_PROMOTE] == 0, CLOSE_TIMEOUT_S)
+        self._mover_closed = True
         self._mover.close()
         self._poll()
         core.close_disk(self._block_until)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -77,6 +77,22 @@ def _slot_runs(slots: list[int], rows: Optional[list[int]] = None) -> list[tuple
 
 def _singles(n: int) -> list[tuple[int, int]]:
     return [(a, a + 1) for a in range(n)]
+
+
+
+def _put_all(put: Callable[[Report], None], reps: list[Report]) -> None:
+    """Put every report of a chunk taken off its pending list: an interrupt between two puts still puts
+    the rest, then goes on (a chunk's copies have landed; one report answered twice, interrupted inside
+    its put, is discarded by the owner as an unknown token, where one never answered would hang its job)."""
+    done = 0
+    try:
+        for r in reps:
+            put(r)
+            done += 1
+    except BaseException:
+        for r in reps[done:]:
+            put(r)
+        raise
 
 
 def _failed(bad: Optional[list[tuple[int, int, str]]], a: int, b: int, exc: Exception,
@@ -172,6 +188,8 @@ class CudaMover(Mover):
                  batched: bool = True, stage_bytes: Optional[int] = None) -> None:
         if batch_max < 1:
             raise ValueError(f"batch_max must be >= 1, got {batch_max!r}")
+        if num_streams < 1:
+            raise ValueError(f"num_streams must be >= 1, got {num_streams!r}")
         if event_bytes < 1:
             raise ValueError(f"event_bytes must be >= 1, got {event_bytes!r}")
         if stage_bytes is not None and stage_bytes < 1:
@@ -213,17 +231,30 @@ class CudaMover(Mover):
         stores: list[Transfer] = []
         loads: list[Transfer] = []
         put = self._out.put
-        for t in batch:
-            if t.cancelled:
-                put(Report(t.token, t.kind, False, "cancelled before copy"))
-            elif t.kind is _STORE:
-                stores.append(t)
-            else:
-                loads.append(t)
-        if stores:
-            self._queue_on_stream(stores, True)
-        if loads:
-            self._queue_on_stream(loads, False)
+        k = 0          # transfers of the batch sorted
+        handed = 0     # directions handed to _queue_on_stream, which answers all of its own
+        try:
+            for t in batch:
+                k += 1
+                if t.cancelled:
+                    put(Report(t.token, t.kind, False, "cancelled before copy"))
+                elif t.kind is _STORE:
+                    stores.append(t)
+                else:
+                    loads.append(t)
+            handed = 1
+            if stores:
+                self._queue_on_stream(stores, True)
+            handed = 2
+            if loads:
+                self._queue_on_stream(loads, False)
+        except BaseException as exc:
+            # an interrupt: what was taken off the queue and not handed on is answered (failed, no copy of it
+            # was queued); one answered twice (interrupted inside its put) is discarded by the owner
+            rest = (stores + loads + batch[k - 1:] if handed == 0 else loads if handed == 1 else [])
+            for t in rest:
+                put(Report(t.token, t.kind, False, f"copy not started: {exc!r}"))
+            raise
 
     def _queue_on_stream(self, ts: list[Transfer], store: bool) -> None:
         i = self._next
@@ -287,12 +318,16 @@ class CudaMover(Mover):
             last, chunk = chunk, _Chunk(end)
             return go_on
 
+        interrupted: Optional[BaseException] = None
         try:
             with self._copies_on(stream) as ops:
                 for t in ts:
                     n += 1
                     tr, tsl = t.rows, t.slots
-                    error = transfer_error(t, nrows, nslots)
+                    try:
+                        error = transfer_error(t, nrows, nslots)
+                    except Exception as exc:   # rows or slots that are not ints: answered, like any bad transfer
+                        error = f"malformed transfer: {exc!r}"
                     if error is not None:  # before any copy: a slice past the end is short, an index faults
                         put(Report(t.token, t.kind, False, error))
                         continue
@@ -312,7 +347,10 @@ class CudaMover(Mover):
                     cur = None
                 if rows or spans:  # the last, partial chunk
                     close(ops, 0)
-        except Exception as exc:  # the stream switch or an event record failed: answer what has no event yet
+        except BaseException as exc:  # the stream switch or an event record failed, or an interrupt: answer
+            # what has no event yet (and re-raise an interrupt once the rest is in order)
+            if not isinstance(exc, Exception):
+                interrupted = exc
             log.error("CUDA copies of a batch of %d could not all be queued: %r", len(ts), exc)
             if dirty:  # only close() raises after the switch, and it is dirty until its end event is recorded
                 # copies on the stream with no end event behind them: answering them now would lift their
@@ -331,6 +369,8 @@ class CudaMover(Mover):
         else:
             last.final = True
             pend.append(last)
+        if interrupted is not None:
+            raise interrupted
 
     def _queue_copies(self, ops: Any, stream: int, rows: list[int], slots: list[int],
                       store: bool) -> Optional[list[tuple[int, int, str]]]:
@@ -415,25 +455,17 @@ class CudaMover(Mover):
                         break
                     per_copy = c.start.elapsed_time(c.end) / 1e3 / max(1, c.copies)
                 except Exception as exc:  # a CUDA error surfaced by the query: these copies are lost
-                    pend.popleft()
-                    free.append(c.start)  # an errored context fails whatever comes next anyway
-                    if c.final:
-                        free.append(c.end)
                     log.error("CUDA copies of %d transfer(s) failed: %r", len(c), exc)
-                    for t in c.ended:
-                        put(Report(t.token, t.kind, False, f"copy failed: {exc!r}"))
-                    for t, error in c.failed:
-                        put(Report(t.token, t.kind, False, error))
-                    continue
+                    reps = ([Report(t.token, t.kind, False, f"copy failed: {exc!r}") for t in c.ended]
+                            + [Report(t.token, t.kind, False, error) for t, error in c.failed])
+                else:
+                    reps = ([Report(t.token, t.kind, True, None, len(t.rows) * block_bytes, len(t.rows) * per_copy)
+                             for t in c.ended] + [Report(t.token, t.kind, False, error) for t, error in c.failed])
                 pend.popleft()
+                _put_all(put, reps)
                 free.append(c.start)  # the batch's start event, or the previous chunk's end: no longer read
                 if c.final:
                     free.append(c.end)
-                for t in c.ended:
-                    m = len(t.rows)
-                    put(Report(t.token, t.kind, True, None, m * block_bytes, m * per_copy))
-                for t, error in c.failed:
-                    put(Report(t.token, t.kind, False, error))
 
     def in_flight(self) -> int:
         """Transfers submitted and not yet reported by ``harvest()`` (queued or on the device)."""
