@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Set
 from typing import Any, Optional
 
 import torch
@@ -15,7 +15,7 @@ from .errors import ConfigError, DeviceTensorError, InvalidBlockError, InvalidKe
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SUPPORTED_DTYPES", "check_key", "check_block", "check_many", "check_timeout", "check_device_blocks",
+__all__ = ["SUPPORTED_DTYPES", "NOT_SEQUENCES", "check_key", "check_block", "check_many", "check_timeout", "check_device_blocks",
            "pin_decision", "plain_alias"]
 
 SUPPORTED_DTYPES = frozenset(
@@ -37,8 +37,8 @@ def check_key(key: Any, max_key_bytes: int) -> bytes:
 
 def check_block(block: Any, num_blocks: int) -> int:
     """The row as an int (e.g. from a numpy integer), in ``[0, num_blocks)``."""
-    if isinstance(block, bool):
-        raise InvalidBlockError(f"block must be an int, got bool {block!r}")
+    if isinstance(block, bool) or (isinstance(block, torch.Tensor) and block.dtype is torch.bool):
+        raise InvalidBlockError(f"block must be an int, got bool {block!r}")   # a bool tensor indexes as 0 or 1
     try:
         b = operator.index(block)
     except TypeError:
@@ -48,11 +48,16 @@ def check_block(block: Any, num_blocks: int) -> int:
     return b
 
 
+NOT_SEQUENCES = (bytes, bytearray, memoryview, str, Set, Mapping)
+"""Iterables refused where a sequence of keys or rows is asked for: one key (its bytes would be taken as
+keys), or a collection without an order (its keys would be paired with rows in hash order)."""
+
+
 def _as_list(v: Any, name: str, error: type[Exception]) -> list[Any]:
     """A copy of a sequence argument as a list (the caller may reuse its own), or ``error`` naming it."""
     if type(v) is list:
         return v[:]
-    if type(v) is tuple or not (isinstance(v, (bytes, str)) or not isinstance(v, Iterable)):
+    if type(v) is tuple or not (isinstance(v, NOT_SEQUENCES) or not isinstance(v, Iterable)):
         return list(v)
     raise error(f"{name} must be a sequence, got {type(v).__name__}: {v!r:.80}")
 
@@ -83,12 +88,22 @@ def check_many(keys: Any, blocks: Any, max_key_bytes: int, num_blocks: int) -> t
     if len(ks) != len(bs):
         raise InvalidBlockError(f"{len(ks)} keys for {len(bs)} blocks: one device row per key")
     if len(set(ks)) != len(ks):
-        dup = next(k for i, k in enumerate(ks) if k in ks[:i])
+        dup = _first_repeat(ks)
         raise InvalidKeyError(f"key {dup!r:.80} appears twice in one call")
     if len(set(bs)) != len(bs):
-        dup_b = next(b for i, b in enumerate(bs) if b in bs[:i])
-        raise InvalidBlockError(f"block {dup_b} appears twice in one call")
+        raise InvalidBlockError(f"block {_first_repeat(bs)} appears twice in one call")
     return ks, bs
+
+
+def _first_repeat(xs: list[Any]) -> Any:
+    """The first element of ``xs`` seen before in it (in linear time: a batch of 100k keys is refused in
+    milliseconds, not the seconds of a scan of the prefix per element)."""
+    seen: set[Any] = set()
+    for x in xs:
+        if x in seen:
+            return x
+        seen.add(x)
+    raise AssertionError("no repeat")   # callers check len(set(xs)) first
 
 
 def check_timeout(timeout: Any) -> Optional[float]:

@@ -39,7 +39,7 @@ from prometheus_client import CollectorRegistry
 from .config import TieredKVConfig
 from .core import CLOSE_TIMEOUT_S, TierCore
 from .checks import (SUPPORTED_DTYPES, check_block, check_device_blocks, check_key, check_many, check_timeout,
-                     pin_decision, plain_alias)
+                     NOT_SEQUENCES, pin_decision, plain_alias)
 from .errors import BlockBusyError, ConfigError, InvalidJobError, InvalidKeyError, ManagerClosedError
 from .disk.proc import SharedHost
 from .hostmem import make_shared_rows, prepare_host_memory, register_pinned, unregister_pinned
@@ -295,8 +295,8 @@ class TierManager:
         if self._closed:
             self._check_open()  # raises
         if type(keys) is not list:
-            if isinstance(keys, (bytes, str)) or not isinstance(keys, Iterable):
-                raise InvalidKeyError(f"keys must be a sequence of bytes, got {type(keys).__name__}")
+            if isinstance(keys, NOT_SEQUENCES) or not isinstance(keys, Iterable):
+                raise InvalidKeyError(f"keys must be a sequence of bytes, got {type(keys).__name__}: {keys!r:.80}")
             keys = list(keys)
         mk = self._max_key_bytes
         for k in keys:  # _check_key inline, as in store(); it raises

@@ -7,6 +7,9 @@ disk I/O process (:mod:`tiered_kv.disk.proc`) imports it without the engine's de
 from __future__ import annotations
 
 import queue
+import signal
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -65,23 +68,52 @@ class CompletionQueue:
             return None
 
 
+_SLICE_S = 0.05
+"""A timed wait runs in slices of at most this long, asynchronous signals held off during each (below):
+a Ctrl-C or another handler waits for the end of the slice, at most this long."""
+
+_SYNCHRONOUS = ("SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGSYS", "SIGABRT")
+_HELD_OFF = (frozenset(signal.valid_signals()) - {getattr(signal, n) for n in _SYNCHRONOUS if hasattr(signal, n)}
+             if hasattr(signal, "pthread_sigmask") else frozenset())
+
+
 def get_within(q: "queue.SimpleQueue[Any]", timeout: Optional[float]) -> Any:
-    """``q.get(timeout=timeout)`` (None: block; <= 0: do not wait) that keeps its timeout.
+    """``q.get(timeout=timeout)`` (None, or longer than a lock can wait: block; <= 0: do not wait) that
+    keeps its timeout.
 
     CPython's ``SimpleQueue.get`` (3.11, and its source through 3.13 at least) can block for ever on an
-    empty queue when given a timeout: if it finds its lock free, it takes it, then recomputes the time
-    left; when the timeout has passed meanwhile by a microsecond or more (the thread was preempted, or
-    the timeout is that short), the time left is negative, and a negative wait on that lock is unbounded:
-    released only by the next ``put()``, which never comes when the waiting thread is the one that
-    would cause it (the CUDA mover's reports).  The lock is free after a ``get`` that found an item.
-    ``get_nowait()`` on an empty queue takes the lock and returns at once, so that the timed ``get``
-    after it finds the lock held and waits on it with the positive timeout; a ``put()`` in between
-    leaves an item, which the timed ``get`` takes without waiting.  One consumer per queue."""
-    if timeout is None:
+    empty queue when given a timeout: whenever its loop recomputes the time left and finds it negative,
+    its next wait on the queue's lock has no limit, released only by the next ``put()``, which never
+    comes when the waiting thread is the one that would cause it (the CUDA mover's reports).  It
+    recomputes in two cases.  (1) It finds the lock free (it is, after a ``get`` that found an item),
+    takes it, and the timeout passed meanwhile (the thread was preempted, or the timeout is that short):
+    ``get_nowait()`` on an empty queue takes the lock and returns at once, so the timed ``get`` after it
+    finds the lock held and waits on it with the positive timeout (a ``put()`` in between leaves an
+    item, which it takes without waiting).  (2) A signal interrupts the wait, and its Python handler
+    runs past the time left: each timed ``get`` runs with the asynchronous signals held off
+    (``pthread_sigmask``, this thread only), for at most :data:`_SLICE_S`; they are delivered between
+    two slices.  One consumer per queue."""
+    if timeout is None or timeout > threading.TIMEOUT_MAX:
         return q.get()
     try:
         return q.get_nowait()
     except queue.Empty:
         if timeout <= 0:
             raise
-        return q.get(timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise queue.Empty
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_OFF) if _HELD_OFF else None
+        try:
+            return q.get(timeout=min(left, _SLICE_S))
+        except queue.Empty:
+            pass
+        finally:
+            if old is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old)   # a signal that came meanwhile is handled now
+        try:
+            return q.get_nowait()   # and the lock is held again before the next timed get (case 1)
+        except queue.Empty:
+            pass
