@@ -222,6 +222,9 @@ def test_review_a_key_wanted_again_after_it_was_superseded_is_probed_once() -> N
             self.probes.append(list(keys))
             return True
 
+        def invalidating(self, key: bytes) -> bool:
+            return False
+
     tier = RemoteTier(_Store(), None, miss_ttl=1.0, prefetch=8, tomb_ttl=120)   # type: ignore[arg-type]
     tokens = TokenFactory()
     assert tier.want(b"k", tokens) and tier.want(b"j", tokens)

@@ -277,11 +277,13 @@ class TieredKVConfig:
         for name in ("host_admission", "disk_admission"):
             if not isinstance(getattr(self, name), str) or getattr(self, name) not in ADMISSIONS:
                 raise ConfigError(f"{name} must be one of {tuple(ADMISSIONS)}, got {getattr(self, name)!r}")
-        longest = self.remote_write_deadline_seconds + 2 * self.remote_timeout_seconds
-        if self.remote_tomb_ttl_seconds <= longest:
-            raise ConfigError(f"remote_tomb_ttl_seconds={self.remote_tomb_ttl_seconds} must exceed the longest a remote "
-                              f"write can be in flight (remote_write_deadline_seconds + 2 * remote_timeout_seconds = "
-                              f"{longest:g} s), or a late write could land after its tombstone expired")
+        from .remote.records import tomb_ttl_problem
+
+        problem = tomb_ttl_problem(self.remote_tomb_ttl_seconds, self.remote_write_deadline_seconds,
+                                   self.remote_timeout_seconds)
+        if problem is not None:
+            raise ConfigError(f"remote_tomb_ttl_seconds={self.remote_tomb_ttl_seconds} {problem} "
+                              f"(remote_write_deadline_seconds, remote_timeout_seconds)")
 
     @property
     def disk_dir(self) -> Optional[Path]:

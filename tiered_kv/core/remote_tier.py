@@ -14,6 +14,7 @@ Owner thread only; the store's I/O threads never see this object.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import uuid
@@ -48,9 +49,12 @@ class RemoteTier:
         # key -> (its token, the PUT job) of this owner's write of it in flight; only the job's first token is
         # in TierCore.jobs (the report's), so that a job of many blocks is one job against max_inflight_jobs
         self.putting: dict[bytes, tuple[uuid.UUID, Any]] = {}
-        # key -> until when (monotonic) it is not asked for: the server missed it lately, or this machine
-        # invalidated it (any value the server holds then is one the invalidation's tomb deletes)
+        # key -> until when (monotonic) it is not asked for: the server missed it lately (bounded: the oldest
+        # are forgotten) ...
         self.missed: dict[bytes, float] = {}
+        # ... or this machine invalidated it (any value the server holds then is one the invalidation's tomb
+        # deletes): never forgotten before it expires
+        self.guards: dict[bytes, float] = {}
         # key -> the token of the probe or fetch asking the server for it (or of this step's probe)
         self.asking: dict[bytes, uuid.UUID] = {}
         # the probe being gathered this step (submitted by TierCore.end_step)
@@ -128,6 +132,12 @@ class RemoteTier:
 
     # ------------------------------------------------------------------ fetches
     def recently_missed(self, key: bytes, now: float) -> bool:
+        """The server missed ``key`` lately, or it was invalidated here lately (:meth:`invalidate`)."""
+        until = self.guards.get(key)
+        if until is not None:
+            if now < until:
+                return True
+            del self.guards[key]
         until = self.missed.get(key)
         if until is None:
             return False
@@ -153,7 +163,7 @@ class RemoteTier:
         if key in self.asking:
             return True
         if (len(self.want_keys) >= self.prefetch or not self.store.available
-                or self.recently_missed(key, time.monotonic())):
+                or self.recently_missed(key, time.monotonic()) or self.store.invalidating(key)):
             return False
         token = self.want_token
         if token is None:
@@ -240,8 +250,16 @@ class RemoteTier:
         write of it and deletes its value.  Returns (token, PUT job) of this owner's write of it in
         flight, if any.  The server is not asked for the key while the tomb lives: until the tomb
         reaches it (the writer's queue may be behind the reader's probes) it may still hold the old
-        value, and afterwards it refuses every write of the key anyway."""
-        self.note_miss(key, time.monotonic(), self.tomb_ttl)
+        value, and afterwards it refuses every write of the key anyway.  Nor while the INVALIDATE has not
+        run there (:meth:`RemoteStore.invalidating`: the server may be away for longer than the tomb's
+        TTL).  The guards are kept apart from the bounded miss marks: a burst of misses never drops one."""
+        now = time.monotonic()
+        guards = self.guards
+        guards.pop(key, None)
+        guards[key] = now + self.tomb_ttl
+        if len(guards) > MISSED_MAX:   # expired ones go (one TTL for all: the oldest first, in insertion order)
+            for k in [k for k, until in itertools.takewhile(lambda kv: kv[1] <= now, guards.items())]:
+                del guards[k]
         self.asking.pop(key, None)
         put = self.putting.pop(key, None)
         if put is not None:

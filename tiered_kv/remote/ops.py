@@ -72,14 +72,16 @@ class TombOp:
     """A cancel (``token`` + ``key``), an invalidate (``key``) or a reader's delete of a corrupt value
     (``key`` + ``sha``).  Never shed while the server is reachable; retried when the server refuses."""
 
-    __slots__ = ("kind", "key", "token", "sha", "attempts")
+    __slots__ = ("kind", "key", "token", "sha", "attempts", "pause", "retry_at")
 
     def __init__(self, kind: str, key: bytes, token: Optional[uuid.UUID] = None, sha: str = "") -> None:
         self.kind = kind
         self.key = key
         self.token = token
         self.sha = sha
-        self.attempts = 0
+        self.attempts = 0       # refusals by the server (not counting its node being away)
+        self.pause = 0.0        # its back-off after a failed trip (doubling, at most 1 s)
+        self.retry_at = 0.0     # not sent again before this (monotonic)
 
 
 class FetchJob:

@@ -5,10 +5,10 @@ Torch-free and redis-free: the core imports these whether or not a remote tier i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
-__all__ = ["RemoteOptions", "PUT_REFUSED_TOMB", "PUT_REFUSED_TOKEN", "PUT_CANCELLED", "PUT_EXPIRED",
+__all__ = ["RemoteOptions", "tomb_ttl_problem", "PUT_REFUSED_TOMB", "PUT_REFUSED_TOKEN", "PUT_CANCELLED", "PUT_EXPIRED",
            "REMOTE_DOWN", "FETCH_MISS", "FETCH_CORRUPT", "REMOTE_ERROR_KINDS"]
 
 PUT_REFUSED_TOMB = "refused_tomb"      # the server holds a tombstone for the key (invalidated on some machine)
@@ -20,7 +20,8 @@ FETCH_MISS = "miss"                    # the server does not hold the key (a fet
 FETCH_CORRUPT = "corrupt"              # the value failed verification: a miss, deleted if still the same bytes
 
 # tiered_kv_errors_total{tier="remote", error=...}: exported at 0 from the start
-REMOTE_ERROR_KINDS = ("connection", "timeout", "server_error", "oom", "cluster", "script", "corrupt", "breaker_open")
+REMOTE_ERROR_KINDS = ("connection", "timeout", "server_error", "oom", "cluster", "script", "corrupt", "breaker_open",
+                      "tomb_dropped")
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class RemoteOptions:
     not yet answered (beyond it the core sheds).  ``batch_blocks``: commands per pipeline.
     """
 
-    url: str
+    url: str = field(repr=False)   # it may hold a password
     namespace: str
     block_bytes: int
     ttl_seconds: Optional[int] = 3600
@@ -48,3 +49,14 @@ class RemoteOptions:
     breaker_failures: int = 3
     breaker_backoff_min_s: float = 0.5
     breaker_backoff_max_s: float = 30.0
+
+
+def tomb_ttl_problem(tomb_ttl_s: float, write_deadline_s: float, timeout_s: float) -> Optional[str]:
+    """Why a tombstone TTL is too short, or None: a tombstone must outlive the longest a write can be in
+    flight (its deadline, then a timeout for the attempt sent just before it and one for the script), or
+    a late write could land after the tombstone that should refuse it expired."""
+    longest = write_deadline_s + 2 * timeout_s
+    if tomb_ttl_s <= longest:
+        return (f"must exceed the longest a remote write can be in flight (write deadline + 2 x timeout = "
+                f"{longest:g} s), or a late write could land after its tombstone expired")
+    return None

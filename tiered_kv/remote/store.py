@@ -13,6 +13,7 @@ The server-side data model and the scripts are in :mod:`.keys`; the url forms in
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from typing import Any, Callable, Optional
@@ -23,7 +24,7 @@ from .breaker import Breaker
 from .conn import Conn, error_kind, import_redis
 from .keys import KeyNames
 from .reader import Reader
-from .records import REMOTE_ERROR_KINDS, RemoteOptions
+from .records import REMOTE_ERROR_KINDS, RemoteOptions, tomb_ttl_problem
 from .url import parse_url, redact_url
 from .writer import Writer
 
@@ -136,6 +137,12 @@ class RemoteStore:
         (one script); this store's unsent puts of ``key`` are dropped."""
         self._w.invalidate(key)
 
+    def invalidating(self, key: bytes) -> bool:
+        """An INVALIDATE of ``key`` has not run on the server yet (queued, in flight, or waiting to be sent
+        again): the server may still hold its old value.  A read of the writer's map without its lock (one
+        dict lookup: atomic under the GIL)."""
+        return key in self._w.invalidating
+
     def kick(self) -> None:
         """End of the owner's step: send what was queued during it."""
         self._w.kick()
@@ -242,6 +249,9 @@ def _check(opts: RemoteOptions) -> None:
         raise bad(f"ttl_seconds must be a positive int or None, got {opts.ttl_seconds!r}")
     for name in ("timeout_s", "write_deadline_s", "breaker_backoff_min_s", "breaker_backoff_max_s"):
         v = getattr(opts, name)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
-            raise bad(f"{name} must be a positive number, got {v!r}")
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not (0 < v < math.inf):
+            raise bad(f"{name} must be a positive finite number, got {v!r}")
+    problem = tomb_ttl_problem(opts.tomb_ttl_seconds, opts.write_deadline_s, opts.timeout_s)
+    if problem is not None:
+        raise bad(f"tomb_ttl_seconds={opts.tomb_ttl_seconds} {problem}")
     assert "breaker_open" in REMOTE_ERROR_KINDS

@@ -32,7 +32,8 @@ _USERINFO_SPILLED = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)(.*)@", re.S)
 
 
 def redact_url(url: str) -> str:
-    """``url`` with the password (everything after the first ``:`` of the user info) as ``***``.
+    """``url`` with the password (everything after the first ``:`` of the user info, and the value of a
+    query parameter named like one) as ``***``.
 
     Works on malformed urls too (it is what error messages about them show)."""
     if not isinstance(url, str):
@@ -42,14 +43,23 @@ def redact_url(url: str) -> str:
         _, sep, rest = url.partition("://")
         cut = re.search(r"[/?#]", rest)
         if not sep or cut is None or not _misplaced_at(rest[cut.start():]):
-            return url
+            return _redact_query(url)
         m = _USERINFO_SPILLED.match(url)
         if not m:
-            return url
+            return _redact_query(url)
     user, sep, _ = m.group(2).partition(":")
     if not sep:
-        return url   # a lone user info is a user name (as redis-py reads it), no secret
-    return m.group(1) + user + ":***@" + url[m.end():]
+        return _redact_query(url)   # a lone user info is a user name (as redis-py reads it), no secret
+    return _redact_query(m.group(1) + user + ":***@" + url[m.end():])
+
+
+_SECRET_PARAM = re.compile(r"([?&;][^=&;#]*(?:pass|auth|secret|token)[^=&;#]*=)[^&;#]*", re.I)
+
+
+def _redact_query(url: str) -> str:
+    """``url`` with the value of every query parameter named like a credential (``password=``,
+    ``auth=``, redis-py's own forms, which this parser refuses) as ``***``."""
+    return _SECRET_PARAM.sub(r"\1***", url)
 
 
 @dataclass(frozen=True)
@@ -69,10 +79,9 @@ class RemoteTarget:
 
 
 def _port(text: str, url: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise ConfigError(f"remote url {redact_url(url)!r}: port {text!r} is not a number") from None
+    if not (text.isascii() and text.isdigit()):   # int() would take " 1", "+1", "1_0"
+        raise ConfigError(f"remote url {redact_url(url)!r}: port {text!r} is not a number")
+    port = int(text)
     if not 0 < port < 65536:
         raise ConfigError(f"remote url {redact_url(url)!r}: port {port} out of range")
     return port
@@ -83,8 +92,14 @@ def _host_port(item: str, url: str) -> tuple[str, int]:
     if not item:
         raise ConfigError(f"remote url {redact_url(url)!r}: empty host")
     if item.startswith("["):   # [ipv6]:port
-        host, _, rest = item[1:].partition("]")
-        return host, _port(rest[1:], url) if rest.startswith(":") else DEFAULT_PORT
+        host, closed, rest = item[1:].partition("]")
+        if not closed or not host or (rest and not rest.startswith(":")):
+            raise ConfigError(f"remote url {redact_url(url)!r}: malformed host {item!r}: expected [ipv6] or "
+                              f"[ipv6]:port")
+        return host, _port(rest[1:], url) if rest else DEFAULT_PORT
+    if item.count(":") > 1:
+        raise ConfigError(f"remote url {redact_url(url)!r}: host {item!r}: an IPv6 address must be in brackets, "
+                          f"[addr]:port")
     host, sep, port = item.rpartition(":")
     if not sep:
         return item, DEFAULT_PORT

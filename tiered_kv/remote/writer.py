@@ -6,9 +6,13 @@ order, and follows its redirections in order).  Invariants:
 
 * every put part is answered exactly once (its job by one report): published, refused by a tombstone,
   cancelled or expired before it was sent, failed with its error kind, or ``remote_down``;
-* a tombstone op is never shed while the server is reachable: one the server could not run is queued
-  again at the front; only an op the server keeps refusing (``TOMB_ATTEMPTS``) or, while the breaker
-  is open, the oldest beyond ``TOMB_CAP`` are dropped (logged and counted);
+* a tombstone op is never shed while the server is reachable: one the server could not run is sent
+  again after a back-off of its own (the queue behind it goes on: a slot being migrated holds up only
+  its own ops); only an op the server keeps refusing (``TOMB_ATTEMPTS``) or, while the breaker is open,
+  the oldest beyond ``TOMB_CAP`` are dropped (logged, counted as ``error="tomb_dropped"``);
+* ``invalidating`` counts, per key, the INVALIDATE ops not yet run by the server (queued, in flight or
+  waiting to be sent again): the owner asks the server for no such key, which may still hold its old
+  value;
 * while the breaker is open, queued puts are answered ``remote_down`` at once and this thread probes.
 """
 
@@ -58,11 +62,11 @@ class Writer(IOThread):
         self._ops: collections.deque[Any] = collections.deque()
         self._unsent: dict[bytes, list[PutPart]] = {}   # key -> its QUEUED parts (cancel / invalidate look here)
         self._inflight: list[Any] = []
-        self._pause = 0.0         # back-off after a trip whose tombstone ops could not reach their node
-        self._pause_until = 0.0
+        self._delayed: list[TombOp] = []   # tombstone ops to send again once their retry_at passed
         self.puts_pending = 0     # put parts submitted and not answered
-        self.tombs_queued = 0
+        self.tombs_queued = 0     # tombstone ops in _ops and _delayed
         self.tombs_dropped = 0
+        self.invalidating: dict[bytes, int] = {}   # key -> its INVALIDATE ops the server has not run yet
         self._ttl = int(opts.ttl_seconds or 0)
         self._tomb_ttl = max(1, int(opts.tomb_ttl_seconds))
         self._thread = self._start()
@@ -102,7 +106,19 @@ class Writer(IOThread):
             for p in self._unsent.get(key, ()):
                 if p.state == QUEUED:
                     p.state = CANCELLED
-            self._push_tomb(TombOp(INVALIDATE, key))
+            if self._push_tomb(TombOp(INVALIDATE, key)):
+                inv = self.invalidating
+                inv[key] = inv.get(key, 0) + 1
+
+    def _invalidate_done(self, op: TombOp) -> None:
+        """``op`` left for good (run by the server, or dropped); under the lock."""
+        if op.kind == INVALIDATE:
+            inv = self.invalidating
+            n = inv.get(op.key, 0) - 1
+            if n > 0:
+                inv[op.key] = n
+            else:
+                inv.pop(op.key, None)
 
     def drop(self, key: bytes, sha: str) -> None:
         """Delete the value of ``key`` if it still has sha1 ``sha`` (a reader found it corrupt)."""
@@ -110,27 +126,49 @@ class Writer(IOThread):
             self._push_tomb(TombOp(DROP, key, sha=sha))
             self._notify()
 
-    def _push_tomb(self, op: TombOp) -> None:
+    def _push_tomb(self, op: TombOp) -> bool:
         if not self.healthy or self._closing:
-            return
+            return False
         if self.tombs_queued >= TOMB_CAP and not self.breaker.closed:   # reachable: never shed, it drains
             self._drop_oldest_tomb()
         self._ops.append(op)
         self.tombs_queued += 1
+        return True
 
     def _drop_oldest_tomb(self) -> None:
-        for i, op in enumerate(self._ops):
-            if isinstance(op, TombOp):
-                del self._ops[i]
-                self.tombs_queued -= 1
-                self.tombs_dropped += 1
-                log.warning("%s: %d tombstone ops queued while the server is away: dropped the oldest (%s)",
-                            self.name, TOMB_CAP, op.kind)
-                self._on_error("breaker_open", "tombstone queue overflow")
+        delayed = self._delayed
+        if delayed:   # waiting to be sent again: older than any still queued
+            op = min(delayed, key=lambda o: o.retry_at)
+            delayed.remove(op)
+        else:
+            op = next((o for o in self._ops if isinstance(o, TombOp)), None)
+            if op is None:
                 return
+            self._ops.remove(op)
+        self.tombs_queued -= 1
+        self._dropped(op, f"{TOMB_CAP} tombstone ops queued while the server is away: dropped the oldest")
+
+    def _dropped(self, op: TombOp, why: str) -> None:
+        """``op`` will not be sent: counted, logged; under the lock."""
+        self.tombs_dropped += 1
+        self._invalidate_done(op)
+        log.warning("%s: %s (%s)", self.name, why, op.kind)
+        self._on_error("tomb_dropped", why)
 
     def _queued(self) -> bool:
-        return bool(self._ops)
+        return bool(self._ops) or bool(self._delayed)
+
+    def _release_due(self, now: float) -> Optional[float]:
+        """Put the delayed tombstone ops whose back-off has passed back at the front of the queue; the time
+        until the next one is due, or None when none waits.  Under the lock."""
+        delayed = self._delayed
+        if not delayed:
+            return None
+        due = [op for op in delayed if op.retry_at <= now]
+        if due:
+            self._delayed = delayed = [op for op in delayed if op.retry_at > now]
+            self._ops.extendleft(reversed(due))
+        return min((op.retry_at for op in delayed), default=now) - now if delayed else None
 
     # ------------------------------------------------------------ writer thread
     def _main(self) -> None:
@@ -166,12 +204,15 @@ class Writer(IOThread):
                     self._busy = True
                     continue
                 now = time.monotonic()
-                if self._closing and (not self._ops or now > self._close_deadline):
+                later = self._release_due(now)
+                if self._closing and ((not self._ops and later is None) or now > self._close_deadline):
                     self._take_all_puts(answers, REMOTE_DOWN)
                     self._give_up_tombs("close() timed out")
                     return None, answers, False
-                if self._ops and self._pause_until > now:
-                    self._cond.wait(self._pause_until - now)
+                if not self._ops and later is not None:   # only ops waiting out their back-off: not idle
+                    if answers:
+                        return [], answers, False
+                    self._cond.wait(later)
                     continue
                 if self._ops and (self._wake or self._closing):
                     batch = self._take(answers)
@@ -223,10 +264,15 @@ class Writer(IOThread):
         self._ops = keep
 
     def _give_up_tombs(self, why: str) -> None:
+        """Every tombstone op still to send is dropped (counted, logged once); the puts are answered already."""
         if self.tombs_queued:
             log.warning("%s: %s: %d tombstone ops not sent", self.name, why, self.tombs_queued)
             self.tombs_dropped += self.tombs_queued
+            for _ in range(self.tombs_queued):
+                self._on_error("tomb_dropped", why)
         self._ops.clear()
+        self._delayed.clear()
+        self.invalidating.clear()
         self.tombs_queued = 0
 
     def _forget(self, p: PutPart) -> None:
@@ -301,6 +347,8 @@ class Writer(IOThread):
                 results.append(replies[at])
                 at += 1
         retry: list[TombOp] = []
+        left: list[TombOp] = []   # tombstone ops the server ran: an INVALIDATE's key may be asked for again
+        dropped: list[tuple[TombOp, str]] = []
         answered = unreachable = 0
         first_error = ""
         for op, r in zip(batch, results):
@@ -318,9 +366,9 @@ class Writer(IOThread):
                     if op.attempts < TOMB_ATTEMPTS:
                         retry.append(op)
                     else:
-                        self.tombs_dropped += 1
-                        log.warning("%s: %s of a key dropped after %d refusals (%s)", self.name, op.kind,
-                                    op.attempts, msg)
+                        dropped.append((op, f"dropped after {op.attempts} refusals ({msg})"))
+            elif isinstance(op, TombOp):
+                left.append(op)
             elif isinstance(op, PutPart):
                 answered += 1
                 if r == PUBLISHED:
@@ -337,15 +385,19 @@ class Writer(IOThread):
                     self._answer_put(op, False, "script")
         with self._cond:
             self.puts_pending -= answered
-            if retry:
-                self._ops.extendleft(reversed(retry))
+            for op in left:
+                self._invalidate_done(op)
+            for op, why in dropped:
+                self._dropped(op, why)
+            if retry:   # each waits out a back-off of its own: a node that is away is not spun on, and the
+                # ops of the other nodes behind them go on
+                now = time.monotonic()
+                for op in retry:
+                    op.pause = min(1.0, max(0.01, op.pause * 2))
+                    op.retry_at = now + op.pause
+                self._delayed += retry
                 self.tombs_queued += len(retry)
             self._inflight = []
-            if retry:   # do not spin on a node that is away (its tombstones come back at the front)
-                self._pause = min(1.0, max(0.01, self._pause * 2))
-                self._pause_until = time.monotonic() + self._pause
-            else:
-                self._pause = 0.0
         if unreachable and unreachable == len(batch):
             self.breaker.failure(first_error)
         else:
