@@ -187,9 +187,9 @@ def record_reads(disk: DiskStore) -> list:
     got: list = []
     orig = disk.readers._answer
 
-    def answer(op, r):
-        got.append(r)
-        orig(op, r)
+    def answer(group):
+        got.extend(r for _, r in group)
+        orig(group)
 
     disk.readers._answer = answer  # type: ignore[method-assign]
     return got
