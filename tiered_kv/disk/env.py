@@ -111,7 +111,9 @@ class DiskEnv:
             if size == 0:
                 raise DiskTierError(f"disk_path {str(path)!r}: data.mdb is empty (truncated); "
                                     f"remove the directory to start afresh")
-            want = max(want, size)
+            # with room to grow: a map exactly as large as a full file would leave recovery's first write
+            # transaction (it drops what it finds damaged) no page, and the tier would never open again
+            want = max(want, int(size * MAP_GROWTH))
         try:
             env = lmdb.open(str(path), map_size=want, subdir=True, max_dbs=MAX_DBS, sync=durability != "none",
                             metasync=durability == "sync", writemap=False, map_async=False, readahead=True,

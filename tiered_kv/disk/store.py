@@ -124,10 +124,13 @@ class DiskStore:
         if self._closed:
             return
         self._closed = True
-        self.writer.begin_close()
+        # the readers first: a read close() lets finish may find a corrupt entry and queue its removal
+        # with the writer, which must still be there to commit it
         self.readers.stop()
-        self.writer.join()
         self.readers.join()
+        self.writer.begin_close()
+        self.writer.join()
+        self.writer.settle_orphans()
         self._release()
 
     def _release(self) -> None:

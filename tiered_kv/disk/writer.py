@@ -53,6 +53,7 @@ class Writer:
         self.opts = opts
         self._out = out
         self._db = db
+        self._orphans: list[Any] = []   # tombs and deletes a dead writer could not commit (settle_orphans)
         self._slots = slots
         self._tombs = tombs
         self._ns = opts.namespace.encode()
@@ -104,6 +105,8 @@ class Writer:
             if not self.accepting:
                 if isinstance(op, Flush):  # answer at once: nothing will commit any more
                     self._out.put(FlushDone(op.token, False, "disk writer is gone"))
+                elif isinstance(op, (Tomb, Delete)):   # a removal must not be lost: close() applies it
+                    self._orphans.append(op)
                 return
             (self._ops.appendleft if front else self._ops.append)(op)
             self._wake_writer(op)
@@ -127,6 +130,32 @@ class Writer:
         if self._hash_pool is not None:
             self._hash_pool.shutdown(wait=True)
             self._hash_pool = None
+
+    def settle_orphans(self) -> int:
+        """After :meth:`join`: the removals (tombs of cancelled or invalidated entries, deletes) that a
+        writer that died could not commit, applied in one transaction, so that none of those entries is
+        served after a reopen.  No write can come under their tokens any more: each only deletes the
+        entry its token wrote.  Returns how many were applied (0 when the transaction fails: logged)."""
+        ops, self._orphans = self._orphans, []
+        if not ops or self._db.env is None:
+            return 0
+        frees: list[int] = []
+        try:
+            self._db.rw.acquire_shared()
+            try:
+                with self._db.env.begin(write=True, buffers=True) as txn:
+                    for op in ops:
+                        self._tombs.delete_if_token(txn, op.key, op.token, frees,
+                                                    isinstance(op, Delete) and op.unparseable_too)
+            finally:
+                self._db.rw.release_shared()
+        except Exception as exc:   # noqa: BLE001 - the disk fails too: logged, as a writer's dropped ops are
+            log.error("disk tier %s: %d removal(s) the dead writer left could not be written either (%r): a "
+                      "removed entry among them may be readable after reopen", self.opts.path, len(ops), exc)
+            return 0
+        log.warning("disk tier %s: %d removal(s) the dead writer could not commit written at close", self.opts.path,
+                    len(ops))
+        return len(ops)
 
     # ------------------------------------------------------------ the queue
     def _wake_writer(self, op: Any) -> None:
@@ -207,6 +236,7 @@ class Writer:
                 self._ops.clear()
                 self.spills_queued = 0
                 self.accepting = False  # no further ops: they could never be answered
+                self._orphans += [op for op in rest if isinstance(op, (Tomb, Delete))]
             self._fail_ops(rest, f"disk writer died: {exc!r}")
             if not isinstance(exc, Exception):
                 raise
@@ -247,7 +277,9 @@ class Writer:
         self._batch_failed(batch, "map_full", "LMDB map still full after growing")
 
     def _batch_failed(self, batch: list[Any], kind: str, msg: str) -> None:
-        """Spills fail (they can be stored again); tombs, deletes and touches stay queued, in order.
+        """Spills fail (they can be stored again); tombs and deletes stay queued, in order; touches
+        (recency for the next restart, which a crash may lose anyway) are dropped, or a disk that fails
+        every commit would grow the queue by one per promote for as long as it lasts.
 
         Flushes in the batch answer False.  The next attempt waits a little
         longer each time (up to ``BACKOFF_MAX_S``) so a persistent fault does not
@@ -258,7 +290,7 @@ class Writer:
         """
         self._degrade(kind, msg)
         self.failures += 1
-        keep = [op for op in batch if isinstance(op, (Tomb, Delete, Touch))]
+        keep = [op for op in batch if isinstance(op, (Tomb, Delete))]
         self._fail_ops([op for op in batch if not isinstance(op, (Tomb, Delete, Touch))],
                        f"disk write failed ({kind}): {msg}")
         self._backoff = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, self._backoff * 2))
@@ -270,9 +302,16 @@ class Writer:
                     dropped, keep = keep, []
             self._ops.extendleft(reversed(keep))
             if keep or not self._closed:
-                self._cond.wait(timeout=self._backoff)
+                # the whole back-off: a spill queued meanwhile notifies this condition, and must not cut it
+                # short (a failing disk would be retried once per spill); close() ends it
+                deadline = time.monotonic() + self._backoff
+                while not self._closed:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(timeout=left)
         if dropped:
-            log.error("disk tier %s: closing after %d failed commits; dropped %d tomb/delete/touch op(s) that "
+            log.error("disk tier %s: closing after %d failed commits; dropped %d tomb/delete op(s) that "
                       "could not be written (a tombstoned entry among them may be readable after reopen)",
                       self.opts.path, self._close_failures, len(dropped))
 
@@ -375,9 +414,10 @@ class Writer:
                             lk = lmdb_key(op.key)
                             if txn.get(lk, db=db.blocks) is not None:   # not for an entry gone meanwhile
                                 txn.put(lk, U64.pack(seq), db=db.touch)
-                    self.tombstones = txn.stat(db.tombs)["entries"]
+                    tombstones = txn.stat(db.tombs)["entries"]
             finally:
                 db.rw.release_shared()
+            self.tombstones = tombstones   # committed: a failed commit's count is not the disk's
         except BaseException:
             if hashing is not None:   # let it stop reading the host slots before they are given up
                 concurrent.futures.wait([hashing])
