@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -211,7 +212,7 @@ async def _read_header(r: _Reader, name: str) -> ArchiveHeader:
         raise ArchiveError(f"{name}: file header checksum mismatch")
     try:
         info = json.loads(rest[ns_len:ns_len + info_len] or b"{}")
-    except ValueError:
+    except (ValueError, RecursionError):   # descriptive only: a damaged one is dropped (nested past the parser too)
         info = {}
     if bb <= 0:
         raise ArchiveError(f"{name}: corrupt file header (block_bytes {bb})")
@@ -288,6 +289,8 @@ async def _frames(r: _Reader, hdr: ArchiveHeader, name: str, summary: _Summary) 
         except CorruptEntry as exc:
             raise ArchiveError(f"{name}: frame {index} (offset {off}): its entry fails verification ({exc})",
                                index, off) from None
+        if not eh.key:   # no TierManager writes one (and LMDB refuses the empty key it maps to)
+            raise ArchiveError(f"{name}: frame {index} (offset {off}): its entry has an empty key", index, off)
         digest.update(head)
         digest.update(rest[_FRAME.size - 4:])
         digest.update(value)
@@ -391,6 +394,7 @@ async def export_async(path: PathLike, namespace: str, out: PathLike,
                     buf: list[bytes] = [pack_file_header(ns, bb, time.time(), info)]
                     nbuf = len(buf[0])
                     digest = xxhash.xxh3_64()
+                    unsure: list[tuple[bytes, bytes]] = []   # corrupt, unless rewritten: told once the txn ended
                     with oe.begin(buffers=True) as txn, SlotReader(oe.path, bb) as slots:
                         tombs = {bytes(k) for k, _ in txn.cursor(db=oe.dbs["tombs"])}
                         total = txn.stat(oe.dbs["blocks"])["entries"]
@@ -399,7 +403,12 @@ async def export_async(path: PathLike, namespace: str, out: PathLike,
                             try:
                                 h = verify_entry(v, ns, None, bb, payload)
                             except CorruptEntry:
-                                if not record_changed(oe, bytes(lk), v):   # else: rewritten meanwhile, not bad
+                                # skipped either way; counted as corrupt unless rewritten meanwhile (which cannot
+                                # be told while the map grew under this transaction: asked again after it)
+                                moved = record_changed(oe, bytes(lk), v)
+                                if moved is None:
+                                    unsure.append((bytes(lk), bytes(v)))
+                                elif not moved:
                                     rep.skipped_corrupt += 1
                                 continue
                             if lmdb_key(h.key) != bytes(lk):
@@ -430,6 +439,7 @@ async def export_async(path: PathLike, namespace: str, out: PathLike,
                                 buf, nbuf = [], 0
                                 if progress is not None:
                                     progress(rep.frames + rep.skipped_corrupt + rep.skipped_orphaned, total)
+                    rep.skipped_corrupt += sum(1 for lk, v in unsure if not record_changed(oe, lk, v))
                     buf.append(pack_trailer(rep.frames, rep.value_bytes, digest.intdigest()))
                     if pending is not None:
                         p, pending = pending, None
@@ -441,7 +451,19 @@ async def export_async(path: PathLike, namespace: str, out: PathLike,
                     if pending is not None:   # an error while a write was in flight: let it finish first
                         with contextlib.suppress(Exception):
                             await pending
-            os.replace(tmp, outp)
+            try:   # never over a file that appeared at OUT while this ran (OUT must not exist): a link fails then
+                os.link(tmp, outp)
+                tmp.unlink()
+            except FileExistsError:
+                raise OpsError(f"{str(outp)!r} already exists (it appeared while the export ran): it was left as "
+                               f"it is, nothing was written there") from None
+            except OSError as exc:
+                if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                    raise
+                if outp.exists():   # a filesystem without hard links: checked, then renamed
+                    raise OpsError(f"{str(outp)!r} already exists (it appeared while the export ran): it was left "
+                                   f"as it is") from None
+                os.replace(tmp, outp)
             fsync_path(outp.parent, directory=True)
         except BaseException:
             try:
@@ -630,8 +652,8 @@ async def import_async(path: PathLike, archive: PathLike, force_namespace: bool 
                     created, made = None, []
                     raise
                 state = _path_state(p)   # again, under the lock: a TierManager may have created it meanwhile
-                if state == "existing":
-                    made = []
+                if state == "existing":   # its tier: nothing is removed if this import fails
+                    made, created = [], None
             need = 2 * total + (16 << 20)
             with open_writable(p, extra_bytes=need, create=state == "new") as oe:
                 init = oe.meta.get("format_version") is None

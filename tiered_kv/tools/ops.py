@@ -156,8 +156,11 @@ def hold_path(path: PathLike) -> Iterator[None]:
     while we hold it, so that a TierManager refused meanwhile names us.
     """
     p = Path(path)
+    had_lock = (p / LOCK_NAME).exists()
     try:
         fd = lock.take(p)
+        if not had_lock:
+            _own_like_data(p / LOCK_NAME, p)
     except lock.LockHeld as held:
         who = "this process" if held.holder == str(os.getpid()) else f"pid {held.holder}"
         raise PathInUseError(f"{str(p)!r} is in use by a TierManager or another tiered-kv command ({who} holds "
@@ -216,14 +219,32 @@ class OpenEnv:
     dbs: dict[str, Any]
     meta: dict[str, Any]
     writable: bool
+    open_txns: int = 0   # transactions begun here and not yet ended
 
-    def begin(self, write: bool = False, buffers: bool = False) -> Any:
-        """A transaction; a read one is retried once after adopting a map grown by a live writer."""
+    @contextlib.contextmanager
+    def begin(self, write: bool = False, buffers: bool = False) -> Iterator[Any]:
+        """A transaction (a context manager, as ``env.begin``'s); a read one is retried once after adopting
+        a map grown by a live writer -- only when no other transaction of this environment is open: LMDB
+        forbids remapping under one (its pages would go from under its cursor: a crash).  Then
+        :class:`MapGrewMeanwhile` is raised instead, for the caller to retry once that one ended."""
         try:
-            return self.env.begin(write=write, buffers=buffers)
+            txn = self.env.begin(write=write, buffers=buffers)
         except lmdb.MapResizedError:
+            if self.open_txns:
+                raise MapGrewMeanwhile(f"{str(self.path)!r}: the live writer grew the map under an open transaction")
             self.env.set_mapsize(0)
-            return self.env.begin(write=write, buffers=buffers)
+            txn = self.env.begin(write=write, buffers=buffers)
+        self.open_txns += 1
+        try:
+            with txn:
+                yield txn
+        finally:
+            self.open_txns -= 1
+
+
+class MapGrewMeanwhile(Exception):
+    """A live writer grew the map while a transaction of this environment was open: a new transaction can
+    begin once that one ended (:meth:`OpenEnv.begin`)."""
 
 
 def _read_meta(txn: Any, meta_db: Any) -> dict[str, Any]:
@@ -250,10 +271,10 @@ def _read_meta(txn: Any, meta_db: Any) -> dict[str, Any]:
     else:
         try:
             rec = json.loads(lr)
-        except ValueError:
+        except (ValueError, RecursionError):   # damaged: not JSON, or nested past what the parser takes
             rec = None
         # a report as recovery writes it: numbers only (its time a timestamp); else shown as the text it is
-        ok = isinstance(rec, dict) and all(type(v) in (int, float) and math.isfinite(v) for v in rec.values())
+        ok = isinstance(rec, dict) and all(type(v) in (int, float) and _finite(v) for v in rec.values())
         if ok and "at" in rec and _timestamp(rec["at"]) is None:
             ok = False
         out["last_recovery"] = rec if ok else {"unparsable": lr[:200].decode(errors="replace")}
@@ -316,6 +337,29 @@ def _ino(data: Path) -> int:
         raise OpsError(f"{str(data.parent)!r} is not an LMDB environment (no data.mdb)") from None
 
 
+def _own_like_data(made: Path, p: Path) -> None:
+    """A file this command made in the tier ``p`` (a lock file LMDB or the path lock created) is given to
+    the owner of ``p/data.mdb`` when this command runs as root: a root-owned ``lock.mdb`` or
+    ``tiered_kv.lock`` would keep the serving user's TierManager from opening its own tier.  Best effort."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return
+    try:
+        st = (p / "data.mdb").stat()
+        if (made.stat().st_uid, made.stat().st_gid) != (st.st_uid, st.st_gid):
+            os.chown(made, st.st_uid, st.st_gid)
+    except OSError:
+        pass
+
+
+def _lmdb_open(p: Path, **kw: Any) -> Any:
+    """``lmdb.open(p, **kw)``, its ``lock.mdb`` given to the tier's owner if this call made it."""
+    had = (p / "lock.mdb").exists()
+    env = lmdb.open(str(p), **kw)
+    if not had:
+        _own_like_data(p / "lock.mdb", p)
+    return env
+
+
 def _open_current(p: Path) -> Any:
     """``lmdb.open`` read-only, making sure the data file LMDB opened is still ``p/data.mdb``.
 
@@ -327,8 +371,8 @@ def _open_current(p: Path) -> Any:
     for _ in range(5):
         ino = _ino(data)
         try:
-            env = lmdb.open(str(p), readonly=True, lock=True, subdir=True, max_dbs=MAX_DBS, create=False,
-                            map_size=0, readahead=False, max_readers=MAX_READERS)
+            env = _lmdb_open(p, readonly=True, lock=True, subdir=True, max_dbs=MAX_DBS, create=False,
+                             map_size=0, readahead=False, max_readers=MAX_READERS)
         except lmdb.Error as exc:
             raise OpsError(f"{str(p)!r} is not a usable LMDB environment: {exc}") from None
         if _ino(data) == ino:
@@ -374,9 +418,9 @@ def open_writable(path: PathLike, extra_bytes: int = 0, create: bool = False, du
     size = data.stat().st_size if existing else 0
     want = max(MIN_MAP, size + extra_bytes + (16 << 20))
     try:
-        env = lmdb.open(str(p), readonly=False, lock=True, subdir=True, max_dbs=MAX_DBS, create=create,
-                        map_size=want, sync=durability != "none", metasync=durability == "sync",
-                        writemap=False, map_async=False, readahead=False, meminit=False, max_readers=MAX_READERS)
+        env = _lmdb_open(p, readonly=False, lock=True, subdir=True, max_dbs=MAX_DBS, create=create,
+                         map_size=want, sync=durability != "none", metasync=durability == "sync",
+                         writemap=False, map_async=False, readahead=False, meminit=False, max_readers=MAX_READERS)
     except lmdb.Error as exc:
         raise OpsError(f"{str(p)!r} is not a usable LMDB environment: {exc}") from None
     try:
@@ -552,6 +596,13 @@ def _lenient_key_token(v: Any) -> tuple[Optional[str], Optional[str]]:
     return key, str(uuid.UUID(bytes=bytes(token)))
 
 
+def _finite(v: float) -> bool:
+    try:
+        return math.isfinite(v)
+    except OverflowError:   # an int past a float's range: no report of recovery holds one
+        return False
+
+
 def stored_payload(v: Any, bb: int, slots: SlotReader) -> Optional[bytes]:
     """The payload to verify ``v`` against: read from its slot for a slot entry, else None (inline)."""
     try:
@@ -563,22 +614,29 @@ def stored_payload(v: Any, bb: int, slots: SlotReader) -> Optional[bytes]:
     return slots.payload(h) if h.length == bb else b""
 
 
-def record_changed(oe: Any, lk: bytes, value: Any) -> bool:
+def record_changed(oe: Any, lk: bytes, value: Any) -> Optional[bool]:
     """Whether ``lk``'s index record is no longer ``value`` (dropped or rewritten) in a fresh read
     transaction.  The index is a snapshot, the slot file is not: beside a live writer a slot read
-    through an old record may hold a newer write's bytes, which is a change, not corruption."""
-    with oe.begin() as txn:
-        now = txn.get(lk, db=oe.dbs["blocks"])
+    through an old record may hold a newer write's bytes, which is a change, not corruption.  None
+    when it cannot tell now: the writer grew the map while the caller's own transaction is open (ask
+    again once it ended)."""
+    try:
+        with oe.begin() as txn:
+            now = txn.get(lk, db=oe.dbs["blocks"])
+    except MapGrewMeanwhile:
+        return None
     return now is None or bytes(now) != bytes(value)
 
 
 def _scan(txn: Any, dbs: dict[str, Any], ns: bytes, bb: int, rep: VerifyReport, slots: SlotReader,
           progress: Optional[Callable[[int, int], None]] = None,
-          changed: Optional[Callable[[bytes, Any], bool]] = None) -> list[bytes]:
+          changed: Optional[Callable[[bytes, Any], Optional[bool]]] = None,
+          later: Optional[list[tuple[bytes, bytes, CorruptEntry]]] = None) -> list[bytes]:
     """Check every entry (and the payload in its slot); fill ``rep``; return the LMDB keys of the bad ones.
 
     ``changed(lmdb key, record)``: read-only runs ask it before calling an entry corrupt (see
-    :func:`record_changed`); one that changed is counted in ``changed_meanwhile`` instead."""
+    :func:`record_changed`); one that changed is counted in ``changed_meanwhile`` instead, one it cannot
+    tell about yet goes to ``later`` (key, record, error) for the caller to settle after the scan."""
     tombs = {bytes(k) for k, _ in txn.cursor(db=dbs["tombs"])}
     rep.tombstones = len(tombs)
     bad: list[bytes] = []
@@ -593,11 +651,14 @@ def _scan(txn: Any, dbs: dict[str, Any], ns: bytes, bb: int, rep: VerifyReport, 
         try:
             h = verify_entry(v, ns, None, bb, stored_payload(v, bb, slots))
         except CorruptEntry as exc:
-            if changed is not None and changed(lk, v):
+            moved = changed(lk, v) if changed is not None else False
+            if moved is None and later is not None:
+                later.append((lk, bytes(v), exc))
+                continue
+            if moved:
                 rep.changed_meanwhile += 1
                 continue
-            key, tok = _lenient_key_token(v)
-            rep.corrupt.append(Problem("corrupt", exc.reason, lk.hex(), key, tok, str(exc)))
+            rep.corrupt.append(_corrupt(lk, v, exc))
             bad.append(lk)
             continue
         if lmdb_key(h.key) != lk:
@@ -615,6 +676,11 @@ def _scan(txn: Any, dbs: dict[str, Any], ns: bytes, bb: int, rep: VerifyReport, 
     if progress is not None:
         progress(rep.checked, total)
     return bad
+
+
+def _corrupt(lk: bytes, v: Any, exc: CorruptEntry) -> Problem:
+    key, tok = _lenient_key_token(v)
+    return Problem("corrupt", exc.reason, lk.hex(), key, tok, str(exc))
 
 
 _META_REASONS = ("wrong_namespace", "wrong_length")   # an entry that disagrees with meta, not with itself
@@ -636,8 +702,14 @@ def verify(path: PathLike, repair: bool = False,
         with open_readonly(p) as oe:
             ns, bb = check_meta(oe.meta, p)
             rep = VerifyReport(str(p), ns.decode(errors="replace"), bb, writer_pids=lock_holders(p))
+            later: list[tuple[bytes, bytes, CorruptEntry]] = []
             with oe.begin(buffers=True) as txn, SlotReader(p, bb) as slots:
-                _scan(txn, oe.dbs, ns, bb, rep, slots, progress, lambda lk, v: record_changed(oe, lk, v))
+                _scan(txn, oe.dbs, ns, bb, rep, slots, progress, lambda lk, v: record_changed(oe, lk, v), later)
+            for lk, v, exc in later:   # the scan's transaction ended: the grown map is adopted now
+                if record_changed(oe, lk, v):
+                    rep.changed_meanwhile += 1
+                else:
+                    rep.corrupt.append(_corrupt(lk, v, exc))
         rep.seconds = time.perf_counter() - t0
         return rep
     with hold_path(p):
@@ -647,7 +719,8 @@ def verify(path: PathLike, repair: bool = False,
             # (a removed entry's slot is free at the next open: the free list is derived from the index)
             with oe.env.begin(write=True, buffers=True) as txn, SlotReader(p, bb) as slots:
                 bad = _scan(txn, oe.dbs, ns, bb, rep, slots, progress)
-                if rep.ok == 0 and rep.corrupt and all(pr.reason in _META_REASONS for pr in rep.corrupt):
+                if (rep.ok == 0 and not rep.orphaned and rep.corrupt
+                        and all(pr.reason in _META_REASONS for pr in rep.corrupt)):
                     # no entry agrees with meta: a damaged meta record is likelier than a tier of foreign
                     # entries, and removing them would empty the tier
                     raise OpsError(f"{str(p)!r}: none of its {rep.checked:,} entries has meta's namespace "
@@ -793,8 +866,8 @@ def compact(path: PathLike, progress: Optional[Callable[[int, int], None]] = Non
                 os.replace(out, data)
                 fsync_path(p, directory=True)
                 # re-initialise lock.mdb from the new file while we are LMDB's sole user (see above)
-                env = lmdb.open(str(p), readonly=True, lock=True, subdir=True, max_dbs=MAX_DBS, create=False,
-                                map_size=0, max_readers=MAX_READERS)
+                env = _lmdb_open(p, readonly=True, lock=True, subdir=True, max_dbs=MAX_DBS, create=False,
+                                 map_size=0, max_readers=MAX_READERS)
                 try:
                     dbs = _open_dbs(env, p, create=False)
                     with env.begin() as txn:
