@@ -132,8 +132,10 @@ def test_b_gets_hits_for_the_prefixes_a_stored(url: str, machine_a: Machine, mac
     assert a("flush") == "True"
     kb = [k.encode() for k in ks]
     assert fetch(b, kb) == 12
+    assert b.lookup(kb) == 12   # the lookup that finds them in B's host tier counts them as remote hits, once
     assert same(b, kb)
     assert metric_sum(b, "tiered_kv_lookup_hits_total", tier="remote") == 12
+    assert metric_sum(b, "tiered_kv_lookup_hits_total", tier="host") == 0
     assert float(a("metric tiered_kv_jobs_total kind=put outcome=ok")) == put_ok + 12
 
 

@@ -35,7 +35,10 @@ ERROR_KINDS = (("device", "copy_failed"), ("host", "copy_failed"), ("disk", "cop
                ("disk", "map_full"), ("disk", "disk_full"), ("disk", "read_only"), ("disk", "io_error"),
                ("disk", "lmdb_error"), ("disk", "writer_error"), ("disk", "slots_exhausted"), ("disk", "reader_error"),
                ("disk", "io_process_died"), ("disk", "io_process_restart_failed"), ("disk", "io_process_start_failed"))
-_LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5)
+# one block's share of a copy: a batched device<->host copy gives a few microseconds per block, a remote round
+# trip up to seconds
+_LATENCY_BUCKETS = (1e-6, 2.5e-6, 5e-6, 10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3,
+                    50e-3, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _LINKS = (("device", "host"), ("host", "device"), ("host", "disk"), ("disk", "host"), ("host", "remote"),
           ("remote", "host"))
 _KINDS = tuple(JobKind)
@@ -143,9 +146,10 @@ class Metrics:
         self.in_flight = {k: self.jobs_in_flight.labels(kind=k.value) for k in JobKind}
         self.link_bytes = {l: self.transfer_bytes.labels(src=l[0], dst=l[1]) for l in _LINKS}
         self.link_seconds = {l: self.transfer_seconds.labels(src=l[0], dst=l[1]) for l in _LINKS}
-        self.used = {t: self.tier_used_bytes.labels(tier=t) for t in TIERS}
+        # the device rows are the engine's: their capacity is known, what it holds in them is not
+        self.used = {t: self.tier_used_bytes.labels(tier=t) for t in TIERS if t != "device"}
         self.capacity = {t: self.tier_capacity_bytes.labels(tier=t) for t in TIERS}
-        self.blocks = {t: self.tier_blocks.labels(tier=t) for t in TIERS}
+        self.blocks = {t: self.tier_blocks.labels(tier=t) for t in TIERS if t != "device"}
         self.hits = {t: self.lookup_hits.labels(tier=t) for t in (*TIERS, "remote")}
         self.evicted = {t: self.evictions.labels(tier=t) for t in TIERS}
         self.admission_refused = Counter(

@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 from ..config import TieredKVConfig
 from ..errors import ConfigError
@@ -34,6 +34,12 @@ __all__ = ["RemoteTier", "MISSED_MAX"]
 log = logging.getLogger(__name__)
 
 MISSED_MAX = 1 << 16
+
+
+class Refused(NamedTuple):
+    """A probe the store refused: why (a shed reason) and how many keys it asked for."""
+    why: str
+    keys: int
 """At most this many keys not to ask the server for are remembered (the oldest quarter goes beyond it)."""
 
 
@@ -55,6 +61,9 @@ class RemoteTier:
         # ... or this machine invalidated it (any value the server holds then is one the invalidation's tomb
         # deletes): never forgotten before it expires
         self.guards: dict[bytes, float] = {}
+        # keys fetched into the host tier and not yet found there by a lookup: that lookup counts them as
+        # remote hits (bounded: the oldest are forgotten, then counted as host hits)
+        self.landed: dict[bytes, None] = {}
         # key -> the token of the probe or fetch asking the server for it (or of this step's probe)
         self.asking: dict[bytes, uuid.UUID] = {}
         # the probe being gathered this step (submitted by TierCore.end_step)
@@ -90,8 +99,9 @@ class RemoteTier:
         def on_refused(reason: str) -> None:
             m.refused["token" if reason == PUT_REFUSED_TOKEN else "tomb"].inc()
 
-        def on_corrupt(reason: str) -> None:
+        def on_corrupt(reason: str) -> None:   # a fault too: the remote errors alert sees it
             m.remote_corrupt.labels(reason=reason).inc()
+            m.error("remote", "corrupt")
 
         store = RemoteStore(opts, completions, on_error=on_error, on_refused=on_refused, on_corrupt=on_corrupt)
         return cls(store, metrics, cfg.remote_miss_ttl_seconds, cfg.remote_prefetch_blocks, cfg.remote_tomb_ttl_seconds)
@@ -172,10 +182,10 @@ class RemoteTier:
         self.asking[key] = token
         return True
 
-    def take_wanted(self) -> Union[None, str, tuple[uuid.UUID, list[bytes]]]:
-        """Submit this step's probe (does the server hold these keys?): (token, keys) when queued, why
-        not (a shed reason: ``"backpressure"``, ``"remote_down"``) when the store refused it, None when
-        no key is wanted."""
+    def take_wanted(self) -> Union[None, Refused, tuple[uuid.UUID, list[bytes]]]:
+        """Submit this step's probe (does the server hold these keys?): (token, keys) when queued,
+        :class:`Refused` (a shed reason, ``"backpressure"`` or ``"remote_down"``, and how many keys) when
+        the store refused it, None when no key is wanted."""
         token, keys = self.want_token, self.want_keys
         if token is None:
             return None
@@ -188,7 +198,7 @@ class RemoteTier:
         if not self.store.submit_probe(token, keys):
             for k in keys:
                 del asking[k]
-            return "backpressure" if self.store.available else "remote_down"
+            return Refused("backpressure" if self.store.available else "remote_down", len(keys))
         return token, keys
 
     def probe_answered(self, token: uuid.UUID, keys: Sequence[bytes], r: Report, hindex: TierIndex,
@@ -235,6 +245,25 @@ class RemoteTier:
             return None
         return fetch, got, entries
 
+    def landed_key(self, key: bytes) -> None:
+        """``key``'s fetch published it in the host tier."""
+        landed = self.landed
+        landed[key] = None
+        if len(landed) > MISSED_MAX:
+            for k in list(landed)[:MISSED_MAX // 4]:
+                del landed[k]
+
+    def hits_among(self, keys: Sequence[bytes], hindex: Any) -> int:
+        """How many of ``keys`` (a lookup's hits) are fetched blocks found in the host tier for the first
+        time; they are no longer counted so afterwards."""
+        landed, n = self.landed, 0
+        for k in keys:
+            if k in landed:
+                del landed[k]
+                if k in hindex:
+                    n += 1
+        return n
+
     def fetched(self, key: bytes, token: uuid.UUID) -> None:
         """A fetch's answer for ``key`` was applied."""
         if self.asking.get(key) == token:
@@ -254,6 +283,7 @@ class RemoteTier:
         run there (:meth:`RemoteStore.invalidating`: the server may be away for longer than the tomb's
         TTL).  The guards are kept apart from the bounded miss marks: a burst of misses never drops one."""
         now = time.monotonic()
+        self.landed.pop(key, None)
         guards = self.guards
         guards.pop(key, None)
         guards[key] = now + self.tomb_ttl

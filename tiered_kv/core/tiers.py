@@ -58,7 +58,7 @@ from ..movers import CompletionQueue, Report
 from .disk_tier import DiskTier
 from .index import Entry, EntryState, TierIndex
 from .policy import make_admission, make_policy
-from .remote_tier import RemoteTier
+from .remote_tier import Refused, RemoteTier
 
 __all__ = ["TierCore", "SlotViews", "EVICT_AHEAD_MAX", "TOKEN_POOL", "CLOSE_TIMEOUT_S"]
 
@@ -445,14 +445,21 @@ class TierCore:
             self.index.seen(keys)
             if dindex is not None:
                 dindex.seen(keys)
-        if self.remote is not None and n < len(keys):
-            self._probe_remote(keys, n)
+        remote = self.remote
         m = self.metrics  # counted like the per-job counters: applied at the end of the step
         m.count(m.lookups, len(keys))
-        if host:
-            m.count(m.hits["host"], host)
         if n > host:
             m.count(m.hits["disk"], n - host)
+        if remote is not None:
+            if n < len(keys):
+                self._probe_remote(keys, n)
+            if remote.landed and host:   # blocks the remote tier fetched into the host: remote hits, counted once
+                fetched = remote.hits_among(keys[:n], self.index)
+                if fetched:
+                    host -= fetched
+                    m.count(m.hits["remote"], fetched)
+        if host:
+            m.count(m.hits["host"], host)
         return n
 
     def _probe_remote(self, keys: Sequence[bytes], n: int) -> None:
@@ -769,8 +776,8 @@ class TierCore:
         got = remote.take_wanted()
         if got is None:
             return
-        if type(got) is str:   # not queued: the reader is full or the server unavailable (asked again later)
-            self.shed(_FETCH, got)
+        if type(got) is Refused:   # not queued: the reader is full or the server unavailable (asked again later)
+            self.shed(_FETCH, got.why, got.keys)   # counted per key, as fetches are
             return
         token, keys = got
         job = Job(token, _FETCH, keys[0], -1, keys=keys)
@@ -813,6 +820,7 @@ class TierCore:
                 self.stale(_FETCH, job.cancel_reason or _R_SUPERSEDED, job.token)
             elif r.ok or (failed is not None and i not in failed):
                 index.publish(e)
+                remote.landed_key(e.key)
                 found += 1
             else:
                 index.writer_done(e)
@@ -822,8 +830,7 @@ class TierCore:
                     remote.note_miss(e.key, now)
                 else:
                     faults += 1
-        if found:
-            m.count(m.hits["remote"], found)
+        if found:   # a lookup hit for the lookup that finds them (lookup_prefix), not now
             m.moved(_FETCH, _REMOTE_HOST, found * self.row_bytes, r.seconds / len(entries), found)
         if faults:   # a part the server did not hold is a miss, not a failure
             m.count(m.job_outcome[(_FETCH, "failed")], faults)
