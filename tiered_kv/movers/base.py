@@ -90,7 +90,7 @@ class ImmediateMover(Mover):
 
     def __init__(self, device_rows: torch.Tensor, host_rows: torch.Tensor, completions: CompletionQueue) -> None:
         self._put = completions.put
-        self._nbytes = int(host_rows.shape[1]) * host_rows.element_size()
+        self._nbytes = host_rows[0].numel() * host_rows.element_size()   # a row's bytes, whatever its shape
 
     def submit(self, t: Transfer) -> None:
         self._put(Report(t.token, t.kind, True, None, len(t.rows) * self._nbytes, 0.0))

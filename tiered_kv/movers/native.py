@@ -158,11 +158,13 @@ class NativeMover(Mover):
         if not held:
             return
         self._held = collections.deque()
-        groups = split_batches(held, self._block_bytes, _NO_CUT)   # a flush's stores, then its loads
+        groups: Optional[list[list[Transfer]]] = None
         try:
+            groups = split_batches(held, self._block_bytes, _NO_CUT)   # a flush's stores, then its loads
             self._start(groups, now)
         except BaseException as exc:   # answer what was not started: nothing submitted goes unanswered
-            self._answer_unstarted([t for g in groups for t in g], f"copy not started: {exc!r}")
+            self._answer_unstarted(list(held) if groups is None else [t for g in groups for t in g],
+                                   f"copy not started: {exc!r}")
             raise
 
     def _answer_unstarted(self, ts: list[Transfer], error: str) -> None:
@@ -337,14 +339,17 @@ class NativeMover(Mover):
         compiled copy, whose ``copy_`` wakes torch's intra-op threads; ``benchmarks/breakdown.py promote``).
         Taken off the queue first, so never copied twice; an interrupt answers it failed (a second answer
         after its real one is discarded by the owner as an unknown token)."""
-        t = held.popleft()
+        t = held[0]
         put = self._out.put
         fast = self._fast
         assert fast is not None
         try:
+            held.popleft()   # taken inside the try: an interrupt from here on answers it
             report = copy_one(t, self._nrows, self._nslots, self._block_bytes, lambda x: memmove_rows(fast, x))
             put(report)
         except BaseException as exc:
+            if held and held[0] is t:   # not taken yet: still held, copied and answered later
+                raise
             put(Report(t.token, t.kind, False, f"copy interrupted: {exc!r}"))
             raise
 

@@ -90,6 +90,20 @@ def batch_copy(dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor, src_ro
     copy_rows([dst], [src], *args, [stage], [0])
 
 
+def _byte_rows(dev: torch.Tensor, host: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A plane's rows for a copy row by row that moves bytes, never values: both sides as byte rows where
+    torch can view them so (:func:`rows_view`), else the plane as it is when both sides hold the same
+    elements (``copy_`` then converts nothing); a plane that is neither raises ValueError (an fp8 or
+    bf16 row beside uint8 host bytes would be converted value by value)."""
+    d, h = rows_view(dev), rows_view(host)
+    if d is not None and h is not None and d.shape[1] == h.shape[1]:
+        return d, h
+    if dev.dtype == host.dtype and dev[0].shape == host[0].shape:
+        return dev, host
+    raise ValueError(f"a plane of {dev.dtype} rows {tuple(dev.shape[1:])} (strides {dev.stride()}) and {host.dtype} "
+                     f"rows {tuple(host.shape[1:])} cannot be copied byte for byte")
+
+
 def wide_planes(planes: list[Plane]) -> Optional[list[tuple[torch.Tensor, torch.Tensor]]]:
     """Per plane ``(device rows, host rows)`` viewed as the widest element of :data:`_WIDE` both fit, when
     every plane is two CPU tensors whose rows are byte ranges of equal size that one fits; else None."""
@@ -115,7 +129,7 @@ def fast_planes(planes: list[Plane]) -> Optional[tuple[tuple[int, int, int, int,
     when every plane is two CPU tensors with contiguous rows of equal size; else None."""
     out = []
     for dev, host in planes:
-        n = int(host.shape[1]) * host.element_size()
+        n = host[0].numel() * host.element_size()   # a row's bytes, whatever its shape
         if dev.is_cuda or host.is_cuda or not (dev[0].is_contiguous() and host[0].is_contiguous()) \
                 or dev[0].numel() * dev.element_size() != n:
             return None
@@ -222,6 +236,8 @@ class ThreadMover(Mover):
         if batch_max < 1:
             raise ValueError(f"batch_max must be >= 1, got {batch_max}")
         self._planes, self._block_bytes = check_planes(planes)
+        # what a copy row by row copies: each plane's rows as bytes, so that no dtype conversion can change them
+        self._row_planes = [_byte_rows(dev, host) for dev, host in self._planes]
         self._batch_max = batch_max
         self._fast = fast_planes(self._planes) if copy_fn is None else None
         self._wide = wide_planes(self._planes) if copy_fn is None or batch_fn is not None else None
@@ -278,10 +294,21 @@ class ThreadMover(Mover):
         behind = self._behind()
         if self._held:
             held, self._held = self._held, collections.deque()
-            q, stamps, now = self._q, self._put_at, time.monotonic()
-            for batch in split_batches(held, self._block_bytes, BATCH_BYTES):
-                q.put(batch)
-                stamps.append(now)
+            queued: list[None] = []
+            batches: Optional[list[list[Transfer]]] = None
+            try:
+                batches = split_batches(held, self._block_bytes, BATCH_BYTES)
+                now = time.monotonic()
+                # every put and its record in C, no bytecode between them for an interrupt to land on: after
+                # one, ``queued`` says exactly which batches the workers have (and will answer)
+                collections.deque(map(queued.append, map(self._q.put, batches)), maxlen=0)
+            except BaseException:
+                # an interrupt: what is not queued goes back to the front of the held transfers, for the next
+                # flush (never lost, never queued twice)
+                rest = list(held) if batches is None else [t for b in batches[len(queued):] for t in b]
+                self._held.extendleft(reversed(rest))
+                raise
+            self._put_at.extend([now] * len(queued))
         while behind > 0 or self._held:   # help_one takes the oldest queued batch (part of it: the rest stays held)
             if not self._held:
                 behind -= 1
@@ -460,7 +487,7 @@ class ThreadMover(Mover):
         memmove_rows(self._fast, t)
 
     def _copy_rows(self, t: Transfer) -> None:
-        copy, planes, store = self._copy, self._planes, t.kind is _STORE
+        copy, planes, store = self._copy, self._row_planes, t.kind is _STORE
         for r, s in zip(t.rows, t.slots, strict=True):
             for dev, host in planes:
                 if store:
