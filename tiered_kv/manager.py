@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 MoverFactory = Callable[[torch.Tensor, torch.Tensor, CompletionQueue], Mover]
 
-_STORE, _LOAD, _SPILL, _PROMOTE = JobKind.STORE, JobKind.LOAD, JobKind.SPILL, JobKind.PROMOTE
+_STORE, _LOAD, _SPILL, _PROMOTE, _FETCH = JobKind.STORE, JobKind.LOAD, JobKind.SPILL, JobKind.PROMOTE, JobKind.FETCH
 # enum members as module constants: reading one through its class costs a dict lookup more, on every job
 _PENDING, _CANCELLING, _DONE, _FAILED, _CANCELLED = (JobState.PENDING, JobState.CANCELLING, JobState.DONE,
                                                    JobState.FAILED, JobState.CANCELLED)
@@ -421,7 +421,7 @@ class TierManager:
     def wait(self, jobs: Optional[Iterable[Job]] = None, timeout: Optional[float] = None) -> list[Completion]:
         """Block until ``jobs`` are reported; with None, until every store and load is
         reported and every worker report applied (no slot or row leased to a copy, no
-        read from disk in flight).
+        read from disk or from the remote tier in flight).
 
         Returns every completion applied meanwhile (also of other jobs).  On
         timeout returns what was applied so far; check ``job.done``.
@@ -431,9 +431,10 @@ class TierManager:
         if jobs is None:
             # quiescence: every store/load reported *and* every worker report in, so no slot or row is
             # still leased to a copy or a read (spills are flush()'s business).  A promote counts even
-            # when no load waits for it any more: its read still writes a host slot until it is applied
+            # when no load waits for it any more: its read still writes a host slot until it is applied; so
+            # does a remote fetch's
             n = self._core.n_in_flight
-            self._block_until(lambda: n[_STORE] == 0 and n[_LOAD] == 0 and n[_PROMOTE] == 0
+            self._block_until(lambda: n[_STORE] == 0 and n[_LOAD] == 0 and n[_PROMOTE] == 0 and n[_FETCH] == 0
                               and not self._deliver, timeout)
             out, self._outbox = self._outbox, []
             return out
@@ -480,10 +481,10 @@ class TierManager:
             return False
         # a spill that failed before the flush was queued, but whose report this call is the first to
         # apply, is covered too; stores already copied get their spills queued ahead of the marker
-        faults = core.spill_faults
+        faults, put_faults = core.spill_faults, core.put_faults
         self._poll()
         ok = core.flush(self._block_until, timeout)
-        return ok and core.spill_faults == faults
+        return ok and core.spill_faults == faults and core.put_faults == put_faults
 
     def close(self) -> None:
         """Let in-flight copies and writes finish, apply their reports, stop the workers.  Idempotent."""

@@ -136,6 +136,9 @@ class TierCore:
                               f"(host_capacity_bytes={config.host_capacity_bytes} / {self.row_bytes}-byte blocks)")
         self.evict_ahead = ahead
         self.max_inflight = config.max_inflight_jobs
+        # the tokens of spill jobs' parts past their first in ``jobs``: a spill job of N blocks is one job
+        # against max_inflight_jobs (as the jobs_in_flight gauge counts it), not N
+        self.spill_extra = 0
         self.completions = completions if completions is not None else CompletionQueue()
         self.tokens = TokenFactory(start=token_start)
         # tokens made at the end of each step: the engine's calls take one from here
@@ -221,7 +224,7 @@ class TierCore:
         front end fills in the device side (``block``/``blocks``) and submits it.
         """
         jobs = self.jobs
-        if len(jobs) >= self.max_inflight:
+        if len(jobs) - self.spill_extra >= self.max_inflight:
             index, dindex = self.index, self.dindex
             absent = False
             for k in keys:
@@ -268,7 +271,7 @@ class TierCore:
         if index.admission is not None and not index.admits(key):   # no call per store without a filter
             return None
         jobs = self.jobs
-        if len(jobs) >= self.max_inflight:
+        if len(jobs) - self.spill_extra >= self.max_inflight:
             return self.shed(_STORE, "inflight_limit")
         pool = self.token_pool
         token = pool.popleft() if pool else self.tokens()
@@ -361,7 +364,7 @@ class TierCore:
         if len(keys) > 1:
             plan = list(map(index.get, keys))
             if None not in plan and list(map(_state_of, plan)).count(_READY) == len(plan):   # all READY on the host
-                if bounded and len(jobs) >= self.max_inflight:
+                if bounded and len(jobs) - self.spill_extra >= self.max_inflight:
                     return self.shed(_LOAD, "inflight_limit")
                 index.acquire_all(plan)
                 token = self.take_token()
@@ -388,7 +391,7 @@ class TierCore:
                 return None
             reads.append(len(plan))
             plan.append(d)
-        if bounded and len(jobs) >= self.max_inflight:
+        if bounded and len(jobs) - self.spill_extra >= self.max_inflight:
             return self.shed(_LOAD, "inflight_limit")
         if reads:
             if len(keys) > 1:   # a slot for one read must not evict another key of this load
@@ -644,6 +647,7 @@ class TierCore:
         job._move(_CANCELLED if not live else _DONE if r.ok else _FAILED)
         dead, failed = job._dead, r.failed
         parts = job._dentry
+        self.spill_extra -= len(parts) - 1   # their tokens leave jobs below
         if live and r.ok and dead is None and failed is None:   # every part written: the loop below, batched
             self.index.release_all(job._entries)
             for d in parts[1:]:   # the first part's token was the report's
@@ -859,6 +863,7 @@ class TierCore:
         job._dentry = disks
         # every part's token names the job: an invalidated key finds its write
         self.jobs.update(zip(map(_writer_int, disks), [job] * len(disks)))
+        self.spill_extra += len(disks) - 1
         self.n_in_flight[_SPILL] += 1
 
     def start_promote(self, key: bytes, d: Entry, protect: Collection[bytes] = ()) -> Optional[Job]:
