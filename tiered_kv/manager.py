@@ -481,10 +481,9 @@ class TierManager:
             return False
         # a spill that failed before the flush was queued, but whose report this call is the first to
         # apply, is covered too; stores already copied get their spills queued ahead of the marker
-        faults, put_faults = core.spill_faults, core.put_faults
+        before = core.fault_counts()
         self._poll()
-        ok = core.flush(self._block_until, timeout)
-        return ok and core.spill_faults == faults and core.put_faults == put_faults
+        return core.flush(self._block_until, timeout, before)
 
     def close(self) -> None:
         """Let in-flight copies and writes finish, apply their reports, stop the workers.  Idempotent."""

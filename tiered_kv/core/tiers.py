@@ -976,14 +976,26 @@ class TierCore:
                                     None if remote is None else remote.levels())
 
     # ------------------------------------------------------------------ flush and close
+    def fault_counts(self) -> tuple[int, int]:
+        """The spill and remote-write faults applied so far.  A front end's ``flush()`` takes them before
+        its own first pass and hands them to :meth:`flush`: a fault that pass is the first to apply is one
+        the flush covers too."""
+        return self.spill_faults, self.put_faults
+
     def flush(self, block_until: Callable[[Callable[[], bool], Optional[float]], None],
-              timeout: Optional[float]) -> bool:
+              timeout: Optional[float], before: Optional[tuple[int, int]] = None) -> bool:
         """Block (through the front end's ``block_until``) until every spill queued so far is durable,
         and every remote write, invalidation and cancel queued so far answered by the server.
 
         False on timeout, with a dead writer, or when a write it covers failed: a batch
         failing after the flush was queued, or a spill or remote write failure (a fault, not a
-        write a tombstone refused) this call is the first to apply."""
+        write a tombstone refused) this call -- from ``before`` (:meth:`fault_counts`) on -- is the
+        first to apply."""
+        ok = self._flush(block_until, timeout)
+        return ok and (before is None or self.fault_counts() == before)
+
+    def _flush(self, block_until: Callable[[Callable[[], bool], Optional[float]], None],
+               timeout: Optional[float]) -> bool:
         disk, remote = self.disk, self.remote
         ok = True
         if remote is not None:

@@ -346,13 +346,14 @@ class SlabScheduler:
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until every spill queued so far is durable (tests and shutdown)."""
         core = self.core
-        # a spill that failed before the flush was asked for, but whose report this call is the first to
-        # apply, is covered too (as TierManager.flush): the writer's own check sees only later batches
-        faults = core.spill_faults
+        # a spill or remote write that failed before the flush was asked for, but whose report this call is
+        # the first to apply, is covered too (as TierManager.flush): the writer's own check sees only later
+        # batches
+        before = core.fault_counts()
         core.apply_arrived()
-        ok = core.flush(core.simple_block_until, timeout)
+        ok = core.flush(core.simple_block_until, timeout, before)
         core.apply_arrived()
-        return ok and core.spill_faults == faults
+        return ok and core.fault_counts() == before
 
     def close(self) -> None:
         if self._closed:
