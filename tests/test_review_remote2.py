@@ -31,28 +31,7 @@ from tiered_kv.jobs import JobKind
 pytest.importorskip("redis", reason="the remote tier needs the redis package (pip install redis hiredis)")
 
 import redis.exceptions as RE  # noqa: E402
-
-
-class HoldWriter:
-    """A store test hook holding the writer thread (after it took a batch, before it sends it) until
-    :meth:`release`; the reader runs freely."""
-
-    def __init__(self) -> None:
-        self.gate = threading.Event()
-        self.entered = threading.Event()
-
-    def __call__(self, point: str) -> None:
-        if point == "write":
-            self.entered.set()
-            self.gate.wait(DEADLINE_S)
-
-    def release(self) -> None:
-        self.gate.set()
-
-
-def settled(mgr: Any) -> bool:
-    core = mgr._core
-    return core.n_in_flight[JobKind.FETCH] == 0 and core.remote.want_token is None
+from test_review_remote import HoldWriter, settled  # noqa: E402  (the store hook and the fetch test of the first review)
 
 
 def clock_ahead(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
