@@ -465,6 +465,15 @@ class TierCore:
             m.count(m.hits["host"], host)
         return n
 
+    def host_hit(self, key: bytes) -> None:
+        """A front end's lookup found ``key`` READY in the host tier: one hit, the remote tier's if it fetched
+        the block there and no lookup found it before (as :meth:`lookup_prefix` counts a run of them)."""
+        m, remote = self.metrics, self.remote
+        if remote is not None and remote.landed and remote.hits_among((key,), self.index):
+            m.count(m.hits["remote"])
+        else:
+            m.count(m.hits["host"])
+
     def _probe_remote(self, keys: Sequence[bytes], n: int) -> None:
         """Ask the server for the keys past the local prefix ``keys[:n]`` (at most ``remote_prefetch_blocks``
         a step) with this step's probe; those it holds are fetched and are host hits once they land.

@@ -127,13 +127,13 @@ class SlabScheduler:
         if entry is not None:
             if entry.state is _READY:
                 core.index.touch(entry)
-                m.count(m.hits["host"])
+                core.host_hit(key)
                 return Lookup.HIT
             p = core.jobs.get(entry.writer.int)
             if p is not None and p.kind is _PROMOTE:
                 core.apply_arrived()  # the read may have landed since the last step
                 if entry.state is _READY:
-                    m.count(m.hits["host"])
+                    core.host_hit(key)
                     return Lookup.HIT
                 return Lookup.PENDING if entry.live else Lookup.MISS
             if core.remote_pending(entry):
