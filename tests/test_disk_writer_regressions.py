@@ -75,16 +75,18 @@ class Store:
     """A DiskStore on ``path`` with every answer collected by token (answers kept for later asks)."""
 
     def __init__(self, path: Path, *, durability: str = "batch", num_readers: int = 1, slots: int = 16,
-                 **opts: Any) -> None:
+                 on_corrupt: Optional[Callable[[str], None]] = None, **opts: Any) -> None:
         self.q = CompletionQueue()
         self.errors: list[str] = []
         self.messages: list[str] = []
-        self.s = DiskStore(DiskOptions(path=path, namespace=NS, block_bytes=ROW, capacity_bytes=slots * ROW,
-                                       durability=durability, batch_blocks=opts.pop("batch_blocks", 16),
-                                       batch_bytes=opts.pop("batch_bytes", 16 * ROW),
-                                       batch_seconds=opts.pop("batch_seconds", 0.0), slots=slots,
-                                       num_readers=num_readers, **opts),
-                           self.q, on_error=self._on_error)
+        batch_blocks = opts.pop("batch_blocks", 16)
+        self.opts = DiskOptions(path=path, namespace=NS, block_bytes=ROW, capacity_bytes=slots * ROW,
+                                durability=durability, batch_blocks=batch_blocks,
+                                batch_bytes=opts.pop("batch_bytes", 16 * ROW),
+                                batch_seconds=opts.pop("batch_seconds", 0.0), slots=slots,
+                                num_readers=num_readers, **opts)
+        kw: dict[str, Any] = {} if on_corrupt is None else {"on_corrupt": on_corrupt}
+        self.s = DiskStore(self.opts, self.q, on_error=self._on_error, **kw)
         self.seen: dict[uuid.UUID, Any] = {}
         self.bufs: list[bytearray] = []   # host slots stay alive while the writer reads them
 

@@ -49,6 +49,7 @@ from typing import Any, Optional
 import pytest
 
 import tiered_kv.disk.writer as writer_mod
+from test_disk_writer_regressions import Store as RegressionStore
 from disk_helpers import (NS, ROW, Rig, WriterGate, make_kv, raw_env, raw_index, rig, store_one,  # noqa: F401
                           store_seq)
 from tiered_kv.disk import DiskOptions, DiskStore, FlushDone
@@ -68,44 +69,20 @@ def _payload(tag: bytes) -> bytearray:
     return bytearray(hashlib.shake_128(b"review-writer:" + tag).digest(ROW))
 
 
-class _Store:
-    """A thread-mode DiskStore with every answer collected by token."""
+class _Store(RegressionStore):
+    """test_disk_writer_regressions' store (every answer collected by token), 64 slots and batches of 4 by
+    default, its spills tagged."""
 
-    def __init__(self, path: Path, *, durability: str = "batch", slots: int = 64, batch_blocks: int = 4,
-                 on_corrupt: Any = None, **opts: Any) -> None:
-        self.q = CompletionQueue()
-        self.errors: list[str] = []
-        kw: dict[str, Any] = {}
-        if on_corrupt is not None:
-            kw["on_corrupt"] = on_corrupt
-        self.opts = DiskOptions(path=path, namespace=NS, block_bytes=ROW, capacity_bytes=slots * ROW,
-                                durability=durability, batch_blocks=batch_blocks, batch_bytes=batch_blocks * ROW,
-                                batch_seconds=0.0, slots=slots, num_readers=opts.pop("num_readers", 1), **opts)
-        self.s = DiskStore(self.opts, self.q, on_error=lambda kind, msg: self.errors.append(kind), **kw)
-        self.seen: dict[uuid.UUID, Any] = {}
-        self.bufs: list[bytearray] = []
+    def __init__(self, path: Path, *, slots: int = 64, batch_blocks: int = 4, **opts: Any) -> None:
+        opts.setdefault("batch_bytes", batch_blocks * ROW)
+        super().__init__(path, slots=slots, batch_blocks=batch_blocks, **opts)
 
-    def spill(self, key: bytes, tag: Optional[bytes] = None) -> uuid.UUID:
+    def spill(self, key: bytes, tag: Optional[bytes] = None) -> uuid.UUID:   # type: ignore[override]
         tok = uuid.uuid4()
         buf = _payload(tag or key)
         self.bufs.append(buf)
         assert self.s.submit_spill(tok, key, memoryview(buf)), "spill refused"
         return tok
-
-    def answer(self, token: uuid.UUID, timeout: float = 30.0) -> Any:
-        deadline = time.monotonic() + timeout
-        while token not in self.seen:
-            item = self.q.get(max(0.0, deadline - time.monotonic()))
-            assert item is not None, f"no answer for {token} within {timeout} s"
-            self.seen[item.token] = item
-        return self.seen.pop(token)
-
-    def flush(self) -> bool:
-        tok = uuid.uuid4()
-        self.s.submit_flush(tok)
-        r = self.answer(tok)
-        assert isinstance(r, FlushDone)
-        return r.ok
 
     def read(self, key: bytes, expect: uuid.UUID) -> tuple[Any, bytes]:
         dst = bytearray(ROW)
