@@ -9,6 +9,12 @@ copy, and torch's intra-op threads share it.  Transfers the batched copy cannot 
 width no wide view fits, an injected per-row ``copy_fn``) are copied row by row, with ``memmove``
 between precomputed addresses (through ctypes, which releases the GIL).  A worker that dies is
 replaced and the transfers of its batch are reported failed, so every transfer is answered exactly once.
+
+Longer than most modules here (about 500 lines) because it also holds the row plans both CPU movers
+share -- :func:`split_batches`, :func:`fast_planes`, :func:`wide_planes`, :func:`memmove_rows`,
+:func:`copy_one` -- which :mod:`.native` imports: the ThreadMover is their reference user (the
+per-row fallback and the batched copy run as Python here), and a module of them alone would only
+move imports around.
 """
 
 from __future__ import annotations
