@@ -37,6 +37,7 @@ from tiered_kv import Job, JobKind, JobState, TieredKVConfig, TierManager
 from tiered_kv.core import disk_tier as disk_tier_mod
 from tiered_kv.disk import NOT_READ, SPILL_PREVENTED, FlushDone
 from tiered_kv.disk.records import READ_FAILED, StoredEntry
+from tiered_kv.metrics import sample_total
 from tiered_kv.movers import Report
 
 ROW = 64
@@ -917,6 +918,7 @@ class FakeRemoteStore:
             self.answer_put(0, "remote_down")
 
     queue_depth = 0
+    tombs_dropped = 0
 
 
 @pytest.fixture
@@ -1224,3 +1226,38 @@ def test_close_restarts_a_process_that_is_down_to_delete_what_the_owner_dropped(
     mgr.close()                                        # one more start, whatever the back-off
     last = mgr._core.disk.store
     assert last is not second and b"k" not in last.committed
+
+
+@pytest.mark.parametrize("call", ["store", "store_many"])
+def test_a_store_shed_at_the_inflight_limit_leaves_the_keys_fetch_alone(fake_remote: list[FakeRemoteStore],
+                                                                      call: str) -> None:
+    """The engine's own block wins over a fetch of its key in flight -- when it is stored.  At
+    ``max_inflight_jobs`` the store is shed instead, and then the fetch must go on: ``store()`` (its one-key
+    path) superseded the fetch first and shed the store after, so the block reached no tier (``store_many``
+    kept the fetch).  Both calls behave the same."""
+    mgr, mover, kv = open_remote_manager(max_inflight_jobs=2)
+    remote = fake_remote[0]
+    remote.held[b"r"] = (None, blob(b"r", 1))
+    try:
+        assert mgr.lookup([b"r"]) == 0
+        mgr.poll()
+        remote.answer_read()                      # the probe: the server holds it
+        mgr.poll()                                # the fetch: a host slot reserved, its read in flight
+        core = mgr._core
+        assert core.n_in_flight[JobKind.FETCH] == 1
+        fill(kv, 0, b"other", 1)
+        assert mgr.store(b"other", 0) is not None  # two jobs in flight: the limit
+        fill(kv, 1, b"r", 2)
+        before = sample_total(mgr.metrics.registry, "tiered_kv_shed_total")
+        job = mgr.store(b"r", 1) if call == "store" else mgr.store_many([b"r"], [1])
+        assert job is None
+        mgr.poll()
+        assert mgr.host_used_slots == 2 and mgr._core.index.get(b"r") is not None, "the fetch was dropped"
+        assert sample_total(mgr.metrics.registry, "tiered_kv_shed_total") == before, "a present key was shed"
+        remote.answer_read()
+        mgr.poll()
+        assert decode(mgr.host_bytes(b"r").numpy().tobytes()) == (b"r", 1)
+    finally:
+        while remote.reads:
+            remote.answer_read(0, fault=True)
+        mgr.close()

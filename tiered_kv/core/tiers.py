@@ -260,19 +260,21 @@ class TierCore:
         young generation fills that much sooner, and its pauses land in the engine's calls)."""
         index = self.index
         e = index.get(key)
+        full = len(self.jobs) - self.spill_extra >= self.max_inflight
         if e is not None:
-            if e.state is _READY or not self.remote_pending(e):
+            # a fetch of the key in flight gives way to the engine's own block only if that is stored
+            if e.state is _READY or full or not self.remote_pending(e):
                 index.touch(e)
                 return None
             self._supersede_fetch(e)
         dindex = self.dindex
         if dindex is not None and key in dindex:
             return None
+        if full:
+            return self.shed(_STORE, "inflight_limit")
         if index.admission is not None and not index.admits(key):   # no call per store without a filter
             return None
         jobs = self.jobs
-        if len(jobs) - self.spill_extra >= self.max_inflight:
-            return self.shed(_STORE, "inflight_limit")
         pool = self.token_pool
         token = pool.popleft() if pool else self.tokens()
         e = index.reserve(key, token)
