@@ -441,3 +441,29 @@ def test_a_key_invalidated_while_it_is_probed_is_not_fetched(redis_url: str, man
     until(lambda: b._core.n_in_flight[JobKind.FETCH] == 0, b, "the probe's answer")
     assert b._core.index.used_slots == 0
     assert metric(b, "tiered_kv_transfer_bytes_total", src="remote", dst="host") == 0
+
+
+def test_flush_is_false_when_an_invalidation_it_covers_was_dropped(redis_url: str, managers: Any,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """An INVALIDATE the server refuses TOMB_ATTEMPTS times is dropped: the server may still hold the old
+    value, so the flush that covered it must not say everything queued before it landed."""
+    import redis.exceptions as RE
+    from tiered_kv.remote.writer import TOMB_ATTEMPTS
+    a = managers(remote_config(redis_url))
+    k = b"flush-after-a-dropped-invalidation"
+    store_all(a, [k])
+    assert a.flush(timeout=DEADLINE_S)
+    writer = a._core.remote.store._w
+    real = writer.conn.round_trip
+    refusals = [0]
+
+    def round_trip(cmds: list[Any]) -> list[Any]:   # the server refuses every script (not a breaker kind)
+        refusals[0] += 1
+        return [RE.ResponseError("OOM command not allowed when used memory > 'maxmemory' (test)")] * len(cmds)
+
+    monkeypatch.setattr(writer.conn, "round_trip", round_trip)
+    a.invalidate(k)
+    assert a.flush(timeout=DEADLINE_S) is False
+    assert refusals[0] >= TOMB_ATTEMPTS and a._core.remote.store.tombs_dropped == 1
+    monkeypatch.setattr(writer.conn, "round_trip", real)
+    assert a.flush(timeout=DEADLINE_S), "a later flush covers no dropped op"

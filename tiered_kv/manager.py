@@ -467,8 +467,10 @@ class TierManager:
         disk tier failed to commit a write it covers (the fault is counted): a
         batch that failed after it was asked for, or a spill whose failure had
         not been applied by an earlier ``poll()``; likewise a remote write that
-        failed by a fault (a write a tombstone refused is no fault).  Completions
-        applied meanwhile are returned by the next ``poll()``.
+        failed by a fault (a write a tombstone refused is no fault), and a remote
+        invalidation or cancel the writer dropped meanwhile (counted as
+        ``error="tomb_dropped"``).  Completions applied meanwhile are returned by
+        the next ``poll()``.
         """
         self._check_open()
         timeout = check_timeout(timeout)

@@ -999,9 +999,9 @@ class TierCore:
         and every remote write, invalidation and cancel queued so far answered by the server.
 
         False on timeout, with a dead writer, or when a write it covers failed: a batch
-        failing after the flush was queued, or a spill or remote write failure (a fault, not a
+        failing after the flush was queued, a spill or remote write failure (a fault, not a
         write a tombstone refused) this call -- from ``before`` (:meth:`fault_counts`) on -- is the
-        first to apply."""
+        first to apply, or a remote invalidation or cancel dropped while it waited."""
         ok = self._flush(block_until, timeout)
         return ok and (before is None or self.fault_counts() == before)
 
@@ -1010,7 +1010,7 @@ class TierCore:
         disk, remote = self.disk, self.remote
         ok = True
         if remote is not None:
-            faults = self.put_faults
+            faults, dropped = self.put_faults, remote.store.tombs_dropped
             remote.store.kick()
             n = self.n_in_flight
             deadline = None if timeout is None else time.monotonic() + timeout
@@ -1019,6 +1019,9 @@ class TierCore:
             # an invalidation or a cancel has no report: wait until the writer sent it too
             left = 1e9 if deadline is None else max(0.0, deadline - time.monotonic())
             ok = remote.store.wait_writes(left) and ok
+            # a tombstone op dropped meanwhile (refused too often, or shed while the server was away): the
+            # server may still hold what it was to remove
+            ok = ok and remote.store.tombs_dropped == dropped
             if deadline is not None:
                 timeout = max(0.0, deadline - time.monotonic())
         if disk is None:
