@@ -308,3 +308,15 @@ def test_a_constructor_that_fails_after_making_the_shared_slab_closes_it(tmp_pat
     finally:
         holder.close()
     TierManager(cfg, dh.make_kv(4, row_bytes=128), registry=reg).close()
+
+
+def test_a_timeout_may_be_any_real_number_numpy_scalars_included() -> None:
+    """A deadline computed with numpy is a numpy scalar (float32, int64): a number like any other.  A
+    bool, a string, NaN or a negative number is still refused, naming the value."""
+    import numpy as np
+    from tiered_kv.checks import check_timeout
+    assert check_timeout(np.float32(0.5)) == 0.5 and check_timeout(np.int64(3)) == 3.0
+    assert type(check_timeout(np.float32(0.5))) is float
+    for bad in (True, np.bool_(True), "1", float("nan"), np.float64("nan"), -1, np.int64(-1)):
+        with pytest.raises(ConfigError, match="timeout"):
+            check_timeout(bad)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import operator
 from collections.abc import Iterable, Mapping, Set
 from typing import Any, Optional
@@ -109,7 +110,8 @@ def _first_repeat(xs: list[Any]) -> Any:
 def check_timeout(timeout: Any) -> Optional[float]:
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+    # any real number: numpy's scalars too (a timeout computed from a numpy array is a numpy float)
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:
         raise ConfigError(f"timeout must be None or a number >= 0, got {timeout!r}")
     try:
         return float(timeout)
