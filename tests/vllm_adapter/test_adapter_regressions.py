@@ -224,3 +224,85 @@ def test_worker_job_id_reused_after_reported_and_wait_for_unknown_ids(model_dir:
         assert stale(p.mgr) == 0 and p.mgr.tiers.debug_sizes()["live_loads"] == 0
     finally:
         p.close()
+
+
+# ============================================================================= policies under vLLM's call sequence
+def _chain_keys(tag: str, n: int, group: int = 0) -> list[bytes]:
+    return [make_offload_key(hashlib.sha256(f"{tag}-{i}".encode()).digest(), group) for i in range(n)]
+
+
+def _at(ctx: ReqContext, ks: list[bytes], first: int = 1) -> None:
+    """vLLM records each key's end token in the request's context (one block: BS tokens)."""
+    for i, k in enumerate(ks):
+        ctx.set_offload_key_position(k, (first + i) * base.BS)
+
+
+def test_the_prefix_policy_learns_a_requests_chain_across_vllms_calls(model_dir: str, tmp_path: Path) -> None:
+    """vLLM never hands the manager a chain in one call: it asks a key at a time and stores one boundary (one
+    key per KV group) per call, a decode block a step after its parent.  With ``host_policy="prefix"`` the
+    chain a-b-c must still evict from its tail: before, nothing linked c to b, so c was a leaf of its own and
+    b (older) went first, leaving c unreachable by any prefix lookup."""
+    p = Pair(base.offloading_config(model_dir, tkv_extra(tmp_path, host_bytes=4 * ROW_BYTES, host_policy="prefix",
+                                                         host_evict_ahead_blocks=0)), new_kv(seed=42))
+    try:
+        a, b, c = _chain_keys("chain", 3)
+        z, n1, n2 = _chain_keys("other", 3)
+        r1 = ReqContext(req_id="r1")
+        _at(r1, [a, b, c])
+        p.store([a], [1], r1)
+        p.store([b], [2], r1)
+        p.store([c], [3], r1)                      # a decode block, a step later
+        r2 = ReqContext(req_id="r2")
+        _at(r2, [z])
+        p.store([z], [4], r2)
+        r3 = ReqContext(req_id="r3")               # the same prefix again: asked key by key
+        _at(r3, [a, b, c])
+        assert [p.mgr.lookup(k, r3) for k in (a, b, c)] == [LookupResult.HIT] * 3
+        tick(p.mgr)
+        r4 = ReqContext(req_id="r4")
+        _at(r4, [n1, n2])
+        out = p.mgr.prepare_store([n1], r4)
+        assert out is not None and out.keys_to_store == [n1]
+        out2 = p.mgr.prepare_store([n2], r4)
+        assert out2 is not None and out2.keys_to_store == [n2]
+        evicted = set(out.evicted_keys) | set(out2.evicted_keys)
+        assert evicted == {c, z}, f"evicted {sorted(evicted)}: the chain a-b-c lost an inner block"
+    finally:
+        p.close()
+
+
+def test_one_boundarys_keys_of_two_kv_groups_are_two_chains_not_one(model_dir: str, tmp_path: Path) -> None:
+    """A hybrid model stores a boundary's keys of every KV group in one prepare_store call: those keys are
+    siblings, not parent and child.  Each group's chain links to its own previous key (its last 4 bytes name
+    the group), so the group-1 key of boundary 1 is no parent of the group-0 key of boundary 2."""
+    p = Pair(base.offloading_config(model_dir, tkv_extra(tmp_path, host_policy="prefix")), new_kv(seed=43))
+    try:
+        h = [hashlib.sha256(b"hybrid-%d" % i).digest() for i in range(2)]
+        g0 = [make_offload_key(x, 0) for x in h]
+        g1 = [make_offload_key(x, 1) for x in h]
+        ctx = ReqContext(req_id="hybrid")
+        _at(ctx, [g0[0], g0[1]])
+        _at(ctx, [g1[0], g1[1]])
+        p.store([g0[0], g1[0]], [1, 2], ctx)
+        p.store([g0[1], g1[1]], [3, 4], ctx)
+        pol = p.mgr.tiers.core.index.policy
+        parent = {k: pol.nodes[k].parent for k in g0 + g1}
+        assert parent == {g0[0]: None, g1[0]: None, g0[1]: g0[0], g1[1]: g1[0]}, parent
+    finally:
+        p.close()
+
+
+def test_second_hit_admits_a_block_vllm_asked_for_before(model_dir: str, tmp_path: Path) -> None:
+    """docs/vllm.md: with ``host_admission="second_hit"`` a block is offloaded once the scheduler asked for it
+    before.  The scheduler's lookups are those references: before, only TierManager's lookup counted them,
+    and every store under vLLM was refused."""
+    p = Pair(base.offloading_config(model_dir, tkv_extra(tmp_path, host_admission="second_hit")), new_kv(seed=44))
+    try:
+        once, hot = _chain_keys("admit", 2)
+        ctx = ReqContext(req_id="r")
+        assert p.mgr.lookup(hot, ctx) is LookupResult.MISS
+        assert p.mgr.lookup(hot, ctx) is LookupResult.MISS
+        out = p.mgr.prepare_store([once, hot], ctx)
+        assert out is not None and out.keys_to_store == [hot], out.keys_to_store
+    finally:
+        p.close()

@@ -138,6 +138,12 @@ class TierIndex:
         """Up to ``n`` evictable entries, the policy's next victims first."""
         return self.policy.coldest(n)
 
+    def link(self, keys: Sequence[bytes]) -> None:
+        """``keys`` are consecutive blocks of one sequence, in order: a prefix-aware policy links them
+        (held or not yet: a key stored later joins its parent then); the other policies ignore it."""
+        if self.policy.uses_links:
+            self.policy.link(keys)
+
     def ready_run(self, keys: Sequence[bytes], start: int = 0) -> int:
         """A hit on each READY entry of ``keys[start:]`` up to the first key that is not READY here,
         and return that key's index (``len(keys)`` when all are).  ``keys`` are a prefix in order: the
@@ -280,16 +286,17 @@ class TierIndex:
         return new
 
     def reserve_absent(self, keys: Sequence[bytes], writer: uuid.UUID, protect: Collection[bytes],
-                       elsewhere: Optional[Container[bytes]]) -> tuple[list[bytes], list[Entry], int]:
+                       elsewhere: Optional[Container[bytes]], chain: bool = True) -> tuple[list[bytes], list[Entry], int]:
         """:meth:`reserve` for each of ``keys`` in no tier yet, under one ``writer``.
 
         A key present here is touched, a key in ``elsewhere`` (another tier) skipped, a
         key the admission filter refuses skipped (counted in ``refused``), a key repeated is
         reserved once.  Returns (keys reserved, their entries, keys that found no evictable
-        slot).  One call per job: the engine stores a step's blocks.
+        slot).  One call per job: the engine stores a step's blocks.  ``chain``: ``keys`` are consecutive
+        blocks of one sequence, in order (a prefix-aware policy links them); False where they are not.
         """
         entries, policy, free, lru = self._entries, self.policy, self._free, self._lru
-        if policy.uses_links:
+        if chain and policy.uses_links:
             policy.link(keys)
         n = len(keys)
         if (n > 1 and self._batched and (n <= len(free) or lru is not None) and self.admission is None

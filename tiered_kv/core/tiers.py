@@ -182,6 +182,8 @@ class TierCore:
         # a lookup's keys are references the admission filters count (only when one is on)
         self.admitting = self.index.admission is not None or (self.dindex is not None and
                                                                self.dindex.admission is not None)
+        # a policy of either tier follows the prefix chains (link() does something)
+        self.links = self.index.policy.uses_links or (self.dindex is not None and self.dindex.policy.uses_links)
         if config.remote_url is not None:
             try:
                 self.remote = RemoteTier.open(config, self.row_bytes, self.completions, metrics)
@@ -215,13 +217,14 @@ class TierCore:
             log.debug("discarded stale %s report for token %s: %s", kind, token, reason)
 
     # ------------------------------------------------------------------ stores
-    def begin_store(self, keys: Sequence[bytes], protect: Collection[bytes] = ()) -> Optional[Job]:
+    def begin_store(self, keys: Sequence[bytes], protect: Collection[bytes] = (), chain: bool = True) -> Optional[Job]:
         """A STORE job for those of ``keys`` in no tier yet, each in a reserved host slot.
 
         A key present in a tier is skipped (touched when on the host), a key that
         finds no evictable slot is shed (``host_full``); ``None`` when nothing is
         left, or when the jobs in flight are at ``max_inflight_jobs`` (shed).  The
-        front end fills in the device side (``block``/``blocks``) and submits it.
+        front end fills in the device side (``block``/``blocks``) and submits it.  ``chain``: ``keys``
+        are consecutive blocks of one sequence (see :meth:`link`).
         """
         jobs = self.jobs
         if len(jobs) - self.spill_extra >= self.max_inflight:
@@ -242,7 +245,7 @@ class TierCore:
                     self._supersede_fetch(e)
         pool = self.token_pool
         token = pool.popleft() if pool else self.tokens()
-        got, entries, full = self.index.reserve_absent(keys, token, protect, self.dindex)
+        got, entries, full = self.index.reserve_absent(keys, token, protect, self.dindex, chain)
         if full:   # each key that found no evictable slot (the blocks not offloaded), job started or not
             self.shed(_STORE, "host_full", full)
         if not entries:
@@ -447,9 +450,7 @@ class TierCore:
         else:
             n, host = self.index.ready_run_below(keys, dindex)
         if self.admitting:   # the filters' counts do not depend on the policies' order: after the run
-            self.index.seen(keys)
-            if dindex is not None:
-                dindex.seen(keys)
+            self.seen(keys)
         remote = self.remote
         m = self.metrics  # counted like the per-job counters: applied at the end of the step
         m.count(m.lookups, len(keys))
@@ -466,6 +467,20 @@ class TierCore:
         if host:
             m.count(m.hits["host"], host)
         return n
+
+    def seen(self, keys: Sequence[bytes]) -> None:
+        """The engine asked for ``keys``: references the admission filters count (each front end's lookup)."""
+        self.index.seen(keys)
+        if self.dindex is not None:
+            self.dindex.seen(keys)
+
+    def link(self, keys: Sequence[bytes]) -> None:
+        """``keys`` are consecutive blocks of one sequence, in order: a prefix-aware policy of either tier
+        links them (its chain evicts from the tail).  A front end whose calls do not carry whole chains
+        (vLLM's: a key at a time, a store of one block per KV group) says each link itself."""
+        self.index.link(keys)
+        if self.dindex is not None:
+            self.dindex.link(keys)
 
     def host_hit(self, key: bytes) -> None:
         """A front end's lookup found ``key`` READY in the host tier: one hit, the remote tier's if it fetched

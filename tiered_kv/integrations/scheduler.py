@@ -123,6 +123,8 @@ class SlabScheduler:
         self._check_key(key)
         core, m = self.core, self.metrics
         m.count(m.lookups)
+        if core.admitting:   # a reference the admission filters count, as TierManager's lookup() does
+            core.seen((key,))
         entry = core.index.get(key)
         if entry is not None:
             if entry.state is _READY:
@@ -150,6 +152,16 @@ class SlabScheduler:
 
     def touch(self, keys: Iterable[bytes]) -> None:
         self.core.touch(list(keys))
+
+    @property
+    def links(self) -> bool:
+        """A policy of either tier follows prefix chains: :meth:`link` does something."""
+        return self.core.links
+
+    def link(self, keys: Sequence[bytes]) -> None:
+        """``keys`` are consecutive blocks of one sequence, in order (a prefix-aware policy's chain)."""
+        self._check_keys(keys)
+        self.core.link(keys)
 
     # ------------------------------------------------------------ loads
     def prepare_load(self, keys: Sequence[bytes]) -> Prepared:
@@ -187,17 +199,18 @@ class SlabScheduler:
         self.metrics.count(self.metrics.job_outcome[(_LOAD, "ok" if r.ok else "failed")])
 
     # ------------------------------------------------------------ stores
-    def prepare_store(self, keys: Sequence[bytes]) -> Prepared:
+    def prepare_store(self, keys: Sequence[bytes], chain: bool = True) -> Prepared:
         """Reserve host slots for the keys not offloaded yet.
 
         A key already in a tier is skipped; one that finds no evictable slot is shed
-        (counted in ``tiered_kv_shed_total``), so the engine just stores less.
+        (counted in ``tiered_kv_shed_total``), so the engine just stores less.  ``chain``:
+        ``keys`` are consecutive blocks of one sequence (False: the caller says the links
+        itself with :meth:`link`).
         """
         keys = list(keys)
-        for k in keys:
-            self._check_key(k)
+        self._check_keys(keys)
         core = self.core
-        job = core.begin_store(keys, protect=frozenset(keys))
+        job = core.begin_store(keys, protect=frozenset(keys), chain=chain)
         evicted, core.evicted = core.evicted, []
         if evicted:  # evicted since the last call but ready again meanwhile (read back, or a store published): not gone
             dindex = core.dindex
@@ -409,6 +422,10 @@ class SlabScheduler:
             "host_used_slots": core.index.used_slots,
             "disk_entries": self.disk_blocks,
         }
+
+    def _check_keys(self, keys: Sequence[Any]) -> None:
+        for k in keys:
+            self._check_key(k)
 
     def _check_key(self, key: Any) -> None:
         if type(key) is not bytes or not key:

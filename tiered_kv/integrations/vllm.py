@@ -141,6 +141,9 @@ def _key(k: Any) -> bytes:
     raise InvalidKeyError(f"offload key must be bytes, got {type(k).__name__}: {k!r:.80}")
 
 
+CHAINS_MAX = 1 << 16
+"""Requests whose prefix chains the manager follows at most (vLLM reports each one finished; this bounds the rest)."""
+
 _RESULT = {Lookup.HIT: LookupResult.HIT, Lookup.MISS: LookupResult.MISS, Lookup.PENDING: LookupResult.HIT_PENDING,
            Lookup.RETRY: LookupResult.RETRY}
 
@@ -314,9 +317,36 @@ class TieredKVOffloadingManager(OffloadingManager):
         # keys reported as hits (or pending) in this scheduler step, per request: a read-back
         # from disk must not evict them (see SlabScheduler.lookup)
         self._step_hits: dict[str, set[bytes]] = {}
+        # a prefix-aware policy's chains (only with one): per request, each KV group's last key and its end
+        # token, so that each key asked for or stored is linked to the block before it in its own group
+        self._chains_on = self.tiers.links
+        self._chains: dict[str, dict[bytes, tuple[Optional[int], bytes]]] = {}
+
+    def _follow(self, k: bytes, req_context: ReqContext) -> None:
+        """Link ``k`` to the request's previous key of the same KV group (the block before it).
+
+        vLLM asks for a request's keys in prefix order, a key at a time, the KV groups of one boundary
+        one after the other, and stores a boundary's keys (one per group) in one call: no call carries a
+        chain.  The group is the key's last 4 bytes (``make_offload_key``).  Where vLLM records the keys'
+        end tokens, a key that comes at or before the last one (a request preempted and asked for again,
+        a store out of order) starts the chain anew instead of linking backwards."""
+        chains = self._chains.get(req_context.req_id)
+        if chains is None:
+            if len(self._chains) >= CHAINS_MAX:   # requests vLLM never reported finished: the oldest go
+                del self._chains[next(iter(self._chains))]
+            chains = self._chains[req_context.req_id] = {}
+        where = getattr(req_context, "get_offload_key_position", None)
+        pos = where(k) if where is not None else None
+        group = k[-4:]
+        last = chains.get(group)
+        if last is not None and last[1] != k and (pos is None or last[0] is None or last[0] < pos):
+            self.tiers.link((last[1], k))
+        chains[group] = (pos, k)
 
     def lookup(self, key: Any, req_context: ReqContext) -> LookupResult:
         k = _key(key)
+        if self._chains_on:
+            self._follow(k, req_context)
         seen = self._step_hits.setdefault(req_context.req_id, set())
         result = self.tiers.lookup(k, protect=seen)
         if result != Lookup.MISS:
@@ -334,7 +364,11 @@ class TieredKVOffloadingManager(OffloadingManager):
         self.tiers.complete_load([_key(k) for k in keys])
 
     def prepare_store(self, keys: Collection[Any], req_context: ReqContext) -> Optional[PrepareStoreOutput]:
-        p = self.tiers.prepare_store([_key(k) for k in keys])
+        ks = [_key(k) for k in keys]
+        if self._chains_on:
+            for k in ks:
+                self._follow(k, req_context)
+        p = self.tiers.prepare_store(ks, chain=False)   # one boundary's keys, one per KV group: no chain
         if self._events_on:   # in the order they happened: stores published before, then these evictions
             self._record(self.tiers.take_published(), removed=False)
             self._record(p.evicted, removed=True)
@@ -346,6 +380,9 @@ class TieredKVOffloadingManager(OffloadingManager):
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._chains.pop(req_context.req_id, None)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._step_hits.clear()
