@@ -427,3 +427,25 @@ def test_a_backlog_longer_than_the_stamps_kept_is_caught_up_whole():
         assert m.caught_up == 4 and sorted(r.token for r in q.drain()) == [0, 1, 2, 3]
     finally:
         m.close()
+
+
+def test_a_process_forked_after_a_native_mover_ran_copies_on_python_threads(monkeypatch, caplog):
+    """torch's inter-op threads do not survive fork(): in a process forked from one whose native mover started
+    them, the first torch.jit.fork waits for ever.  There make_mover picks the Python threads (and says why,
+    once); in the process that started them, the native mover."""
+    import os
+
+    from tiered_kv.movers import NativeMover, ThreadMover, make_mover, rowcopy
+    dev, host = torch.zeros((4, 32), dtype=torch.uint8), torch.zeros((4, 32), dtype=torch.uint8)
+    monkeypatch.setattr(rowcopy, "_fork_logged", False)
+    monkeypatch.setattr(rowcopy, "_pool_pid", os.getpid())
+    here = make_mover([(dev, host)], CompletionQueue(), 1, 1, 64)
+    monkeypatch.setattr(rowcopy, "_pool_pid", os.getpid() + 1)   # as a forked child sees its parent's pid
+    with caplog.at_level("WARNING", logger="tiered_kv.movers.rowcopy"):
+        forked = [make_mover([(dev, host)], CompletionQueue(), 1, 1, 64) for _ in range(2)]
+    try:
+        assert type(here) is NativeMover and [type(m) for m in forked] == [ThreadMover, ThreadMover]
+        assert sum("fork" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        for m in [here] + forked:
+            m.close()

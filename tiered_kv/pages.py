@@ -63,6 +63,7 @@ def populate_read(addr: int, nbytes: int, stop: Callable[[], bool] = lambda: Fal
         return 0, 0.0, "no libc"
     start = addr // PAGE * PAGE
     end = addr + nbytes
+    chunk = max(PAGE, -(-chunk // PAGE) * PAGE)   # each call starts on a page: the kernel refuses one that does not
     done = start
     while done < end:
         if stop():

@@ -1071,6 +1071,10 @@ class TierCore:
             return
         n = self.n_in_flight
         block_until(lambda: n[_SPILL] == 0, CLOSE_TIMEOUT_S)
+        if getattr(disk.store, "dead", False) and not disk.down:
+            # the I/O process died and its ops are still being answered: wait for those answers, so that
+            # the reconciling start below is not skipped
+            block_until(lambda: disk.down, CLOSE_TIMEOUT_S)
         if disk.down:
             # the I/O process died and no pass restarted it (the owner was closing, or in the restart's
             # back-off): a key invalidated or evicted meanwhile is still on disk, its delete lost with the

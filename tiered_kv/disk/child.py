@@ -186,7 +186,10 @@ def child_main() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != owner:    # the owner died before the line above
         os._exit(1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the engine's Ctrl-C is the engine's: close() stops us
+    # the engine's Ctrl-C, and a stop signal sent to its whole process group (systemd's stop, a closed terminal),
+    # are the engine's: its close() stops us after the spills queued here; PR_SET_PDEATHSIG ends us with it
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     from .store import DiskStore   # the disk package, imported here without torch (see _BOOT)
 
     frames = _Frames(cmd_fd)

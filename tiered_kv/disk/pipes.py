@@ -14,9 +14,11 @@ import fcntl
 import os
 import pickle
 import queue
+import select
 import struct
 import subprocess
 import threading
+import time
 from typing import Any, Optional
 
 __all__: list[str] = []   # private to the disk package
@@ -30,6 +32,7 @@ _F_SETPIPE_SZ = 1031
 # ---------------------------------------------------------------------------- starting the child
 _spawn_q: Optional["queue.SimpleQueue[Any]"] = None
 _spawn_lock = threading.Lock()
+_at_fork = False   # _forget_spawner registered (at the first spawn, not at import)
 
 
 def _spawn(argv: list[str], fds: tuple[int, ...]) -> "subprocess.Popen[bytes]":
@@ -40,15 +43,25 @@ def _spawn(argv: list[str], fds: tuple[int, ...]) -> "subprocess.Popen[bytes]":
     test's helper) would otherwise lose its I/O process with that thread.  The spawner is a daemon
     thread started on first use (not at import); it is never joined, so it outlives every
     ``atexit`` handler and the child goes only with the process."""
-    global _spawn_q
+    global _spawn_q, _at_fork
     with _spawn_lock:
         if _spawn_q is None:
             _spawn_q = queue.SimpleQueue()
             threading.Thread(target=_spawner, args=(_spawn_q,), name="tiered-kv-disk-spawner", daemon=True).start()
+            if not _at_fork:   # a forked process has no spawner thread: its first _spawn starts its own
+                os.register_at_fork(after_in_child=_forget_spawner)
+                _at_fork = True
         q = _spawn_q
     done: concurrent.futures.Future[subprocess.Popen[bytes]] = concurrent.futures.Future()
     q.put((argv, fds, done))
     return done.result()
+
+
+def _forget_spawner() -> None:
+    """In a forked child: the parent's spawner thread is not there (nor, perhaps, its lock's owner)."""
+    global _spawn_q, _spawn_lock
+    _spawn_q = None
+    _spawn_lock = threading.Lock()
 
 
 def _spawner(q: "queue.SimpleQueue[Any]") -> None:
@@ -73,7 +86,8 @@ class _Frames:
         self._fd = fd
         self._buf = bytearray()
 
-    def next(self) -> Any:
+    def next(self, deadline: Optional[float] = None) -> Any:
+        """The next frame; ``deadline`` (``time.monotonic()``): TimeoutError when none is whole by then."""
         buf = self._buf
         while True:
             if len(buf) >= 4:
@@ -82,6 +96,11 @@ class _Frames:
                     obj = pickle.loads(memoryview(buf)[4:4 + n])
                     del buf[:4 + n]
                     return obj
+            if deadline is not None:
+                readable = select.poll()
+                readable.register(self._fd, select.POLLIN)
+                if not readable.poll(max(0.0, deadline - time.monotonic()) * 1e3):
+                    raise TimeoutError("no frame before the deadline")
             chunk = os.read(self._fd, _READ_CHUNK)
             if not chunk:
                 raise EOFError

@@ -42,6 +42,7 @@ import os
 import queue
 import select
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -66,6 +67,7 @@ log = logging.getLogger(__name__)
 _STATUS_S = 0.25               # an idle child sends its status this often
 _OPEN_TIMEOUT_S = 600.0        # recovery of a large tier reads every index record
 _CLOSE_TIMEOUT_S = 120.0       # close() waits this long for the child to drain, then kills it
+_KILLED_EXIT_S = 5.0           # ... and this long for the killed child to be gone
 _PR_SET_PDEATHSIG = 1
 CHILD_DIED = "disk I/O process died"
 _PKG_DIR = str(Path(__file__).resolve().parent.parent)
@@ -121,6 +123,7 @@ class ProcessDiskStore:
         self._dead = False                # the child is gone: no op is recorded from here on
         self._down = False                # ... and every op it had was answered (set after those answers)
         self._closing = False
+        self._release_late = False        # close() left the pipes and the path lock to the receiver
         self._spills_sent = 0             # owner thread only
         self._spills_answered = 0         # receiver thread only
         self.status: dict[str, Any] = {}
@@ -181,7 +184,10 @@ class ProcessDiskStore:
         deadline = time.monotonic() + _OPEN_TIMEOUT_S
         while True:
             try:
-                items = frames.next()
+                items = frames.next(deadline)
+            except TimeoutError:   # stopped, or stuck on a hung disk: the caller kills it
+                raise ProcessStartError(f"disk_path {str(self.opts.path)!r}: the disk I/O process did not answer "
+                                        f"its open within {_OPEN_TIMEOUT_S:.0f} s") from None
             except EOFError:
                 rc = self._proc.wait(timeout=max(1.0, deadline - time.monotonic()))
                 raise ProcessStartError(f"disk_path {str(self.opts.path)!r}: the disk I/O process exited at open "
@@ -207,17 +213,26 @@ class ProcessDiskStore:
 
     # ------------------------------------------------------------ the receiver thread
     def _receive(self, frames: _Frames) -> None:
-        closed = False
+        closed = ended = False
         try:
             while True:
                 try:
                     items = frames.next()
                 except (EOFError, OSError):
+                    ended = True
                     break
                 if self._dispatch(items):
                     closed = True
                     break
         finally:
+            if not (closed or ended):
+                # a frame this thread could not apply (the exception follows): the child's answers would go
+                # unread from here on, so it goes now, and its ops are answered as failed
+                log.error("disk tier %s: the disk I/O process's reports could not be read; killing it", self.opts.path)
+                try:
+                    self._proc.kill()
+                except OSError:
+                    pass
             self._gone(closed)
 
     def _dispatch(self, items: list[Any]) -> bool:
@@ -269,6 +284,8 @@ class ProcessDiskStore:
             self._on_error("io_process_died", f"pid {self.pid} exited with status {self.exit_code}")
         self._answer_failed(rest.values())
         self._down = True   # only now: a restart's reconciliation needs these answers applied first
+        if self._release_late:   # close() returned before the killed child was gone
+            self._release()
 
     def _answer_failed(self, ops: Any) -> None:
         put = self._out.put
@@ -416,7 +433,7 @@ class ProcessDiskStore:
 
     def close(self) -> None:
         """Let the child finish what was sent, answer it, and exit; release the path.  Idempotent."""
-        if self._lock_fd < 0:
+        if self._closing or self._lock_fd < 0:
             return
         self._closing = True
         self._cmds.append(("X",))
@@ -438,12 +455,27 @@ class ProcessDiskStore:
                 log.error("disk tier %s: the disk I/O process did not close within %.0f s; killed",
                           self.opts.path, _CLOSE_TIMEOUT_S)
                 self._proc.kill()
-                self._receiver.join()
-            os.close(self._cmd_w)
-            os.close(self._rep_r)
-            self._cmd_w = self._rep_r = -1
-            lock.release(self._lock_fd)
-            self._lock_fd = -1
+                self._receiver.join(_KILLED_EXIT_S)
+            if self._receiver.is_alive():
+                # killed, and still not gone (a thread of it in uninterruptible sleep on a hung disk): the
+                # host's shutdown does not wait for it; the receiver releases the descriptors and the path
+                # once the child is finally gone
+                log.error("disk tier %s: the disk I/O process (pid %d) did not exit when killed; the path stays held "
+                          "until it does", self.opts.path, self.pid)
+                self._release_late = True
+            else:
+                self._release()
+
+    def _release(self) -> None:
+        """The pipes and the path lock go (once: close(), or the receiver after a child that outlived it)."""
+        with self._lock:
+            fds, self._cmd_w, self._rep_r = (self._cmd_w, self._rep_r), -1, -1
+            lock_fd, self._lock_fd = self._lock_fd, -1
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
+        if lock_fd >= 0:
+            lock.release(lock_fd)
 
     def kill_for_test(self, sig: int = signal.SIGKILL) -> None:
         """Tests: send ``sig`` to the child (a crash of the I/O process)."""

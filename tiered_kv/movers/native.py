@@ -37,7 +37,7 @@ import torch
 
 from ..jobs import JobKind
 from .base import CompletionQueue, Mover, Plane, Report, Transfer, check_planes, rows_in_range
-from .rowcopy import compiled, list_args, native_available
+from .rowcopy import compiled, list_args, native_available, pool_used
 from .thread import (FEW_ROWS, HELP_BYTES, STAGE_BYTES, copy_one, fast_planes, memmove_rows, screen, split_batches,
                      wide_planes)
 
@@ -109,6 +109,8 @@ class NativeMover(Mover):
         self._stage_rows = [STAGE_BYTES // (int(h.shape[1]) * h.element_size()) for h in self._host]
         self._nrows, self._nslots = rows_in_range(self._planes)
         self._fast = fast_planes(self._planes)   # row addresses, for a lone transfer copied by the owner
+        if launch_fn is None:
+            pool_used()
         self._launch: LaunchFn = launch_fn or compiled().launch
         self._run: LaunchFn = run_fn or compiled().copy_groups   # the same copy, on the calling thread
         self._planes_now = [self._dev, self._host]                # its planes

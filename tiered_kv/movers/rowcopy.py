@@ -25,6 +25,7 @@ from __future__ import annotations
 import array
 import functools
 import logging
+import os
 import typing
 from typing import Any
 
@@ -138,14 +139,40 @@ def compiled() -> Any:
 
 
 @functools.lru_cache(maxsize=1)
-def native_available() -> bool:
-    """Whether this torch compiles :func:`compiled` (TorchScript); logged once when it does not."""
+def _compiles() -> bool:
     try:
         compiled()
     except Exception as exc:   # noqa: BLE001 - a torch without TorchScript: the Python threads copy instead
         log.warning("the native CPU mover is not available (%r); copying on Python threads", exc)
         return False
     return True
+
+
+_pool_pid = 0          # the process whose torch inter-op threads a native mover started (0: none yet)
+_fork_logged = False
+
+
+def native_available() -> bool:
+    """Whether this torch compiles :func:`compiled` (TorchScript), and its inter-op threads work here: not in a
+    process forked after a native mover used them in its parent (torch's inter-op pool does not survive
+    ``fork()``: the child's first ``torch.jit.fork`` waits for ever).  Logged once when it does not."""
+    global _fork_logged
+    if not _compiles():
+        return False
+    if _pool_pid and _pool_pid != os.getpid():
+        if not _fork_logged:
+            _fork_logged = True
+            log.warning("this process was forked from one whose native CPU mover used torch's inter-op threads, "
+                        "which do not survive fork(); copying on Python threads")
+        return False
+    return True
+
+
+def pool_used() -> None:
+    """A native mover is about to start work in torch's inter-op threads (see :func:`native_available`)."""
+    global _pool_pid
+    if not _pool_pid:
+        _pool_pid = os.getpid()
 
 
 def index_args(dst_idx: list[int], src_idx: list[int],
