@@ -52,6 +52,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from tiered_kv import TieredKVConfig, TierManager
+from tiered_kv.core.disk_tier import capacity_for
 from tiered_kv.metrics import SHED_REASONS, sample_total
 
 from .common import KiB, LoadMonitor, as_mode, summarize
@@ -253,8 +254,9 @@ def _promote_run(disk_io: str, samples: int, seed: int, disk_dir: Path) -> dict[
     total = cold + PROMOTE_HOST_SLOTS + 2 * src_n
     total += -total % src_n
     cfg = TieredKVConfig(namespace="bench/busy-promote", host_capacity_bytes=PROMOTE_HOST_SLOTS * ROW_BYTES,
-                         disk_path=disk_dir, disk_capacity_bytes=(total + 64) * ROW_BYTES, durability="batch",
-                         write_mode="through", disk_io=disk_io)
+                         durability="batch", write_mode="through", disk_io=disk_io)
+    # a disk tier that holds every key stored (its write batches' room on top): none is evicted before its load
+    cfg = cfg.replace(disk_path=disk_dir, disk_capacity_bytes=capacity_for(cfg, ROW_BYTES, total))
     keys = [b"busy-promote:%d:%08d" % (seed, i) for i in range(total)]
     with _Started() as started:
         mgr = TierManager(cfg, dev, registry=CollectorRegistry())
@@ -283,6 +285,7 @@ def _promote_run(disk_io: str, samples: int, seed: int, disk_dir: Path) -> dict[
                 in_host += 1
                 continue
             row = src_n + i % src_n
+            dev[row].zero_()           # untimed: a load that never lands here is a wrong row below
             t0 = pc()
             job = mgr.load(key, row)
             if job is None:

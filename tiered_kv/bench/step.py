@@ -398,12 +398,39 @@ def _copy_run(mode: str, seed: int, steps: int, warmup: int, compute_s: float, b
             out["mover"] = type(mgr._mover).__name__
             reg = mgr.metrics.registry
             out["copy_failed"] = sample_total(reg, "tiered_kv_jobs_total", outcome="failed")
+            out["bad_rows"], out["rows_checked"] = _check_loads(mgr, kv, stored[-1], mode != "per_block")
         return out
     finally:
         if mgr is not None:
             mgr.close()
         if base_mover is not None:
             base_mover.close()
+
+
+def _check_loads(mgr: TierManager, kv: torch.Tensor, keys: list[bytes], batched: bool) -> tuple[int, int]:
+    """After a copy-step run, untimed: each load group's rows zeroed, ``keys`` (the last step's, key ``i``
+    stored from row ``i``: every byte ``i + 1``) loaded into them the run's way and compared; (rows with
+    wrong bytes, rows checked).  A load that missed or failed checks nothing (it is counted elsewhere)."""
+    mgr.wait()
+    bad = checked = 0
+    for g in range(LOAD_GROUPS):
+        first = STORES + g * LOADS
+        n = min(LOADS, len(keys))
+        kv[first:first + n].zero_()
+        rows = list(range(first, first + n))
+        asked: list[tuple[Any, list[int]]] = []   # (job, the rows this bench asked it to fill)
+        if batched:
+            one = mgr.load_many(keys[:n], rows)
+            asked = [] if one is None else [(one, list(range(n)))]
+        else:
+            asked = [(j, [i]) for i, j in enumerate(mgr.load(k, r) for k, r in zip(keys[:n], rows)) if j is not None]
+        ok = {id(c.job) for c in mgr.wait([j for j, _ in asked]) if c.ok}
+        for j, idx in asked:
+            if id(j) in ok:
+                for i in idx:
+                    checked += 1
+                    bad += not bool((kv[rows[i]] == i + 1).all())
+    return bad, checked
 
 
 def bench_copy_step(quick: Union[bool, str] = False, seed: int = 0,

@@ -27,7 +27,7 @@ from ..movers import CompletionQueue, Report
 from .index import Entry, TierIndex
 from .policy import make_admission, make_policy
 
-__all__ = ["DiskTier", "DiskErrors", "writer_limits"]
+__all__ = ["DiskTier", "DiskErrors", "writer_limits", "indexed_blocks", "capacity_for"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,29 @@ def writer_limits(cfg: TieredKVConfig, row_bytes: int, disk_blocks: int) -> tupl
     if queue is None:
         queue = max(QUEUE_MIN_BLOCKS, QUEUE_BATCHES * batch)
     return batch, queue
+
+
+def indexed_blocks(cfg: TieredKVConfig, row_bytes: int, disk_blocks: int) -> int:
+    """The blocks a disk tier of ``disk_blocks`` holds.  A slot is reused only once the commit that dropped its
+    entry is durable (one commit later with durability="batch"), and a batch's deletes and spills share a
+    commit: the slot file needs the index's entries plus two write batches, counted inside the capacity
+    (on top of it for a toy tier below ``_SMALL_TIER_BLOCKS``)."""
+    if disk_blocks < _SMALL_TIER_BLOCKS:
+        return disk_blocks
+    return disk_blocks - 2 * writer_limits(cfg, row_bytes, disk_blocks)[0]
+
+
+def capacity_for(cfg: TieredKVConfig, row_bytes: int, blocks: int) -> int:
+    """``disk_capacity_bytes`` for a disk tier that holds exactly ``blocks`` blocks of ``row_bytes`` under
+    ``cfg``'s writer settings (its two write batches on top: see :func:`indexed_blocks`)."""
+    if blocks < 1:
+        raise ValueError(f"a disk tier holds at least one block, asked for {blocks}")
+    total = blocks
+    for _ in range(64):   # the batch grows with the tier (a sixteenth of it at most): a few rounds settle it
+        if indexed_blocks(cfg, row_bytes, total) == blocks:
+            return total * row_bytes
+        total = blocks + 2 * writer_limits(cfg, row_bytes, total)[0] if total >= _SMALL_TIER_BLOCKS else total + 1
+    raise ValueError(f"no disk capacity holds exactly {blocks} blocks of {row_bytes} bytes")  # pragma: no cover
 
 
 RESTART_BACKOFF_MIN_S, RESTART_BACKOFF_MAX_S = 1.0, 60.0
@@ -120,11 +143,8 @@ class DiskTier:
         its own process (:class:`ProcessDiskStore`); otherwise as threads of this one.
         """
         disk_blocks = cfg.disk_capacity_bytes // row_bytes
-        # A slot is reused only once the commit that dropped its entry is durable (one commit later
-        # with durability="batch"), and a batch's deletes and spills share a commit: the slot file
-        # needs the index's entries plus two batches, counted inside disk_capacity_bytes.
         batch_blocks, queue_blocks = writer_limits(cfg, row_bytes, disk_blocks)
-        index_blocks = disk_blocks - 2 * batch_blocks if disk_blocks >= _SMALL_TIER_BLOCKS else disk_blocks
+        index_blocks = indexed_blocks(cfg, row_bytes, disk_blocks)
         slots = max(disk_blocks, index_blocks + 2 * batch_blocks)
         opts = DiskOptions(path=cfg.disk_dir, namespace=cfg.namespace, block_bytes=row_bytes,  # type: ignore[arg-type]
                            capacity_bytes=disk_blocks * row_bytes, durability=cfg.durability, slots=slots,

@@ -105,6 +105,7 @@ def replay(requests: Sequence[Any], host_blocks: int, disk_blocks: int, *, host_
 
     from .. import TieredKVConfig, TierManager
     from ..bench.trace import keys_of, replay_engine
+    from ..core.disk_tier import capacity_for
     from ..metrics import sample_total
     from ..movers import ImmediateMover
     from .tracetools import hit_tokens
@@ -114,25 +115,18 @@ def replay(requests: Sequence[Any], host_blocks: int, disk_blocks: int, *, host_
     tmp = tempfile.mkdtemp(prefix="tkv-replay-", dir=scratch) if disk_blocks else None
     try:
         cfg = TieredKVConfig(namespace="tiered-kv/replay", host_capacity_bytes=host_blocks * ROW_BYTES,
-                             disk_path=None if tmp is None else str(Path(tmp) / "disk"),
-                             disk_capacity_bytes=disk_blocks * ROW_BYTES, write_mode=write_mode,  # type: ignore[arg-type]
+                             write_mode=write_mode,  # type: ignore[arg-type]
                              host_policy=host_policy, disk_policy=disk_policy, host_admission=host_admission,
                              disk_admission=disk_admission, host_evict_ahead_blocks=0, durability="none",
                              max_inflight_jobs=max(4096, 4 * rows), writer_queue_blocks=max(256, rows))
+        if tmp is not None:   # a tier that holds disk_blocks blocks: its write batches' room on top
+            cfg = cfg.replace(disk_path=str(Path(tmp) / "disk"),
+                              disk_capacity_bytes=capacity_for(cfg, ROW_BYTES, disk_blocks))
         mgr = TierManager(cfg, torch.zeros(rows, ROW_BYTES, dtype=torch.uint8), registry=CollectorRegistry(),
                           mover_factory=ImmediateMover)
-        for _ in range(8):   # the disk tier keeps room for write batches inside its capacity: add that room
-            held = mgr._core.dindex.num_slots if mgr._core.dindex is not None else disk_blocks
-            if held == disk_blocks:
-                break
-            mgr.close()
-            shutil.rmtree(str(Path(tmp) / "disk"), ignore_errors=True)   # type: ignore[arg-type]
-            cfg = cfg.replace(disk_capacity_bytes=cfg.disk_capacity_bytes + (disk_blocks - held) * ROW_BYTES)
-            mgr = TierManager(cfg, torch.zeros(rows, ROW_BYTES, dtype=torch.uint8), registry=CollectorRegistry(),
-                              mover_factory=ImmediateMover)
         try:
-            if held != disk_blocks:
-                raise ValueError(f"could not size a disk tier of {disk_blocks} blocks (it holds {held})")
+            held = mgr._core.dindex.num_slots if mgr._core.dindex is not None else disk_blocks
+            assert held == disk_blocks, (held, disk_blocks)
             per_request: list[int] = []
             # with a disk tier, each step waits until its spills were written (no fsync: durability "none"),
             # so that no hit is lost to a spill shed because the replay outran the writer
