@@ -7,7 +7,11 @@ Owns the ``lmdb.Environment``, its sub-databases (:data:`SUBDBS`), the meta reco
   store's threads run is taken under ``rw`` shared, :meth:`DiskEnv.grow` takes it exclusive (the
   meta check and recovery run before any thread starts);
 * ``writemap`` is never used, so a full disk is an error and not SIGBUS;
-* a data file shorter than the environment's last page is refused at open (:func:`map_in_use`).
+* data.mdb is kept at least as long as the environment's last page (:meth:`DiskEnv.cover_pages`, at open
+  and after each commit): LMDB counts in its last page the pages a transaction allocated and freed again
+  without writing them, so a healthy file may end before it; pages past the end then read as zeros.  A
+  file that was cut short (damage) has pages its B-trees still reference past the old end: LMDB finds
+  those zero pages corrupt (MDB_CORRUPTED), where reading past the end of the map would be SIGBUS.
 
 The operator tools (:mod:`tiered_kv.tools`) use the same constants, :func:`init_meta` and
 :func:`map_in_use`.
@@ -16,6 +20,7 @@ The operator tools (:mod:`tiered_kv.tools`) use the same constants, :func:`init_
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 import time
@@ -109,8 +114,11 @@ class DiskEnv:
         if existing:
             size = data.stat().st_size
             if size == 0:
-                raise DiskTierError(f"disk_path {str(path)!r}: data.mdb is empty (truncated); "
-                                    f"remove the directory to start afresh")
+                # made by LMDB, which writes its first meta pages at the first commit: a process that died
+                # (or a disk that filled) before it left no record; LMDB takes the empty file as a new one
+                log.warning("disk_path %r: data.mdb is empty (no commit reached it): the tier starts empty",
+                            str(path))
+                existing = False
             # with room to grow: a map exactly as large as a full file would leave recovery's first write
             # transaction (it drops what it finds damaged) no page, and the tier would never open again
             want = max(want, int(size * MAP_GROWTH))
@@ -123,10 +131,8 @@ class DiskEnv:
         self.env = env
         try:
             self.reader_check()
-            need = map_in_use(env)
-            if existing and data.stat().st_size < need:
-                raise DiskTierError(f"disk_path {str(path)!r}: data.mdb is truncated "
-                                    f"({data.stat().st_size} bytes < {need} in use)")
+            if existing:
+                self.cover_pages()
             self.map_size = env.info()["map_size"]
             self.meta = env.open_db(b"meta")
             self.blocks = env.open_db(b"blocks")
@@ -136,6 +142,21 @@ class DiskEnv:
         except BaseException:
             self.close()
             raise
+
+    def cover_pages(self) -> None:
+        """data.mdb at least as long as the environment's last page (see the module's invariants).  Called
+        with no write transaction running (at open, and by the writer after its commit), so the file does not
+        grow meanwhile; the extension is sparse (no block is written)."""
+        env = self.env
+        if env is None:
+            return
+        need = map_in_use(env)
+        data = self.path / "data.mdb"
+        size = data.stat().st_size
+        if size < need:
+            os.truncate(data, need)
+            log.info("disk_path %r: data.mdb extended from %d to %d bytes (LMDB's last page)", str(self.path), size,
+                     need)
 
     def _check_meta(self, ns: bytes) -> None:
         """Write the meta records of a fresh environment, or refuse another format/namespace/block size."""

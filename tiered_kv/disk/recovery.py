@@ -33,6 +33,7 @@ __all__ = ["RecoveryReport", "recover", "U64"]
 log = logging.getLogger(__name__)
 
 U64 = struct.Struct("<Q")   # a touch record: the entry's newest sequence number
+SEQ_LIMIT = 1 << 62         # no writer numbers this many writes (146 years at 10**9 a second): a higher one is damage
 
 
 @dataclass
@@ -76,6 +77,10 @@ def recover(db: DiskEnv, slots: SlotFile, ns: bytes, block_bytes: int) -> tuple[
                 rep.corrupt += 1
                 dead.append(lk)
                 continue
+            if h.seq >= SEQ_LIMIT:   # recovery reads no checksum: a damaged sequence number would number every
+                rep.corrupt += 1     # later write past 64 bits (the entry's read would fail its checksum anyway)
+                dead.append(lk)
+                continue
             if h.namespace != ns or h.length != block_bytes or lmdb_key(h.key) != lk:
                 rep.foreign += 1
                 dead.append(lk)
@@ -112,6 +117,8 @@ def recover(db: DiskEnv, slots: SlotFile, ns: bytes, block_bytes: int) -> tuple[
         for k, v in txn.cursor(db=db.touch):
             k = bytes(k)
             touched[k] = U64.unpack(bytes(v))[0] if len(v) == U64.size else None
+            if touched[k] is not None and touched[k] >= SEQ_LIMIT:   # no checksum here: an impossible number is damage
+                touched[k] = None
         for k, tseq in touched.items():
             e = entries.get(k)
             if tseq is None:   # a damaged touch record: it only ever held recency, so it is dropped

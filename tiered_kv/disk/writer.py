@@ -418,6 +418,7 @@ class Writer:
             finally:
                 db.rw.release_shared()
             self.tombstones = tombstones   # committed: a failed commit's count is not the disk's
+            db.cover_pages()   # a commit that freed many pages may leave LMDB's last page past the file's end
         except BaseException:
             if hashing is not None:   # let it stop reading the host slots before they are given up
                 concurrent.futures.wait([hashing])
