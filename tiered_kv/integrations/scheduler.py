@@ -107,6 +107,8 @@ class SlabScheduler:
         self._live: dict[JobKind, dict[frozenset[bytes], collections.deque[Job]]] = {_STORE: {}, _LOAD: {}}
         self._quarantine: list[Job] = []   # cancelled jobs whose copies may still touch their slots
         self._awaiting: list[Job] = []     # completed by the engine, rings not yet showing it
+        # key -> its host entry, for each read-back from disk a lookup started (a disk hit already): bounded
+        self._read_back: dict[bytes, Any] = {}
         self._closed = False
         metrics.health["host"].set(1)
         core.refresh_gauges()
@@ -129,13 +131,13 @@ class SlabScheduler:
         if entry is not None:
             if entry.state is _READY:
                 core.index.touch(entry)
-                core.host_hit(key)
+                self._hit(key, entry)
                 return Lookup.HIT
             p = core.jobs.get(entry.writer.int)
             if p is not None and p.kind is _PROMOTE:
                 core.apply_arrived()  # the read may have landed since the last step
                 if entry.state is _READY:
-                    core.host_hit(key)
+                    self._hit(key, entry)
                     return Lookup.HIT
                 return Lookup.PENDING if entry.live else Lookup.MISS
             if core.remote_pending(entry):
@@ -148,7 +150,18 @@ class SlabScheduler:
         if core.start_promote(key, d, protect) is None:
             return Lookup.MISS
         m.count(m.hits["disk"])
+        read_back = self._read_back
+        read_back[key] = core.index.get(key)
+        if len(read_back) > core.index.num_slots:   # each holds a host slot: older ones were evicted or answered
+            del read_back[next(iter(read_back))]
         return Lookup.PENDING
+
+    def _hit(self, key: bytes, entry: Any) -> None:
+        """A lookup found ``key`` READY in the host tier: one hit -- none when it is the block whose read-back a
+        lookup started, counted then as a disk hit (vLLM asks again once it landed: one block, one hit)."""
+        if self._read_back and self._read_back.pop(key, None) is entry:
+            return
+        self.core.host_hit(key)
 
     def touch(self, keys: Iterable[bytes]) -> None:
         self.core.touch(list(keys))
@@ -211,12 +224,7 @@ class SlabScheduler:
         self._check_keys(keys)
         core = self.core
         job = core.begin_store(keys, protect=frozenset(keys), chain=chain)
-        evicted, core.evicted = core.evicted, []
-        if evicted:  # evicted since the last call but ready again meanwhile (read back, or a store published): not gone
-            dindex = core.dindex
-            # "not gone": ready in a tier; a key only being written again (this call's store) is gone until
-            # that store is published, which reports it stored again (a failed one never does)
-            evicted = [k for k in evicted if core.index.ready(k) is None and (dindex is None or dindex.ready(k) is None)]
+        evicted = self.take_evicted()
         if job is None:  # everything offloaded already, or shed (counted): nothing for the engine to copy
             token = core.take_token()
             return Prepared([], token.bytes, token_seq(token), [], evicted)
@@ -314,6 +322,7 @@ class SlabScheduler:
         for job in waiting:
             self._cancel(job)
         self.core.drop_all()
+        self._read_back.clear()
         self.core.refresh_gauges()
         log.info("tiered_kv: every tier reset; %d jobs quarantined until their copies finish", len(self._quarantine))
 
@@ -378,12 +387,25 @@ class SlabScheduler:
         core.close_disk(core.simple_block_until)
         core.slot_views.release()
         core.refresh_gauges()
+        self.metrics.closed()   # every tier it reports unhealthy now, as TierManager.close() leaves them
         self._close_host_fd()
 
     def _close_host_fd(self) -> None:
         if self._host_fd >= 0:
             os.close(self._host_fd)
             self._host_fd = -1
+
+    def take_evicted(self) -> list[bytes]:
+        """Keys gone from every tier since the last call, in the order they went (``collect_evicted``): evicted by
+        a store, by evict-ahead at the end of a step, by a read-back's reservation.  A key evicted and ready
+        again meanwhile (read back, or a store published) is not gone; a key only being written again is
+        gone until that store is published, which reports it stored again (a failed one never does)."""
+        core = self.core
+        evicted, core.evicted = core.evicted, []
+        if evicted:
+            dindex = core.dindex
+            evicted = [k for k in evicted if core.index.ready(k) is None and (dindex is None or dindex.ready(k) is None)]
+        return evicted
 
     def take_published(self) -> list[bytes]:
         """Keys published by stores since the last call (``collect_published=True`` only)."""

@@ -141,6 +141,9 @@ def _key(k: Any) -> bytes:
     raise InvalidKeyError(f"offload key must be bytes, got {type(k).__name__}: {k!r:.80}")
 
 
+VLLM_KEY_BYTES = 32 + 4
+"""The longest ``OffloadKey`` vLLM makes: a sha256 block hash (its default; xxhash's are 16 bytes) and the group index."""
+
 CHAINS_MAX = 1 << 16
 """Requests whose prefix chains the manager follows at most (vLLM reports each one finished; this bounds the rest)."""
 
@@ -260,6 +263,11 @@ class TieredKVOffloadingSpec(OffloadingSpec):
                                              **given)
         except ConfigError as exc:
             raise ConfigError(f"kv_connector_extra_config: {exc}") from None
+        if self.tkv_config.max_key_bytes < VLLM_KEY_BYTES:
+            # refused here: the first lookup, inside vLLM's scheduler, would raise for every key
+            raise ConfigError(f"kv_connector_extra_config: max_key_bytes={self.tkv_config.max_key_bytes} is below "
+                              f"the {VLLM_KEY_BYTES} bytes of vLLM's offload keys (a sha256 block hash and a 4-byte "
+                              f"KV group index)")
         ahead = self.tkv_config.host_evict_ahead_blocks
         if ahead is not None and self.row_bytes > 0 and ahead >= self.num_slots:
             # refused here, before vLLM starts its workers, not by the core in EngineCore
@@ -395,8 +403,10 @@ class TieredKVOffloadingManager(OffloadingManager):
         self.tiers.reset()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        # "stored" once a store was published (never for one cancelled before it completed)
+        # "stored" once a store was published (never for one cancelled before it completed); "removed" for what
+        # left every tier outside prepare_store too (evict-ahead at a step's end, a read-back's reservation)
         self._record(self.tiers.take_published(), removed=False)
+        self._record(self.tiers.take_evicted(), removed=True)
         events, self._events = self._events, []
         return events
 
