@@ -159,7 +159,8 @@ class SlabCopier:
         self._jobs: dict[bytes, _CopyJob] = {}          # token -> job, owner thread only
         self._done: "queue.SimpleQueue[Report]" = queue.SimpleQueue()
         self._finished: list[CopyResult] = []
-        self._closed = False
+        self._closed = False       # submits refused (set as close() starts)
+        self._close_done = False   # close() finished: the mover closed and the slab unpinned
         self._loads_queued = False  # a load was submitted since the copies were last started
         pinned = pin_decision(pin, _on_cuda(tensors))
         if pinned:
@@ -266,10 +267,12 @@ class SlabCopier:
 
     def close(self) -> None:
         """Finish queued copies, stop the copy worker and unpin the slab.  Idempotent."""
-        if self._closed:
+        if self._close_done:
             return
-        self._closed = True
+        self._closed = True   # from the start: no submit while the copies are finished
         if self._mover is not None:
             self._mover.close()
         self.slab.unpin()  # after the copies: none reads or writes the rows any more
+        # only now: a close interrupted before this is finished by a retry, not skipped with copies queued
+        self._close_done = True
         self.metrics.flush()

@@ -112,12 +112,23 @@ def rows_in_range(planes: Sequence[Plane]) -> tuple[int, int]:
     return min(int(d.shape[0]) for d, _ in planes), min(int(h.shape[0]) for _, h in planes)
 
 
+_INT = frozenset((int,))
+
+
 def transfer_error(t: Transfer, nrows: int, nslots: int) -> Optional[str]:
-    """Why ``t`` cannot be copied (rows and slots of different lengths, a row or slot out of range), or None.
-    Checked before any copy of it: a slice past the end is silently short, an index past it faults a device."""
+    """Why ``t`` cannot be copied (rows and slots of different lengths, a row or slot that is not an int or
+    out of range), or None.  Checked before any copy of it: a slice past the end is silently short, an index
+    past it faults a device, and a float row passes the range check but an index upload truncates it (1.5:
+    row 1 copied).  Only plain ``int`` is taken -- not bool, not numpy's: the front ends hand plain ints
+    (``TierManager``'s checks, the copier's ``map(int, ...)``).  Raises TypeError where ``rows``/``slots``
+    are not sequences (:func:`.thread.screen` and the CUDA mover answer that transfer alone)."""
     rows, slots = t.rows, t.slots
     if len(rows) != len(slots):
         return f"copy failed: {len(rows)} rows for {len(slots)} slots"
+    # the element types collected in C (no Python loop): this runs per transfer on the engine thread
+    if not {*map(type, rows), *map(type, slots)} <= _INT:
+        bad = next(x for x in (*rows, *slots) if type(x) is not int)
+        return f"copy failed: a row or slot that is not an int ({type(bad).__name__} {bad!r:.80})"
     if rows and not (0 <= min(rows) and max(rows) < nrows and 0 <= min(slots) and max(slots) < nslots):
         return f"copy failed: a row or slot out of range ({nrows} rows, {nslots} slots)"
     return None
@@ -136,6 +147,20 @@ def rows_view(t: torch.Tensor) -> Optional[torch.Tensor]:
         return t.view(int(t.shape[0]), -1).view(torch.uint8)
     except RuntimeError:
         return None
+
+
+def byte_rows(dev: torch.Tensor, host: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A plane's rows for a copy row by row that moves bytes, never values: both sides as byte rows where
+    torch can view them so (:func:`rows_view`), else the plane as it is when both sides hold the same
+    elements (``copy_`` then converts nothing); a plane that is neither raises ValueError (an fp8 or
+    bf16 row beside uint8 host bytes would be converted value by value)."""
+    d, h = rows_view(dev), rows_view(host)
+    if d is not None and h is not None and d.shape[1] == h.shape[1]:
+        return d, h
+    if dev.dtype == host.dtype and dev[0].shape == host[0].shape:
+        return dev, host
+    raise ValueError(f"a plane of {dev.dtype} rows {tuple(dev.shape[1:])} (strides {dev.stride()}) and {host.dtype} "
+                     f"rows {tuple(host.shape[1:])} cannot be copied byte for byte")
 
 
 def widen(rows: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:

@@ -17,8 +17,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..jobs import JobKind
-from .base import (CompletionQueue, Mover, Plane, Report, Transfer, check_planes, is_run, rows_in_range, rows_view,
-                   transfer_error, widen)
+from .base import (CompletionQueue, Mover, Plane, Report, Transfer, byte_rows, check_planes, is_run, rows_in_range,
+                   rows_view, transfer_error, widen)
 from .torch_cuda import TorchCuda
 
 __all__ = ["CudaMover", "TorchCuda", "EVENT_BYTES", "STAGE_BYTES"]
@@ -214,7 +214,12 @@ class CudaMover(Mover):
         # per plane: (device rows, host rows, device rows are one range, host rows are one range) as views
         # index ops and range copies take, or None: copied block by block
         self._views = [_range_views(d, h) if batched else None for d, h in self._planes]
+        # the planes copied block by block, as byte rows where torch views them so, else as they are when both
+        # sides hold the same elements (copy_ converts none); any other plane is refused here (ValueError): a
+        # bf16 or fp8 row beside integer host rows would be converted value by value and reported ok
+        self._blocks = [byte_rows(d, h) if v is None else (d, h) for (d, h), v in zip(self._planes, self._views)]
         self._stages: list[list[Optional[torch.Tensor]]] = [[None] * len(self._planes) for _ in self._streams]
+        self._taken = False   # flush(): the direction being handed on was taken by _queue_on_stream
 
     def submit(self, t: Transfer) -> None:
         q = self._queued
@@ -232,7 +237,7 @@ class CudaMover(Mover):
         loads: list[Transfer] = []
         put = self._out.put
         k = 0          # transfers of the batch sorted
-        handed = 0     # directions handed to _queue_on_stream, which answers all of its own
+        handed = 0     # directions handed to _queue_on_stream (which answers all of its own once it took them)
         try:
             for t in batch:
                 k += 1
@@ -244,85 +249,111 @@ class CudaMover(Mover):
                     loads.append(t)
             handed = 1
             if stores:
+                self._taken = False
                 self._queue_on_stream(stores, True)
             handed = 2
             if loads:
+                self._taken = False
                 self._queue_on_stream(loads, False)
+            handed = 3
         except BaseException as exc:
             # an interrupt: what was taken off the queue and not handed on is answered (failed, no copy of it
-            # was queued); one answered twice (interrupted inside its put) is discarded by the owner
-            rest = (stores + loads + batch[k - 1:] if handed == 0 else loads if handed == 1 else [])
+            # was queued), and so is a direction interrupted before _queue_on_stream took it; one answered
+            # twice (interrupted inside its put) is discarded by the owner
+            if handed == 0:
+                rest = stores + loads + batch[k - 1:]
+            else:
+                rest = [] if handed == 3 else (loads if handed == 1 else [])
+                if handed < 3 and not self._taken:
+                    rest = (stores if handed == 1 else loads) + rest
             for t in rest:
                 put(Report(t.token, t.kind, False, f"copy not started: {exc!r}"))
             raise
 
     def _queue_on_stream(self, ts: list[Transfer], store: bool) -> None:
-        i = self._next
-        self._next = (i + 1) % len(self._streams)
-        stream = self._streams[i]
-        ev = self._events
-        prev = ev.pop() if ev else self._new_event()
+        """Queue ``ts`` (one direction) on the next stream, in chunks; every transfer is answered exactly once:
+        here (refused, or lost to a failure or an interrupt) or by :meth:`harvest` (its chunk pending).
+
+        Interrupt-safe by construction: whatever point an exception (a CUDA error or a KeyboardInterrupt)
+        reaches, the handler waits for the stream once a copy may be on it (no copy may land after its
+        transfer is answered), puts
+        every chunk that has an end event in the pending queue exactly once, and answers the transfers that
+        are in none of those chunks; only then does it log, and re-raise an interrupt."""
+        i: Optional[int] = None
+        stream: Any = None
+        prev: Any = None
+        pend: Optional[deque[_Chunk]] = None
+        last: Optional[_Chunk] = None   # the latest chunk with an end event, not yet pending
+        chunk: Optional[_Chunk] = None
+        answered: set[int] = set()      # ids of transfers answered here
+        copying = False                 # a copy of this batch may be on the stream (set before the first call)
         put = self._out.put
+        ev = self._events
         try:
-            self._order_after(stream, self._current(self._device))
-            prev.record(stream)
-        except Exception as exc:  # a broken context: nothing of this batch reached the stream
-            ev.append(prev)
-            log.error("CUDA copies of a batch of %d could not be queued: %r", len(ts), exc)
-            for t in ts:
-                put(Report(t.token, t.kind, False, f"copy failed: {exc!r}"))
-            return
-        pend = self._pending[i]
-        chunk = _Chunk(prev)
-        last: Optional[_Chunk] = None  # the latest chunk with an end event, not yet pending
-        rows: list[int] = []   # the open chunk's blocks, not yet queued
-        slots: list[int] = []
-        spans: list[tuple[Transfer, int, int]] = []  # transfers whose last block is in the open chunk: (t, lo, hi)
-        cur: Optional[Transfer] = None  # the transfer being taken, in no span yet
-        dirty = False    # copies may be on the stream with no end event recorded behind them
-        n = 0  # transfers of ts taken
-        per_event, nrows, nslots = self._per_event, self._nrows, self._nslots
+            self._taken = True
+            i = self._next
+            self._next = (i + 1) % len(self._streams)
+            stream = self._streams[i]
+            pend = self._pending[i]
+            prev = ev.pop() if ev else self._new_event()
+            try:
+                self._order_after(stream, self._current(self._device))
+                prev.record(stream)
+            except Exception as exc:  # a broken context: nothing of this batch reached the stream
+                ev.append(prev)
+                prev = None
+                for t in ts:
+                    put(Report(t.token, t.kind, False, f"copy failed: {exc!r}"))
+                    answered.add(id(t))
+                log.error("CUDA copies of a batch of %d could not be queued: %r", len(ts), exc)
+                return
+            chunk = _Chunk(prev)
+            rows: list[int] = []   # the open chunk's blocks, not yet queued
+            slots: list[int] = []
+            spans: list[tuple[Transfer, int, int]] = []  # transfers whose last block is in the open chunk: (t, lo, hi)
+            cur: Optional[Transfer] = None  # the transfer being taken, in no span yet
+            per_event, nrows, nslots = self._per_event, self._nrows, self._nslots
 
-        def close(ops: Any, cur_lo: int) -> bool:
-            """Queue the open chunk's copies and its end event; sort its transfers into ``ended`` and ``failed``.
-            False when ``cur`` (whose blocks go on in the next chunk) failed here: it takes no more copies."""
-            nonlocal last, chunk, dirty
-            dirty = True
-            bad = self._queue_copies(ops, i, rows, slots, store) if rows else None
-            end = ev.pop() if ev else self._new_event()
-            end.record(stream)
-            dirty = False
-            chunk.end, chunk.copies = end, len(rows)
-            go_on = True
-            if bad:
-                def error(lo: int, hi: int) -> Optional[str]:  # a transfer with no block is in no call
-                    return next((e for a, b, e in bad if a < hi and lo < b), None) if lo < hi else None
-                for t, lo, hi in spans:
-                    e = error(lo, hi)
-                    if e is None:
-                        chunk.ended.append(t)
-                    else:
-                        chunk.failed.append((t, e))
-                if cur is not None:
-                    e = error(cur_lo, len(rows))
-                    if e is not None:
-                        chunk.failed.append((cur, e))
-                        go_on = False
-            else:
-                chunk.ended += [t for t, _, _ in spans]
-            spans.clear()
-            rows.clear()
-            slots.clear()
-            if last is not None:
-                pend.append(last)
-            last, chunk = chunk, _Chunk(end)
-            return go_on
+            def close(ops: Any, cur_lo: int) -> bool:
+                """Queue the open chunk's copies and its end event; sort its transfers into ``ended`` and
+                ``failed``, pend the chunk before it and keep this one as ``last``.  False when ``cur`` (whose
+                blocks go on in the next chunk) failed here: it takes no more copies."""
+                nonlocal last, chunk, copying
+                c = chunk
+                assert c is not None
+                copying = True
+                bad = self._queue_copies(ops, i, rows, slots, store) if rows else None
+                end = ev.pop() if ev else self._new_event()
+                end.record(stream)
+                c.end, c.copies = end, len(rows)
+                go_on = True
+                if bad:
+                    def error(lo: int, hi: int) -> Optional[str]:  # a transfer with no block is in no call
+                        return next((e for a, b, e in bad if a < hi and lo < b), None) if lo < hi else None
+                    for t, lo, hi in spans:
+                        e = error(lo, hi)
+                        if e is None:
+                            c.ended.append(t)
+                        else:
+                            c.failed.append((t, e))
+                    if cur is not None:
+                        e = error(cur_lo, len(rows))
+                        if e is not None:
+                            c.failed.append((cur, e))
+                            go_on = False
+                else:
+                    c.ended += [t for t, _, _ in spans]
+                spans.clear()
+                rows.clear()
+                slots.clear()
+                if last is not None:
+                    pend.append(last)   # type: ignore[union-attr]
+                last = c
+                chunk = _Chunk(end)
+                return go_on
 
-        interrupted: Optional[BaseException] = None
-        try:
             with self._copies_on(stream) as ops:
                 for t in ts:
-                    n += 1
                     tr, tsl = t.rows, t.slots
                     try:
                         error = transfer_error(t, nrows, nslots)
@@ -330,6 +361,7 @@ class CudaMover(Mover):
                         error = f"malformed transfer: {exc!r}"
                     if error is not None:  # before any copy: a slice past the end is short, an index faults
                         put(Report(t.token, t.kind, False, error))
+                        answered.add(id(t))
                         continue
                     m = len(tr)
                     cur, lo, j = t, len(rows), 0
@@ -347,30 +379,43 @@ class CudaMover(Mover):
                     cur = None
                 if rows or spans:  # the last, partial chunk
                     close(ops, 0)
-        except BaseException as exc:  # the stream switch or an event record failed, or an interrupt: answer
-            # what has no event yet (and re-raise an interrupt once the rest is in order)
+            if last is None:
+                ev.append(prev)  # no copy queued: its start event is free again (only its latest record counts)
+            else:
+                last.final = True
+                pend.append(last)
+        except BaseException as exc:
+            self._queue_failed(exc, ts, stream if copying else None, pend, last, answered, prev)
             if not isinstance(exc, Exception):
-                interrupted = exc
-            log.error("CUDA copies of a batch of %d could not all be queued: %r", len(ts), exc)
-            if dirty:  # only close() raises after the switch, and it is dirty until its end event is recorded
-                # copies on the stream with no end event behind them: answering them now would lift their
-                # row's fence or free their slot while a copy can still land there.  Wait for the stream
-                # first (a fault path, the only one where the engine thread waits on the device); with a
-                # broken context that fails too, and nothing queued runs
-                try:
-                    stream.synchronize()
-                except Exception as sexc:
-                    log.error("CUDA copy stream could not be synchronized after a failed record: %r", sexc)
-            error = f"copy failed: {exc!r}"
-            for t in [t for t, _, _ in spans] + ([cur] if cur is not None else []) + ts[n:]:
+                raise
+
+    def _queue_failed(self, exc: BaseException, ts: list[Transfer], stream: Any, pend: Optional[deque[_Chunk]],
+                      last: Optional[_Chunk], answered: set[int], prev: Any) -> None:
+        """:meth:`_queue_on_stream`'s handler (see there): nothing of ``ts`` is left unanswered or answered
+        while a copy of it can still land.  ``stream``: None when no copy of the batch was queued (nothing to
+        wait for: synchronizing would wait for the engine's own work too, behind the batch's barrier)."""
+        if stream is not None:
+            try:
+                stream.synchronize()   # a fault path: the only one where the engine thread waits on the device
+            except Exception as sexc:   # a broken context: nothing queued runs
+                log.error("CUDA copy stream could not be synchronized after a failed batch: %r", sexc)
+        owned: set[int] = set()
+        if pend is not None:
+            if last is not None and not any(c is last for c in pend):
+                pend.append(last)   # chunks reach the queue only as `last`: the ones before it are there
+            for c in pend:
+                owned.update(id(t) for t in c.ended)
+                owned.update(id(t) for t, _ in c.failed)
+        if last is not None:
+            last.final = True   # the newest chunk kept: its end event goes back to the pool when it is reached
+        elif prev is not None and not any(e is prev for e in self._events):
+            self._events.append(prev)   # no chunk kept: its start event is free (the stream ran everything)
+        error = f"copy failed: {exc!r}"
+        put = self._out.put
+        for t in ts:
+            if id(t) not in owned and id(t) not in answered:
                 put(Report(t.token, t.kind, False, error))
-        if last is None:
-            ev.append(prev)  # no copy queued: its start event is free again (only its latest record counts)
-        else:
-            last.final = True
-            pend.append(last)
-        if interrupted is not None:
-            raise interrupted
+        log.error("CUDA copies of a batch of %d could not all be queued: %r", len(ts), exc)
 
     def _queue_copies(self, ops: Any, stream: int, rows: list[int], slots: list[int],
                       store: bool) -> Optional[list[tuple[int, int, str]]]:
@@ -382,7 +427,7 @@ class CudaMover(Mover):
         idx: Optional[torch.Tensor] = None
         for p, views in enumerate(self._views):
             if views is None:   # block by block
-                dev, host = self._planes[p]
+                dev, host = self._blocks[p]
                 for a in range(len(rows)):
                     try:
                         if store:
@@ -400,6 +445,7 @@ class CudaMover(Mover):
             else:  # staging rows that hold one block would take a gather and a copy per block: a copy per range
                 spans = ranges = ranges if ranges is not None else _slot_runs(slots, rows)
             for a, b in spans:
+                done = a   # the run's blocks before this one are queued: a call failing later does not carry them
                 try:
                     k, s0, r0 = b - a, slots[a], rows[a]
                     hs = host[s0:s0 + k]
@@ -422,8 +468,9 @@ class CudaMover(Mover):
                         else:
                             ops.copy(part, hj)
                             ops.scatter(dev, idx[j:e], part)
+                        done = e
                 except Exception as exc:  # these blocks' call did not reach the stream: their transfers fail
-                    bad = _failed(bad, a, b, exc, store)
+                    bad = _failed(bad, done, b, exc, store)
         return bad
 
     def _stage_rows(self, like: torch.Tensor) -> int:
@@ -461,8 +508,10 @@ class CudaMover(Mover):
                 else:
                     reps = ([Report(t.token, t.kind, True, None, len(t.rows) * block_bytes, len(t.rows) * per_copy)
                              for t in c.ended] + [Report(t.token, t.kind, False, error) for t, error in c.failed])
-                pend.popleft()
+                # answered before it leaves the queue: an interrupt in between answers it again at the next
+                # harvest (the owner discards the second), never not at all
                 _put_all(put, reps)
+                pend.popleft()
                 free.append(c.start)  # the batch's start event, or the previous chunk's end: no longer read
                 if c.final:
                     free.append(c.end)

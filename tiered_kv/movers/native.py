@@ -216,8 +216,11 @@ class NativeMover(Mover):
         cols = list(zip(*args))   # per argument of copy_rows, one entry per group
         b = _Batch(go, time.perf_counter())
         inflight = self._inflight
-        inflight.append(b)   # before the launch: once it returned, an interrupt must not answer these
         try:
+            # in the try: an interrupt as the append returns is answered by the handler below (an
+            # unlaunched batch left in flight would never be answered, and close() would wait on it for ever);
+            # before the launch: once that returned, an interrupt must not answer these
+            inflight.append(b)
             if now:
                 fut = torch.futures.Future()
                 try:
@@ -229,12 +232,13 @@ class NativeMover(Mover):
             else:
                 b.futs.extend(starmap(self._launch, ((self._planes_held, to_host, *cols, self._stage_rows),)))
         except Exception as exc:
-            inflight.remove(b)
+            if b in inflight:   # (not there where the append itself failed)
+                inflight.remove(b)
             for t in go:
                 put(Report(t.token, t.kind, False, f"copy failed to start: {exc!r}"))
             return
         except BaseException:
-            if not b.futs:   # not launched: the caller answers its transfers (_answer_unstarted)
+            if not b.futs and b in inflight:   # not launched: the caller answers its transfers (_answer_unstarted)
                 inflight.remove(b)
             raise
         self.batches += 1

@@ -32,8 +32,8 @@ from typing import Callable, Optional
 import torch
 
 from ..jobs import JobKind
-from .base import (CompletionQueue, Mover, Plane, Report, Transfer, check_planes, rows_in_range, rows_view,
-                   transfer_error, widen)
+from .base import (CompletionQueue, Mover, Plane, Report, Transfer, byte_rows, check_planes, rows_in_range,
+                   rows_view, transfer_error, widen)
 from .rowcopy import copy_rows, index_args
 
 __all__ = ["ThreadMover", "CopyFn", "BatchFn", "batch_copy", "wide_planes", "fast_planes", "memmove_rows",
@@ -96,20 +96,6 @@ def batch_copy(dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor, src_ro
     copy_rows([dst], [src], *args, [stage], [0])
 
 
-def _byte_rows(dev: torch.Tensor, host: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A plane's rows for a copy row by row that moves bytes, never values: both sides as byte rows where
-    torch can view them so (:func:`rows_view`), else the plane as it is when both sides hold the same
-    elements (``copy_`` then converts nothing); a plane that is neither raises ValueError (an fp8 or
-    bf16 row beside uint8 host bytes would be converted value by value)."""
-    d, h = rows_view(dev), rows_view(host)
-    if d is not None and h is not None and d.shape[1] == h.shape[1]:
-        return d, h
-    if dev.dtype == host.dtype and dev[0].shape == host[0].shape:
-        return dev, host
-    raise ValueError(f"a plane of {dev.dtype} rows {tuple(dev.shape[1:])} (strides {dev.stride()}) and {host.dtype} "
-                     f"rows {tuple(host.shape[1:])} cannot be copied byte for byte")
-
-
 def wide_planes(planes: list[Plane]) -> Optional[list[tuple[torch.Tensor, torch.Tensor]]]:
     """Per plane ``(device rows, host rows)`` viewed as the widest element of :data:`_WIDE` both fit, when
     every plane is two CPU tensors whose rows are byte ranges of equal size that one fits; else None."""
@@ -166,14 +152,18 @@ def split_batches(held: Sequence[Transfer], block_bytes: int, cap: int) -> list[
 
 
 def screen(ts: Sequence[Transfer], nrows: int, nslots: int) -> list[tuple[Transfer, Optional[Report]]]:
-    """Each transfer with its answer when it needs no copy (cancelled, rows or slots out of range or of
-    different lengths: failed; no rows: done), else None."""
+    """Each transfer with its answer when it needs no copy (cancelled, rows or slots malformed, out of range or
+    of different lengths: failed; no rows: done), else None."""
     out: list[tuple[Transfer, Optional[Report]]] = []
     for t in ts:
         if t.cancelled:
             out.append((t, Report(t.token, t.kind, False, "cancelled before copy")))
             continue
-        error = transfer_error(t, nrows, nslots)
+        try:
+            error = transfer_error(t, nrows, nslots)
+        except Exception as exc:   # noqa: BLE001 - rows or slots not sequences (None): answered alone, like
+            #                        any bad transfer, instead of failing the flush of every other one
+            error = f"copy failed: malformed transfer: {exc!r}"
         if error is not None:
             out.append((t, Report(t.token, t.kind, False, error)))
         elif not t.rows:
@@ -243,7 +233,7 @@ class ThreadMover(Mover):
             raise ValueError(f"batch_max must be >= 1, got {batch_max}")
         self._planes, self._block_bytes = check_planes(planes)
         # what a copy row by row copies: each plane's rows as bytes, so that no dtype conversion can change them
-        self._row_planes = [_byte_rows(dev, host) for dev, host in self._planes]
+        self._row_planes = [byte_rows(dev, host) for dev, host in self._planes]
         self._batch_max = batch_max
         self._fast = fast_planes(self._planes) if copy_fn is None else None
         self._wide = wide_planes(self._planes) if copy_fn is None or batch_fn is not None else None
