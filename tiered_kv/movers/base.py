@@ -112,23 +112,17 @@ def rows_in_range(planes: Sequence[Plane]) -> tuple[int, int]:
     return min(int(d.shape[0]) for d, _ in planes), min(int(h.shape[0]) for _, h in planes)
 
 
-_INT = frozenset((int,))
-
-
 def transfer_error(t: Transfer, nrows: int, nslots: int) -> Optional[str]:
-    """Why ``t`` cannot be copied (rows and slots of different lengths, a row or slot that is not an int or
-    out of range), or None.  Checked before any copy of it: a slice past the end is silently short, an index
-    past it faults a device, and a float row passes the range check but an index upload truncates it (1.5:
-    row 1 copied).  Only plain ``int`` is taken -- not bool, not numpy's: the front ends hand plain ints
-    (``TierManager``'s checks, the copier's ``map(int, ...)``).  Raises TypeError where ``rows``/``slots``
-    are not sequences (:func:`.thread.screen` and the CUDA mover answer that transfer alone)."""
+    """Why ``t`` cannot be copied (rows and slots of different lengths, a row or slot out of range), or None.
+    Checked before any copy of it: a slice past the end is silently short, an index past it faults a device.
+    Raises TypeError where the rows or slots do not compare as numbers (:func:`.thread.screen` and the CUDA
+    mover answer that transfer alone).  Their type is not checked here, on the engine thread's path per
+    transfer: a row that is not an int fails where it is used (an index or a slice refuses it; every list of
+    rows that becomes an index goes through ``array("q")``, which refuses a float, where ``torch.tensor``
+    would truncate 1.5 to row 1)."""
     rows, slots = t.rows, t.slots
     if len(rows) != len(slots):
         return f"copy failed: {len(rows)} rows for {len(slots)} slots"
-    # the element types collected in C (no Python loop): this runs per transfer on the engine thread
-    if not {*map(type, rows), *map(type, slots)} <= _INT:
-        bad = next(x for x in (*rows, *slots) if type(x) is not int)
-        return f"copy failed: a row or slot that is not an int ({type(bad).__name__} {bad!r:.80})"
     if rows and not (0 <= min(rows) and max(rows) < nrows and 0 <= min(slots) and max(slots) < nslots):
         return f"copy failed: a row or slot out of range ({nrows} rows, {nslots} slots)"
     return None

@@ -9,6 +9,7 @@ never by a blocking synchronize on the engine thread.  All CUDA calls go through
 
 from __future__ import annotations
 
+import array
 import logging
 from collections import deque
 from collections.abc import Sequence
@@ -455,8 +456,8 @@ class CudaMover(Mover):
                         else:
                             ops.copy(dev[r0:r0 + k], hs)
                         continue
-                    if idx is None:
-                        idx = ops.index(rows)
+                    if idx is None:   # array("q") refuses a row that is not an integer (torch.tensor truncates 1.5)
+                        idx = ops.index(array.array("q", rows).tolist())
                     stage = self._stage(stream, p, dev)
                     c = int(stage.shape[0])
                     for j in range(a, b, c):

@@ -204,12 +204,14 @@ class NativeMover(Mover):
                 for t in ts:
                     rows += t.rows
                     slots += t.slots
-            if ts[0].kind is _STORE:
-                to_host.append(True)
-                args.append(list_args(slots, rows))
-            else:
-                to_host.append(False)
-                args.append(list_args(rows, slots))
+            try:
+                arg = list_args(slots, rows) if ts[0].kind is _STORE else list_args(rows, slots)
+            except Exception as exc:   # noqa: BLE001 - rows that are not ints (a lone one's range() refuses them)
+                for t in ts:
+                    put(Report(t.token, t.kind, False, f"copy failed: malformed transfer: {exc!r}"))
+                continue
+            to_host.append(ts[0].kind is _STORE)
+            args.append(arg)
             go += ts
         if not go:
             return
@@ -234,6 +236,13 @@ class NativeMover(Mover):
         except Exception as exc:
             if b in inflight:   # (not there where the append itself failed)
                 inflight.remove(b)
+            if len(go) > 1 and not now:
+                # the launcher refused its arguments (a row that is not an int: TorchScript checks the lists'
+                # types): each transfer is started again alone, so that only the malformed one fails
+                for t in go:
+                    self._start([[t]])
+                    self.retried += 1
+                return
             for t in go:
                 put(Report(t.token, t.kind, False, f"copy failed to start: {exc!r}"))
             return
