@@ -3,21 +3,115 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
 import os
+import re
+import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from ..errors import DiskInUseError, TieredKVError
 
 __all__ = ["main"]
 
 log = logging.getLogger(__name__)
+
+_METRICS_ADDR = "127.0.0.1"   # --metrics-addr when --metrics-port is given without it
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``ArgumentDefaultsHelpFormatter`` that appends "(default: X)" only where the help does not state its
+    default already (a second, different one -- "(default: 20, ...) (default: None)" -- misleads) and where
+    there is one to state (None is "not given", which the help explains)."""
+
+    def _get_help_string(self, action: argparse.Action) -> Optional[str]:
+        text = action.help or ""
+        if action.default is None or re.search(r"\bdefault\b", text, re.IGNORECASE):
+            return text
+        return super()._get_help_string(action)
+
+
+def nonempty(text: str) -> str:
+    """An argparse type for a value that must not be empty: "" (``--disk-path "$DIR"`` with DIR unset)
+    would otherwise read as "not given" -- a throwaway temporary directory, no JSON written, or, for an
+    address, every interface."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty value (an unset shell variable?)")
+    return text
+
+
+def _port(text: str) -> int:
+    """An argparse type for a TCP port: refused here, naming the option and value (``bind`` would raise an
+    OverflowError that names neither)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0-65535)") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0-65535)")
+    return port
+
+
+def check_output_file(opt: str, path: Optional[str]) -> None:
+    """A file written at the end of a long run, checked before it: its directory must be writable and the
+    path must not be a directory.  Raises ValueError naming ``opt`` and the path."""
+    if path is None:
+        return
+    where = Path(path).parent
+    if not (where.is_dir() and os.access(where, os.W_OK)):
+        raise ValueError(f"{opt}: {str(where)!r} is not a writable directory")
+    if Path(path).is_dir():
+        raise ValueError(f"{opt}: {str(path)!r} is a directory, not a file to write")
+
+
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the main thread is: a KeyboardInterrupt, so that it unwinds exactly as
+    a Ctrl-C does (every ``finally`` runs, the manager is closed, temporary directories are removed, no
+    lingering) and ``main`` exits 128 + ``signum``."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stop_signals_unwind() -> Iterator[None]:
+    """While the demo or a replay runs, SIGTERM (``kill``, ``docker stop``, a pod stop: where the demo is
+    PID 1 the default action would even be ignored) and SIGHUP (a closed terminal) raise :class:`_Stopped`
+    instead of ending the process with its cleanup skipped.  Only here, in the command line, and restored
+    after: a library embedded in an engine leaves the engine's signals alone.  A signal the caller ignores
+    (``nohup``) stays ignored."""
+    if threading.current_thread() is not threading.main_thread():   # signal.signal works in it only
+        yield
+        return
+    stopping: list[int] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        if not stopping:   # a second stop signal must not break off the cleanup the first one started
+            stopping.append(signum)
+            raise _Stopped(signum)
+
+    old: dict[int, Any] = {}
+    try:
+        for name in ("SIGTERM", "SIGHUP"):
+            sig = getattr(signal, name, None)
+            if sig is not None and signal.getsignal(sig) is not signal.SIG_IGN:
+                old[sig] = signal.signal(sig, handler)
+        yield
+    finally:
+        for sig, previous in old.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+
+
+def _metrics_addr(args: argparse.Namespace) -> str:
+    return args.metrics_addr if args.metrics_addr is not None else _METRICS_ADDR
 
 
 def _workload_config(args: argparse.Namespace, offload: str, label: str, remote: bool = False) -> Any:
@@ -38,26 +132,28 @@ def _workload_config(args: argparse.Namespace, offload: str, label: str, remote:
 
 def _check_demo(args: argparse.Namespace, modes: list[tuple[str, str, bool]]) -> None:
     """What every run needs, checked before the first starts (a bad value found after a run, or after
-    three with --compare, would waste them): each run's workload, the remote URL, the JSON file's
-    directory, the metrics port and the linger.  Raises ValueError naming the option."""
+    three with --compare, would waste them): each run's workload, the remote URL, the JSON file, the
+    metrics port and address and the linger.  Raises ValueError naming the option."""
     for label, mode, remote in modes:
         _workload_config(args, mode, label, remote)
     if args.remote_url is not None:
         from ..remote.url import parse_url
 
         parse_url(args.remote_url)
-    if args.json:
-        where = Path(args.json).parent
-        if not (where.is_dir() and os.access(where, os.W_OK)):
-            raise ValueError(f"--json: {str(where)!r} is not a writable directory")
-    if not (math.isfinite(args.linger) and args.linger >= 0):
+    check_output_file("--json", args.json)
+    if args.metrics_port is None:   # both act only through the /metrics server: alone they would do nothing
+        for opt, value in (("--linger", args.linger), ("--metrics-addr", args.metrics_addr)):
+            if value is not None:
+                raise ValueError(f"{opt} needs --metrics-port (it applies to the /metrics server that starts)")
+        return
+    if args.linger is not None and not (math.isfinite(args.linger) and args.linger >= 0):
         raise ValueError(f"--linger must be a finite number of seconds >= 0, got {args.linger!r}")
-    if args.metrics_port:   # (0: any free port)
-        with socket.socket(socket.AF_INET6 if ":" in args.metrics_addr else socket.AF_INET) as s:
-            try:
-                s.bind((args.metrics_addr, args.metrics_port))
-            except OSError as exc:
-                raise ValueError(f"--metrics-port {args.metrics_port} on {args.metrics_addr}: {exc}") from None
+    addr = _metrics_addr(args)
+    with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as s:
+        try:   # port 0 (any free port) too: the address itself may not be bindable
+            s.bind((addr, args.metrics_port))
+        except OSError as exc:
+            raise ValueError(f"--metrics-addr {addr} --metrics-port {args.metrics_port}: {exc}") from None
 
 
 def _run_one(args: argparse.Namespace, offload: str, label: str, remote: bool = False) -> dict[str, Any]:
@@ -77,8 +173,9 @@ def _run_one(args: argparse.Namespace, offload: str, label: str, remote: bool = 
         if args.metrics_port is not None:
             from ..exposition import serve_metrics
 
-            server = serve_metrics(args.metrics_port, addr=args.metrics_addr, registry=registry)
-            print(f"serving /metrics on http://{args.metrics_addr}:{server.port}/metrics", file=sys.stderr, flush=True)
+            server = serve_metrics(args.metrics_port, addr=_metrics_addr(args), registry=registry)
+            # server.url: an IPv6 host in brackets, as a URL needs it
+            print(f"serving /metrics on {server.url}", file=sys.stderr, flush=True)
 
     # no bar at all with --no-progress: a disabled tqdm still starts its monitor thread
     bar = None if args.no_progress else tqdm(total=100, desc=label, unit="%", file=sys.stderr,
@@ -93,20 +190,21 @@ def _run_one(args: argparse.Namespace, offload: str, label: str, remote: bool = 
             last[0] = n
 
     interrupted = False
+    linger = args.linger or 0.0
     try:
         summary = run_workload(cfg, registry=registry, progress=progress, on_manager=on_manager)
         if bar is not None:
             bar.update(100 - last[0])
-    except KeyboardInterrupt:   # the user asked to stop: no lingering
+    except KeyboardInterrupt:   # the user asked to stop (Ctrl-C, SIGTERM, SIGHUP): no lingering
         interrupted = True
         raise
     finally:
         if bar is not None:
             bar.close()
         try:
-            if server is not None and args.linger > 0 and not interrupted:
-                print(f"keeping /metrics up for {args.linger:g} s", file=sys.stderr, flush=True)
-                time.sleep(args.linger)
+            if server is not None and linger > 0 and not interrupted:
+                print(f"keeping /metrics up for {linger:g} s", file=sys.stderr, flush=True)
+                time.sleep(linger)
         finally:   # a second Ctrl-C while lingering still closes the server
             if server is not None:
                 server.close()
@@ -187,7 +285,7 @@ def _demo(args: argparse.Namespace) -> int:
         summaries[label] = _run_one(args, mode, label, with_remote)
     print()
     _print_table(summaries)
-    if args.json:
+    if args.json is not None:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(summaries if args.compare else summaries[modes[0][0]], f, indent=2, sort_keys=True)
     bad = [n for n, s in summaries.items() if s["corrupt_loads"] or s["errors"]]
@@ -202,7 +300,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="run a seeded serving simulation through tiered_kv (CPU, no server needed)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     d.add_argument("--seconds", type=float, default=None,
                    help="wall-clock length of the run (default: 20, or as long as --steps takes)")
     d.add_argument("--steps", type=int, default=None, help="stop after this many engine steps instead")
@@ -212,18 +310,22 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--device-blocks", type=int, default=96, help="rows in the device KV pool")
     d.add_argument("--host-blocks", type=int, default=160, help="slots in the host tier")
     d.add_argument("--disk-blocks", type=int, default=4096, help="blocks the disk tier may hold")
-    d.add_argument("--disk-path", default=None, help="LMDB directory (default: a temporary one, removed at exit)")
-    d.add_argument("--remote-url", default=None, metavar="URL",
+    d.add_argument("--disk-path", type=nonempty, default=None, help="LMDB directory (default: a temporary one, removed at exit)")
+    d.add_argument("--remote-url", type=nonempty, default=None, metavar="URL",
                    help="also use a shared Redis/Valkey remote tier: redis://host:6379/0, rediss://..., "
                         "redis+cluster://h1:p1,h2:p2 (a password: TIERED_KV_REMOTE_PASSWORD, not the url); "
                         "default: none, no server needed")
-    d.add_argument("--metrics-port", type=int, default=None, help="serve /metrics on this port while running")
-    d.add_argument("--metrics-addr", default="127.0.0.1", help="address for --metrics-port")
-    d.add_argument("--linger", type=float, default=0.0,
-                   help="keep /metrics up this many seconds after the run (not after a Ctrl-C)")
+    d.add_argument("--metrics-port", type=_port, default=None,
+                   help="serve /metrics on this port while running (0: any free port)")
+    # None, not the address: given without --metrics-port it is refused (alone it would do nothing)
+    d.add_argument("--metrics-addr", type=nonempty, default=None,
+                   help=f"address for --metrics-port (default: {_METRICS_ADDR})")
+    d.add_argument("--linger", type=float, default=None,
+                   help="with --metrics-port: keep /metrics up this many seconds after the run (not after a "
+                        "Ctrl-C or a stop signal; default: 0)")
     d.add_argument("--compare", action="store_true",
                    help="run no offload, host only and host+disk side by side (and host+disk+remote with --remote-url)")
-    d.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
+    d.add_argument("--json", metavar="PATH", type=nonempty, default=None, help="also write the summary as JSON")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(func=_demo)
     from ..bench.cli import add_bench_command
@@ -237,12 +339,22 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# the subcommands that run for long and leave state behind when killed (the demo's temporary disk tier and
+# manager, the replay's scratch directory): SIGTERM and SIGHUP unwind them as a Ctrl-C does
+_UNWIND_ON_STOP = ("demo", "replay")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.cmd in _UNWIND_ON_STOP:
+            with _stop_signals_unwind():
+                return int(args.func(args))
         return int(args.func(args))
+    except _Stopped as exc:   # SIGTERM, SIGHUP: the shell's status for a process ended by that signal
+        return 128 + exc.signum
     except KeyboardInterrupt:
         return 130
     except DiskInUseError as exc:   # as the operator commands: one line, status 3

@@ -300,10 +300,12 @@ def run_workload(cfg: WorkloadConfig, registry: Optional[CollectorRegistry] = No
     if cfg.offload != "none":
         disk_path = None
         if cfg.offload == "disk":
-            disk_path = cfg.disk_path or (tmpdir := tempfile.mkdtemp(prefix="tiered-kv-demo-"))
+            # "is not None", not "or": an empty disk_path is the config's to refuse, not a throwaway tier
+            disk_path = cfg.disk_path if cfg.disk_path is not None else (
+                tmpdir := tempfile.mkdtemp(prefix="tiered-kv-demo-"))
         mcfg = TieredKVConfig(namespace=f"demo|fp16|{'x'.join(map(str, cfg.row_shape))}|tp0",
-                              host_capacity_bytes=cfg.host_blocks * row_bytes,
-                              disk_path=disk_path, disk_capacity_bytes=cfg.disk_blocks * row_bytes if disk_path else 0,
+                              host_capacity_bytes=cfg.host_blocks * row_bytes, disk_path=disk_path,
+                              disk_capacity_bytes=cfg.disk_blocks * row_bytes if disk_path is not None else 0,
                               remote_url=cfg.remote_url)
         try:
             mgr = TierManager(mcfg, kv, registry=registry)

@@ -31,6 +31,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from .cli import HelpFormatter, check_output_file, nonempty
+
 __all__ = ["add_replay_command", "replay", "parse_size", "parse_model"]
 
 ROW_BYTES = 64            # the replay's rows: the control path, not the copies
@@ -164,6 +166,11 @@ def replay(requests: Sequence[Any], host_blocks: int, disk_blocks: int, *, host_
     return out
 
 
+# options that act only with another one: given without it they would be accepted and do nothing
+_NEEDS = (("--sweep-sizes", "sweep_sizes", "--sweep", "sweep"), ("--disk-policy", "disk_policy", "--disk", "disk"),
+          ("--disk-admission", "disk_admission", "--disk", "disk"), ("--write-mode", "write_mode", "--disk", "disk"))
+
+
 def _run(args: argparse.Namespace) -> int:
     from ..core.policy import ADMISSIONS, POLICIES
     from .tracetools import TraceError, belady, read_trace, simulate, simulate_tiers, trace_stats
@@ -171,6 +178,9 @@ def _run(args: argparse.Namespace) -> int:
     try:
         if args.requests is not None and args.requests < 1:
             raise ValueError(f"--requests must be >= 1, got {args.requests}")
+        for opt, dest, needed, needed_dest in _NEEDS:
+            if getattr(args, dest) is not None and getattr(args, needed_dest) is None:
+                raise ValueError(f"{opt} needs {needed}")
         if args.sweep:   # found before the run, not after it
             from ..bench.plots import matplotlib_missing
 
@@ -182,52 +192,54 @@ def _run(args: argparse.Namespace) -> int:
         stats = trace_stats(requests)
         distinct = int(stats["distinct_blocks"])
         host = parse_size(args.host, distinct, block_bytes)
-        disk = parse_size(args.disk, distinct, block_bytes) if args.disk else 0
+        disk = parse_size(args.disk, distinct, block_bytes) if args.disk is not None else 0
         sweep_caps = [parse_size(x, distinct, block_bytes) for x in args.sweep_sizes.split(",")] \
-            if args.sweep and args.sweep_sizes else None
+            if args.sweep_sizes is not None else None
         # the places written at the end of a long run, checked before it
-        for opt, where in (("--json", Path(args.json).parent if args.json else None),
-                           ("--sweep", Path(args.sweep).parent if args.sweep else None),
-                           ("--scratch", Path(args.scratch) if args.scratch else None)):
-            if where is not None and not (where.is_dir() and os.access(where, os.W_OK)):
-                raise ValueError(f"{opt}: {str(where)!r} is not a writable directory")
-        for opt, path in (("--json", args.json), ("--sweep", args.sweep)):
-            if path and Path(path).is_dir():
-                raise ValueError(f"{opt}: {str(path)!r} is a directory, not a file to write")
+        check_output_file("--json", args.json)
+        check_output_file("--sweep", args.sweep)
+        if args.scratch is not None and not (Path(args.scratch).is_dir() and os.access(args.scratch, os.W_OK)):
+            raise ValueError(f"--scratch: {args.scratch!r} is not a writable directory")
     except (TraceError, ValueError, OSError) as exc:
         print(f"tiered-kv replay: {exc}", file=sys.stderr)
         return 2
+    # the disk tier's settings, their defaults applied (given without --disk they were refused above)
+    disk_policy = args.disk_policy if args.disk_policy is not None else args.policy
+    disk_admission = args.disk_admission if args.disk_admission is not None else "all"
+    write_mode = args.write_mode if args.write_mode is not None else "through"
     for name, value, known in (("--policy", args.policy, POLICIES),
-                               ("--disk-policy", args.disk_policy or args.policy, POLICIES),
+                               ("--disk-policy", disk_policy, POLICIES),
                                ("--host-admission", args.host_admission, ADMISSIONS),
-                               ("--disk-admission", args.disk_admission, ADMISSIONS)):
+                               ("--disk-admission", disk_admission, ADMISSIONS)):
         if value not in known:
             print(f"tiered-kv replay: {name} {value!r}: known: {', '.join(sorted(known))}", file=sys.stderr)
             return 2
-    disk_policy = args.disk_policy or args.policy
     refs = int(stats["block_refs"])
     say = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr))
     say(f"trace {args.trace}: {len(requests)} requests, {refs} block references, {distinct} distinct blocks")
     out: dict[str, Any] = {"trace": str(args.trace), "requests": len(requests), "block_refs": refs,
                            "distinct_blocks": distinct, "block_bytes": block_bytes, "model": model,
                            "host_blocks": host, "disk_blocks": disk, "host_policy": args.policy,
-                           "disk_policy": disk_policy, "host_admission": args.host_admission,
-                           "disk_admission": args.disk_admission, "write_mode": args.write_mode}
+                           "host_admission": args.host_admission,
+                           # no disk tier: no disk settings (null), not defaults that read as used
+                           "disk_policy": disk_policy if disk else None,
+                           "disk_admission": disk_admission if disk else None,
+                           "write_mode": write_mode if disk else None}
     t0 = time.perf_counter()
     say(f"replaying through the core: host {host} blocks" + (f", disk {disk} blocks" if disk else "") + " ...")
     core = replay(requests, host, disk, host_policy=args.policy, disk_policy=disk_policy,
-                  host_admission=args.host_admission, disk_admission=args.disk_admission,
-                  write_mode=args.write_mode, scratch=args.scratch, tokens_per_block=args.tokens_per_block)
+                  host_admission=args.host_admission, disk_admission=disk_admission,
+                  write_mode=write_mode, scratch=args.scratch, tokens_per_block=args.tokens_per_block)
     out["core"] = core
     say(f"  {core['refs_per_s']:,.0f} block references/s ({time.perf_counter() - t0:.1f} s)")
     say("simulating the same sizes: this policy, LRU, Belady, an unbounded cache ...")
     tpb = args.tokens_per_block
     if disk:
-        sim = simulate_tiers(requests, host, disk, args.policy, disk_policy, args.disk_admission,
-                             host_admission=args.host_admission, block_bytes=block_bytes, write_mode=args.write_mode,
+        sim = simulate_tiers(requests, host, disk, args.policy, disk_policy, disk_admission,
+                             host_admission=args.host_admission, block_bytes=block_bytes, write_mode=write_mode,
                              tokens_per_block=tpb)
         lru = simulate_tiers(requests, host, disk, "lru", "lru", "all", block_bytes=block_bytes,
-                             write_mode=args.write_mode, tokens_per_block=tpb)
+                             write_mode=write_mode, tokens_per_block=tpb)
         out["simulated"] = sim.as_dict()
         out["lru"] = lru.as_dict()
     else:
@@ -257,7 +269,7 @@ def _run(args: argparse.Namespace) -> int:
         _plot_sweep(curves, block_bytes, Path(args.sweep), str(args.trace))
         say(f"wrote {args.sweep}")
     _print(out)
-    if args.json:
+    if args.json is not None:
         from ..bench.report import clean
 
         with open(args.json, "w", encoding="utf-8") as f:   # strict JSON: a figure of no denominator is null
@@ -277,13 +289,12 @@ def _print(o: dict[str, Any]) -> None:
           f"{o['host_admission']})" + (f", disk {disk} blocks ({_human(disk * bb)}, {o['disk_policy']}, admission "
                                        f"{o['disk_admission']}, write-{o['write_mode']})" if disk else ", no disk tier"))
     print()
-    rows = [("block hit ratio, all tiers", f"{core['hit_ratio']:.4f}", f"{sim['hit_ratio']:.4f}",
-             f"{lru['hit_ratio']:.4f}", f"{bel['hit_ratio']:.4f}", f"{pos['hit_ratio']:.4f}")]
+    rows = [("block hit ratio, all tiers", *(_ratio(x["hit_ratio"]) for x in (core, sim, lru, bel, pos)))]
     if disk:
-        rows.append(("  host", f"{core['host_hits'] / refs:.4f}", f"{sim['host_hit_ratio']:.4f}",
-                     f"{lru['host_hit_ratio']:.4f}", "", ""))
-        rows.append(("  disk", f"{core['disk_hits'] / refs:.4f}", f"{sim['disk_hit_ratio']:.4f}",
-                     f"{lru['disk_hit_ratio']:.4f}", "", ""))
+        rows.append(("  host", _share(core["host_hits"], refs), _ratio(sim["host_hit_ratio"]),
+                     _ratio(lru["host_hit_ratio"]), "", ""))
+        rows.append(("  disk", _share(core["disk_hits"], refs), _ratio(sim["disk_hit_ratio"]),
+                     _ratio(lru["disk_hit_ratio"]), "", ""))
         rows.append(("bytes written to disk", _human(core["disk_blocks_written"] * bb),
                      _human(sim["disk_bytes_written"]), _human(lru["disk_bytes_written"]), "", ""))
     rows.append(("prefill tokens saved", *(_share(x["tokens_saved"], x["input_tokens"]) for x in (core, sim, lru, bel, pos))))
@@ -296,17 +307,29 @@ def _print(o: dict[str, Any]) -> None:
         print("  ".join(str(c).ljust(widths[0]) if i == 0 else str(c).rjust(widths[i]) for i, c in enumerate(r)))
     print()
     print(f"host {_human(o['host_blocks'] * bb)}" + (f" + disk {_human(disk * bb)}" if disk else "") +
-          f" reach {100 * o['share_of_possible']:.1f}% of the possible hits "
-          f"(an unbounded cache hits {100 * pos['hit_ratio']:.1f}% of block references; Belady at this size "
-          f"{100 * bel['hit_ratio']:.1f}%)")
+          f" reach {_percent(o['share_of_possible'])} of the possible hits "
+          f"(an unbounded cache hits {_percent(pos['hit_ratio'])} of block references; Belady at this size "
+          f"{_percent(bel['hit_ratio'])})")
     ratio = core["hit_ratio"] / sim["hit_ratio"] if sim["hit_ratio"] else float("nan")
-    print(f"replay / simulated hit ratio: {ratio:.3f} (stores shed {core['stores_shed']}, spills shed "
+    print(f"replay / simulated hit ratio: {_ratio(ratio, 3)} (stores shed {core['stores_shed']}, spills shed "
           f"{core['spills_shed']}); replay speed {core['refs_per_s']:,.0f} block references/s")
 
 
 def _share(part: float, whole: float) -> str:
-    """``part / whole`` to four places; "n/a" for a trace of no prompt tokens."""
-    return f"{part / whole:.4f}" if whole else "n/a"
+    """``part / whole`` to four places; "n/a" where there is no denominator (a trace of no prompt tokens,
+    no block references)."""
+    return _ratio(part / whole if whole else float("nan"))
+
+
+def _ratio(x: float, places: int = 4) -> str:
+    """A ratio to ``places`` places; "n/a" for one of no denominator (NaN: a trace without reuse, or of no
+    block references), as the JSON's null -- never "nan"."""
+    return f"{x:.{places}f}" if math.isfinite(x) else "n/a"
+
+
+def _percent(x: float) -> str:
+    """A ratio as a percentage to one place; "n/a" as :func:`_ratio`."""
+    return f"{100 * x:.1f}%" if math.isfinite(x) else "n/a"
 
 
 def _plot_sweep(curves: dict[str, Any], block_bytes: int, path: Path, title: str) -> None:
@@ -338,7 +361,7 @@ def add_replay_command(sub: Any) -> None:
 
     p = sub.add_parser("replay", help="replay a Mooncake-format trace through the core: hit ratio per tier beside "
                                       "LRU and Belady's bound, bytes written, what a host/disk size reaches",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       formatter_class=HelpFormatter,
                        description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("trace", help="JSONL: timestamp, input_length, output_length, hash_ids (512-token blocks)")
     p.add_argument("--requests", type=int, default=None, help="replay only the first N requests")
@@ -346,18 +369,22 @@ def add_replay_command(sub: Any) -> None:
                                                 "or bytes (8GiB, of --model's blocks)")
     p.add_argument("--disk", default=None, help="disk tier size, same forms (default: no disk tier)")
     p.add_argument("--policy", default="lru", help=f"host tier policy: {', '.join(POLICIES)}")
-    p.add_argument("--disk-policy", default=None, help="disk tier policy (default: --policy)")
+    # the disk tier's options default to None, their defaults applied in _run: given without --disk, refused
+    p.add_argument("--disk-policy", default=None, help="with --disk: disk tier policy (default: --policy)")
     p.add_argument("--host-admission", default="all", help=f"host admission: {', '.join(ADMISSIONS)}")
-    p.add_argument("--disk-admission", default="all", help=f"disk admission: {', '.join(ADMISSIONS)}")
-    p.add_argument("--write-mode", default="through", choices=("through", "back"),
-                   help="the disk tier's write mode in the replay")
+    p.add_argument("--disk-admission", default=None,
+                   help=f"with --disk: disk admission: {', '.join(ADMISSIONS)} (default: all)")
+    p.add_argument("--write-mode", default=None, choices=("through", "back"),
+                   help="with --disk: the disk tier's write mode in the replay (default: through)")
     p.add_argument("--model", default=None, help="LAYERS,KV_HEADS,HEAD_DIM[,DTYPE] or a Hugging Face config.json "
                                                  "(default: Llama-3-8B's shape, bf16)")
     p.add_argument("--dtype", default=None, help="the KV cache dtype (overrides the model's)")
     p.add_argument("--tokens-per-block", type=int, default=512)
-    p.add_argument("--sweep", metavar="PNG", default=None, help="also draw hit ratio by host size per policy")
-    p.add_argument("--sweep-sizes", default=None, help="host sizes of the sweep, comma separated (default 1%%,2%%,5%%,10%%)")
-    p.add_argument("--json", metavar="PATH", default=None, help="also write every figure as JSON")
-    p.add_argument("--scratch", default=None, help="parent of the disk tier's scratch directory")
+    p.add_argument("--sweep", metavar="PNG", type=nonempty, default=None,
+                   help="also draw hit ratio by host size per policy")
+    p.add_argument("--sweep-sizes", default=None,
+                   help="with --sweep: host sizes of the sweep, comma separated (default 1%%,2%%,5%%,10%%)")
+    p.add_argument("--json", metavar="PATH", type=nonempty, default=None, help="also write every figure as JSON")
+    p.add_argument("--scratch", type=nonempty, default=None, help="parent of the disk tier's scratch directory")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=_run)
