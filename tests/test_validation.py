@@ -479,7 +479,7 @@ def test_calls_after_close_raise_manager_closed(busy):
     mgr.close()  # idempotent
     calls = {
         "store": lambda: mgr.store(b"k", 0), "load": lambda: mgr.load(b"ready", 0),
-        "lookup": lambda: mgr.lookup([b"ready"]), "cancel": lambda: mgr.cancel(some_job),
+        "lookup": lambda: mgr.lookup([b"ready"]),
         "free_block": lambda: mgr.free_block(0), "invalidate": lambda: mgr.invalidate(b"ready"),
         "poll": mgr.poll, "wait": lambda: mgr.wait(timeout=0), "flush": mgr.flush,
     }
@@ -488,6 +488,14 @@ def test_calls_after_close_raise_manager_closed(busy):
         with pytest.raises(ManagerClosedError, match="closed"):
             fn()
         assert metric_samples(mgr.metrics.registry) == before, name
+    # cancel() is valid at any time (a cleanup path's cancel after the manager's `with` block): after close()
+    # it does nothing; a job not of this manager is still refused
+    before = metric_samples(mgr.metrics.registry)
+    state = some_job.state
+    mgr.cancel(some_job)
+    assert metric_samples(mgr.metrics.registry) == before and some_job.state is state
+    with pytest.raises(InvalidJobError):
+        mgr.cancel("not a job")
 
 
 def test_context_manager_closes(cfg, kv):

@@ -377,11 +377,12 @@ class TierManager:
         self._mover.submit(t)
 
     def cancel(self, job: Job) -> None:
-        """Cancel ``job``: idempotent, valid in any state at any time."""
-        if self._closed:
-            self._check_open()  # raises
+        """Cancel ``job``: idempotent, valid in any state at any time (after ``close()`` too, where it does
+        nothing: the manager's copies and reads are over)."""
         if not isinstance(job, Job) or job._owner is not self._owner_tag or job.kind in _INTERNAL:
             raise InvalidJobError(f"not a job of this manager: {job!r}")
+        if self._closed:
+            return
         if job.state is _PENDING and not self._issued(job):
             raise InvalidJobError(f"not a job this manager returned (a copy of one?): {job!r}")
         self._cancel(job, _R_CANCELLED)
@@ -420,8 +421,9 @@ class TierManager:
 
     def wait(self, jobs: Optional[Iterable[Job]] = None, timeout: Optional[float] = None) -> list[Completion]:
         """Block until ``jobs`` are reported; with None, until every store and load is
-        reported and every worker report applied (no slot or row leased to a copy, no
-        read from disk or from the remote tier in flight).
+        reported and every copy's and read's report applied (no slot or row leased to a copy,
+        no read from disk or from the remote tier in flight).  Spills and remote writes are
+        ``flush()``'s: their reports may still be on their way.
 
         Returns every completion applied meanwhile (also of other jobs).  On
         timeout returns what was applied so far; check ``job.done``.
