@@ -854,7 +854,14 @@ class FakeRemoteStore:
         self.reads.append((token, list(keys), None))
         return True
 
-    def submit_fetch(self, token: uuid.UUID, keys: list[bytes], views: list[memoryview]) -> bool:
+    def take_fetch_room(self, n: int) -> bool:
+        return True
+
+    def give_fetch_room(self, n: int) -> None:
+        pass
+
+    def submit_fetch(self, token: uuid.UUID, keys: list[bytes], views: list[memoryview],
+                     room_taken: bool = False) -> bool:
         self.reads.append((token, list(keys), list(views)))
         return True
 

@@ -38,6 +38,19 @@ _MIN_MAP_BYTES = 1 << 16    # a smaller LMDB map cannot hold a fresh environment
 MAX_KEY_BYTES = 65535       # the disk entry header stores a key's length in 16 bits
 
 
+def check_namespace(namespace: Any) -> None:
+    """A namespace every tier can hold (each entry header carries it): a non-empty str, valid UTF-8, at most
+    ``_MAX_NAMESPACE`` bytes; ConfigError naming the value otherwise (the config's check, and the remote store's)."""
+    if not isinstance(namespace, str) or not namespace:
+        raise ConfigError(f"namespace must be a non-empty str, got {namespace!r:.80}")
+    try:
+        ns_bytes = len(namespace.encode())
+    except UnicodeEncodeError:   # from the environment, undecodable bytes arrive as lone surrogates
+        raise ConfigError(f"namespace must be valid UTF-8, got {namespace!r:.80}") from None
+    if ns_bytes > _MAX_NAMESPACE:
+        raise ConfigError(f"namespace must be at most {_MAX_NAMESPACE} bytes, got {ns_bytes}")
+
+
 def _check_int(name: str, value: Any, lo: int, hi: Optional[int] = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
@@ -199,14 +212,7 @@ class TieredKVConfig:
     disk_admission: str = "all"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.namespace, str) or not self.namespace:
-            raise ConfigError(f"namespace must be a non-empty str, got {self.namespace!r}")
-        try:
-            ns_bytes = len(self.namespace.encode())
-        except UnicodeEncodeError:   # from the environment, undecodable bytes arrive as lone surrogates
-            raise ConfigError(f"namespace must be valid UTF-8, got {self.namespace!r}") from None
-        if ns_bytes > _MAX_NAMESPACE:
-            raise ConfigError(f"namespace must be at most {_MAX_NAMESPACE} bytes, got {ns_bytes}")
+        check_namespace(self.namespace)
         _check_int("host_capacity_bytes", self.host_capacity_bytes, 1, _MAX_DISK_BYTES)
         if self.disk_path is not None and not isinstance(self.disk_path, (str, os.PathLike)):
             raise ConfigError(f"disk_path must be a path or None, got {self.disk_path!r}")

@@ -63,7 +63,7 @@ class RemoteTier:
         self.guards: dict[bytes, float] = {}
         # keys fetched into the host tier and not yet found there by a lookup: that lookup counts them as
         # remote hits (bounded: the oldest are forgotten, then counted as host hits)
-        self.landed: dict[bytes, None] = {}
+        self.landed: dict[bytes, Entry] = {}   # key -> the host entry its fetch published (bounded)
         # key -> the token of the probe or fetch asking the server for it (or of this step's probe)
         self.asking: dict[bytes, uuid.UUID] = {}
         # the probe being gathered this step (submitted by TierCore.end_step)
@@ -203,10 +203,11 @@ class RemoteTier:
 
     def probe_answered(self, token: uuid.UUID, keys: Sequence[bytes], r: Report, hindex: TierIndex,
                        dindex: Optional[TierIndex], take_token: Callable[[], uuid.UUID],
-                       view: Callable[[int], Any]) -> Optional[tuple[uuid.UUID, list[bytes], list[Entry]]]:
+                       view: Callable[[int], Any]) -> Union[None, Refused, tuple[uuid.UUID, list[bytes], list[Entry]]]:
         """A probe's answer: the keys the server holds, still wanted and still in no local tier, get a
-        host slot each (WRITING) and are fetched as one job: (token, keys, entries) when queued.
-        The keys it does not hold are remembered as missed."""
+        host slot each (WRITING) and are fetched as one job: (token, keys, entries) when queued; a
+        :class:`Refused` when the reader has no room for them (asked before any slot is reserved: a
+        reservation may evict).  The keys it does not hold are remembered as missed."""
         asking, failed, now = self.asking, r.failed, time.monotonic()
         found: list[bytes] = []
         for i, k in enumerate(keys):
@@ -223,6 +224,12 @@ class RemoteTier:
                     self.note_miss(k, now)
         if not found:
             return None
+        store = self.store
+        if not store.take_fetch_room(len(found)):
+            # refused before any host slot is reserved: a reservation may evict READY blocks, for nothing here
+            for k in found:
+                del asking[k]
+            return Refused("backpressure" if store.available else "remote_down", len(found))
         fetch = take_token()
         got: list[bytes] = []
         entries: list[Entry] = []
@@ -235,33 +242,35 @@ class RemoteTier:
             got.append(k)
             entries.append(e)
             asking[k] = fetch
+        if len(got) < len(found):
+            store.give_fetch_room(len(found) - len(got))
         if not got:
             return None
-        if not self.store.submit_fetch(fetch, got, [view(e.slot) for e in entries]):
-            for k, e in zip(got, entries):
+        if not store.submit_fetch(fetch, got, [view(e.slot) for e in entries], room_taken=True):
+            for k, e in zip(got, entries):   # the store closes meanwhile
                 del asking[k]
                 hindex.writer_done(e)
                 hindex.abort(e)
             return None
         return fetch, got, entries
 
-    def landed_key(self, key: bytes) -> None:
-        """``key``'s fetch published it in the host tier."""
+    def landed_key(self, key: bytes, entry: Entry) -> None:
+        """``key``'s fetch published it in the host tier, as ``entry``."""
         landed = self.landed
-        landed[key] = None
+        landed[key] = entry
         if len(landed) > MISSED_MAX:
             for k in list(landed)[:MISSED_MAX // 4]:
                 del landed[k]
 
     def hits_among(self, keys: Sequence[bytes], hindex: Any) -> int:
         """How many of ``keys`` (a lookup's hits) are fetched blocks found in the host tier for the first
-        time; they are no longer counted so afterwards."""
+        time; they are no longer counted so afterwards.  Only the entry the fetch published counts: the
+        engine's own block of the key, stored after that one left the host tier, is a host hit."""
         landed, n = self.landed, 0
         for k in keys:
-            if k in landed:
-                del landed[k]
-                if k in hindex:
-                    n += 1
+            e = landed.pop(k, None)
+            if e is not None and hindex.get(k) is e:
+                n += 1
         return n
 
     def fetched(self, key: bytes, token: uuid.UUID) -> None:

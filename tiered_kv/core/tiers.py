@@ -830,7 +830,9 @@ class TierCore:
             if live:
                 got = remote.probe_answered(job.token, job.keys, r, self.index, self.dindex, self.take_token,
                                             self.slot_views.__getitem__)
-                if got is not None:
+                if type(got) is Refused:   # no room in the reader: nothing reserved, counted per key as fetches are
+                    self.shed(_FETCH, got.why, got.keys)
+                elif got is not None:
                     token, keys, hosts = got
                     fetch = Job(token, _FETCH, keys[0], -1, keys=keys)
                     fetch._entries = hosts
@@ -850,7 +852,7 @@ class TierCore:
                 self.stale(_FETCH, job.cancel_reason or _R_SUPERSEDED, job.token)
             elif r.ok or (failed is not None and i not in failed):
                 index.publish(e)
-                remote.landed_key(e.key)
+                remote.landed_key(e.key, e)
                 found += 1
             else:
                 index.writer_done(e)

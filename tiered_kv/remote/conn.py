@@ -18,6 +18,8 @@ would cost one read timeout apiece, stalling the thread for ``batch_blocks`` tim
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 from typing import Any, Callable, Optional, Union
 
 from ..errors import ConfigError
@@ -106,9 +108,15 @@ class Conn:
         self._redis = import_redis()
         self.shas = {name: sha1hex(src.encode()) for name, src in SCRIPTS.items()}
         self.cluster = target.cluster
+        # ``closed``: set by close() (the owning thread, as it exits) or shut() (another thread, while the owner may
+        # be mid trip); no connection is made after it.  ``guard``: shut() sets it under this lock, a link checks it
+        # under this lock once connected, and the reader holds it while it touches a host slot after a trip.
+        self.guard = threading.Lock()
+        self.closed = False
 
     # ------------------------------------------------------------------ client
     def client(self) -> Any:
+        self.check_open()
         if self._client is None:
             self._client = self._factory() if self._factory is not None else self._build()
             self.cluster = isinstance(self._client, self._redis.RedisCluster)
@@ -149,7 +157,26 @@ class Conn:
             except Exception:  # noqa: BLE001 - closing a broken client
                 log.debug("%s: closing the client failed", self.name, exc_info=True)
 
-    close = reset
+    def close(self) -> None:
+        """The owning thread's last call: drop the client and links, and make no connection again."""
+        with self.guard:
+            self.closed = True
+        self.reset()
+
+    def shut(self) -> None:
+        """From another thread, while the owning one may be inside a round trip (store close: its grace ran
+        out): no connection is made from now on, and the links' sockets are shut down -- not closed, so that
+        redis-py does not reconnect them -- which makes a blocking send or read on them fail at once.  The
+        owning thread drops them (and closes the conn as it exits)."""
+        with self.guard:
+            self.closed = True
+            for link in list(self._links.values()):
+                link.shut()
+
+    def check_open(self) -> None:
+        if self.closed:
+            from redis.exceptions import ConnectionError
+            raise ConnectionError(f"{self.name}: the connection to the remote store was closed")
 
     # ------------------------------------------------------------------ commands
     def script(self, name: str, keys: list[Any], args: list[Any]) -> tuple[Any, ...]:
@@ -195,7 +222,7 @@ class Conn:
     def _link(self, pool: Any, name: str) -> "_Link":
         link = self._links.get(name)
         if link is None:
-            link = self._links[name] = _Link(pool)
+            link = self._links[name] = _Link(pool, self)
         return link
 
     def _plain_trip(self, cmds: list[Cmd]) -> list[Any]:
@@ -213,7 +240,7 @@ class Conn:
         nodes = self._node_trips(rc, cmds, range(len(cmds)), results)
         from redis.exceptions import ConnectionError, TimeoutError
         lost = [i for i, r in enumerate(results) if isinstance(r, (ConnectionError, TimeoutError))]
-        if lost:   # a node died or failed over: learn the new slot table, then send its commands where it says
+        if lost and not self.closed:   # a node died or failed over: learn the new slot table, resend there
             try:
                 rc.nodes_manager.initialize()
             except Exception:  # noqa: BLE001 - they keep their failure; the next trip fails and counts
@@ -225,6 +252,7 @@ class Conn:
         for i, r in enumerate(results):
             if isinstance(r, redirect):     # MOVED / ASK / TRYAGAIN: follow it, in submission order
                 try:
+                    self.check_open()          # shut: the store is closing, every command left fails at once
                     results[i] = rc.execute_command(*plain(cmds[i]))
                 except Exception as e:  # noqa: BLE001 - the command's own failure
                     results[i] = e
@@ -278,7 +306,8 @@ class _Link:
     TLS, credentials, db, timeouts; ``connect`` is redis-py's), never returned to the pool.  A failed
     send or read drops it (the stream is mid-reply); the next trip connects again."""
 
-    def __init__(self, pool: Any) -> None:
+    def __init__(self, pool: Any, owner: Conn) -> None:
+        self.owner = owner
         kw = dict(pool.connection_kwargs)
         kw["protocol"] = 2   # what .resp speaks (redis-py may default to RESP3: HELLO 3)
         self.conn = pool.connection_class(**kw)
@@ -290,6 +319,10 @@ class _Link:
         try:
             if self._stale():
                 self.close()   # the server closed it while idle (its timeout, a proxy, a restart): reconnect
+            if getattr(self.conn, "_sock", None) is None:
+                self.conn.connect()
+                with self.owner.guard:   # Conn.shut() ran while connecting: it did not see this socket
+                    self.owner.check_open()
             self.conn.send_packed_command(pack(cmds), check_health=False)
         except Exception as e:  # noqa: BLE001 - every command of this trip fails with it
             self._drop(e)
@@ -334,6 +367,15 @@ class _Link:
     def _drop(self, e: BaseException) -> None:
         self.failed = e
         self.close()
+
+    def shut(self) -> None:
+        """From another thread (Conn.shut): a blocking call on the socket returns; the owning thread drops it."""
+        sock = getattr(self.conn, "_sock", None)
+        if sock is not None:
+            try:
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)   # the plain socket's (TLS: no SSL state touched)
+            except OSError:
+                pass   # closed meanwhile by its thread, or never connected
 
     def close(self) -> None:
         self.replies = None

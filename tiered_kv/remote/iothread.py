@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+if TYPE_CHECKING:
+    from .conn import Conn
 
 __all__ = ["IOThread"]
 
@@ -22,6 +25,7 @@ class IOThread:
 
     role = "io"
     point = "io"   # what the test hook is called with ("write" / "read")
+    conn: Conn     # the thread's own connection (its subclass sets it)
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -85,7 +89,10 @@ class IOThread:
             self._main()
         except BaseException as e:  # noqa: BLE001 - answered, counted, restarted by _died
             log.exception("%s: the remote %s thread died", self.name, self.role)
-            self._died(e)
+            self._died(e)   # resets the conn; a restarted thread goes on with it
+            return
+        # done (the store closes): the thread closes its own connection, whether or not close() still waits for it
+        self.conn.close()
 
     def _main(self) -> None:   # pragma: no cover - every subclass has its loop
         raise NotImplementedError

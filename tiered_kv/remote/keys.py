@@ -30,21 +30,29 @@ from ..disk.format import HEADER_STRUCT, Buffer
 
 __all__ = ["KeyNames", "TOKEN_OFFSET", "STAGE_TTL_S", "NOT_STAGED", "KEY_TOMB_CHECK", "TOKEN_TOMB_CHECK",
            "PUBLISH", "CANCEL", "INVALIDATE", "DROP_IF_SAME", "SCRIPTS",
-           "PUBLISHED", "REFUSED_TOMB", "REFUSED_TOKEN", "sha1hex"]
+           "PUBLISHED", "REFUSED_TOMB", "REFUSED_TOKEN", "REFUSED_LATE", "LATE_CHECK", "sha1hex"]
 
 # offset of the writer token in an entry: magic 4s, version H, flags H, ns_len H, key_len H, length Q, seq Q
 TOKEN_OFFSET = HEADER_STRUCT.size - 16
 assert TOKEN_OFFSET == 28
 
-PUBLISHED, REFUSED_TOMB, REFUSED_TOKEN, NOT_STAGED = 0, 1, 2, 3   # PUBLISH's answers
+PUBLISHED, REFUSED_TOMB, REFUSED_TOKEN, NOT_STAGED, REFUSED_LATE = 0, 1, 2, 3, 4   # PUBLISH's answers
 STAGE_TTL_S = 60          # a staged value outlives its script by this long at most
 
-# KEYS: staged value, value, key tomb, token tomb; ARGV: ttl seconds (0: none).  NOT_STAGED: the SET before
-# it failed (its own error says why) or the staged value was evicted (maxmemory with an allkeys policy).
-# the two refusals, named so that tests can take one out of the script and see a model catch it
+# KEYS: staged value, value, key tomb, token tomb; ARGV: ttl seconds (0: none), the put's deadline (unix ms,
+# the writer's clock; 0: none).  NOT_STAGED: the SET before it failed (its own error says why) or the staged
+# value was evicted (maxmemory with an allkeys policy).  REFUSED_LATE: the script runs past the deadline --
+# bytes the network delivered long after the writer gave the put up (a client timeout bounds only the
+# client's wait): a tombstone of an invalidation made since may have expired already, so it must not
+# publish.  The writer sets the deadline half a tombstone's lifetime after the send (clocks may differ by
+# as much).
+# the refusals, named so that tests can take one out of the script and see a model catch it
+LATE_CHECK = ("if tonumber(ARGV[2]) > 0 then local t = redis.call('TIME'); "
+              "if tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) > tonumber(ARGV[2]) then "
+              "redis.call('DEL', KEYS[1]); return 4 end end")
 KEY_TOMB_CHECK = "if redis.call('EXISTS', KEYS[3]) == 1 then redis.call('DEL', KEYS[1]); return 1 end"
 TOKEN_TOMB_CHECK = "if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('DEL', KEYS[1]); return 2 end"
-PUBLISH = KEY_TOMB_CHECK + "\n" + TOKEN_TOMB_CHECK + """
+PUBLISH = LATE_CHECK + "\n" + KEY_TOMB_CHECK + "\n" + TOKEN_TOMB_CHECK + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 3 end
 redis.call('RENAME', KEYS[1], KEYS[2])
 local ttl = tonumber(ARGV[1])

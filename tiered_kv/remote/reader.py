@@ -20,7 +20,7 @@ import uuid
 from typing import Callable, Optional
 
 from ..disk.format import HEADER_SIZE, CorruptEntry, verify_entry, verify_split
-from ..reports import CompletionQueue
+from ..reports import CompletionQueue, Report
 from .breaker import Breaker
 from .iothread import IOThread
 from .conn import Conn, error_kind, unreachable as server_unreachable
@@ -55,17 +55,40 @@ class Reader(IOThread):
         self._jobs: collections.deque[FetchJob] = collections.deque()
         self._inflight: list[tuple[FetchJob, int]] = []
         self._answered = 0        # parts of _inflight answered so far (a thread dying mid-batch answers the rest)
+        self._ready: list[Report] = []   # reports of jobs that batch completed, queued once its room is free
         self.parts_pending = 0
         self._thread = self._start()
 
     # ------------------------------------------------------------ any thread, never blocks on I/O
-    def submit(self, token: uuid.UUID, keys: list[bytes], views: list[memoryview], probe: bool = False) -> bool:
-        n = len(keys)
+    def take_room(self, n: int) -> bool:
+        """Hold room for a job of ``n`` parts (its :meth:`submit` with ``room_taken``); False when it does not
+        fit now (breaker open, store closing, queue full)."""
         with self._cond:
             if not self.accepting or not self.breaker.closed or self.parts_pending + n > self.limit:
                 return False
-            self._jobs.append(FetchJob(token, keys, views, probe))
             self.parts_pending += n
+        return True
+
+    def give_room(self, n: int) -> None:
+        """Give back room :meth:`take_room` held and no job will use."""
+        with self._cond:
+            self.parts_pending -= n
+
+    def submit(self, token: uuid.UUID, keys: list[bytes], views: list[memoryview], probe: bool = False,
+               room_taken: bool = False) -> bool:
+        """Queue a job; False, nothing queued, when it does not fit.  ``room_taken``: :meth:`take_room` held its
+        room, so it is refused only when the store is closing (the room is given back then)."""
+        n = len(keys)
+        with self._cond:
+            if room_taken:
+                if not self.accepting:
+                    self.parts_pending -= n
+                    return False
+            elif not self.accepting or not self.breaker.closed or self.parts_pending + n > self.limit:
+                return False
+            else:
+                self.parts_pending += n
+            self._jobs.append(FetchJob(token, keys, views, probe))
             if self.parts_pending >= self.opts.batch_blocks:
                 self._notify()
         return True
@@ -168,26 +191,39 @@ class Reader(IOThread):
                 self._on_error(reason, msg)
             else:
                 key, view = job.keys[i], job.views[i]
-                try:
-                    if isinstance(value, Landed):    # the payload is in the slot already
-                        verify_split(value.head, view, ns, key, length)
+                corrupt: Optional[tuple[CorruptEntry, str]] = None   # and the sha1 of the bytes read
+                # close() shuts the conn under this lock once its grace ran out, and the owner may free the slot the
+                # moment close() returns: the slot is read or written only under it, and never once it is shut
+                with self.conn.guard:
+                    if self.conn.closed:
+                        reason = REMOTE_DOWN
                     else:
-                        view[:] = memoryview(value)[verify_entry(value, ns, key, length=length).payload_offset:]
-                except CorruptEntry as e:
-                    reason = FETCH_CORRUPT
-                    log.warning("%s: corrupt value for a key (%s): a miss, deleted if unchanged", self.name, e)
-                    self._on_corrupt(e.reason)
-                    self._drop(key, sha1hex(value.head, view) if isinstance(value, Landed) else sha1hex(value))
-                else:
-                    reason, nbytes = None, length
+                        try:
+                            if isinstance(value, Landed):    # the payload is in the slot already
+                                verify_split(value.head, view, ns, key, length)
+                            else:
+                                view[:] = memoryview(value)[verify_entry(value, ns, key,
+                                                                         length=length).payload_offset:]
+                        except CorruptEntry as e:
+                            reason = FETCH_CORRUPT
+                            corrupt = e, sha1hex(value.head, view) if isinstance(value, Landed) else sha1hex(value)
+                        else:
+                            reason, nbytes = None, length
+                if corrupt is not None:
+                    log.warning("%s: corrupt value for a key (%s): a miss, deleted if unchanged", self.name, corrupt[0])
+                    self._on_corrupt(corrupt[0].reason)
+                    self._drop(key, corrupt[1])
             r = job.answer(i, reason, nbytes)
             self._answered += 1
             if r is not None:
                 job.views = []   # the owner's slots: not written after the answer
-                self._out.put(r)
+                self._ready.append(r)
         with self._cond:
             self.parts_pending -= len(batch)
             self._inflight = []
+            reports, self._ready = self._ready, []
+        for r in reports:   # after the room is free: an owner applying a report at once may submit again
+            self._out.put(r)
         if unreachable and unreachable == len(batch):
             self.breaker.failure(first_error)
         else:
@@ -203,6 +239,7 @@ class Reader(IOThread):
                 if job.answer(i, REMOTE_DOWN) is not None:
                     done.append(job)
             self.parts_pending -= len(inflight)
+            done_before, self._ready = self._ready, []   # completed by the batch before it died, not queued yet
             restart = self.restarts < MAX_RESTARTS and not self._closing
             if restart:
                 self.restarts += 1
@@ -212,6 +249,8 @@ class Reader(IOThread):
                 done += self._take_all(REMOTE_DOWN)
             self._busy = False
             self._cond.notify_all()
+        for r in done_before:
+            self._out.put(r)
         for job in done:
             self._out.put(job.report())
         if restart:

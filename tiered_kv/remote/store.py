@@ -18,10 +18,12 @@ import time
 import uuid
 from typing import Any, Callable, Optional
 
+from ..config import check_namespace
 from ..errors import ConfigError
 from ..reports import CompletionQueue
 from .breaker import Breaker
 from .conn import Conn, error_kind, import_redis
+from .iothread import IOThread
 from .keys import KeyNames
 from .reader import Reader
 from .records import REMOTE_ERROR_KINDS, RemoteOptions, tomb_ttl_problem
@@ -31,6 +33,12 @@ from .writer import Writer
 __all__ = ["RemoteStore", "USE_EVALSHA"]
 
 log = logging.getLogger(__name__)
+
+# How long close() waits for an I/O thread once it shut the thread's sockets.  Past a shut, the thread fails its
+# trip at once and makes no connection, but it may be inside a redis-py call on a connection of its client's own
+# pool (a cluster's slot table reload, a redirection, a ping), bounded by timeout_s per connect and per read; it
+# touches no host slot once shut, so this bounds only how long close() waits for it to let go and exit.
+SHUT_JOIN_S = 30.0
 
 # EVALSHA (scripts cached on the server, reloaded on NOSCRIPT) or EVAL (the script's text every time):
 # measured with benchmarks/remote_raw.py, see its docstring.
@@ -108,7 +116,17 @@ class RemoteStore:
             raise ValueError(f"submit_puts: {len(tokens)} tokens, {n} keys, {len(views)} views")
         return self._w.submit(tokens, keys, [self._bytes_view(v) for v in views])
 
-    def submit_fetch(self, token: uuid.UUID, keys: list[bytes], views: list[memoryview]) -> bool:
+    def take_fetch_room(self, n: int) -> bool:
+        """Hold room for a fetch of ``n`` parts, before the owner reserves (and may evict for) its host slots;
+        False when it would be refused now.  The fetch then goes in with ``submit_fetch(..., room_taken=True)``."""
+        return self._r.take_room(n)
+
+    def give_fetch_room(self, n: int) -> None:
+        """Give back room :meth:`take_fetch_room` held for parts that will not be fetched."""
+        self._r.give_room(n)
+
+    def submit_fetch(self, token: uuid.UUID, keys: list[bytes], views: list[memoryview],
+                     room_taken: bool = False) -> bool:
         """Queue one fetch job (``keys[i]`` into ``views[i]``).  A part answered ok holds verified bytes; a part
         that failed may have been written with unverified ones (a value read into its view before it failed
         verification, or cut off by a timeout or a lost connection), so the owner must not publish a failed
@@ -117,7 +135,7 @@ class RemoteStore:
         n = len(keys)
         if not n or len(views) != n:
             raise ValueError(f"submit_fetch: {n} keys, {len(views)} views")
-        return self._r.submit(token, keys, [self._bytes_view(v, writable=True) for v in views])
+        return self._r.submit(token, keys, [self._bytes_view(v, writable=True) for v in views], room_taken=room_taken)
 
     def submit_probe(self, token: uuid.UUID, keys: list[bytes]) -> bool:
         """Queue one probe job: does the server hold a value of each of ``keys``?  Answered like a fetch
@@ -158,14 +176,20 @@ class RemoteStore:
         self._writer.begin_close(deadline)
         self._reader.begin_close(deadline)
         grace = deadline + self.opts.timeout_s * 2   # a round trip under way when the deadline passes
-        ok_w = self._writer.join(grace - time.monotonic())
-        ok_r = self._reader.join(grace - time.monotonic())
-        if ok_w:
-            self._writer.conn.close()
-        if ok_r:
-            self._reader.conn.close()
-        if not (ok_w and ok_r):
-            log.warning("%s: an I/O thread did not stop within %.1f s", self.url, grace - deadline + timeout)
+        threads: list[IOThread] = [self._writer, self._reader]
+        stuck = [t for t in threads if not t.join(grace - time.monotonic())]
+        # A round trip is not bounded by timeout_s (that bounds each send and recv of a chunk; a cluster trip adds a
+        # slot table reload and redirections), and a stuck one would touch host slots after close() returned --
+        # the owner frees them then.  Shut its sockets: its trip fails at once, it makes no new connection, and
+        # it touches no slot once shut (Conn.guard).  Each thread closes its own connection as it exits.
+        for t in stuck:
+            log.warning("%s: the remote %s thread did not stop within %.1f s: shutting its connection", self.url,
+                        t.role, grace - deadline + timeout)
+            t.conn.shut()
+        for t in stuck:
+            if not t.join(SHUT_JOIN_S):
+                log.error("%s: the remote %s thread did not stop %.0f s after its connection was shut", self.url,
+                          t.role, SHUT_JOIN_S)
         log.info("%s: remote store closed", self.url)
 
     @property
@@ -239,8 +263,10 @@ class RemoteStore:
 def _check(opts: RemoteOptions) -> None:
     def bad(what: str) -> ConfigError:
         return ConfigError(f"remote tier ({redact_url(opts.url)}): {what}")
-    if not isinstance(opts.namespace, str) or not opts.namespace:
-        raise bad("namespace must be a non-empty string")
+    try:   # the namespaces TieredKVConfig accepts: short enough for every entry header (the writer's pack_header)
+        check_namespace(opts.namespace)
+    except ConfigError as e:
+        raise bad(str(e)) from None
     for name in ("block_bytes", "queue_blocks", "batch_blocks", "tomb_ttl_seconds", "breaker_failures"):
         v = getattr(opts, name)
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:

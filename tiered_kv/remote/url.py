@@ -2,7 +2,8 @@
 
 Forms: ``redis://[user:pass@]host:port[/db]``, ``rediss://`` (TLS), ``unix:///path?db=N``, and the
 cluster forms ``redis+cluster://[user:pass@]h1:p1,h2:p2`` / ``rediss+cluster://...`` (the seeds).
-Credentials come from the url, else from ``TIERED_KV_REMOTE_USERNAME`` / ``TIERED_KV_REMOTE_PASSWORD``.
+Credentials come from the url, else from ``TIERED_KV_REMOTE_USERNAME`` / ``TIERED_KV_REMOTE_PASSWORD``; the
+environment's user name only when the url has no user info at all (``redis://:pass@host`` is the default user).
 A password is never logged: every message that names the url goes through :func:`redact_url`.
 TLS query parameters: ``ssl_ca_certs=PATH``, ``ssl_cert_reqs=none|optional|required``,
 ``ssl_certfile=PATH``, ``ssl_keyfile=PATH``.
@@ -138,7 +139,11 @@ def parse_url(url: str) -> RemoteTarget:
     path, _, query = tail.partition("?")
     if "#" in query:
         query = query.partition("#")[0]
-    params = {k: v[-1] for k, v in parse_qs(query, keep_blank_values=True).items()}
+    parsed = parse_qs(query, keep_blank_values=True)
+    repeated = sorted(k for k, v in parsed.items() if len(v) > 1)
+    if repeated:   # which one was meant is a guess (parse_qs keeps them all): refuse it, naming no value
+        raise ConfigError(f"remote url {redact_url(url)!r}: parameter(s) given more than once: {', '.join(repeated)}")
+    params = {k: v[0] for k, v in parsed.items()}
     username: Optional[str] = None
     password: Optional[str] = None
     userinfo, at, hostpart = netloc.rpartition("@")
@@ -147,7 +152,8 @@ def parse_url(url: str) -> RemoteTarget:
         username = unquote(user) or None   # redis://:pass@host: no user name (the default user)
         if sep:
             password = unquote(pw)
-    username = username or os.environ.get(ENV_USERNAME) or None
+    if not at:   # no user info at all: the environment's user; 'redis://:pass@host' is the url's default user
+        username = os.environ.get(ENV_USERNAME) or None
     if password is None:
         password = os.environ.get(ENV_PASSWORD) or None
     unknown = set(params) - set(_PARAMS)
@@ -164,12 +170,9 @@ def parse_url(url: str) -> RemoteTarget:
         if db_text is not None:
             raise ConfigError(f"remote url {redact_url(url)!r}: the database is given twice")
         db_text = path.strip("/")
-    try:
-        db = int(db_text) if db_text not in (None, "") else 0
-    except ValueError:
-        raise ConfigError(f"remote url {redact_url(url)!r}: database {db_text!r} is not a number") from None
-    if db < 0:
-        raise ConfigError(f"remote url {redact_url(url)!r}: database {db} is negative")
+    if db_text and not (db_text.isascii() and db_text.isdigit()):   # int() would take " 1", "+1", "1_0", "-1"
+        raise ConfigError(f"remote url {redact_url(url)!r}: database {db_text!r} is not a number")
+    db = int(db_text) if db_text else 0
     common = dict(username=username, password=password, tls_options=tls_options, redacted=redact_url(url))
     if scheme == "unix":
         if not path.startswith("/"):

@@ -25,11 +25,11 @@ import uuid
 from typing import Any, Callable, Optional
 
 from ..disk.format import pack_header
-from ..reports import CompletionQueue
+from ..reports import CompletionQueue, Report
 from .breaker import Breaker
 from .iothread import IOThread
 from .conn import BREAKER_KINDS, Conn, error_kind, unreachable as server_unreachable
-from .keys import NOT_STAGED, PUBLISHED, REFUSED_TOKEN, REFUSED_TOMB, STAGE_TTL_S, KeyNames
+from .keys import NOT_STAGED, PUBLISHED, REFUSED_LATE, REFUSED_TOKEN, REFUSED_TOMB, STAGE_TTL_S, KeyNames
 from .ops import CANCEL, CANCELLED, DONE, DROP, INVALIDATE, QUEUED, TAKEN, PutGroup, PutPart, TombOp
 from .resp import Parts
 from .records import PUT_CANCELLED, PUT_EXPIRED, PUT_REFUSED_TOKEN, PUT_REFUSED_TOMB, REMOTE_DOWN, RemoteOptions
@@ -288,19 +288,25 @@ class Writer(IOThread):
     def _answer(self, answers: list[tuple[PutPart, str]]) -> None:
         if not answers:
             return
-        for p, reason in answers:
-            self._answer_put(p, False, reason)
+        reports = [self._answer_put(p, False, reason) for p, reason in answers]
         with self._cond:
             self.puts_pending -= len(answers)
+        self._report(reports)
 
-    def _answer_put(self, p: PutPart, ok: bool, reason: Optional[str], nbytes: int = 0) -> None:
+    def _answer_put(self, p: PutPart, ok: bool, reason: Optional[str], nbytes: int = 0) -> Optional[Report]:
+        """The part's answer; its job's report once every part of it is answered (put by :meth:`_report`,
+        after the room the parts held is released: an owner that applies the report at once sees that room)."""
         if p.state == DONE:
-            return
+            return None
         p.state = DONE
         p.view = memoryview(b"")   # the owner's slot: not read after the answer
-        r = p.group.answer(p.part, ok, reason, nbytes)
-        if r is not None:
-            self._out.put(r)
+        return p.group.answer(p.part, ok, reason, nbytes)
+
+    def _report(self, reports: list[Optional[Report]]) -> None:
+        put = self._out.put
+        for r in reports:
+            if r is not None:
+                put(r)
 
     def _commands(self, op: Any, out: list[tuple[Any, ...]]) -> None:
         """Append ``op``'s commands: a put's staging SET and publish script, a tombstone op's script."""
@@ -313,7 +319,10 @@ class Writer(IOThread):
             tag, hexed = names.tag(key), token.hex     # one digest of the key for its four names
             staged = f"{tag}:s:{hexed}"
             out.append(("SET", staged, entry, "EX", STAGE_TTL_S))
-            out.append(self.conn.script("publish", [staged, tag + ":v", tag + ":t", f"{tag}:x:{hexed}"], [self._ttl]))
+            # a deadline half a tombstone's lifetime away: a delivery later than that is refused by the script
+            deadline_ms = int((time.time() + self._tomb_ttl / 2) * 1000)
+            out.append(self.conn.script("publish", [staged, tag + ":v", tag + ":t", f"{tag}:x:{hexed}"],
+                                        [self._ttl, deadline_ms]))
             return
         out.append(self._tomb_command(op))
 
@@ -347,6 +356,7 @@ class Writer(IOThread):
                 results.append(replies[at])
                 at += 1
         retry: list[TombOp] = []
+        reports: list[Optional[Report]] = []   # put after the room their parts held is released
         left: list[TombOp] = []   # tombstone ops the server ran: an INVALIDATE's key may be asked for again
         dropped: list[tuple[TombOp, str]] = []
         answered = unreachable = 0
@@ -359,7 +369,7 @@ class Writer(IOThread):
                 unreachable += server_unreachable(r)
                 self._on_error(kind, msg)
                 if isinstance(op, PutPart):
-                    self._answer_put(op, False, kind)
+                    reports.append(self._answer_put(op, False, kind))
                     answered += 1
                 else:
                     op.attempts += kind not in BREAKER_KINDS
@@ -372,17 +382,20 @@ class Writer(IOThread):
             elif isinstance(op, PutPart):
                 answered += 1
                 if r == PUBLISHED:
-                    self._answer_put(op, True, None, len(op.view))
+                    reports.append(self._answer_put(op, True, None, len(op.view)))
                 elif r in (REFUSED_TOMB, REFUSED_TOKEN):
                     reason = PUT_REFUSED_TOMB if r == REFUSED_TOMB else PUT_REFUSED_TOKEN
                     self._on_refused(reason)
-                    self._answer_put(op, False, reason)
+                    reports.append(self._answer_put(op, False, reason))
                 elif r == NOT_STAGED:   # the SET succeeded, the value was gone: evicted (maxmemory) before the script
                     self._on_error("oom", "the staged value was evicted before it was published")
-                    self._answer_put(op, False, "oom")
+                    reports.append(self._answer_put(op, False, "oom"))
+                elif r == REFUSED_LATE:   # the script ran past the put's deadline (see keys.LATE_CHECK)
+                    self._on_error("timeout", "a put reached the server after its deadline: not published")
+                    reports.append(self._answer_put(op, False, "timeout"))
                 else:   # pragma: no cover - a script that answers something else
                     self._on_error("script", f"publish answered {r!r}")
-                    self._answer_put(op, False, "script")
+                    reports.append(self._answer_put(op, False, "script"))
         with self._cond:
             self.puts_pending -= answered
             for op in left:
@@ -398,6 +411,7 @@ class Writer(IOThread):
                 self._delayed += retry
                 self.tombs_queued += len(retry)
             self._inflight = []
+        self._report(reports)
         if unreachable and unreachable == len(batch):
             self.breaker.failure(first_error)
         else:
