@@ -55,31 +55,7 @@ pytestmark = pytest.mark.timeout(120)
 
 REPO = Path(__file__).resolve().parents[1]
 
-
-def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    """``main(argv)`` in-process: (exit status, stdout, stderr); an exception that escapes fails the test."""
-    try:
-        rc = main(list(argv))
-    except SystemExit as exc:   # argparse
-        rc = int(exc.code or 0)
-    except BaseException as exc:   # noqa: BLE001 -- a traceback is the finding
-        pytest.fail(f"traceback, exit 1: {type(exc).__name__}: {exc}"[:400])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
-
-
-@pytest.fixture
-def runs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The offload mode of every ``run_workload`` the CLI starts, in order (the runs still happen)."""
-    seen: list[str] = []
-    real = demo.run_workload
-
-    def recording(cfg: Any, *a: Any, **kw: Any) -> dict[str, Any]:
-        seen.append(cfg.offload)
-        return real(cfg, *a, **kw)
-
-    monkeypatch.setattr(demo, "run_workload", recording)
-    return seen
+from test_review_demo import _cli, runs  # noqa: E402,F401  (the same in-process CLI runner and run recorder)
 
 
 def _hand_trace(path: Path, requests: list[tuple[int, list[int]]]) -> Path:
