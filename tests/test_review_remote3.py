@@ -35,6 +35,7 @@ from typing import Any, Optional
 
 import pytest
 
+from test_remote_resp_faults import Proxy
 from test_remote_store import WAIT_S, blocks, poll, rig  # noqa: F401  (rig: the fixture)
 from test_remote_tier import DEADLINE_S, NS, ROW, managers, remote_config, store_all, until  # noqa: F401
 from tiered_kv.errors import ConfigError
@@ -55,28 +56,16 @@ def settled(mgr: Any) -> bool:
 
 
 # --------------------------------------------------------------------------- a relay that holds a write
-class HoldingRelay:
+class HoldingRelay(Proxy):
     """``127.0.0.1:port`` relaying to a server.  :meth:`arm`: the next client->server chunk holding ``trigger``,
     and everything after it on that connection, is held (not forwarded) -- the network delaying a write -- until
     :meth:`deliver` forwards it, lets the server answer and waits until the server closed that connection."""
 
     def __init__(self, upstream_port: int) -> None:
-        self.upstream = upstream_port
-        self.lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.lsock.bind(("127.0.0.1", 0))
-        self.lsock.listen(16)
-        self.port = self.lsock.getsockname()[1]
-        self._lock = threading.Lock()
         self._trigger: Optional[bytes] = None
         self.caught = threading.Event()
         self._held: Optional[dict[str, Any]] = None
-        self._socks: list[socket.socket] = []
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        super().__init__(upstream_port)   # the listening socket, url and close() of test_remote_resp_faults' Proxy
 
     def arm(self, trigger: bytes) -> None:
         with self._lock:
@@ -154,14 +143,6 @@ class HoldingRelay:
         up.shutdown(socket.SHUT_WR)
         st["down"].join(WAIT_S)
         assert not st["down"].is_alive(), "the server did not answer the held bytes"
-
-    def close(self) -> None:
-        self.lsock.close()
-        for s in self._socks:
-            try:
-                s.close()
-            except OSError:
-                pass
 
 
 @pytest.fixture
