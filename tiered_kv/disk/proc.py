@@ -283,8 +283,10 @@ class ProcessDiskStore:
                       "answered as failed", self.opts.path, self.pid, self.exit_code, len(rest))
             self._on_error("io_process_died", f"pid {self.pid} exited with status {self.exit_code}")
         self._answer_failed(rest.values())
-        self._down = True   # only now: a restart's reconciliation needs these answers applied first
-        if self._release_late:   # close() returned before the killed child was gone
+        with self._lock:   # with close()'s look at it: one of the two releases the path, never neither
+            self._down = True   # only now: a restart's reconciliation needs these answers applied first
+            late = self._release_late
+        if late:   # close() returned before the killed child was gone
             self._release()
 
     def _answer_failed(self, ops: Any) -> None:
@@ -432,11 +434,13 @@ class ProcessDiskStore:
         return int(self.status.get("slots_in_use", 0))
 
     def close(self) -> None:
-        """Let the child finish what was sent, answer it, and exit; release the path.  Idempotent."""
-        if self._closing or self._lock_fd < 0:
+        """Let the child finish what was sent, answer it, and exit; release the path.  Idempotent; a close
+        an interrupt broke off is finished by the next one."""
+        if self._lock_fd < 0 or self._release_late:   # released, or left to the receiver
             return
-        self._closing = True
-        self._cmds.append(("X",))
+        if not self._closing:
+            self._closing = True
+            self._cmds.append(("X",))
         deadline = time.monotonic() + _CLOSE_TIMEOUT_S
         try:   # the backlog goes as the child reads it, until the deadline: a child that stopped reading is killed
             self.kick()
@@ -460,10 +464,13 @@ class ProcessDiskStore:
                 # killed, and still not gone (a thread of it in uninterruptible sleep on a hung disk): the
                 # host's shutdown does not wait for it; the receiver releases the descriptors and the path
                 # once the child is finally gone
-                log.error("disk tier %s: the disk I/O process (pid %d) did not exit when killed; the path stays held "
-                          "until it does", self.opts.path, self.pid)
-                self._release_late = True
-            else:
+                with self._lock:
+                    if not self._down:   # else the receiver finished meanwhile, and released nothing
+                        self._release_late = True
+                if self._release_late:
+                    log.error("disk tier %s: the disk I/O process (pid %d) did not exit when killed; the path stays "
+                              "held until it does", self.opts.path, self.pid)
+            if not self._release_late:
                 self._release()
 
     def _release(self) -> None:

@@ -67,6 +67,8 @@ class Writer(IOThread):
         self.tombs_queued = 0     # tombstone ops in _ops and _delayed
         self.tombs_dropped = 0
         self.invalidating: dict[bytes, int] = {}   # key -> its INVALIDATE ops the server has not run yet
+        self._held_reports: list[Optional[Report]] = []   # _send's reports not yet put (see there)
+        self._held_answered = 0                            # ... and its parts answered, their room not yet released
         self._ttl = int(opts.ttl_seconds or 0)
         self._tomb_ttl = max(1, int(opts.tomb_ttl_seconds))
         self._thread = self._start()
@@ -356,10 +358,13 @@ class Writer(IOThread):
                 results.append(replies[at])
                 at += 1
         retry: list[TombOp] = []
-        reports: list[Optional[Report]] = []   # put after the room their parts held is released
+        # the batch's reports, put once the room their parts held is released; kept on self, with the count of
+        # parts answered, so that a thread that dies in between still puts them and gives the room back (_died)
+        reports = self._held_reports = []
         left: list[TombOp] = []   # tombstone ops the server ran: an INVALIDATE's key may be asked for again
         dropped: list[tuple[TombOp, str]] = []
-        answered = unreachable = 0
+        unreachable = 0
+        self._held_answered = 0
         first_error = ""
         for op, r in zip(batch, results):
             if isinstance(r, BaseException):
@@ -370,7 +375,7 @@ class Writer(IOThread):
                 self._on_error(kind, msg)
                 if isinstance(op, PutPart):
                     reports.append(self._answer_put(op, False, kind))
-                    answered += 1
+                    self._held_answered += 1
                 else:
                     op.attempts += kind not in BREAKER_KINDS
                     if op.attempts < TOMB_ATTEMPTS:
@@ -380,24 +385,27 @@ class Writer(IOThread):
             elif isinstance(op, TombOp):
                 left.append(op)
             elif isinstance(op, PutPart):
-                answered += 1
+                ok, reason, nbytes = False, None, 0
                 if r == PUBLISHED:
-                    reports.append(self._answer_put(op, True, None, len(op.view)))
+                    ok, nbytes = True, len(op.view)
                 elif r in (REFUSED_TOMB, REFUSED_TOKEN):
                     reason = PUT_REFUSED_TOMB if r == REFUSED_TOMB else PUT_REFUSED_TOKEN
                     self._on_refused(reason)
-                    reports.append(self._answer_put(op, False, reason))
                 elif r == NOT_STAGED:   # the SET succeeded, the value was gone: evicted (maxmemory) before the script
                     self._on_error("oom", "the staged value was evicted before it was published")
-                    reports.append(self._answer_put(op, False, "oom"))
+                    reason = "oom"
                 elif r == REFUSED_LATE:   # the script ran past the put's deadline (see keys.LATE_CHECK)
                     self._on_error("timeout", "a put reached the server after its deadline: not published")
-                    reports.append(self._answer_put(op, False, "timeout"))
+                    reason = "timeout"
                 else:   # pragma: no cover - a script that answers something else
                     self._on_error("script", f"publish answered {r!r}")
-                    reports.append(self._answer_put(op, False, "script"))
+                    reason = "script"
+                reports.append(self._answer_put(op, ok, reason, nbytes))
+                self._held_answered += 1   # after its answer: a part not answered yet is _died's to answer
         with self._cond:
-            self.puts_pending -= answered
+            self.puts_pending -= self._held_answered
+            self._held_answered = 0
+            self._held_reports = []
             for op in left:
                 self._invalidate_done(op)
             for op, why in dropped:
@@ -438,6 +446,10 @@ class Writer(IOThread):
             self.tombs_queued += len(tombs)
             puts = [op for op in inflight if isinstance(op, PutPart) and op.state != DONE]
             answers = [(p, REMOTE_DOWN) for p in puts]
+            # parts the dead batch answered already: their room back, their jobs' reports put below
+            self.puts_pending -= self._held_answered
+            self._held_answered = 0
+            held, self._held_reports = self._held_reports, []
             restart = self.restarts < MAX_RESTARTS and not self._closing
             if restart:
                 self.restarts += 1
@@ -447,6 +459,7 @@ class Writer(IOThread):
                 self._take_all_puts(answers, REMOTE_DOWN)
                 self._give_up_tombs("the writer thread is gone")
             self._cond.notify_all()
+        self._report(held)
         self._answer(answers)
         if restart:
             log.warning("%s: restarting the remote writer thread (%d of %d)", self.name, self.restarts, MAX_RESTARTS)
