@@ -43,6 +43,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from fake_cuda import FakeGPU, FakeStream
+from test_cuda_batched_edges import addrs as _addrs   # the byte addresses a tensor covers
 from test_native_mover import _Deferred, _rows
 from tiered_kv.integrations import copier as copier_mod
 from tiered_kv.integrations.copier import SlabCopier
@@ -61,18 +62,6 @@ ERR = RuntimeError("CUDA error: injected")
 # ----------------------------------------------------------------------------- helpers
 def tr(kind: JobKind, rows: list[Any], slots: list[Any]) -> Transfer:
     return Transfer(uuid.uuid4(), kind, list(rows), list(slots))
-
-
-def _addrs(t: torch.Tensor) -> set[int]:
-    if t.numel() == 0:
-        return set()
-    es = t.element_size()
-    off = torch.zeros((), dtype=torch.int64)
-    for d, (n, s) in enumerate(zip(t.shape, t.stride())):
-        shape = [1] * t.dim()
-        shape[d] = n
-        off = off + (torch.arange(n, dtype=torch.int64) * (s * es)).view(shape)
-    return set((off.reshape(-1, 1) + t.data_ptr() + torch.arange(es, dtype=torch.int64)).flatten().tolist())
 
 
 def queued_writes(gpu: FakeGPU) -> set[int]:
