@@ -5,6 +5,12 @@ Transfers are queued by ``submit`` and put on the device in batches by ``flush()
 engine's compute stream; finished transfers are found by querying end events in ``harvest()``,
 never by a blocking synchronize on the engine thread.  All CUDA calls go through a runtime object
 (:class:`TorchCuda`; tests pass the simulated device of ``tests/fake_cuda.py``).
+
+Longer than most modules here (over 500 lines) because one invariant holds it together: every
+transfer is answered exactly once, and never while a copy of it can still land.  The chunking of a
+batch (``_queue_on_stream``), its failure handler (``_queue_failed``), the copy calls of a chunk
+(``_queue_copies``) and ``harvest`` all read and hand over the same chunk and event state; split
+over modules, that hand-over would be harder to check, not easier.
 """
 
 from __future__ import annotations
