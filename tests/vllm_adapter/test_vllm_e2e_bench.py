@@ -92,6 +92,7 @@ def test_bad_arguments_are_refused_before_any_engine_starts(tmp_path: Path) -> N
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)   # the subprocess's own bound below, not the suite's 300 s: six vLLM engine runs
 def test_a_smoke_run_measures_tiered_kv_beside_no_offloading(tmp_path: Path) -> None:
     out = tmp_path / "e2e.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vllm_e2e.py"), "--plan", "smoke",
