@@ -51,6 +51,23 @@ def check_namespace(namespace: Any) -> None:
         raise ConfigError(f"namespace must be at most {_MAX_NAMESPACE} bytes, got {ns_bytes}")
 
 
+def check_disk_path(disk_path: Any, name: str = "disk_path") -> None:
+    """A disk tier directory as a path (str or ``os.PathLike``), not empty, without a NUL byte, or None;
+    ConfigError naming ``name`` and the value otherwise (the config's check, and the vLLM adapter's before it
+    joins a data-parallel replica's suffix onto the path)."""
+    if disk_path is None:
+        return
+    if not isinstance(disk_path, (str, os.PathLike)):
+        raise ConfigError(f"{name} must be a path or None, got {disk_path!r}")
+    text = os.fspath(disk_path)
+    if not isinstance(text, str):   # an os.PathLike of bytes
+        raise ConfigError(f"{name} must be a str path, got {disk_path!r}")
+    if not text:
+        raise ConfigError(f"{name} must not be empty")
+    if "\0" in text:
+        raise ConfigError(f"{name} must not contain a NUL byte, got {disk_path!r}")
+
+
 def _check_int(name: str, value: Any, lo: int, hi: Optional[int] = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
@@ -214,12 +231,7 @@ class TieredKVConfig:
     def __post_init__(self) -> None:
         check_namespace(self.namespace)
         _check_int("host_capacity_bytes", self.host_capacity_bytes, 1, _MAX_DISK_BYTES)
-        if self.disk_path is not None and not isinstance(self.disk_path, (str, os.PathLike)):
-            raise ConfigError(f"disk_path must be a path or None, got {self.disk_path!r}")
-        if self.disk_path is not None and not str(os.fspath(self.disk_path)):
-            raise ConfigError("disk_path must not be empty")
-        if self.disk_path is not None and "\0" in str(os.fspath(self.disk_path)):
-            raise ConfigError(f"disk_path must not contain a NUL byte, got {self.disk_path!r}")
+        check_disk_path(self.disk_path)
         _check_int("disk_capacity_bytes", self.disk_capacity_bytes, 0, _MAX_DISK_BYTES)
         if self.disk_path is not None and self.disk_capacity_bytes == 0:
             raise ConfigError(f"disk_capacity_bytes must be > 0 when disk_path is set, got {self.disk_capacity_bytes!r}")

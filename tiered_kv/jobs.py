@@ -100,6 +100,8 @@ class TokenFactory:
         # occupies the low 48 bits, which neither touches
         prefix = uuid.UUID(int=int.from_bytes(os.urandom(16), "big"), version=4).int
         self._prefix = prefix & ~((1 << 48) - 1)
+        #: the tokens' first 10 bytes (all but the counter), the same for every token of this factory
+        self.prefix = self._prefix.to_bytes(16, "big")[:10]
         self._counter = itertools.count(max(1, int(start)))
 
     def __call__(self) -> uuid.UUID:

@@ -126,12 +126,14 @@ class SlabCopier:
     ``batch_max``: jobs queued before they start (module docstring); ``pin``: ``pin_host_memory``
     (:func:`tiered_kv.checks.pin_decision`), ``cudart`` the CUDA runtime that pins (default ``torch.cuda.cudart()``);
     ``prefault``: ``prefault_host_memory`` (:mod:`tiered_kv.hostmem`), for this process's mapping of an
-    unpinned slab.
+    unpinned slab.  ``owned``: copy only the jobs of the scheduler that owns this mapping of the slab
+    (:meth:`SharedSlab.owns`); any other job is answered failed at once (the vLLM worker's setting).
     """
 
     def __init__(self, slab: SharedSlab, rank: int, tensors: Sequence[torch.Tensor], *, metrics: Metrics,
                  on_stale: Optional[Callable[[JobKind], None]] = None, batch_max: int = 1,
-                 pin: Optional[bool] = False, cudart: Optional[Any] = None, prefault: bool = False) -> None:
+                 pin: Optional[bool] = False, cudart: Optional[Any] = None, prefault: bool = False,
+                 owned: bool = False) -> None:
         if not 0 <= rank < slab.world_size:
             raise ConfigError(f"rank {rank} out of range [0, {slab.world_size})")
         if isinstance(batch_max, bool) or not isinstance(batch_max, int) or batch_max < 1:
@@ -162,6 +164,8 @@ class SlabCopier:
         self._closed = False       # submits refused (set as close() starts)
         self._close_done = False   # close() finished: the mover closed and the slab unpinned
         self._loads_queued = False  # a load was submitted since the copies were last started
+        self._owned = owned
+        self._foreign_logged = False
         pinned = pin_decision(pin, _on_cuda(tensors))
         if pinned:
             slab.pin(cudart)
@@ -185,6 +189,16 @@ class SlabCopier:
         rows, where = list(map(int, blocks)), list(map(int, slots))
         job = _CopyJob(job_id, token, seq, store, len(rows))
         self._jobs[token] = job
+        if self._owned and not self.slab.owns(token):
+            # its slots name rows of a slab this mapping is not (slab.py: the owner): copying would move zeros
+            # or another slab's rows into the engine's KV as a successful load.  Failed, and never copied
+            if not self._foreign_logged:
+                self._foreign_logged = True
+                log.error("job %d was made by a scheduler that does not own this worker's slab %s (a worker started "
+                          "again after the scheduler dropped the slab's name?): its copies fail; further such jobs "
+                          "are counted, not logged", job_id, self.slab.path)
+            self._sink.put(Report(job, _STORE if store else _LOAD, False, "job of another slab's scheduler"))
+            return True
         if self._mover is None:  # no KV tensor: nothing to copy, the job is done
             self._sink.put(Report(job, _STORE if store else _LOAD, True))
             return True

@@ -101,6 +101,7 @@ class SlabScheduler:
         except BaseException:
             self._close_host_fd()
             raise
+        slab.set_owner(core.tokens.prefix)   # the workers copy only this scheduler's jobs (slab.py: the owner)
         core.on_store = self._apply_store
         core.on_load = self._apply_load
         core.cancel_hook = self._cancel_hook

@@ -11,7 +11,8 @@ provides it: one file in ``/dev/shm`` mapped by every process of the engine.
 
 Layout (all offsets page aligned)::
 
-    header  (4 KiB)  magic, version, num_slots, row_bytes, world_size, ring_size
+    header  (4 KiB)  magic, version, num_slots, row_bytes, world_size, ring_size; at OWNER_OFFSET the
+                     token prefix of the scheduler that owns the slab (zero until one attached)
     rings   world_size x ring_size int64   -- per worker rank: ring[seq % ring_size] = seq
                                               once that rank has finished the job numbered seq
     rows    num_slots x row_bytes          -- slot s of rank r at s * row_bytes + r * rank_bytes
@@ -25,6 +26,12 @@ the rings also say whether every rank's copy succeeded: that, not the
 engine's report, decides whether a store is published.  A ring entry is an aligned 8-byte store
 made after the copy completed, so on x86-64 a reader sees either the old or
 the new value, never a torn one, and sees it only after the copied bytes.
+
+The owner field ties the jobs to this mapping: the scheduler writes its token prefix there
+(:meth:`SharedSlab.set_owner`) and a worker copies a job only where the job's token starts with it
+(:meth:`SharedSlab.owns`).  A worker process that starts again after the scheduler dropped the slab's
+name would create a new, empty slab of the same geometry; the slots the scheduler hands out name rows
+of the old one, so the new worker fails those jobs instead of copying zeros into the engine's KV.
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ VERSION = 1
 RING_SIZE = 1 << 16
 _HEADER = struct.Struct("<8sIQQII")  # magic, version, num_slots, row_bytes, world_size, ring_size
 _PAGE = mmap.PAGESIZE
+OWNER_OFFSET = 64    # in the header page, after the header
+OWNER_BYTES = 10     # a token's prefix: the 80 bits above its 48-bit counter (jobs.TokenFactory)
 
 
 def slab_path(engine_id: str, shm_dir: str = "/dev/shm") -> Path:
@@ -176,6 +185,22 @@ class SharedSlab:
                                       f"within {timeout} s")
                 time.sleep(0.01)  # start-up only: waiting for another process to size the file
         return mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+    def set_owner(self, prefix: bytes) -> None:
+        """Scheduler side: the jobs of the scheduler whose tokens start with ``prefix`` (its first
+        ``OWNER_BYTES`` bytes) are this slab's; a scheduler started again on the slab takes it over."""
+        if self._mm is None:
+            raise ConfigError(f"shared host slab {str(self.path)!r} is closed")
+        self._mm[OWNER_OFFSET:OWNER_OFFSET + OWNER_BYTES] = bytes(prefix[:OWNER_BYTES]).ljust(OWNER_BYTES, b"\0")
+
+    def owns(self, token: bytes) -> bool:
+        """Worker side: was the job with ``token`` made by the scheduler that owns this slab?  False for every
+        job while no scheduler ever attached to this mapping."""
+        mm = self._mm
+        if mm is None:
+            return False
+        owner = mm[OWNER_OFFSET:OWNER_OFFSET + OWNER_BYTES]
+        return owner != bytes(OWNER_BYTES) and token[:OWNER_BYTES] == owner
 
     def unlink(self) -> None:
         """Remove the file name; the memory lives until the last process unmaps it.  Idempotent."""

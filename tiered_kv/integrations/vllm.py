@@ -79,7 +79,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     TransferResult,
 )
 
-from ..config import TieredKVConfig  # noqa: E402
+from ..config import TieredKVConfig, check_disk_path  # noqa: E402
 from ..metrics import Metrics  # noqa: E402
 from ..checks import pin_decision  # noqa: E402
 from .copier import SlabCopier  # noqa: E402
@@ -210,9 +210,13 @@ class TieredKVOffloadingSpec(OffloadingSpec):
                               f"kv_connector_extra_config)")
         host_key = "host_bytes"
         host_bytes = _option(extra, "host_bytes")
-        if host_bytes is None and "cpu_bytes_to_use" in extra:
-            host_key = "cpu_bytes_to_use"   # vLLM's own key, accepted for drop-in use
-            host_bytes = extra["cpu_bytes_to_use"]
+        if "cpu_bytes_to_use" in extra:   # vLLM's own key, accepted for drop-in use
+            if host_bytes is None:
+                host_key = "cpu_bytes_to_use"
+                host_bytes = extra["cpu_bytes_to_use"]
+            elif extra["cpu_bytes_to_use"] != host_bytes:
+                raise ConfigError(f"kv_connector_extra_config: host_bytes={host_bytes!r} and cpu_bytes_to_use="
+                                  f"{extra['cpu_bytes_to_use']!r} disagree (cpu_bytes_to_use is vLLM's name for host_bytes)")
         if host_bytes is None:
             raise ConfigError("kv_connector_extra_config needs 'host_bytes' (bytes of the shared host slab)")
         host_bytes = _positive_int(host_key, host_bytes)
@@ -226,6 +230,7 @@ class TieredKVOffloadingSpec(OffloadingSpec):
             raise ConfigError(f"{host_key}={host_bytes} holds no block of {self.row_bytes} bytes "
                               f"({self.rank_bytes} per worker x {self.world_size} workers)")
         disk_path = _option(extra, "disk_path")
+        check_disk_path(disk_path, "kv_connector_extra_config['disk_path']")   # before a replica's suffix is joined on
         disk_bytes = _positive_int("disk_bytes", _option(extra, "disk_bytes"), allow_zero=True)
         if disk_path is not None and disk_bytes == 0:
             raise ConfigError(f"disk_path={disk_path!r} needs 'disk_bytes' (bytes the disk tier may hold)")
@@ -248,12 +253,20 @@ class TieredKVOffloadingSpec(OffloadingSpec):
                     f"layout={getattr(config, 'kv_cache_layout', None)}")
             base = os.path.basename(str(config.model.name).rstrip("/"))[:48] or "model"
             namespace = f"vllm/{base}/{hashlib.sha256(desc.encode()).hexdigest()[:16]}"
-        self.shm_dir = str(_option(extra, "shm_dir"))
+        shm_dir = _option(extra, "shm_dir")
+        if not isinstance(shm_dir, (str, os.PathLike)) or not os.path.isdir(shm_dir):
+            # refused here, before vLLM starts its workers, not when each of them opens the slab
+            raise ConfigError(f"kv_connector_extra_config['shm_dir'] must name an existing directory, got {shm_dir!r}")
+        self.shm_dir = str(os.fspath(shm_dir))
         # the fields given keep their name; the others get TieredKVConfig's defaults and checks
         given = {k: extra[k] for k in CONFIG_KEYS if k in extra}
         given.update(namespace=namespace, disk_path=disk_path)
         alias = extra.get("eviction_policy")
         if alias is not None:
+            from ..core.policy import POLICIES
+            if not isinstance(alias, str) or alias not in POLICIES:   # named as the user wrote it, not as host_policy
+                raise ConfigError(f"kv_connector_extra_config['eviction_policy'] must be one of {tuple(POLICIES)}, "
+                                  f"got {alias!r}")
             if "host_policy" in given and given["host_policy"] != alias:
                 raise ConfigError(f"kv_connector_extra_config: eviction_policy={alias!r} and host_policy="
                                   f"{given['host_policy']!r} disagree (eviction_policy is vLLM's name for host_policy)")
@@ -329,6 +342,7 @@ class TieredKVOffloadingManager(OffloadingManager):
         # token, so that each key asked for or stored is linked to the block before it in its own group
         self._chains_on = self.tiers.links
         self._chains: dict[str, dict[bytes, tuple[Optional[int], bytes]]] = {}
+        self._span = spec.tokens_per_block[0]   # tokens one key covers (one KV group: the spec refuses more)
 
     def _follow(self, k: bytes, req_context: ReqContext) -> None:
         """Link ``k`` to the request's previous key of the same KV group (the block before it).
@@ -337,7 +351,9 @@ class TieredKVOffloadingManager(OffloadingManager):
         one after the other, and stores a boundary's keys (one per group) in one call: no call carries a
         chain.  The group is the key's last 4 bytes (``make_offload_key``).  Where vLLM records the keys'
         end tokens, a key that comes at or before the last one (a request preempted and asked for again,
-        a store out of order) starts the chain anew instead of linking backwards."""
+        a store out of order) starts the chain anew instead of linking backwards, and so does one that ends more
+        than a block after it (a lookup that starts past a grown GPU prefix hit, a store that skipped a block):
+        only the block right before ``k`` is its parent."""
         chains = self._chains.get(req_context.req_id)
         if chains is None:
             if len(self._chains) >= CHAINS_MAX:   # requests vLLM never reported finished: the oldest go
@@ -347,7 +363,7 @@ class TieredKVOffloadingManager(OffloadingManager):
         pos = where(k) if where is not None else None
         group = k[-4:]
         last = chains.get(group)
-        if last is not None and last[1] != k and (pos is None or last[0] is None or last[0] < pos):
+        if last is not None and last[1] != k and (pos is None or last[0] is None or pos - last[0] == self._span):
             self.tiers.link((last[1], k))
         chains[group] = (pos, k)
 
@@ -432,7 +448,7 @@ class TieredKVOffloadingWorker(OffloadingWorker):
             cfg = spec.tkv_config
             self.copier = SlabCopier(self.slab, spec.rank, tensors, metrics=self.metrics,
                                      batch_max=cfg.copy_batch_max, pin=cfg.pin_host_memory,
-                                     prefault=cfg.prefault_host_memory)
+                                     prefault=cfg.prefault_host_memory, owned=True)
         except BaseException:
             self.slab.unlink()
             self.slab.close()
