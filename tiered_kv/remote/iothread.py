@@ -66,11 +66,18 @@ class IOThread:
         with self._cond:
             return not self._queued() and not self._busy
 
+    def _held(self) -> bool:
+        """Queued work waits for something no wait bounds (the writer: the open breaker holds tombstone ops
+        back); under the lock.  Whoever changes it wakes the thread (the breaker's ``on_change``)."""
+        return False
+
     def wait_idle(self, timeout: float) -> bool:
-        """Block until everything queued so far was sent and answered; False on timeout."""
+        """Block until everything queued so far was sent and answered; False on timeout, and False as soon as
+        queued work is held back (:meth:`_held`): nothing to wait for until the server answers again."""
         with self._cond:
             self._notify()
-            return self._cond.wait_for(lambda: not self._queued() and not self._busy, timeout)
+            done = self._cond.wait_for(lambda: self._held() or (not self._queued() and not self._busy), timeout)
+            return done and not self._held()
 
     def begin_close(self, deadline: float) -> None:
         with self._cond:

@@ -209,8 +209,9 @@ class RemoteStore:
 
     # ------------------------------------------------------------ tests, benchmarks, tools
     def wait_idle(self, timeout: float = 10.0) -> bool:
-        """Block until everything queued so far was sent and answered (kicks both threads); False on timeout.
-        Not for the owner's hot path: tests, benchmarks and shutdown."""
+        """Block until everything queued so far was sent and answered (kicks both threads); False on timeout or
+        (at once) while the breaker holds tombstone ops back.  Not for the owner's hot path: tests, benchmarks
+        and shutdown."""
         end = time.monotonic() + timeout
         return self._w.wait_idle(timeout) and self._r.wait_idle(max(0.0, end - time.monotonic()))
 

@@ -9,11 +9,13 @@ order, and follows its redirections in order).  Invariants:
 * a tombstone op is never shed while the server is reachable: one the server could not run is sent
   again after a back-off of its own (the queue behind it goes on: a slot being migrated holds up only
   its own ops); only an op the server keeps refusing (``TOMB_ATTEMPTS``) or, while the breaker is open,
-  the oldest beyond ``TOMB_CAP`` are dropped (logged, counted as ``error="tomb_dropped"``);
+  the oldest beyond ``TOMB_CAP`` are dropped (each reported to ``on_error`` as ``"tomb_dropped"``: counted,
+  logged once per kind by the owner's callback);
 * ``invalidating`` counts, per key, the INVALIDATE ops not yet run by the server (queued, in flight or
   waiting to be sent again): the owner asks the server for no such key, which may still hold its old
   value;
-* while the breaker is open, queued puts are answered ``remote_down`` at once and this thread probes.
+* while the breaker is open, queued puts are answered ``remote_down`` at once and this thread probes;
+  ``wait_idle()`` answers False at once while it holds tombstone ops back (:meth:`Writer._held`).
 """
 
 from __future__ import annotations
@@ -151,11 +153,15 @@ class Writer(IOThread):
         self._dropped(op, f"{TOMB_CAP} tombstone ops queued while the server is away: dropped the oldest")
 
     def _dropped(self, op: TombOp, why: str) -> None:
-        """``op`` will not be sent: counted, logged; under the lock."""
+        """``op`` will not be sent: counted, and reported to ``on_error`` (the owner's, which logs once per kind:
+        an overflow drops one op per ``invalidate()`` while the server is away); under the lock."""
         self.tombs_dropped += 1
         self._invalidate_done(op)
-        log.warning("%s: %s (%s)", self.name, why, op.kind)
-        self._on_error("tomb_dropped", why)
+        self._on_error("tomb_dropped", f"{why} ({op.kind})")
+
+    def _held(self) -> bool:
+        """The open breaker holds tombstone ops back (they wait for the server, however long it is away)."""
+        return bool(self.tombs_queued) and not self.breaker.closed
 
     def _queued(self) -> bool:
         return bool(self._ops) or bool(self._delayed)
