@@ -7,6 +7,10 @@ start.  Invariants on return:
   guarded by one can arrive any more: this process queued none yet);
 * entries of another namespace or block length, unparsable records, records whose slot lies past
   the slot file's end, and the older of two records on one slot are removed;
+* the sequence number the writer resumes from is no damaged record's: an entry numbered
+  :data:`SEQ_CHECKED` or more (no writer gets there) is kept only if its checksum verifies, a touch
+  record so numbered is dropped, so the writer's later writes stay below :data:`SEQ_LIMIT` (the
+  next open keeps them) for another 2**61 writes at least;
 * every slot no remaining entry references is free; recency is the newer of an entry's write
   sequence and its touch record;
 * the report is stored in ``meta`` (``last_recovery``) and the transaction synced (unless
@@ -24,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .env import DiskEnv
-from .format import CorruptEntry, lmdb_key, parse_header
+from .format import CorruptEntry, EntryHeader, lmdb_key, parse_header, verify_entry
 from .records import StoredEntry
 from .slots import SlotFile
 
@@ -34,6 +38,10 @@ log = logging.getLogger(__name__)
 
 U64 = struct.Struct("<Q")   # a touch record: the entry's newest sequence number
 SEQ_LIMIT = 1 << 62         # no writer numbers this many writes (146 years at 10**9 a second): a higher one is damage
+# ... nor half as many (73 years): a number this high is checked.  Recovery reads no checksum otherwise, and a
+# damaged number just below SEQ_LIMIT would make the writer number every later write past it (dropped at the
+# next open); a writer resumed from below SEQ_CHECKED has 2**61 writes to go before it reaches SEQ_LIMIT
+SEQ_CHECKED = SEQ_LIMIT >> 1
 
 
 @dataclass
@@ -85,6 +93,10 @@ def recover(db: DiskEnv, slots: SlotFile, ns: bytes, block_bytes: int) -> tuple[
                 rep.foreign += 1
                 dead.append(lk)
                 continue
+            if h.seq >= SEQ_CHECKED and not _verifies(v, h, ns, slots.fd, sb, file_bytes):
+                rep.corrupt += 1     # a damaged sequence number (the read would fail its checksum too)
+                dead.append(lk)
+                continue
             if h.token.bytes in tombs:
                 rep.purged += 1
                 dead.append(lk)
@@ -117,8 +129,8 @@ def recover(db: DiskEnv, slots: SlotFile, ns: bytes, block_bytes: int) -> tuple[
         for k, v in txn.cursor(db=db.touch):
             k = bytes(k)
             touched[k] = U64.unpack(bytes(v))[0] if len(v) == U64.size else None
-            if touched[k] is not None and touched[k] >= SEQ_LIMIT:   # no checksum here: an impossible number is damage
-                touched[k] = None
+            if touched[k] is not None and touched[k] >= SEQ_CHECKED:   # no checksum here: an implausible number is
+                touched[k] = None                                        # damage (a touch is recency only)
         for k, tseq in touched.items():
             e = entries.get(k)
             if tseq is None:   # a damaged touch record: it only ever held recency, so it is dropped
@@ -139,3 +151,18 @@ def recover(db: DiskEnv, slots: SlotFile, ns: bytes, block_bytes: int) -> tuple[
              "%d foreign, %d tombstones dropped", db.path, rep.seconds, rep.entries, rep.purged,
              rep.corrupt, rep.foreign, rep.tombs_dropped)
     return sorted(entries.values(), key=lambda e: e.seq), seq, rep
+
+
+def _verifies(value: Any, h: EntryHeader, ns: bytes, fd: int, slot_bytes: int, file_bytes: int) -> bool:
+    """Whether an entry's checksum verifies (its slot's payload read from ``fd``): only for an entry whose
+    sequence number no writer reaches, so recovery reads no slot otherwise."""
+    payload = None
+    try:
+        if h.in_slot:
+            if h.slot * slot_bytes + h.length > file_bytes:
+                return False
+            payload = os.pread(fd, h.length, h.slot * slot_bytes)
+        verify_entry(value, ns, h.key, h.length, payload, header=h)
+    except (CorruptEntry, OSError):
+        return False
+    return True

@@ -7,10 +7,21 @@ publishing the index records; a crash before the commit leaves bytes in free slo
 references.  Invariants:
 
 * each op is answered once: spills by a Report after their batch commits (or fails), flushes by
-  :class:`~tiered_kv.disk.records.FlushDone` (False if any batch failed since it was queued);
-* a failed batch fails its spills and flushes and keeps its tomb/delete/touch ops queued, in order,
-  retried with back-off; once closing they get :data:`CLOSE_RETRIES` attempts, then are dropped;
+  :class:`~tiered_kv.disk.records.FlushDone` (False if any batch or spill failed since it was queued);
+* a spill whose payload finds no room (no slot, ENOSPC growing, writing or syncing the slot file)
+  fails alone: the rest of its batch, its tombs and deletes above all, still commits;
+* a failed batch fails its spills and flushes, drops its touches and keeps its tomb/delete ops, in
+  order, retried with back-off at the head of the next batch, which still takes ``batch_blocks`` ops
+  of the queue besides (so those are answered while the fault lasts); once closing they get
+  :data:`CLOSE_RETRIES` attempts, then are dropped;
+* nothing after a commit undoes it: a fault there (``cover_pages``) is counted as degraded;
+* touches are bounded: one per key, at most ``queue_blocks`` queued (:meth:`Writer.push`);
 * a writer that dies answers everything queued and refuses further ops.
+
+Longer than the project's usual 500 lines: the queue, the batch, the commit and its failure paths are
+one thread's logic over one state (the condition, the queue and the kept ops, the sequence number,
+the failure count) and the invariants above hold across all of them; split, each part would reach
+into the others' state.
 """
 
 from __future__ import annotations
@@ -62,6 +73,10 @@ class Writer:
         self._seq = seq
         self._cond = threading.Condition(threading.Lock())
         self._ops: collections.deque[Any] = collections.deque()
+        # the tombs and deletes a failed batch kept, retried first by the next batch on top of its
+        # batch_blocks new ops (under _cond): however many are kept, the ops behind them are still taken
+        self._retry: collections.deque[Any] = collections.deque()
+        self._touched: set[bytes] = set()   # keys with a Touch queued in _ops (under _cond): one each
         self.spills_queued = 0
         self._filling = False   # the writer holds a partial batch and sleeps until its deadline (under _cond)
         self._fill = [0, 0]     # ... of this many ops and spill bytes
@@ -101,6 +116,9 @@ class Writer:
         return True
 
     def push(self, op: Any, front: bool = False) -> None:
+        """Queue a tomb, delete, touch or flush.  A touch (recency only) is dropped when its key has one
+        queued already or ``queue_blocks`` touches are queued: a writer stuck in a commit must not grow
+        the queue by one per promote (the next restart then ranks those entries by an older use)."""
         with self._cond:
             if not self.accepting:
                 if isinstance(op, Flush):  # answer at once: nothing will commit any more
@@ -108,6 +126,11 @@ class Writer:
                 elif isinstance(op, (Tomb, Delete)):   # a removal must not be lost: close() applies it
                     self._orphans.append(op)
                 return
+            if type(op) is Touch:
+                touched = self._touched
+                if op.key in touched or len(touched) >= self.opts.queue_blocks:
+                    return
+                touched.add(op.key)
             (self._ops.appendleft if front else self._ops.append)(op)
             self._wake_writer(op)
 
@@ -179,30 +202,38 @@ class Writer:
             self._cond.notify()
 
     def _take_batch(self) -> Optional[list[Any]]:
+        """The next batch: the ops a failed batch kept (first, in order, not counted), then up to
+        ``batch_blocks`` ops / ``batch_bytes`` of spills from the queue; [] when an idle writer should
+        sync; None once closed and drained."""
         o = self.opts
         with self._cond:
-            while not self._ops:
+            while not self._ops and not self._retry:
                 if self._closed:
                     return None
                 self._cond.wait(timeout=DIRTY_SYNC_S if self._dirty else IDLE_WAKE_S)
-                if not self._ops and self._dirty:
+                if not self._ops and not self._retry and self._dirty:
                     return []  # idle: time to sync a batch-mode commit
-            batch: list[Any] = []
+            batch: list[Any] = list(self._retry)
+            self._retry.clear()
+            kept = len(batch)
             nbytes = 0
             deadline = time.monotonic() + o.batch_seconds
             self._filling = True
             try:
                 while True:
-                    while self._ops and len(batch) < o.batch_blocks and nbytes < o.batch_bytes:
+                    while self._ops and len(batch) - kept < o.batch_blocks and nbytes < o.batch_bytes:
                         op = self._ops.popleft()
-                        if isinstance(op, Spill):
+                        kind = type(op)
+                        if kind is Spill:
                             self.spills_queued -= 1
                             nbytes += op.nbytes
+                        elif kind is Touch:
+                            self._touched.discard(op.key)
                         batch.append(op)
-                        if isinstance(op, Flush):
+                        if kind is Flush:
                             return batch
-                    self._fill[0], self._fill[1] = len(batch), nbytes
-                    if len(batch) >= o.batch_blocks or nbytes >= o.batch_bytes or self._closed:
+                    self._fill[0], self._fill[1] = len(batch) - kept, nbytes
+                    if len(batch) - kept >= o.batch_blocks or nbytes >= o.batch_bytes or self._closed:
                         return batch
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -231,9 +262,11 @@ class Writer:
             log.exception("disk writer thread died")
             self._on_error("writer_died", repr(exc))
             with self._cond:
-                rest = self._batch + list(self._ops)
+                rest = self._batch + list(self._retry) + list(self._ops)
                 self._batch = []
+                self._retry.clear()
                 self._ops.clear()
+                self._touched.clear()
                 self.spills_queued = 0
                 self.accepting = False  # no further ops: they could never be answered
                 self._orphans += [op for op in rest if isinstance(op, (Tomb, Delete))]
@@ -242,12 +275,12 @@ class Writer:
                 raise
 
     def _run_batch(self, batch: list[Any]) -> None:
-        """Commit ``batch`` in one transaction; on failure fail its spills and keep its control ops."""
+        """Commit ``batch`` in one transaction; on failure fail its spills and keep its tombs and deletes."""
         self._db.reader_check()
         for _attempt in range(MAP_FULL_ATTEMPTS):
             try:
                 self._db.grow_ahead(self._batch_bytes(batch))
-                results = self._commit(batch)
+                results, fault = self._commit(batch)
             except lmdb.MapFullError:
                 try:
                     grown = self._db.grow(self._batch_bytes(batch))
@@ -261,9 +294,14 @@ class Writer:
             except Exception as exc:  # an I/O error, or a bug: the batch fails, the writer carries on
                 self._batch_failed(batch, self._classify(exc), repr(exc))
                 return
+            # committed: from here on nothing rolls the batch back, nor answers it again if the thread dies
+            self._batch = []
             self.healthy = True
             self._backoff = 0.0
             self._dirty = self.opts.durability == "batch"
+            if fault is not None:   # spills whose payload could not be written failed, the rest committed
+                self.failures += 1      # (a flush covering them answers False)
+                self._degrade(*fault)
             flushes = [op for op in batch if isinstance(op, Flush)]
             if flushes:
                 self._sync()
@@ -273,13 +311,16 @@ class Writer:
             for f in flushes:
                 ok = self.failures == f.failures_before and not self._sync_failed
                 self._out.put(FlushDone(f.token, ok, None if ok else "a write covered by this flush failed"))
+            self._cover_pages()
             return
         self._batch_failed(batch, "map_full", "LMDB map still full after growing")
 
     def _batch_failed(self, batch: list[Any], kind: str, msg: str) -> None:
-        """Spills fail (they can be stored again); tombs and deletes stay queued, in order; touches
-        (recency for the next restart, which a crash may lose anyway) are dropped, or a disk that fails
-        every commit would grow the queue by one per promote for as long as it lasts.
+        """Spills fail (they can be stored again); tombs and deletes are kept, in order, for the next
+        batch, which takes them on top of its own ``batch_blocks`` ops (so the spills and flushes queued
+        behind them are still answered while the fault lasts); touches (recency for the next restart,
+        which a crash may lose anyway) are dropped, or a disk that fails every commit would grow the
+        queue by one per promote for as long as it lasts.
 
         Flushes in the batch answer False.  The next attempt waits a little
         longer each time (up to ``BACKOFF_MAX_S``) so a persistent fault does not
@@ -300,7 +341,8 @@ class Writer:
                 self._close_failures += 1
                 if self._close_failures > CLOSE_RETRIES:
                     dropped, keep = keep, []
-            self._ops.extendleft(reversed(keep))
+            self._retry.extend(keep)   # the next batch takes them first, and its own ops besides
+            self._batch = []           # each op of it is answered, dropped or kept for a retry
             if keep or not self._closed:
                 # the whole back-off: a spill queued meanwhile notifies this condition, and must not cut it
                 # short (a failing disk would be retried once per spill); close() ends it
@@ -335,10 +377,14 @@ class Writer:
         return kind
 
     # ------------------------------------------------------------ one commit
-    def _commit(self, batch: list[Any]) -> list[tuple[Spill, Report]]:
+    def _commit(self, batch: list[Any]) -> tuple[list[tuple[Spill, Report]], Optional[tuple[str, str]]]:
         """Write ``batch``'s payloads into free slots, sync them, then publish in one transaction.
 
-        Returns the reports to send once the transaction is committed.
+        Returns the reports to send once the transaction is committed, and ``(kind, message)`` when some
+        spills found no room for their payload (:meth:`_no_room`: a full disk or slot file): those fail
+        alone, and the rest of the batch -- its tombs and deletes above all, which take no slot space --
+        still commits.  Raises on any other fault (an EIO) and when the transaction fails: then nothing
+        committed and every change is undone.  Nothing after the commit raises or undoes it.
         """
         env = self._db.env
         assert env is not None
@@ -353,6 +399,8 @@ class Writer:
         # MapFullError must see what the aborted attempt saw (see tombs.py)
         undo: Undo = []
         prevented = 0
+        fault: Optional[tuple[str, str]] = None   # the first error writing a payload
+        unwritten: set[int] = set()               # id() of the spills it (or a later one) failed
         hashing: Optional[concurrent.futures.Future[None]] = None
         try:
             todo: list[Spill] = []
@@ -367,7 +415,13 @@ class Writer:
                 op.slot = -1
                 if tombs.is_cancelled(op.token):
                     continue        # never written; the transaction below answers it
-                op.slot = slots.alloc()
+                try:
+                    op.slot = slots.alloc()
+                except (OSError, SlotsExhausted) as exc:   # no room for it (ENOSPC growing the file)
+                    no_room = self._no_room(exc)
+                    fault = fault or no_room
+                    unwritten.add(id(op))
+                    continue
                 placed.append(op.slot)
                 self._seq += 1
                 op.seq = self._seq
@@ -380,13 +434,27 @@ class Writer:
                 hashing = self._hasher().submit(self._pack_entries, todo)
             else:
                 self._pack_entries(todo)
+            written: list[Spill] = []
             for op in todo:
-                slots.pwrite(op.slot, op.src)
-            if placed and self.opts.durability != "none":
-                slots.sync()   # the bytes are durable before any index record points at them
+                try:
+                    slots.pwrite(op.slot, op.src)
+                except OSError as exc:   # ENOSPC: a sparse or copy-on-write file takes its blocks here
+                    no_room = self._no_room(exc)
+                    fault = fault or no_room
+                    unwritten.add(id(op))
+                    continue
+                written.append(op)
+            if written and self.opts.durability != "none":
+                try:
+                    slots.sync()   # the bytes are durable before any index record points at them
+                except OSError as exc:   # ENOSPC (delayed allocation): none of them is known to be on disk
+                    no_room = self._no_room(exc)
+                    fault = fault or no_room
+                    unwritten.update(id(op) for op in written)
             if hashing is not None:
                 h, hashing = hashing, None
                 h.result()            # the index records, needed from here on
+            error = None if fault is None else f"disk write failed ({fault[0]}): {fault[1]}"
             unused: list[int] = []
             db.rw.acquire_shared()
             try:
@@ -398,6 +466,11 @@ class Writer:
                                     unused.append(op.slot)
                                 prevented += 1
                                 results.append((op, Report(op.token, JobKind.SPILL, False, SPILL_PREVENTED)))
+                                continue
+                            if id(op) in unwritten:   # settled by prevents(): no tomb need wait for it
+                                if op.slot >= 0:
+                                    unused.append(op.slot)
+                                results.append((op, Report(op.token, JobKind.SPILL, False, error)))
                                 continue
                             lk = lmdb_key(op.key)
                             old = txn.replace(lk, op.entry, db=db.blocks)
@@ -417,26 +490,31 @@ class Writer:
                     tombstones = txn.stat(db.tombs)["entries"]
             finally:
                 db.rw.release_shared()
-            self.tombstones = tombstones   # committed: a failed commit's count is not the disk's
-            db.cover_pages()   # a commit that freed many pages may leave LMDB's last page past the file's end
         except BaseException:
             if hashing is not None:   # let it stop reading the host slots before they are given up
                 concurrent.futures.wait([hashing])
             slots.give_back(placed)   # nothing committed references them
             tombs.undo(undo)
             raise
+        # committed: from here on nothing may undo it (its slots are referenced, its tombs applied)
+        self.tombstones = tombstones   # a failed commit's count is not the disk's
         slots.give_back(unused)
         for _ in range(prevented):    # counted once committed: an aborted attempt prevented nothing
             self._on_prevented()
-        # the last committed transaction, not this one's id: a transaction that changed nothing
-        # commits nothing (no meta write, no sync), so it must not count as "a later commit"
-        slots.dropped(frees, env.info()["last_txnid"])
+        try:
+            # the last committed transaction, not this one's id: a transaction that changed nothing
+            # commits nothing (no meta write, no sync), so it must not count as "a later commit"
+            last_txnid = env.info()["last_txnid"]
+        except Exception as exc:   # noqa: BLE001 - the slots it dropped stay taken until the next open's recovery
+            self._degrade(self._classify(exc), f"after a commit: {exc!r}")
+        else:
+            slots.dropped(frees, last_txnid)
         dt = time.perf_counter() - t0
         n = sum(1 for _, r in results if r.ok)
         for _, r in results:
             if r.ok:
                 r.seconds = dt / n
-        return results
+        return results, fault
 
     def _pack_entries(self, ops: list[Spill]) -> None:
         """The index record (header + xxh3 of the payload + slot) of each op."""
@@ -465,6 +543,22 @@ class Writer:
         except lmdb.Error as exc:
             self._sync_failed = True
             self._degrade("sync_failed", repr(exc))
+
+    def _no_room(self, exc: BaseException) -> tuple[str, str]:
+        """``(kind, message)`` of a payload that found no room (``disk_full``, ``slots_exhausted``): its
+        spill fails alone.  Any other error is raised again: the whole batch fails and is retried."""
+        kind = self._classify(exc)
+        if kind not in ("disk_full", "slots_exhausted"):
+            raise exc
+        return kind, repr(exc)
+
+    def _cover_pages(self) -> None:
+        """After a commit (none running): data.mdb as long as LMDB's last page (see env.py).  A fault here
+        is counted and logged as a degraded disk; the commit before it stands."""
+        try:
+            self._db.cover_pages()
+        except Exception as exc:   # noqa: BLE001 - an I/O error (EIO, ENOSPC) or a bug: the writer goes on
+            self._degrade(self._classify(exc), f"after a commit: {exc!r}")
 
     def _fail_ops(self, ops: list[Any], error: str) -> None:
         self._tombs.forget(op.token for op in ops if isinstance(op, Spill))
