@@ -7,6 +7,11 @@ most one of them writes a directory at a time; the holder's pid is in the file w
 so that whoever is refused can name the holder.  Read-only tools never touch it.  A lock held
 while the pid written in it is gone is held by that owner's disk I/O process (disk/proc.py), which
 shares the lock and dies with its owner: :func:`take` waits for it (up to ``ORPHAN_WAIT_S``).
+No other process shares it: ``flock`` belongs to the open file, which every ``os.fork()`` child
+(a multiprocessing worker, a forked helper) would hold too, for as long as it lives; so each lock
+this process holds is closed in such a child, unlocked in neither (``os.register_at_fork``).  A
+child started by :mod:`subprocess` runs no Python between its fork and its ``exec``, and keeps only
+the descriptors passed to it (the disk I/O process gets the lock's, ``pass_fds``).
 """
 
 from __future__ import annotations
@@ -17,10 +22,27 @@ import time
 from pathlib import Path
 from typing import Union
 
-__all__ = ["LOCK_NAME", "LockHeld", "take", "release", "holder_pid", "fsync_path", "sync_dirs"]
+__all__ = ["LOCK_NAME", "LockHeld", "take", "release", "leave", "holder_pid", "fsync_path", "sync_dirs"]
 
 LOCK_NAME = "tiered_kv.lock"
 ORPHAN_WAIT_S = 10.0   # how long take() waits for the I/O process of a dead owner to exit
+
+# the lock files this process has open (take() to release()/leave()); a set's add and remove are atomic
+_held: set[int] = set()
+
+
+def _close_in_child() -> None:
+    """In an ``os.fork()`` child: its copies of the lock files are closed, never unlocked (the lock
+    belongs to the parent's open file, which goes on holding it)."""
+    for fd in list(_held):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 class LockHeld(Exception):
@@ -64,6 +86,7 @@ def take(directory: Union[str, "os.PathLike[str]"]) -> int:
     Raises :class:`OSError` when the lock file cannot be opened, :class:`LockHeld` when it is held.
     """
     fd = os.open(Path(directory) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    _held.add(fd)   # before the flock: a fork from here on closes it in the child
     deadline = time.monotonic() + ORPHAN_WAIT_S
     while True:
         try:
@@ -74,6 +97,7 @@ def take(directory: Union[str, "os.PathLike[str]"]) -> int:
             if _gone(holder) and time.monotonic() < deadline:
                 time.sleep(0.01)   # its owner is dead: the owner's I/O process is exiting (see above)
                 continue
+            _held.discard(fd)
             os.close(fd)
             raise LockHeld(holder) from None
     try:
@@ -103,5 +127,24 @@ def _gone(holder: str) -> bool:
 
 
 def release(fd: int) -> None:
-    fcntl.flock(fd, fcntl.LOCK_UN)
+    """Unlock and close a lock :func:`take` returned.  One this process no longer has open (closed in it
+    as a forked child, see above) is left alone: unlocking it would free its parent's path."""
+    try:
+        _held.remove(fd)
+    except KeyError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def leave(fd: int) -> None:
+    """Close a lock :func:`take` returned without unlocking it: it stays held while another process
+    shares its open file (a disk I/O process that did not exit when killed), and is free once that
+    process is gone too."""
+    try:
+        _held.remove(fd)
+    except KeyError:
+        return
     os.close(fd)

@@ -46,8 +46,10 @@ def _spawn(argv: list[str], fds: tuple[int, ...]) -> "subprocess.Popen[bytes]":
     global _spawn_q, _at_fork
     with _spawn_lock:
         if _spawn_q is None:
-            _spawn_q = queue.SimpleQueue()
-            threading.Thread(target=_spawner, args=(_spawn_q,), name="tiered-kv-disk-spawner", daemon=True).start()
+            # kept only once its thread runs: a start that failed (can't start new thread) is tried again next time
+            fresh: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+            threading.Thread(target=_spawner, args=(fresh,), name="tiered-kv-disk-spawner", daemon=True).start()
+            _spawn_q = fresh
             if not _at_fork:   # a forked process has no spawner thread: its first _spawn starts its own
                 os.register_at_fork(after_in_child=_forget_spawner)
                 _at_fork = True

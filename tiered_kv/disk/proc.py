@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 _STATUS_S = 0.25               # an idle child sends its status this often
 _OPEN_TIMEOUT_S = 600.0        # recovery of a large tier reads every index record
 _CLOSE_TIMEOUT_S = 120.0       # close() waits this long for the child to drain, then kills it
-_KILLED_EXIT_S = 5.0           # ... and this long for the killed child to be gone
+_KILLED_EXIT_S = 5.0           # ... and this long for the killed child to be gone (also at an open that failed)
 _PR_SET_PDEATHSIG = 1
 CHILD_DIED = "disk I/O process died"
 _PKG_DIR = str(Path(__file__).resolve().parent.parent)
@@ -130,18 +130,22 @@ class ProcessDiskStore:
         self.exit_code: Optional[int] = None
         self.recovery = RecoveryReport()
         self.entries: list[StoredEntry] = []
+        self._child_left = False          # an open that failed killed the child, which did not exit (yet)
         self._lock_fd = take_path(opts.path)
         try:
             self._start()
         except BaseException:
-            lock.release(self._lock_fd)
+            if self._child_left:   # the lock stays with the child's share of it: free once the child is gone
+                lock.leave(self._lock_fd)
+            else:
+                lock.release(self._lock_fd)
             self._lock_fd = -1
             raise
 
     def _start(self) -> None:
         h = self._host
         fds: list[int] = []
-        try:   # an OSError here (out of descriptors, of processes) is a start that failed: a DiskTierError
+        try:   # an OSError (out of descriptors, of processes) or a spawner thread that cannot start: a start that failed
             cmd_r, cmd_w = os.pipe()
             fds += (cmd_r, cmd_w)
             rep_r, rep_w = os.pipe()
@@ -151,9 +155,11 @@ class ProcessDiskStore:
             self._proc = _spawn(
                 [sys.executable, "-c", _BOOT.format(pkg=_PKG_DIR), str(cmd_r), str(rep_w), str(h.fd),
                  str(self._lock_fd), str(os.getpid())], (cmd_r, rep_w, h.fd, self._lock_fd))
-        except OSError as exc:
+        except BaseException as exc:
             for fd in fds:
                 os.close(fd)
+            if not isinstance(exc, (OSError, RuntimeError)) or isinstance(exc, DiskTierError):
+                raise
             raise ProcessStartError(f"disk_path {str(self.opts.path)!r}: cannot start the disk I/O process: {exc}") from exc
         os.close(cmd_r)
         os.close(rep_w)
@@ -177,7 +183,14 @@ class ProcessDiskStore:
         self.status = first[3]
         self._receiver = threading.Thread(target=self._receive, args=(frames,), name="tiered-kv-disk-receiver",
                                           daemon=True)
-        self._receiver.start()
+        try:
+            self._receiver.start()
+        except BaseException as exc:   # the child is open and would run on unanswered, the path unlocked
+            self._kill()
+            if isinstance(exc, RuntimeError):   # can't start new thread: a tier that cannot open
+                raise DiskTierError(f"disk_path {str(self.opts.path)!r}: cannot start the disk I/O process's "
+                                    f"receiver thread: {exc}") from exc
+            raise
 
     def _first_frame(self, frames: _Frames) -> Any:
         """The child's answer to its open: ``("ready", ...)``; its log records before it are re-logged."""
@@ -189,9 +202,12 @@ class ProcessDiskStore:
                 raise ProcessStartError(f"disk_path {str(self.opts.path)!r}: the disk I/O process did not answer "
                                         f"its open within {_OPEN_TIMEOUT_S:.0f} s") from None
             except EOFError:
-                rc = self._proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                try:
+                    rc: Any = self._proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:   # its pipe closed, yet it lives on: the caller kills it
+                    rc = "unknown: it did not exit"
                 raise ProcessStartError(f"disk_path {str(self.opts.path)!r}: the disk I/O process exited at open "
-                                    f"(status {rc})") from None
+                                        f"(status {rc})") from None
             for msg in items:
                 if msg[0] == "ready":
                     return msg
@@ -201,11 +217,19 @@ class ProcessDiskStore:
                 self._dispatch([msg])
 
     def _kill(self) -> None:
+        """An open that failed: kill the child, wait ``_KILLED_EXIT_S`` for it to be gone, close the pipes.
+        A child still there (in uninterruptible sleep on a hung disk) sets ``_child_left``: the caller then
+        leaves the path lock to it (:func:`.lock.leave`), free once it is gone; it is never waited for here."""
         try:
             self._proc.kill()
-            self._proc.wait(timeout=_CLOSE_TIMEOUT_S)
         except OSError:
             pass
+        try:
+            self._proc.wait(timeout=_KILLED_EXIT_S)
+        except subprocess.TimeoutExpired:
+            self._child_left = True
+            log.error("disk tier %s: the disk I/O process (pid %d) did not exit when killed at a failed open; the "
+                      "path stays held until it does", self.opts.path, self._proc.pid)
         for fd in (getattr(self, "_cmd_w", -1), getattr(self, "_rep_r", -1)):
             if fd >= 0:
                 os.close(fd)

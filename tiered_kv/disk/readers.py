@@ -9,6 +9,12 @@ Invariants:
 * each read is answered exactly once (also when the read path raises);
 * a read that finds its entry corrupt, or fails with an I/O error, also queues the entry's removal
   with the writer (re-verified, resp. token-matched, there): the owner only forgets the key;
+* a read whose transaction cannot begin (LMDB's reader table full -- it is shared with the read-only
+  operator tools --, the map resized, a stale reader slot) learnt nothing about its entry: it is
+  answered ``NOT_READ`` (counted), and the entry stays, on disk and in the owner's index;
+* a reader thread that dies (a ``BaseException`` in its read path, after it answered what it took)
+  starts its replacement first, as a copy worker does (movers/thread.py): the reads queued behind it
+  are still read, and :meth:`Readers.join` joins the replacements too;
 * a reader that finds a slot's bytes changed under it (the entry was dropped and the slot reused
   meanwhile) reports a miss, not corruption: it re-reads the index before blaming the bytes;
 * every read transaction runs under the environment's ``rw`` lock, shared (see env.py).
@@ -30,7 +36,7 @@ from ..jobs import JobKind
 from ..reports import CompletionQueue, Report
 from .env import DiskEnv
 from .format import CorruptEntry, EntryHeader, lmdb_key, parse_header, verify_entry
-from .records import CORRUPT, READ_FAILED, Delete, DiskOptions, Promote, error_kind
+from .records import CORRUPT, NOT_READ, READ_FAILED, Delete, DiskOptions, Promote, error_kind
 from .slots import SlotFile
 
 __all__ = ["Readers", "READ_BATCH_MAX"]
@@ -41,6 +47,14 @@ READ_BATCH_MAX = 256   # reads a reader takes at once, at most: small blocks' lo
 IOV_MAX_SLOTS = 1024 // 2   # slots per preadv, at most: IOV_MAX is 1024 and each slot after the first takes a pad too
 
 _Queued = Union[Promote, "list[Promote]", None]
+
+
+class _NotBegun(Exception):
+    """A read transaction that could not begin (``lmdb.Error`` from ``env.begin``): nothing was read."""
+
+    def __init__(self, cause: lmdb.Error) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 class Readers:
@@ -57,10 +71,21 @@ class Readers:
         self._ns = opts.namespace.encode()
         self._reads: "queue.SimpleQueue[_Queued]" = queue.SimpleQueue()
         self._held_reads: list[Promote] = []   # hold(): handed to the readers by start()
-        self._threads = [threading.Thread(target=self._reader_main, name="tiered-kv-disk-reader", daemon=True)
-                         for _ in range(opts.num_readers)]
-        for t in self._threads:
-            t.start()
+        self._lock = threading.Lock()   # the list of reader threads (a dying reader adds its replacement)
+        self._threads: list[threading.Thread] = []
+        try:
+            for _ in range(opts.num_readers):
+                self._spawn()
+        except BaseException:   # a thread that cannot start: those started end before the open fails
+            self.stop()
+            self.join()
+            raise
+
+    def _spawn(self) -> None:
+        t = threading.Thread(target=self._reader_main, name="tiered-kv-disk-reader", daemon=True)
+        t.start()
+        with self._lock:
+            self._threads = [x for x in self._threads if x.is_alive()] + [t]
 
     # ------------------------------------------------------------ owner side
     def hold(self, op: Promote) -> None:
@@ -87,26 +112,49 @@ class Readers:
     def stop(self) -> None:
         """The readers finish the reads queued before their stop sentinel (held ones included), then end."""
         self.start()
-        for _ in self._threads:
+        with self._lock:
+            n = len(self._threads)
+        for _ in range(n):
             self._reads.put(None)
 
     def join(self) -> None:
-        for t in self._threads:
-            t.join()
+        """After :meth:`stop`: wait for the readers to end, the replacements of those that died on the way
+        included (a dying reader adds its replacement before it ends, and leaves it the stop sentinel it
+        took, if it took one: see :meth:`_reader_main`)."""
+        joined: set[threading.Thread] = set()
+        while True:
+            with self._lock:
+                threads = [t for t in self._threads if t not in joined]
+            if not threads:
+                return
+            for t in threads:
+                t.join()
+            joined.update(threads)
 
     def _read_limit(self) -> int:
         return max(1, min(READ_BATCH_MAX, self.opts.read_batch_bytes // self.opts.block_bytes))
 
     # ------------------------------------------------------------ reader threads
     def _reader_main(self) -> None:
-        while True:
-            item = self._reads.get()
-            if item is None:
-                return
-            ops, stop = self._take_queued(item)
-            self._run(ops)
-            if stop:   # this reader's stop sentinel came up behind the reads it took
-                return
+        stop = False   # this reader took its stop sentinel
+        try:
+            while True:
+                item = self._reads.get()
+                if item is None:
+                    return
+                ops, stop = self._take_queued(item)
+                self._run(ops)
+                if stop:   # this reader's stop sentinel came up behind the reads it took
+                    return
+        except BaseException as exc:
+            # dying (``_run`` answered its reads and counted it: reader_error): the reads queued behind need a
+            # reader, so a replacement starts before this one ends (join() joins it too, also while the store
+            # closes), and gets the stop sentinel this one took: one sentinel per live reader, as stop() put
+            log.debug("disk reader thread died (%r); starting another", exc)
+            if stop:
+                self._reads.put(None)
+            self._spawn()
+            raise
 
     def _run(self, ops: list[Promote]) -> None:
         """Read, verify and answer ``ops`` (a reader thread's batch, or a lone read, see :meth:`start`)."""
@@ -193,7 +241,7 @@ class Readers:
         try:
             self._db.rw.acquire_shared()
             try:
-                with env.begin(db=self._db.blocks, buffers=True) as txn:
+                with self._begin(env) as txn:
                     for op in ops:
                         found = self._lookup(txn, op, time.perf_counter())
                         if isinstance(found, Report):
@@ -202,6 +250,9 @@ class Readers:
                             todo.append((found[1].slot, op, found[0], found[1]))
             finally:
                 self._db.rw.release_shared()
+        except _NotBegun as nb:   # nothing looked up: each read is a miss that keeps its entry
+            yield self._not_read(ops, nb.cause)
+            return
         except lmdb.Error:
             for op in ops:
                 yield [(op, self._read(op))]
@@ -281,6 +332,8 @@ class Readers:
         except CorruptEntry as exc:
             try:
                 changed = self._index_changed(lmdb_key(op.key), value)
+            except _NotBegun as nb:   # not known whether the entry changed: it stays, and is verified next time
+                return self._not_read([op], nb.cause)[0][1]
             except lmdb.Error as lexc:
                 return self._read_failed(op, lexc)
             if changed:
@@ -300,7 +353,7 @@ class Readers:
         try:
             self._db.rw.acquire_shared()
             try:
-                with env.begin(db=self._db.blocks, buffers=True) as txn:
+                with self._begin(env) as txn:
                     found = self._lookup(txn, op, t0)
             finally:
                 self._db.rw.release_shared()
@@ -309,6 +362,8 @@ class Readers:
             value, h = found
             # preadv straight into the host slot, without the GIL
             got = os.preadv(self._slots.fd, [op.dst], h.slot * self._slots.slot_bytes) if h.length == n else 0
+        except _NotBegun as nb:
+            return self._not_read([op], nb.cause)[0][1]
         except (lmdb.Error, OSError) as exc:
             return self._read_failed(op, exc)
         return self._verify(op, value, got, t0, h)
@@ -318,12 +373,25 @@ class Readers:
         self._on_error(error_kind(exc), repr(exc))
         return Report(op.token, JobKind.PROMOTE, False, f"{READ_FAILED} ({exc})")
 
+    def _not_read(self, ops: list[Promote], exc: lmdb.Error) -> list[tuple[Promote, Report]]:
+        """``ops`` answered without a read (their transaction could not begin): counted and logged once
+        (once per kind), misses whose entries stay (``NOT_READ``: neither the reader nor the owner drops them)."""
+        self._on_error(error_kind(exc), repr(exc))
+        return [(op, Report(op.token, JobKind.PROMOTE, False, f"{NOT_READ} ({exc})")) for op in ops]
+
+    def _begin(self, env: Any) -> Any:
+        """A read transaction on the blocks sub-database; :class:`_NotBegun` when LMDB refuses to begin one."""
+        try:
+            return env.begin(db=self._db.blocks, buffers=True)
+        except lmdb.Error as exc:
+            raise _NotBegun(exc) from exc
+
     def _index_changed(self, lk: bytes, value: bytes) -> bool:
         env = self._db.env
         assert env is not None
         self._db.rw.acquire_shared()
         try:
-            with env.begin(db=self._db.blocks, buffers=True) as txn:
+            with self._begin(env) as txn:
                 now = txn.get(lk)
                 return now is None or bytes(now) != value
         finally:

@@ -16,8 +16,11 @@ the copy movers:
 The parts: lock.py (one store per path), env.py (LMDB environment, map growth), slots.py (the
 slot file holding the payloads), tombs.py (cancellations), recovery.py (on open, before the first
 read), writer.py, readers.py.  Invariant of the facade: open takes the path lock, then the
-environment, the slot file and recovery, in that order, and releases all of it if any step fails;
-``close()`` drains the writer and the readers before it releases anything.
+environment, the slot file and recovery, then starts the writer and the readers, in that order, and
+releases all of it (the threads already started end first) if any step fails; a fault there (an
+LMDB or I/O error, sizes LMDB cannot map, a thread that cannot start) is raised as
+:class:`DiskTierError`, as the disk I/O process reports it; ``close()`` drains the writer and the
+readers before it releases anything.
 """
 
 from __future__ import annotations
@@ -90,8 +93,19 @@ class DiskStore:
         seq = self._open(on_error)
         assert self.db is not None and self.slots is not None
         self.tombs = Tombs(self.db)
-        self.writer = Writer(opts, completions, self.db, self.slots, self.tombs, seq, on_error, on_prevented)
-        self.readers = Readers(opts, completions, self.db, self.slots, self.writer.push, on_error, on_corrupt)
+        writer: Optional[Writer] = None
+        try:   # the open's last step: its threads (Readers ends those it started if one cannot start)
+            writer = Writer(opts, completions, self.db, self.slots, self.tombs, seq, on_error, on_prevented)
+            self.readers = Readers(opts, completions, self.db, self.slots, writer.push, on_error, on_corrupt)
+        except BaseException as exc:
+            if writer is not None:   # nothing queued: it ends at once
+                writer.begin_close()
+                writer.join()
+            self._release()
+            if isinstance(exc, RuntimeError) and not isinstance(exc, DiskTierError):   # can't start new thread
+                raise DiskTierError(f"disk_path {str(opts.path)!r}: cannot start its threads: {exc}") from exc
+            raise
+        self.writer = writer
         self._closed = False
 
     # ------------------------------------------------------------ open / close
@@ -115,6 +129,9 @@ class DiskStore:
         except (OverflowError, ValueError) as exc:   # sizes LMDB cannot map: a tier that cannot open
             self._release()
             raise DiskTierError(f"disk_path {str(o.path)!r} cannot be opened with these sizes: {exc}") from exc
+        except OSError as exc:   # an I/O error (the directory's fsync, a stat of data.mdb): a tier that cannot open
+            self._release()
+            raise DiskTierError(f"disk_path {str(o.path)!r} cannot be opened: {exc}") from exc
         except BaseException:
             self._release()
             raise
