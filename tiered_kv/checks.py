@@ -11,13 +11,14 @@ from collections.abc import Iterable, Mapping, Set
 from typing import Any, Optional
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from .errors import ConfigError, DeviceTensorError, InvalidBlockError, InvalidKeyError
 
 log = logging.getLogger(__name__)
 
 __all__ = ["SUPPORTED_DTYPES", "NOT_SEQUENCES", "check_key", "check_block", "check_many", "check_timeout", "check_device_blocks",
-           "pin_decision", "plain_alias"]
+           "check_registry", "check_mover_factory", "pin_decision", "plain_alias"]
 
 SUPPORTED_DTYPES = frozenset(
     getattr(torch, n) for n in ("float16", "bfloat16", "float32", "float64", "int8", "uint8",
@@ -138,6 +139,20 @@ def check_device_blocks(t: Any) -> None:
                                 f"strides {t.stride()}")
     if t.requires_grad:
         raise DeviceTensorError("device_blocks must not require grad")
+
+
+def check_registry(registry: Any) -> None:
+    """``registry``: None (a private one) or a prometheus_client :class:`CollectorRegistry`."""
+    if registry is not None and not isinstance(registry, CollectorRegistry):
+        raise ConfigError(f"registry must be None or a prometheus_client CollectorRegistry, got "
+                          f"{type(registry).__name__}: {registry!r:.80}")
+
+
+def check_mover_factory(factory: Any) -> None:
+    """``mover_factory``: None (the default mover) or a callable that makes one."""
+    if factory is not None and not callable(factory):
+        raise ConfigError(f"mover_factory must be None or a callable (dev_rows, host_rows, completions) -> Mover, "
+                          f"got {type(factory).__name__}: {factory!r:.80}")
 
 
 def plain_alias(t: torch.Tensor) -> torch.Tensor:

@@ -38,8 +38,8 @@ from prometheus_client import CollectorRegistry
 
 from .config import TieredKVConfig
 from .core import CLOSE_TIMEOUT_S, TierCore
-from .checks import (SUPPORTED_DTYPES, check_block, check_device_blocks, check_key, check_many, check_timeout,
-                     NOT_SEQUENCES, pin_decision, plain_alias)
+from .checks import (SUPPORTED_DTYPES, check_block, check_device_blocks, check_key, check_many, check_mover_factory,
+                     check_registry, check_timeout, NOT_SEQUENCES, pin_decision, plain_alias)
 from .errors import BlockBusyError, ConfigError, InvalidJobError, InvalidKeyError, ManagerClosedError
 from .disk.proc import SharedHost
 from .hostmem import make_shared_rows, prepare_host_memory, register_pinned, unregister_pinned
@@ -135,6 +135,8 @@ class TierManager:
         if not isinstance(config, TieredKVConfig):
             raise ConfigError(f"config must be a TieredKVConfig, got {type(config).__name__}")
         check_device_blocks(device_blocks)
+        check_registry(registry)
+        check_mover_factory(mover_factory)
         self.config = config
         self.num_blocks = int(device_blocks.shape[0])
         self.row_bytes = int(device_blocks[0].numel() * device_blocks.element_size())

@@ -92,20 +92,31 @@ RESTART_BACKOFF_MIN_S, RESTART_BACKOFF_MAX_S = 1.0, 60.0
 
 
 class DiskErrors:
-    """The disk store's error callback: counts every fault, logs each kind once (any thread)."""
+    """The disk store's error callback: counts every fault, logs each kind once (any thread); and its
+    corruption callback (:meth:`corrupt`): counts every block that failed verification, logs each reason once."""
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
         self._logged: set[str] = set()
         self._lock = threading.Lock()
 
+    def _first(self, what: str) -> bool:
+        with self._lock:
+            first = what not in self._logged
+            self._logged.add(what)
+        return first
+
     def __call__(self, kind: str, msg: str) -> None:
         self._metrics.error("disk", kind)
-        with self._lock:
-            first = kind not in self._logged
-            self._logged.add(kind)
-        if first:
+        if self._first(kind):
             log.error("disk tier error (%s): %s; further %s errors are counted, not logged", kind, msg, kind)
+
+    def corrupt(self, reason: str) -> None:
+        self._metrics.corrupt_blocks.labels(reason=reason).inc()
+        if self._first("corrupt:" + reason):
+            log.warning("disk tier: a block failed verification (corrupt: %s); it was served as a miss and its "
+                        "entry removed; further corrupt blocks (%s) are counted in tiered_kv_corrupt_blocks_total, "
+                        "not logged", reason, reason)
 
 
 class DiskTier:
@@ -154,7 +165,7 @@ class DiskTier:
         m = metrics
         m.capacity["disk"].set(index_blocks * row_bytes)
         on_error = DiskErrors(metrics)
-        on_corrupt: Callable[[str], None] = lambda reason: m.corrupt_blocks.labels(reason=reason).inc()
+        on_corrupt = on_error.corrupt
         if cfg.disk_io == "process" and host is None:
             log.info("disk_io='process' needs a shareable host slab; this front end gave none: disk I/O on threads")
 
@@ -283,7 +294,11 @@ class DiskTier:
         writes until their report is applied), and each entry shed with why (``"disk_down"``,
         ``"disk_full"``, ``"backpressure"``), nothing left held for those.  A key on disk
         already is neither.  The writer queue's room is asked first: reserving a disk entry may
-        evict one, and a spill that is then shed must not have cost the tier a block.
+        evict one, and a spill that is then shed must not have cost the tier a block.  While the
+        writer's commits fail (the store is not ``healthy``) a spill takes a free slot only: one that
+        would evict a readable block for a write that will likely fail too is shed (``"disk_down"``);
+        the writer's next commit (the kept delete of an eviction, a tomb, a touch, a spill in a free
+        slot) makes it healthy again.
         """
         index, store = self.index, self.store
         hosts: list[Entry] = []
@@ -291,6 +306,11 @@ class DiskTier:
         shed: list[tuple[Entry, str]] = []
         usable = self.usable and store.writer_alive()   # a writer (or I/O process) that died this step: down
         room = store.spill_room() if usable else 0
+        over = "backpressure" if usable else "disk_down"   # why a spill past ``room`` is shed
+        if usable and not store.healthy:
+            free = index.num_slots - index.used_slots
+            if free < room:
+                room, over = free, "disk_down"
         keys = [e.key for e in entries]
         n = len(keys)
         if (usable and index.admission is None and index.plain_lru and n > 1 and index.none_of(keys)
@@ -300,10 +320,10 @@ class DiskTier:
             take = keys[:max(0, room)]
             disks = index.reserve_each(take, [make_token() for _ in take])
             hosts = entries[:len(disks)]
-            why = "disk_full" if len(disks) < len(take) else "backpressure"   # past a failed reservation all fail
+            why = "disk_full" if len(disks) < len(take) else over   # past a failed reservation all fail
             shed = [(e, why) for e in entries[len(disks):]]
         else:
-            hosts, disks, shed = self._reserve_one_by_one(entries, usable, room, make_token)
+            hosts, disks, shed = self._reserve_one_by_one(entries, over, room, make_token)
         if not hosts:
             return hosts, disks, shed
         hindex.pin_all(hosts)   # a copy to disk is no use: each stays where it is in the eviction order
@@ -316,10 +336,10 @@ class DiskTier:
             return [], [], shed
         return hosts, disks, shed
 
-    def _reserve_one_by_one(self, entries: list[Entry], usable: bool, room: int, make_token: Callable[[], uuid.UUID]
+    def _reserve_one_by_one(self, entries: list[Entry], over: str, room: int, make_token: Callable[[], uuid.UUID]
                             ) -> tuple[list[Entry], list[Entry], list[tuple[Entry, str]]]:
         """:meth:`start_spills`' reservations key by key: a key on disk already passed over, the writer
-        queue's room asked first, then the admission filter, then a slot."""
+        queue's room asked first (past it a spill is shed as ``over``), then the admission filter, then a slot."""
         index = self.index
         hosts: list[Entry] = []
         disks: list[Entry] = []
@@ -328,7 +348,7 @@ class DiskTier:
             if e.key in index:
                 continue
             if room <= 0:
-                shed.append((e, "backpressure" if usable else "disk_down"))
+                shed.append((e, over))
                 continue
             if not index.admits(e.key):
                 continue   # not written (SSD wear): counted in index.refused, not shed

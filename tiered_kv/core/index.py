@@ -239,12 +239,23 @@ class TierIndex:
         """A hit (a use the policy orders by)."""
         self.policy.hit(entry)
 
-    def reserve(self, key: bytes, writer: uuid.UUID, protect: Collection[bytes] = ()) -> Optional[Entry]:
-        """A new WRITING entry for ``key`` in a free or evicted slot; None when full of leased slots."""
+    def reserve(self, key: bytes, writer: uuid.UUID, protect: Collection[bytes] = (),
+                replace: Optional[Entry] = None) -> Optional[Entry]:
+        """A new WRITING entry for ``key`` in a free or evicted slot; None when full of leased slots.
+
+        ``replace``: ``key``'s entry here, not READY (a fetch in flight), that gives way to the new one: it
+        leaves the index (:meth:`remove`) only once a slot for the new entry is certain, and stays when
+        there is none."""
         entries = self._entries
-        if key in entries:
-            raise AssertionError(f"reserve of present key {key!r}")  # internal bug: callers check first
         free = self._free
+        if replace is not None:
+            if entries.get(key) is not replace or replace.state is _READY:
+                raise AssertionError(f"reserve of {key!r} replacing {replace!r}")  # internal bug
+            if not free and self.policy.peek(protect, key) is None:
+                return None
+            self.remove(replace)   # its slot stays leased to its writer; the victim below is another entry
+        elif key in entries:
+            raise AssertionError(f"reserve of present key {key!r}")  # internal bug: callers check first
         if not free and not self._evict_one(protect, key):
             return None
         entry = Entry(key, free.pop(), writer)
@@ -286,7 +297,8 @@ class TierIndex:
         return new
 
     def reserve_absent(self, keys: Sequence[bytes], writer: uuid.UUID, protect: Collection[bytes],
-                       elsewhere: Optional[Container[bytes]], chain: bool = True) -> tuple[list[bytes], list[Entry], int]:
+                       elsewhere: Optional[Container[bytes]], chain: bool = True,
+                       replace: Collection[Entry] = ()) -> tuple[list[bytes], list[Entry], int]:
         """:meth:`reserve` for each of ``keys`` in no tier yet, under one ``writer``.
 
         A key present here is touched, a key in ``elsewhere`` (another tier) skipped, a
@@ -294,6 +306,9 @@ class TierIndex:
         reserved once.  Returns (keys reserved, their entries, keys that found no evictable
         slot).  One call per job: the engine stores a step's blocks.  ``chain``: ``keys`` are consecutive
         blocks of one sequence, in order (a prefix-aware policy links them); False where they are not.
+        ``replace``: entries of ``keys`` here, not READY (fetches in flight), reserved as if absent; each
+        leaves the index only when its key gets its new entry (:meth:`reserve`'s ``replace``), and stays
+        where the key is skipped or finds no slot.
         """
         entries, policy, free, lru = self._entries, self.policy, self._free, self._lru
         if chain and policy.uses_links:
@@ -325,6 +340,18 @@ class TierIndex:
         for k in keys:
             e = get(k)
             if e is not None:
+                if replace and e in replace:   # a repeated key finds this call's own entry: touched below
+                    if elsewhere is not None and k in elsewhere:
+                        continue
+                    if admits is not None and not admits(k, protect):
+                        continue
+                    e = self.reserve(k, writer, protect, e)
+                    if e is None:
+                        full += 1
+                        continue
+                    add_key(k)
+                    add_entry(e)
+                    continue
                 if lru_get is None:
                     hit(e)
                 elif lru_get(k) is e:   # LRU.hit written out

@@ -174,6 +174,7 @@ class TierCore:
         self.dindex: Optional[TierIndex] = None
         self.remote: Optional[RemoteTier] = None
         self.put_faults = 0     # remote writes that failed by a fault (applied reports): flush() looks at them too
+        self._malformed_logged = False   # a report of no job kind was logged (once)
         metrics.capacity["host"].set(num_slots * self.row_bytes)
         if config.disk_path is not None:
             # a disk capacity below one row is refused by each front end, before it allocates anything
@@ -220,7 +221,8 @@ class TierCore:
     def begin_store(self, keys: Sequence[bytes], protect: Collection[bytes] = (), chain: bool = True) -> Optional[Job]:
         """A STORE job for those of ``keys`` in no tier yet, each in a reserved host slot.
 
-        A key present in a tier is skipped (touched when on the host), a key that
+        A key present in a tier is skipped (touched when on the host) -- but a key whose
+        fetch is in flight is stored, the fetch giving way once the key has its slot --, a key that
         finds no evictable slot is shed (``host_full``); ``None`` when nothing is
         left, or when the jobs in flight are at ``max_inflight_jobs`` (shed).  The
         front end fills in the device side (``block``/``blocks``) and submits it.  ``chain``: ``keys``
@@ -237,15 +239,16 @@ class TierCore:
                 elif dindex is None or k not in dindex:
                     absent = True
             return self.shed(_STORE, "inflight_limit") if absent else None
-        if self.remote is not None:   # a key being fetched: the engine's own block wins
-            index = self.index
-            for k in keys:
-                e = index.get(k)
-                if e is not None and e.state is not _READY and self.remote_pending(e):
-                    self._supersede_fetch(e)
+        fetching: Sequence[Entry] = ()
+        if self.remote is not None:   # a key being fetched: the engine's own block wins, if it is stored
+            pending = self.remote_pending
+            fetching = [e for e in map(self.index.get, keys) if e is not None and e.state is not _READY and pending(e)]
         pool = self.token_pool
         token = pool.popleft() if pool else self.tokens()
-        got, entries, full = self.index.reserve_absent(keys, token, protect, self.dindex, chain)
+        got, entries, full = self.index.reserve_absent(keys, token, protect, self.dindex, chain, fetching)
+        for e in fetching:
+            if not e.live:   # its key reserved for this store: the fetch gave way
+                self._fetch_superseded(e)
         if full:   # each key that found no evictable slot (the blocks not offloaded), job started or not
             self.shed(_STORE, "host_full", full)
         if not entries:
@@ -262,14 +265,14 @@ class TierCore:
         and the general path's lists would be four more allocations per call (the garbage collector's
         young generation fills that much sooner, and its pauses land in the engine's calls)."""
         index = self.index
-        e = index.get(key)
+        fetch = index.get(key)
         full = len(self.jobs) - self.spill_extra >= self.max_inflight
-        if e is not None:
-            # a fetch of the key in flight gives way to the engine's own block only if that is stored
-            if e.state is _READY or full or not self.remote_pending(e):
-                index.touch(e)
+        if fetch is not None:
+            # a fetch of the key in flight gives way to the engine's own block only if that is stored: the
+            # reservation below replaces its entry once it has a slot (_fetch_superseded)
+            if fetch.state is _READY or full or not self.remote_pending(fetch):
+                index.touch(fetch)
                 return None
-            self._supersede_fetch(e)
         dindex = self.dindex
         if dindex is not None and key in dindex:
             return None
@@ -280,10 +283,12 @@ class TierCore:
         jobs = self.jobs
         pool = self.token_pool
         token = pool.popleft() if pool else self.tokens()
-        e = index.reserve(key, token)
+        e = index.reserve(key, token, (), fetch)
         if e is None:
             pool.appendleft(token)   # not issued: the next job takes it, in order
             return self.shed(_STORE, "host_full")
+        if fetch is not None:
+            self._fetch_superseded(fetch)
         job = Job(token, _STORE, key, -1)
         job._entries = [e]
         jobs[token.int] = job
@@ -638,7 +643,7 @@ class TierCore:
         except AttributeError:  # not a token at all (a foreign or broken worker): nothing of ours either
             job = None
         if job is None:
-            self.stale(r.kind, _R_UNKNOWN, r.token)
+            self._unknown(r)
             return
         kind = job.kind
         self.n_in_flight[kind] -= 1
@@ -654,6 +659,24 @@ class TierCore:
             self._apply_put(job, r)
         else:
             self._apply_fetch(job, r)
+
+    def _unknown(self, r: Any) -> None:
+        """A report no live job's token names: counted ``unknown_token`` under its kind.  A report with no
+        kind of ours (a foreign or broken worker's, or not a report at all) is counted under
+        ``kind="unknown"`` and logged once; never raised, so the reports drained with it are applied."""
+        kind = getattr(r, "kind", None)
+        if kind.__class__ is not JobKind:
+            try:
+                kind = JobKind(kind)
+            except (ValueError, TypeError):
+                m = self.metrics
+                m.count(m.stale_callbacks.labels(kind="unknown", reason=_R_UNKNOWN.value))
+                if not self._malformed_logged:
+                    self._malformed_logged = True
+                    log.warning("discarded a worker report of no job kind: %.200r; further ones are counted "
+                                "(tiered_kv_stale_callbacks_total{kind=\"unknown\"}), not logged", r)
+                return
+        self.stale(kind, _R_UNKNOWN, getattr(r, "token", None))
 
     def apply_arrived(self) -> None:
         """Start the reads held since the last call, then apply every report that has arrived."""
@@ -792,11 +815,11 @@ class TierCore:
         j = self.jobs.get(entry.writer.int)
         return j is not None and j.kind is _FETCH
 
-    def _supersede_fetch(self, e: Entry) -> None:
-        """The engine stores a key whose fetch is in flight: its own block wins, the fetch's part is
-        discarded when its answer comes (counted stale)."""
-        self.index.remove(e)
-        assert self.remote is not None
+    def _fetch_superseded(self, e: Entry) -> None:
+        """The engine stores a key whose fetch is in flight: its own block wins once its store is made (the
+        store's reservation took the fetch's entry ``e`` out of the index, ``TierIndex.reserve``'s
+        ``replace``); the fetch's part is discarded when its answer comes (counted stale)."""
+        assert self.remote is not None and not e.live
         self.remote.superseded(e.key)
 
     def _start_probe(self) -> None:
