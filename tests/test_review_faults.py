@@ -310,6 +310,12 @@ def test_spills_that_cannot_be_written_do_not_evict_readable_blocks(rig) -> None
         job = mgr.store(k, i)
         if job is not None:
             mgr.wait([job], timeout=10)
+        deadline = time.monotonic() + 30
+        while i == 0 and metric(mgr, "tiered_kv_errors_total", tier="disk", error="read_only") < 1:
+            # the first spill's batch has failed before the next store (a state, not an ordering sleep): the
+            # spills of one batch window cannot know of its failure, the ones after it can
+            assert time.monotonic() < deadline, "the first spill's batch never failed"
+            mgr.wait(timeout=0.01)
         mgr.wait(timeout=0.05)
     assert metric(mgr, "tiered_kv_errors_total", tier="disk", error="read_only") >= 1
     assert metric(mgr, "tiered_kv_healthy", tier="disk") == 0.0
