@@ -154,14 +154,28 @@ def load_ok(mgr: TierManager, kv: torch.Tensor, key: bytes, row: int) -> bool:
 
 
 def drain(mgr: TierManager, timeout: float = 30) -> list[Completion]:
-    """Poll until no job (internal spills/promotes included) is in flight."""
+    """Poll until no job (internal spills/promotes included) is in flight, and no start of a new disk I/O
+    process is (:func:`settle_restart`)."""
     out: list[Completion] = []
     deadline = time.monotonic() + timeout
     while mgr.jobs_in_flight:
         out += mgr.wait(timeout=0.05)
         if time.monotonic() > deadline:
             raise AssertionError(f"jobs still in flight after {timeout} s: {mgr.debug_sizes()}")
-    return out + mgr.poll()
+    return out + mgr.poll() + settle_restart(mgr, timeout)
+
+
+def settle_restart(mgr: TierManager, timeout: float = 60) -> list[Completion]:
+    """Poll until no start of a disk I/O process is in flight: a pass that finds the process dead starts a new
+    one on a starter thread (``DiskTier.restart``), and a later pass adopts it (or counts its failure)."""
+    out: list[Completion] = []
+    tier = mgr._core.disk
+    deadline = time.monotonic() + timeout
+    while tier is not None and tier._starting is not None:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the disk I/O process's start still in flight after {timeout} s")
+        out += mgr.wait(timeout=0.01)
+    return out
 
 
 def spy_spills(mgr: TierManager) -> list[tuple[uuid.UUID, bytes]]:

@@ -27,7 +27,7 @@ from tiered_kv.disk.proc import CHILD_DIED, ProcessDiskStore
 from tiered_kv.errors import DiskInUseError
 
 from disk_helpers import (PYTHON, REPO, Rig, disk_config, drain, fill, keys, load_ok, metric, metric_sum,
-                          make_kv, raw_keys, rig, row_is, store_one, store_seq)  # noqa: F401
+                          make_kv, raw_keys, rig, row_is, settle_restart, store_one, store_seq)  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -269,6 +269,7 @@ def test_a_child_that_cannot_be_restarted_leaves_the_tier_down_and_is_retried(ri
     store.kill_for_test(signal.SIGKILL)
     _wait_down(store)
     mgr.poll()
+    settle_restart(mgr)                             # the start runs on a starter thread, off the engine's
     assert fails["n"] == 1 and not tier.usable
     assert metric(mgr, "tiered_kv_errors_total", tier="disk", error="io_process_restart_failed") == 1
     mgr.poll()                                      # within the back-off: not tried again
@@ -281,6 +282,7 @@ def test_a_child_that_cannot_be_restarted_leaves_the_tier_down_and_is_retried(ri
     tier._reopen = real
     tier._retry_at = 0.0                            # the back-off is over
     mgr.poll()
+    settle_restart(mgr)
     assert tier.usable and not _child(mgr).down
     store_one(mgr, kv, b"back", 1)
 
@@ -515,6 +517,7 @@ def test_a_restarted_child_that_dies_again_soon_is_restarted_after_a_back_off(ri
     first.kill_for_test(signal.SIGKILL)
     _wait_down(first)
     mgr.poll()
+    settle_restart(mgr)
     second = _child(mgr)
     assert second is not first and not second.down and tier.restarts == 1
     second.kill_for_test(signal.SIGKILL)
@@ -528,6 +531,7 @@ def test_a_restarted_child_that_dies_again_soon_is_restarted_after_a_back_off(ri
     assert metric(mgr, "tiered_kv_shed_total", kind="spill", reason="disk_down") == 1
     tier._retry_at = 0.0                                      # the back-off is over
     mgr.poll()
+    settle_restart(mgr)
     assert _child(mgr) is not second and tier.usable and tier.restarts == 2
     store_one(mgr, kv, b"after", 1)
 

@@ -1,12 +1,11 @@
 """Third adversarial review of the owner-side core (TierCore, TierIndex, DiskTier) and its per-batch front
 end (TierManager).
 
-Each test marked ``xfail(strict=True)`` proves a defect: it passes now because it fails, and fails (XPASS)
-once the defect is fixed.  Interleavings are forced with :class:`~fakes.FakeMover` (copies answered only
+Each test failed before its fix.  Interleavings are forced with :class:`~fakes.FakeMover` (copies answered only
 when the test says, in any order), test_review_core2's ``FakeRemoteStore`` (a server answering probes and
 fetches on command) and reports put on the completion queue by hand; nothing sleeps for ordering.
 
-What it proved: a store that is not made (host full, admission refused) still drops the fetch of its
+What it proved wrong: a store that is not made (host full, admission refused) still drops the fetch of its
 key, so the block reaches no tier; one malformed worker report raises out of ``poll()`` and loses every
 report drained with it (a live job is never reported); the constructor lets a bad ``registry`` or
 ``mover_factory`` escape as AttributeError/TypeError; docs/architecture.md says ``close()`` takes the
@@ -39,9 +38,6 @@ def _norm(text: str) -> str:
 
 
 # ============================================================================ a worker's malformed answer
-@pytest.mark.xfail(strict=True, reason="TierCore.apply counts an unknown token's report under metrics.stale[(r.kind, "
-                   "reason)]: a report whose kind is no JobKind raises KeyError out of poll(), and "
-                   "apply_arrived's drained batch behind it is lost -- the live store is never reported")
 @pytest.mark.parametrize("kind", [None, "copy"], ids=["no-kind", "foreign-kind"])
 def test_a_malformed_report_neither_raises_in_poll_nor_loses_the_reports_drained_with_it(fake: Any, kv: torch.Tensor,
                                                                                           kind: Any) -> None:
@@ -67,11 +63,6 @@ def test_a_malformed_report_neither_raises_in_poll_nor_loses_the_reports_drained
 
 
 # ============================================================================ a store that supersedes a fetch
-@pytest.mark.xfail(strict=True, reason="TierCore.begin_store_one / begin_store supersede the key's fetch "
-                   "(_supersede_fetch: out of the index) before they know the store will be made; when the "
-                   "reservation then finds no slot (host_full) or the host admission filter refuses the key, the "
-                   "store is not made and the fetch's landed bytes are discarded as superseded: the block reaches "
-                   "no tier")
 @pytest.mark.parametrize("call", ["store", "store_many"])
 @pytest.mark.parametrize("cause", ["host_full", "admission"])
 def test_a_store_not_made_leaves_the_keys_fetch_alone(fake_remote: list[FakeRemoteStore], call: str,
@@ -115,8 +106,6 @@ def test_a_store_not_made_leaves_the_keys_fetch_alone(fake_remote: list[FakeRemo
 
 
 # ============================================================================ the constructor's arguments
-@pytest.mark.xfail(strict=True, reason="TierManager.__init__ checks config and device_blocks but hands registry to "
-                   "Metrics unchecked: AttributeError ('... has no attribute register'), not a tiered_kv error")
 @pytest.mark.parametrize("registry", [object(), "tiered_kv", 9477], ids=["object", "str", "int"])
 def test_a_registry_that_is_not_a_collector_registry_is_refused_naming_it(kv: torch.Tensor, registry: Any) -> None:
     """docs/architecture.md invariant 18 ("Errors before state: a bad argument raises an error from
@@ -128,8 +117,6 @@ def test_a_registry_that_is_not_a_collector_registry_is_refused_naming_it(kv: to
         TierManager(make_config(8), kv, registry=registry)
 
 
-@pytest.mark.xfail(strict=True, reason="TierManager.__init__ calls mover_factory unchecked: a value that is not "
-                   "callable escapes as TypeError (\"'str' object is not callable\"), not a tiered_kv error")
 def test_a_mover_factory_that_is_not_callable_is_refused_naming_it(kv: torch.Tensor) -> None:
     """The same boundary rule for ``mover_factory``: a string where a factory was meant is a caller's
     mistake the constructor should name (it does clean up the slab and the registry; the error is the
@@ -140,9 +127,6 @@ def test_a_mover_factory_that_is_not_callable_is_refused_naming_it(kv: torch.Ten
 
 
 # ============================================================================ docs against the code
-@pytest.mark.xfail(strict=True, reason="docs/architecture.md ('Metrics on the hot path') says close() takes the "
-                   "manager's metrics off the registry (Metrics.close); TierManager.close() calls Metrics.closed(), "
-                   "which keeps every family registered (health 0)")
 def test_architecture_doc_says_what_close_does_to_the_registry(kv: torch.Tensor) -> None:
     """docs/architecture.md, "Metrics on the hot path": "After any poll(), wait(), flush() or close()
     returns ..., the registry is exact (`close()` then takes the manager's metrics off it:

@@ -1,8 +1,7 @@
 """Third adversarial review of the disk tier's I/O side: tiered_kv/disk/{proc,pipes,child,env,slots,tombs,
 recovery,writer,readers,store,lock,format}.py and core/disk_tier.py where it applies their reports.
 
-Each defect is pinned by a test marked ``xfail(strict=True)`` (it passes once the defect is fixed; the strict
-marker then turns it red, so that the marker is taken off):
+What it proved wrong (each test failed before its fix):
 
 1. writer.py ``_commit``: ``db.cover_pages()`` runs after the LMDB commit inside the ``try`` whose ``except``
    gives the batch's slots back and fails its spills.  A fault there (EIO) leaves committed entries whose
@@ -43,6 +42,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import types
 import uuid
 from pathlib import Path
@@ -110,8 +110,6 @@ def _eio_once_after_commit(disk: Any) -> None:
 
 
 # --------------------------------------------------------------------------- 1
-@pytest.mark.xfail(strict=True, reason="Writer._commit gives a committed batch's slots back when cover_pages "
-                                       "fails after the commit: a durable, acknowledged entry is later overwritten")
 def test_a_fault_after_the_commit_never_frees_slots_that_committed_entries_reference(tmp_path: Path) -> None:
     """slots.py invariant: "a slot is referenced by at most one committed entry".  ``Writer._commit`` runs
     ``db.cover_pages()`` (a stat and an ``os.truncate`` of data.mdb) *after* the LMDB commit but inside the
@@ -138,8 +136,6 @@ def test_a_fault_after_the_commit_never_frees_slots_that_committed_entries_refer
 
 
 @pytest.mark.disk_threads
-@pytest.mark.xfail(strict=True, reason="a spill committed before a post-commit fault is reported failed: the owner "
-                                       "never tombstones it and the invalidated key is served after a reopen")
 def test_a_key_invalidated_after_a_post_commit_fault_does_not_come_back(rig: Rig) -> None:
     """DESIGN: "cancel(job) and invalidate(key) record a tombstone ... a cancelled write never becomes
     visible"; manager.invalidate: "it is never served again until stored again".  The same post-commit EIO
@@ -160,8 +156,6 @@ def test_a_key_invalidated_after_a_post_commit_fault_does_not_come_back(rig: Rig
 
 
 # --------------------------------------------------------------------------- 2
-@pytest.mark.xfail(strict=True, reason="recovery accepts a sequence number just below SEQ_LIMIT and the writer then "
-                                       "numbers every later write at or past it: the next recovery drops them all")
 def test_a_damaged_sequence_number_just_below_the_limit_does_not_cost_later_writes(tmp_path: Path) -> None:
     """recovery.py: "recovery reads no checksum: a damaged sequence number would number every later write
     past 64 bits", so a header (or touch record) whose seq is ``>= SEQ_LIMIT`` is dropped as damage.  The same
@@ -199,8 +193,6 @@ def _with_seq(value: bytes, seq: int) -> bytes:
 
 
 # --------------------------------------------------------------------------- 3
-@pytest.mark.xfail(strict=True, reason="DiskStore.__init__ starts the writer and the readers after _open with no "
-                                       "cleanup: a failed thread start leaks the path lock and the LMDB environment")
 def test_an_open_that_cannot_start_its_threads_releases_the_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """store.py: "Invariant of the facade: open takes the path lock, then the environment, the slot file and
     recovery, in that order, and releases all of it if any step fails".  Starting the writer and reader
@@ -240,8 +232,6 @@ def test_an_open_that_cannot_start_its_threads_releases_the_path(tmp_path: Path,
 
 
 # --------------------------------------------------------------------------- 4
-@pytest.mark.xfail(strict=True, reason="ProcessDiskStore._start leaves the child running when the receiver thread "
-                                       "cannot start; __init__ then unlocks the path the live child still writes")
 def test_an_open_whose_receiver_cannot_start_leaves_no_child_writing_the_path(tmp_path: Path,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """proc.py: "the path lock is taken by the owner and shared with the child, so it is free only once both
@@ -318,8 +308,6 @@ class _ReadersFullOnce:
         return getattr(self._env, name)
 
 
-@pytest.mark.xfail(strict=True, reason="Readers classify any lmdb.Error as READ_FAILED and queue the entry's removal: "
-                                       "a full reader table (no fault of the entry) deletes good, durable blocks")
 def test_a_read_refused_by_a_full_reader_table_does_not_delete_the_entry(tmp_path: Path) -> None:
     """readers.py: a read that "finds its entry corrupt, or fails with an I/O error" queues the entry's removal.
     ``Readers._read`` lumps every ``lmdb.Error`` with I/O errors: ``MDB_READERS_FULL`` -- the reader table is
@@ -346,8 +334,6 @@ def test_a_read_refused_by_a_full_reader_table_does_not_delete_the_entry(tmp_pat
 
 # --------------------------------------------------------------------------- 6
 @pytest.mark.disk_threads
-@pytest.mark.xfail(strict=True, reason="DiskStore._open lets the OSError of its directory fsync escape unwrapped: "
-                                       "TierManager() raises instead of running host-only")
 def test_an_eio_syncing_the_tier_directory_at_open_runs_host_only(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
     """DiskTier.open: a tier that cannot open is "counted, logged, host-only service" (``open_failed``); it
     catches ``DiskTierError``, which every other step of the open is wrapped in (``take_path``, ``SlotFile``,
@@ -386,8 +372,6 @@ os._exit(0)                              # the engine crashes: nothing released
 """
 
 
-@pytest.mark.xfail(strict=True, reason="the path lock's fd (and its flock) is inherited by every process the owner "
-                                       "forks: after the owner crashes, a forked helper keeps the tier locked")
 def test_a_forked_helper_of_a_crashed_owner_does_not_keep_the_path_locked(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """lock.py: "a lock held while the pid written in it is gone is held by that owner's disk I/O process
@@ -415,8 +399,6 @@ def test_a_forked_helper_of_a_crashed_owner_does_not_keep_the_path_locked(tmp_pa
 
 
 # --------------------------------------------------------------------------- 8
-@pytest.mark.xfail(strict=True, reason="ProcessDiskStore._kill lets subprocess.TimeoutExpired escape: an open that "
-                                       "timed out on a hung disk raises it instead of ProcessStartError")
 def test_an_open_timed_out_on_a_hung_disk_raises_a_disk_tier_error(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """proc.py: the constructor "raises like DiskStore at open: ... DiskTierError when it cannot be opened (or
@@ -459,8 +441,6 @@ def test_an_open_timed_out_on_a_hung_disk_raises_a_disk_tier_error(tmp_path: Pat
 
 
 # --------------------------------------------------------------------------- 10
-@pytest.mark.xfail(strict=True, reason="a batch whose spills cannot be written (ENOSPC) fails whole: its tombs, which "
-                                       "need no slot space, fail with every such batch and are dropped at close")
 def test_an_invalidation_commits_while_a_full_disk_fails_every_spill(tmp_path: Path) -> None:
     """DESIGN: invalidate(key) records a tombstone; a cancelled/invalidated entry never becomes visible again.
     architecture.md: a failed batch "keeps its tombs and deletes queued ... so an I/O error never resurrects an
@@ -521,8 +501,6 @@ def test_an_invalidation_commits_while_a_full_disk_fails_every_spill(tmp_path: P
 
 
 # --------------------------------------------------------------------------- 11
-@pytest.mark.xfail(strict=True, reason="DiskTier.restart (run inside poll()) starts the new I/O process synchronously "
-                                       "and waits in _first_frame for its whole open and recovery")
 def test_a_restart_of_the_io_process_does_not_hold_the_engine_thread_for_its_recovery(
         rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
     """DESIGN: "The engine thread never waits on disk."  The disk I/O process exists so that the engine's
@@ -555,6 +533,9 @@ def test_a_restart_of_the_io_process_does_not_hold_the_engine_thread_for_its_rec
     step.start()
     step.join(5)
     held = step.is_alive()
+    deadline = time.monotonic() + 30
+    while not spawned and time.monotonic() < deadline:   # a start off the engine's thread spawns on its own
+        time.sleep(0.005)
     monkeypatch.setattr(proc, "_spawn", real_spawn)
     for p in spawned:                            # let it go: the open sees EOF and the restart fails
         p.kill()

@@ -17,7 +17,7 @@ import torch
 from tiered_kv.disk import proc
 
 from disk_helpers import (Rig, drain, fill, keys, load_ok, make_kv, metric, raw_keys, rig,  # noqa: F401
-                          store_one, store_seq)
+                          settle_restart, store_one, store_seq)
 
 from test_disk_process import _child, _wait_down, hold_answers  # the same helpers
 
@@ -92,6 +92,7 @@ def test_an_os_error_starting_the_restarted_child_is_counted_not_raised_from_pol
     monkeypatch.setattr(proc, "os", _NoFds())        # only proc.py's calls see it
     try:
         mgr.poll()                                   # the pass that restarts the child
+        settle_restart(mgr)                          # (its start runs on a starter thread)
     finally:
         monkeypatch.undo()
     assert metric(mgr, "tiered_kv_errors_total", tier="disk", error="io_process_restart_failed") == 1

@@ -88,6 +88,7 @@ def capacity_for(cfg: TieredKVConfig, row_bytes: int, blocks: int) -> int:
 
 
 RESTART_BACKOFF_MIN_S, RESTART_BACKOFF_MAX_S = 1.0, 60.0
+RESTART_CLOSE_WAIT_S = 30.0   # restart(force=True), the owner closing: how long it waits for a start in flight
 """A disk I/O process that cannot be restarted is tried again after this long, doubling."""
 
 
@@ -141,6 +142,9 @@ class DiskTier:
         self._started_at = time.monotonic()
         self._seen_death: object = None   # the dead store restart() has looked at (a back-off is decided once per death)
         self.restarts = 0
+        # a new disk I/O process being started off the owner's thread: the starter thread, the new store or
+        # the start's exception once it ended (restart() adopts it at a later pass), and its abandon()
+        self._starting: Optional[tuple[threading.Thread, list[object], Callable[[], bool]]] = None
 
     @classmethod
     def open(cls, cfg: TieredKVConfig, row_bytes: int, completions: CompletionQueue, metrics: Metrics,
@@ -232,7 +236,12 @@ class DiskTier:
 
         Call only once the dead process's answers were applied (its spills aborted, its
         promotes failed): the index then holds only READY entries, with no lease from the dead
-        process.  What the new process recovered is reconciled with the index: an entry the index
+        process.  The new process is started, and its open (its recovery scan) awaited, on a
+        starter thread: the engine's thread never waits for it (the tier stays down meanwhile);
+        each later call looks whether it is done, and the first that finds it done adopts it.  With
+        ``force`` (the owner closing) it waits for the start, up to ``RESTART_CLOSE_WAIT_S``; a start
+        still in flight then is abandoned (the store it makes is closed at once, the path released).
+        What the new process recovered is reconciled with the index: an entry the index
         holds under the same writer token stays; one it holds but the disk lost leaves the index;
         one on disk that the index no longer holds (invalidated, evicted, or deleted by an op the
         dead process never committed) is deleted, token-matched -- nothing the owner dropped comes
@@ -250,18 +259,32 @@ class DiskTier:
                 self._retry_at = now + self._backoff
             else:
                 self._backoff = self._retry_at = 0.0
-        if now < self._retry_at and not force:
-            self.usable = False
-            return False
         self.usable = False
-        self.store.close()   # the dead child's pipes and its share of the path lock
-        try:
-            store = self._reopen()
-        except (DiskTierError, DiskInUseError) as exc:
-            self._backoff = min(RESTART_BACKOFF_MAX_S, max(RESTART_BACKOFF_MIN_S, 2 * self._backoff))
-            self._retry_at = now + self._backoff
-            self._on_error("io_process_restart_failed", str(exc))
+        if self._starting is None:
+            if now < self._retry_at and not force:
+                return False
+            self.store.close()   # the dead child's pipes and its share of the path lock
+            if not self._start():
+                self._failed_start(now, "cannot start a thread to start the disk I/O process")
+                return False
+        starter, outcome, abandon = self._starting   # type: ignore[misc]
+        if force:
+            starter.join(RESTART_CLOSE_WAIT_S)
+            if starter.is_alive() and abandon():   # a new child stuck in its open (a hung disk): not waited for
+                self._starting = None
+                self._on_error("io_process_restart_failed", f"the disk I/O process's start took longer than "
+                                                            f"{RESTART_CLOSE_WAIT_S:.0f} s at close: abandoned")
+                return False
+        if starter.is_alive():
             return False
+        self._starting = None
+        got = outcome[0] if outcome else RuntimeError("the disk I/O process's starter ended without an outcome")
+        if isinstance(got, (DiskTierError, DiskInUseError)):
+            self._failed_start(now, str(got))
+            return False
+        if isinstance(got, BaseException):   # a bug: raised where the synchronous start raised it, in the pass
+            raise got
+        store: Union[DiskStore, ProcessDiskStore] = got   # type: ignore[assignment]
         self.store = store
         self._export_recovery()
         kept = {e.key: e.token for e in store.entries}
@@ -283,6 +306,47 @@ class DiskTier:
                     "%d on disk no longer wanted deleted", store.opts.path, store.pid, lost,
                     "y" if lost == 1 else "ies", len(kept))
         return True
+
+    def _start(self) -> bool:
+        """Start a new store (:attr:`_reopen`) on a starter thread; False when that thread cannot start."""
+        assert self._reopen is not None
+        reopen = self._reopen
+        outcome: list[object] = []
+        lock = threading.Lock()
+        abandoned = [False]
+
+        def start() -> None:
+            got: object
+            try:
+                got = reopen()
+            except BaseException as exc:   # noqa: BLE001 - handed to the owner's next restart() call
+                got = exc
+            with lock:
+                if not abandoned[0]:
+                    outcome.append(got)
+                    return
+            if not isinstance(got, BaseException):   # nobody will adopt it: its child and path go
+                got.close()   # type: ignore[attr-defined]
+
+        def abandon() -> bool:
+            """The owner gives up on the start (False: it has just ended, adopt it)."""
+            with lock:
+                abandoned[0] = not outcome
+                return abandoned[0]
+
+        starter = threading.Thread(target=start, name="tiered-kv-disk-restart", daemon=True)
+        try:
+            starter.start()
+        except RuntimeError:   # can't start new thread
+            return False
+        self._starting = (starter, outcome, abandon)
+        return True
+
+    def _failed_start(self, now: float, why: str) -> None:
+        """A start that failed: counted, tried again after the back-off."""
+        self._backoff = min(RESTART_BACKOFF_MAX_S, max(RESTART_BACKOFF_MIN_S, 2 * self._backoff))
+        self._retry_at = now + self._backoff
+        self._on_error("io_process_restart_failed", why)
 
     # ------------------------------------------------------------------ spills
     def start_spills(self, entries: list[Entry], hindex: TierIndex, make_token: Callable[[], uuid.UUID],
@@ -379,7 +443,8 @@ class DiskTier:
     def finish_promote(self, hindex: TierIndex, entry: Entry, d: Entry, r: Report) -> None:
         """A live promote's report: the host entry is published (and the disk entry's recency kept),
         or dropped with the disk entry forgotten when the read failed; counted.  A read that never
-        reached the disk (its I/O process died) keeps the disk entry: the block is still there."""
+        reached the disk (its I/O process died, or its read transaction could not begin) keeps the disk
+        entry: the block is still there."""
         m = self._metrics
         if r.ok:
             hindex.publish(entry)

@@ -24,7 +24,9 @@ __all__ = ["DiskOptions", "FlushDone", "StoredEntry", "SpillGroup", "SPILL_PREVE
 
 SPILL_PREVENTED = "cancelled before publish"   # a spill report's error: stopped by a tomb, not a fault
 CORRUPT, READ_FAILED = "miss: corrupt", "miss: read failed"   # promote report errors the reader acts on
-NOT_READ = "miss: not read"   # a promote answered without reaching the disk (its I/O process died): the entry stays
+# a promote answered without reaching the disk (its I/O process died, or its read transaction could not
+# begin): the entry stays
+NOT_READ = "miss: not read"
 
 
 @dataclass(frozen=True)
