@@ -18,6 +18,7 @@ the disk I/O as threads of this process (``disk_threads``), where the hooks reac
 from __future__ import annotations
 
 import errno
+import os
 import logging
 import socket
 import time
@@ -380,3 +381,13 @@ def test_flush_answers_at_once_while_the_breaker_holds_an_invalidation_back(monk
         mgr.close()
     assert ok is False
     assert took < 2.5, f"flush(timeout=5) waited {took:.1f} s for a server the breaker knows is away"
+
+
+# ============================================================================ 11. out of room, by another name
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EDQUOT, errno.EFBIG], ids=["ENOSPC", "EDQUOT", "EFBIG"])
+def test_a_write_refused_for_want_of_room_is_counted_as_disk_full(err: int) -> None:
+    """A quota exceeded (EDQUOT) or a file past the largest allowed (EFBIG) is the disk tier out of room, as
+    ENOSPC is: counted ``error="disk_full"`` (and a spill that meets it fails alone, writer.py ``_no_room``),
+    not ``lmdb_error``, the label that says a bug."""
+    from tiered_kv.disk.records import error_kind
+    assert error_kind(OSError(err, os.strerror(err))) == "disk_full"

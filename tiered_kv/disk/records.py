@@ -159,8 +159,8 @@ def error_kind(exc: BaseException) -> str:
         return "map_full"
     err = getattr(exc, "errno", None)
     text = str(exc)
-    if err == errno.ENOSPC or "No space left" in text:
-        return "disk_full"
+    if err in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or "No space left" in text:
+        return "disk_full"   # no room: the disk, the user's quota, or the largest file allowed
     if err in (errno.EROFS, errno.EACCES, errno.EPERM) or "Read-only" in text or "Permission denied" in text:
         return "read_only"
     if err == errno.EIO or "Input/output" in text:
