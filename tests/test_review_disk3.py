@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import hashlib
 import os
 import signal
 import subprocess
@@ -44,14 +43,13 @@ import sys
 import threading
 import time
 import types
-import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import lmdb
 import pytest
 
-from test_disk_writer_regressions import Store as RegressionStore
+from test_review_disk_writer import _Store as _WriterReviewStore, _payload
 from disk_helpers import NS, ROW, Rig, load_into, make_kv, rig, store_one  # noqa: F401
 from tiered_kv.disk.format import parse_header
 from tiered_kv.disk.recovery import SEQ_LIMIT
@@ -66,33 +64,12 @@ from tiered_kv.hostmem import make_shared_rows
 from tiered_kv.movers import CompletionQueue
 
 
-def _payload(tag: bytes) -> bytearray:
-    return bytearray(hashlib.shake_128(b"review-disk3:" + tag).digest(ROW))
-
-
-class _Store(RegressionStore):
-    """A thread-mode DiskStore (every answer collected by token), batches of one spill by default."""
+class _Store(_WriterReviewStore):
+    """test_review_disk_writer's thread-mode store (every answer collected by token), 16 slots and batches of one
+    spill by default."""
 
     def __init__(self, path: Path, *, slots: int = 16, batch_blocks: int = 1, **opts: Any) -> None:
-        opts.setdefault("batch_bytes", batch_blocks * ROW)
         super().__init__(path, slots=slots, batch_blocks=batch_blocks, **opts)
-
-    def spill(self, key: bytes, tag: Optional[bytes] = None) -> uuid.UUID:  # type: ignore[override]
-        tok = uuid.uuid4()
-        buf = _payload(tag or key)
-        self.bufs.append(buf)
-        assert self.s.submit_spill(tok, key, memoryview(buf)), "spill refused"
-        return tok
-
-    def read(self, key: bytes, expect: uuid.UUID) -> tuple[Any, bytes]:
-        dst = bytearray(ROW)
-        tok = uuid.uuid4()
-        self.s.queue_promote(tok, key, expect, memoryview(dst))
-        self.s.start_reads()
-        return self.answer(tok), bytes(dst)
-
-    def close(self) -> None:
-        self.s.close()
 
 
 def _eio_once_after_commit(disk: Any) -> None:
