@@ -32,6 +32,11 @@ Invariants:
   the owner's process, :func:`.pipes._spawn`); the path lock is taken by the owner and
   shared with the child, so it is free only once both are gone (:func:`.lock.take` waits for the
   child of an owner that is already dead).
+
+Longer than the project's usual 500 lines: the start, the receiver, the answers owed when the child
+dies and the bounded close all read and change one record of the ops in flight under one lock
+(``_outstanding``, ``_down``); split, each part would reach into the others' state.  The frames and
+the spawner live in :mod:`.pipes`, the child's side in :mod:`.child`.
 """
 
 from __future__ import annotations
