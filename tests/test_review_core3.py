@@ -102,6 +102,7 @@ def test_a_store_not_made_leaves_the_keys_fetch_alone(fake_remote: list[FakeRemo
     finally:
         while remote.reads:
             remote.answer_read(0, fault=True)
+        remote.answer_puts()                      # the other store's write-through (close() would wait it out)
         mgr.close()
 
 
