@@ -310,7 +310,7 @@ class _WriterProbe:
             t = time.perf_counter()
             res = orig_commit(batch)
             t1 = time.perf_counter()
-            commits.append((t1, t1 - t, sum(1 for _, r in res if r.ok)))   # (op, report) pairs
+            commits.append((t1, t1 - t, sum(1 for _, r in res[0] if r.ok)))   # ((op, report) pairs, fault)
             return res
 
         def sync() -> None:
