@@ -275,10 +275,12 @@ class DiskTier:
                 self._on_error("io_process_restart_failed", f"the disk I/O process's start took longer than "
                                                             f"{RESTART_CLOSE_WAIT_S:.0f} s at close: abandoned")
                 return False
-        if starter.is_alive():
-            return False
+        if not outcome:   # (written under the start's lock: an outcome there is adopted, its thread ending or not)
+            if starter.is_alive():
+                return False
+            outcome.append(RuntimeError("the disk I/O process's starter ended without an outcome"))
         self._starting = None
-        got = outcome[0] if outcome else RuntimeError("the disk I/O process's starter ended without an outcome")
+        got = outcome[0]
         if isinstance(got, (DiskTierError, DiskInUseError)):
             self._failed_start(now, str(got))
             return False
@@ -362,7 +364,7 @@ class DiskTier:
         writer's commits fail (the store is not ``healthy``) a spill takes a free slot only: one that
         would evict a readable block for a write that will likely fail too is shed (``"disk_down"``);
         the writer's next commit (the kept delete of an eviction, a tomb, a touch, a spill in a free
-        slot) makes it healthy again.
+        slot, or the probe an idle unhealthy writer commits, ``Writer._probe``) makes it healthy again.
         """
         index, store = self.index, self.store
         hosts: list[Entry] = []

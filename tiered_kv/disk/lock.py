@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Union
@@ -27,8 +28,11 @@ __all__ = ["LOCK_NAME", "LockHeld", "take", "release", "leave", "holder_pid", "f
 LOCK_NAME = "tiered_kv.lock"
 ORPHAN_WAIT_S = 10.0   # how long take() waits for the I/O process of a dead owner to exit
 
-# the lock files this process has open (take() to release()/leave()); a set's add and remove are atomic
+# the lock files this process has open (take() to release()/leave()), under _fds: a lock file's open and
+# its entry here, its entry's removal and its close, each happen together as seen by a fork (which takes
+# _fds first), so no forked child gets a copy of a lock file it does not close
 _held: set[int] = set()
+_fds = threading.Lock()
 
 
 def _close_in_child() -> None:
@@ -40,9 +44,10 @@ def _close_in_child() -> None:
         except OSError:
             pass
     _held.clear()
+    _fds.release()   # taken by the fork in the parent (before it), and copied taken
 
 
-os.register_at_fork(after_in_child=_close_in_child)
+os.register_at_fork(before=_fds.acquire, after_in_parent=_fds.release, after_in_child=_close_in_child)
 
 
 class LockHeld(Exception):
@@ -85,8 +90,9 @@ def take(directory: Union[str, "os.PathLike[str]"]) -> int:
 
     Raises :class:`OSError` when the lock file cannot be opened, :class:`LockHeld` when it is held.
     """
-    fd = os.open(Path(directory) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    _held.add(fd)   # before the flock: a fork from here on closes it in the child
+    with _fds:   # before the flock: a fork from here on closes it in the child
+        fd = os.open(Path(directory) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        _held.add(fd)
     deadline = time.monotonic() + ORPHAN_WAIT_S
     while True:
         try:
@@ -97,8 +103,9 @@ def take(directory: Union[str, "os.PathLike[str]"]) -> int:
             if _gone(holder) and time.monotonic() < deadline:
                 time.sleep(0.01)   # its owner is dead: the owner's I/O process is exiting (see above)
                 continue
-            _held.discard(fd)
-            os.close(fd)
+            with _fds:
+                _held.discard(fd)
+                os.close(fd)
             raise LockHeld(holder) from None
     try:
         os.ftruncate(fd, 0)
@@ -129,22 +136,24 @@ def _gone(holder: str) -> bool:
 def release(fd: int) -> None:
     """Unlock and close a lock :func:`take` returned.  One this process no longer has open (closed in it
     as a forked child, see above) is left alone: unlocking it would free its parent's path."""
-    try:
-        _held.remove(fd)
-    except KeyError:
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
+    with _fds:
+        try:
+            _held.remove(fd)
+        except KeyError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
 
 
 def leave(fd: int) -> None:
     """Close a lock :func:`take` returned without unlocking it: it stays held while another process
     shares its open file (a disk I/O process that did not exit when killed), and is free once that
     process is gone too."""
-    try:
-        _held.remove(fd)
-    except KeyError:
-        return
-    os.close(fd)
+    with _fds:
+        try:
+            _held.remove(fd)
+        except KeyError:
+            return
+        os.close(fd)

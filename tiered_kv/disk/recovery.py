@@ -9,8 +9,9 @@ start.  Invariants on return:
   the slot file's end, and the older of two records on one slot are removed;
 * the sequence number the writer resumes from is no damaged record's: an entry numbered
   :data:`SEQ_CHECKED` or more (no writer gets there) is kept only if its checksum verifies, a touch
-  record so numbered is dropped, so the writer's later writes stay below :data:`SEQ_LIMIT` (the
-  next open keeps them) for another 2**61 writes at least;
+  record so numbered is dropped (unless a kept entry is numbered that high: then up to
+  :data:`SEQ_LIMIT`), so the writer's later writes stay below :data:`SEQ_LIMIT` (the next open keeps
+  them) for another 2**61 writes at least;
 * every slot no remaining entry references is free; recency is the newer of an entry's write
   sequence and its touch record;
 * the report is stored in ``meta`` (``last_recovery``) and the transaction synced (unless
@@ -124,13 +125,16 @@ def recover(db: DiskEnv, slots: SlotFile, ns: bytes, block_bytes: int) -> tuple[
         for tk in tombs:
             txn.delete(tk, db=db.tombs)
         rep.tombs_dropped = len(tombs)
-        # recency: a promote's touch may be newer than the write
+        # recency: a promote's touch may be newer than the write.  A touch has no checksum: one numbered past
+        # SEQ_CHECKED is damage, unless a verified entry is numbered that high (a writer resumed from it numbers
+        # its touches past it too); past SEQ_LIMIT it always is
+        touch_limit = SEQ_CHECKED if seq < SEQ_CHECKED else SEQ_LIMIT
         touched = {}
         for k, v in txn.cursor(db=db.touch):
             k = bytes(k)
             touched[k] = U64.unpack(bytes(v))[0] if len(v) == U64.size else None
-            if touched[k] is not None and touched[k] >= SEQ_CHECKED:   # no checksum here: an implausible number is
-                touched[k] = None                                        # damage (a touch is recency only)
+            if touched[k] is not None and touched[k] >= touch_limit:
+                touched[k] = None   # damage: a touch is recency only, dropped below
         for k, tseq in touched.items():
             e = entries.get(k)
             if tseq is None:   # a damaged touch record: it only ever held recency, so it is dropped

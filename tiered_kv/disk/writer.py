@@ -15,6 +15,9 @@ references.  Invariants:
   of the queue besides (so those are answered while the fault lasts); once closing they get
   :data:`CLOSE_RETRIES` attempts, then are dropped;
 * nothing after a commit undoes it: a fault there (``cover_pages``) is counted as degraded;
+* an idle writer that is not healthy commits a probe record after its back-off until one succeeds
+  (:meth:`Writer._probe`): the owner sheds the spills that would evict while it is unhealthy, so a full
+  tier would otherwise queue nothing that could make it healthy again;
 * touches are bounded: one per key, at most ``queue_blocks`` queued (:meth:`Writer.push`);
 * a writer that dies answers everything queued and refuses further ops.
 
@@ -210,9 +213,13 @@ class Writer:
             while not self._ops and not self._retry:
                 if self._closed:
                     return None
-                self._cond.wait(timeout=DIRTY_SYNC_S if self._dirty else IDLE_WAKE_S)
-                if not self._ops and not self._retry and self._dirty:
-                    return []  # idle: time to sync a batch-mode commit
+                if not self.healthy:   # idle while unhealthy: probe after the back-off (see _probe)
+                    wait = max(BACKOFF_MIN_S, self._backoff)
+                else:
+                    wait = DIRTY_SYNC_S if self._dirty else IDLE_WAKE_S
+                self._cond.wait(timeout=wait)
+                if not self._ops and not self._retry and (self._dirty or not self.healthy):
+                    return []  # idle: time to sync a batch-mode commit, or to probe an unhealthy disk
             batch: list[Any] = list(self._retry)
             self._retry.clear()
             kept = len(batch)
@@ -251,6 +258,8 @@ class Writer:
                     break
                 if not batch:
                     self._sync()
+                    if not self.healthy:
+                        self._probe()
                     continue
                 self._batch = batch
                 self._run_batch(batch)
@@ -543,6 +552,33 @@ class Writer:
         except lmdb.Error as exc:
             self._sync_failed = True
             self._degrade("sync_failed", repr(exc))
+
+    def _probe(self) -> None:
+        """An idle writer whose disk is not healthy commits a probe record (``meta``): healthy again once one
+        commits.  While it is unhealthy the owner sheds the spills that would evict a readable block
+        (``DiskTier.start_spills``), so with a full tier no spill would come to commit and end it.  A probe that
+        fails is not counted again (the fault that made the disk unhealthy was); the next waits longer, up to
+        ``BACKOFF_MAX_S``."""
+        env = self._db.env
+        if env is None:
+            return
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook("probe")
+            self._db.rw.acquire_shared()
+            try:
+                with env.begin(write=True, db=self._db.meta) as txn:
+                    txn.put(b"probe", U64.pack(self._seq))
+            finally:
+                self._db.rw.release_shared()
+            if self.opts.durability != "none":
+                env.sync(True)
+        except Exception as exc:   # noqa: BLE001 - still unhealthy; counted when it first failed
+            self._backoff = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, self._backoff * 2))
+            log.debug("disk tier %s: probe commit failed: %r", self.opts.path, exc)
+            return
+        self._backoff = 0.0
+        self.healthy = True
 
     def _no_room(self, exc: BaseException) -> tuple[str, str]:
         """``(kind, message)`` of a payload that found no room (``disk_full``, ``slots_exhausted``): its
