@@ -199,12 +199,22 @@ def test_one_fault_after_a_commit_leaves_a_full_tier_shedding_every_spill_for_go
         real()
 
     monkeypatch.setattr(db, "cover_pages", cover_pages)
-    store_one(mgr, kv, b"after-fault", 4, flush=False)   # evicts the oldest; commits; cover_pages fails once
+    store_one(mgr, kv, b"after-fault", 4, flush=False)   # evicts the oldest; commits; cover_pages fails
     drain(mgr)
+    writer = mgr.disk.writer
+    deadline = time.monotonic() + 30
+
+    def settled() -> bool:   # the writer idle, and every fault it met counted (it marks itself unhealthy first)
+        with writer._cond:
+            idle = not writer._ops and not writer._retry and not writer._batch
+        return idle and metric(mgr, "tiered_kv_errors_total", tier="disk", error="io_error") == len(faults)
+
+    while not settled():                         # states, not ordering sleeps
+        assert time.monotonic() < deadline, "the writer never settled after the fault"
+        mgr.wait(timeout=0.01)
     failing[0] = False                           # the fault is gone
     assert faults and mgr.disk_blocks == 4
-    deadline = time.monotonic() + 30
-    while not mgr.disk_healthy:                  # the idle writer probes the disk (a state, not an ordering sleep)
+    while not mgr.disk_healthy:                  # no op left to commit: the idle writer's probe
         assert time.monotonic() < deadline, "the disk tier never became healthy again"
         mgr.wait(timeout=0.01)
     shed_before = metric(mgr, "tiered_kv_shed_total", kind="spill", reason="disk_down")
