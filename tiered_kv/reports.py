@@ -73,8 +73,17 @@ _SLICE_S = 0.05
 a Ctrl-C or another handler waits for the end of the slice, at most this long."""
 
 _SYNCHRONOUS = ("SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGSYS", "SIGABRT")
-_HELD_OFF = (frozenset(signal.valid_signals()) - {getattr(signal, n) for n in _SYNCHRONOUS if hasattr(signal, n)}
+_HELD_OFF = (frozenset(int(s) for s in signal.valid_signals()) - {int(getattr(signal, n)) for n in _SYNCHRONOUS
+                                                                   if hasattr(signal, n)}
              if hasattr(signal, "pthread_sigmask") else frozenset())
+
+try:
+    # CPython's C function.  ``signal.pthread_sigmask`` wraps it only to turn each signal of the mask it
+    # returns into a ``Signals`` enum member: about 100 us a call (the old mask holds every held-off
+    # signal), most of a report's wake-up on the owner thread, paid by every timed wait
+    from _signal import pthread_sigmask as _sigmask
+except ImportError:   # another Python: the public one
+    _sigmask = getattr(signal, "pthread_sigmask", None)
 
 
 def get_within(q: "queue.SimpleQueue[Any]", timeout: Optional[float]) -> Any:
@@ -105,14 +114,14 @@ def get_within(q: "queue.SimpleQueue[Any]", timeout: Optional[float]) -> Any:
         left = deadline - time.monotonic()
         if left <= 0:
             raise queue.Empty
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_OFF) if _HELD_OFF else None
+        old = _sigmask(signal.SIG_BLOCK, _HELD_OFF) if _HELD_OFF else None
         try:
             return q.get(timeout=min(left, _SLICE_S))
         except queue.Empty:
             pass
         finally:
             if old is not None:
-                signal.pthread_sigmask(signal.SIG_SETMASK, old)   # a signal that came meanwhile is handled now
+                _sigmask(signal.SIG_SETMASK, old)   # a signal that came meanwhile is handled now
         try:
             return q.get_nowait()   # and the lock is held again before the next timed get (case 1)
         except queue.Empty:
