@@ -582,16 +582,17 @@ class TierManager:
         return None if entry is None else self._host_rows[entry.slot].clone()
 
     # ------------------------------------------------------------ internals: reports
-    def _poll(self, last: bool = False) -> None:
+    def _poll(self, last: bool = False, gauges: bool = True) -> None:
         """Apply what has arrived.  ``last``: the final pass of an API call (``poll()``, the end of a
         ``wait()``/``flush()``), which also prepares the next engine step: free host slots and tokens.
-        Only the last pass does it, so a wait() evicts for the state it leaves, not one it passed."""
+        Only the last pass does it, so a wait() evicts for the state it leaves, not one it passed.
+        ``gauges``: an inner pass publishes the counters and gauges too (the last one always does)."""
         core = self._core
         self._mover.harvest()
         core.apply_arrived()
         if self._deliver:
             self._deliver_cancelled()
-        core.end_step(last)
+        core.end_step(last, gauges)
         # a step's copies, and those submitted while reports were applied (loads behind promotes)
         self._mover.flush()
 
@@ -615,7 +616,9 @@ class TierManager:
         core = self._core
         mover.hold(True)
         try:
-            self._poll()
+            # the first pass leaves the counters and gauges to the last one (or to a pass _HELP_SLICE_S on):
+            # publishing them is tens of microseconds, much of a lone load's wait
+            self._poll(gauges=False)
             last_full = time.monotonic()
             while not done():
                 now = time.monotonic()
@@ -630,7 +633,10 @@ class TierManager:
                         pass
                     report = None
                 else:
-                    step = remaining if slice_s is None else (slice_s if remaining is None else min(slice_s, remaining))
+                    # a polled mover's copies end unseen: wake each slice to harvest them (with none in flight,
+                    # a wake-up would only take the GIL from a disk reader verifying a block)
+                    step = (remaining if slice_s is None or not mover.needs_harvest()
+                            else slice_s if remaining is None else min(slice_s, remaining))
                     if step is None or step > _WAKE_S:
                         step = _WAKE_S
                     report = self._completions.get(step)

@@ -988,9 +988,10 @@ class TierCore:
             self.evicted.append(d.key)
 
     # ------------------------------------------------------------------ the step
-    def end_step(self, last: bool) -> None:
+    def end_step(self, last: bool, gauges: bool = True) -> None:
         """Per-step bookkeeping after reports were applied.  ``last``: the final pass of an API call,
-        which also prepares the next step (free host slots, tokens) and publishes the gauges."""
+        which also prepares the next step (free host slots, tokens).  ``gauges``: publish the counters and
+        gauges (the last pass always does)."""
         self.log_debug = log.isEnabledFor(logging.DEBUG)
         disk = self.disk
         if disk is not None:
@@ -1014,7 +1015,8 @@ class TierCore:
                 make, add = self.tokens, pool.append   # popleft() takes the oldest: tokens are issued in the order made
                 for _ in range(TOKEN_POOL - len(pool)):
                     add(make())
-        self.refresh_gauges()
+        if last or gauges:
+            self.refresh_gauges()
 
     def refresh_gauges(self) -> None:
         """Push batched counters and the gauge values that changed (once per step, not per job)."""

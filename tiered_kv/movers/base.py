@@ -56,6 +56,8 @@ class Mover(abc.ABC):
       off in a ``finally``.  Default: nothing is held.
     * ``help_one() -> bool``: run one queued transfer on the calling (owner) thread and answer
       it like any other; False when there is none.  Default: False.
+    * ``needs_harvest() -> bool``: a polled mover has a transfer whose end only ``harvest()`` sees, so
+      an owner that blocks must wake to harvest it.  Default: ``polled``.
     * ``close()``: finish or answer everything submitted, then release the workers.
     """
 
@@ -75,6 +77,9 @@ class Mover(abc.ABC):
 
     def help_one(self) -> bool:
         return False
+
+    def needs_harvest(self) -> bool:
+        return self.polled
 
     @abc.abstractmethod
     def close(self) -> None: ...

@@ -523,6 +523,9 @@ class CudaMover(Mover):
                 if c.final:
                     free.append(c.end)
 
+    def needs_harvest(self) -> bool:
+        return bool(self._queued) or any(self._pending)
+
     def in_flight(self) -> int:
         """Transfers submitted and not yet reported by ``harvest()`` (queued or on the device)."""
         return len(self._queued) + sum(len(c) for p in self._pending for c in p)

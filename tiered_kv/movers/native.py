@@ -329,6 +329,10 @@ class NativeMover(Mover):
         self.harvest()
         return True
 
+    def needs_harvest(self) -> bool:
+        """Owner thread only: a transfer is held or its batch in flight (nothing else ends unseen)."""
+        return bool(self._held or self._inflight)
+
     def _wait_oldest(self, timeout: Optional[float]) -> None:
         """Wait until the oldest batch's copy ends, at most ``timeout`` seconds (None: for as long as it
         takes); a torch future has no timed wait, so a done-callback sets an event, made once per batch."""
