@@ -170,6 +170,18 @@ class SlotFile:
         with self.lock:
             self._free_durable_locked(txn_id)
 
+    def reclaim(self, referenced: Any) -> int:
+        """Free every slot that no committed entry references (``referenced``: the slots of the index's
+        readable records), that is not free and that no commit has yet to free: the slot of a dropped
+        record whose header could not be parsed.  Writer thread, right after a commit (no slot is then
+        placed and uncommitted).  Returns how many slots it freed."""
+        with self.lock:
+            pending = {i for _, i in self.freed_unsynced}
+            free = set(self.free)
+            lost = [i for i in range(self.length) if i not in referenced and i not in pending and i not in free]
+            self._free_locked(lost)
+        return len(lost)
+
     @staticmethod
     def note_dropped(value: Any, frees: list[int]) -> None:
         """An entry is being deleted or replaced: remember its slot (if it had a readable one)."""

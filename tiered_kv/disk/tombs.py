@@ -83,29 +83,32 @@ class Tombs:
         txn.put(token.bytes, key, db=self._db.tombs)
 
     def delete_if_token(self, txn: Any, key: bytes, token: uuid.UUID, frees: list[int],
-                        unparseable_too: bool = False) -> None:
+                        unparseable_too: bool = False) -> bool:
         """Delete ``key``'s entry (and its touch record) if ``token`` wrote it, noting its slot in
         ``frees``.  ``unparseable_too``: also drop a record whose header cannot be parsed (no write of
         anyone's makes one; a reader found it corrupt) -- a tomb must not take it for the write it
-        guards, so it stays otherwise."""
+        guards, so it stays otherwise.  True when it dropped such a record: its slot is not known (the
+        writer finds it by a scan of the index once the transaction committed, ``Writer._reclaim``)."""
         db = self._db
         lk = lmdb_key(key)
         v = txn.get(lk, db=db.blocks)
         if v is None:
-            return
+            return False
         try:
             h = parse_header(v)
         except CorruptEntry:
             if unparseable_too:
                 txn.delete(lk, db=db.blocks)
                 txn.delete(lk, db=db.touch)
-            return
+                return True
+            return False
         if h.token != token:
-            return
+            return False
         if h.in_slot:
             frees.append(h.slot)
         txn.delete(lk, db=db.blocks)
         txn.delete(lk, db=db.touch)
+        return False
 
     def undo(self, undo: Undo) -> None:
         """A transaction aborted: its changes to the in-memory sets are put back (only the writer

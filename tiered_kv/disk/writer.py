@@ -43,7 +43,7 @@ import lmdb
 from ..jobs import JobKind
 from ..reports import CompletionQueue, Report
 from .env import DiskEnv
-from .format import HEADER_SIZE, lmdb_key, pack_slot_entry
+from .format import HEADER_SIZE, CorruptEntry, lmdb_key, pack_slot_entry, parse_header
 from .recovery import U64
 from .records import SPILL_PREVENTED, Delete, DiskOptions, Flush, FlushDone, Spill, SpillGroup, Tomb, Touch, error_kind
 from .slots import SlotFile, SlotsExhausted
@@ -408,6 +408,7 @@ class Writer:
         # MapFullError must see what the aborted attempt saw (see tombs.py)
         undo: Undo = []
         prevented = 0
+        lost = 0                    # dropped records whose header could not be parsed: their slots unknown
         fault: Optional[tuple[str, str]] = None   # the first error writing a payload
         unwritten: set[int] = set()               # id() of the spills it (or a later one) failed
         hashing: Optional[concurrent.futures.Future[None]] = None
@@ -490,7 +491,7 @@ class Writer:
                         elif isinstance(op, Tomb):
                             tombs.apply(txn, op.token, op.key, frees, undo)
                         elif isinstance(op, Delete):
-                            tombs.delete_if_token(txn, op.key, op.token, frees, op.unparseable_too)
+                            lost += tombs.delete_if_token(txn, op.key, op.token, frees, op.unparseable_too)
                         elif isinstance(op, Touch):
                             seq = next(touch_seq)
                             lk = lmdb_key(op.key)
@@ -518,12 +519,43 @@ class Writer:
             self._degrade(self._classify(exc), f"after a commit: {exc!r}")
         else:
             slots.dropped(frees, last_txnid)
+        if lost:
+            self._reclaim()
         dt = time.perf_counter() - t0
         n = sum(1 for _, r in results if r.ok)
         for _, r in results:
             if r.ok:
                 r.seconds = dt / n
         return results, fault
+
+    def _reclaim(self) -> None:
+        """After a commit that dropped records whose header could not be parsed (a reader found them
+        corrupt): their slots are found by a scan of the index -- every slot no readable record
+        references, neither free nor waiting to be -- and freed (``SlotFile.reclaim``).  Without it each
+        such slot stayed taken until the next open.  Rare (a damaged index page), so a full scan (about a
+        second per million entries, on this thread) is the price; a fault in it is counted, and the slots
+        wait for the next open's recovery instead."""
+        env = self._db.env
+        assert env is not None
+        used: set[int] = set()
+        try:
+            self._db.rw.acquire_shared()
+            try:
+                with env.begin(db=self._db.blocks, buffers=True) as txn:
+                    for _, v in txn.cursor():
+                        try:
+                            h = parse_header(v)
+                        except CorruptEntry:
+                            continue
+                        if h.in_slot:
+                            used.add(h.slot)
+            finally:
+                self._db.rw.release_shared()
+        except Exception as exc:   # noqa: BLE001 - committed already: nothing undone, the slots stay taken
+            self._degrade(self._classify(exc), f"finding the slots of unreadable records: {exc!r}")
+            return
+        n = self._slots.reclaim(used)
+        log.debug("disk tier %s: %d slot(s) of unreadable records freed", self.opts.path, n)
 
     def _pack_entries(self, ops: list[Spill]) -> None:
         """The index record (header + xxh3 of the payload + slot) of each op."""

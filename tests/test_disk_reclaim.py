@@ -1,0 +1,139 @@
+"""The slot of a dropped record whose header could not be parsed is found by a scan of the index and freed
+(``Writer._reclaim``, ``SlotFile.reclaim``), and only that slot: never one a readable entry references, nor
+one a commit dropped that is not yet durable (``durability="batch"``: free one commit later).
+
+(``tests/test_review_suspicions.py`` proves the leak itself: four such deletes took a 4-slot file's slots.)
+Deterministic: a DiskStore driven directly, its answers awaited by token (bounded waits only detect a hang).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from disk_helpers import NS, ROW, WriterGate, content
+from tiered_kv.disk import DiskOptions, DiskStore, FlushDone
+from tiered_kv.disk.format import lmdb_key, parse_header
+from tiered_kv.movers import CompletionQueue
+
+
+class _Rig:
+    def __init__(self, path: Path, slots: int, durability: str) -> None:
+        self.q = CompletionQueue()
+        opts = DiskOptions(path=path, namespace=NS, block_bytes=ROW, capacity_bytes=slots * ROW, durability=durability,
+                           batch_blocks=slots, batch_bytes=slots * ROW, batch_seconds=0.0, slots=slots, num_readers=1)
+        self.s = DiskStore(opts, self.q)
+        self.seen: dict[uuid.UUID, Any] = {}
+        self.bufs: list[bytearray] = []   # the spills' sources stay alive until answered
+
+    def answer(self, token: uuid.UUID) -> Any:
+        deadline = time.monotonic() + 30
+        while token not in self.seen:
+            item = self.q.get(max(0.0, deadline - time.monotonic()))
+            assert item is not None, f"no answer for {token}"
+            self.seen[item.token] = item
+        return self.seen.pop(token)
+
+    def submit(self, key: bytes) -> uuid.UUID:
+        buf = bytearray(content(key, ROW).numpy().tobytes())
+        self.bufs.append(buf)
+        t = uuid.uuid4()
+        assert self.s.submit_spill(t, key, memoryview(buf))
+        return t
+
+    def write(self, key: bytes) -> uuid.UUID:
+        t = self.submit(key)
+        assert self.answer(t).ok
+        return t
+
+    def flush(self) -> None:
+        tok = uuid.uuid4()
+        self.s.submit_flush(tok)
+        r = self.answer(tok)
+        assert isinstance(r, FlushDone) and r.ok
+
+    def record(self, key: bytes) -> bytes:
+        db = self.s.db
+        assert db is not None
+        with db.env.begin(db=db.blocks) as txn:
+            return bytes(txn.get(lmdb_key(key)))
+
+    def slot_of(self, key: bytes) -> int:
+        return parse_header(self.record(key)).slot
+
+    def break_header(self, key: bytes) -> None:
+        db = self.s.db
+        assert db is not None
+        db.rw.acquire_shared()
+        try:
+            with db.env.begin(write=True, db=db.blocks) as txn:
+                v = bytearray(txn.get(lmdb_key(key)))
+                v[0] ^= 0xFF                       # bad magic: no parseable header
+                txn.put(lmdb_key(key), bytes(v))
+        finally:
+            db.rw.release_shared()
+
+    def read(self, key: bytes, expect: uuid.UUID) -> tuple[Any, bytearray]:
+        dst = bytearray(ROW)
+        p = uuid.uuid4()
+        self.s.queue_promote(p, key, expect, memoryview(dst))
+        self.s.start_reads()
+        return self.answer(p), dst
+
+
+def test_the_scan_frees_the_lost_slot_but_never_one_a_readable_entry_references(tmp_path: Path) -> None:
+    """Two readable entries and one whose header breaks: once the reader's removal of the broken one is
+    committed, its slot -- and no other -- is free again, and the writes that take it leave both readable
+    entries' bytes intact."""
+    r = _Rig(tmp_path / "d", slots=4, durability="sync")
+    try:
+        ta, tb = r.write(b"a"), r.write(b"b")
+        tx = r.write(b"x")
+        lost = r.slot_of(b"x")
+        kept = {r.slot_of(b"a"), r.slot_of(b"b")}
+        r.break_header(b"x")
+        rep, _ = r.read(b"x", tx)
+        assert not rep.ok and rep.error.startswith("miss: corrupt")
+        r.flush()                                  # the reader's removal committed, then the scan
+        assert sorted(r.s.slots.free) == sorted({0, 1, 2, 3} - kept), (r.s.slots.free, kept, lost)
+        assert r.s.slots_in_use == 2
+        for key in (b"c", b"d"):                   # fill the file: the two free slots, one of them the lost one
+            r.write(key)
+        r.flush()
+        for key, t in ((b"a", ta), (b"b", tb)):
+            rep, dst = r.read(key, t)
+            assert rep.ok and bytes(dst) == content(key, ROW).numpy().tobytes(), key
+    finally:
+        r.s.close()
+
+
+def test_the_scan_leaves_a_slot_dropped_by_a_commit_not_yet_durable(tmp_path: Path) -> None:
+    """``durability="batch"``: a slot whose entry a commit dropped is free only once a later commit is
+    durable (so a crash never finds a committed entry over another write's bytes).  The scan after the
+    removal of a broken record must leave waiting a slot its own commit dropped (the rewrite of ``a`` in
+    the same batch), though no readable entry references that slot any more."""
+    r = _Rig(tmp_path / "d", slots=6, durability="batch")
+    gate = WriterGate(block_from=1)
+    try:
+        r.write(b"a")
+        tx = r.write(b"x")
+        r.flush()
+        old = r.slot_of(b"a")
+        r.break_header(b"x")
+        r.s.fault_hook = gate
+        ty = r.submit(b"y")                        # the writer takes it and is held at its commit
+        gate.entered(1)
+        rep, _ = r.read(b"x", tx)                  # corrupt: the reader queued the record's removal first
+        assert not rep.ok and rep.error.startswith("miss: corrupt")
+        ta = r.submit(b"a")                        # a's rewrite, queued behind the removal: one batch
+        gate.open()
+        assert r.answer(ty).ok and r.answer(ta).ok
+        waiting = {i for _, i in r.s.slots.freed_unsynced}
+        assert old in waiting, "a's old slot was freed before a later commit made its drop durable"
+        assert old not in r.s.slots.free
+        assert r.slot_of(b"a") not in r.s.slots.free
+    finally:
+        gate.open()
+        r.s.close()
