@@ -6,6 +6,7 @@ disk I/O process (:mod:`tiered_kv.disk.proc`) imports it without the engine's de
 
 from __future__ import annotations
 
+import collections
 import queue
 import signal
 import threading
@@ -41,6 +42,8 @@ class CompletionQueue:
 
     def __init__(self) -> None:
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # reports a timed get took off the queue when a signal handler raised (see get_within): served first
+        self._kept: collections.deque[Any] = collections.deque()
 
     def put(self, item: Any) -> None:
         self._q.put(item)
@@ -53,6 +56,9 @@ class CompletionQueue:
 
     def drain(self) -> list[Any]:
         """Every report queued so far (one consumer: ``qsize()`` items are there to take)."""
+        kept = self._kept
+        if kept:
+            return [kept.popleft() for _ in range(len(kept))] + self.drain()
         q = self._q
         n = q.qsize()
         if not n:
@@ -62,8 +68,10 @@ class CompletionQueue:
 
     def get(self, timeout: Optional[float]) -> Optional[Any]:
         """The next report, waiting at most ``timeout`` seconds (None: for ever); None when none came."""
+        if self._kept:
+            return self._kept.popleft()
         try:
-            return get_within(self._q, timeout)
+            return get_within(self._q, timeout, self._kept)
         except queue.Empty:
             return None
 
@@ -86,7 +94,11 @@ except ImportError:   # another Python: the public one
     _sigmask = getattr(signal, "pthread_sigmask", None)
 
 
-def get_within(q: "queue.SimpleQueue[Any]", timeout: Optional[float]) -> Any:
+_NOTHING = object()
+
+
+def get_within(q: "queue.SimpleQueue[Any]", timeout: Optional[float],
+               kept: "Optional[collections.deque[Any]]" = None) -> Any:
     """``q.get(timeout=timeout)`` (None, or longer than a lock can wait: block; <= 0: do not wait) that
     keeps its timeout.
 
@@ -101,7 +113,13 @@ def get_within(q: "queue.SimpleQueue[Any]", timeout: Optional[float]) -> Any:
     item, which it takes without waiting).  (2) A signal interrupts the wait, and its Python handler
     runs past the time left: each timed ``get`` runs with the asynchronous signals held off
     (``pthread_sigmask``, this thread only), for at most :data:`_SLICE_S`; they are delivered between
-    two slices.  One consumer per queue."""
+    two slices.  One consumer per queue.
+
+    The signals held off during a slice are delivered when it ends, that is right after its ``get``
+    took an item, if it did: a handler that raises there (Ctrl-C's ``KeyboardInterrupt``) would drop
+    the item taken.  With ``kept`` (the consumer's deque, empty, of items to take before the queue's),
+    the item goes there before the signals are let in and is taken back from it afterwards: an
+    exception from a handler leaves it in ``kept`` for the consumer's next call."""
     if timeout is None or timeout > threading.TIMEOUT_MAX:
         return q.get()
     try:
@@ -115,13 +133,18 @@ def get_within(q: "queue.SimpleQueue[Any]", timeout: Optional[float]) -> Any:
         if left <= 0:
             raise queue.Empty
         old = _sigmask(signal.SIG_BLOCK, _HELD_OFF) if _HELD_OFF else None
+        got = _NOTHING
         try:
-            return q.get(timeout=min(left, _SLICE_S))
+            got = q.get(timeout=min(left, _SLICE_S))
         except queue.Empty:
             pass
         finally:
+            if got is not _NOTHING and kept is not None:
+                kept.append(got)   # safe from a handler that raises below
             if old is not None:
                 _sigmask(signal.SIG_SETMASK, old)   # a signal that came meanwhile is handled now
+        if got is not _NOTHING:
+            return got if kept is None else kept.popleft()
         try:
             return q.get_nowait()   # and the lock is held again before the next timed get (case 1)
         except queue.Empty:

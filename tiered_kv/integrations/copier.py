@@ -33,6 +33,7 @@ Pinning follows ``TierManager``'s rule (:func:`tiered_kv.checks.pin_decision`): 
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import time
@@ -160,6 +161,7 @@ class SlabCopier:
         self.block_bytes = off - base
         self._jobs: dict[bytes, _CopyJob] = {}          # token -> job, owner thread only
         self._done: "queue.SimpleQueue[Report]" = queue.SimpleQueue()
+        self._kept: "collections.deque[Report]" = collections.deque()   # see reports.get_within
         self._finished: list[CopyResult] = []
         self._closed = False       # submits refused (set as close() starts)
         self._close_done = False   # close() finished: the mover closed and the slab unpinned
@@ -220,6 +222,8 @@ class SlabCopier:
         if self._mover is not None:
             self._mover.harvest()  # CUDA: answers (and marks) the jobs whose end event was reached
         out, self._finished = self._finished, []
+        while self._kept:   # taken by a wait() that a signal handler's exception broke off
+            self._take(self._kept.popleft(), out)
         while True:
             try:
                 report = self._done.get_nowait()
@@ -269,7 +273,7 @@ class SlabCopier:
             if remaining is not None and remaining <= 0:
                 return
             try:
-                report = get_within(self._done, remaining)
+                report = self._kept.popleft() if self._kept else get_within(self._done, remaining, self._kept)
             except queue.Empty:
                 return
             pending.discard(report.token)
