@@ -100,6 +100,7 @@ class FakeDiskStore:
     on_error: Any = None
     on_prevented: Any = None
     on_corrupt: Any = None
+    backlogged: bool = False
     committed: dict[bytes, tuple[uuid.UUID, bytes]] = field(default_factory=dict)
     cancelled: set[uuid.UUID] = field(default_factory=set)
     spills: list[SpillOp] = field(default_factory=list)

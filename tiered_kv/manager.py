@@ -65,6 +65,8 @@ _CANCELLED_ERROR = {r: f"cancelled ({r.value})" for r in StaleReason}
 _tuple_new = tuple.__new__  # Completion(...) without the generated __new__: a Python frame less per job
 _HELP_SLICE_S = 0.002
 """While blocking, the owner copies for at most this long before it applies the reports and checks again."""
+_POLL_SLICE_S = 0.0005
+"""A blocked owner wakes this often while a polled mover has copies in flight or a store holds ops back."""
 _WAKE_S = 0.5
 """A blocking call wakes at least this often, to notice a dead disk writer."""
 
@@ -612,7 +614,6 @@ class TierManager:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         mover = self._mover
-        slice_s = 0.0005 if mover.polled else None
         core = self._core
         mover.hold(True)
         try:
@@ -633,10 +634,12 @@ class TierManager:
                         pass
                     report = None
                 else:
-                    # a polled mover's copies end unseen: wake each slice to harvest them (with none in flight,
-                    # a wake-up would only take the GIL from a disk reader verifying a block)
-                    step = (remaining if slice_s is None or not mover.needs_harvest()
-                            else slice_s if remaining is None else min(slice_s, remaining))
+                    # wake each slice while a polled mover's copies end unseen (harvested at each wake-up) or the
+                    # disk I/O process's pipe holds ops back (sent at each); else at the next report: a wake-up
+                    # for nothing only takes the GIL from a disk reader verifying a block
+                    step = remaining
+                    if mover.needs_harvest() or core.unsent():
+                        step = _POLL_SLICE_S if remaining is None else min(_POLL_SLICE_S, remaining)
                     if step is None or step > _WAKE_S:
                         step = _WAKE_S
                     report = self._completions.get(step)
@@ -651,6 +654,7 @@ class TierManager:
                     mover.harvest()
                     core.apply_arrived()
                     self._deliver_cancelled()
+                    core.kick()   # what those reports queued (a probe's fetch, a promote's touch) goes now
         finally:
             mover.hold(False)
             self._poll(True)

@@ -1018,6 +1018,19 @@ class TierCore:
         if last or gauges:
             self.refresh_gauges()
 
+    def kick(self) -> None:
+        """Send what the stores queued since their last kick: the end of every pass does it, and a blocked
+        owner's inner passes after applying reports that queued I/O (a probe's fetch, a promote's touch)."""
+        if self.disk is not None:
+            self.disk.store.kick()
+        if self.remote is not None:
+            self.remote.store.kick()
+
+    def unsent(self) -> bool:
+        """A store holds ops it could not hand on yet (the disk I/O process's pipe was full): a blocked
+        owner wakes each slice to send them (:meth:`kick`)."""
+        return self.disk is not None and self.disk.store.backlogged
+
     def refresh_gauges(self) -> None:
         """Push batched counters and the gauge values that changed (once per step, not per job)."""
         disk = self.disk

@@ -407,6 +407,11 @@ class ProcessDiskStore:
             del backlog[:n]
 
     @property
+    def backlogged(self) -> bool:
+        """Ops wait for room in the pipe to the child (:meth:`kick` sends more)."""
+        return bool(self._backlog)
+
+    @property
     def queue_depth(self) -> int:
         """Spills sent and not yet answered (queued in the child, or in its writer's batch)."""
         return self._spills_sent - self._spills_answered

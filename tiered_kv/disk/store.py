@@ -202,6 +202,9 @@ class DiskStore:
         """The end of an owner's pass: nothing to do here (ops went to the threads as they came);
         :class:`~tiered_kv.disk.proc.ProcessDiskStore` sends the pass's ops to its process."""
 
+    backlogged = False
+    """Ops wait to be handed on (the process mode's pipe; here every op goes to its thread at once)."""
+
     @property
     def queue_depth(self) -> int:
         return self.writer.spills_queued
