@@ -102,8 +102,6 @@ def test_load_many_at_the_inflight_limit_is_shed_before_any_promote_starts(tmp_p
 # ============================================================================ (b) a reader replacement that cannot start
 @pytest.mark.disk_threads
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-@pytest.mark.xfail(strict=True, reason="(b) readers.py Readers._reader_main: when the replacement of a dying "
-                   "reader cannot start and no reader is left, reads queued later are never answered")
 def test_a_load_from_disk_is_reported_after_the_last_reader_died_without_a_replacement(rig, monkeypatch) -> None:
     """Invariant 1 (every job reported once) and 11 (faults degrade, never hang).  Both reader threads die on
     a ``BaseException`` in their read path (each answers its read as failed), and their replacements fail to

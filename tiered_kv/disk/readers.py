@@ -14,7 +14,10 @@ Invariants:
   answered ``NOT_READ`` (counted), and the entry stays, on disk and in the owner's index;
 * a reader thread that dies (a ``BaseException`` in its read path, after it answered what it took)
   starts its replacement first, as a copy worker does (movers/thread.py): the reads queued behind it
-  are still read, and :meth:`Readers.join` joins the replacements too;
+  are still read, and :meth:`Readers.join` joins the replacements too.  A replacement that cannot
+  start (a thread or memory limit) is counted; when no reader is left, the dying one answers the
+  reads queued ``NOT_READ``, and so is every later read until :meth:`Readers.start` can start a
+  reader again (it tries at each pass): no read waits for a reader that never comes;
 * a reader that finds a slot's bytes changed under it (the entry was dropped and the slot reused
   meanwhile) reports a miss, not corruption: it re-reads the index before blaming the bytes;
 * every read transaction runs under the environment's ``rw`` lock, shared (see env.py).
@@ -73,6 +76,9 @@ class Readers:
         self._held_reads: list[Promote] = []   # hold(): handed to the readers by start()
         self._lock = threading.Lock()   # the list of reader threads (a dying reader adds its replacement)
         self._threads: list[threading.Thread] = []
+        # no reader thread is left (the last that died could not start its replacement): the reads are
+        # answered NOT_READ at once, until a reader starts again (start() tries); under _lock
+        self._readerless = False
         try:
             for _ in range(opts.num_readers):
                 self._spawn()
@@ -86,6 +92,7 @@ class Readers:
         t.start()
         with self._lock:
             self._threads = [x for x in self._threads if x.is_alive()] + [t]
+            self._readerless = False
 
     # ------------------------------------------------------------ owner side
     def hold(self, op: Promote) -> None:
@@ -105,9 +112,31 @@ class Readers:
         if lone_here and len(held) == 1:
             self._run(held)
             return
+        if self._enqueue(held):
+            return
+        try:   # no reader is left: try to start one again (the thread limit may have eased)
+            self._spawn()
+        except Exception as exc:   # noqa: BLE001 - still none: these reads are answered, not left queued
+            self._answer(self._unread(held, f"no disk reader thread could start ({exc!r})"))
+            return
+        if not self._enqueue(held):   # pragma: no cover - the reader just started died before they were queued
+            self._answer(self._unread(held, "no disk reader thread is left"))
+
+    def _enqueue(self, held: list[Promote]) -> bool:
+        """Queue ``held`` for the readers in batches; False (nothing queued) when no reader is left.  Under
+        ``_lock``, so that a dying last reader, which takes what is queued (:meth:`_orphaned`), sees them."""
         limit = self._read_limit()
-        for i in range(0, len(held), limit):
-            self._reads.put(held[i:i + limit])
+        with self._lock:
+            if self._readerless:
+                return False
+            for i in range(0, len(held), limit):
+                self._reads.put(held[i:i + limit])
+        return True
+
+    def _unread(self, ops: list[Promote], why: str) -> list[tuple[Promote, Report]]:
+        """``ops`` answered without a read: misses whose entries stay (``NOT_READ``), counted once."""
+        self._on_error("reader_error", why)
+        return [(op, Report(op.token, JobKind.PROMOTE, False, f"{NOT_READ} ({why})")) for op in ops]
 
     def stop(self) -> None:
         """The readers finish the reads queued before their stop sentinel (held ones included), then end."""
@@ -153,8 +182,36 @@ class Readers:
             log.debug("disk reader thread died (%r); starting another", exc)
             if stop:
                 self._reads.put(None)
-            self._spawn()
+            try:
+                self._spawn()
+            except Exception as sexc:   # noqa: BLE001 - a thread or memory limit: answered, never left queued
+                orphans = self._orphaned()
+                log.error("disk tier %s: a disk reader thread died and its replacement could not start (%r); %s",
+                          self.opts.path, sexc, "no reader is left: reads are answered as misses until one "
+                          "starts" if orphans is not None else "the other readers go on")
+                if orphans:
+                    self._answer(self._unread(orphans, f"no disk reader thread could start ({sexc!r})"))
             raise
+
+    def _orphaned(self) -> "list[Promote] | None":
+        """A dying reader whose replacement could not start: None when another reader is alive (it takes the
+        queued reads); else mark the readers gone and take every read queued (the caller answers them)."""
+        me = threading.current_thread()
+        with self._lock:
+            self._threads = [x for x in self._threads if x is not me and x.is_alive()]
+            if self._threads:
+                return None
+            self._readerless = True
+            ops: list[Promote] = []
+            while True:
+                try:
+                    item = self._reads.get_nowait()
+                except queue.Empty:
+                    return ops
+                if isinstance(item, list):
+                    ops += item
+                elif item is not None:   # a stop sentinel: no reader is left to stop
+                    ops.append(item)
 
     def _run(self, ops: list[Promote]) -> None:
         """Read, verify and answer ``ops`` (a reader thread's batch, or a lone read, see :meth:`start`)."""
