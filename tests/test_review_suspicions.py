@@ -46,6 +46,7 @@ import pytest
 
 import tiered_kv.core.tiers as tiers_mod
 import tiered_kv.disk.proc as proc
+import tiered_kv.disk.store as store_mod
 import tiered_kv.manager as manager_mod
 from disk_helpers import NS, ROW, content, keys, load_ok, make_kv, metric, rig, store_one  # noqa: F401
 from fakes import fake_disk_manager, fill_row, mgr_metric, on_disk_only
@@ -157,8 +158,6 @@ def test_a_load_from_disk_is_reported_after_the_last_reader_died_without_a_repla
 
 # ============================================================================ (d) close() with a hung writer, thread mode
 @pytest.mark.disk_threads
-@pytest.mark.xfail(strict=True, reason="(d) disk/store.py DiskStore.close joins the writer thread without a bound: "
-                   "a writer hung in a syscall holds TierManager.close() for ever (disk_io='thread')")
 def test_close_returns_while_the_disk_writer_is_hung_in_fdatasync(rig, monkeypatch) -> None:
     """A hung disk (an fdatasync that does not return: a dead NFS server, a device in error recovery) with
     ``disk_io="thread"``: ``close()`` waits ``CLOSE_TIMEOUT_S`` for the spills in flight, then joins the
@@ -166,6 +165,7 @@ def test_close_returns_while_the_disk_writer_is_hung_in_fdatasync(rig, monkeypat
     (docs/architecture.md, "every wait on the child is bounded ... without holding up the host")."""
     monkeypatch.setattr(manager_mod, "CLOSE_TIMEOUT_S", 1.0)
     monkeypatch.setattr(tiers_mod, "CLOSE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(store_mod, "CLOSE_JOIN_S", 1.0)
     kv = make_kv(8)
     mgr = rig.open(kv, host_slots=4)
     store_one(mgr, kv, b"before", 0)           # the tier works

@@ -31,7 +31,7 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any, Callable, Iterator, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import lmdb
 
@@ -146,18 +146,22 @@ class Readers:
         for _ in range(n):
             self._reads.put(None)
 
-    def join(self) -> None:
+    def join(self, timeout: Optional[float] = None) -> bool:
         """After :meth:`stop`: wait for the readers to end, the replacements of those that died on the way
         included (a dying reader adds its replacement before it ends, and leaves it the stop sentinel it
-        took, if it took one: see :meth:`_reader_main`)."""
+        took, if it took one: see :meth:`_reader_main`).  False when one still runs after ``timeout``
+        seconds (None: no limit): a read hung in the kernel."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         joined: set[threading.Thread] = set()
         while True:
             with self._lock:
                 threads = [t for t in self._threads if t not in joined]
             if not threads:
-                return
+                return True
             for t in threads:
-                t.join()
+                t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                if t.is_alive():
+                    return False
             joined.update(threads)
 
     def _read_limit(self) -> int:

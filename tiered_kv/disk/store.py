@@ -25,7 +25,10 @@ readers before it releases anything.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Callable, Optional
@@ -42,6 +45,12 @@ from .recovery import RecoveryReport, recover
 from .slots import SlotFile
 from .tombs import Tombs
 from .writer import Writer
+
+log = logging.getLogger(__name__)
+
+CLOSE_JOIN_S = 120.0
+"""``close()`` waits this long for the reader threads, then the writer, to finish what was queued (the
+disk I/O process is given as long, ``proc._CLOSE_TIMEOUT_S``)."""
 
 __all__ = ["DiskStore", "take_path"]
 
@@ -137,18 +146,43 @@ class DiskStore:
             raise
 
     def close(self) -> None:
-        """Finish queued ops, sync, stop threads, release the path.  Idempotent."""
+        """Finish queued ops, sync, stop threads, release the path.  Idempotent.  Bounded by
+        :data:`CLOSE_JOIN_S`: a thread still running then (hung in the kernel on a dead disk) is left
+        behind, logged, and nothing it may still use is released (the path stays locked until the
+        process ends), as ``disk_io="process"`` leaves a child it could not stop."""
         if self._closed:
             return
         self._closed = True
+        deadline = time.monotonic() + CLOSE_JOIN_S
         # the readers first: a read close() lets finish may find a corrupt entry and queue its removal
         # with the writer, which must still be there to commit it
         self.readers.stop()
-        self.readers.join()
+        readers_done = self.readers.join(CLOSE_JOIN_S)
         self.writer.begin_close()
-        self.writer.join()
-        self.writer.settle_orphans()
+        writer_done = self.writer.join(max(0.0, deadline - time.monotonic()))
+        if writer_done:
+            self.writer.settle_orphans()
+        if readers_done and writer_done:
+            self._release()
+            return
+        log.error("disk tier %s: the disk %s did not finish within %.0f s of close (hung on the disk?); left "
+                  "running, its files and the path lock kept until it ends", self.opts.path,
+                  "writer" if readers_done else "readers" if writer_done else "readers and writer", CLOSE_JOIN_S)
+        try:
+            threading.Thread(target=self._release_late, args=(writer_done,), name="tiered-kv-disk-reaper",
+                             daemon=True).start()
+        except RuntimeError:   # no thread: the path stays locked until the process ends
+            pass
+
+    def _release_late(self, writer_done: bool) -> None:
+        """After a close that left threads running: once they end, what ``close()`` skipped (the dead
+        writer's removals, then the files and the path lock)."""
+        self.readers.join()
+        if not writer_done:
+            self.writer.join()
+            self.writer.settle_orphans()
         self._release()
+        log.warning("disk tier %s: the threads close() left behind have ended; the path is released", self.opts.path)
 
     def _release(self) -> None:
         if self.db is not None:

@@ -150,12 +150,17 @@ class Writer:
             self._closed = True
             self._cond.notify_all()
 
-    def join(self) -> None:
-        self._thread.join()
+    def join(self, timeout: Optional[float] = None) -> bool:
+        """Wait for the writer thread to end (after :meth:`begin_close`); False when it still runs after
+        ``timeout`` seconds (None: no limit): a write or sync hung in the kernel."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            return False
         self.accepting = False
         if self._hash_pool is not None:
             self._hash_pool.shutdown(wait=True)
             self._hash_pool = None
+        return True
 
     def settle_orphans(self) -> int:
         """After :meth:`join`: the removals (tombs of cancelled or invalidated entries, deletes) that a
