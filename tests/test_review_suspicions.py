@@ -1,4 +1,4 @@
-"""Review of six suspicions earlier reviewers left unproved (each proved by an xfail, or shown not to hold).
+"""Review of six suspicions earlier reviewers left unproved (three proved wrong and fixed, three shown not to hold).
 
 What this file checks:
 
@@ -9,21 +9,20 @@ What this file checks:
   slots they each reserve, not shed by it.  The plain test pins the part that would break if the code were
   wrong: at the limit a ``load_many`` of keys only on disk is shed (``inflight_limit``) before any promote
   starts or any host slot is reserved.
-* (b) PROVED (xfail): a disk reader that dies and whose replacement cannot start
-  (``threading.Thread.start`` raising ``RuntimeError: can't start new thread``) leaves the reads queued
-  behind it unanswered once no reader is left: a load from disk is never reported.
+* (b) PROVED, fixed (``Readers._orphaned``, ``Readers.start``): a disk reader that died and whose
+  replacement could not start (``threading.Thread.start`` raising ``RuntimeError: can't start new thread``)
+  left the reads queued behind it unanswered once no reader was left: a load from disk was never reported.
 * (c) the vLLM ``host_bytes``/``cpu_bytes_to_use`` comparison: NOT a defect (checked in the vLLM venv, no
   test file needed): every combination (``"1073741824"`` vs ``1073741824``, ``"abc"``, a float, ``None``,
   a list) ends in a ``ConfigError`` naming the value(s); ``!=`` between JSON values never raises, and a
   string is refused by design (``test_vllm_adapter``'s ``str-host_bytes``/``str-cpu_bytes_to_use`` cases).
-* (d) PROVED (xfail): with ``disk_io="thread"`` a disk writer hung in ``fdatasync`` holds
-  ``TierManager.close()`` for ever (``DiskStore.close`` joins the writer without a bound), where
-  ``disk_io="process"`` bounds it by ``_CLOSE_TIMEOUT_S``.  Acknowledged in docs/testing.md (mutant
-  ``close_disk_7``), promised nowhere; pinned here so that a bound, when added, is noticed.
-* (e) PROVED (xfail): a record without a parseable header that a reader finds corrupt is deleted
-  (``Delete(unparseable_too=True)``) but its slot is never given back until the next open: each such delete
-  takes a slot out of the slot file for good, and once the file's slots are gone spills fail although the
-  index is empty.
+* (d) PROVED, fixed (``DiskStore.close``, ``CLOSE_JOIN_S``): with ``disk_io="thread"`` a disk writer hung
+  in ``fdatasync`` held ``TierManager.close()`` for ever (``DiskStore.close`` joined the writer without a
+  bound), where ``disk_io="process"`` bounds it by ``_CLOSE_TIMEOUT_S``.
+* (e) PROVED, fixed (``Writer._reclaim``, ``SlotFile.reclaim``): a record without a parseable header that a
+  reader found corrupt was deleted (``Delete(unparseable_too=True)``) but its slot was never given back until
+  the next open: each such delete took a slot out of the slot file, and once the file's slots were gone
+  spills failed although the index was empty.
 * (f) NOT a defect: a disk writer thread that dies inside a live disk I/O process is noticed by the owner
   (``writer_alive()`` False through the child's status, ``errors_total{error="writer_died"}``), the tier
   degrades to host-only (later spills shed as ``disk_down``), and a flush sent to the child is answered

@@ -14,18 +14,18 @@ Checked to hold (plain tests, each fails if the guarantee breaks):
   is held or in flight, also when the owner's own copy of a batch fails and the batch is started again
   a transfer at a time in the inter-op threads.
 
-Defects (``xfail(strict=True)``: they pass while the defect is there):
+What it proved wrong (each test failed before its fix):
 
 * ``test_a_fetch_started_by_a_probe_report_is_sent_before_the_owner_sleeps`` (e4e71f1): with a polled
-  mover idle the blocked owner now sleeps up to ``_WAKE_S`` between reports, so remote work it queued
-  while applying a report in an inner pass (the fetch a probe's answer starts) waits for a kick that only
-  a full pass gives (or the reader's own ``FALLBACK_WAKE_S``, when it happened to see the work queued
-  before it slept): ``wait()`` takes 50-500 ms longer; before, the 0.5 ms slice brought a full pass
-  within ``_HELP_SLICE_S``.
-* ``test_a_report_taken_in_a_slice_survives_a_handler_that_raises_at_the_mask_restore`` (present before
-  c4b2210, kept by it): a signal held off during the slice that took a report is handled in the
-  ``finally`` that restores the mask; a handler that raises (Ctrl-C) discards the report taken, so its job
-  is never reported.
+  mover idle the blocked owner slept up to ``_WAKE_S`` between reports, so remote work it queued while
+  applying a report in an inner pass (the fetch a probe's answer starts) waited for a kick only a full
+  pass gave: ``wait()`` took 50-500 ms longer.  Fixed: an inner pass kicks the stores (``TierCore.kick``),
+  and the owner wakes each slice while the disk I/O process's pipe holds ops back (``TierCore.unsent``).
+* ``test_a_report_taken_in_a_slice_survives_a_handler_that_raises_at_the_mask_restore`` (older than
+  c4b2210): a signal held off during the slice that took a report was handled in the ``finally`` that
+  restores the mask; a handler that raised (Ctrl-C) dropped the report, so its job was never reported.
+  Fixed: the report goes to the consumer's ``kept`` deque before the mask is restored
+  (``get_within``, ``CompletionQueue``, ``SlabCopier``).
 """
 
 from __future__ import annotations
