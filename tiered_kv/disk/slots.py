@@ -184,7 +184,8 @@ class SlotFile:
 
     @staticmethod
     def note_dropped(value: Any, frees: list[int]) -> None:
-        """An entry is being deleted or replaced: remember its slot (if it had a readable one)."""
+        """An entry is being deleted or replaced: remember its slot (if it had a readable one).  Also how the
+        writer collects the slots the index's readable records name (``Writer._reclaim``)."""
         try:
             h = parse_header(value)
         except CorruptEntry:

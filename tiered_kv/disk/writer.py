@@ -43,7 +43,7 @@ import lmdb
 from ..jobs import JobKind
 from ..reports import CompletionQueue, Report
 from .env import DiskEnv
-from .format import HEADER_SIZE, CorruptEntry, lmdb_key, pack_slot_entry, parse_header
+from .format import HEADER_SIZE, lmdb_key, pack_slot_entry
 from .recovery import U64
 from .records import SPILL_PREVENTED, Delete, DiskOptions, Flush, FlushDone, Spill, SpillGroup, Tomb, Touch, error_kind
 from .slots import SlotFile, SlotsExhausted
@@ -542,24 +542,19 @@ class Writer:
         wait for the next open's recovery instead."""
         env = self._db.env
         assert env is not None
-        used: set[int] = set()
+        used: list[int] = []
         try:
             self._db.rw.acquire_shared()
             try:
                 with env.begin(db=self._db.blocks, buffers=True) as txn:
                     for _, v in txn.cursor():
-                        try:
-                            h = parse_header(v)
-                        except CorruptEntry:
-                            continue
-                        if h.in_slot:
-                            used.add(h.slot)
+                        SlotFile.note_dropped(v, used)   # the slot a readable record names
             finally:
                 self._db.rw.release_shared()
         except Exception as exc:   # noqa: BLE001 - committed already: nothing undone, the slots stay taken
             self._degrade(self._classify(exc), f"finding the slots of unreadable records: {exc!r}")
             return
-        n = self._slots.reclaim(used)
+        n = self._slots.reclaim(set(used))
         log.debug("disk tier %s: %d slot(s) of unreadable records freed", self.opts.path, n)
 
     def _pack_entries(self, ops: list[Spill]) -> None:
