@@ -7,12 +7,14 @@ disk I/O process (:mod:`tiered_kv.disk.proc`) imports it without the engine's de
 from __future__ import annotations
 
 import collections
+import functools
+import itertools
 import queue
 import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .jobs import JobKind
 
@@ -120,13 +122,22 @@ def get_within(q: "queue.SimpleQueue[Any]", timeout: Optional[float],
     the item taken.  With ``kept`` (the consumer's deque, empty, of items to take before the queue's),
     the item goes there before the signals are let in and is taken back from it afterwards: an
     exception from a handler leaves it in ``kept`` for the consumer's next call."""
-    if timeout is None or timeout > threading.TIMEOUT_MAX:
+    if kept is not None:
+        if timeout is None or timeout > threading.TIMEOUT_MAX:
+            return _into(kept, q.get)
+        try:
+            return _into(kept, q.get_nowait)
+        except queue.Empty:
+            if timeout <= 0:
+                raise
+    elif timeout is None or timeout > threading.TIMEOUT_MAX:
         return q.get()
-    try:
-        return q.get_nowait()
-    except queue.Empty:
-        if timeout <= 0:
-            raise
+    else:
+        try:
+            return q.get_nowait()
+        except queue.Empty:
+            if timeout <= 0:
+                raise
     deadline = time.monotonic() + timeout
     while True:
         left = deadline - time.monotonic()
@@ -135,17 +146,35 @@ def get_within(q: "queue.SimpleQueue[Any]", timeout: Optional[float],
         old = _sigmask(signal.SIG_BLOCK, _HELD_OFF) if _HELD_OFF else None
         got = _NOTHING
         try:
-            got = q.get(timeout=min(left, _SLICE_S))
+            if kept is None:
+                got = q.get(timeout=min(left, _SLICE_S))
+            else:   # straight into kept, and left there until the signals held off were handled below
+                _keep(kept, functools.partial(q.get, True, min(left, _SLICE_S)))
         except queue.Empty:
             pass
         finally:
-            if got is not _NOTHING and kept is not None:
-                kept.append(got)   # safe from a handler that raises below
             if old is not None:
                 _sigmask(signal.SIG_SETMASK, old)   # a signal that came meanwhile is handled now
-        if got is not _NOTHING:
-            return got if kept is None else kept.popleft()
-        try:
-            return q.get_nowait()   # and the lock is held again before the next timed get (case 1)
+        if kept is not None:
+            if kept:
+                return kept.popleft()
+        elif got is not _NOTHING:
+            return got
+        try:   # and the lock is held again before the next timed get (case 1)
+            return q.get_nowait() if kept is None else _into(kept, q.get_nowait)
         except queue.Empty:
             pass
+
+
+def _keep(kept: "collections.deque[Any]", take: Callable[[], Any]) -> None:
+    """Append ``take()``'s item to ``kept`` in C, before any Python code runs: a Python signal handler runs
+    between two bytecodes (on the main thread, also for a signal another thread received), and one that
+    raises there would drop an item held only by a Python frame."""
+    kept.extend(itertools.islice(iter(take, _NOTHING), 1))
+
+
+def _into(kept: "collections.deque[Any]", take: Callable[[], Any]) -> Any:
+    """``take()``'s item, kept (:func:`_keep`) then taken back from the front of ``kept``: an exception from
+    a handler in between leaves it there for the consumer's next call."""
+    _keep(kept, take)
+    return kept.popleft()

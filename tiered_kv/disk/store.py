@@ -175,12 +175,13 @@ class DiskStore:
             pass
 
     def _release_late(self, writer_done: bool) -> None:
-        """After a close that left threads running: once they end, what ``close()`` skipped (the dead
-        writer's removals, then the files and the path lock)."""
+        """After a close that left threads running: once they end, what ``close()`` skipped (the removals
+        left for the writer -- a reader left running may queue one after the writer ended --, then the
+        files and the path lock)."""
         self.readers.join()
         if not writer_done:
             self.writer.join()
-            self.writer.settle_orphans()
+        self.writer.settle_orphans()
         self._release()
         log.warning("disk tier %s: the threads close() left behind have ended; the path is released", self.opts.path)
 

@@ -217,6 +217,9 @@ class Writer:
         with self._cond:
             while not self._ops and not self._retry:
                 if self._closed:
+                    # drained: from here on a removal pushed (a reader close() left running) is kept for
+                    # settle_orphans and a flush answered at once, none left in a queue no thread reads
+                    self.accepting = False
                     return None
                 if not self.healthy:   # idle while unhealthy: probe after the back-off (see _probe)
                     wait = max(BACKOFF_MIN_S, self._backoff)
@@ -524,8 +527,8 @@ class Writer:
             self._degrade(self._classify(exc), f"after a commit: {exc!r}")
         else:
             slots.dropped(frees, last_txnid)
-        if lost:
-            self._reclaim()
+            if lost:   # (not without dropped(): the scan would free this commit's drops before they are durable)
+                self._reclaim()
         dt = time.perf_counter() - t0
         n = sum(1 for _, r in results if r.ok)
         for _, r in results:
