@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..errors import DiskInUseError, DiskTierError
-from ..jobs import JobKind
+from ..jobs import JobKind, uuid_from_int
 from ..reports import CompletionQueue, Report
 from . import lock
 from .pipes import _bigger_pipe, _frame, _Frames, _spawn
@@ -71,6 +71,8 @@ log = logging.getLogger(__name__)
 
 _STATUS_S = 0.25               # an idle child sends its status this often
 _OPEN_TIMEOUT_S = 600.0        # recovery of a large tier reads every index record
+_KINDS = {k.value: k for k in JobKind}   # a report's kind from its value: a dict lookup, not an enum call
+
 _CLOSE_TIMEOUT_S = 120.0       # close() waits this long for the child to drain, then kills it
 _KILLED_EXIT_S = 5.0           # ... and this long for the killed child to be gone (also at an open that failed)
 _PR_SET_PDEATHSIG = 1
@@ -265,23 +267,33 @@ class ProcessDiskStore:
             self._gone(closed)
 
     def _dispatch(self, items: list[Any]) -> bool:
-        """Apply one frame of the child's messages; True at its last (``closed``)."""
-        put, outstanding = self._out.put, self._outstanding
+        """Apply one frame of the child's messages; True at its last (``closed``).
+
+        The answered ops leave ``_outstanding`` under one hold of ``_lock`` per frame (a dict pop each),
+        then their answers are made and queued in the frame's order outside it: this thread holds the
+        GIL the engine's thread needs back after each of its own system calls, so each answer is made
+        with as little Python as it takes (``uuid_from_int``, the kind from a dict)."""
+        put = self._out.put
+        answered = [it[1] for it in items if it[0] == "r" or it[0] == "f"]
+        ops: list[Any] = []
+        if answered:
+            with self._lock:
+                pop = self._outstanding.pop
+                ops = [pop(t, None) for t in answered]
+        nth = 0
         for it in items:
             tag = it[0]
             if tag == "r":
                 _, t, kind, ok, err, nbytes, secs, failed = it
-                token = uuid.UUID(int=t)
-                with self._lock:
-                    op = outstanding.pop(t, None)
+                op = ops[nth]
+                nth += 1
                 if kind == "spill":
                     self._spills_answered += 1 if op is None else op[2]
-                put(Report(token, JobKind(kind), ok, err, nbytes, secs, failed))
+                put(Report(uuid_from_int(t), _KINDS[kind], ok, err, nbytes, secs, failed))
             elif tag == "f":
                 _, t, ok, err = it
-                with self._lock:
-                    outstanding.pop(t, None)
-                put(FlushDone(uuid.UUID(int=t), ok, err))
+                nth += 1
+                put(FlushDone(uuid_from_int(t), ok, err))
             elif tag == "s":
                 self.status = it[1]
             elif tag == "e":
