@@ -72,7 +72,6 @@ log = logging.getLogger(__name__)
 _STATUS_S = 0.25               # an idle child sends its status this often
 _OPEN_TIMEOUT_S = 600.0        # recovery of a large tier reads every index record
 _KINDS = {k.value: k for k in JobKind}   # a report's kind from its value: a dict lookup, not an enum call
-
 _CLOSE_TIMEOUT_S = 120.0       # close() waits this long for the child to drain, then kills it
 _KILLED_EXIT_S = 5.0           # ... and this long for the killed child to be gone (also at an open that failed)
 _PR_SET_PDEATHSIG = 1

@@ -148,8 +148,8 @@ class DiskStore:
     def close(self) -> None:
         """Finish queued ops, sync, stop threads, release the path.  Idempotent.  Bounded by
         :data:`CLOSE_JOIN_S`: a thread still running then (hung in the kernel on a dead disk) is left
-        behind, logged, and nothing it may still use is released (the path stays locked until the
-        process ends), as ``disk_io="process"`` leaves a child it could not stop."""
+        behind, logged, and nothing it may still use is released until it ends (a reaper thread then
+        releases the files and the path lock), as ``disk_io="process"`` leaves a child it could not stop."""
         if self._closed:
             return
         self._closed = True
