@@ -137,3 +137,39 @@ def test_the_scan_leaves_a_slot_dropped_by_a_commit_not_yet_durable(tmp_path: Pa
     finally:
         gate.open()
         r.s.close()
+
+
+def test_a_corrupt_record_whose_slot_field_names_a_live_entrys_slot_never_frees_that_slot(tmp_path: Path) -> None:
+    """The checksum covers a record's header, namespace, key and payload, not its slot number: a damaged
+    slot field that names another live entry's slot parses, and the read finds that entry's bytes (a
+    checksum mismatch: corrupt).  The reader's removal must not free the slot the damaged field names --
+    the live entry's: the next write would take it and overwrite that entry's bytes -- but the record's
+    own slot, which only a scan can tell (no readable record names it)."""
+    r = _Rig(tmp_path / "d", slots=4, durability="sync")
+    try:
+        ta = r.write(b"a")
+        tb = r.write(b"b")
+        sa, sb = r.slot_of(b"a"), r.slot_of(b"b")
+        db = r.s.db
+        assert db is not None
+        db.rw.acquire_shared()
+        try:
+            with db.env.begin(write=True, db=db.blocks) as txn:
+                v = bytearray(txn.get(lmdb_key(b"a")))
+                v[-8:] = sb.to_bytes(8, "little")      # a's record now names b's slot; its checksum still parses
+                txn.put(lmdb_key(b"a"), bytes(v))
+        finally:
+            db.rw.release_shared()
+        assert r.slot_of(b"a") == sb
+        rep, _ = r.read(b"a", ta)
+        assert not rep.ok and rep.error.startswith("miss: corrupt"), rep
+        r.flush()                                      # the reader's removal committed
+        assert sb not in r.s.slots.free, "the slot of a live entry was freed by a corrupt record naming it"
+        assert sa in r.s.slots.free, "the corrupt record's own slot was not freed"
+        for key in (b"c", b"d", b"e"):                 # take every free slot
+            r.write(key)
+        r.flush()
+        rep, dst = r.read(b"b", tb)
+        assert rep.ok and bytes(dst) == content(b"b", ROW).numpy().tobytes(), "b's bytes were overwritten"
+    finally:
+        r.s.close()

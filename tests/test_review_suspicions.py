@@ -20,7 +20,7 @@ What this file checks:
   in ``fdatasync`` held ``TierManager.close()`` for ever (``DiskStore.close`` joined the writer without a
   bound), where ``disk_io="process"`` bounds it by ``_CLOSE_TIMEOUT_S``.
 * (e) PROVED, fixed (``Writer._reclaim``, ``SlotFile.reclaim``): a record without a parseable header that a
-  reader found corrupt was deleted (``Delete(unparseable_too=True)``) but its slot was never given back until
+  reader found corrupt was deleted (``Delete(found_corrupt=True)``) but its slot was never given back until
   the next open: each such delete took a slot out of the slot file, and once the file's slots were gone
   spills failed although the index was empty.
 * (f) NOT a defect: a disk writer thread that dies inside a live disk I/O process is noticed by the owner

@@ -163,10 +163,27 @@ def test_delete_if_token_drops_an_unparseable_record_only_when_asked(db: DiskEnv
     tombs = Tombs(db)
     frees: list[int] = []
     _run(db, lambda txn: tombs.delete_if_token(txn, KEY, _token(0), frees))
-    assert set(_contents(db)["blocks"]) == {lmdb_key(KEY)}, "kept unless unparseable_too"
-    _run(db, lambda txn: tombs.delete_if_token(txn, KEY, _token(0), frees, unparseable_too=True))
+    assert set(_contents(db)["blocks"]) == {lmdb_key(KEY)}, "kept unless found_corrupt"
+    _run(db, lambda txn: tombs.delete_if_token(txn, KEY, _token(0), frees, found_corrupt=True))
     c = _contents(db)
     assert c["blocks"] == {} and c["touch"] == {} and frees == []
+
+
+def test_delete_if_token_of_a_corrupt_read_drops_its_record_without_trusting_its_slot(db: DiskEnv) -> None:
+    """A reader's removal (``found_corrupt``) of a parseable record of its token: dropped, its slot number
+    not noted (the checksum does not cover it) but reported (True) for the writer's reclaim scan; a plain
+    delete of the same record notes the slot instead."""
+    t = _token(0)
+    _write(db, KEY, t, slot=3)
+    _write(db, OTHER, t, slot=5)
+    tombs = Tombs(db)
+    frees: list[int] = []
+    lost = []
+    _run(db, lambda txn: lost.append(tombs.delete_if_token(txn, KEY, t, frees, found_corrupt=True)))
+    _run(db, lambda txn: lost.append(tombs.delete_if_token(txn, OTHER, t, frees)))
+    c = _contents(db)
+    assert c["blocks"] == {} and c["touch"] == {}
+    assert lost == [True, False] and frees == [5]
 
 
 def test_delete_if_token_removes_only_its_tokens_entry(db: DiskEnv) -> None:
@@ -175,7 +192,7 @@ def test_delete_if_token_removes_only_its_tokens_entry(db: DiskEnv) -> None:
     _write(db, OTHER, theirs, slot=4)
     tombs = Tombs(db)
     frees: list[int] = []
-    _run(db, lambda txn: tombs.delete_if_token(txn, OTHER, mine, frees, unparseable_too=True))
+    _run(db, lambda txn: tombs.delete_if_token(txn, OTHER, mine, frees, found_corrupt=True))
     _run(db, lambda txn: tombs.delete_if_token(txn, b"absent", mine, frees))
     _run(db, lambda txn: tombs.delete_if_token(txn, KEY, mine, frees))
     c = _contents(db)

@@ -246,7 +246,7 @@ class Readers:
                 # hold a slot outside the capacity count, and a record whose length field is damaged
                 # would fail every later batch when the writer tried to read that many bytes
                 if r.error.startswith(CORRUPT):
-                    self._push(Delete(op.expect, op.key, unparseable_too=True))
+                    self._push(Delete(op.expect, op.key, found_corrupt=True))
                 elif r.error.startswith(READ_FAILED):
                     self._push(Delete(op.expect, op.key))      # only if still the write that was read
         if group:

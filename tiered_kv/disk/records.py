@@ -131,7 +131,7 @@ class Tomb:
 class Delete:
     token: uuid.UUID
     key: bytes
-    unparseable_too: bool = False   # a reader's removal of a corrupt read: a record with no header is dropped
+    found_corrupt: bool = False   # a reader's removal of a corrupt read: dropped even with no header, its slot found by a scan
 
 
 @dataclass

@@ -83,12 +83,15 @@ class Tombs:
         txn.put(token.bytes, key, db=self._db.tombs)
 
     def delete_if_token(self, txn: Any, key: bytes, token: uuid.UUID, frees: list[int],
-                        unparseable_too: bool = False) -> bool:
+                        found_corrupt: bool = False) -> bool:
         """Delete ``key``'s entry (and its touch record) if ``token`` wrote it, noting its slot in
-        ``frees``.  ``unparseable_too``: also drop a record whose header cannot be parsed (no write of
-        anyone's makes one; a reader found it corrupt) -- a tomb must not take it for the write it
-        guards, so it stays otherwise.  True when it dropped such a record: its slot is not known (the
-        writer finds it by a scan of the index once the transaction committed, ``Writer._reclaim``)."""
+        ``frees``.  ``found_corrupt`` (a reader's removal of a record it found corrupt): also drop a
+        record whose header cannot be parsed (no write of anyone's makes one) -- a tomb must not take it
+        for the write it guards, so it stays otherwise --, and never trust the record's slot number,
+        which its checksum does not cover: a damaged one may name another live entry's slot, which
+        would be handed to the next write.  True when it dropped a record without noting its slot: the
+        writer finds the slot by a scan of the index once the transaction committed (``Writer._reclaim``:
+        the slot no readable record names)."""
         db = self._db
         lk = lmdb_key(key)
         v = txn.get(lk, db=db.blocks)
@@ -97,17 +100,19 @@ class Tombs:
         try:
             h = parse_header(v)
         except CorruptEntry:
-            if unparseable_too:
+            if found_corrupt:
                 txn.delete(lk, db=db.blocks)
                 txn.delete(lk, db=db.touch)
                 return True
             return False
         if h.token != token:
             return False
-        if h.in_slot:
-            frees.append(h.slot)
         txn.delete(lk, db=db.blocks)
         txn.delete(lk, db=db.touch)
+        if found_corrupt:
+            return h.in_slot
+        if h.in_slot:
+            frees.append(h.slot)
         return False
 
     def undo(self, undo: Undo) -> None:

@@ -177,7 +177,7 @@ class Writer:
                 with self._db.env.begin(write=True, buffers=True) as txn:
                     for op in ops:
                         self._tombs.delete_if_token(txn, op.key, op.token, frees,
-                                                    isinstance(op, Delete) and op.unparseable_too)
+                                                    isinstance(op, Delete) and op.found_corrupt)
             finally:
                 self._db.rw.release_shared()
         except Exception as exc:   # noqa: BLE001 - the disk fails too: logged, as a writer's dropped ops are
@@ -416,7 +416,7 @@ class Writer:
         # MapFullError must see what the aborted attempt saw (see tombs.py)
         undo: Undo = []
         prevented = 0
-        lost = 0                    # dropped records whose header could not be parsed: their slots unknown
+        lost = 0                    # records dropped as a reader found them corrupt: their slots not trusted
         fault: Optional[tuple[str, str]] = None   # the first error writing a payload
         unwritten: set[int] = set()               # id() of the spills it (or a later one) failed
         hashing: Optional[concurrent.futures.Future[None]] = None
@@ -499,7 +499,7 @@ class Writer:
                         elif isinstance(op, Tomb):
                             tombs.apply(txn, op.token, op.key, frees, undo)
                         elif isinstance(op, Delete):
-                            lost += tombs.delete_if_token(txn, op.key, op.token, frees, op.unparseable_too)
+                            lost += tombs.delete_if_token(txn, op.key, op.token, frees, op.found_corrupt)
                         elif isinstance(op, Touch):
                             seq = next(touch_seq)
                             lk = lmdb_key(op.key)
@@ -537,12 +537,13 @@ class Writer:
         return results, fault
 
     def _reclaim(self) -> None:
-        """After a commit that dropped records whose header could not be parsed (a reader found them
-        corrupt): their slots are found by a scan of the index -- every slot no readable record
-        references, neither free nor waiting to be -- and freed (``SlotFile.reclaim``).  Without it each
-        such slot stayed taken until the next open.  Rare (a damaged index page), so a full scan (about a
-        second per million entries, on this thread) is the price; a fault in it is counted, and the slots
-        wait for the next open's recovery instead."""
+        """After a commit that dropped records a reader found corrupt: their slots are found by a scan of
+        the index -- every slot no readable record references, neither free nor waiting to be -- and
+        freed (``SlotFile.reclaim``).  Such a record's slot number is not to be trusted (none, when its
+        header does not parse; the checksum does not cover it, so a damaged one may name a live entry's
+        slot).  Rare (a damaged block), so a full scan per commit that dropped any (about a second per
+        million entries, on this thread) is the price; a fault in it is counted, and the slots wait for
+        the next open's recovery instead."""
         env = self._db.env
         assert env is not None
         used: list[int] = []
@@ -558,7 +559,7 @@ class Writer:
             self._degrade(self._classify(exc), f"finding the slots of unreadable records: {exc!r}")
             return
         n = self._slots.reclaim(set(used))
-        log.debug("disk tier %s: %d slot(s) of unreadable records freed", self.opts.path, n)
+        log.debug("disk tier %s: %d slot(s) of corrupt records freed", self.opts.path, n)
 
     def _pack_entries(self, ops: list[Spill]) -> None:
         """The index record (header + xxh3 of the payload + slot) of each op."""
