@@ -418,7 +418,20 @@ class CoreMachine(RuleBasedStateMachine):
         self.mover, self.kv = movers[0], kv
         self.mover.core = core = self.mgr._core
         if restartable:   # as disk_io="process": a store that dies is restarted (DiskTier.restart)
-            core.disk._reopen = lambda: core.disk.store.reopened()
+            tier = core.disk
+            tier._reopen = lambda: tier.store.reopened()
+            real_start = tier._start
+
+            def start_now() -> bool:
+                # the start runs on a starter thread, adopted by the pass that finds it ended: waited for here,
+                # so the pass that began it adopts it (which pass did depended on the thread's timing, and
+                # hypothesis found the machine's runs of the same choices diverging)
+                ok = real_start()
+                if ok:
+                    tier._starting[0].join(30)
+                return ok
+
+            tier._start = start_now
         self.restartable = restartable
         self.close_busy = close_busy
         self.gen = 0
