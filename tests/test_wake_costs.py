@@ -22,7 +22,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from fake_cuda import FakeGPU
-from fakes import FakeMover, fill_row, instrument_get, make_config, make_kv
+from fakes import FakeMover, fake_disk_manager, fill_row, instrument_get, make_config, make_kv
 from tiered_kv import TierManager
 from tiered_kv import manager as manager_mod
 from tiered_kv.jobs import JobKind
@@ -213,3 +213,32 @@ def test_the_cuda_mover_needs_a_harvest_while_a_copy_is_queued_or_on_the_device(
         assert out.get(0) is not None and torch.equal(host[0], dev[2])
     finally:
         m.close()
+
+
+@pytest.mark.disk_threads
+@pytest.mark.parametrize("backlogged", [False, True])
+def test_a_blocked_owner_wakes_each_slice_while_the_disk_store_holds_ops_back(tmp_path, backlogged):
+    """With an idle mover the owner sleeps until a report comes, unless the disk store holds ops back (the
+    disk I/O process's pipe was full: ``TierCore.unsent``): then it wakes each 0.5 ms slice, and each
+    wake-up's pass sends more of them."""
+    mgr, mover, kv = fake_disk_manager(tmp_path / "d")
+    try:
+        mgr.disk.backlogged = backlogged   # the thread-mode store's class attribute, shadowed here
+        fill_row(kv, 0, b"k")
+        job = mgr.store(b"k", 0)
+        gets = []
+
+        def on_enter(timeout):
+            gets.append(timeout)
+            mover.complete_all()
+
+        instrument_get(mgr._completions, on_enter)
+        assert [c.ok for c in mgr.wait([job], timeout=30)] == [True]
+        assert len(gets) == 1
+        if backlogged:
+            assert gets[0] <= manager_mod._POLL_SLICE_S
+        else:
+            assert gets[0] == pytest.approx(manager_mod._WAKE_S, rel=0.1)
+    finally:
+        mgr.disk.backlogged = False
+        mgr.close()
