@@ -134,9 +134,10 @@ class TierIndex:
     def entries(self) -> Iterator[Entry]:
         return iter(list(self._entries.values()))
 
-    def coldest(self, n: int) -> list[Entry]:
-        """Up to ``n`` evictable entries, the policy's next victims first."""
-        return self.policy.coldest(n)
+    def coldest(self, n: int, through_pins: bool = False) -> list[Entry]:
+        """Up to ``n`` evictable entries, the policy's next victims first; ``through_pins``: the pinned
+        ones too, in the order eviction will take them once their reads end."""
+        return self.policy.coldest(n, through_pins)
 
     def link(self, keys: Sequence[bytes]) -> None:
         """``keys`` are consecutive blocks of one sequence, in order: a prefix-aware policy links them

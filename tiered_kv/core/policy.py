@@ -23,9 +23,11 @@ The calls:
                     not in ``p``, with no reader (None: nothing evictable)
 ``peek(p, k)``      the entry ``victim(p, k)`` would take now, changing nothing (what an admission
                     filter weighs a new key against: :func:`admission_victim`)
-``coldest(n)``      up to ``n`` evictable entries with no reader, the next victims first, forgetting
-                    none (a bounded simulation: past its steps, queue order; write-back spills in
-                    this order)
+``coldest(n, t)``   up to ``n`` evictable entries with no reader, the next victims first, forgetting
+                    none (a bounded simulation: past its steps, queue order); ``through_pins``:
+                    pinned entries count as evictable, the order once their reads end (write-back
+                    spills in this order: what it picks does not depend on whether the reports
+                    of the spills in flight were applied yet)
 ``link(keys)``      ``keys`` were seen in prefix order (a lookup's or a store's sequence)
 ==================  =========================================================================
 
@@ -44,7 +46,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Collection, Iterator, Sequence
-from itertools import chain
+from itertools import chain, islice
 from typing import TYPE_CHECKING, Optional, TypeVar
 
 from xxhash import xxh3_64_intdigest
@@ -88,7 +90,7 @@ class Policy:
     def victim(self, protect: Collection[bytes], key: Optional[bytes]) -> Optional["Entry"]:   # pragma: no cover
         raise NotImplementedError
 
-    def coldest(self, n: int) -> list["Entry"]:   # pragma: no cover
+    def coldest(self, n: int, through_pins: bool = False) -> list["Entry"]:   # pragma: no cover
         raise NotImplementedError
 
     def peek(self, protect: Collection[bytes], key: Optional[bytes]) -> Optional["Entry"]:   # pragma: no cover
@@ -147,7 +149,9 @@ class LRU(Policy):
             return e
         return None
 
-    def coldest(self, n: int) -> list["Entry"]:
+    def coldest(self, n: int, through_pins: bool = False) -> list["Entry"]:
+        if through_pins:
+            return list(islice(self.od.values(), max(0, n)))
         out: list["Entry"] = []
         for e in self.od.values():
             if len(out) >= n:
@@ -315,7 +319,7 @@ class S3FIFO(Policy):
                     q[k] = e
                     q.move_to_end(k, last=False)
 
-    def coldest(self, n: int) -> list["Entry"]:
+    def coldest(self, n: int, through_pins: bool = False) -> list["Entry"]:
         """The next ``n`` victims, computed on a view of the FIFOs (at most ``8 n + 64`` steps of
         the eviction; past that the rest in FIFO order)."""
         out: list["Entry"] = []
@@ -333,7 +337,7 @@ class S3FIFO(Policy):
                     budget -= 1
                     k, e = next(s_it)
                     s_left -= 1
-                    if e.readers:   # pinned: passed over, it stays in the small FIFO
+                    if e.readers and not through_pins:   # pinned: passed over, it stays in the small FIFO
                         continue
                     n_small -= 1
                     f = freq[k]
@@ -349,7 +353,7 @@ class S3FIFO(Policy):
                     if m_left:
                         k, e = next(m_it)
                         m_left -= 1
-                        if e.readers:   # pinned: passed over
+                        if e.readers and not through_pins:   # pinned: passed over
                             continue
                         f = freq[k]
                     else:
@@ -366,7 +370,7 @@ class S3FIFO(Policy):
             for e in chain((e for _, e in s_it), (e for _, e in m_it), (e for _, e, _ in moved)):
                 if len(out) >= n:
                     break
-                if id(e) not in seen and not e.readers:
+                if id(e) not in seen and (through_pins or not e.readers):
                     seen.add(id(e))
                     out.append(e)
         return out
@@ -597,11 +601,12 @@ class ARC(Policy):
         picked = self._pick(protect, key, ghost, p)
         return None if picked is None else picked[0]
 
-    def coldest(self, n: int) -> list["Entry"]:
+    def coldest(self, n: int, through_pins: bool = False) -> list["Entry"]:
         """The next ``n`` victims by REPLACE for keys that are no ghosts."""
         out: list["Entry"] = []
-        it1 = (e for e in self.t1.values() if not e.readers)   # a pinned entry is passed over, in its list
-        it2 = (e for e in self.t2.values() if not e.readers)
+        # a pinned entry is passed over, in its list
+        it1 = (e for e in self.t1.values() if through_pins or not e.readers)
+        it2 = (e for e in self.t2.values() if through_pins or not e.readers)
         h1, h2 = next(it1, None), next(it2, None)
         n1 = len(self.t1) + self.n_leased[1]
         p = self.p
@@ -870,7 +875,7 @@ class PrefixLRU(Policy):
                 return node.entry
         return None
 
-    def coldest(self, n: int) -> list["Entry"]:
+    def coldest(self, n: int, through_pins: bool = False) -> list["Entry"]:
         """The next ``n`` victims: orphans (and the children their eviction orphans), then leaves (their
         second chances and the parents a leaf's eviction makes leaves foreseen, within ``8 n + 64``
         steps), then inner blocks (the children their eviction orphans not foreseen)."""
@@ -880,7 +885,7 @@ class PrefixLRU(Policy):
         orphans: deque[_Node] = deque(self.orphans.values())
         while orphans and len(out) < n:
             node = orphans.popleft()
-            if node.entry.readers:   # pinned: passed over (and its children stay where they are); an orphan
+            if node.entry.readers and not through_pins:   # pinned: passed over (its children stay where they are); an orphan
                 taken.add(id(node))  # now, in no other queue: not a leaf the leaves below compare with
                 continue
             out.append(node.entry)
@@ -908,7 +913,7 @@ class PrefixLRU(Policy):
                 node, f = back.popleft()
             else:
                 break
-            if node.entry.readers:   # pinned: passed over, its uses kept
+            if node.entry.readers and not through_pins:   # pinned: passed over, its uses kept
                 continue
             if f > 0:
                 back.append((node, f - 1))
@@ -929,7 +934,7 @@ class PrefixLRU(Policy):
             for node in rest:
                 if len(out) >= n:
                     break
-                if id(node) not in taken and not node.entry.readers:
+                if id(node) not in taken and (through_pins or not node.entry.readers):
                     taken.add(id(node))
                     out.append(node.entry)
         return out

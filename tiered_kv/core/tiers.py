@@ -92,8 +92,8 @@ blocks stored since the last step plus this many (the backlog drains a few a ste
 follows its stores)."""
 WRITEBACK_AHEAD = 4
 """The written reserve in steps of stores (a decaying peak of them): on the Mooncake and chat traces'
-first 400 requests (host 200, disk 400 blocks) 4 leaves 0-13 victims unwritten per policy, 2 leaves
-300-400 (``tiered-kv replay --write-mode back``, docs/policies.md)."""
+first 400 requests (host 200, disk 400 blocks) 4 leaves 0-19 victims unwritten per policy, 2 leaves
+440-540 on Mooncake's (``tiered-kv replay --write-mode back``, docs/policies.md)."""
 
 
 class SlotViews:
@@ -948,7 +948,11 @@ class TierCore:
         A spill pins its blocks where they are (no use of them), so the blocks written stay the next
         victims and a pass walks past them to the ones not written: the window holds the reserve of
         written blocks evictions take from, sized to ``WRITEBACK_AHEAD`` steps of stores (a decaying
-        peak) beside evict-ahead.  A victim evicted before its spill is counted (``evicted_unwritten``).
+        peak) beside evict-ahead.  The window counts the blocks whose spills are in flight, in their
+        places (``coldest(..., through_pins=True)``): passed over, they would stretch it by as many
+        blocks, so that what a pass spills would depend on whether the disk's last answers were applied
+        before it (the same replay then spilled other blocks from run to run, and hit 95 or 123 times).
+        A victim evicted before its spill is counted (``evicted_unwritten``).
 
         Each host residency is spilled at most once (``Entry.spilled``): with a disk tier
         smaller than the host tier, each spill evicts a disk entry whose key is still on the
@@ -968,7 +972,7 @@ class TierCore:
         budget = min(stored + WRITEBACK_PER_STEP, disk.store.opts.queue_blocks - disk.store.queue_depth)
         todo = []
         on_disk = disk.index
-        for entry in index.coldest(window):
+        for entry in index.coldest(window, through_pins=True):
             if len(todo) >= budget:
                 break
             if not entry.spilled and entry.key not in on_disk:
