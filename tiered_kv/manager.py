@@ -38,6 +38,7 @@ from prometheus_client import CollectorRegistry
 
 from .config import TieredKVConfig
 from .core import CLOSE_TIMEOUT_S, TierCore
+from .core import POLL_SLICE_S as _POLL_SLICE_S, WAKE_S as _WAKE_S
 from .checks import (SUPPORTED_DTYPES, check_block, check_device_blocks, check_key, check_many, check_mover_factory,
                      check_registry, check_timeout, NOT_SEQUENCES, pin_decision, plain_alias)
 from .errors import BlockBusyError, ConfigError, InvalidJobError, InvalidKeyError, ManagerClosedError
@@ -65,10 +66,6 @@ _CANCELLED_ERROR = {r: f"cancelled ({r.value})" for r in StaleReason}
 _tuple_new = tuple.__new__  # Completion(...) without the generated __new__: a Python frame less per job
 _HELP_SLICE_S = 0.002
 """While blocking, the owner copies for at most this long before it applies the reports and checks again."""
-_POLL_SLICE_S = 0.0005
-"""A blocked owner wakes this often while a polled mover has copies in flight or a store holds ops back."""
-_WAKE_S = 0.5
-"""A blocking call wakes at least this often, to notice a dead disk writer."""
 
 
 def _consume(it: Iterable[Any]) -> None:

@@ -7,6 +7,6 @@
 """
 
 from .index import Entry, EntryState, TierIndex
-from .tiers import CLOSE_TIMEOUT_S, SlotViews, TierCore
+from .tiers import CLOSE_TIMEOUT_S, POLL_SLICE_S, WAKE_S, SlotViews, TierCore
 
-__all__ = ["TierCore", "TierIndex", "Entry", "EntryState", "SlotViews", "CLOSE_TIMEOUT_S"]
+__all__ = ["TierCore", "TierIndex", "Entry", "EntryState", "SlotViews", "CLOSE_TIMEOUT_S", "POLL_SLICE_S", "WAKE_S"]

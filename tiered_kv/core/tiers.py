@@ -80,6 +80,11 @@ EVICT_AHEAD_MAX = 64
 of the slab), enough for a step's stores without evicting blocks the next step may still hit."""
 TOKEN_POOL = 64
 """Tokens made ahead at the end of each step, so that the engine's calls take one instead of building it."""
+POLL_SLICE_S = 0.0005
+"""A blocked owner wakes this often while a store holds ops back (:meth:`TierCore.unsent`), to send them, or
+while a polled mover has copies in flight (``TierManager``)."""
+WAKE_S = 0.5
+"""A blocked owner wakes at least this often, to notice a dead disk writer."""
 CLOSE_TIMEOUT_S = 30.0
 """``close()`` waits this long for promotes and spills in flight: a disk that stopped answering must not
 hang the host's shutdown (what is left is a miss after restart, never wrong bytes)."""
@@ -1130,17 +1135,23 @@ class TierCore:
         self.apply_arrived()
 
     def simple_block_until(self, done: Callable[[], bool], timeout: Optional[float]) -> None:
-        """Apply reports as they arrive until ``done()`` or the timeout (front ends without copies to run)."""
+        """Apply reports as they arrive until ``done()`` or the timeout (front ends without copies to run).
+        What they queue is sent at once, and what a full pipe to the disk I/O process held back each
+        :data:`POLL_SLICE_S` (a flush marker held back is otherwise never answered)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self.apply_arrived()
+        self.kick()
         while not done():
-            step = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+            step = WAKE_S if deadline is None else min(WAKE_S, deadline - time.monotonic())
             if step <= 0:
                 return
+            if self.unsent():
+                step = min(step, POLL_SLICE_S)
             r = self.completions.get(step)
             if r is not None:
                 self.apply(r)
             self.apply_arrived()
+            self.kick()
 
     # ------------------------------------------------------------------ views
     @property
