@@ -279,33 +279,49 @@ class ProcessDiskStore:
             with self._lock:
                 pop = self._outstanding.pop
                 ops = [pop(t, None) for t in answered]
-        nth = 0
-        for it in items:
-            tag = it[0]
-            if tag == "r":
-                _, t, kind, ok, err, nbytes, secs, failed = it
-                op = ops[nth]
-                nth += 1
-                if kind == "spill":
-                    self._spills_answered += 1 if op is None else op[2]
-                put(Report(uuid_from_int(t), _KINDS[kind], ok, err, nbytes, secs, failed))
-            elif tag == "f":
-                _, t, ok, err = it
-                nth += 1
-                put(FlushDone(uuid_from_int(t), ok, err))
-            elif tag == "s":
-                self.status = it[1]
-            elif tag == "e":
-                self._on_error(it[1], it[2])
-            elif tag == "p":
-                self._on_prevented()
-            elif tag == "c":
-                self._on_corrupt(it[1])
-            elif tag == "l":
-                logging.getLogger(it[1]).log(it[2], "%s", it[3])
-            elif tag == "closed":
-                return True
+        nth = 0   # the ops answered so far (each counted once its answer is queued)
+        try:
+            for it in items:
+                tag = it[0]
+                if tag == "r":
+                    _, t, kind, ok, err, nbytes, secs, failed = it
+                    report = Report(uuid_from_int(t), _KINDS[kind], ok, err, nbytes, secs, failed)
+                    op = ops[nth]
+                    nth += 1
+                    if kind == "spill":   # before the owner can see the report: its room counts it free
+                        self._spills_answered += 1 if op is None else op[2]
+                    put(report)
+                elif tag == "f":
+                    _, t, ok, err = it
+                    done = FlushDone(uuid_from_int(t), ok, err)
+                    nth += 1
+                    put(done)
+                elif tag == "s":
+                    self.status = it[1]
+                elif tag == "e":
+                    self._host_call(self._on_error, it[1], it[2])
+                elif tag == "p":
+                    self._host_call(self._on_prevented)
+                elif tag == "c":
+                    self._host_call(self._on_corrupt, it[1])
+                elif tag == "l":
+                    logging.getLogger(it[1]).log(it[2], "%s", it[3])
+                elif tag == "closed":
+                    return True
+        except BaseException:
+            # the frame could not be applied (the receiver kills the child, and _gone answers what is still
+            # outstanding): the ops it took out of _outstanding and did not answer are answered here, failed
+            self._answer_failed([op for op in ops[nth:] if op is not None])
+            raise
         return False
+
+    def _host_call(self, fn: Callable[..., Any], *args: Any) -> None:
+        """A host callback (a count, a log line), on the receiver thread: one that raises is logged and
+        ends nothing (the answers after it in the frame, and the child's later ones, are still applied)."""
+        try:
+            fn(*args)
+        except Exception:   # noqa: BLE001 - the host's own error: logged, the protocol goes on
+            log.exception("disk tier %s: a callback of the host raised", self.opts.path)
 
     def _gone(self, closed: bool) -> None:
         """The child's reports end: answer everything outstanding as failed, then mark the store down.
@@ -321,7 +337,7 @@ class ProcessDiskStore:
         if not closed:
             log.error("disk tier %s: the disk I/O process (pid %d) exited with status %s; %d op(s) in flight "
                       "answered as failed", self.opts.path, self.pid, self.exit_code, len(rest))
-            self._on_error("io_process_died", f"pid {self.pid} exited with status {self.exit_code}")
+            self._host_call(self._on_error, "io_process_died", f"pid {self.pid} exited with status {self.exit_code}")
         self._answer_failed(rest.values())
         with self._lock:   # with close()'s look at it: one of the two releases the path, never neither
             self._down = True   # only now: a restart's reconciliation needs these answers applied first
@@ -401,11 +417,15 @@ class ProcessDiskStore:
     def kick(self) -> None:
         """Write the ops buffered since the last call as one frame, without waiting: what the pipe
         does not take now stays in the backlog for the next call."""
-        if self._cmds:
-            cmds, self._cmds = self._cmds, []
-            if self._down:
-                return          # answered already (spills, promotes, flushes) or lost with the child
-            self._backlog += _frame(cmds)
+        if self._down:   # answered already (spills, promotes, flushes) or lost with the child, and so is
+            self._cmds = []   # what the pipe held back: nothing is held back for a store that is down
+            self._backlog.clear()
+            return
+        cmds = self._cmds
+        if cmds:
+            frame = _frame(cmds)   # first: an interrupt while it is made leaves the ops queued for the next call
+            self._backlog += frame   # (no call between these two lines: no interrupt either)
+            self._cmds = []
         backlog = self._backlog
         while backlog and self._cmd_w >= 0:
             try:
@@ -419,8 +439,9 @@ class ProcessDiskStore:
 
     @property
     def backlogged(self) -> bool:
-        """Ops wait for room in the pipe to the child (:meth:`kick` sends more)."""
-        return bool(self._backlog)
+        """Ops wait for room in the pipe to the child (:meth:`kick` sends more); never once it is down or
+        closed (they cannot be sent)."""
+        return bool(self._backlog) and not self._down and self._cmd_w >= 0
 
     @property
     def queue_depth(self) -> int:
@@ -498,25 +519,34 @@ class ProcessDiskStore:
                         break
                     writable.poll(min(left, 1.0) * 1e3)
                     self.kick()
-        finally:
-            self._receiver.join(max(0.0, deadline - time.monotonic()))
-            if self._receiver.is_alive():   # the child does not finish: stop it (its ops are answered by _gone)
-                log.error("disk tier %s: the disk I/O process did not close within %.0f s; killed",
-                          self.opts.path, _CLOSE_TIMEOUT_S)
-                self._proc.kill()
-                self._receiver.join(_KILLED_EXIT_S)
-            if self._receiver.is_alive():
-                # killed, and still not gone (a thread of it in uninterruptible sleep on a hung disk): the
-                # host's shutdown does not wait for it; the receiver releases the descriptors and the path
-                # once the child is finally gone
-                with self._lock:
-                    if not self._down:   # else the receiver finished meanwhile, and released nothing
-                        self._release_late = True
-                if self._release_late:
-                    log.error("disk tier %s: the disk I/O process (pid %d) did not exit when killed; the path stays "
-                              "held until it does", self.opts.path, self.pid)
-            if not self._release_late:
-                self._release()
+        except Exception:
+            self._finish_close(deadline)
+            raise
+        # an interrupt (Ctrl-C) leaves the child running: what close() queued is still queued or sent (kick()
+        # loses nothing to one), and the next close() finishes; waiting here, the child never told to exit,
+        # would hold the interrupted host for the whole deadline and then kill the child with its writes
+        self._finish_close(deadline)
+
+    def _finish_close(self, deadline: float) -> None:
+        """close()'s end: wait (until ``deadline``) for the child to answer all and exit, else kill it; release."""
+        self._receiver.join(max(0.0, deadline - time.monotonic()))
+        if self._receiver.is_alive():   # the child does not finish: stop it (its ops are answered by _gone)
+            log.error("disk tier %s: the disk I/O process did not close within %.0f s; killed",
+                      self.opts.path, _CLOSE_TIMEOUT_S)
+            self._proc.kill()
+            self._receiver.join(_KILLED_EXIT_S)
+        if self._receiver.is_alive():
+            # killed, and still not gone (a thread of it in uninterruptible sleep on a hung disk): the
+            # host's shutdown does not wait for it; the receiver releases the descriptors and the path
+            # once the child is finally gone
+            with self._lock:
+                if not self._down:   # else the receiver finished meanwhile, and released nothing
+                    self._release_late = True
+            if self._release_late:
+                log.error("disk tier %s: the disk I/O process (pid %d) did not exit when killed; the path stays "
+                          "held until it does", self.opts.path, self.pid)
+        if not self._release_late:
+            self._release()
 
     def _release(self) -> None:
         """The pipes and the path lock go (once: close(), or the receiver after a child that outlived it)."""
