@@ -878,7 +878,7 @@ class PrefixLRU(Policy):
     def coldest(self, n: int, through_pins: bool = False) -> list["Entry"]:
         """The next ``n`` victims: orphans (and the children their eviction orphans), then leaves (their
         second chances and the parents a leaf's eviction makes leaves foreseen, within ``8 n + 64``
-        steps), then inner blocks (the children their eviction orphans not foreseen)."""
+        steps), then inner blocks (and the children their eviction orphans, and the parents it makes leaves)."""
         out: list["Entry"] = []
         nodes, children = self.nodes, self.children
         taken: set[int] = set()
@@ -928,15 +928,37 @@ class PrefixLRU(Policy):
             if g == len(children[parent]):            
                 head = front[-1][0] if front else nxt if nxt is not None else back[0][0] if back else None
                 (front if head is None or pn.t <= head.t else back).append((pn, pn.freq))
-        if len(out) < n:   # the rest in queue order (all of it unless the steps ran out)
-            rest = chain((nd for nd, _ in reversed(front)), () if nxt is None else (nxt,), it,
-                         (nd for nd, _ in back), self.inner.values())
+        if len(out) < n:   # the leaves left in queue order (none unless the steps ran out)
+            rest = chain((nd for nd, _ in reversed(front)), () if nxt is None else (nxt,), it, (nd for nd, _ in back))
             for node in rest:
                 if len(out) >= n:
                     break
                 if id(node) not in taken and (through_pins or not node.entry.readers):
                     taken.add(id(node))
                     out.append(node.entry)
+        # then the inner blocks: the children one's eviction orphans go next (orphans first), then a parent whose
+        # last child it was (a leaf now, and the only one)
+        inner = iter(self.inner.values())
+        orphaned: deque[_Node] = deque()
+        leaf: list[_Node] = []
+        while len(out) < n:
+            node = orphaned.popleft() if orphaned else leaf.pop() if leaf else next(inner, None)
+            if node is None:
+                break
+            if id(node) in taken or (node.entry.readers and not through_pins):
+                continue
+            taken.add(id(node))
+            out.append(node.entry)
+            kids = children.get(node.entry.key)
+            if kids:
+                orphaned.extend(cn for cn in map(nodes.__getitem__, self._by_use(kids))
+                                if cn.q != _LEASED and id(cn) not in taken)
+            parent = node.parent
+            pn = None if parent is None else nodes.get(parent)
+            if pn is not None and pn.q == _INNER and id(pn) not in taken:
+                g = gone[parent] = gone.get(parent, 0) + 1
+                if g == len(children[parent]):
+                    leaf.append(pn)
         return out
 
 
