@@ -242,7 +242,8 @@ class SlabScheduler:
                 # its keys go now (never published); its slots wait for the rings' marks, as a cancelled
                 # job's do: a failed copy may still be running.  (vLLM 0.30-0.33 report no store failed;
                 # an engine that reports one it never ran keeps its slots until the ring entry is reused.)
-                self._cancel(job)
+                # Counted failed, as when the rings showed it done first: the engine's outcome, whatever the order
+                self._cancel(job, "failed")
                 return
             self._awaiting.append(job)
             return
@@ -288,8 +289,9 @@ class SlabScheduler:
         self.core.stale(kind, reason, f"<{len(ks)} keys>")
         return None
 
-    def _cancel(self, job: Job) -> None:
-        """Drop a live job's keys now; its slots stay leased until the rings show its copies done."""
+    def _cancel(self, job: Job, outcome: str = "cancelled") -> None:
+        """Drop a live job's keys now; its slots stay leased until the rings show its copies done.  The job is
+        counted with ``outcome`` (an engine-failed store: ``failed``)."""
         jobs = self._live[job.kind].get(frozenset(job.keys))
         if jobs is not None and job in jobs:
             jobs.remove(job)
@@ -297,8 +299,8 @@ class SlabScheduler:
                 del self._live[job.kind][frozenset(job.keys)]
         self.core.cancel(job, StaleReason.CANCELLED)
         self._quarantine.append(job)
-        # vLLM is done with the job now (a late completion of it is stale): it is finished as cancelled
-        self.metrics.count(self.metrics.job_outcome[(job.kind, "cancelled")])
+        # vLLM is done with the job now (a late completion of it is stale): it is finished as cancelled (or failed)
+        self.metrics.count(self.metrics.job_outcome[(job.kind, outcome)])
 
     def _cancel_hook(self, job: Job, reason: StaleReason) -> None:
         if job.kind is _STORE or job.kind is _LOAD:
