@@ -142,6 +142,9 @@ class DiskTier:
         self._started_at = time.monotonic()
         self._seen_death: object = None   # the dead store restart() has looked at (a back-off is decided once per death)
         self.restarts = 0
+        # a READY entry dropped from the index other than by eviction (its read found it bad or gone, or a restarted
+        # I/O process did not find it): the core's eviction hook (a front end that reports keys gone hears of it)
+        self.on_gone: Callable[[Entry], None] = lambda d: None
         # a new disk I/O process being started off the owner's thread: the starter thread, the new store or
         # the start's exception once it ended (restart() adopts it at a later pass), and its abandon()
         self._starting: Optional[tuple[threading.Thread, list[object], Callable[[], bool]]] = None
@@ -153,7 +156,8 @@ class DiskTier:
 
         :class:`DiskInUseError` (another owner holds the path) is raised: that is a
         configuration mistake, not a fault to serve around.  ``on_evict(entry)`` is
-        called for each disk entry the index evicts (after the store was told).  With
+        called for each disk entry the index evicts (after the store was told), and for each
+        one dropped otherwise (:attr:`on_gone`).  With
         ``cfg.disk_io == "process"`` and a shareable host slab (``host``) the store runs in
         its own process (:class:`ProcessDiskStore`); otherwise as threads of this one.
         """
@@ -200,6 +204,7 @@ class DiskTier:
         tier = cls(store, index, metrics, make if isinstance(store, ProcessDiskStore) else None,
                    on_error)
         tier.index._on_evict = lambda d: tier._evicted(d, on_evict)
+        tier.on_gone = on_evict
         tier._replay_recovered()
         log.info("tiered_kv disk tier at %s: %d blocks recovered in %.1f ms", cfg.disk_dir, len(tier.index),
                  store.recovery.seconds * 1e3)
@@ -297,6 +302,7 @@ class DiskTier:
                 del kept[d.key]
             else:
                 index.remove(d)
+                self.on_gone(d)
                 lost += 1
         for key, token in kept.items():
             store.submit_delete(token, key)
@@ -459,6 +465,7 @@ class DiskTier:
         # gone, superseded or bad on disk (the reader already queued the removal of a corrupt entry)
         if d.live and not (r.error or "").startswith(NOT_READ):
             self.index.remove(d)
+            self.on_gone(d)
 
     # ------------------------------------------------------------------ removal
     def forget(self, d: Entry) -> None:
