@@ -744,6 +744,10 @@ class TierCore:
             return
         job._move(_DONE if r.ok else _FAILED)
         disk.finish_promote(self.index, entry, d, r)
+        if r.ok and not waiters and entry.live:
+            # a lookup's read-back (no load waits for it): that lookup was a use of the block, so it is not the
+            # policy's next victim, evicted ahead before the engine asks for it again (S3-FIFO, ARC)
+            self.index.touch(entry)
         for w, i in waiters:
             if w.state is not _PENDING:
                 continue
