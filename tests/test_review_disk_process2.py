@@ -61,6 +61,18 @@ from test_disk_process import _child, _spill_to_a_stopped_child, _wait_down, hol
 pytestmark = pytest.mark.timeout(120)
 
 
+def reap(store: Any) -> None:
+    """A test's end: the store's child killed (if it still runs) and waited for."""
+    try:
+        os.kill(store.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        store._proc.wait(30)
+    except Exception:   # noqa: BLE001 - gone already, or not ours to wait for
+        pass
+
+
 class RawSlab:
     """A memfd host slab and the options of a raw :class:`ProcessDiskStore` over it (no manager)."""
 
@@ -119,14 +131,7 @@ def test_a_receiver_that_ends_while_the_child_lives_still_answers_and_kills_it(t
         assert store.down, "the receiver ended but the store never went down (its ops unanswered)"
         assert [(type(r).__name__, r.token, r.ok) for r in got] == [("Report", token, False)]
     finally:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            store._proc.wait(30)
-        except Exception:
-            pass
+        reap(store)
         store.close()
         slab.close()
 

@@ -35,7 +35,7 @@ from tiered_kv.disk.records import FlushDone
 from tiered_kv.reports import Report
 
 from disk_helpers import rig  # noqa: F401 (a fixture)
-from test_review_disk_process2 import RawSlab
+from test_review_disk_process2 import RawSlab, reap
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,14 +48,7 @@ def _collect(q: Any) -> list[Any]:
 
 
 def _finish(store: ProcessDiskStore, slab: RawSlab) -> None:
-    try:
-        os.kill(store.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
-        store._proc.wait(30)
-    except Exception:
-        pass
+    reap(store)
     store._receiver.join(30)
     store.close()
     slab.close()
@@ -181,6 +174,19 @@ def test_a_dead_childs_ops_are_answered_and_the_store_goes_down_even_if_on_error
 
 
 # --------------------------------------------------------------------------- R3
+def _stall_with_a_full_pipe(store: ProcessDiskStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child stops reading (SIGSTOP) and its command pipe refuses every write, as a full one does."""
+    store.kill_for_test(signal.SIGSTOP)
+    write = os.write
+
+    def full(fd: int, data: Any) -> int:
+        if fd == store._cmd_w:
+            raise BlockingIOError(11, "pipe full")
+        return write(fd, data)
+
+    monkeypatch.setattr(os, "write", full)
+
+
 def test_a_store_whose_child_died_with_a_backlog_is_not_backlogged_after_its_close(tmp_path: Path,
                                                                                    monkeypatch: pytest.MonkeyPatch
                                                                                    ) -> None:
@@ -199,15 +205,7 @@ def test_a_store_whose_child_died_with_a_backlog_is_not_backlogged_after_its_clo
     slab = RawSlab(tmp_path)
     store = slab.open()
     try:
-        store.kill_for_test(signal.SIGSTOP)
-        write = os.write
-
-        def full(fd: int, data: Any) -> int:
-            if fd == store._cmd_w:
-                raise BlockingIOError(11, "pipe full")
-            return write(fd, data)
-
-        monkeypatch.setattr(os, "write", full)
+        _stall_with_a_full_pipe(store, monkeypatch)
         store.submit_touch(b"k0")
         store.kick()
         assert store.backlogged                    # the pipe held the frame back
@@ -245,15 +243,7 @@ def test_the_tier_holds_nothing_unsent_after_a_child_died_with_a_full_pipe(rig, 
 
     tier._reopen = broken
     try:
-        store.kill_for_test(signal.SIGSTOP)
-        write = os.write
-
-        def full(fd: int, data: Any) -> int:
-            if fd == store._cmd_w:
-                raise BlockingIOError(11, "pipe full")
-            return write(fd, data)
-
-        monkeypatch.setattr(os, "write", full)
+        _stall_with_a_full_pipe(store, monkeypatch)
         fill(kv, 0, b"held-back")
         mgr.wait([mgr.store(b"held-back", 0)], timeout=30)
         mgr.poll()
