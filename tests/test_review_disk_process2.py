@@ -61,7 +61,7 @@ from test_disk_process import _child, _spill_to_a_stopped_child, _wait_down, hol
 pytestmark = pytest.mark.timeout(120)
 
 
-def reap(store: Any) -> None:
+def reap(store: ProcessDiskStore) -> None:
     """A test's end: the store's child killed (if it still runs) and waited for."""
     try:
         os.kill(store.pid, signal.SIGKILL)
