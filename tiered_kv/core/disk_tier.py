@@ -142,8 +142,8 @@ class DiskTier:
         self._started_at = time.monotonic()
         self._seen_death: object = None   # the dead store restart() has looked at (a back-off is decided once per death)
         self.restarts = 0
-        # a READY entry dropped from the index other than by eviction (its read found it bad or gone, or a restarted
-        # I/O process did not find it): the core's eviction hook (a front end that reports keys gone hears of it)
+        # a READY entry dropped from the index other than by eviction (its read found it bad or gone, or a
+        # restarted I/O process did not find it): the core's eviction hook (a front end reporting keys gone hears)
         self.on_gone: Callable[[Entry], None] = lambda d: None
         # a new disk I/O process being started off the owner's thread: the starter thread, the new store or
         # the start's exception once it ended (restart() adopts it at a later pass), and its abandon()

@@ -885,8 +885,8 @@ class PrefixLRU(Policy):
         orphans: deque[_Node] = deque(self.orphans.values())
         while orphans and len(out) < n:
             node = orphans.popleft()
-            if node.entry.readers and not through_pins:   # pinned: passed over (its children stay where they are); an orphan
-                taken.add(id(node))  # now, in no other queue: not a leaf the leaves below compare with
+            if node.entry.readers and not through_pins:   # pinned: passed over (its children stay where they
+                taken.add(id(node))  # are); an orphan now, in no other queue: not a leaf the leaves below compare with
                 continue
             out.append(node.entry)
             taken.add(id(node))

@@ -279,7 +279,7 @@ class ProcessDiskStore:
             with self._lock:
                 pop = self._outstanding.pop
                 ops = [pop(t, None) for t in answered]
-        nth = 0   # the ops answered so far (each counted once its answer is queued)
+        nth = 0   # the ops whose answers this frame made so far (the rest are answered failed if it fails)
         try:
             for it in items:
                 tag = it[0]
