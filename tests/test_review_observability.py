@@ -381,6 +381,7 @@ def test_every_label_value_the_code_emits_on_an_alerted_counter_is_exported_at_z
     remote = sorted((PKG / "remote").glob("*.py")) + [PKG / "core" / "remote_tier.py"]
     call = r'(?:\bon_error|_on_error|_degrade|\berr)\(\s*"(\w+)"'
     disk_errors = (_literals(disk, call) | _literals(disk, r'error\(\s*"disk",\s*"(\w+)"')
+                   | _literals(disk, r'_host_call\(\s*self\._on_error,\s*"(\w+)"')   # a guarded call
                    | _literal_returns(PKG / "disk" / "records.py", "error_kind")
                    | _literal_returns(PKG / "disk" / "writer.py", "_classify") | {"copy_failed"})
     remote_errors = _literals(remote, call) | _literal_returns(PKG / "remote" / "conn.py", "error_kind")

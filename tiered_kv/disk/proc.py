@@ -337,10 +337,7 @@ class ProcessDiskStore:
         if not closed:
             log.error("disk tier %s: the disk I/O process (pid %d) exited with status %s; %d op(s) in flight "
                       "answered as failed", self.opts.path, self.pid, self.exit_code, len(rest))
-            try:   # guarded like _host_call, written out: the error kinds' call sites stay literal for their checks
-                self._on_error("io_process_died", f"pid {self.pid} exited with status {self.exit_code}")
-            except Exception:   # noqa: BLE001 - the host's own error: logged, the dead child's ops are answered
-                log.exception("disk tier %s: a callback of the host raised", self.opts.path)
+            self._host_call(self._on_error, "io_process_died", f"pid {self.pid} exited with status {self.exit_code}")
         self._answer_failed(rest.values())
         with self._lock:   # with close()'s look at it: one of the two releases the path, never neither
             self._down = True   # only now: a restart's reconciliation needs these answers applied first
