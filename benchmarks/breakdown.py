@@ -8,9 +8,11 @@ step's copies batched, and ``store()``'s p99 while copies run.
 
 ``promote``: the parts of one ``load(key, row)`` + ``wait([job])`` of a key only on disk (page
 cache warm), each a median over 32 loads, timed by wrapping the methods that do them (the reader's
-index lookup and checksum, the owner's apply, the mover's copy).  The reader's parts are timed with
-the disk I/O on threads of this process (``disk_io="thread"``); with the disk I/O process (the
-default) they run in the child, so only the owner's parts and the whole load are printed for it.
+index lookup and checksum, the owner's page-cache read, the owner's apply, the mover's copy).  The
+default reads such a block on the waiting owner's thread (``disk_read_cached_in_wait``); with it off
+the disk readers read it: their parts are timed with the disk I/O on threads of this process
+(``disk_io="thread"``), while in the disk I/O process they run in the child, so only the owner's
+parts and the whole load are printed for it.
 Beside them, the same three
 operations done by hand on one thread -- ``pread`` into one hot buffer or into a different
 (cache-cold) slot each time, xxh3 over the block, ``copy_`` into a row -- which is what the
@@ -75,28 +77,30 @@ def promote(block: int, n: int = 32) -> None:
     """The parts need the disk I/O on threads of this process (``disk_io="thread"``), where the wrapped
     reader methods run; the default, the disk I/O process, is timed whole beside it."""
     from tiered_kv.core import tiers
-    from tiered_kv.disk import readers
+    from tiered_kv.disk import cached, readers
 
     marks: list[tuple[str, float]] = []
     _wrap(readers.Readers, "_lookup", "lookup", marks)
     _wrap(readers.Readers, "_verify", "verify", marks)
+    _wrap(cached.CachedReads, "read", "cached", marks)
     _wrap(tiers.TierCore, "apply", "apply", marks)
     dev = torch.randint(0, 255, (n, block), dtype=torch.uint8)
     orig = dev.clone()
     d = Path(tempfile.mkdtemp(prefix="tkv-breakdown-"))
     try:
-        for disk_io in ("thread", "process"):
-            _promote_parts(block, n, dev, orig, d / disk_io, disk_io, marks)
+        for disk_io, here in (("process", True), ("thread", False), ("process", False)):
+            _promote_parts(block, n, dev, orig, d / f"{disk_io}-{here}", disk_io, here, marks)
         _promote_by_hand(block, n, orig, d)
     finally:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _promote_parts(block: int, n: int, dev: torch.Tensor, orig: torch.Tensor, d: Path, disk_io: str,
+def _promote_parts(block: int, n: int, dev: torch.Tensor, orig: torch.Tensor, d: Path, disk_io: str, here: bool,
                    marks: list[tuple[str, float]]) -> None:
     # a host tier smaller than the keys stored: the first ones are only on disk when they are loaded
     cfg = TieredKVConfig(namespace="breakdown", host_capacity_bytes=max(1, min(4, n // 2)) * block, disk_path=str(d / "kv"),
-                         disk_capacity_bytes=4 * n * block, disk_io=disk_io)  # type: ignore[arg-type]
+                         disk_capacity_bytes=4 * n * block, disk_io=disk_io,  # type: ignore[arg-type]
+                         disk_read_cached_in_wait=here)
     dev.copy_(orig)
     mgr = TierManager(cfg, dev, registry=CollectorRegistry())
     _wrap(mgr._mover, "help_one", "copy", marks)
@@ -118,11 +122,15 @@ def _promote_parts(block: int, n: int, dev: torch.Tensor, orig: torch.Tensor, d:
         got = mgr.wait([job])
         t2 = pc()
         assert got[-1].ok and torch.equal(dev[i], orig[i])
-        m = dict((tag, t) for tag, t in marks if tag in ("lookup>", "lookup<", "verify>", "verify<"))
+        m = dict((tag, t) for tag, t in marks if tag in ("lookup>", "lookup<", "verify>", "verify<", "cached>",
+                                                         "cached<"))
         copies = [(a, b) for (ta, a), (tb, b) in zip(marks, marks[1:]) if ta == "copy>" and tb == "copy<" and b - a > 1e-5]
         applies = [(a, b) for (ta, a), (tb, b) in zip(marks, marks[1:]) if ta == "apply>" and tb == "apply<"]
         parts["load() call"].append(t1 - t0)
-        if disk_io == "thread":   # in the I/O process the reader's parts run where they cannot be wrapped
+        if here:   # read on this thread: the page-cache read and its check, and what came before it
+            parts["until the owner reads it"].append(m["cached>"] - t1)
+            parts["pread + check on the owner"].append(m["cached<"] - m["cached>"])
+        elif disk_io == "thread":   # in the I/O process the reader's parts run where they cannot be wrapped
             parts["until the reader looks it up"].append(m["lookup>"] - t1)
             parts["LMDB lookup"].append(m["lookup<"] - m["lookup>"])
             parts["pread into the host slot"].append(m["verify>"] - m["lookup<"])
@@ -131,8 +139,8 @@ def _promote_parts(block: int, n: int, dev: torch.Tensor, orig: torch.Tensor, d:
         parts["owner's applies"].append(sum(b - a for a, b in applies))
         parts["whole load + wait"].append(t2 - t0)
     mgr.close()
-    print(f"one load from disk at a time, disk_io={disk_io}, {block >> 10} KiB blocks, page cache warm "
-          f"(median of {len(parts['load() call'])}):")
+    print(f"one load from disk at a time, disk_io={disk_io}, read by the {'owner' if here else 'disk readers'}, "
+          f"{block >> 10} KiB blocks, page cache warm (median of {len(parts['load() call'])}):")
     for k, v in parts.items():
         print(f"  {k:34s} {statistics.median(v) * 1e6:8.0f} us")
 

@@ -27,13 +27,18 @@ def _run(*args: str) -> str:
 
 def test_promote_prints_every_part_for_both_disk_io_modes() -> None:
     out = _run("promote", "--block-kib", "64", "--loads", "6")
-    assert "disk_io=thread" in out and "disk_io=process" in out
-    thread_part, process_part = out.split("disk_io=process")
+    heads = ("disk_io=process, read by the owner", "disk_io=thread, read by the disk readers",
+             "disk_io=process, read by the disk readers")
+    assert all(h in out for h in heads), out
+    owner_part = out.split(heads[1])[0]
+    thread_part, process_part = out.split(heads[1])[1].split(heads[2])
+    for part in ("until the owner reads it", "pread + check on the owner"):
+        assert part in owner_part and part not in thread_part and part not in process_part, part
     for part in ("until the reader looks it up", "LMDB lookup", "pread into the host slot", "xxh3 over the block"):
         assert part in thread_part, part
-        assert part not in process_part, part   # not measurable there: not printed as a figure
+        assert part not in process_part and part not in owner_part, part   # not measurable there: not printed
     for part in ("load() call", "slot -> row copy (owner thread)", "owner's applies", "whole load + wait"):
-        assert part in thread_part and part in process_part, part
+        assert part in thread_part and part in process_part and part in owner_part, part
     assert "by hand, one hot buffer" in out and "by hand, a different slot each time" in out
 
 

@@ -144,8 +144,8 @@ class HeldReads:
         self._queue = self.store.queue_promote
         self.store.queue_promote = self._hold   # the instance attribute shadows the method
 
-    def _hold(self, token: uuid.UUID, key: bytes, expect: uuid.UUID, dst: memoryview) -> None:
-        self.held[key] = (token, key, expect, dst)
+    def _hold(self, token: uuid.UUID, key: bytes, expect: uuid.UUID, dst: memoryview, where: int = 0) -> None:
+        self.held[key] = (token, key, expect, dst, where)
 
     def land(self, key: bytes) -> None:
         """Let a reader thread read ``key`` for real, and apply its report."""

@@ -654,7 +654,9 @@ def test_wait_with_a_timeout_returns_on_time_while_a_read_from_disk_is_stuck(rig
     from tiered_kv.disk.readers import Readers
 
     kv = make_kv(16)
-    mgr = rig.open(kv, host_slots=4, host_evict_ahead_blocks=0)
+    # the disk readers' path (a blocked wait() would read a cached block itself)
+    mgr = rig.open(kv, host_slots=4, host_evict_ahead_blocks=0,
+                   disk_read_cached_in_wait=False)
     store_seq(mgr, kv, keys(5))                      # the 4-slot host tier keeps the last four: k0000 is on disk only
     assert mgr.host_bytes(b"k0000") is None and mgr.lookup([b"k0000"]) == 1
     entered, release = threading.Event(), threading.Event()

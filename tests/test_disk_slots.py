@@ -689,8 +689,8 @@ def test_two_records_on_one_slot_with_the_older_scanned_last_is_dropped(rig):
 
 
 # ============================================================================ 7. a reader whose slot was reused
-def _disk_only(rig, kv, durability="batch"):
-    mgr = rig.open(kv, host_slots=2, durability=durability)
+def _disk_only(rig, kv, durability="batch", **kw):
+    mgr = rig.open(kv, host_slots=2, durability=durability, **kw)
     store_seq(mgr, kv, [b"A", b"B", b"C"])     # A only on disk now, in slot 0
     assert mgr.host_bytes(b"A") is None and index_slots(mgr.disk)[b"A"] == 0
     return mgr
@@ -774,7 +774,8 @@ def test_read_error_drops_the_entry_and_frees_its_slot(rig, monkeypatch):
     """An I/O error reading a slot is a miss counted in tiered_kv_errors_total; the index forgets the
     key and the writer removes its entry (token-matched), so no slot stays held outside the count."""
     kv = make_kv(8)
-    mgr = _disk_only(rig, kv)
+    # the disk readers' path (a blocked wait() would read a cached block itself)
+    mgr = _disk_only(rig, kv, disk_read_cached_in_wait=False)
     real = os.preadv
 
     def failing(fd, buffers, offset, *a):

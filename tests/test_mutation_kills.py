@@ -443,7 +443,7 @@ def test_close_waits_a_bounded_time_for_a_read_from_disk_that_never_ends(tmp_pat
     import tiered_kv.manager as manager_module
     mgr, mover, kv = fake_disk_manager(tmp_path / "d")
     on_disk_only(mgr, mover, kv, [b"k"])
-    monkeypatch.setattr(mgr.disk, "start_reads", lambda: None)
+    monkeypatch.setattr(mgr.disk, "start_reads", lambda **kw: None)
     monkeypatch.setattr(manager_module, "CLOSE_TIMEOUT_S", 0.2)
     load = mgr.load(b"k", 9)
     assert load is not None and load._waiters

@@ -35,7 +35,8 @@ class _Killed(BaseException):
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_reads_are_answered_while_no_reader_can_start_and_served_once_one_can(rig, monkeypatch) -> None:
     kv = make_kv(8)
-    mgr = rig.open(kv, host_slots=2, host_evict_ahead_blocks=0)
+    # the disk readers' path (a blocked wait() would read a cached block itself)
+    mgr = rig.open(kv, host_slots=2, host_evict_ahead_blocks=0, disk_read_cached_in_wait=False)
     ks = keys(6)
     for i, k in enumerate(ks):
         store_one(mgr, kv, k, i)

@@ -160,14 +160,14 @@ class FakeDiskStore:
         self.flushes.append((token, self.seq, True))
         self._answer_flushes()
 
-    def queue_promote(self, token: uuid.UUID, key: bytes, expect: uuid.UUID, dst: memoryview) -> None:
+    def queue_promote(self, token: uuid.UUID, key: bytes, expect: uuid.UUID, dst: memoryview, where: int = 0) -> None:
         self.promotes += 1
         if self.dead:
             self.completions.put(Report(token, JobKind.PROMOTE, False, f"{NOT_READ} (disk I/O process died)"))
             return
         self.held.append(ReadOp(token, key, expect, dst))
 
-    def start_reads(self, lone_here: bool = False) -> None:
+    def start_reads(self, lone_here: bool = False, cached_here: bool = False, until: Optional[float] = None) -> None:
         self.reads += self.held
         self.held = []
 

@@ -96,7 +96,8 @@ def test_loads_from_disk_are_still_reported_after_the_disk_reader_threads_died(r
     monkeypatch.setattr(manager_mod, "CLOSE_TIMEOUT_S", 1.0)   # close() of the broken tier: not 30 s
     monkeypatch.setattr(tiers_mod, "CLOSE_TIMEOUT_S", 1.0)
     kv = make_kv(8)
-    mgr = rig.open(kv, host_slots=2, host_evict_ahead_blocks=0)
+    # the disk readers' path (a blocked wait() would read a cached block itself)
+    mgr = rig.open(kv, host_slots=2, host_evict_ahead_blocks=0, disk_read_cached_in_wait=False)
     ks = keys(6)
     for i, k in enumerate(ks):
         store_one(mgr, kv, k, i)

@@ -60,7 +60,8 @@ def test_untracking_twice_is_harmless_and_the_object_is_still_freed() -> None:
 def test_an_entry_holds_only_atomic_values_through_its_life() -> None:
     """An untracked Entry in a cycle would leak: every slot holds an atomic value at every stage of an
     entry's life in the index (a new slot that holds a container must take the untrack() out)."""
-    assert set(Entry.__slots__) == {"key", "slot", "state", "writer", "readers", "live", "writing", "spilled"}
+    assert set(Entry.__slots__) == {"key", "slot", "state", "writer", "readers", "live", "writing", "spilled",
+                                    "where"}
     index = TierIndex(2)
     tokens = TokenFactory()
     seen: list[Entry] = []

@@ -155,6 +155,12 @@ class TieredKVConfig:
         threads in the engine's process (fewer moving parts; the disk keeps up
         only while the engine thread leaves the GIL free).  See
         docs/architecture.md, "The disk I/O process".
+    disk_read_cached_in_wait: while ``TierManager.wait()`` (or ``flush()``/``close()``)
+        blocks, its thread reads the blocks its loads need from disk itself when the
+        page cache holds them whole (``preadv2`` with ``RWF_NOWAIT``: it never waits on
+        the disk; a block not cached, or one whose check fails, goes to the disk readers
+        as before), verified the same way, instead of waiting for the disk I/O side's
+        answer.  ``False``: every read goes to the disk readers.
     remote_url: a Redis or Valkey server shared by several serving machines
         (docs/remote.md), or ``None`` for no remote tier: ``redis://``,
         ``rediss://`` (TLS), ``unix://`` or ``redis+cluster://h1:p1,h2:p2``
@@ -214,6 +220,7 @@ class TieredKVConfig:
     writer_batch_seconds: float = 0.005
     disk_map_size_bytes: int = 0
     disk_io: DiskIO = "process"
+    disk_read_cached_in_wait: bool = True
     remote_url: Optional[str] = dataclasses.field(default=None, repr=False)   # may hold a password
     remote_ttl_seconds: Optional[int] = 3600
     remote_tomb_ttl_seconds: int = 120
@@ -251,6 +258,8 @@ class TieredKVConfig:
             raise ConfigError(f"pin_host_memory must be a bool or None, got {self.pin_host_memory!r}")
         if not isinstance(self.prefault_host_memory, bool):
             raise ConfigError(f"prefault_host_memory must be a bool, got {self.prefault_host_memory!r}")
+        if not isinstance(self.disk_read_cached_in_wait, bool):
+            raise ConfigError(f"disk_read_cached_in_wait must be a bool, got {self.disk_read_cached_in_wait!r}")
         _check_int("max_key_bytes", self.max_key_bytes, 1, MAX_KEY_BYTES)
         if self.writer_queue_blocks is not None:
             _check_int("writer_queue_blocks", self.writer_queue_blocks, 1, 1 << 20)
@@ -376,7 +385,7 @@ def _parse_env(name: str, raw: str, default: Any) -> Any:
             return raw or None
         if name in ("host_evict_ahead_blocks", "writer_queue_blocks", "writer_batch_blocks"):
             return None if raw.strip().lower() in ("", "auto", "none") else int(raw, 0)
-        if name in ("pin_host_memory", "prefault_host_memory"):
+        if name in ("pin_host_memory", "prefault_host_memory", "disk_read_cached_in_wait"):
             low = raw.strip().lower()
             if low in ("", "auto", "none") and name == "pin_host_memory":
                 return None

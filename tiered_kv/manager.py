@@ -198,6 +198,7 @@ class TierManager:
         #: what was done at start to make the slab's pages resident (``prefault_host_memory``)
         self.host_memory = prepare_host_memory(self._host_rows, config.prefault_host_memory, pin)
         self._completions = CompletionQueue()
+        self._read_cached = config.disk_read_cached_in_wait
         self._owner_tag = object()
         self._max_key_bytes = config.max_key_bytes
         self._deliver: list[Job] = []                 # cancelled jobs to report at the next poll
@@ -613,6 +614,10 @@ class TierManager:
         mover = self._mover
         core = self._core
         mover.hold(True)
+        # reads the page cache holds are read on this thread too (it blocks anyway): no hand-off to the disk
+        # I/O side and back (disk/cached.py; never a wait on the disk)
+        core.read_here = self._read_cached
+        core.read_until = deadline
         try:
             # the first pass leaves the counters and gauges to the last one (or to a pass _HELP_SLICE_S on):
             # publishing them is tens of microseconds, much of a lone load's wait
@@ -654,6 +659,7 @@ class TierManager:
                     core.kick()   # what those reports queued (a probe's fetch, a promote's touch) goes now
         finally:
             mover.hold(False)
+            core.read_here = False
             self._poll(True)
 
     def _apply_store(self, job: Job, r: Report) -> None:

@@ -28,7 +28,11 @@ class Report:
 
     A job of several parts answered as one (the disk writer's spill groups): ``failed`` maps each
     part that failed to its error, the others succeeded; ``None`` when every part shares ``ok`` and
-    ``error``."""
+    ``error``.
+
+    ``where``: a disk spill's written records, one int per part (``disk.format.where_of``; 0 for a
+    part not written), so that the owner can read a block the page cache holds without asking the
+    disk I/O side where it is; ``None`` from every other worker."""
 
     token: Any
     kind: JobKind
@@ -37,6 +41,7 @@ class Report:
     nbytes: int = 0
     seconds: float = 0.0
     failed: Optional[dict[int, str]] = None
+    where: Optional[list[int]] = None
 
 
 class CompletionQueue:

@@ -217,6 +217,7 @@ class DiskTier:
         for e in self.store.entries:   # distinct keys, oldest first: past capacity, the oldest are evicted
             d = index.reserve(e.key, e.token)
             if d is not None:          # None only if no entry were evictable; every one here is READY
+                d.where = e.where
                 index.publish(d)
         self._metrics.enable_disk_health(True)
 

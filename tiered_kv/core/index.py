@@ -52,7 +52,7 @@ _WRITING, _READY = EntryState.WRITING, EntryState.READY  # module constants: che
 
 
 class Entry:
-    __slots__ = ("key", "slot", "state", "writer", "readers", "live", "writing", "spilled")
+    __slots__ = ("key", "slot", "state", "writer", "readers", "live", "writing", "spilled", "where")
 
     def __init__(self, key: bytes, slot: int, writer: uuid.UUID) -> None:
         self.key = key
@@ -65,6 +65,9 @@ class Entry:
         # host index only: offered to disk in this residency (True: written, on its way, found or refused;
         # None: shed, counted once, offered again by write-back; False: not yet, or its write failed)
         self.spilled: Optional[bool] = False
+        # disk index only: where the block lies in the slot file with what its record says (disk.format.where_of;
+        # 0: not known), so that a blocked owner may read it from the page cache itself (disk/cached.py)
+        self.where = 0
         untrack(self)             # no container here: never in a cycle, freed by its reference count (untrack.py)
 
     def __repr__(self) -> str:

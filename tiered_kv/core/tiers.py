@@ -165,6 +165,10 @@ class TierCore:
         self._wb_mark = 0       # write-back: host slots used + evictions at its last pass (the difference: stores)
         self._wb_rate = 0       # write-back: a decaying peak of the blocks stored between two passes
         self.closing = False
+        # the front end blocks in a call (TierManager.wait/flush/close): a read the page cache holds is read on
+        # this thread, which would otherwise wait for the disk I/O side's answer (config disk_read_cached_in_wait)
+        self.read_here = False
+        self.read_until: Optional[float] = None   # ... and its deadline (time.monotonic), if it has one
         self.log_debug = log.isEnabledFor(logging.DEBUG)   # refreshed once per step
         self.slot_views = SlotViews(host_rows)
         self._flushes: dict[uuid.UUID, Optional[FlushDone]] = {}
@@ -684,9 +688,11 @@ class TierCore:
         self.stale(kind, _R_UNKNOWN, getattr(r, "token", None))
 
     def apply_arrived(self) -> None:
-        """Start the reads held since the last call, then apply every report that has arrived."""
+        """Start the reads held since the last call, then apply every report that has arrived.  While the
+        front end blocks (:attr:`read_here`), the disk store reads what the page cache holds of them on
+        this thread (never waiting on the disk: ``disk/cached.py``), their reports applied below."""
         if self.disk is not None:
-            self.disk.store.start_reads()
+            self.disk.store.start_reads(cached_here=self.read_here, until=self.read_until)
         apply = self.apply
         for r in self.completions.drain():
             apply(r)
@@ -702,10 +708,14 @@ class TierCore:
         dead, failed = job._dead, r.failed
         parts = job._dentry
         self.spill_extra -= len(parts) - 1   # their tokens leave jobs below
+        where = r.where   # each part's record, as the disk side wrote it (None from a store that does not say)
         if live and r.ok and dead is None and failed is None:   # every part written: the loop below, batched
             self.index.release_all(job._entries)
             for d in parts[1:]:   # the first part's token was the report's
                 jobs.pop(d.writer.int, None)
+            if where is not None:
+                for d, w in zip(parts, where):
+                    d.where = w
             dindex.publish_all(parts)   # DiskTier.finish_spill(d, True, None) for each
             self.metrics.moved(_SPILL, _HOST_DISK, len(parts) * self.row_bytes, r.seconds / len(parts), len(parts))
             return
@@ -721,6 +731,8 @@ class TierCore:
                 m = self.metrics
                 m.count(m.job_outcome[(_SPILL, "cancelled")])
             elif r.ok or (failed is not None and i not in failed):
+                if where is not None:
+                    d.where = where[i]
                 disk.finish_spill(d, True, None)
                 ok_parts += 1
             elif disk.finish_spill(d, False, r.error if failed is None else failed[i]):
@@ -944,7 +956,7 @@ class TierCore:
         job._waiters = []
         self.jobs[token.int] = job
         self.n_in_flight[_PROMOTE] += 1
-        disk.store.queue_promote(token, key, d.writer, self.slot_views[entry.slot])
+        disk.store.queue_promote(token, key, d.writer, self.slot_views[entry.slot], d.where)
         return job
 
     def _writeback(self) -> None:

@@ -116,7 +116,8 @@ class _Outbox(CompletionQueue):
             reads_only = True   # only promote answers: the status need not come with them (it costs ~10 us)
             for it in self.drain():
                 if type(it) is Report:
-                    out.append(("r", it.token.int, it.kind.value, it.ok, it.error, it.nbytes, it.seconds, it.failed))
+                    out.append(("r", it.token.int, it.kind.value, it.ok, it.error, it.nbytes, it.seconds, it.failed,
+                                it.where))
                     reads_only = reads_only and it.kind is JobKind.PROMOTE
                 elif type(it) is FlushDone:
                     out.append(("f", it.token.int, it.ok, it.error))
@@ -227,7 +228,7 @@ def child_main() -> None:
     except Exception as exc:
         send(q.drain() + [("fail", "tier", str(exc) if isinstance(exc, DiskTierError) else repr(exc))])
         os._exit(2)
-    send(q.drain() + [("ready", [(e.key, e.token.int, e.seq) for e in store.entries], store.recovery,
+    send(q.drain() + [("ready", [(e.key, e.token.int, e.seq, e.where) for e in store.entries], store.recovery,
                        _status(store))])
     q.status = lambda: _status(store)
     q.inline = True

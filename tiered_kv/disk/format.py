@@ -40,7 +40,8 @@ from ..jobs import uuid_from_int
 
 __all__ = ["FORMAT_VERSION", "HEADER_SIZE", "HEADER_STRUCT", "EntryHeader", "pack_header", "pack_slot_entry",
            "parse_header", "verify_entry", "verify_split", "lmdb_key", "CorruptEntry", "FLAG_SLOT", "SLOTS_NAME",
-           "slot_bytes_for", "SlotReader", "inline_value"]
+           "slot_bytes_for", "SlotReader", "inline_value", "where_of", "where_slot", "slot_record",
+           "NO_WHERE"]
 
 FORMAT_VERSION = 2                    # 2: payloads in the slot file (1 kept them in LMDB)
 FLAG_SLOT = 1
@@ -111,6 +112,42 @@ def pack_header(namespace: bytes, key: bytes, token: uuid.UUID, payload: Buffer,
 def pack_slot_entry(namespace: bytes, key: bytes, token: uuid.UUID, payload: Buffer, seq: int, slot: int) -> bytes:
     """The whole LMDB value of an entry whose ``payload`` lies in data-file slot ``slot``."""
     return pack_header(namespace, key, token, payload, seq, FLAG_SLOT) + _SLOT.pack(slot)
+
+
+# ---- where a slot entry's payload lies, and what its record says, as one int the owner keeps per disk entry
+#: no known slot record (an inline entry, or not told): read through the disk I/O side only
+NO_WHERE = 0
+_W64 = (1 << 64) - 1
+
+
+def where_of(value: Buffer, header: Optional[EntryHeader] = None) -> int:
+    """A slot entry's record (its LMDB value) reduced to what a reader that knows the namespace, key,
+    token and length needs to read and verify the payload: the slot, the sequence number and the
+    checksum, as one int (``(slot + 1) << 128 | seq << 64 | checksum``; never :data:`NO_WHERE`).
+    :data:`NO_WHERE` for an inline entry or one that does not parse (a reader then asks the store).
+    ``header``: what :func:`parse_header` returned for this same ``value``, not parsed again."""
+    try:
+        h = parse_header(value) if header is None else header
+    except CorruptEntry:
+        return NO_WHERE
+    if not h.in_slot:
+        return NO_WHERE
+    (stored,) = _SUM.unpack_from(value, _HDR.size)
+    return (h.slot + 1) << 128 | h.seq << 64 | stored
+
+
+def where_slot(where: int) -> int:
+    """The data-file slot of a :func:`where_of` value (not :data:`NO_WHERE`)."""
+    return (where >> 128) - 1
+
+
+def slot_record(namespace: bytes, key: bytes, token: uuid.UUID, length: int, where: int) -> bytes:
+    """The record :func:`where_of` reduced, made again: :func:`verify_entry` of it with the payload read
+    from its slot is the full check (namespace, key, token, length, sequence number and payload under
+    the stored checksum)."""
+    head = _HDR.pack(MAGIC, FORMAT_VERSION, FLAG_SLOT, len(namespace), len(key), length, (where >> 64) & _W64,
+                     token.bytes)
+    return head + _SUM.pack(where & _W64) + namespace + key + _SLOT.pack(where_slot(where))
 
 
 def inline_value(value: Buffer, payload: Optional[Buffer], seq: Optional[int] = None) -> bytes:

@@ -60,8 +60,9 @@ from ..errors import DiskInUseError, DiskTierError
 from ..jobs import JobKind, uuid_from_int
 from ..reports import CompletionQueue, Report
 from . import lock
+from .cached import CachedReads
 from .pipes import _bigger_pipe, _frame, _Frames, _spawn
-from .records import NOT_READ, DiskOptions, FlushDone, StoredEntry
+from .records import NOT_READ, DiskOptions, FlushDone, Promote, StoredEntry
 from .recovery import RecoveryReport
 from .store import take_path
 
@@ -121,7 +122,8 @@ class ProcessDiskStore:
         self._on_prevented = on_prevented
         self._on_corrupt = on_corrupt
         self._cmds: list[tuple[Any, ...]] = []
-        self._reads_held = False          # promotes queued since the last start_reads()
+        self._held: list[Promote] = []    # promotes queued since the last start_reads()
+        self.cached = CachedReads(opts.path, opts.namespace, opts.block_bytes)   # a blocked owner's own reads
         self._backlog = bytearray()
         self._lock = threading.Lock()     # guards _outstanding and _dead between the owner and the receiver
         # token.int -> (kind, token, spills) of every spill group, promote and flush sent and not yet answered
@@ -185,7 +187,7 @@ class ProcessDiskStore:
             raise
         os.set_blocking(cmd_w, False)   # from here on the owner never waits for the child to read
         self.recovery = first[2]
-        self.entries = [StoredEntry(k, uuid.UUID(int=t), s) for k, t, s in first[1]]
+        self.entries = [StoredEntry(k, uuid.UUID(int=t), s, w) for k, t, s, w in first[1]]
         self.status = first[3]
         self._receiver = threading.Thread(target=self._receive, args=(frames,), name="tiered-kv-disk-receiver",
                                           daemon=True)
@@ -284,8 +286,8 @@ class ProcessDiskStore:
             for it in items:
                 tag = it[0]
                 if tag == "r":
-                    _, t, kind, ok, err, nbytes, secs, failed = it
-                    report = Report(uuid_from_int(t), _KINDS[kind], ok, err, nbytes, secs, failed)
+                    _, t, kind, ok, err, nbytes, secs, failed, where = it
+                    report = Report(uuid_from_int(t), _KINDS[kind], ok, err, nbytes, secs, failed, where)
                     op = ops[nth]
                     nth += 1
                     if kind == "spill":   # before the owner can see the report: its room counts it free
@@ -399,20 +401,39 @@ class ProcessDiskStore:
         self._cmds.append(("F", token.int))
         self.kick()
 
-    def queue_promote(self, token: uuid.UUID, key: bytes, expect: uuid.UUID, dst: memoryview) -> None:
+    def queue_promote(self, token: uuid.UUID, key: bytes, expect: uuid.UUID, dst: memoryview, where: int = 0) -> None:
         if not self._track("promote", token):
             self._answer_failed([("promote", token, 1)])
             return
-        self._cmds.append(("P", token.int, key, expect.int, self._slot(dst)))
-        self._reads_held = True
+        self._held.append(Promote(token, key, expect, dst, where))
 
-    def start_reads(self) -> None:
+    def start_reads(self, cached_here: bool = False, until: Optional[float] = None) -> None:
         """Hand the held reads to the readers: the child starts them when this pass's frame arrives
-        (a pass with none held sends nothing)."""
-        if self._reads_held:
-            self._reads_held = False
-            self._cmds.append(("R",))
+        (a pass with none held sends nothing).  ``cached_here``: the owner blocks anyway, so what the
+        page cache holds of them is read on its thread first (:class:`~tiered_kv.disk.cached.CachedReads`;
+        ``until``: its call's deadline), the rest go to the child.  The reads stay held until they are
+        answered or their ops queued: an interrupt in the page-cache reads loses none (the next pass
+        serves or sends them)."""
+        held = self._held
+        if not held:
+            return
+        if cached_here and self.cached.enabled and not self._closing:
+            served, rest = self.cached.read(held, until)
+            if served:
+                with self._lock:   # answered here, not by the child; one the child's death answered already is dropped
+                    pop, dead = self._outstanding.pop, self._dead   # (an op popped by a pass an interrupt broke
+                    served = [r for r in served if pop(r.token.int, None) is not None or not dead]   # off is not)
+                self._held = held = rest
+                self._out.put_many(served)
+        if held:
+            slot = self._slot
+            cmds = [("P", op.token.int, op.key, op.expect.int, slot(op.dst)) for op in held]
+            cmds.append(("R",))
+            self._cmds += cmds   # (no call between these two lines)
+            self._held = []
             self.kick()
+        else:
+            self._held = []
 
     def kick(self) -> None:
         """Write the ops buffered since the last call as one frame, without waiting: what the pipe
@@ -506,6 +527,7 @@ class ProcessDiskStore:
             return
         if not self._closing:
             self._closing = True
+            self.start_reads()   # reads still held: the child answers them before it exits
             self._cmds.append(("X",))
         deadline = time.monotonic() + _CLOSE_TIMEOUT_S
         try:   # the backlog goes as the child reads it, until the deadline: a child that stopped reading is killed
@@ -550,6 +572,7 @@ class ProcessDiskStore:
 
     def _release(self) -> None:
         """The pipes and the path lock go (once: close(), or the receiver after a child that outlived it)."""
+        self.cached.close()
         with self._lock:
             fds, self._cmd_w, self._rep_r = (self._cmd_w, self._rep_r), -1, -1
             lock_fd, self._lock_fd = self._lock_fd, -1

@@ -37,6 +37,7 @@ import lmdb
 
 from ..jobs import JobKind
 from ..reports import CompletionQueue, Report
+from .cached import CachedReads
 from .env import DiskEnv
 from .format import CorruptEntry, EntryHeader, lmdb_key, parse_header, verify_entry
 from .records import CORRUPT, NOT_READ, READ_FAILED, Delete, DiskOptions, Promote, error_kind
@@ -98,6 +99,16 @@ class Readers:
     def hold(self, op: Promote) -> None:
         """Hold a read in the caller's thread until :meth:`start` (a list append: no lock, no wake-up)."""
         self._held_reads.append(op)
+
+    def serve_cached(self, cached: CachedReads, until: Optional[float] = None) -> None:
+        """Answer the held reads the page cache holds on the calling thread (the blocked owner's:
+        :meth:`CachedReads.read` never waits on the disk; none starts past ``until``); the others stay
+        held for :meth:`start`."""
+        held = self._held_reads
+        if held:
+            served, self._held_reads = cached.read(held, until)
+            if served:
+                self._out.put_many(served)
 
     def start(self, lone_here: bool = False) -> None:
         """Hand the held reads to the readers, in batches of what one reader takes at once: one queue

@@ -62,10 +62,12 @@ class FlushDone:
 
 @dataclass(frozen=True)
 class StoredEntry:
-    """An entry recovery found on disk: its key, its writer's token, its recency (write or touch)."""
+    """An entry recovery found on disk: its key, its writer's token, its recency (write or touch), and
+    where its payload lies with what its record says (``format.where_of``; 0 for an inline entry)."""
     key: bytes
     token: uuid.UUID
     seq: int
+    where: int = 0
 
 
 def writable_view(t: Any) -> memoryview:
@@ -95,7 +97,7 @@ class SpillGroup:
     One report per group instead of one per block: the owner applies, counts and frees a step's
     write-through spills in one pass.  Writer thread only (each part is answered there once)."""
 
-    __slots__ = ("token", "left", "nbytes", "seconds", "failed")
+    __slots__ = ("token", "left", "nbytes", "seconds", "failed", "where")
 
     def __init__(self, token: uuid.UUID, parts: int) -> None:
         self.token = token
@@ -103,6 +105,7 @@ class SpillGroup:
         self.nbytes = 0
         self.seconds = 0.0
         self.failed: Optional[dict[int, str]] = None
+        self.where = [0] * parts
 
     def answer(self, part: int, r: Report) -> Optional[Report]:
         """Record part ``part``'s report; the group's report once it was the last one, else None."""
@@ -110,6 +113,8 @@ class SpillGroup:
         if r.ok:
             self.nbytes += r.nbytes
             self.seconds += r.seconds
+            if r.where:
+                self.where[part] = r.where[0]
         else:
             if self.failed is None:
                 self.failed = {}
@@ -118,7 +123,7 @@ class SpillGroup:
             return None
         failed = self.failed
         first = None if failed is None else next(iter(failed.values()))
-        return Report(self.token, JobKind.SPILL, failed is None, first, self.nbytes, self.seconds, failed)
+        return Report(self.token, JobKind.SPILL, failed is None, first, self.nbytes, self.seconds, failed, self.where)
 
 
 @dataclass
@@ -151,6 +156,7 @@ class Promote:
     key: bytes
     expect: uuid.UUID
     dst: memoryview
+    where: int = 0   # the owner's copy of the record (``format.where_of``): it may read a cached block itself
 
 
 def error_kind(exc: BaseException) -> str:

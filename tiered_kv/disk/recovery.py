@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .env import DiskEnv
-from .format import CorruptEntry, EntryHeader, lmdb_key, parse_header, verify_entry
+from .format import CorruptEntry, EntryHeader, lmdb_key, parse_header, verify_entry, where_of
 from .records import StoredEntry
 from .slots import SlotFile
 
@@ -118,7 +118,7 @@ def recover(db: DiskEnv, slots: SlotFile, ns: bytes, block_bytes: int) -> tuple[
                     if loser == lk:
                         continue
                 owner[h.slot] = (lk, h.seq)
-            entries[lk] = StoredEntry(h.key, h.token, h.seq)
+            entries[lk] = StoredEntry(h.key, h.token, h.seq, where_of(v, h))
             seq = max(seq, h.seq)
         for lk in dead:
             txn.delete(lk, db=db.blocks)
@@ -143,7 +143,7 @@ def recover(db: DiskEnv, slots: SlotFile, ns: bytes, block_bytes: int) -> tuple[
             if e is None:
                 txn.delete(k, db=db.touch)
             elif tseq > e.seq:
-                entries[k] = StoredEntry(e.key, e.token, tseq)
+                entries[k] = StoredEntry(e.key, e.token, tseq, e.where)
             seq = max(seq, tseq)
         rep.entries = len(entries)
         rep.slots_free = slots.recovered(owner)

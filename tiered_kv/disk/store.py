@@ -38,6 +38,7 @@ import lmdb
 from ..errors import DiskInUseError, DiskTierError
 from ..reports import CompletionQueue
 from . import lock
+from .cached import CachedReads
 from .env import DiskEnv
 from .readers import Readers
 from .records import Delete, DiskOptions, Flush, Promote, StoredEntry, Tomb, Touch
@@ -115,6 +116,7 @@ class DiskStore:
                 raise DiskTierError(f"disk_path {str(opts.path)!r}: cannot start its threads: {exc}") from exc
             raise
         self.writer = writer
+        self.cached = CachedReads(opts.path, opts.namespace, opts.block_bytes)   # a blocked owner's own reads
         self._closed = False
 
     # ------------------------------------------------------------ open / close
@@ -153,6 +155,7 @@ class DiskStore:
         if self._closed:
             return
         self._closed = True
+        self.cached.close()
         deadline = time.monotonic() + CLOSE_JOIN_S
         # the readers first: a read close() lets finish may find a corrupt entry and queue its removal
         # with the writer, which must still be there to commit it
@@ -225,12 +228,17 @@ class DiskStore:
     def submit_flush(self, token: uuid.UUID) -> None:
         self.writer.push(Flush(token, self.writer.failures))
 
-    def queue_promote(self, token: uuid.UUID, key: bytes, expect: uuid.UUID, dst: memoryview) -> None:
-        """Hold a read in the caller's thread until :meth:`start_reads` (a list append: no lock, no wake-up)."""
-        self.readers.hold(Promote(token, key, expect, dst))
+    def queue_promote(self, token: uuid.UUID, key: bytes, expect: uuid.UUID, dst: memoryview, where: int = 0) -> None:
+        """Hold a read in the caller's thread until :meth:`start_reads` (a list append: no lock, no wake-up).
+        ``where``: the owner's copy of the entry's record (``format.where_of``), 0 if it has none."""
+        self.readers.hold(Promote(token, key, expect, dst, where))
 
-    def start_reads(self, lone_here: bool = False) -> None:
-        """Hand the reads held by :meth:`queue_promote` to the readers (see :meth:`Readers.start`)."""
+    def start_reads(self, lone_here: bool = False, cached_here: bool = False, until: Optional[float] = None) -> None:
+        """Hand the reads held by :meth:`queue_promote` to the readers (see :meth:`Readers.start`).
+        ``cached_here``: the owner blocks anyway: what the page cache holds of them is read on its
+        thread first (:class:`~tiered_kv.disk.cached.CachedReads`; ``until``: its call's deadline)."""
+        if cached_here and self.cached.enabled:
+            self.readers.serve_cached(self.cached, until)
         self.readers.start(lone_here)
 
     def kick(self) -> None:

@@ -116,6 +116,7 @@ REFUSED_KEYS: dict[str, str] = {
     "num_copy_workers": "a vLLM worker copies on one thread, so that its jobs run in submission order",
     "cpu_mover": "a vLLM worker copies on one Python thread, so that its jobs run in submission order",
     "num_copy_streams": "a vLLM worker copies on one CUDA stream, so that its jobs run in submission order",
+    "disk_read_cached_in_wait": "vLLM's scheduler never blocks in a wait: every read goes to the disk readers",
 }
 #: keys vLLM itself reads from the extra config of an ``OffloadingConnector`` (0.30-0.33); left to vLLM
 VLLM_KEYS = frozenset({"spec_name", "spec_module_path", "cpu_bytes_to_use", "offload_prompt_only",

@@ -1,0 +1,334 @@
+"""A blocked owner reads the blocks the page cache holds itself (tiered_kv/disk/cached.py).
+
+``TierManager.wait()`` reads a promote's block on its own thread when its record is known
+(``Entry.where``, from the spill's report or recovery) and the page cache holds the whole block
+(``preadv2(RWF_NOWAIT)``), verified against the record made again from what the owner knows.
+Everything else goes to the disk readers as before, which alone decide about corruption.  These
+tests force each branch: served here, not cached (fake and real), partly cached, a stale record, a
+damaged block, a record from recovery (and after a touch), a child that died with the read held, an
+invalidated key, a file system without ``RWF_NOWAIT``, ``poll()`` (never reads here), the option off.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tiered_kv import TieredKVConfig
+from tiered_kv.disk import cached as cached_mod
+from tiered_kv.disk.format import (NO_WHERE, pack_slot_entry, slot_bytes_for, slot_record, verify_entry,
+                                   where_of, where_slot)
+from tiered_kv.disk.records import SpillGroup
+from tiered_kv.errors import ConfigError
+from tiered_kv.jobs import JobKind
+from tiered_kv.reports import Report
+
+from disk_helpers import (Rig, keys, load_ok, make_kv, metric_sum, rig, row_is, slot_file, store_one,  # noqa: F401
+                          store_seq)
+
+pytestmark = pytest.mark.timeout(120)
+
+IO = ["process", "thread"]
+
+
+def _disk_only(rig: Rig, io: str, n: int = 4, prefix: str = "c", **kw):  # type: ignore[no-untyped-def]
+    """A manager (8 host slots, 64 on disk) with ``n`` keys stored, flushed, then pushed out of the host
+    tier by 8 more: loading one of the ``n`` reads it from disk."""
+    kv = make_kv(rows=8)
+    mgr = rig.open(kv, host_slots=8, disk_slots=64, disk_io=io, **kw)
+    ks = keys(n, prefix)
+    store_seq(mgr, kv, ks)
+    for i, k in enumerate(keys(8, prefix + "-over")):
+        store_one(mgr, kv, k, i % 8)
+    for k in ks:
+        assert mgr.host_bytes(k) is None
+    return kv, mgr, ks
+
+
+def _offset(mgr, key: bytes) -> int:  # type: ignore[no-untyped-def]
+    """The slot file offset of ``key``'s block, from the owner's record of it."""
+    return where_slot(mgr._core.dindex.ready(key).where) * slot_bytes_for(mgr.row_bytes)
+
+
+def _flip(path: Path, off: int) -> None:
+    fd = os.open(slot_file(path), os.O_RDWR)
+    try:
+        b = os.pread(fd, 1, off)
+        os.pwrite(fd, bytes([b[0] ^ 0x5A]), off)
+    finally:
+        os.close(fd)
+
+
+def _reads(mgr):  # type: ignore[no-untyped-def]
+    c = mgr.disk.cached
+    return c.served, c.passed
+
+
+def _stale(mgr, kind: str) -> float:  # type: ignore[no-untyped-def]
+    return metric_sum(mgr, "tiered_kv_stale_callbacks_total", kind=kind)
+
+
+def _corrupt(mgr) -> float:  # type: ignore[no-untyped-def]
+    return metric_sum(mgr, "tiered_kv_corrupt_blocks_total")
+
+
+# ---------------------------------------------------------------------------------------------- the record
+@settings(max_examples=200, deadline=None)
+@given(ns=st.binary(max_size=40), key=st.binary(min_size=1, max_size=600), payload=st.binary(max_size=300),
+       seq=st.integers(0, (1 << 64) - 1), slot=st.integers(0, (1 << 48) - 1), tok=st.integers(0, (1 << 128) - 1))
+def test_the_owners_copy_of_a_record_makes_the_record_again(ns, key, payload, seq, slot, tok) -> None:  # type: ignore[no-untyped-def]
+    token = uuid.UUID(int=tok)
+    rec = pack_slot_entry(ns, key, token, payload, seq, slot)
+    w = where_of(rec)
+    assert w != NO_WHERE and where_slot(w) == slot
+    assert slot_record(ns, key, token, len(payload), w) == rec
+    verify_entry(slot_record(ns, key, token, len(payload), w), ns, key, len(payload), payload)
+
+
+def test_an_inline_or_unreadable_record_has_no_where() -> None:
+    from tiered_kv.disk.format import pack_header
+
+    inline = pack_header(b"n", b"k", uuid.UUID(int=5), b"xyz", 3) + b"xyz"
+    assert where_of(inline) == NO_WHERE
+    assert where_of(b"junk") == NO_WHERE
+
+
+def test_a_spill_groups_report_names_each_written_parts_record() -> None:
+    g = SpillGroup(uuid.UUID(int=1), 3)
+    assert g.answer(0, Report(uuid.UUID(int=1), JobKind.SPILL, True, None, 4, 0.0, None, [11])) is None
+    assert g.answer(1, Report(uuid.UUID(int=2), JobKind.SPILL, False, "disk full")) is None
+    r = g.answer(2, Report(uuid.UUID(int=3), JobKind.SPILL, True, None, 4, 0.0, None, [33]))
+    assert r is not None and r.where == [11, 0, 33] and r.failed == {1: "disk full"}
+
+
+# ---------------------------------------------------------------------------------------------- served here
+@pytest.mark.parametrize("io", IO)
+def test_a_blocked_wait_reads_a_cached_block_itself(rig: Rig, io: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    kv, mgr, ks = _disk_only(rig, io)
+    sent: list[object] = []
+    if io == "process":
+        from tiered_kv.disk import proc
+
+        real = proc._frame
+        monkeypatch.setattr(proc, "_frame", lambda obj: (sent.append(obj), real(obj))[1])
+    for i, k in enumerate(ks):
+        assert load_ok(mgr, kv, k, i)
+    assert _reads(mgr) == (len(ks), 0)
+    assert not any(op[0] == "P" for f in sent for op in f)   # type: ignore[attr-defined]
+    # the promote was a use (its touch went to the writer) and the block is in the host tier now
+    assert all(mgr.host_bytes(k) is not None for k in ks)
+    assert _stale(mgr, "promote") == 0 and _corrupt(mgr) == 0
+
+
+@pytest.mark.parametrize("io", IO)
+def test_poll_never_reads_on_the_engines_thread(rig: Rig, io: str) -> None:
+    kv, mgr, ks = _disk_only(rig, io)
+    job = mgr.load(ks[0], 0)
+    assert job is not None
+    deadline = time.monotonic() + 30
+    while not job.done and time.monotonic() < deadline:
+        mgr.poll()
+    assert job.state.name == "DONE" and row_is(kv, 0, ks[0])
+    assert _reads(mgr) == (0, 0)
+
+
+@pytest.mark.parametrize("io", IO)
+def test_the_option_off_sends_every_read_to_the_disk_readers(rig: Rig, io: str) -> None:
+    kv, mgr, ks = _disk_only(rig, io, disk_read_cached_in_wait=False)
+    assert load_ok(mgr, kv, ks[0], 0)
+    assert _reads(mgr) == (0, 0)
+
+
+# ---------------------------------------------------------------------------------------------- not cached
+def _refuse_offsets(monkeypatch: pytest.MonkeyPatch, refused: set[int]) -> list[int]:
+    """preadv2 answers EAGAIN (not in the page cache) at these file offsets; returns the offsets asked."""
+    real = cached_mod._PREADV
+    asked: list[int] = []
+
+    def preadv(fd, bufs, off, flags):  # type: ignore[no-untyped-def]
+        asked.append(off)
+        if off in refused:
+            raise BlockingIOError(errno.EAGAIN, "would block")
+        return real(fd, bufs, off, flags)
+
+    monkeypatch.setattr(cached_mod, "_PREADV", preadv)
+    return asked
+
+
+@pytest.mark.parametrize("io", IO)
+def test_after_the_first_block_not_cached_the_rest_go_to_the_disk_readers(
+        rig: Rig, io: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    kv, mgr, ks = _disk_only(rig, io, n=3)
+    offs = {k: _offset(mgr, k) for k in ks}
+    asked = _refuse_offsets(monkeypatch, {offs[ks[1]]})
+    jobs = [mgr.load(k, i) for i, k in enumerate(ks)]
+    mgr.wait(jobs, timeout=30)
+    assert all(j is not None and j.state.name == "DONE" for j in jobs)
+    assert all(row_is(kv, i, k) for i, k in enumerate(ks))
+    assert asked == [offs[ks[0]], offs[ks[1]]]   # the third not tried: a cold batch costs one refused call
+    assert _reads(mgr) == (1, 2)
+
+
+@pytest.mark.parametrize("io", IO)
+def test_a_block_the_page_cache_dropped_is_read_by_the_disk_readers(rig: Rig, io: str) -> None:
+    kv, mgr, ks = _disk_only(rig, io, n=1)
+    if _fs_type(rig.path) in ("tmpfs", "ramfs"):
+        pytest.skip("the slot file's pages are its storage here: nothing to drop")
+    fd = os.open(slot_file(rig.path), os.O_RDONLY)
+    try:   # (no probe of it: a refused RWF_NOWAIT read starts the readahead that caches the block again)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)   # clean pages (flushed): dropped
+    finally:
+        os.close(fd)
+    assert load_ok(mgr, kv, ks[0], 0)
+    assert _reads(mgr) == (0, 1)
+    assert _corrupt(mgr) == 0
+
+
+def _fs_type(path: Path) -> str:
+    """The file system type of the mount holding ``path`` (/proc/self/mounts, longest prefix)."""
+    best, kind = "", ""
+    p = str(path.resolve())
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            parts = line.split()
+            mnt = parts[1].replace("\\040", " ")
+            if (p == mnt or p.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                best, kind = mnt, parts[2]
+    return kind
+
+
+# ---------------------------------------------------------------------------------------------- refused records
+@pytest.mark.parametrize("io", IO)
+def test_a_stale_record_is_not_served_and_is_not_called_corrupt(rig: Rig, io: str) -> None:
+    """The owner's record names another block's slot (as after a slot reuse): its check fails on the
+    bytes there, and the disk readers, which read the index, serve the right block."""
+    kv, mgr, ks = _disk_only(rig, io, n=2)
+    dindex = mgr._core.dindex
+    a, b = dindex.ready(ks[0]), dindex.ready(ks[1])
+    a.where = b.where
+    assert load_ok(mgr, kv, ks[0], 0)
+    assert _reads(mgr) == (0, 1)
+    assert _corrupt(mgr) == 0 and mgr.host_bytes(ks[0]) is not None
+
+
+@pytest.mark.parametrize("io", IO)
+def test_a_damaged_block_is_left_to_the_disk_readers_which_count_it_once(rig: Rig, io: str) -> None:
+    kv, mgr, ks = _disk_only(rig, io, n=1)
+    _flip(rig.path, _offset(mgr, ks[0]) + 100)
+    assert not load_ok(mgr, kv, ks[0], 0)
+    assert _reads(mgr) == (0, 1)
+    assert _corrupt(mgr) == 1
+    assert mgr.lookup([ks[0]]) == 0
+
+
+@pytest.mark.parametrize("io", IO)
+def test_the_written_parts_of_a_spill_with_a_cancelled_part_get_their_records(rig: Rig, io: str) -> None:
+    """A spill job whose report is applied part by part (one of its keys invalidated in flight): the
+    parts written still get their records."""
+    from disk_helpers import fill
+
+    kv = make_kv(rows=8)
+    mgr = rig.open(kv, host_slots=8, disk_slots=64, disk_io=io)
+    a, b = b"part-a", b"part-b"
+    fill(kv, 0, a)
+    fill(kv, 1, b)
+    job = mgr.store_many([a, b], [0, 1])
+    assert job is not None
+    mgr.wait([job], timeout=30)            # published: their one spill job is on its way, its report not applied
+    mgr.invalidate(b)                      # (reports are applied on this thread only: before that report)
+    assert mgr.flush(timeout=30)
+    assert metric_sum(mgr, "tiered_kv_stale_callbacks_total", kind="spill") == 1
+    for i, k in enumerate(keys(8, "push")):
+        store_one(mgr, kv, k, i % 8)
+    assert mgr.host_bytes(a) is None and mgr._core.dindex.ready(a).where != NO_WHERE
+    assert load_ok(mgr, kv, a, 2)
+    assert _reads(mgr) == (1, 0)
+
+
+# ---------------------------------------------------------------------------------------------- records from recovery
+@pytest.mark.parametrize("io", IO)
+def test_recovery_gives_the_owner_each_entrys_record_also_after_a_touch(rig: Rig, io: str) -> None:
+    kv, mgr, ks = _disk_only(rig, io, n=2)
+    assert load_ok(mgr, kv, ks[0], 0)          # a promote: its touch numbers ks[0]'s recency past its write
+    assert mgr.flush(timeout=30)
+    mgr.close()
+    mgr = rig.open(kv, host_slots=8, disk_slots=64, disk_io=io)
+    d = mgr._core.dindex.ready(ks[0])
+    assert d is not None and d.where != NO_WHERE
+    for i, k in enumerate(ks):
+        assert load_ok(mgr, kv, k, i)
+    assert _reads(mgr) == (2, 0)
+
+
+# ---------------------------------------------------------------------------------------------- races
+def test_a_read_the_dead_childs_answer_took_is_not_answered_twice(rig: Rig) -> None:
+    """The read is held (load() made it), the child dies and its receiver answers every op it had,
+    this one failed; the owner's page-cache read of it then is dropped, not a second report."""
+    kv, mgr, ks = _disk_only(rig, "process", n=1)
+    store = mgr.disk
+    job = mgr.load(ks[0], 0)
+    assert job is not None
+    store.kill_for_test(signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while not store.down and time.monotonic() < deadline:   # the receiver's answers are in (not an ordering sleep)
+        time.sleep(0.01)
+    assert store.down
+    mgr.wait([job], timeout=30)
+    assert job.state.name == "FAILED"
+    assert store.cached.served == 1                # read here, and dropped: the failed answer came first
+    assert _stale(mgr, "promote") == 0 and _stale(mgr, "load") == 0
+
+
+@pytest.mark.parametrize("io", IO)
+def test_a_key_invalidated_while_its_read_is_held_is_discarded(rig: Rig, io: str) -> None:
+    kv, mgr, ks = _disk_only(rig, io, n=1)
+    job = mgr.load(ks[0], 0)
+    assert job is not None
+    mgr.invalidate(ks[0])
+    mgr.wait(timeout=30)
+    assert job.state.name == "CANCELLED"
+    assert mgr.lookup([ks[0]]) == 0 and mgr.host_bytes(ks[0]) is None
+    assert metric_sum(mgr, "tiered_kv_stale_callbacks_total", kind="promote", reason="superseded") == 1
+
+
+# ---------------------------------------------------------------------------------------------- the file system
+@pytest.mark.parametrize("io", IO)
+@pytest.mark.parametrize("refusal", [OSError(errno.EOPNOTSUPP, "Operation not supported"),
+                                     OSError(errno.ENOSYS, "Function not implemented"),
+                                     NotImplementedError("preadv2 flags")], ids=["EOPNOTSUPP", "ENOSYS", "no-preadv2"])
+def test_a_file_system_without_nowait_reads_turns_it_off_once(rig: Rig, io: str, refusal: BaseException,
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    kv, mgr, ks = _disk_only(rig, io, n=2)
+    calls = []
+
+    def preadv(fd, bufs, off, flags):  # type: ignore[no-untyped-def]
+        calls.append(off)
+        raise refusal
+
+    monkeypatch.setattr(cached_mod, "_PREADV", preadv)
+    with caplog.at_level(logging.INFO, logger="tiered_kv.disk.cached"):
+        for i, k in enumerate(ks):
+            assert load_ok(mgr, kv, k, i)
+    assert len(calls) == 1 and mgr.disk.cached.enabled is False
+    assert sum("RWF_NOWAIT" in r.getMessage() for r in caplog.records) == 1
+
+
+# ---------------------------------------------------------------------------------------------- the option
+def test_the_option_must_be_a_bool_and_reads_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match="disk_read_cached_in_wait"):
+        TieredKVConfig(namespace="n", host_capacity_bytes=1 << 20, disk_read_cached_in_wait="yes")  # type: ignore[arg-type]
+    monkeypatch.setenv("TIERED_KV_NAMESPACE", "n")
+    monkeypatch.setenv("TIERED_KV_HOST_CAPACITY_BYTES", str(1 << 20))
+    monkeypatch.setenv("TIERED_KV_DISK_READ_CACHED_IN_WAIT", "off")
+    assert TieredKVConfig.from_env().disk_read_cached_in_wait is False
+    assert TieredKVConfig(namespace="n", host_capacity_bytes=1 << 20).disk_read_cached_in_wait is True

@@ -1,0 +1,136 @@
+"""Reads of blocks the page cache holds, on the owner's thread while it blocks anyway.
+
+A blocked ``TierManager.wait()`` would otherwise hand a promote to the disk reader (a pipe write, a
+wake-up of the disk I/O process, a frame back, a wake-up of this process's receiver thread and then
+of the owner: most of a lone 256 KiB read's time on a small VM).  When the owner knows where the block
+lies and what its record says (``Entry.where``: the spill's report, or recovery, gave it), it reads
+the slot itself with ``preadv2(..., RWF_NOWAIT)``: the kernel copies the bytes when the page cache
+holds all of them and refuses (``EAGAIN``) instead of starting I/O otherwise, so the owner's thread
+never waits on a disk.
+
+Invariants:
+
+* a read is served here only when the whole block came from the page cache and :func:`verify_entry`
+  passed on the record made again from the owner's copy (namespace, key, the writer token the owner
+  expects, length, sequence number, checksum over the bytes read): a slot reused by another write
+  since (the record the owner holds is stale) or damaged bytes fail it;
+* anything else (not cached, partly cached, a short read, a failed check, an error) is not an
+  answer: the read goes to the disk I/O side as it would have, which re-reads it and alone decides
+  about corruption and removal (the bytes written into the host slot meanwhile are overwritten by
+  that read, and the slot is not published before its report);
+* after the first block the page cache did not hold, the rest of the batch goes to the disk I/O side
+  (a cold batch costs one refused call, not one per block);
+* a file system that does not take ``RWF_NOWAIT`` (``EOPNOTSUPP``) turns this off for the store's
+  life, logged once.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+from ..jobs import JobKind
+from ..reports import Report
+from .format import SLOTS_NAME, CorruptEntry, slot_bytes_for, slot_record, verify_entry, where_slot
+from .records import Promote
+
+__all__ = ["CachedReads"]
+
+log = logging.getLogger(__name__)
+
+_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+_PREADV = getattr(os, "preadv", None)
+_PROMOTE = JobKind.PROMOTE
+
+
+class CachedReads:
+    """The owner's page-cache reads of one disk tier's slot file (see the module docstring)."""
+
+    def __init__(self, path: Path, namespace: str, block_bytes: int) -> None:
+        self._file = Path(path).absolute() / SLOTS_NAME   # opened later: not relative to a later working dir
+        self._ns = namespace.encode()
+        self._slot_bytes = slot_bytes_for(block_bytes)
+        self._fd = -1
+        self.enabled = bool(_NOWAIT) and _PREADV is not None
+        self.served = 0       # reads answered here
+        self.passed = 0       # reads with a known record handed on (not cached, or a check failed)
+
+    def read(self, ops: list[Promote], until: Optional[float] = None) -> tuple[list[Report], list[Promote]]:
+        """Serve what the page cache holds of ``ops``, in order: (their reports, the ops left for the disk
+        I/O side, in their order).  ``until``: the blocked call's deadline (``time.monotonic``); no read
+        starts past it (a ``wait(timeout=...)`` returns on time), the rest go to the disk I/O side."""
+        if not self.enabled or not any(op.where for op in ops):
+            return [], ops
+        fd = self._open()
+        if fd < 0:
+            return [], ops
+        served: list[Report] = []
+        rest: list[Promote] = []
+        ns, sb = self._ns, self._slot_bytes
+        pc, mono = time.perf_counter, time.monotonic
+        cold = False
+        for op in ops:
+            w = op.where
+            if not w or cold or (until is not None and mono() >= until):
+                rest.append(op)
+                continue
+            t0 = pc()
+            dst = op.dst
+            n = len(dst)
+            try:
+                got = _PREADV(fd, [dst], where_slot(w) * sb, _NOWAIT)   # type: ignore[misc]
+            except BlockingIOError:   # not (all) in the page cache: the disk I/O side reads it, and the rest
+                got = -1
+            except NotImplementedError as exc:   # this Python has no preadv2 with flags
+                self._off(exc)
+                got = -1
+            except OSError as exc:
+                if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    self._off(exc)
+                else:
+                    log.debug("disk tier %s: a page-cache read failed (%r): read by the disk I/O side",
+                              self._file.parent, exc)
+                got = -1
+            if got != n:
+                cold = True
+                rest.append(op)
+                continue
+            try:
+                verify_entry(slot_record(ns, op.key, op.expect, n, w), ns, op.key, n, dst)
+            except CorruptEntry:   # a stale record (the slot reused) or damage: the disk I/O side decides
+                rest.append(op)
+                continue
+            served.append(Report(op.token, _PROMOTE, True, None, n, pc() - t0))
+        self.served += len(served)
+        self.passed += sum(1 for op in rest if op.where)
+        return served, rest
+
+    def _off(self, exc: BaseException) -> None:
+        self.enabled = False
+        log.info("disk tier %s: this file system or kernel does not read with RWF_NOWAIT (%r): every read goes "
+                 "to the disk I/O side", self._file.parent, exc)
+
+    def _open(self) -> int:
+        if self._fd < 0:
+            try:
+                self._fd = os.open(self._file, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:   # not made yet, or gone: nothing is served here this time
+                log.debug("disk tier %s: slot file not open for page-cache reads: %r", self._file.parent, exc)
+                return -1
+        return self._fd
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self) -> None:   # a store dropped without close() (a failed open): no fd left behind
+        try:
+            self.close()
+        except Exception:   # noqa: BLE001 - interpreter shutdown
+            pass
+
