@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 
 from tiered_kv import TieredKVConfig
 from tiered_kv.disk import cached as cached_mod
-from tiered_kv.disk.format import (NO_WHERE, pack_slot_entry, slot_bytes_for, slot_record, verify_entry,
-                                   where_of, where_slot)
+from tiered_kv.disk.format import (NO_WHERE, CorruptEntry, pack_slot_entry, slot_bytes_for, slot_payload_verifies,
+                                   slot_record, verify_entry, where_of, where_slot)
 from tiered_kv.disk.records import SpillGroup
 from tiered_kv.errors import ConfigError
 from tiered_kv.jobs import JobKind
@@ -82,16 +82,37 @@ def _corrupt(mgr) -> float:  # type: ignore[no-untyped-def]
 
 
 # ---------------------------------------------------------------------------------------------- the record
-@settings(max_examples=200, deadline=None)
-@given(ns=st.binary(max_size=40), key=st.binary(min_size=1, max_size=600), payload=st.binary(max_size=300),
-       seq=st.integers(0, (1 << 64) - 1), slot=st.integers(0, (1 << 48) - 1), tok=st.integers(0, (1 << 128) - 1))
-def test_the_owners_copy_of_a_record_makes_the_record_again(ns, key, payload, seq, slot, tok) -> None:  # type: ignore[no-untyped-def]
+@settings(max_examples=300, deadline=None)
+@given(ns=st.binary(max_size=40), key=st.binary(min_size=1, max_size=600), payload=st.binary(min_size=1, max_size=300),
+       seq=st.integers(0, (1 << 64) - 1), slot=st.integers(0, (1 << 48) - 1), tok=st.integers(0, (1 << 128) - 1),
+       flip=st.integers(0, 1 << 20), what=st.sampled_from(["none", "payload", "token", "key", "ns", "seq"]))
+def test_the_owners_copy_of_a_record_checks_like_the_readers_check(ns, key, payload, seq, slot, tok, flip,  # type: ignore[no-untyped-def]
+                                                                   what) -> None:
+    """The owner's check of a block it read equals verify_entry of the record it reduced (made again),
+    for the block written and for one that differs in any field the checksum covers."""
     token = uuid.UUID(int=tok)
     rec = pack_slot_entry(ns, key, token, payload, seq, slot)
     w = where_of(rec)
     assert w != NO_WHERE and where_slot(w) == slot
     assert slot_record(ns, key, token, len(payload), w) == rec
-    verify_entry(slot_record(ns, key, token, len(payload), w), ns, key, len(payload), payload)
+    got = bytearray(payload)
+    k2, ns2, tok2, w2 = key, ns, token, w
+    if what == "payload":
+        got[flip % len(got)] ^= 1 + flip % 255
+    elif what == "token":
+        tok2 = uuid.UUID(int=tok ^ (1 << (flip % 128)))
+    elif what == "key":
+        k2 = key + b"x"
+    elif what == "ns":
+        ns2 = ns + b"x"
+    elif what == "seq":
+        w2 = w ^ (1 << (64 + flip % 64))
+    try:
+        verify_entry(slot_record(ns2, k2, tok2, len(got), w2), ns2, k2, len(got), got)
+        readers_ok = True
+    except CorruptEntry:
+        readers_ok = False
+    assert slot_payload_verifies(ns2, k2, tok2, w2, got) is readers_ok is (what == "none")
 
 
 def test_an_inline_or_unreadable_record_has_no_where() -> None:

@@ -10,10 +10,11 @@ never waits on a disk.
 
 Invariants:
 
-* a read is served here only when the whole block came from the page cache and :func:`verify_entry`
-  passed on the record made again from the owner's copy (namespace, key, the writer token the owner
-  expects, length, sequence number, checksum over the bytes read): a slot reused by another write
-  since (the record the owner holds is stale) or damaged bytes fail it;
+* a read is served here only when the whole block came from the page cache and its stored checksum
+  verifies over the fields the owner knows (namespace, key, the writer token it expects, length) and
+  its copy of the record's (sequence number, checksum) and the bytes read (``slot_payload_verifies``,
+  the check :func:`verify_entry` makes of the same record): a slot reused by another write since
+  (the record the owner holds is stale) or damaged bytes fail it;
 * anything else (not cached, partly cached, a short read, a failed check, an error) is not an
   answer: the read goes to the disk I/O side as it would have, which re-reads it and alone decides
   about corruption and removal (the bytes written into the host slot meanwhile are overwritten by
@@ -35,7 +36,7 @@ from typing import Optional
 
 from ..jobs import JobKind
 from ..reports import Report
-from .format import SLOTS_NAME, CorruptEntry, slot_bytes_for, slot_record, verify_entry, where_slot
+from .format import SLOTS_NAME, slot_bytes_for, slot_payload_verifies, where_slot
 from .records import Promote
 
 __all__ = ["CachedReads"]
@@ -99,10 +100,8 @@ class CachedReads:
                 cold = True
                 rest.append(op)
                 continue
-            try:
-                verify_entry(slot_record(ns, op.key, op.expect, n, w), ns, op.key, n, dst)
-            except CorruptEntry:   # a stale record (the slot reused) or damage: the disk I/O side decides
-                rest.append(op)
+            if not slot_payload_verifies(ns, op.key, op.expect, w, dst):
+                rest.append(op)   # a stale record (the slot reused) or damage: the disk I/O side decides
                 continue
             served.append(Report(op.token, _PROMOTE, True, None, n, pc() - t0))
         self.served += len(served)

@@ -41,7 +41,7 @@ from ..jobs import uuid_from_int
 __all__ = ["FORMAT_VERSION", "HEADER_SIZE", "HEADER_STRUCT", "EntryHeader", "pack_header", "pack_slot_entry",
            "parse_header", "verify_entry", "verify_split", "lmdb_key", "CorruptEntry", "FLAG_SLOT", "SLOTS_NAME",
            "slot_bytes_for", "SlotReader", "inline_value", "where_of", "where_slot", "slot_record",
-           "NO_WHERE"]
+           "slot_payload_verifies", "NO_WHERE"]
 
 FORMAT_VERSION = 2                    # 2: payloads in the slot file (1 kept them in LMDB)
 FLAG_SLOT = 1
@@ -101,12 +101,17 @@ def lmdb_key(key: bytes) -> bytes:
 def pack_header(namespace: bytes, key: bytes, token: uuid.UUID, payload: Buffer, seq: int, flags: int = 0) -> bytes:
     """Header + namespace + key for ``payload`` (the payload itself is appended by the caller)."""
     head = _HDR.pack(MAGIC, FORMAT_VERSION, flags, len(namespace), len(key), len(payload), seq, token.bytes)
+    return head + _SUM.pack(_checksum(head, namespace, key, payload)) + namespace + key
+
+
+def _checksum(head: Buffer, namespace: Buffer, key: Buffer, payload: Buffer) -> int:
+    """The stored checksum: xxh3-64 over the fixed fields, the namespace, the key and the payload."""
     h = xxhash.xxh3_64()
     h.update(head)
     h.update(namespace)
     h.update(key)
     h.update(payload)
-    return head + _SUM.pack(h.intdigest()) + namespace + key
+    return h.intdigest()
 
 
 def pack_slot_entry(namespace: bytes, key: bytes, token: uuid.UUID, payload: Buffer, seq: int, slot: int) -> bytes:
@@ -139,6 +144,15 @@ def where_of(value: Buffer, header: Optional[EntryHeader] = None) -> int:
 def where_slot(where: int) -> int:
     """The data-file slot of a :func:`where_of` value (not :data:`NO_WHERE`)."""
     return (where >> 128) - 1
+
+
+def slot_payload_verifies(namespace: bytes, key: bytes, token: uuid.UUID, where: int, payload: Buffer) -> bool:
+    """True when ``payload`` is exactly what was written for this namespace, key and writer token under
+    the record :func:`where_of` reduced: :func:`verify_entry` of :func:`slot_record` with it, without
+    parsing back the fields the caller gave (the owner's page-cache reads, ``disk/cached.py``)."""
+    head = _HDR.pack(MAGIC, FORMAT_VERSION, FLAG_SLOT, len(namespace), len(key), len(payload), (where >> 64) & _W64,
+                     token.bytes)
+    return _checksum(head, namespace, key, payload) == where & _W64
 
 
 def slot_record(namespace: bytes, key: bytes, token: uuid.UUID, length: int, where: int) -> bytes:
