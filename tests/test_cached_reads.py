@@ -18,6 +18,7 @@ import signal
 import time
 import uuid
 from pathlib import Path
+from typing import Optional
 
 import pytest
 from hypothesis import given, settings
@@ -32,7 +33,7 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.jobs import JobKind
 from tiered_kv.reports import Report
 
-from disk_helpers import (Rig, keys, load_ok, make_kv, metric_sum, rig, row_is, slot_file, store_one,  # noqa: F401
+from disk_helpers import (ROW, Rig, keys, load_ok, make_kv, metric_sum, rig, row_is, slot_file, store_one,  # noqa: F401
                           store_seq)
 
 pytestmark = pytest.mark.timeout(120)
@@ -197,6 +198,51 @@ def test_after_the_first_block_not_cached_the_rest_go_to_the_disk_readers(
     assert all(row_is(kv, i, k) for i, k in enumerate(ks))
     assert asked == [offs[ks[0]], offs[ks[1]]]   # the third not tried: a cold batch costs one refused call
     assert _reads(mgr) == (1, 2)
+
+
+@pytest.mark.parametrize("io", IO)
+@pytest.mark.parametrize("answer", [False, None])
+def test_a_block_not_cached_is_asked_about_before_it_is_read(rig: Rig, io: str, answer: Optional[bool],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """mincore says "not cached": no RWF_NOWAIT read (whose refusal would start a readahead beside the
+    disk reader's read); it cannot tell (None): the read decides."""
+    from tiered_kv import pages
+
+    kv, mgr, ks = _disk_only(rig, io, n=2)
+    asked: list[tuple[int, int]] = []
+    monkeypatch.setattr(pages.FileResidency, "cached", lambda self, off, n: (asked.append((off, n)), answer)[1])
+    tried = _refuse_offsets(monkeypatch, set())
+    jobs = [mgr.load(k, i) for i, k in enumerate(ks)]
+    mgr.wait(jobs, timeout=30)
+    assert all(j is not None and j.state.name == "DONE" for j in jobs) and all(row_is(kv, i, k) for i, k in enumerate(ks))
+    if answer is False:
+        assert asked == [(_offset(mgr, ks[0]), ROW)] and tried == [] and _reads(mgr) == (0, 2)
+    else:
+        assert len(asked) == 2 and len(tried) == 2 and _reads(mgr) == (2, 0)
+
+
+def test_file_residency_follows_the_page_cache_and_the_files_growth(tmp_path: Path) -> None:
+    from tiered_kv.pages import PAGE, FileResidency
+
+    f = tmp_path / "slots"
+    f.write_bytes(os.urandom(16 * PAGE))
+    fd = os.open(f, os.O_RDWR)
+    try:
+        r = FileResidency(fd)
+        assert r.cached(0, 16 * PAGE) is True and r.cached(PAGE + 5, 3) is True
+        assert r.cached(15 * PAGE, 2 * PAGE) is False        # past the end: not cached (nothing to read)
+        os.pwrite(fd, os.urandom(8 * PAGE), 16 * PAGE)        # the file grows: mapped again, longer
+        assert r.cached(16 * PAGE, 8 * PAGE) is True
+        if _fs_type(tmp_path) not in ("tmpfs", "ramfs"):
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            assert r.cached(0, PAGE) is False
+            os.pread(fd, PAGE, 3 * PAGE)
+            assert r.cached(3 * PAGE, PAGE) is True and r.cached(3 * PAGE, 2 * PAGE) is False
+        r.close()
+        r.close()
+    finally:
+        os.close(fd)
 
 
 @pytest.mark.parametrize("io", IO)

@@ -19,10 +19,15 @@ Invariants:
   answer: the read goes to the disk I/O side as it would have, which re-reads it and alone decides
   about corruption and removal (the bytes written into the host slot meanwhile are overwritten by
   that read, and the slot is not published before its report);
+* a block is asked about first (``mincore`` over a mapping of the slot file that is never touched,
+  :class:`~tiered_kv.pages.FileResidency`): a refused ``RWF_NOWAIT`` read starts the readahead of the
+  block on this file description, beside the disk reader's own read of it; where residency cannot
+  be asked, ``RWF_NOWAIT`` alone decides;
 * after the first block the page cache did not hold, the rest of the batch goes to the disk I/O side
-  (a cold batch costs one refused call, not one per block);
-* a file system that does not take ``RWF_NOWAIT`` (``EOPNOTSUPP``) turns this off for the store's
-  life, logged once.
+  (a cold batch costs one question, not one per block);
+* no read starts past the blocked call's deadline;
+* a file system or kernel that does not take ``RWF_NOWAIT`` (``EOPNOTSUPP``, ``ENOSYS``) turns this
+  off for the store's life, logged once.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..jobs import JobKind
+from ..pages import FileResidency
 from ..reports import Report
 from .format import SLOTS_NAME, slot_bytes_for, slot_payload_verifies, where_slot
 from .records import Promote
@@ -56,6 +62,7 @@ class CachedReads:
         self._ns = namespace.encode()
         self._slot_bytes = slot_bytes_for(block_bytes)
         self._fd = -1
+        self._resident: Optional[FileResidency] = None
         self.enabled = bool(_NOWAIT) and _PREADV is not None
         self.served = 0       # reads answered here
         self.passed = 0       # reads with a known record handed on (not cached, or a check failed)
@@ -72,6 +79,7 @@ class CachedReads:
         served: list[Report] = []
         rest: list[Promote] = []
         ns, sb = self._ns, self._slot_bytes
+        resident = self._resident
         pc, mono = time.perf_counter, time.monotonic
         cold = False
         for op in ops:
@@ -82,8 +90,13 @@ class CachedReads:
             t0 = pc()
             dst = op.dst
             n = len(dst)
+            off = where_slot(w) * sb
+            if resident is not None and resident.cached(off, n) is False:   # asked first: no readahead started
+                cold = True
+                rest.append(op)
+                continue
             try:
-                got = _PREADV(fd, [dst], where_slot(w) * sb, _NOWAIT)   # type: ignore[misc]
+                got = _PREADV(fd, [dst], off, _NOWAIT)   # type: ignore[misc]
             except BlockingIOError:   # not (all) in the page cache: the disk I/O side reads it, and the rest
                 got = -1
             except NotImplementedError as exc:   # this Python has no preadv2 with flags
@@ -120,10 +133,14 @@ class CachedReads:
             except OSError as exc:   # not made yet, or gone: nothing is served here this time
                 log.debug("disk tier %s: slot file not open for page-cache reads: %r", self._file.parent, exc)
                 return -1
+            self._resident = FileResidency(self._fd)
         return self._fd
 
     def close(self) -> None:
         fd, self._fd = self._fd, -1
+        resident, self._resident = self._resident, None
+        if resident is not None:
+            resident.close()
         if fd >= 0:
             os.close(fd)
 
