@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from tiered_kv import TieredKVConfig
 from tiered_kv.disk import cached as cached_mod
 from tiered_kv.disk.format import (NO_WHERE, CorruptEntry, pack_slot_entry, slot_bytes_for, slot_payload_verifies,
-                                   slot_record, verify_entry, where_of, where_slot)
+                                   record_where, slot_record, verify_entry, where_of, where_slot)
 from tiered_kv.disk.records import SpillGroup
 from tiered_kv.errors import ConfigError
 from tiered_kv.jobs import JobKind
@@ -94,7 +94,7 @@ def test_the_owners_copy_of_a_record_checks_like_the_readers_check(ns, key, payl
     token = uuid.UUID(int=tok)
     rec = pack_slot_entry(ns, key, token, payload, seq, slot)
     w = where_of(rec)
-    assert w != NO_WHERE and where_slot(w) == slot
+    assert w != NO_WHERE and where_slot(w) == slot and record_where(rec, slot, seq) == w
     assert slot_record(ns, key, token, len(payload), w) == rec
     got = bytearray(payload)
     k2, ns2, tok2, w2 = key, ns, token, w

@@ -40,7 +40,7 @@ from ..jobs import uuid_from_int
 
 __all__ = ["FORMAT_VERSION", "HEADER_SIZE", "HEADER_STRUCT", "EntryHeader", "pack_header", "pack_slot_entry",
            "parse_header", "verify_entry", "verify_split", "lmdb_key", "CorruptEntry", "FLAG_SLOT", "SLOTS_NAME",
-           "slot_bytes_for", "SlotReader", "inline_value", "where_of", "where_slot", "slot_record",
+           "slot_bytes_for", "SlotReader", "inline_value", "where_of", "record_where", "where_slot", "slot_record",
            "slot_payload_verifies", "NO_WHERE"]
 
 FORMAT_VERSION = 2                    # 2: payloads in the slot file (1 kept them in LMDB)
@@ -137,8 +137,14 @@ def where_of(value: Buffer, header: Optional[EntryHeader] = None) -> int:
         return NO_WHERE
     if not h.in_slot:
         return NO_WHERE
+    return record_where(value, h.slot, h.seq)
+
+
+def record_where(value: Buffer, slot: int, seq: int) -> int:
+    """:func:`where_of` of a slot record whose slot and sequence number the caller has (the writer, which
+    packed it): nothing parsed."""
     (stored,) = _SUM.unpack_from(value, _HDR.size)
-    return (h.slot + 1) << 128 | h.seq << 64 | stored
+    return (slot + 1) << 128 | seq << 64 | stored
 
 
 def where_slot(where: int) -> int:

@@ -43,7 +43,7 @@ import lmdb
 from ..jobs import JobKind
 from ..reports import CompletionQueue, Report
 from .env import DiskEnv
-from .format import HEADER_SIZE, lmdb_key, pack_slot_entry, where_of
+from .format import HEADER_SIZE, lmdb_key, pack_slot_entry, record_where
 from .recovery import U64
 from .records import SPILL_PREVENTED, Delete, DiskOptions, Flush, FlushDone, Spill, SpillGroup, Tomb, Touch, error_kind
 from .slots import SlotFile, SlotsExhausted
@@ -496,7 +496,7 @@ class Writer:
                                 slots.note_dropped(old, frees)
                             txn.delete(lk, db=db.touch)
                             results.append((op, Report(op.token, JobKind.SPILL, True, None, op.nbytes, 0.0, None,
-                                                       [where_of(op.entry)])))
+                                                       [record_where(op.entry, op.slot, op.seq)])))
                         elif isinstance(op, Tomb):
                             tombs.apply(txn, op.token, op.key, frees, undo)
                         elif isinstance(op, Delete):
