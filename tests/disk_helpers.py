@@ -153,6 +153,27 @@ def load_ok(mgr: TierManager, kv: torch.Tensor, key: bytes, row: int) -> bool:
     return comp.ok
 
 
+def disk_only_keys(rig: "Rig", io: Optional[str], n: int = 4, prefix: str = "c",
+                   **kw: Any) -> tuple[torch.Tensor, TierManager, list[bytes]]:
+    """A manager (8 host slots, 64 on disk; ``io``: its ``disk_io``) with ``n`` keys stored, flushed, then
+    pushed out of the host tier by 8 more: loading one of the ``n`` reads it from disk, and the owner
+    knows where each lies (``Entry.where``: a blocked ``wait()`` may read it from the page cache)."""
+    from tiered_kv.disk.format import NO_WHERE
+
+    kv = make_kv(rows=8)
+    if io is not None:
+        kw["disk_io"] = io
+    mgr = rig.open(kv, host_slots=8, disk_slots=64, **kw)
+    ks = keys(n, prefix)
+    store_seq(mgr, kv, ks)
+    for i, k in enumerate(keys(8, prefix + "-over")):
+        store_one(mgr, kv, k, i % 8)
+    for k in ks:
+        assert mgr.host_bytes(k) is None
+        assert mgr._core.dindex.ready(k).where != NO_WHERE
+    return kv, mgr, ks
+
+
 def drain(mgr: TierManager, timeout: float = 30) -> list[Completion]:
     """Poll until no job (internal spills/promotes included) is in flight, and no start of a new disk I/O
     process is (:func:`settle_restart`)."""

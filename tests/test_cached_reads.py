@@ -33,26 +33,12 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.jobs import JobKind
 from tiered_kv.reports import Report
 
-from disk_helpers import (ROW, Rig, keys, load_ok, make_kv, metric_sum, rig, row_is, slot_file, store_one,  # noqa: F401
+from disk_helpers import (ROW, Rig, disk_only_keys, keys, load_ok, make_kv, metric_sum, rig, row_is, slot_file, store_one,  # noqa: F401
                           store_seq)
 
 pytestmark = pytest.mark.timeout(120)
 
 IO = ["process", "thread"]
-
-
-def _disk_only(rig: Rig, io: str, n: int = 4, prefix: str = "c", **kw):  # type: ignore[no-untyped-def]
-    """A manager (8 host slots, 64 on disk) with ``n`` keys stored, flushed, then pushed out of the host
-    tier by 8 more: loading one of the ``n`` reads it from disk."""
-    kv = make_kv(rows=8)
-    mgr = rig.open(kv, host_slots=8, disk_slots=64, disk_io=io, **kw)
-    ks = keys(n, prefix)
-    store_seq(mgr, kv, ks)
-    for i, k in enumerate(keys(8, prefix + "-over")):
-        store_one(mgr, kv, k, i % 8)
-    for k in ks:
-        assert mgr.host_bytes(k) is None
-    return kv, mgr, ks
 
 
 def _offset(mgr, key: bytes) -> int:  # type: ignore[no-untyped-def]
@@ -135,7 +121,7 @@ def test_a_spill_groups_report_names_each_written_parts_record() -> None:
 # ---------------------------------------------------------------------------------------------- served here
 @pytest.mark.parametrize("io", IO)
 def test_a_blocked_wait_reads_a_cached_block_itself(rig: Rig, io: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    kv, mgr, ks = _disk_only(rig, io)
+    kv, mgr, ks = disk_only_keys(rig, io)
     sent: list[object] = []
     if io == "process":
         from tiered_kv.disk import proc
@@ -153,7 +139,7 @@ def test_a_blocked_wait_reads_a_cached_block_itself(rig: Rig, io: str, monkeypat
 
 @pytest.mark.parametrize("io", IO)
 def test_poll_never_reads_on_the_engines_thread(rig: Rig, io: str) -> None:
-    kv, mgr, ks = _disk_only(rig, io)
+    kv, mgr, ks = disk_only_keys(rig, io)
     job = mgr.load(ks[0], 0)
     assert job is not None
     deadline = time.monotonic() + 30
@@ -165,7 +151,7 @@ def test_poll_never_reads_on_the_engines_thread(rig: Rig, io: str) -> None:
 
 @pytest.mark.parametrize("io", IO)
 def test_the_option_off_sends_every_read_to_the_disk_readers(rig: Rig, io: str) -> None:
-    kv, mgr, ks = _disk_only(rig, io, disk_read_cached_in_wait=False)
+    kv, mgr, ks = disk_only_keys(rig, io, disk_read_cached_in_wait=False)
     assert load_ok(mgr, kv, ks[0], 0)
     assert _reads(mgr) == (0, 0)
 
@@ -189,7 +175,7 @@ def _refuse_offsets(monkeypatch: pytest.MonkeyPatch, refused: set[int]) -> list[
 @pytest.mark.parametrize("io", IO)
 def test_after_the_first_block_not_cached_the_rest_go_to_the_disk_readers(
         rig: Rig, io: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    kv, mgr, ks = _disk_only(rig, io, n=3)
+    kv, mgr, ks = disk_only_keys(rig, io, n=3)
     offs = {k: _offset(mgr, k) for k in ks}
     asked = _refuse_offsets(monkeypatch, {offs[ks[1]]})
     jobs = [mgr.load(k, i) for i, k in enumerate(ks)]
@@ -208,7 +194,7 @@ def test_a_block_not_cached_is_asked_about_before_it_is_read(rig: Rig, io: str, 
     disk reader's read); it cannot tell (None): the read decides."""
     from tiered_kv import pages
 
-    kv, mgr, ks = _disk_only(rig, io, n=2)
+    kv, mgr, ks = disk_only_keys(rig, io, n=2)
     asked: list[tuple[int, int]] = []
     monkeypatch.setattr(pages.FileResidency, "cached", lambda self, off, n: (asked.append((off, n)), answer)[1])
     tried = _refuse_offsets(monkeypatch, set())
@@ -247,7 +233,7 @@ def test_file_residency_follows_the_page_cache_and_the_files_growth(tmp_path: Pa
 
 @pytest.mark.parametrize("io", IO)
 def test_a_block_the_page_cache_dropped_is_read_by_the_disk_readers(rig: Rig, io: str) -> None:
-    kv, mgr, ks = _disk_only(rig, io, n=1)
+    kv, mgr, ks = disk_only_keys(rig, io, n=1)
     if _fs_type(rig.path) in ("tmpfs", "ramfs"):
         pytest.skip("the slot file's pages are its storage here: nothing to drop")
     fd = os.open(slot_file(rig.path), os.O_RDONLY)
@@ -278,7 +264,7 @@ def _fs_type(path: Path) -> str:
 def test_a_stale_record_is_not_served_and_is_not_called_corrupt(rig: Rig, io: str) -> None:
     """The owner's record names another block's slot (as after a slot reuse): its check fails on the
     bytes there, and the disk readers, which read the index, serve the right block."""
-    kv, mgr, ks = _disk_only(rig, io, n=2)
+    kv, mgr, ks = disk_only_keys(rig, io, n=2)
     dindex = mgr._core.dindex
     a, b = dindex.ready(ks[0]), dindex.ready(ks[1])
     a.where = b.where
@@ -289,7 +275,7 @@ def test_a_stale_record_is_not_served_and_is_not_called_corrupt(rig: Rig, io: st
 
 @pytest.mark.parametrize("io", IO)
 def test_a_damaged_block_is_left_to_the_disk_readers_which_count_it_once(rig: Rig, io: str) -> None:
-    kv, mgr, ks = _disk_only(rig, io, n=1)
+    kv, mgr, ks = disk_only_keys(rig, io, n=1)
     _flip(rig.path, _offset(mgr, ks[0]) + 100)
     assert not load_ok(mgr, kv, ks[0], 0)
     assert _reads(mgr) == (0, 1)
@@ -324,7 +310,7 @@ def test_the_written_parts_of_a_spill_with_a_cancelled_part_get_their_records(ri
 # ---------------------------------------------------------------------------------------------- records from recovery
 @pytest.mark.parametrize("io", IO)
 def test_recovery_gives_the_owner_each_entrys_record_also_after_a_touch(rig: Rig, io: str) -> None:
-    kv, mgr, ks = _disk_only(rig, io, n=2)
+    kv, mgr, ks = disk_only_keys(rig, io, n=2)
     assert load_ok(mgr, kv, ks[0], 0)          # a promote: its touch numbers ks[0]'s recency past its write
     assert mgr.flush(timeout=30)
     mgr.close()
@@ -340,7 +326,7 @@ def test_recovery_gives_the_owner_each_entrys_record_also_after_a_touch(rig: Rig
 def test_a_read_the_dead_childs_answer_took_is_not_answered_twice(rig: Rig) -> None:
     """The read is held (load() made it), the child dies and its receiver answers every op it had,
     this one failed; the owner's page-cache read of it then is dropped, not a second report."""
-    kv, mgr, ks = _disk_only(rig, "process", n=1)
+    kv, mgr, ks = disk_only_keys(rig, "process", n=1)
     store = mgr.disk
     job = mgr.load(ks[0], 0)
     assert job is not None
@@ -357,7 +343,7 @@ def test_a_read_the_dead_childs_answer_took_is_not_answered_twice(rig: Rig) -> N
 
 @pytest.mark.parametrize("io", IO)
 def test_a_key_invalidated_while_its_read_is_held_is_discarded(rig: Rig, io: str) -> None:
-    kv, mgr, ks = _disk_only(rig, io, n=1)
+    kv, mgr, ks = disk_only_keys(rig, io, n=1)
     job = mgr.load(ks[0], 0)
     assert job is not None
     mgr.invalidate(ks[0])
@@ -375,7 +361,7 @@ def test_a_key_invalidated_while_its_read_is_held_is_discarded(rig: Rig, io: str
 def test_a_file_system_without_nowait_reads_turns_it_off_once(rig: Rig, io: str, refusal: BaseException,
                                                               monkeypatch: pytest.MonkeyPatch,
                                                               caplog: pytest.LogCaptureFixture) -> None:
-    kv, mgr, ks = _disk_only(rig, io, n=2)
+    kv, mgr, ks = disk_only_keys(rig, io, n=2)
     calls = []
 
     def preadv(fd, bufs, off, flags):  # type: ignore[no-untyped-def]

@@ -30,27 +30,12 @@ import tiered_kv.manager as manager_mod
 from tiered_kv.disk import cached as cached_mod
 from tiered_kv.disk.format import NO_WHERE
 
-from disk_helpers import Rig, keys, load_ok, make_kv, rig, row_is, settle_restart, store_one, store_seq  # noqa: F401
+from disk_helpers import Rig, disk_only_keys, keys, load_ok, make_kv, rig, row_is, settle_restart, store_one, store_seq  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
 
 IO = ["process", "thread"]
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _disk_only(rig: Rig, io: str, n: int = 4, prefix: str = "r", **kw):  # type: ignore[no-untyped-def]
-    """As tests/test_cached_reads.py: ``n`` keys stored, flushed, then pushed out of the 8-slot host tier:
-    loading one of them reads it from disk (each one's record known to the owner: ``Entry.where``)."""
-    kv = make_kv(rows=8)
-    mgr = rig.open(kv, host_slots=8, disk_slots=64, disk_io=io, **kw)
-    ks = keys(n, prefix)
-    store_seq(mgr, kv, ks)
-    for i, k in enumerate(keys(8, prefix + "-over")):
-        store_one(mgr, kv, k, i % 8)
-    for k in ks:
-        assert mgr.host_bytes(k) is None
-        assert mgr._core.dindex.ready(k).where != NO_WHERE
-    return kv, mgr, ks
 
 
 def _interrupt_first_read(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -72,7 +57,7 @@ def _interrupt_first_read(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 # ---------------------------------------------------------------------------------------------- an interrupt
 def test_process_an_interrupted_page_cache_read_loses_no_held_read(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
     """An interrupt inside a page-cache read leaves every read held, so the next pass serves or sends it."""
-    kv, mgr, ks = _disk_only(rig, "process", n=2)
+    kv, mgr, ks = disk_only_keys(rig, "process", n=2)
     jobs = [mgr.load(k, i) for i, k in enumerate(ks)]
     assert all(j is not None for j in jobs)
     calls = _interrupt_first_read(monkeypatch)
@@ -94,7 +79,7 @@ def test_process_an_interrupted_page_cache_read_loses_no_held_read(rig: Rig, mon
 def test_thread_an_interrupted_page_cache_read_loses_no_held_read(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
     """Regression (correct today): the in-process store keeps the held reads when CachedReads.read raises
     (``served, self._held_reads = cached.read(held)`` assigns only on return); the readers answer them."""
-    kv, mgr, ks = _disk_only(rig, "thread", n=2)
+    kv, mgr, ks = disk_only_keys(rig, "thread", n=2)
     jobs = [mgr.load(k, i) for i, k in enumerate(ks)]
     _interrupt_first_read(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
@@ -109,7 +94,7 @@ def test_thread_an_interrupted_page_cache_read_loses_no_held_read(rig: Rig, monk
 def test_a_wait_does_not_read_the_page_cache_past_its_deadline(rig: Rig, io: str,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """No page-cache read starts past the blocked call's deadline (a fake clock: one second a read)."""
-    kv, mgr, ks = _disk_only(rig, io, n=4)
+    kv, mgr, ks = disk_only_keys(rig, io, n=4)
     jobs = [mgr.load(k, i) for i, k in enumerate(ks)]
     assert all(j is not None for j in jobs)
     real_mono = time.monotonic
@@ -177,7 +162,7 @@ def test_the_architecture_lock_table_rows_are_well_formed() -> None:
 def test_a_restarted_disk_process_leaves_each_kept_entrys_record_right(rig: Rig) -> None:
     """Regression (correct today): the owner's ``where`` of an entry kept across a restart of the disk
     I/O process equals what the new process recovered, and the blocks are served here after it."""
-    kv, mgr, ks = _disk_only(rig, "process", n=3)
+    kv, mgr, ks = disk_only_keys(rig, "process", n=3)
     before = {k: mgr._core.dindex.ready(k).where for k in ks}
     old = mgr.disk
     old.kill_for_test(signal.SIGKILL)
@@ -209,7 +194,7 @@ def test_no_descriptor_is_left_open_by_the_page_cache_reads(rig: Rig, io: str) -
         return n
 
     base = slot_fds()
-    kv, mgr, ks = _disk_only(rig, io, n=2)
+    kv, mgr, ks = disk_only_keys(rig, io, n=2)
     for i, k in enumerate(ks):
         assert load_ok(mgr, kv, k, i)
     assert mgr.disk.cached.served == 2
