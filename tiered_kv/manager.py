@@ -659,7 +659,7 @@ class TierManager:
                     core.kick()   # what those reports queued (a probe's fetch, a promote's touch) goes now
         finally:
             mover.hold(False)
-            core.read_here = False
+            core.read_here, core.read_until = False, None
             self._poll(True)
 
     def _apply_store(self, job: Job, r: Report) -> None:
