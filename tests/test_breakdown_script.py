@@ -1,4 +1,5 @@
-"""``benchmarks/breakdown.py`` runs: each of its four diagnostics, on tiny sizes, in a child process.
+"""``benchmarks/breakdown.py`` and ``benchmarks/cached_reads_ab.py`` run: each of their parts, on tiny
+sizes, in a child process.
 
 The script is not imported by the library or by the bench command, so nothing else would notice when
 a change to the code it wraps breaks it (its ``promote`` part once failed with a ``KeyError`` once the
@@ -52,3 +53,28 @@ def test_the_other_diagnostics_run(args: tuple[str, ...], lines: tuple[str, ...]
     out = _run(*args)
     for line in lines:
         assert line in out, (line, out)
+
+
+AB = Path(__file__).resolve().parent.parent / "benchmarks" / "cached_reads_ab.py"
+
+
+def test_cached_reads_ab_prints_both_sides_of_every_promote_figure() -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, str(AB), "promote", "--mode", "smoke", "--rounds", "1"], capture_output=True,
+                       text=True, timeout=240, env=env)
+    assert p.returncode == 0, p.stderr
+    lines = [ln for ln in p.stdout.splitlines() if " on " in ln and " | off " in ln]
+    names = [ln.split(" on ")[0].strip() for ln in lines]
+    assert any("warm, batched" in n for n in names) and any("one at a time" in n for n in names), p.stdout
+    for ln in lines:   # a figure on each side, not an empty list
+        on, off = ln.split(" on ", 1)[1].split(" | off ")
+        assert on.strip() and off.strip(), ln
+
+
+@pytest.mark.skipif(not os.access("/proc/sys/vm/drop_caches", os.W_OK), reason="needs root for drop_caches")
+def test_cached_reads_ab_cold_reads_back_every_block() -> None:
+    p = subprocess.run([sys.executable, str(AB), "cold", "--block-kib", "64", "--mib", "2", "--rounds", "1"],
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr   # each round checks the rows the loads filled
+    for mode in ("on", "off", "reads nothing"):
+        assert any(ln.strip().startswith(mode) and "median" in ln for ln in p.stdout.splitlines()), p.stdout
