@@ -423,8 +423,8 @@ class ProcessDiskStore:
                 with self._lock:   # answered here, not by the child; one the child's death answered already is dropped
                     pop, dead = self._outstanding.pop, self._dead   # (an op popped by a pass an interrupt broke
                     served = [r for r in served if pop(r.token.int, None) is not None or not dead]   # off is not)
-                self._held = held = rest
-                self._out.put_many(served)
+                self._out.put_many(served)   # before they leave _held: an interrupt between the two at worst
+                self._held = held = rest     # answers one twice (the second counted stale), never not at all
         if held:
             slot = self._slot
             cmds = [("P", op.token.int, op.key, op.expect.int, slot(op.dst)) for op in held]
