@@ -76,6 +76,34 @@ def test_process_an_interrupted_page_cache_read_loses_no_held_read(rig: Rig, mon
         rig.close(mgr)
 
 
+def test_process_an_interrupt_while_served_reads_are_queued_answers_each_at_least_once(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An interrupt inside the queueing of reads served here (after the first report went on the
+    queue): every read is still answered, the one queued twice counted stale once, none left pending."""
+    from disk_helpers import metric_sum
+
+    kv, mgr, ks = disk_only_keys(rig, "process", n=2)
+    store = mgr.disk
+    jobs = [mgr.load(k, i) for i, k in enumerate(ks)]
+    real = store._out.put_many
+    fired = []
+
+    def put_then_interrupt(items):  # type: ignore[no-untyped-def]
+        if not fired and len(items) == 2:
+            fired.append(1)
+            store._out.put(items[0])
+            raise KeyboardInterrupt
+        return real(items)
+
+    monkeypatch.setattr(store._out, "put_many", put_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        mgr.wait(jobs, timeout=30)
+    mgr.wait(jobs, timeout=30)
+    assert all(j is not None and j.state.name == "DONE" for j in jobs)
+    assert all(row_is(kv, i, k) for i, k in enumerate(ks))
+    assert metric_sum(mgr, "tiered_kv_stale_callbacks_total", kind="promote", reason="unknown_token") == 1
+
+
 def test_thread_an_interrupted_page_cache_read_loses_no_held_read(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
     """Regression (correct today): the in-process store keeps the held reads when CachedReads.read raises
     (``served, self._held_reads = cached.read(held)`` assigns only on return); the readers answer them."""

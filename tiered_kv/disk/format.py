@@ -40,7 +40,7 @@ from ..jobs import uuid_from_int
 
 __all__ = ["FORMAT_VERSION", "HEADER_SIZE", "HEADER_STRUCT", "EntryHeader", "pack_header", "pack_slot_entry",
            "parse_header", "verify_entry", "verify_split", "lmdb_key", "CorruptEntry", "FLAG_SLOT", "SLOTS_NAME",
-           "slot_bytes_for", "SlotReader", "inline_value", "where_of", "record_where", "where_slot", "slot_record",
+           "slot_bytes_for", "SlotReader", "inline_value", "where_of", "record_where", "where_slot",
            "slot_payload_verifies", "NO_WHERE"]
 
 FORMAT_VERSION = 2                    # 2: payloads in the slot file (1 kept them in LMDB)
@@ -100,8 +100,13 @@ def lmdb_key(key: bytes) -> bytes:
 
 def pack_header(namespace: bytes, key: bytes, token: uuid.UUID, payload: Buffer, seq: int, flags: int = 0) -> bytes:
     """Header + namespace + key for ``payload`` (the payload itself is appended by the caller)."""
-    head = _HDR.pack(MAGIC, FORMAT_VERSION, flags, len(namespace), len(key), len(payload), seq, token.bytes)
+    head = _fixed(flags, namespace, key, len(payload), seq, token)
     return head + _SUM.pack(_checksum(head, namespace, key, payload)) + namespace + key
+
+
+def _fixed(flags: int, namespace: bytes, key: bytes, length: int, seq: int, token: uuid.UUID) -> bytes:
+    """The header's fixed fields (the checksum's first input)."""
+    return _HDR.pack(MAGIC, FORMAT_VERSION, flags, len(namespace), len(key), length, seq, token.bytes)
 
 
 def _checksum(head: Buffer, namespace: Buffer, key: Buffer, payload: Buffer) -> int:
@@ -154,20 +159,10 @@ def where_slot(where: int) -> int:
 
 def slot_payload_verifies(namespace: bytes, key: bytes, token: uuid.UUID, where: int, payload: Buffer) -> bool:
     """True when ``payload`` is exactly what was written for this namespace, key and writer token under
-    the record :func:`where_of` reduced: :func:`verify_entry` of :func:`slot_record` with it, without
-    parsing back the fields the caller gave (the owner's page-cache reads, ``disk/cached.py``)."""
-    head = _HDR.pack(MAGIC, FORMAT_VERSION, FLAG_SLOT, len(namespace), len(key), len(payload), (where >> 64) & _W64,
-                     token.bytes)
+    the record :func:`where_of` reduced: :func:`verify_entry` of that record made again with these
+    fields, without building and parsing it (the owner's page-cache reads, ``disk/cached.py``)."""
+    head = _fixed(FLAG_SLOT, namespace, key, len(payload), (where >> 64) & _W64, token)
     return _checksum(head, namespace, key, payload) == where & _W64
-
-
-def slot_record(namespace: bytes, key: bytes, token: uuid.UUID, length: int, where: int) -> bytes:
-    """The record :func:`where_of` reduced, made again: :func:`verify_entry` of it with the payload read
-    from its slot is the full check (namespace, key, token, length, sequence number and payload under
-    the stored checksum)."""
-    head = _HDR.pack(MAGIC, FORMAT_VERSION, FLAG_SLOT, len(namespace), len(key), length, (where >> 64) & _W64,
-                     token.bytes)
-    return head + _SUM.pack(where & _W64) + namespace + key + _SLOT.pack(where_slot(where))
 
 
 def inline_value(value: Buffer, payload: Optional[Buffer], seq: Optional[int] = None) -> bytes:
