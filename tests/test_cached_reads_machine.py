@@ -187,12 +187,16 @@ class CachedReadsMachine(RuleBasedStateMachine):
             self._store(b"fill%d" % self.fillers)
             self._flush()
 
+    def _start_load(self, key: bytes, row: int):  # type: ignore[no-untyped-def]
+        """A load of ``key`` into ``row`` (set to the sentinel first), and the corrupt count before it."""
+        self.kv[row].copy_(SENTINEL)
+        before = self._corrupt()
+        return self._job(self.mgr.load(key, row)), before
+
     @rule(key=st.sampled_from(KEYS), row=st.sampled_from(LOAD_ROWS))
     def load_wait(self, key: bytes, row: int) -> None:
         """The main path: a blocked wait() may read the block from the page cache itself."""
-        self.kv[row].copy_(SENTINEL)
-        before = self._corrupt()
-        job = self._job(self.mgr.load(key, row))
+        job, before = self._start_load(key, row)
         if job is None:
             return
         self._wait([job])
@@ -218,9 +222,7 @@ class CachedReadsMachine(RuleBasedStateMachine):
     @rule(key=st.sampled_from(KEYS), row=st.sampled_from(LOAD_ROWS))
     def load_poll(self, key: bytes, row: int) -> None:
         """The readers' path: poll() never reads on the engine's thread."""
-        self.kv[row].copy_(SENTINEL)
-        before = self._corrupt()
-        job = self._job(self.mgr.load(key, row))
+        job, before = self._start_load(key, row)
         if job is None:
             return
         deadline = time.monotonic() + TIMEOUT
