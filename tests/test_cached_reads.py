@@ -33,8 +33,8 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.jobs import JobKind
 from tiered_kv.reports import Report
 
-from disk_helpers import (ROW, Rig, disk_only_keys, keys, load_ok, make_kv, metric_sum, rig, row_is, slot_file, store_one,  # noqa: F401
-                          store_seq)
+from disk_helpers import (ROW, Rig, disk_only_keys, keys, load_ok, make_kv, metric_sum, rig, row_is,  # noqa: F401
+                          settle_restart, slot_file, store_one, store_seq)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,7 +56,11 @@ def _flip(path: Path, off: int) -> None:
 
 
 def _reads(mgr):  # type: ignore[no-untyped-def]
+    """The store's counts of the owner's page-cache reads, checked against what Prometheus was given."""
     c = mgr.disk.cached
+    mgr.poll()   # the counter follows once per step
+    assert (metric_sum(mgr, "tiered_kv_disk_page_cache_reads_total", outcome="served"),
+            metric_sum(mgr, "tiered_kv_disk_page_cache_reads_total", outcome="handed_on")) == (c.served, c.passed)
     return c.served, c.passed
 
 
@@ -348,6 +352,26 @@ def test_a_read_the_dead_childs_answer_took_is_not_answered_twice(rig: Rig) -> N
     assert job.state.name == "FAILED"
     assert store.cached.served == 1                # read here, and dropped: the failed answer came first
     assert _stale(mgr, "promote") == 0 and _stale(mgr, "load") == 0
+
+
+def test_the_page_cache_reads_counter_goes_on_across_a_restart_of_the_disk_process(rig: Rig) -> None:
+    """The counter adds what each store (the restarted process's too, which counts from zero) read."""
+    kv, mgr, ks = disk_only_keys(rig, "process", n=3)
+    assert load_ok(mgr, kv, ks[0], 0)
+    assert _reads(mgr) == (1, 0)
+    old = mgr.disk
+    old.kill_for_test(signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while mgr.disk is old or mgr._core.disk._starting is not None:   # a pass restarts it, a later one adopts it
+        mgr.wait(timeout=0.05)
+        settle_restart(mgr)
+        assert time.monotonic() < deadline, "the disk I/O process was not restarted"
+    for i, k in enumerate(ks[1:], 1):
+        assert load_ok(mgr, kv, k, i)
+    mgr.poll()
+    assert mgr.disk.cached.served == 2
+    assert metric_sum(mgr, "tiered_kv_disk_page_cache_reads_total", outcome="served") == 3
+    assert metric_sum(mgr, "tiered_kv_disk_page_cache_reads_total", outcome="handed_on") == 0
 
 
 @pytest.mark.parametrize("io", IO)

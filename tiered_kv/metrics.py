@@ -137,6 +137,12 @@ class Metrics:
                                       ["reason"], registry=r)
         self.remote_queue = Gauge("tiered_kv_remote_queue_blocks", "Remote writes queued and not yet answered.",
                                   multiprocess_mode="livesum", registry=r)
+        self.page_cache_reads = Counter(
+            "tiered_kv_disk_page_cache_reads_total",
+            "Reads of blocks only on disk looked at by an owner blocked in wait()/flush()/close() "
+            "(disk_read_cached_in_wait): served (read from the page cache on its thread and verified) or "
+            "handed_on (not cached, or its check failed: read by the disk I/O side).", ["outcome"], registry=r)
+        self.page_cache = {o: self.page_cache_reads.labels(outcome=o) for o in ("served", "handed_on")}
         self.info = Gauge("tiered_kv_info", "Constant 1, labelled with the manager's namespace.", ["namespace"], multiprocess_mode="livemax", registry=r)
         self.info.labels(namespace=namespace).set(1)
 

@@ -138,6 +138,7 @@ class DiskTier:
         self._reopen = reopen
         self._on_error = on_error
         self._backoff = 0.0
+        self._reads_seen: tuple[object, int, int] = (None, 0, 0)   # the page-cache reads counted so far
         self._retry_at = 0.0
         self._started_at = time.monotonic()
         self._seen_death: object = None   # the dead store restart() has looked at (a back-off is decided once per death)
@@ -487,6 +488,21 @@ class DiskTier:
         if self.usable and not closing and not getattr(self.store, "dead", False) and not self.store.writer_alive():
             log.error("disk writer is gone; the disk tier no longer accepts spills")
             self.usable = False
+
+    def count_page_cache_reads(self) -> None:
+        """Add the owner's page-cache reads (``disk/cached.py``) since the last call to
+        ``tiered_kv_disk_page_cache_reads_total`` (once per step; a restarted store counts from zero)."""
+        c = getattr(self.store, "cached", None)   # (test doubles of a store may have none)
+        if c is None:
+            return
+        was, served, passed = self._reads_seen
+        if was is not c:
+            served = passed = 0
+        if c.served != served or c.passed != passed:
+            m = self._metrics
+            m.count(m.page_cache["served"], c.served - served)
+            m.count(m.page_cache["handed_on"], c.passed - passed)
+        self._reads_seen = (c, c.served, c.passed)
 
     def levels(self, row_bytes: int) -> tuple[int, int, int, int, int, int]:
         """The gauge values for :meth:`Metrics.publish_levels`."""

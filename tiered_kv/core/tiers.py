@@ -1062,6 +1062,8 @@ class TierCore:
         remote = self.remote
         if self.admitting:
             self.metrics.publish_refused(self.index.refused, 0 if self.dindex is None else self.dindex.refused)
+        if disk is not None:
+            disk.count_page_cache_reads()
         self.metrics.publish_levels(self.index.used_slots * self.row_bytes, len(self.index), self.n_in_flight,
                                     None if disk is None else disk.levels(self.row_bytes), self.index.evictions,
                                     None if remote is None else remote.levels())
