@@ -6,7 +6,8 @@ start.  Invariants on return:
 * every entry written under a tombstoned token is purged, and every tomb is dropped (no write
   guarded by one can arrive any more: this process queued none yet);
 * entries of another namespace or block length, unparsable records, records whose slot lies past
-  the slot file's end, and the older of two records on one slot are removed;
+  the slot file's end, and of two records on one slot the one whose checksum fails over its bytes
+  (the older when both or neither verify) are removed;
 * the sequence number the writer resumes from is no damaged record's: an entry numbered
   :data:`SEQ_CHECKED` or more (no writer gets there) is kept only if its checksum verifies, a touch
   record so numbered is dropped (unless a kept entry is numbered that high: then up to
@@ -109,10 +110,11 @@ def recover(db: DiskEnv, slots: SlotFile, ns: bytes, block_bytes: int) -> tuple[
                     continue
                 prev = owner.get(h.slot)
                 if prev is not None:
-                    # two entries on one slot (only a lost commit could do that): the older one's
-                    # bytes were overwritten, so it goes; the checksum still guards the newer one
+                    # two entries on one slot: a lost commit (the older one's bytes were overwritten) or a
+                    # damaged slot number (the checksum does not cover it); the one whose checksum verifies
+                    # over the slot's bytes stays
                     rep.corrupt += 1
-                    loser = prev[0] if prev[1] < h.seq else lk
+                    loser = _loser(txn, db, prev, lk, h, v, ns, slots.fd, sb, file_bytes)
                     dead.append(loser)
                     entries.pop(loser, None)
                     if loser == lk:
@@ -146,7 +148,7 @@ def recover(db: DiskEnv, slots: SlotFile, ns: bytes, block_bytes: int) -> tuple[
                 entries[k] = StoredEntry(e.key, e.token, tseq, e.where)
             seq = max(seq, tseq)
         rep.entries = len(entries)
-        rep.slots_free = slots.recovered(owner)
+        rep.slots_free = slots.recovered({slot: lk for slot, (lk, _) in owner.items()})
         rep.seconds = time.perf_counter() - t0
         txn.put(b"last_recovery", json.dumps(rep.as_dict()).encode(), db=db.meta)
     if db.durability != "none":
@@ -157,9 +159,27 @@ def recover(db: DiskEnv, slots: SlotFile, ns: bytes, block_bytes: int) -> tuple[
     return sorted(entries.values(), key=lambda e: e.seq), seq, rep
 
 
+def _loser(txn: Any, db: DiskEnv, prev: tuple[bytes, int], lk: bytes, h: EntryHeader, value: Any, ns: bytes,
+           fd: int, slot_bytes: int, file_bytes: int) -> bytes:
+    """Of two records naming one slot (``prev``: the LMDB key and sequence number of the one seen first;
+    ``lk``, ``h``, ``value``: the other), the one to remove: the one whose checksum fails over the slot's
+    bytes while the other's verifies; when both or neither verify, the older (a lost commit: the older
+    write's bytes were overwritten).  The slot is read only here: two records on one slot are rare."""
+    prev_value = txn.get(prev[0], db=db.blocks)
+    try:
+        prev_ok = prev_value is not None and _verifies(prev_value, parse_header(prev_value), ns, fd, slot_bytes,
+                                                       file_bytes)
+    except CorruptEntry:
+        prev_ok = False
+    this_ok = _verifies(value, h, ns, fd, slot_bytes, file_bytes)
+    if prev_ok != this_ok:
+        return lk if prev_ok else prev[0]
+    return prev[0] if prev[1] < h.seq else lk
+
+
 def _verifies(value: Any, h: EntryHeader, ns: bytes, fd: int, slot_bytes: int, file_bytes: int) -> bool:
     """Whether an entry's checksum verifies (its slot's payload read from ``fd``): only for an entry whose
-    sequence number no writer reaches, so recovery reads no slot otherwise."""
+    sequence number no writer reaches, and for two records on one slot, so recovery reads no slot otherwise."""
     payload = None
     try:
         if h.in_slot:

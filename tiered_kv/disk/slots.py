@@ -9,7 +9,13 @@ Invariants:
   transaction that dropped its old entry is durable (``durability="batch"``: one commit later, like
   LMDB's own page reuse), so after a crash no committed entry points at bytes of another write;
 * a slot whose write was cancelled or failed before publication is free at once (:meth:`give_back`:
-  nothing committed ever referenced it).
+  nothing committed ever referenced it);
+* a removal frees only a slot that holds the removed key's record: the writer keeps, per slot, a print
+  of the index key whose record names it (:meth:`hold`, at the write; :meth:`recovered`, at open), and
+  a slot number that names a slot the key does not hold -- a damaged one: the checksum does not cover
+  it -- frees nothing (:meth:`drop`, :meth:`holds`; the slot the record really used is found by the
+  writer's scan, ``Writer._reclaim``); a slot that is free already is never put on the free list again
+  (8 bytes per slot of the file, in the writer's process).
 
 Allocation and growth run on the writer thread; ``lock`` guards the free list against the owner's
 :attr:`SlotFile.in_use` and the writer's frees.
@@ -23,11 +29,15 @@ import heapq
 import logging
 import os
 import threading
+from array import array
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import xxhash
+
 from ..errors import DiskTierError
-from .format import SLOTS_NAME, CorruptEntry, parse_header, slot_bytes_for
+from .format import SLOTS_NAME, CorruptEntry, EntryHeader, parse_header, slot_bytes_for
 
 __all__ = ["SlotFile", "SlotsExhausted"]
 
@@ -36,6 +46,12 @@ log = logging.getLogger(__name__)
 WRITEBACK_CHUNK = 2 << 20   # bytes written between two sync_file_range(WRITE) calls: one per slot costs more
 GROW_CHUNK_BYTES = 64 << 20  # the file grows by at least this much: few allocations, and it stays as large as used
 _NO_WB = 1 << 62            # "nothing written since the last writeback" (the low end of an empty range)
+_FREE, _PLACED = 0, 1       # a slot's holder: on the free list; taken by a write whose record is not put yet
+
+
+def key_print(lk: bytes) -> int:
+    """The holder mark of an index key: 64 bits of its hash, never :data:`_FREE` or :data:`_PLACED`."""
+    return xxhash.xxh3_64_intdigest(lk) | 2
 
 
 class SlotsExhausted(Exception):
@@ -57,16 +73,27 @@ class SlotFile:
         self.free: list[int] = []            # heap of free slot numbers
         # a slot cut short (a truncated file) still counts: an entry in it may have survived recovery
         self.length = -(-os.fstat(self.fd).st_size // self.slot_bytes)   # slots the file holds
+        # per slot: _FREE, _PLACED, or the key_print of the index key whose record names it (writer thread)
+        self._holder = array("Q", [_PLACED]) * self.length   # not known until recovered()
+        self.double_frees = 0                # frees of a slot free already, refused (a bug if ever > 0)
         # a file longer than the configured capacity (it shrank) keeps its slots until compacted
         self.max = max(target_slots, self.length)
         self.freed_unsynced: list[tuple[int, int]] = []  # (txn id, slot) dropped by a commit not yet durable
         self._start_writeback = _libc_sync_file_range() or (lambda fd, off, n: None)
         self._wb_lo, self._wb_hi, self._wb_bytes = _NO_WB, 0, 0   # written, writeback not started yet
 
-    def recovered(self, used: Any) -> int:
-        """Recovery found the slots in ``used`` referenced: every other one is free.  Returns how many
-        slots are free, counting those the file may still grow by."""
-        self.free = [i for i in range(self.length) if i not in used]
+    def recovered(self, owners: Mapping[int, bytes]) -> int:
+        """Recovery found each slot of ``owners`` named by the record of that index key: every other slot is
+        free.  Returns how many slots are free, counting those the file may still grow by."""
+        holder = self._holder
+        self.free = []
+        for i in range(self.length):
+            lk = owners.get(i)
+            if lk is None:
+                holder[i] = _FREE
+                self.free.append(i)
+            else:
+                holder[i] = key_print(lk)
         heapq.heapify(self.free)
         return len(self.free) + self.max - self.length
 
@@ -91,10 +118,46 @@ class SlotFile:
         """The lowest free slot, growing the file by a chunk when none is free."""
         with self.lock:
             if self.free:
-                return heapq.heappop(self.free)
+                i = heapq.heappop(self.free)
+                self._holder[i] = _PLACED
+                return i
         self._grow()
         with self.lock:
-            return heapq.heappop(self.free)
+            i = heapq.heappop(self.free)
+            self._holder[i] = _PLACED
+            return i
+
+    def hold(self, slot: int, lk: bytes) -> None:
+        """The record of index key ``lk`` naming ``slot`` is being put (writer thread, inside the transaction:
+        one that aborts gives the slot back, :meth:`give_back`)."""
+        self._holder[slot] = key_print(lk)
+
+    def holds(self, slot: int, lk: bytes) -> bool:
+        """Whether ``slot`` holds the record of index key ``lk`` (a slot number read from that record is to be
+        trusted)."""
+        return 0 <= slot < len(self._holder) and self._holder[slot] == key_print(lk)
+
+    def drop(self, value: Any, lk: bytes, frees: list[int], header: Optional[EntryHeader] = None) -> bool:
+        """The record ``value`` (or its parsed ``header``: a buffer of a record deleted meanwhile shows other
+        bytes) of index key ``lk`` is being deleted or replaced: note its slot in ``frees`` (freed once the
+        commit is durable, :meth:`dropped`) when that slot holds it.  False when its slot cannot be told --
+        a header that does not parse, or a slot number that names a slot ``lk`` does not hold (damage: the
+        checksum does not cover it; freeing it would hand another entry's slot, or a free one, to the next
+        write) --: the caller has the writer's scan find it (``Writer._reclaim``)."""
+        h = header
+        if h is None:
+            try:
+                h = parse_header(value)
+            except CorruptEntry:
+                return False
+        if not h.in_slot:
+            return True
+        if not self.holds(h.slot, lk):
+            log.error("disk tier: the index record of a removed entry names slot %d, which holds another "
+                      "record or none (a damaged record): not freed; its own slot is found by a scan", h.slot)
+            return False
+        frees.append(h.slot)
+        return True
 
     def _grow(self) -> None:
         if self.length >= self.max:
@@ -116,6 +179,7 @@ class SlotFile:
                 os.posix_fallocate(self.fd, start * sb, sb)
         with self.lock:
             self.length = start + chunk
+            self._holder.extend(array("Q", [_PLACED]) * (start + chunk - len(self._holder)))
             self._free_locked(list(range(start, start + chunk)))
         log.debug("disk tier: slot file grown to %d slots", self.length)
 
@@ -170,28 +234,29 @@ class SlotFile:
         with self.lock:
             self._free_durable_locked(txn_id)
 
-    def reclaim(self, referenced: Any) -> int:
+    def reclaim(self, referenced: Any, txn_id: int) -> int:
         """Free every slot that no committed entry references (``referenced``: the slots of the index's
         readable records), that is not free and that no commit has yet to free: the slot of a dropped
-        record whose header could not be parsed.  Writer thread, right after a commit (no slot is then
-        placed and uncommitted).  Returns how many slots it freed."""
+        record whose slot number could not be trusted.  Writer thread, right after a commit (no slot is
+        then placed and uncommitted); ``txn_id``: the last committed transaction, which dropped them: they
+        are freed as its other drops are, once it is durable (:meth:`dropped`).  Returns how many."""
         with self.lock:
             pending = {i for _, i in self.freed_unsynced}
-            free = set(self.free)
-            lost = [i for i in range(self.length) if i not in referenced and i not in pending and i not in free]
-            self._free_locked(lost)
+            holder = self._holder
+            lost = [i for i in range(self.length) if holder[i] != _FREE and i not in referenced and i not in pending]
+        self.dropped(lost, txn_id)
         return len(lost)
 
     @staticmethod
-    def note_dropped(value: Any, frees: list[int]) -> None:
-        """An entry is being deleted or replaced: remember its slot (if it had a readable one).  Also how the
-        writer collects the slots the index's readable records name (``Writer._reclaim``)."""
+    def named_slot(value: Any, out: list[int]) -> None:
+        """Append the slot a readable record names to ``out`` (how the writer collects the slots the index's
+        records name, ``Writer._reclaim``)."""
         try:
             h = parse_header(value)
         except CorruptEntry:
             return
         if h.in_slot:
-            frees.append(h.slot)
+            out.append(h.slot)
 
     def _free_durable_locked(self, txn_id: int) -> None:
         """Free the dropped slots whose commit is ``txn_id`` or older (``lock`` held)."""
@@ -199,7 +264,13 @@ class SlotFile:
         self.freed_unsynced = [(t, i) for t, i in self.freed_unsynced if t > txn_id]
 
     def _free_locked(self, slots: list[int]) -> None:
+        holder = self._holder
         for i in slots:
+            if not 0 <= i < len(holder) or holder[i] == _FREE:   # on the list already: twice would give it
+                self.double_frees += 1                          # to two writes
+                log.error("disk tier: slot %d freed twice (or out of range): not freed again", i)
+                continue
+            holder[i] = _FREE
             heapq.heappush(self.free, i)
 
 

@@ -102,7 +102,7 @@ class DiskStore:
         self.entries: list[StoredEntry] = []
         seq = self._open(on_error)
         assert self.db is not None and self.slots is not None
-        self.tombs = Tombs(self.db)
+        self.tombs = Tombs(self.db, self.slots)
         writer: Optional[Writer] = None
         try:   # the open's last step: its threads (Readers ends those it started if one cannot start)
             writer = Writer(opts, completions, self.db, self.slots, self.tombs, seq, on_error, on_prevented)

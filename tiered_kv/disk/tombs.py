@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import threading
 import uuid
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from .env import DiskEnv
 from .format import CorruptEntry, lmdb_key, parse_header
+from .slots import SlotFile
 
 __all__ = ["Tombs", "Undo"]
 
@@ -32,8 +33,9 @@ Undo = list[tuple[set[uuid.UUID], uuid.UUID]]
 
 
 class Tombs:
-    def __init__(self, db: DiskEnv) -> None:
+    def __init__(self, db: DiskEnv, slots: Optional[SlotFile] = None) -> None:
         self._db = db
+        self._slots = slots   # whose holders say whether a removed record's slot number is to be trusted
         self.lock = threading.Lock()
         self.cancelled: set[uuid.UUID] = set()
         self.unsettled: set[uuid.UUID] = set()
@@ -66,21 +68,22 @@ class Tombs:
             return True
         return False
 
-    def apply(self, txn: Any, token: uuid.UUID, key: bytes, frees: list[int], undo: Undo) -> None:
+    def apply(self, txn: Any, token: uuid.UUID, key: bytes, frees: list[int], undo: Undo) -> bool:
         """The tomb op of ``token`` (queued by the owner's cancel), inside ``txn``: delete ``key``'s entry
         if ``token`` wrote it; keep the tomb durable if the guarded write may still come.  What it
-        changes in memory is noted in ``undo``."""
-        self.delete_if_token(txn, key, token, frees)
+        changes in memory is noted in ``undo``.  True as :meth:`delete_if_token` says."""
+        lost = self.delete_if_token(txn, key, token, frees)
         with self.lock:
             settled = token not in self.unsettled
         if settled:
             # this process's write under the token was committed (and just removed), prevented, or
             # failed: nothing it guards can still be published, so nothing is kept
             self._discard(self.cancelled, token, undo)
-            return
+            return lost
         # the guarded write is still queued: the tomb is made durable (it names the key it guards),
         # and stays cancelled in memory until that write is prevented
         txn.put(token.bytes, key, db=self._db.tombs)
+        return lost
 
     def delete_if_token(self, txn: Any, key: bytes, token: uuid.UUID, frees: list[int],
                         found_corrupt: bool = False) -> bool:
@@ -89,9 +92,10 @@ class Tombs:
         record whose header cannot be parsed (no write of anyone's makes one) -- a tomb must not take it
         for the write it guards, so it stays otherwise --, and never trust the record's slot number,
         which its checksum does not cover: a damaged one may name another live entry's slot, which
-        would be handed to the next write.  True when it dropped a record without noting its slot: the
-        writer finds the slot by a scan of the index once the transaction committed (``Writer._reclaim``:
-        the slot no readable record names)."""
+        would be handed to the next write.  Otherwise the slot is noted only if it holds this key's
+        record (``SlotFile.drop``; without a slot file, as given).  True when it dropped a record without
+        noting its slot: the writer finds the slot by a scan of the index once the transaction committed
+        (``Writer._reclaim``: the slot no readable record names)."""
         db = self._db
         lk = lmdb_key(key)
         v = txn.get(lk, db=db.blocks)
@@ -107,10 +111,12 @@ class Tombs:
             return False
         if h.token != token:
             return False
-        txn.delete(lk, db=db.blocks)
+        txn.delete(lk, db=db.blocks)   # (``v`` shows other bytes from here on: ``h`` was parsed before)
         txn.delete(lk, db=db.touch)
         if found_corrupt:
             return h.in_slot
+        if self._slots is not None:
+            return not self._slots.drop(None, lk, frees, h)
         if h.in_slot:
             frees.append(h.slot)
         return False

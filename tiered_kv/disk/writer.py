@@ -416,7 +416,8 @@ class Writer:
         # MapFullError must see what the aborted attempt saw (see tombs.py)
         undo: Undo = []
         prevented = 0
-        lost = 0                    # records dropped as a reader found them corrupt: their slots not trusted
+        lost = 0                    # records dropped without their slot: a reader found them corrupt, or their
+        #                             slot number names a slot they do not hold (SlotFile.drop): the scan finds it
         fault: Optional[tuple[str, str]] = None   # the first error writing a payload
         unwritten: set[int] = set()               # id() of the spills it (or a later one) failed
         hashing: Optional[concurrent.futures.Future[None]] = None
@@ -492,13 +493,14 @@ class Writer:
                                 continue
                             lk = lmdb_key(op.key)
                             old = txn.replace(lk, op.entry, db=db.blocks)
-                            if old is not None:
-                                slots.note_dropped(old, frees)
+                            if old is not None and not slots.drop(old, lk, frees):
+                                lost += 1   # its slot number cannot be trusted: the scan finds its slot
+                            slots.hold(op.slot, lk)
                             txn.delete(lk, db=db.touch)
                             results.append((op, Report(op.token, JobKind.SPILL, True, None, op.nbytes, 0.0, None,
                                                        [record_where(op.entry, op.slot, op.seq)])))
                         elif isinstance(op, Tomb):
-                            tombs.apply(txn, op.token, op.key, frees, undo)
+                            lost += tombs.apply(txn, op.token, op.key, frees, undo)
                         elif isinstance(op, Delete):
                             lost += tombs.delete_if_token(txn, op.key, op.token, frees, op.found_corrupt)
                         elif isinstance(op, Touch):
@@ -529,7 +531,7 @@ class Writer:
         else:
             slots.dropped(frees, last_txnid)
             if lost:   # (not without dropped(): the scan would free this commit's drops before they are durable)
-                self._reclaim()
+                self._reclaim(last_txnid)
         dt = time.perf_counter() - t0
         n = sum(1 for _, r in results if r.ok)
         for _, r in results:
@@ -537,12 +539,13 @@ class Writer:
                 r.seconds = dt / n
         return results, fault
 
-    def _reclaim(self) -> None:
-        """After a commit that dropped records a reader found corrupt: their slots are found by a scan of
-        the index -- every slot no readable record references, neither free nor waiting to be -- and
-        freed (``SlotFile.reclaim``).  Such a record's slot number is not to be trusted (none, when its
-        header does not parse; the checksum does not cover it, so a damaged one may name a live entry's
-        slot).  Rare (a damaged block), so a full scan per commit that dropped any (about a second per
+    def _reclaim(self, txn_id: int) -> None:
+        """After a commit ``txn_id`` that dropped records whose slot number is not to be trusted (a reader found
+        them corrupt, or the slot they name does not hold them: ``SlotFile.drop``): their slots are found by
+        a scan of the index -- every slot no readable record references, neither free nor waiting to be --
+        and freed once that commit is durable (``SlotFile.reclaim``).  Such a record's slot number is not to
+        be trusted (none, when its header does not parse; the checksum does not cover it, so a damaged one
+        may name a live entry's slot).  Rare (a damaged block), so a full scan per commit that dropped any (about a second per
         million entries, on this thread) is the price; a fault in it is counted, and the slots wait for
         the next open's recovery instead."""
         env = self._db.env
@@ -553,13 +556,13 @@ class Writer:
             try:
                 with env.begin(db=self._db.blocks, buffers=True) as txn:
                     for _, v in txn.cursor():
-                        SlotFile.note_dropped(v, used)   # the slot a readable record names
+                        SlotFile.named_slot(v, used)   # the slot a readable record names
             finally:
                 self._db.rw.release_shared()
         except Exception as exc:   # noqa: BLE001 - committed already: nothing undone, the slots stay taken
             self._degrade(self._classify(exc), f"finding the slots of unreadable records: {exc!r}")
             return
-        n = self._slots.reclaim(set(used))
+        n = self._slots.reclaim(set(used), txn_id)
         log.debug("disk tier %s: %d slot(s) of corrupt records freed", self.opts.path, n)
 
     def _pack_entries(self, ops: list[Spill]) -> None:
