@@ -264,9 +264,12 @@ class SharedSlab:
         """Scheduler side: has every rank finished the job numbered ``seq``?
 
         A larger value in the ring entry means a job ``ring_size`` numbers
-        later finished there; jobs are submitted in sequence and the engine
-        flushes old jobs long before 65,536 newer ones exist, so that counts
-        as finished too.
+        later finished there; a rank runs its jobs in submission order
+        (``copier.py``), which follows their numbers but for a store vLLM
+        defers to the next step (it runs after the loads of its own step,
+        numbered after it), so while a step makes fewer than ``ring_size``
+        jobs (65,536; vLLM makes about one per request) that counts as
+        finished too.  Whether it succeeded is then unknown: :meth:`ok`.
         """
         i, want = seq % self.ring_size, 2 * seq
         for ring in self._rings:
@@ -275,9 +278,11 @@ class SharedSlab:
         return True
 
     def ok(self, seq: int) -> bool:
-        """Scheduler side, once :meth:`done`: did no rank record a failed copy for job ``seq``?"""
-        i, failed = seq % self.ring_size, 2 * seq + 1
-        return all(ring[i] != failed for ring in self._rings)
+        """Scheduler side, once :meth:`done`: did every rank record a successful copy of job ``seq``?  An
+        entry a later job overwrote (a job ``ring_size`` numbers on finished before this one was applied)
+        no longer says: that counts as failed (a store not published, a miss), never as ok."""
+        i, want = seq % self.ring_size, 2 * seq
+        return all(ring[i] == want for ring in self._rings)
 
     def max_seq(self) -> int:
         """The highest job number any rank has marked (a new scheduler numbers its jobs above it)."""
