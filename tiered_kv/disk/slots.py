@@ -14,7 +14,8 @@ Invariants:
   of the index key whose record names it (:meth:`hold`, at the write; :meth:`recovered`, at open), and
   a slot number that names a slot the key does not hold -- a damaged one: the checksum does not cover
   it -- frees nothing (:meth:`drop`, :meth:`holds`; the slot the record really used is found by the
-  writer's scan, ``Writer._reclaim``); a slot that is free already is never put on the free list again
+  writer's scan, ``Writer._reclaim``); a dropped slot waiting for its commit to be durable holds no key
+  (:meth:`dropped`), and only such a slot is freed when it is, never one free already or taken meanwhile
   (8 bytes per slot of the file, in the writer's process).
 
 Allocation and growth run on the writer thread; ``lock`` guards the free list against the owner's
@@ -46,12 +47,14 @@ log = logging.getLogger(__name__)
 WRITEBACK_CHUNK = 2 << 20   # bytes written between two sync_file_range(WRITE) calls: one per slot costs more
 GROW_CHUNK_BYTES = 64 << 20  # the file grows by at least this much: few allocations, and it stays as large as used
 _NO_WB = 1 << 62            # "nothing written since the last writeback" (the low end of an empty range)
-_FREE, _PLACED = 0, 1       # a slot's holder: on the free list; taken by a write whose record is not put yet
+# a slot's holder, when no record names it: on the free list; taken by a write whose record is not put yet; its
+# record dropped by a commit not durable yet (freed once it is)
+_FREE, _PLACED, _PENDING = 0, 1, 2
 
 
 def key_print(lk: bytes) -> int:
-    """The holder mark of an index key: 64 bits of its hash, never :data:`_FREE` or :data:`_PLACED`."""
-    return xxhash.xxh3_64_intdigest(lk) | 2
+    """The holder mark of an index key: 64 bits of its hash, never one of the marks above."""
+    return xxhash.xxh3_64_intdigest(lk) | 4
 
 
 class SlotsExhausted(Exception):
@@ -227,6 +230,10 @@ class SlotFile:
                 self._free_locked(slots)
                 return
             self._free_durable_locked(txn_id - 1)   # a commit after theirs: those are durable now
+            holder = self._holder
+            for i in slots:   # no record names them now: a removal that names one frees nothing (holds())
+                if 0 <= i < len(holder) and holder[i] != _FREE:
+                    holder[i] = _PENDING
             self.freed_unsynced.extend((txn_id, i) for i in slots)
 
     def synced(self, txn_id: int) -> None:
@@ -259,9 +266,17 @@ class SlotFile:
             out.append(h.slot)
 
     def _free_durable_locked(self, txn_id: int) -> None:
-        """Free the dropped slots whose commit is ``txn_id`` or older (``lock`` held)."""
-        self._free_locked([i for t, i in self.freed_unsynced if t <= txn_id])
+        """Free the dropped slots whose commit is ``txn_id`` or older (``lock`` held); one that does not wait any
+        more (freed or taken meanwhile: a second drop of it) is not freed again."""
+        holder = self._holder
+        due = [i for t, i in self.freed_unsynced if t <= txn_id]
         self.freed_unsynced = [(t, i) for t, i in self.freed_unsynced if t > txn_id]
+        ready = [i for i in due if 0 <= i < len(holder) and holder[i] == _PENDING]
+        if len(ready) != len(due):
+            self.double_frees += len(due) - len(ready)
+            log.error("disk tier: %d slot(s) dropped twice (freed or taken meanwhile): not freed again",
+                      len(due) - len(ready))
+        self._free_locked(ready)
 
     def _free_locked(self, slots: list[int]) -> None:
         holder = self._holder
