@@ -294,6 +294,7 @@ class DiskTier:
         if isinstance(got, BaseException):   # a bug: raised where the synchronous start raised it, in the pass
             raise got
         store: Union[DiskStore, ProcessDiskStore] = got   # type: ignore[assignment]
+        self.count_page_cache_reads()   # the old store's last reads, before its counts are out of sight
         self.store = store
         self._export_recovery()
         kept = {e.key: e.token for e in store.entries}

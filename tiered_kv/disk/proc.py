@@ -422,7 +422,9 @@ class ProcessDiskStore:
             if served:
                 with self._lock:   # answered here, not by the child; one the child's death answered already is dropped
                     pop, dead = self._outstanding.pop, self._dead   # (an op popped by a pass an interrupt broke
-                    served = [r for r in served if pop(r.token.int, None) is not None or not dead]   # off is not)
+                    n = len(served)                                   # off is not)
+                    served = [r for r in served if pop(r.token.int, None) is not None or not dead]
+                self.cached.served -= n - len(served)   # the counter's "served": reads that answered a load
                 self._out.put_many(served)   # before they leave _held: an interrupt between the two at worst
                 self._held = held = rest     # answers one twice (the second counted stale), never not at all
         if held:
