@@ -24,6 +24,7 @@ import errno
 import hashlib
 import os
 import selectors
+import signal
 import subprocess
 import sys
 import threading
@@ -39,7 +40,9 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from tiered_kv import Completion, Job, TieredKVConfig, TierManager
+from tiered_kv.disk import DiskOptions, DiskStore, FlushDone
 from tiered_kv.disk.format import SLOTS_NAME, inline_value, lmdb_key, parse_header, slot_bytes_for
+from tiered_kv.movers import CompletionQueue
 
 ROW = 4096                  # bytes per block in most disk tests
 NS = "disk-test|u8|tp0"
@@ -199,6 +202,17 @@ def settle_restart(mgr: TierManager, timeout: float = 60) -> list[Completion]:
     return out
 
 
+def restart_disk_process(mgr: TierManager, timeout: float = 60) -> None:
+    """Kill the manager's disk I/O process and step until a new one is started and adopted."""
+    old = mgr.disk
+    old.kill_for_test(signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while mgr.disk is old or mgr._core.disk._starting is not None:   # a pass restarts it, a later one adopts it
+        mgr.wait(timeout=0.05)
+        settle_restart(mgr)
+        assert time.monotonic() < deadline, "the disk I/O process was not restarted"
+
+
 def spy_spills(mgr: TierManager) -> list[tuple[uuid.UUID, bytes]]:
     """Record ``(token, key)`` of every spill the manager submits to its DiskStore."""
     seen: list[tuple[uuid.UUID, bytes]] = []
@@ -274,6 +288,86 @@ class WriterGate:
 
 
 # --------------------------------------------------------------------------- rig
+
+class StoreRig:
+    """A thread-mode DiskStore driven directly (no manager), its answers awaited by token (bounded waits only
+    detect a hang); its records can be damaged in place (:meth:`break_header`, :meth:`set_slot`)."""
+
+    def __init__(self, path: Path, slots: int = 8, durability: str = "sync", batch_blocks: int = 0) -> None:
+        self.q = CompletionQueue()
+        bb = batch_blocks or slots
+        opts = DiskOptions(path=path, namespace=NS, block_bytes=ROW, capacity_bytes=slots * ROW, durability=durability,
+                           batch_blocks=bb, batch_bytes=bb * ROW, batch_seconds=0.0, slots=slots, num_readers=1)
+        self.s = DiskStore(opts, self.q)
+        self.seen: dict[uuid.UUID, Any] = {}
+        self.bufs: list[bytearray] = []   # the spills' sources stay alive until answered
+
+    def answer(self, token: uuid.UUID) -> Any:
+        deadline = time.monotonic() + 30
+        while token not in self.seen:
+            item = self.q.get(max(0.0, deadline - time.monotonic()))
+            assert item is not None, f"no answer for {token}"
+            self.seen[item.token] = item
+        return self.seen.pop(token)
+
+    def submit(self, key: bytes) -> uuid.UUID:
+        buf = bytearray(content(key, ROW).numpy().tobytes())
+        self.bufs.append(buf)
+        t = uuid.uuid4()
+        assert self.s.submit_spill(t, key, memoryview(buf))
+        return t
+
+    def write(self, key: bytes) -> uuid.UUID:
+        t = self.submit(key)
+        assert self.answer(t).ok
+        return t
+
+    def flush(self) -> bool:
+        tok = uuid.uuid4()
+        self.s.submit_flush(tok)
+        r = self.answer(tok)
+        assert isinstance(r, FlushDone)
+        return r.ok
+
+    def record(self, key: bytes) -> bytes:
+        db = self.s.db
+        assert db is not None
+        with db.env.begin(db=db.blocks) as txn:
+            return bytes(txn.get(lmdb_key(key)))
+
+    def slot_of(self, key: bytes) -> int:
+        return parse_header(self.record(key)).slot
+
+    def _rewrite(self, key: bytes, change: Callable[[bytearray], None]) -> None:
+        db = self.s.db
+        assert db is not None
+        db.rw.acquire_shared()
+        try:
+            with db.env.begin(write=True, db=db.blocks) as txn:
+                v = bytearray(txn.get(lmdb_key(key)))
+                change(v)
+                txn.put(lmdb_key(key), bytes(v))
+        finally:
+            db.rw.release_shared()
+
+    def break_header(self, key: bytes) -> None:
+        """Bad magic: ``key``'s record has no parseable header."""
+        self._rewrite(key, lambda v: v.__setitem__(0, v[0] ^ 0xFF))
+
+    def set_slot(self, key: bytes, slot: int) -> None:
+        """Damage ``key``'s record: its slot field (outside the checksum) now names ``slot``."""
+        self._rewrite(key, lambda v: v.__setitem__(slice(-8, None), slot.to_bytes(8, "little")))
+
+    def read(self, key: bytes, expect: uuid.UUID) -> tuple[Any, bytes]:
+        dst = bytearray(ROW)
+        p = uuid.uuid4()
+        self.s.queue_promote(p, key, expect, memoryview(dst))
+        self.s.start_reads()
+        return self.answer(p), bytes(dst)
+
+    def close(self) -> None:
+        self.s.close()
+
 class Rig:
     """Opens managers and guarantees they are closed at the end of the test."""
 

@@ -34,7 +34,7 @@ from tiered_kv.jobs import JobKind
 from tiered_kv.reports import Report
 
 from disk_helpers import (ROW, Rig, disk_only_keys, keys, load_ok, make_kv, metric_sum, rig, row_is,  # noqa: F401
-                          settle_restart, slot_file, store_one, store_seq)
+                          restart_disk_process, slot_file, store_one)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -363,13 +363,7 @@ def test_the_page_cache_reads_counter_goes_on_across_a_restart_of_the_disk_proce
     kv, mgr, ks = disk_only_keys(rig, "process", n=3)
     assert load_ok(mgr, kv, ks[0], 0)
     assert _reads(mgr) == (1, 0)
-    old = mgr.disk
-    old.kill_for_test(signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    while mgr.disk is old or mgr._core.disk._starting is not None:   # a pass restarts it, a later one adopts it
-        mgr.wait(timeout=0.05)
-        settle_restart(mgr)
-        assert time.monotonic() < deadline, "the disk I/O process was not restarted"
+    restart_disk_process(mgr)
     for i, k in enumerate(ks[1:], 1):
         assert load_ok(mgr, kv, k, i)
     mgr.poll()

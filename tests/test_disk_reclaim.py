@@ -8,86 +8,16 @@ Deterministic: a DiskStore driven directly, its answers awaited by token (bounde
 
 from __future__ import annotations
 
-import time
-import uuid
 from pathlib import Path
-from typing import Any
 
-from disk_helpers import NS, ROW, WriterGate, content
-from tiered_kv.disk import DiskOptions, DiskStore, FlushDone
-from tiered_kv.disk.format import lmdb_key, parse_header
-from tiered_kv.movers import CompletionQueue
-
-
-class _Rig:
-    def __init__(self, path: Path, slots: int, durability: str) -> None:
-        self.q = CompletionQueue()
-        opts = DiskOptions(path=path, namespace=NS, block_bytes=ROW, capacity_bytes=slots * ROW, durability=durability,
-                           batch_blocks=slots, batch_bytes=slots * ROW, batch_seconds=0.0, slots=slots, num_readers=1)
-        self.s = DiskStore(opts, self.q)
-        self.seen: dict[uuid.UUID, Any] = {}
-        self.bufs: list[bytearray] = []   # the spills' sources stay alive until answered
-
-    def answer(self, token: uuid.UUID) -> Any:
-        deadline = time.monotonic() + 30
-        while token not in self.seen:
-            item = self.q.get(max(0.0, deadline - time.monotonic()))
-            assert item is not None, f"no answer for {token}"
-            self.seen[item.token] = item
-        return self.seen.pop(token)
-
-    def submit(self, key: bytes) -> uuid.UUID:
-        buf = bytearray(content(key, ROW).numpy().tobytes())
-        self.bufs.append(buf)
-        t = uuid.uuid4()
-        assert self.s.submit_spill(t, key, memoryview(buf))
-        return t
-
-    def write(self, key: bytes) -> uuid.UUID:
-        t = self.submit(key)
-        assert self.answer(t).ok
-        return t
-
-    def flush(self) -> None:
-        tok = uuid.uuid4()
-        self.s.submit_flush(tok)
-        r = self.answer(tok)
-        assert isinstance(r, FlushDone) and r.ok
-
-    def record(self, key: bytes) -> bytes:
-        db = self.s.db
-        assert db is not None
-        with db.env.begin(db=db.blocks) as txn:
-            return bytes(txn.get(lmdb_key(key)))
-
-    def slot_of(self, key: bytes) -> int:
-        return parse_header(self.record(key)).slot
-
-    def break_header(self, key: bytes) -> None:
-        db = self.s.db
-        assert db is not None
-        db.rw.acquire_shared()
-        try:
-            with db.env.begin(write=True, db=db.blocks) as txn:
-                v = bytearray(txn.get(lmdb_key(key)))
-                v[0] ^= 0xFF                       # bad magic: no parseable header
-                txn.put(lmdb_key(key), bytes(v))
-        finally:
-            db.rw.release_shared()
-
-    def read(self, key: bytes, expect: uuid.UUID) -> tuple[Any, bytearray]:
-        dst = bytearray(ROW)
-        p = uuid.uuid4()
-        self.s.queue_promote(p, key, expect, memoryview(dst))
-        self.s.start_reads()
-        return self.answer(p), dst
+from disk_helpers import ROW, StoreRig, WriterGate, content
 
 
 def test_the_scan_frees_the_lost_slot_but_never_one_a_readable_entry_references(tmp_path: Path) -> None:
     """Two readable entries and one whose header breaks: once the reader's removal of the broken one is
     committed, its slot -- and no other -- is free again, and the writes that take it leave both readable
     entries' bytes intact."""
-    r = _Rig(tmp_path / "d", slots=4, durability="sync")
+    r = StoreRig(tmp_path / "d", slots=4, durability="sync")
     try:
         ta, tb = r.write(b"a"), r.write(b"b")
         tx = r.write(b"x")
@@ -96,12 +26,12 @@ def test_the_scan_frees_the_lost_slot_but_never_one_a_readable_entry_references(
         r.break_header(b"x")
         rep, _ = r.read(b"x", tx)
         assert not rep.ok and rep.error.startswith("miss: corrupt")
-        r.flush()                                  # the reader's removal committed, then the scan
+        assert r.flush()                                  # the reader's removal committed, then the scan
         assert sorted(r.s.slots.free) == sorted({0, 1, 2, 3} - kept), (r.s.slots.free, kept, lost)
         assert r.s.slots_in_use == 2
         for key in (b"c", b"d"):                   # fill the file: the two free slots, one of them the lost one
             r.write(key)
-        r.flush()
+        assert r.flush()
         for key, t in ((b"a", ta), (b"b", tb)):
             rep, dst = r.read(key, t)
             assert rep.ok and bytes(dst) == content(key, ROW).numpy().tobytes(), key
@@ -114,12 +44,12 @@ def test_the_scan_leaves_a_slot_dropped_by_a_commit_not_yet_durable(tmp_path: Pa
     durable (so a crash never finds a committed entry over another write's bytes).  The scan after the
     removal of a broken record must leave waiting a slot its own commit dropped (the rewrite of ``a`` in
     the same batch), though no readable entry references that slot any more."""
-    r = _Rig(tmp_path / "d", slots=6, durability="batch")
+    r = StoreRig(tmp_path / "d", slots=6, durability="batch")
     gate = WriterGate(block_from=1)
     try:
         r.write(b"a")
         tx = r.write(b"x")
-        r.flush()
+        assert r.flush()
         old = r.slot_of(b"a")
         r.break_header(b"x")
         r.s.fault_hook = gate
@@ -145,30 +75,21 @@ def test_a_corrupt_record_whose_slot_field_names_a_live_entrys_slot_never_frees_
     checksum mismatch: corrupt).  The reader's removal must not free the slot the damaged field names --
     the live entry's: the next write would take it and overwrite that entry's bytes -- but the record's
     own slot, which only a scan can tell (no readable record names it)."""
-    r = _Rig(tmp_path / "d", slots=4, durability="sync")
+    r = StoreRig(tmp_path / "d", slots=4, durability="sync")
     try:
         ta = r.write(b"a")
         tb = r.write(b"b")
         sa, sb = r.slot_of(b"a"), r.slot_of(b"b")
-        db = r.s.db
-        assert db is not None
-        db.rw.acquire_shared()
-        try:
-            with db.env.begin(write=True, db=db.blocks) as txn:
-                v = bytearray(txn.get(lmdb_key(b"a")))
-                v[-8:] = sb.to_bytes(8, "little")      # a's record now names b's slot; its checksum still parses
-                txn.put(lmdb_key(b"a"), bytes(v))
-        finally:
-            db.rw.release_shared()
+        r.set_slot(b"a", sb)                           # a's record now names b's slot; its checksum still parses
         assert r.slot_of(b"a") == sb
         rep, _ = r.read(b"a", ta)
         assert not rep.ok and rep.error.startswith("miss: corrupt"), rep
-        r.flush()                                      # the reader's removal committed
+        assert r.flush()                                      # the reader's removal committed
         assert sb not in r.s.slots.free, "the slot of a live entry was freed by a corrupt record naming it"
         assert sa in r.s.slots.free, "the corrupt record's own slot was not freed"
         for key in (b"c", b"d", b"e"):                 # take every free slot
             r.write(key)
-        r.flush()
+        assert r.flush()
         rep, dst = r.read(b"b", tb)
         assert rep.ok and bytes(dst) == content(b"b", ROW).numpy().tobytes(), "b's bytes were overwritten"
     finally:

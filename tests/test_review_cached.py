@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import time
 from pathlib import Path
 
@@ -28,9 +27,9 @@ import pytest
 
 import tiered_kv.manager as manager_mod
 from tiered_kv.disk import cached as cached_mod
-from tiered_kv.disk.format import NO_WHERE
 
-from disk_helpers import Rig, disk_only_keys, keys, load_ok, make_kv, rig, row_is, settle_restart, store_one, store_seq  # noqa: F401
+from disk_helpers import (Rig, disk_only_keys, keys, load_ok, make_kv, restart_disk_process, rig, row_is,  # noqa: F401
+                          store_one, store_seq)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -192,13 +191,7 @@ def test_a_restarted_disk_process_leaves_each_kept_entrys_record_right(rig: Rig)
     I/O process equals what the new process recovered, and the blocks are served here after it."""
     kv, mgr, ks = disk_only_keys(rig, "process", n=3)
     before = {k: mgr._core.dindex.ready(k).where for k in ks}
-    old = mgr.disk
-    old.kill_for_test(signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    while mgr.disk is old or mgr._core.disk._starting is not None:   # a pass restarts it, a later one adopts it
-        mgr.wait(timeout=0.05)
-        settle_restart(mgr)
-        assert time.monotonic() < deadline, "the disk I/O process was not restarted"
+    restart_disk_process(mgr)
     recovered = {e.key: e.where for e in mgr.disk.entries}
     for k in ks:
         assert mgr._core.dindex.ready(k).where == before[k] == recovered[k]

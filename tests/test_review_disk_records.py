@@ -20,83 +20,11 @@ The rest pins the ordinary paths: an intact record's removal frees its slot dire
 
 from __future__ import annotations
 
-import time
-import uuid
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from disk_helpers import NS, ROW, content
-from tiered_kv.disk import DiskOptions, DiskStore, FlushDone
-from tiered_kv.disk.format import lmdb_key, parse_header
-from tiered_kv.movers import CompletionQueue
-
-
-class _Rig:
-    """A thread-mode DiskStore driven directly, its answers awaited by token."""
-
-    def __init__(self, path: Path, slots: int = 8, durability: str = "sync", batch_blocks: int = 0) -> None:
-        self.q = CompletionQueue()
-        bb = batch_blocks or slots
-        opts = DiskOptions(path=path, namespace=NS, block_bytes=ROW, capacity_bytes=slots * ROW, durability=durability,
-                           batch_blocks=bb, batch_bytes=bb * ROW, batch_seconds=0.0, slots=slots, num_readers=1)
-        self.s = DiskStore(opts, self.q)
-        self.seen: dict[uuid.UUID, Any] = {}
-        self.bufs: list[bytearray] = []
-
-    def answer(self, token: uuid.UUID) -> Any:
-        deadline = time.monotonic() + 30
-        while token not in self.seen:
-            item = self.q.get(max(0.0, deadline - time.monotonic()))
-            assert item is not None, f"no answer for {token}"
-            self.seen[item.token] = item
-        return self.seen.pop(token)
-
-    def write(self, key: bytes) -> uuid.UUID:
-        buf = bytearray(content(key, ROW).numpy().tobytes())
-        self.bufs.append(buf)
-        t = uuid.uuid4()
-        assert self.s.submit_spill(t, key, memoryview(buf))
-        assert self.answer(t).ok
-        return t
-
-    def flush(self) -> bool:
-        tok = uuid.uuid4()
-        self.s.submit_flush(tok)
-        r = self.answer(tok)
-        assert isinstance(r, FlushDone)
-        return r.ok
-
-    def record(self, key: bytes) -> bytes:
-        db = self.s.db
-        with db.env.begin(db=db.blocks) as txn:
-            return bytes(txn.get(lmdb_key(key)))
-
-    def slot_of(self, key: bytes) -> int:
-        return parse_header(self.record(key)).slot
-
-    def set_slot(self, key: bytes, slot: int) -> None:
-        """Damage ``key``'s record: its slot field (outside the checksum) now names ``slot``."""
-        db = self.s.db
-        db.rw.acquire_shared()
-        try:
-            with db.env.begin(write=True, db=db.blocks) as txn:
-                v = bytearray(txn.get(lmdb_key(key)))
-                v[-8:] = slot.to_bytes(8, "little")
-                txn.put(lmdb_key(key), bytes(v))
-        finally:
-            db.rw.release_shared()
-
-    def read(self, key: bytes, expect: uuid.UUID) -> tuple[Any, bytes]:
-        dst = bytearray(ROW)
-        p = uuid.uuid4()
-        self.s.queue_promote(p, key, expect, memoryview(dst))
-        self.s.start_reads()
-        return self.answer(p), bytes(dst)
-
-    def close(self) -> None:
-        self.s.close()
+from disk_helpers import ROW, StoreRig, content
 
 
 def _good(key: bytes) -> bytes:
@@ -104,7 +32,6 @@ def _good(key: bytes) -> bytes:
 
 
 # --------------------------------------------------------------------------- 1
-
 @pytest.mark.parametrize("removal", ["evict", "invalidate"])
 def test_removing_a_record_with_a_damaged_slot_field_never_frees_a_live_entrys_slot(tmp_path: Path,
                                                                                    removal: str) -> None:
@@ -112,7 +39,7 @@ def test_removing_a_record_with_a_damaged_slot_field_never_frees_a_live_entrys_s
     (architecture.md, invariant 9).  The reader's corrupt-removal path does not trust it; a token-matched
     removal (the owner's eviction, ``DiskTier._evicted``; an invalidation's tomb, ``Tombs.apply``) does: it
     frees the slot the damaged field names -- b's -- and the next writes overwrite b, a stored, flushed block."""
-    r = _Rig(tmp_path / "d", slots=4)
+    r = StoreRig(tmp_path / "d", slots=4)
     try:
         ta = r.write(b"a")
         tb = r.write(b"b")
@@ -135,14 +62,13 @@ def test_removing_a_record_with_a_damaged_slot_field_never_frees_a_live_entrys_s
 
 
 # --------------------------------------------------------------------------- 2
-
 def test_recovery_keeps_the_entry_whose_bytes_a_damaged_newer_record_claims(tmp_path: Path) -> None:
     """Two records on one slot at open: recovery removes the older one unread ("only a lost commit could do
     that").  A damaged slot field makes the same picture: b (newer) names a's slot.  a's bytes are intact
     and its record verifies against them; the newer record is the damaged one.  Recovery deletes a, a stored
     and flushed block, and keeps b, which fails its checksum at the first read."""
     path = tmp_path / "d"
-    r = _Rig(path, slots=4)
+    r = StoreRig(path, slots=4)
     try:
         ta = r.write(b"a")
         r.write(b"b")
@@ -150,7 +76,7 @@ def test_recovery_keeps_the_entry_whose_bytes_a_damaged_newer_record_claims(tmp_
         r.set_slot(b"b", r.slot_of(b"a"))    # damage: the newer record names the older's slot
     finally:
         r.close()
-    r = _Rig(path, slots=4)
+    r = StoreRig(path, slots=4)
     try:
         assert any(e.key == b"a" for e in r.s.entries), "recovery dropped a, whose record and bytes are good"
         rep, got = r.read(b"a", ta)
@@ -160,7 +86,6 @@ def test_recovery_keeps_the_entry_whose_bytes_a_damaged_newer_record_claims(tmp_
 
 
 # --------------------------------------------------------------------------- 3
-
 def test_removing_a_record_whose_slot_field_names_a_free_slot_never_gives_that_slot_to_two_writes(
         tmp_path: Path) -> None:
     """slots.py: "a slot is referenced by at most one committed entry".  A removal pushes the slot its record
@@ -168,7 +93,7 @@ def test_removing_a_record_whose_slot_field_names_a_free_slot_never_gives_that_s
     slot field damaged to name a free slot, evicting a puts that slot on the heap twice, two later writes
     are both placed in it and both committed, and the first one's bytes -- reported stored and flushed --
     are gone (a's own slot meanwhile is never freed)."""
-    r = _Rig(tmp_path / "d", slots=4)
+    r = StoreRig(tmp_path / "d", slots=4)
     try:
         ta = r.write(b"a")
         r.write(b"b")
@@ -200,7 +125,7 @@ def test_an_ordinary_removal_frees_its_slot_without_a_scan(tmp_path: Path, monke
     scans: list[int] = []
     real = Writer._reclaim
     monkeypatch.setattr(Writer, "_reclaim", lambda self, txn_id: (scans.append(1), real(self, txn_id))[1])
-    r = _Rig(tmp_path / "d", slots=4)
+    r = StoreRig(tmp_path / "d", slots=4)
     try:
         ta = r.write(b"a")
         assert r.flush()

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 import tiered_kv.disk.writer as writer_mod
-from disk_helpers import ROW
-from test_review_disk_records import _Rig, _good
+from disk_helpers import ROW, StoreRig
+from test_review_disk_records import _good
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,7 +43,7 @@ def test_a_slot_waiting_for_its_free_no_longer_holds_the_key_it_held(tmp_path: P
     holder still print(a).  a's new record (slot 1) is then damaged to name slot 0; evicting a trusts it
     (SlotFile.holds(0, a) is True): slot 0 is freed twice (the second refused, counted as a bug) and a's real
     slot 1 is never freed -- no scan runs (lost == 0): leaked until the next open."""
-    r = _Rig(tmp_path / "d", slots=4, durability="batch", batch_blocks=1)
+    r = StoreRig(tmp_path / "d", slots=4, durability="batch", batch_blocks=1)
     try:
         r.write(b"a")
         assert r.flush()
@@ -67,7 +67,7 @@ def test_a_slot_waiting_for_its_free_is_never_freed_under_the_entry_that_reuses_
     """As above, without a sync between the eviction and the next writes: the eviction's commit frees slot 0 (its
     first, real free) and queues it again; b's write takes slot 0, and b's commit makes that second free durable:
     b's live slot goes on the free list, c is written over b -- a stored block lost."""
-    r = _Rig(tmp_path / "d", slots=4, durability="batch", batch_blocks=1)
+    r = StoreRig(tmp_path / "d", slots=4, durability="batch", batch_blocks=1)
     try:
         r.write(b"a")
         assert r.flush()
@@ -123,7 +123,7 @@ def test_an_aborted_attempt_after_hold_leaks_no_slot_and_frees_none_twice(tmp_pa
 
     from tiered_kv.disk.slots import SlotFile
 
-    r = _Rig(tmp_path / "d", slots=4, durability="sync", batch_blocks=1)
+    r = StoreRig(tmp_path / "d", slots=4, durability="sync", batch_blocks=1)
     try:
         r.write(b"a")
         assert r.slot_of(b"a") == 0
@@ -151,7 +151,7 @@ def test_recovery_keeps_the_newer_entry_whose_bytes_a_damaged_older_record_claim
     """The mirror of test_review_disk_records' case 2: the older record's slot field is damaged to name the
     newer entry's slot; the newer one verifies and stays, the older one goes and its own slot is free."""
     path = tmp_path / "d"
-    r = _Rig(path, slots=4)
+    r = StoreRig(path, slots=4)
     try:
         r.write(b"a")
         tb = r.write(b"b")
@@ -160,7 +160,7 @@ def test_recovery_keeps_the_newer_entry_whose_bytes_a_damaged_older_record_claim
         r.set_slot(b"a", sb)
     finally:
         r.close()
-    r = _Rig(path, slots=4)
+    r = StoreRig(path, slots=4)
     try:
         assert [e.key for e in r.s.entries] == [b"b"]
         rep, got = r.read(b"b", tb)
@@ -177,7 +177,7 @@ def test_a_file_longer_than_the_capacity_keeps_its_holders_past_the_capacity(tmp
     from tiered_kv.disk.writer import Writer
 
     path = tmp_path / "d"
-    r = _Rig(path, slots=8)
+    r = StoreRig(path, slots=8)
     toks = {}
     try:
         for k in (b"a", b"b", b"c", b"d", b"e", b"f"):
@@ -188,7 +188,7 @@ def test_a_file_longer_than_the_capacity_keeps_its_holders_past_the_capacity(tmp
     scans: list[int] = []
     real = Writer._reclaim
     monkeypatch.setattr(Writer, "_reclaim", lambda self, txn_id: (scans.append(1), real(self, txn_id))[1])
-    r = _Rig(path, slots=4)
+    r = StoreRig(path, slots=4)
     try:
         f = r.s.slots
         assert f.length >= 6 and sorted(f.free) == list(range(6, f.length))

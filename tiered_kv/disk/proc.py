@@ -44,7 +44,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import queue
 import select
 import signal
 import subprocess
