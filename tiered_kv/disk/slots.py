@@ -76,9 +76,9 @@ class SlotFile:
         self.free: list[int] = []            # heap of free slot numbers
         # a slot cut short (a truncated file) still counts: an entry in it may have survived recovery
         self.length = -(-os.fstat(self.fd).st_size // self.slot_bytes)   # slots the file holds
-        # per slot: _FREE, _PLACED, or the key_print of the index key whose record names it (writer thread)
+        # per slot: _FREE, _PLACED, _PENDING, or the key_print of the index key whose record names it (writer thread)
         self._holder = array("Q", [_PLACED]) * self.length   # not known until recovered()
-        self.double_frees = 0                # frees of a slot free already, refused (a bug if ever > 0)
+        self.double_frees = 0                # frees refused: a slot free already, or no longer pending (a bug if > 0)
         # a file longer than the configured capacity (it shrank) keeps its slots until compacted
         self.max = max(target_slots, self.length)
         self.freed_unsynced: list[tuple[int, int]] = []  # (txn id, slot) dropped by a commit not yet durable
@@ -248,9 +248,8 @@ class SlotFile:
         then placed and uncommitted); ``txn_id``: the last committed transaction, which dropped them: they
         are freed as its other drops are, once it is durable (:meth:`dropped`).  Returns how many."""
         with self.lock:
-            pending = {i for _, i in self.freed_unsynced}
             holder = self._holder
-            lost = [i for i in range(self.length) if holder[i] != _FREE and i not in referenced and i not in pending]
+            lost = [i for i in range(self.length) if holder[i] not in (_FREE, _PENDING) and i not in referenced]
         self.dropped(lost, txn_id)
         return len(lost)
 
