@@ -238,6 +238,12 @@ class DiskTier:
         """The disk I/O process died and every op it had was answered: time for :meth:`restart`."""
         return self._reopen is not None and getattr(self.store, "down", False)
 
+    @property
+    def dead(self) -> bool:
+        """The disk I/O process died (its answers may still be on their way), and no new one was adopted yet:
+        a read started now fails at once."""
+        return getattr(self.store, "dead", False)
+
     def restart(self, now: Optional[float] = None, force: bool = False) -> bool:
         """Start a new disk I/O process after the last one died; True once it runs.
 

@@ -512,8 +512,9 @@ class TierIndex:
             self._free.append(entry.slot)
             entry.slot = -1
 
-    def evict_ahead(self, free: int) -> int:
-        """Evict the policy's victims until ``free`` slots are free or nothing is evictable.
+    def evict_ahead(self, free: int, protect: Collection[bytes] = ()) -> int:
+        """Evict the policy's victims until ``free`` slots are free or nothing is evictable, never an entry
+        of a key in ``protect`` (the vLLM scheduler's: keys a waiting request was told are hits).
 
         The owner calls it between engine steps, so that the next step's reservations find free
         slots instead of evicting in the engine's call.  Returns how many entries it evicted.
@@ -523,12 +524,13 @@ class TierIndex:
             return 0
         if self._lru is not None and self._batched:   # the default policy: its n oldest entries go together
             before = self.evictions
-            self._evict_lru(n, ())
-            return self.evictions - before
+            if self._evict_lru(n, protect) or self.evictions != before or not protect:
+                return self.evictions - before
+            # one of the n oldest is protected: one victim at a time, past it
         victim = self.policy.victim
         done = 0
         while done < n:
-            entry = victim((), None)
+            entry = victim(protect, None)
             if entry is None:
                 break
             self._evicted(entry)

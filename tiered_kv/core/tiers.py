@@ -1013,10 +1013,10 @@ class TierCore:
             self.evicted.append(d.key)
 
     # ------------------------------------------------------------------ the step
-    def end_step(self, last: bool, gauges: bool = True) -> None:
+    def end_step(self, last: bool, gauges: bool = True, protect: Collection[bytes] = ()) -> None:
         """Per-step bookkeeping after reports were applied.  ``last``: the final pass of an API call,
-        which also prepares the next step (free host slots, tokens).  ``gauges``: publish the counters and
-        gauges (the last pass always does)."""
+        which also prepares the next step (free host slots, tokens; the slots freed ahead are never those of
+        keys in ``protect``).  ``gauges``: publish the counters and gauges (the last pass always does)."""
         self.log_debug = log.isEnabledFor(logging.DEBUG)
         disk = self.disk
         if disk is not None:
@@ -1034,7 +1034,7 @@ class TierCore:
             remote.store.kick()
         if last:
             if self.evict_ahead:
-                self.index.evict_ahead(self.evict_ahead)
+                self.index.evict_ahead(self.evict_ahead, protect)
             pool = self.token_pool
             if len(pool) < TOKEN_POOL:
                 make, add = self.tokens, pool.append   # popleft() takes the oldest: tokens are issued in the order made
@@ -1138,7 +1138,7 @@ class TierCore:
             return
         n = self.n_in_flight
         block_until(lambda: n[_SPILL] == 0, CLOSE_TIMEOUT_S)
-        if getattr(disk.store, "dead", False) and not disk.down:
+        if disk.dead and not disk.down:
             # the I/O process died and its ops are still being answered: wait for those answers, so that
             # the reconciling start below is not skipped
             block_until(lambda: disk.down, CLOSE_TIMEOUT_S)

@@ -110,6 +110,10 @@ class SlabScheduler:
         self._awaiting: list[Job] = []     # completed by the engine, rings not yet showing it
         # key -> its host entry, for each read-back from disk a lookup started (a disk hit already): bounded
         self._read_back: dict[bytes, Any] = {}
+        # keys answered HIT or PENDING since the last tick(), and those of the last step that answered any: the
+        # evict-ahead at the end of a step leaves them (a request waiting on a read-back is asked again later)
+        self._asked: set[bytes] = set()
+        self._kept: set[bytes] = set()
         self._closed = False
         metrics.health["host"].set(1)
         core.refresh_gauges()
@@ -119,13 +123,16 @@ class SlabScheduler:
         """HIT when ``key`` is READY in the host slab; PENDING while it is read back from disk.
 
         A read-back needs a host slot; it never evicts a key in ``protect`` (the keys
-        the same request was just told are hits), so a prefix longer than the slab
-        gets the part that fits instead of evicting itself forever.  The read starts
-        at the end of the step (:meth:`tick`), with the step's other reads.
+        the same request was just told are hits), nor does the evict-ahead at the end of
+        a step evict a key answered HIT or PENDING in the last step that answered any
+        (:meth:`tick`: a request waiting on a read-back is asked again later), so a
+        prefix longer than the slab gets the part that fits instead of evicting itself
+        forever.  The read starts at the end of the step (:meth:`tick`), with the step's
+        other reads.  A block is one lookup key and one hit however often vLLM asks for it
+        while its read-back runs and once it landed.
         """
         self._check_key(key)
         core, m = self.core, self.metrics
-        m.count(m.lookups)
         if core.admitting:   # a reference the admission filters count, as TierManager's lookup() does
             core.seen((key,))
         entry = core.index.get(key)
@@ -140,11 +147,21 @@ class SlabScheduler:
                 if entry.state is _READY:
                     self._hit(key, entry)
                     return Lookup.HIT
-                return Lookup.PENDING if entry.live else Lookup.MISS
+                if self._read_back.get(key) is not entry:   # else asked again: counted at the first ask
+                    m.count(m.lookups)
+                if not entry.live:
+                    return Lookup.MISS
+                self._asked.add(key)
+                return Lookup.PENDING
+            m.count(m.lookups)
             if core.remote_pending(entry):
                 return Lookup.RETRY   # asked from the server: a hit or a miss at a later step
             return Lookup.MISS  # being stored from the device: not offloaded yet
-        d = core.dindex.ready(key) if core.dindex is not None else None
+        m.count(m.lookups)
+        # not while the disk I/O process is dead: the read would fail at once, the entry stay, and the
+        # request be told PENDING (and the same read started) at every step until the restart
+        disk = core.disk
+        d = core.dindex.ready(key) if disk is not None and not disk.dead else None
         if d is None:
             # not held here: the remote tier (if any) is asked with the step's other keys
             return Lookup.RETRY if core.want_remote(key) else Lookup.MISS
@@ -152,16 +169,22 @@ class SlabScheduler:
             return Lookup.MISS
         m.count(m.hits["disk"])
         read_back = self._read_back
+        read_back.pop(key, None)   # (a key read back again goes last: the bound below trims the oldest)
         read_back[key] = core.index.get(key)
         if len(read_back) > core.index.num_slots:   # each holds a host slot: older ones were evicted or answered
             del read_back[next(iter(read_back))]
+        self._asked.add(key)
         return Lookup.PENDING
 
     def _hit(self, key: bytes, entry: Any) -> None:
-        """A lookup found ``key`` READY in the host tier: one hit -- none when it is the block whose read-back a
-        lookup started, counted then as a disk hit (vLLM asks again once it landed: one block, one hit)."""
+        """A lookup found ``key`` READY in the host tier: one lookup key and one hit -- neither when it is the
+        block whose read-back a lookup started, counted then as a disk hit (vLLM asks again once it landed:
+        one block, one hit)."""
+        self._asked.add(key)
         if self._read_back and self._read_back.pop(key, None) is entry:
             return
+        m = self.metrics
+        m.count(m.lookups)
         self.core.host_hit(key)
 
     def touch(self, keys: Iterable[bytes]) -> None:
@@ -326,6 +349,7 @@ class SlabScheduler:
             self._cancel(job)
         self.core.drop_all()
         self._read_back.clear()
+        self._asked, self._kept = set(), set()
         self.core.refresh_gauges()
         log.info("tiered_kv: every tier reset; %d jobs quarantined until their copies finish", len(self._quarantine))
 
@@ -352,7 +376,9 @@ class SlabScheduler:
                 else:
                     keep.append(job)
             self._quarantine = keep
-        core.end_step(True)
+        if self._asked:   # a step that answered lookups: its keys are the ones to keep; one with none keeps the last
+            self._kept, self._asked = self._asked, set()
+        core.end_step(True, protect=self._kept)
 
     @property
     def pending_work(self) -> bool:
