@@ -73,6 +73,18 @@ def _vllm_prefix_step(tiers: SlabScheduler, keys: list[bytes]) -> Optional[int]:
     return None if deferred else hits
 
 
+def _steps_until_answered(tiers: SlabScheduler, keys: list[bytes], steps: int = 8) -> list[Optional[int]]:
+    """Each step's answer (:func:`_vllm_prefix_step`) until one is not deferred, or ``steps`` of them; between
+    two, the step ends (tick) until the step's read-backs landed."""
+    answers: list[Optional[int]] = []
+    for _ in range(steps):
+        answers.append(_vllm_prefix_step(tiers, keys))
+        if answers[-1] is not None:
+            break
+        wait_promotes(tiers)
+    return answers
+
+
 # =========================================================================== protect vs evict-ahead
 def test_a_disk_prefix_as_long_as_the_slab_is_answered_within_a_few_steps(rig):
     """The default config on a 32-slot slab (evict-ahead = 32 // 32 = 1 slot) and a request whose 32-block
@@ -81,13 +93,7 @@ def test_a_disk_prefix_as_long_as_the_slab_is_answered_within_a_few_steps(rig):
     keys = _keys(32)
     tiers = _disk_only(rig, keys, num_slots=32)
     assert tiers.core.evict_ahead == 1
-    answers = []
-    for _ in range(8):
-        got = _vllm_prefix_step(tiers, keys)
-        answers.append(got)
-        if got is not None:
-            break
-        wait_promotes(tiers)          # the step ends (tick) until the step's read-backs landed
+    answers = _steps_until_answered(tiers, keys)
     assert answers[-1] is not None and answers[-1] >= 1, (
         f"the request was deferred at each of {len(answers)} steps ({answers}); "
         f"host holds {tiers.host_blocks} blocks, promotes ok so far: "
@@ -97,13 +103,7 @@ def test_a_disk_prefix_as_long_as_the_slab_is_answered_within_a_few_steps(rig):
 def test_a_four_block_disk_prefix_on_four_slots_with_evict_ahead_one(rig):
     keys = _keys(4)
     tiers = _disk_only(rig, keys, num_slots=4, host_evict_ahead_blocks=1)
-    answers = []
-    for _ in range(8):
-        got = _vllm_prefix_step(tiers, keys)
-        answers.append(got)
-        if got is not None:
-            break
-        wait_promotes(tiers)
+    answers = _steps_until_answered(tiers, keys)
     assert answers[-1] is not None, f"deferred at every step: {answers}"
 
 
@@ -111,13 +111,7 @@ def test_a_disk_prefix_longer_than_the_slab_without_evict_ahead_gets_the_part_th
     """Control: with evict-ahead 0 the same protocol ends (the part that fits), as documented."""
     keys = _keys(6)
     tiers = _disk_only(rig, keys, num_slots=4, host_evict_ahead_blocks=0)
-    answers = []
-    for _ in range(8):
-        got = _vllm_prefix_step(tiers, keys)
-        answers.append(got)
-        if got is not None:
-            break
-        wait_promotes(tiers)
+    answers = _steps_until_answered(tiers, keys)
     assert answers[-1] == 4, answers
     for k in keys[:4]:
         assert torch.equal(slot_bytes_of(tiers, k), pattern(k, "disk", ROW)), k
