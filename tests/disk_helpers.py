@@ -293,20 +293,31 @@ class StoreRig:
     """A thread-mode DiskStore driven directly (no manager), its answers awaited by token (bounded waits only
     detect a hang); its records can be damaged in place (:meth:`break_header`, :meth:`set_slot`)."""
 
-    def __init__(self, path: Path, slots: int = 8, durability: str = "sync", batch_blocks: int = 0) -> None:
+    def __init__(self, path: Path, slots: int = 8, durability: str = "sync", batch_blocks: int = 0,
+                 **opts: Any) -> None:
+        """``opts``: more :class:`DiskOptions` fields (one reader unless ``num_readers`` says otherwise)."""
         self.q = CompletionQueue()
         bb = batch_blocks or slots
-        opts = DiskOptions(path=path, namespace=NS, block_bytes=ROW, capacity_bytes=slots * ROW, durability=durability,
-                           batch_blocks=bb, batch_bytes=bb * ROW, batch_seconds=0.0, slots=slots, num_readers=1)
-        self.s = DiskStore(opts, self.q)
+        opts.setdefault("num_readers", 1)
+        self.opts = DiskOptions(path=path, namespace=NS, block_bytes=ROW, capacity_bytes=slots * ROW,
+                                durability=durability, batch_blocks=bb, batch_bytes=bb * ROW, batch_seconds=0.0,
+                                slots=slots, **opts)
+        self.s = DiskStore(self.opts, self.q)
         self.seen: dict[uuid.UUID, Any] = {}
         self.bufs: list[bytearray] = []   # the spills' sources stay alive until answered
 
     def answer(self, token: uuid.UUID) -> Any:
-        deadline = time.monotonic() + 30
+        item = self.wait_for(token)
+        assert item is not None, f"no answer for {token}"
+        return item
+
+    def wait_for(self, token: uuid.UUID, timeout: float = 30.0) -> Any:
+        """The answer to ``token`` (the others that come first are kept for their turn); None on timeout."""
+        deadline = time.monotonic() + timeout
         while token not in self.seen:
             item = self.q.get(max(0.0, deadline - time.monotonic()))
-            assert item is not None, f"no answer for {token}"
+            if item is None:
+                return None
             self.seen[item.token] = item
         return self.seen.pop(token)
 

@@ -45,9 +45,8 @@ import pytest
 
 import tiered_kv.disk.store as store_mod
 import tiered_kv.reports as reports
-from disk_helpers import NS, ROW, WriterGate, content
-from tiered_kv.disk import DiskOptions, DiskStore, FlushDone
-from tiered_kv.disk.format import lmdb_key, parse_header
+from disk_helpers import ROW, StoreRig, WriterGate, content
+from tiered_kv.disk import FlushDone
 from tiered_kv.disk.readers import Readers
 from tiered_kv.disk.records import CORRUPT, NOT_READ, READ_FAILED
 from tiered_kv.disk.writer import Writer
@@ -64,28 +63,18 @@ def _need(cond: Any, what: str) -> None:
 
 
 # ============================================================================ a DiskStore driven directly
-class _Store:
+class _Store(StoreRig):
+    """:class:`disk_helpers.StoreRig`, whose failures outside a proof raise :class:`RigBroken`."""
+
     def __init__(self, path: Path, slots: int = 8, durability: str = "sync", num_readers: int = 1,
                  read_batch_bytes: Optional[int] = None) -> None:
-        self.q = CompletionQueue()
         kw: dict[str, Any] = {}
         if read_batch_bytes is not None:
             kw["read_batch_bytes"] = read_batch_bytes
-        self.opts = DiskOptions(path=path, namespace=NS, block_bytes=ROW, capacity_bytes=slots * ROW,
-                                durability=durability, batch_blocks=slots, batch_bytes=slots * ROW,
-                                batch_seconds=0.0, slots=slots, num_readers=num_readers, **kw)
-        self.s = DiskStore(self.opts, self.q)
-        self.seen: dict[uuid.UUID, Any] = {}
-        self.bufs: list[bytearray] = []
+        super().__init__(path, slots, durability, num_readers=num_readers, **kw)
 
     def answer(self, token: uuid.UUID, timeout: float = 30.0) -> Any:
-        deadline = time.monotonic() + timeout
-        while token not in self.seen:
-            item = self.q.get(max(0.0, deadline - time.monotonic()))
-            if item is None:
-                return None
-            self.seen[item.token] = item
-        return self.seen.pop(token)
+        return self.wait_for(token, timeout)   # None on timeout: the proofs say what was not answered
 
     def submit(self, key: bytes) -> uuid.UUID:
         buf = bytearray(content(key, ROW).numpy().tobytes())
@@ -100,32 +89,12 @@ class _Store:
         _need(r is not None and r.ok, f"write of {key!r}: {r}")
         return t
 
-    def flush(self) -> None:
+    def flush(self) -> bool:
         tok = uuid.uuid4()
         self.s.submit_flush(tok)
         r = self.answer(tok)
         _need(isinstance(r, FlushDone) and r.ok, f"flush: {r}")
-
-    def record(self, key: bytes) -> bytes:
-        db = self.s.db
-        assert db is not None
-        with db.env.begin(db=db.blocks) as txn:
-            return bytes(txn.get(lmdb_key(key)))
-
-    def slot_of(self, key: bytes) -> int:
-        return parse_header(self.record(key)).slot
-
-    def break_header(self, key: bytes) -> None:
-        db = self.s.db
-        assert db is not None
-        db.rw.acquire_shared()
-        try:
-            with db.env.begin(write=True, db=db.blocks) as txn:
-                v = bytearray(txn.get(lmdb_key(key)))
-                v[0] ^= 0xFF
-                txn.put(lmdb_key(key), bytes(v))
-        finally:
-            db.rw.release_shared()
+        return True
 
     def damage_payload(self, key: bytes) -> None:
         """Flip the first bytes of ``key``'s slot: the record parses, its checksum fails."""
