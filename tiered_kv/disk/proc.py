@@ -416,16 +416,24 @@ class ProcessDiskStore:
         held = self._held
         if not held:
             return
-        if cached_here and self.cached.enabled and not self._closing:
-            served, rest = self.cached.read(held, until)
+        if cached_here and self.cached.enabled and not self._closing and not self._dead:
+            # (a dead child answered every held read failed already: none is read, or counted, here)
+            cached = self.cached
+            served, rest = cached.read(held, until)
+            with self._lock:   # answered here, not by the child; one the child's death answered already is dropped
+                outstanding, dead = self._outstanding, self._dead
+                taken = [(r, outstanding.pop(r.token.int, None)) for r in served]
+                if dead:   # it died during the reads: what it answered failed was neither served nor handed on
+                    cached.passed -= sum(1 for op in rest if op.where)
+            served = [r for r, op in taken if op is not None or not dead]   # (one popped by a pass an interrupt
+            cached.served -= len(taken) - len(served)                       # broke off: kept; see below)
             if served:
-                with self._lock:   # answered here, not by the child; one the child's death answered already is dropped
-                    pop, dead = self._outstanding.pop, self._dead   # (an op popped by a pass an interrupt broke
-                    n = len(served)                                   # off is not)
-                    served = [r for r in served if pop(r.token.int, None) is not None or not dead]
-                self.cached.served -= n - len(served)   # the counter's "served": reads that answered a load
-                self._out.put_many(served)   # before they leave _held: an interrupt between the two at worst
-                self._held = held = rest     # answers one twice (the second counted stale), never not at all
+                try:
+                    self._out.put_many(served)   # before they leave _held: an interrupt between the two at worst
+                except BaseException:            # answers one twice (the second counted stale), never not at all
+                    self._unqueued([op for _, op in taken if op is not None])
+                    raise
+            self._held = held = rest
         if held:
             slot = self._slot
             cmds = [("P", op.token.int, op.key, op.expect.int, slot(op.dst)) for op in held]
@@ -435,6 +443,17 @@ class ProcessDiskStore:
             self.kick()
         else:
             self._held = []
+
+    def _unqueued(self, ops: list[tuple[str, uuid.UUID, int]]) -> None:
+        """An interrupt broke off the queueing of reads served here, whose ops were taken out of
+        ``_outstanding`` (some may be queued already): they are tracked again, so that the next pass answers
+        them (read here, or by the child) or the child's death does; once it is dead, answered failed now."""
+        with self._lock:
+            if not self._dead:
+                for op in ops:
+                    self._outstanding[op[1].int] = op
+                return
+        self._answer_failed(ops)
 
     def kick(self) -> None:
         """Write the ops buffered since the last call as one frame, without waiting: what the pipe

@@ -106,9 +106,10 @@ class Readers:
         held for :meth:`start`."""
         held = self._held_reads
         if held:
-            served, self._held_reads = cached.read(held, until)
-            if served:
-                self._out.put_many(served)
+            served, rest = cached.read(held, until)
+            if served:   # queued before they leave the held reads: an interrupt between the two at worst answers
+                self._out.put_many(served)   # one twice (the second counted stale), never not at all
+            self._held_reads = rest
 
     def start(self, lone_here: bool = False) -> None:
         """Hand the held reads to the readers, in batches of what one reader takes at once: one queue
