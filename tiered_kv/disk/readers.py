@@ -47,6 +47,8 @@ __all__ = ["Readers", "READ_BATCH_MAX"]
 
 log = logging.getLogger(__name__)
 
+_OFFSET_MAX = (1 << 63) - 1   # the largest file offset: a damaged record's slot may name one past it
+
 READ_BATCH_MAX = 256   # reads a reader takes at once, at most: small blocks' lookups all come before the first read
 IOV_MAX_SLOTS = 1024 // 2   # slots per preadv, at most: IOV_MAX is 1024 and each slot after the first takes a pad too
 
@@ -350,8 +352,8 @@ class Readers:
             else:
                 runs.append([x])
         for run in runs:
-            if run[0][3].length != n:   # a record that says another length: corrupt without reading
-                got = 0
+            if run[0][3].length != n or (run[-1][0] + 1) * sb > _OFFSET_MAX:
+                got = 0   # a record that says another length, or a slot past any file offset: corrupt, unread
             else:
                 iov: list[memoryview] = []
                 for k, (_, op, _, _) in enumerate(run):
@@ -434,7 +436,9 @@ class Readers:
                 return found
             value, h = found
             # preadv straight into the host slot, without the GIL
-            got = os.preadv(self._slots.fd, [op.dst], h.slot * self._slots.slot_bytes) if h.length == n else 0
+            sb = self._slots.slot_bytes   # (another length, or a slot past any file offset: corrupt, unread)
+            fits = h.length == n and (h.slot + 1) * sb <= _OFFSET_MAX
+            got = os.preadv(self._slots.fd, [op.dst], h.slot * sb) if fits else 0
         except _NotBegun as nb:
             return self._not_read([op], nb.cause)[0][1]
         except (lmdb.Error, OSError) as exc:

@@ -88,13 +88,14 @@ class Tombs:
     def delete_if_token(self, txn: Any, key: bytes, token: uuid.UUID, frees: list[int],
                         found_corrupt: bool = False) -> bool:
         """Delete ``key``'s entry (and its touch record) if ``token`` wrote it, noting its slot in
-        ``frees``.  ``found_corrupt`` (a reader's removal of a record it found corrupt): also drop a
-        record whose header cannot be parsed (no write of anyone's makes one) -- a tomb must not take it
-        for the write it guards, so it stays otherwise --, and never trust the record's slot number,
-        which its checksum does not cover: a damaged one may name another live entry's slot, which
-        would be handed to the next write.  Otherwise the slot is noted only if it holds this key's
-        record (``SlotFile.drop``; without a slot file, as given).  True when it dropped a record without
-        noting its slot: the writer finds the slot by a scan of the index once the transaction committed
+        ``frees``.  A record whose header cannot be parsed is deleted whoever asks (no write of anyone's
+        makes one, and nothing can read it: the owner's removal -- an eviction, an invalidation -- would
+        else leave it and its slot taken until a reopen).  ``found_corrupt`` (a reader's removal of a
+        record it found corrupt): never trust the record's slot number, which its checksum does not
+        cover: a damaged one may name another live entry's slot, which would be handed to the next
+        write.  Otherwise the slot is noted only if it holds this key's record (``SlotFile.drop``;
+        without a slot file, as given).  True when it dropped a record without noting its slot: the
+        writer finds the slot by a scan of the index once the transaction committed
         (``Writer._reclaim``: the slot no readable record names)."""
         db = self._db
         lk = lmdb_key(key)
@@ -104,11 +105,9 @@ class Tombs:
         try:
             h = parse_header(v)
         except CorruptEntry:
-            if found_corrupt:
-                txn.delete(lk, db=db.blocks)
-                txn.delete(lk, db=db.touch)
-                return True
-            return False
+            txn.delete(lk, db=db.blocks)
+            txn.delete(lk, db=db.touch)
+            return True
         if h.token != token:
             return False
         txn.delete(lk, db=db.blocks)   # (``v`` shows other bytes from here on: ``h`` was parsed before)
