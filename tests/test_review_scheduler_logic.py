@@ -222,9 +222,13 @@ def test_a_key_read_back_twice_is_counted_once_when_the_bound_trims(rig):
     m = tiers.metrics
     tiers_ = ("host", "disk", "remote")
     before = {t: metric(m, "tiered_kv_lookup_hits_total", tier=t) for t in tiers_}
+    assert before == {"host": 0, "disk": 0, "remote": 0}, "a read-back is a hit when it is served, not when it starts"
+    keys = metric(m, "tiered_kv_lookup_keys_total")
+    assert keys == 6                            # k1, k2, k1 again (a new request: the first one's block landed), k3-k5
     assert tiers.lookup(k1) == HIT              # the request whose lookup started the read asks again
     after = {t: metric(m, "tiered_kv_lookup_hits_total", tier=t) for t in tiers_}
-    assert after == before, f"k1's re-ask counted again (one block, one hit): {before} -> {after}"
+    assert after == {"host": 0, "disk": 1, "remote": 0}, f"k1 served once, one disk hit: {before} -> {after}"
+    assert metric(m, "tiered_kv_lookup_keys_total") == keys, "k1's re-ask counted as a second key"
 
 
 # =========================================================================== a dead disk I/O process

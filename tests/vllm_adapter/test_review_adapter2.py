@@ -162,6 +162,33 @@ def test_a_block_evicted_by_evict_ahead_is_reported_removed_at_the_next_take_eve
         p.close()
 
 
+def test_reset_cache_reports_every_block_it_dropped_removed(model_dir: str, tmp_path: Path) -> None:
+    """KV events across reset_cache: a block stored before it (its "stored" taken or not) is reported removed,
+    after its "stored", so that a consumer folding the events in order counts on no block that is gone."""
+    p = Pair(base.offloading_config(model_dir, tkv_extra(tmp_path, host_bytes=8 * ROW_BYTES), kv_events=True),
+             new_kv(seed=58))
+    try:
+        ctx = ReqContext(req_id="r")
+        a, b, c = keys(1, "ra"), keys(1, "rb"), keys(1, "rc")
+        p.store(a, [1], ctx)
+        p.store(b, [2], ctx)
+        claimed: dict[bytes, bool] = {}
+        for e in p.mgr.take_events():
+            for k in e.keys:
+                claimed[k] = not e.removed
+        assert claimed == {a[0]: True, b[0]: True}
+        p.store(c, [3], ctx)                 # published; its event not taken yet
+        p.mgr.reset_cache()
+        tick(p.mgr)
+        for e in p.mgr.take_events():
+            for k in e.keys:
+                claimed[k] = not e.removed
+        assert claimed == {a[0]: False, b[0]: False, c[0]: False}, claimed
+        assert [p.mgr.lookup(k[0], ctx) for k in (a, b, c)] == [LookupResult.MISS] * 3
+    finally:
+        p.close()
+
+
 # ============================================================================= guarantees that hold
 def test_prepare_store_of_keys_being_loaded_stores_nothing_and_the_load_lands(model_dir: str,
                                                                             tmp_path: Path) -> None:

@@ -574,8 +574,12 @@ class TierCore:
 
     def drop_key(self, key: bytes) -> None:
         """Forget ``key`` in every tier: the job writing it is cancelled (only its part, for a store of
-        several keys), its disk write tombstoned; it is never served again until stored again."""
+        several keys), its disk write tombstoned; it is never served again until stored again.  A key that was
+        READY in a tier is collected as gone (``collect_evicted``), as an evicted one is."""
         entry = self.index.get(key)
+        if self.collect_evicted and (entry is not None and entry.state is _READY
+                                     or self.dindex is not None and self.dindex.ready(key) is not None):
+            self.evicted.append(key)
         if entry is not None:
             if entry.state is not _READY:
                 w = self.jobs.get(entry.writer.int)

@@ -50,6 +50,7 @@ _STORE, _LOAD, _PROMOTE, _FETCH = JobKind.STORE, JobKind.LOAD, JobKind.PROMOTE, 
 _PENDING = JobState.PENDING
 _READY = EntryState.READY
 _SEQ_MASK = (1 << 48) - 1
+_NOT_ASKED: Any = object()   # SlabScheduler._waiting: a key not waiting for its answer
 
 
 def token_seq(token: uuid.UUID) -> int:
@@ -74,6 +75,14 @@ class Prepared(NamedTuple):
     seq: int
     slots: list[int]
     evicted: list[bytes] = []  # prepare_store: keys no longer offloaded anywhere since the last call
+
+
+def _waited(w: Any, entry: Any) -> bool:
+    """Whether a lookup of a key that ``SlabScheduler._waiting`` held as ``w`` is the same request asking again
+    (counted a lookup key at its first ask): it waited on the remote tier (None), on this read-back
+    (``entry``), or on one that never landed (its read failed).  A read-back that landed and that no lookup
+    was told of (its request went away; the block was evicted since) is a new request's key."""
+    return w is None or w is entry or (w is not _NOT_ASKED and w.state is not _READY)
 
 
 class SlabScheduler:
@@ -108,8 +117,9 @@ class SlabScheduler:
         self._live: dict[JobKind, dict[frozenset[bytes], collections.deque[Job]]] = {_STORE: {}, _LOAD: {}}
         self._quarantine: list[Job] = []   # cancelled jobs whose copies may still touch their slots
         self._awaiting: list[Job] = []     # completed by the engine, rings not yet showing it
-        # key -> its host entry, for each read-back from disk a lookup started (a disk hit already): bounded
-        self._read_back: dict[bytes, Any] = {}
+        # key -> its read-back's host entry (None: asked from the remote tier), for each key a lookup answered
+        # PENDING or RETRY and vLLM has not been told HIT or MISS since: counted a lookup key once.  Bounded
+        self._waiting: dict[bytes, Any] = {}
         # keys answered HIT or PENDING since the last tick(), and those of the last step that answered any: the
         # evict-ahead at the end of a step leaves them (a request waiting on a read-back is asked again later)
         self._asked: set[bytes] = set()
@@ -120,19 +130,21 @@ class SlabScheduler:
 
     # ------------------------------------------------------------ lookups
     def lookup(self, key: bytes, protect: Collection[bytes] = ()) -> Lookup:
-        """HIT when ``key`` is READY in the host slab; PENDING while it is read back from disk.
+        """HIT when ``key`` is READY in the host slab; PENDING while it is read back from disk;
+        RETRY while it is asked from the remote tier.
 
         A read-back needs a host slot; it never evicts a key in ``protect`` (the keys
         the same request was just told are hits), nor does the evict-ahead at the end of
         a step evict a key answered HIT or PENDING in the last step that answered any
-        (:meth:`tick`: a request waiting on a read-back is asked again later), so a
-        prefix longer than the slab gets the part that fits instead of evicting itself
-        forever.  The read starts at the end of the step (:meth:`tick`), with the step's
-        other reads.  A block is one lookup key and one hit however often vLLM asks for it
-        while its read-back runs and once it landed.
+        (:meth:`tick`: a request waiting on a read-back is asked again later), nor a store's
+        reservation one answered so in the same step, so a prefix longer than the slab gets
+        the part that fits instead of evicting itself forever.  The read starts at the end of the step (:meth:`tick`),
+        with the step's other reads.  A block is one lookup key however often vLLM asks
+        for it while it waits (PENDING, RETRY) and once it has its answer, and its hit is
+        counted when it is served: a read-back that fails verification is a miss.
         """
         self._check_key(key)
-        core, m = self.core, self.metrics
+        core = self.core
         if core.admitting:   # a reference the admission filters count, as TierManager's lookup() does
             core.seen((key,))
         entry = core.index.get(key)
@@ -147,42 +159,53 @@ class SlabScheduler:
                 if entry.state is _READY:
                     self._hit(key, entry)
                     return Lookup.HIT
-                if self._read_back.get(key) is not entry:   # else asked again: counted at the first ask
-                    m.count(m.lookups)
-                if not entry.live:
-                    return Lookup.MISS
-                self._asked.add(key)
-                return Lookup.PENDING
+                answer = Lookup.PENDING if entry.live else Lookup.MISS
+            elif core.remote_pending(entry):
+                answer = Lookup.RETRY   # asked from the server: a hit or a miss at a later step
+            else:
+                answer = Lookup.MISS    # being stored from the device: not offloaded yet
+        else:
+            # not while the disk I/O process is dead: the read would fail at once, the entry stay, and the
+            # request be told PENDING (and the same read started) at every step until the restart
+            disk = core.disk
+            d = core.dindex.ready(key) if disk is not None and not disk.dead else None
+            if d is None:
+                # not held here: the remote tier (if any) is asked with the step's other keys
+                answer = Lookup.RETRY if core.want_remote(key) else Lookup.MISS
+            elif core.start_promote(key, d, protect) is None:
+                answer = Lookup.MISS
+            else:
+                answer = Lookup.PENDING
+                entry = core.index.get(key)
+        waiting = self._waiting
+        if not _waited(waiting.pop(key, _NOT_ASKED), entry):   # else asked while it waited: counted then
+            m = self.metrics
             m.count(m.lookups)
-            if core.remote_pending(entry):
-                return Lookup.RETRY   # asked from the server: a hit or a miss at a later step
-            return Lookup.MISS  # being stored from the device: not offloaded yet
-        m.count(m.lookups)
-        # not while the disk I/O process is dead: the read would fail at once, the entry stay, and the
-        # request be told PENDING (and the same read started) at every step until the restart
-        disk = core.disk
-        d = core.dindex.ready(key) if disk is not None and not disk.dead else None
-        if d is None:
-            # not held here: the remote tier (if any) is asked with the step's other keys
-            return Lookup.RETRY if core.want_remote(key) else Lookup.MISS
-        if core.start_promote(key, d, protect) is None:
-            return Lookup.MISS
-        m.count(m.hits["disk"])
-        read_back = self._read_back
-        read_back.pop(key, None)   # (a key read back again goes last: the bound below trims the oldest)
-        read_back[key] = core.index.get(key)
-        if len(read_back) > core.index.num_slots:   # each holds a host slot: older ones were evicted or answered
-            del read_back[next(iter(read_back))]
-        self._asked.add(key)
-        return Lookup.PENDING
+        if answer is Lookup.MISS:
+            return answer
+        # waits for its answer: one key however often it is asked; it goes last (the bound trims the oldest)
+        waiting[key] = entry if answer is Lookup.PENDING else None
+        if len(waiting) > core.index.num_slots:   # a read-back holds a host slot: older ones were evicted or answered
+            del waiting[next(iter(waiting))]
+        if answer is Lookup.PENDING:
+            self._asked.add(key)
+        return answer
 
     def _hit(self, key: bytes, entry: Any) -> None:
-        """A lookup found ``key`` READY in the host tier: one lookup key and one hit -- neither when it is the
-        block whose read-back a lookup started, counted then as a disk hit (vLLM asks again once it landed:
-        one block, one hit)."""
+        """A lookup found ``key`` READY in the host tier: one lookup key and one hit.  A key that waited for
+        its answer (:meth:`lookup`) was counted a lookup key at its first ask; the read-back it waited for is a
+        disk hit, anything else that made it READY meanwhile (a fetch from the remote tier) the host tier's or
+        the remote tier's, as :meth:`TierCore.host_hit` tells."""
         self._asked.add(key)
-        if self._read_back and self._read_back.pop(key, None) is entry:
-            return
+        if self._waiting:
+            w = self._waiting.pop(key, _NOT_ASKED)
+            if w is entry:
+                m = self.metrics
+                m.count(m.hits["disk"])
+                return
+            if _waited(w, entry):
+                self.core.host_hit(key)
+                return
         m = self.metrics
         m.count(m.lookups)
         self.core.host_hit(key)
@@ -240,14 +263,20 @@ class SlabScheduler:
         """Reserve host slots for the keys not offloaded yet.
 
         A key already in a tier is skipped; one that finds no evictable slot is shed
-        (counted in ``tiered_kv_shed_total``), so the engine just stores less.  ``chain``:
-        ``keys`` are consecutive blocks of one sequence (False: the caller says the links
-        itself with :meth:`link`).
+        (counted in ``tiered_kv_shed_total``), so the engine just stores less.  The
+        reservation evicts neither these keys nor a key a lookup answered HIT or PENDING
+        in this step (vLLM makes a step's lookups before its stores): a request deferred
+        by a read-back finds, when asked again, the blocks it was told are hits.
+        ``chain``: ``keys`` are consecutive blocks of one sequence (False: the caller says
+        the links itself with :meth:`link`).
         """
         keys = list(keys)
         self._check_keys(keys)
         core = self.core
-        job = core.begin_store(keys, protect=frozenset(keys), chain=chain)
+        protect = frozenset(keys)
+        if self._asked:
+            protect = protect.union(self._asked)
+        job = core.begin_store(keys, protect=protect, chain=chain)
         evicted = self.take_evicted()
         if job is None:  # everything offloaded already, or shed (counted): nothing for the engine to copy
             token = core.take_token()
@@ -348,7 +377,7 @@ class SlabScheduler:
         for job in waiting:
             self._cancel(job)
         self.core.drop_all()
-        self._read_back.clear()
+        self._waiting.clear()
         self._asked, self._kept = set(), set()
         self.core.refresh_gauges()
         log.info("tiered_kv: every tier reset; %d jobs quarantined until their copies finish", len(self._quarantine))
@@ -407,9 +436,10 @@ class SlabScheduler:
         return ok and core.fault_counts() == before
 
     def close(self) -> None:
+        """Let read-backs and spills finish (bounded), stop the disk and remote stores.  Idempotent; a close
+        an interrupt broke off is finished by the next one (as ``TierManager.close``: each step may run again)."""
         if self._closed:
             return
-        self._closed = True
         core = self.core
         core.closing = True
         core.simple_block_until(lambda: core.n_in_flight[_PROMOTE] == 0, CLOSE_TIMEOUT_S)
@@ -418,6 +448,7 @@ class SlabScheduler:
         core.refresh_gauges()
         self.metrics.closed()   # every tier it reports unhealthy now, as TierManager.close() leaves them
         self._close_host_fd()
+        self._closed = True   # last: an interrupt above leaves the rest to the next close()
 
     def _close_host_fd(self) -> None:
         if self._host_fd >= 0:

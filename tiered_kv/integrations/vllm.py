@@ -417,7 +417,12 @@ class TieredKVOffloadingManager(OffloadingManager):
         return self.tiers.pending_work
 
     def reset_cache(self) -> None:
+        if self._events_on:   # what was stored before the reset, then every block it dropped: gone now
+            self._record(self.tiers.take_published(), removed=False)
+            self._record(self.tiers.take_evicted(), removed=True)
         self.tiers.reset()
+        if self._events_on:
+            self._record(self.tiers.take_evicted(), removed=True)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         # "stored" once a store was published (never for one cancelled before it completed); "removed" for what
