@@ -21,8 +21,9 @@ What it proved wrong (each test failed before its fix):
    Where: ``disk/readers.py:109-111`` ``Readers.serve_cached`` sets ``self._held_reads = rest``
    *before* ``self._out.put_many(served)``, whose Python loop of ``put()`` an interrupt can break.
    ``proc.py`` does it the other way round on purpose: put first, then drop them from ``_held``.
-   Fixed: queued first, then dropped from the held reads. At worst one read is answered twice, and the
-   second answer is counted stale.
+   Fixed: the served reads leave the held ones as their reports enter a list still to queue, in one step;
+   an interrupt leaves that list to the next pass (a report queued twice is counted stale; no read runs
+   twice: see test_review_todays_fixes2.py).
 
 3. Process mode: a served read whose ``put_many`` an interrupt broke off has already been popped from
    ``_outstanding`` but stays in ``_held``. If the child is dead (or dies) it is never answered: the
@@ -31,8 +32,8 @@ What it proved wrong (each test failed before its fix):
    Test: ``test_process_a_read_popped_by_an_interrupted_pass_is_answered_after_the_child_dies``.
    Where: ``disk/proc.py:423-427`` (the filter ``pop(...) is not None or not dead``, and
    ``put_many`` outside any handler).
-   Fixed: an interrupted ``put_many`` tracks the popped ops again (``ProcessDiskStore._unqueued``), or
-   answers them failed once the child is dead, then re-raises.
+   Fixed: the reports wait in ``ProcessDiskStore._served``, each with the op it took out of
+   ``_outstanding`` (recorded in the same C call), until they are queued, by this pass or the next.
 
 Checked and found right (the unmarked tests pin it):
 

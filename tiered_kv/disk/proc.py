@@ -122,6 +122,9 @@ class ProcessDiskStore:
         self._on_corrupt = on_corrupt
         self._cmds: list[tuple[Any, ...]] = []
         self._held: list[Promote] = []    # promotes queued since the last start_reads()
+        # reports of reads served on the owner's thread, not queued yet: ``[report]``, then ``[report, op]`` once
+        # its op left _outstanding (None: the child's death answered it)
+        self._served: list[list[Any]] = []
         self.cached = CachedReads(opts.path, opts.namespace, opts.block_bytes)   # a blocked owner's own reads
         self._backlog = bytearray()
         self._lock = threading.Lock()     # guards _outstanding and _dead between the owner and the receiver
@@ -411,8 +414,11 @@ class ProcessDiskStore:
         (a pass with none held sends nothing).  ``cached_here``: the owner blocks anyway, so what the
         page cache holds of them is read on its thread first (:class:`~tiered_kv.disk.cached.CachedReads`;
         ``until``: its call's deadline), the rest go to the child.  The reads stay held until they are
-        answered or their ops queued: an interrupt in the page-cache reads loses none (the next pass
-        serves or sends them)."""
+        served or their ops queued: an interrupt in the page-cache reads loses none (the next pass serves
+        or sends them); a read served leaves them at once, and its report is queued by this pass or, after
+        an interrupt, by the next (:meth:`_queue_served`)."""
+        if self._served:
+            self._queue_served()
         held = self._held
         if not held:
             return
@@ -420,20 +426,15 @@ class ProcessDiskStore:
             # (a dead child answered every held read failed already: none is read, or counted, here)
             cached = self.cached
             served, rest = cached.read(held, until)
-            with self._lock:   # answered here, not by the child; one the child's death answered already is dropped
-                outstanding, dead = self._outstanding, self._dead
-                taken = [(r, outstanding.pop(r.token.int, None)) for r in served]
-                if dead:   # it died during the reads: what it answered failed was neither served nor handed on
-                    cached.passed -= sum(1 for op in rest if op.where)
-            served = [r for r, op in taken if op is not None or not dead]   # (one popped by a pass an interrupt
-            cached.served -= len(taken) - len(served)                       # broke off: kept; see below)
             if served:
-                try:
-                    self._out.put_many(served)   # before they leave _held: an interrupt between the two at worst
-                except BaseException:            # answers one twice (the second counted stale), never not at all
-                    self._unqueued([op for _, op in taken if op is not None])
-                    raise
-            self._held = held = rest
+                # one step (no call between the two stores, so no signal handler runs there): the served reads
+                # leave the held ones, never to run again (a second read would write a host slot that the first
+                # report may have given back), and their reports wait to be queued
+                self._held, self._served = rest, [[r] for r in served]
+                self._queue_served()
+            if self._dead:   # it died during the reads: what it answered failed was not handed on either
+                cached.passed -= sum(1 for op in rest if op.where)
+            held = rest
         if held:
             slot = self._slot
             cmds = [("P", op.token.int, op.key, op.expect.int, slot(op.dst)) for op in held]
@@ -444,16 +445,23 @@ class ProcessDiskStore:
         else:
             self._held = []
 
-    def _unqueued(self, ops: list[tuple[str, uuid.UUID, int]]) -> None:
-        """An interrupt broke off the queueing of reads served here, whose ops were taken out of
-        ``_outstanding`` (some may be queued already): they are tracked again, so that the next pass answers
-        them (read here, or by the child) or the child's death does; once it is dead, answered failed now."""
-        with self._lock:
-            if not self._dead:
-                for op in ops:
-                    self._outstanding[op[1].int] = op
-                return
-        self._answer_failed(ops)
+    def _queue_served(self) -> None:
+        """Queue the reports of the reads served on the owner's thread (``_served``), each of whose op first
+        leaves ``_outstanding`` (answered here, not by the child); one the child's death answered already
+        (failed) is dropped.  An interrupt anywhere leaves the rest to the owner's next pass
+        (``start_reads``): an op taken out is recorded with its entry in the same C call, a report queued
+        twice is counted stale, none is lost, and no read runs twice."""
+        pending = self._served
+        lock = self._lock
+        for e in pending:
+            if len(e) == 1:
+                with lock:
+                    e.extend(map(self._outstanding.pop, (e[0].token.int,), (None,)))
+        reports = [e[0] for e in pending if e[1] is not None]
+        if reports:
+            self._out.put_many(reports)
+        self.cached.served -= len(pending) - len(reports)   # the counter's "served": reads that answered a load
+        self._served = []
 
     def kick(self) -> None:
         """Write the ops buffered since the last call as one frame, without waiting: what the pipe

@@ -77,6 +77,7 @@ class Readers:
         self._ns = opts.namespace.encode()
         self._reads: "queue.SimpleQueue[_Queued]" = queue.SimpleQueue()
         self._held_reads: list[Promote] = []   # hold(): handed to the readers by start()
+        self._served: list[Report] = []        # reports of reads served on the owner's thread, not queued yet
         self._lock = threading.Lock()   # the list of reader threads (a dying reader adds its replacement)
         self._threads: list[threading.Thread] = []
         # no reader thread is left (the last that died could not start its replacement): the reads are
@@ -106,12 +107,24 @@ class Readers:
         """Answer the held reads the page cache holds on the calling thread (the blocked owner's:
         :meth:`CachedReads.read` never waits on the disk; none starts past ``until``); the others stay
         held for :meth:`start`."""
+        if self._served:
+            self._queue_served()
         held = self._held_reads
         if held:
             served, rest = cached.read(held, until)
-            if served:   # queued before they leave the held reads: an interrupt between the two at worst answers
-                self._out.put_many(served)   # one twice (the second counted stale), never not at all
-            self._held_reads = rest
+            if served:
+                # one step (no call between the two stores, so no signal handler runs there): the served reads
+                # leave the held ones, never to run again (a second read would write a host slot that the first
+                # report may have given back), and their reports wait to be queued
+                self._held_reads, self._served = rest, served
+                self._queue_served()
+
+    def _queue_served(self) -> None:
+        """Queue the reports of the reads served on the owner's thread.  An interrupt in the middle leaves them
+        all to the owner's next pass (``serve_cached``, ``start``): a report queued twice is counted stale,
+        none is lost."""
+        self._out.put_many(self._served)
+        self._served = []
 
     def start(self, lone_here: bool = False) -> None:
         """Hand the held reads to the readers, in batches of what one reader takes at once: one queue
@@ -119,6 +132,8 @@ class Readers:
         reads in file order from the start.  ``lone_here``: a lone held read runs in the calling
         thread instead (the disk I/O process's command thread: no hand-off; never the engine's
         thread, whose ``wait(timeout=...)`` must not wait on a disk)."""
+        if self._served:   # (left by an interrupted pass)
+            self._queue_served()
         held = self._held_reads
         if not held:
             return
