@@ -261,6 +261,7 @@ def test_the_prefix_policy_learns_a_requests_chain_across_vllms_calls(model_dir:
         tick(p.mgr)
         r4 = ReqContext(req_id="r4")
         _at(r4, [n1, n2])
+        assert p.mgr.lookup(n1, r4) is LookupResult.MISS   # a new request: looked up, then its blocks stored
         out = p.mgr.prepare_store([n1], r4)
         assert out is not None and out.keys_to_store == [n1]
         out2 = p.mgr.prepare_store([n2], r4)

@@ -151,6 +151,7 @@ class TierCore:
         self.collect_evicted = collect_evicted
         self.collect_published = collect_published
         self.evicted: list[bytes] = []     # keys no longer in any tier (collect_evicted only)
+        self.disk_closed = False           # close_disk() closed the disk store
         self.published: list[bytes] = []   # keys stores made READY (collect_published only)
         # write-back: a host victim never offered to the disk is counted (shed, evicted_unwritten)
         self.write_back = config.write_mode == "back" and config.disk_path is not None
@@ -1138,8 +1139,8 @@ class TierCore:
             remote.store.close()
             self.apply_arrived()
         disk = self.disk
-        if disk is None:
-            return
+        if disk is None or self.disk_closed:   # (closed by a close an interrupt broke off later: its store is
+            return                             # down, which is no death to restart it for)
         n = self.n_in_flight
         block_until(lambda: n[_SPILL] == 0, CLOSE_TIMEOUT_S)
         if disk.dead and not disk.down:
@@ -1154,6 +1155,7 @@ class TierCore:
             self.apply_arrived()
             disk.restart(force=True)
         disk.store.close()
+        self.disk_closed = True
         self.apply_arrived()
 
     def simple_block_until(self, done: Callable[[], bool], timeout: Optional[float]) -> None:

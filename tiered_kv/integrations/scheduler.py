@@ -120,9 +120,11 @@ class SlabScheduler:
         # key -> its read-back's host entry (None: asked from the remote tier), for each key a lookup answered
         # PENDING or RETRY and vLLM has not been told HIT or MISS since: counted a lookup key once.  Bounded
         self._waiting: dict[bytes, Any] = {}
-        # keys answered HIT or PENDING since the last tick(), and those of the last step that answered any: the
-        # evict-ahead at the end of a step leaves them (a request waiting on a read-back is asked again later)
+        # keys answered HIT or PENDING since the last tick() (``_looked``: any lookup since), and those of the last
+        # step that made lookups: a store's reservation and the evict-ahead at the end of a step leave them (a
+        # request waiting on a read-back is asked again later)
         self._asked: set[bytes] = set()
+        self._looked = False
         self._kept: set[bytes] = set()
         self._closed = False
         metrics.health["host"].set(1)
@@ -134,16 +136,17 @@ class SlabScheduler:
         RETRY while it is asked from the remote tier.
 
         A read-back needs a host slot; it never evicts a key in ``protect`` (the keys
-        the same request was just told are hits), nor does the evict-ahead at the end of
-        a step evict a key answered HIT or PENDING in the last step that answered any
-        (:meth:`tick`: a request waiting on a read-back is asked again later), nor a store's
-        reservation one answered so in the same step, so a prefix longer than the slab gets
-        the part that fits instead of evicting itself forever.  The read starts at the end of the step (:meth:`tick`),
-        with the step's other reads.  A block is one lookup key however often vLLM asks
+        the same request was just told are hits), nor do a store's reservation and the
+        evict-ahead at the end of a step evict a key answered HIT or PENDING in the last
+        step that made lookups (:meth:`tick`, :meth:`prepare_store`: a request waiting on a
+        read-back is asked again later), so a prefix longer than the slab gets the part
+        that fits instead of evicting itself forever.  The read starts at the end of the
+        step (:meth:`tick`), with the step's other reads.  A block is one lookup key however often vLLM asks
         for it while it waits (PENDING, RETRY) and once it has its answer, and its hit is
         counted when it is served: a read-back that fails verification is a miss.
         """
         self._check_key(key)
+        self._looked = True
         core = self.core
         if core.admitting:   # a reference the admission filters count, as TierManager's lookup() does
             core.seen((key,))
@@ -265,8 +268,9 @@ class SlabScheduler:
         A key already in a tier is skipped; one that finds no evictable slot is shed
         (counted in ``tiered_kv_shed_total``), so the engine just stores less.  The
         reservation evicts neither these keys nor a key a lookup answered HIT or PENDING
-        in this step (vLLM makes a step's lookups before its stores): a request deferred
-        by a read-back finds, when asked again, the blocks it was told are hits.
+        in this step (vLLM makes a step's lookups before its stores), or in a step that
+        made none, in the last step that did (as the evict-ahead, :meth:`tick`): a request
+        deferred by a read-back finds, when asked again, the blocks it was told are hits.
         ``chain``: ``keys`` are consecutive blocks of one sequence (False: the caller says
         the links itself with :meth:`link`).
         """
@@ -274,8 +278,9 @@ class SlabScheduler:
         self._check_keys(keys)
         core = self.core
         protect = frozenset(keys)
-        if self._asked:
-            protect = protect.union(self._asked)
+        asked = self._asked if self._looked else self._kept
+        if asked:
+            protect = protect.union(asked)
         job = core.begin_store(keys, protect=protect, chain=chain)
         evicted = self.take_evicted()
         if job is None:  # everything offloaded already, or shed (counted): nothing for the engine to copy
@@ -378,7 +383,7 @@ class SlabScheduler:
             self._cancel(job)
         self.core.drop_all()
         self._waiting.clear()
-        self._asked, self._kept = set(), set()
+        self._asked, self._kept, self._looked = set(), set(), False
         self.core.refresh_gauges()
         log.info("tiered_kv: every tier reset; %d jobs quarantined until their copies finish", len(self._quarantine))
 
@@ -405,8 +410,8 @@ class SlabScheduler:
                 else:
                     keep.append(job)
             self._quarantine = keep
-        if self._asked:   # a step that answered lookups: its keys are the ones to keep; one with none keeps the last
-            self._kept, self._asked = self._asked, set()
+        if self._looked:   # a step that made lookups: its keys are the ones to keep; one with none keeps the last
+            self._kept, self._asked, self._looked = self._asked, set(), False
         core.end_step(True, protect=self._kept)
 
     @property
