@@ -26,8 +26,9 @@ Checked after every rule, against the model's counts:
 The bound on the scheduler's waiting keys (``len(_waiting) > num_slots`` trims the oldest) is the library's
 documented bound and is modelled as such.
 
-Findings (each pinned below by a minimal deterministic test marked ``xfail(strict=True)``; the machine
-models the library's behaviour on those paths, counting how often it took them, so that it passes):
+What it proved wrong (each pinned below by a minimal deterministic test, which failed before the fix; the
+machine's own lookups name no request, so it models the library's guess on those paths, counting how often
+it took them):
 
 1. ``test_a_read_back_evicted_before_its_request_asks_again_is_still_one_lookup_key``.
    A request told PENDING for a disk block whose read-back lands and is evicted before the request asks
@@ -54,10 +55,11 @@ models the library's behaviour on those paths, counting how often it took them, 
 
 All three have one cause: ``SlabScheduler.lookup(key, protect)`` gets no request identity, so
 ``_waiting`` is keyed by block alone and the "is this the same request asking again" question is guessed.
-Suggested fix: let ``lookup`` take the request id (integrations/vllm.py already has ``req_context.req_id``
-and ``on_request_finished``), key ``_waiting`` by (request, block), and drop a request's entries in a new
-``SlabScheduler.request_finished(req_id)`` called from ``on_request_finished``; then "asked again" is
-exact, the landed-and-evicted read-back stays the same key, and a new request's ask is always a new key.
+Fixed: ``lookup`` takes the request (``request=``; integrations/vllm.py passes ``req_context.req_id``),
+``_waiting`` is keyed by (request, block), and ``SlabScheduler.request_finished`` (called from the
+manager's ``on_request_finished``) drops a request's entries; "asked again" is then exact, the
+landed-and-evicted read-back stays the same key, and a new request's ask is always a new key.  A caller
+that names no request still gets the guess by block.
 How the machine keeps off these paths: (3) is avoided (a new request never asks a block a live request
 waits on); on (2) an aborted request's waits are handed to the next request that asks the block, as the
 library does (``seen["orphan_adopted"]``); (1) is expected as the library counts it
@@ -444,16 +446,14 @@ def _make_disk_only(tiers: SlabScheduler, key: bytes, fillers: list[bytes]) -> N
     assert tiers.state_of(key) == (None, "ready"), tiers.state_of(key)
 
 
-@pytest.mark.xfail(strict=True, reason="finding 1: _waited takes a landed-then-evicted read-back's next ask "
-                                       "for a new request's: one block, one request, 2 lookup keys")
 def test_a_read_back_evicted_before_its_request_asks_again_is_still_one_lookup_key(rig):
     tiers = _disk_tiers(rig, num_slots=2)
     _make_disk_only(tiers, A, [B, C])                # host: B, C; disk: A (and B, C)
     base = _counts(tiers.metrics)
-    assert tiers.lookup(A) == PENDING                # request R waits on A's read-back (B evicted for it)
+    assert tiers.lookup(A, request="R") == PENDING   # request R waits on A's read-back (B evicted for it)
     wait_promotes(tiers)                             # it landed; R is not scheduled in the next step
     assert tiers.state_of(A)[0] == "ready"
-    assert tiers.lookup(C) == HIT                    # the next step: another request's hit (loaded at once) ...
+    assert tiers.lookup(C, request="O") == HIT       # the next step: another request's hit (loaded at once) ...
     pl = tiers.prepare_load([C])
     mark(tiers.slab, pl.seq)
     tiers.complete_load([C])
@@ -464,42 +464,56 @@ def test_a_read_back_evicted_before_its_request_asks_again_is_still_one_lookup_k
     assert tiers.flush(timeout=30)
     tiers.tick()
     assert tiers.state_of(A) == (None, "ready")
-    assert tiers.lookup(A) == PENDING                # R asks again: read back again
+    assert tiers.lookup(A, request="R") == PENDING   # R asks again: read back again
     wait_promotes(tiers)
-    assert tiers.lookup(A) == HIT                    # served from the read-back R waited on
+    assert tiers.lookup(A, request="R") == HIT       # served from the read-back R waited on
     keys, hits = _counts(tiers.metrics)
     got = (keys - base[0], hits["disk"] - base[1]["disk"], hits["host"] - base[1]["host"])
     assert got[1:] == (1, 1), got
     assert got[0] == 2, f"R asked for A, the other request for C: {got[0]} lookup keys"
 
 
-@pytest.mark.xfail(strict=True, reason="finding 2: a new request's ask of a block an aborted request waited on "
-                                       "is taken for the old request's: not counted")
 def test_a_new_request_for_a_block_an_aborted_request_waited_on_is_a_lookup_key(rig):
     tiers = _disk_tiers(rig, num_slots=2)
     _make_disk_only(tiers, A, [B, C])
     base = _counts(tiers.metrics)
-    assert tiers.lookup(A) == PENDING                # request R1 waits on A's read-back, then is aborted
+    assert tiers.lookup(A, request="R1") == PENDING  # request R1 waits on A's read-back, then is aborted
     wait_promotes(tiers)
-    assert tiers.lookup(A) == HIT                    # request R2 (new) asks: the block is in the host tier
+    tiers.request_finished("R1")
+    assert tiers.lookup(A, request="R2") == HIT      # request R2 (new) asks: the block is in the host tier
     keys, hits = _counts(tiers.metrics)
     assert keys - base[0] == 2, f"two requests asked for A: {keys - base[0]} lookup key(s), hits {hits}"
 
 
-@pytest.mark.xfail(strict=True, reason="finding 3: of two requests waiting on one read-back, the second's "
-                                       "HIT is counted a host hit (and its first ask no key)")
 def test_two_requests_waiting_on_one_read_back_both_count_a_disk_hit(rig):
     tiers = _disk_tiers(rig, num_slots=2)
     _make_disk_only(tiers, A, [B, C])
     base = _counts(tiers.metrics)
-    assert tiers.lookup(A) == PENDING                # R1
-    assert tiers.lookup(A) == PENDING                # R2, same block, same step
+    assert tiers.lookup(A, request="R1") == PENDING  # R1
+    assert tiers.lookup(A, request="R2") == PENDING  # R2, same block, same step
     wait_promotes(tiers)
-    assert tiers.lookup(A) == HIT                    # R1 asks again
-    assert tiers.lookup(A) == HIT                    # R2 asks again
+    assert tiers.lookup(A, request="R1") == HIT      # R1 asks again
+    assert tiers.lookup(A, request="R2") == HIT      # R2 asks again
     keys, hits = _counts(tiers.metrics)
     got = (keys - base[0], hits["disk"] - base[1]["disk"], hits["host"] - base[1]["host"])
     assert got == (2, 2, 0), f"(keys, disk hits, host hits) = {got}: both requests waited on A's read-back"
+
+
+def test_a_finished_request_leaves_nothing_waiting(rig):
+    """request_finished drops what a request waited for (vLLM calls it for every request, aborted ones too)."""
+    tiers = _disk_tiers(rig, num_slots=2)
+    _make_disk_only(tiers, A, [B, C])
+    assert tiers.lookup(A, request="R1") == PENDING
+    assert tiers.lookup(A, request="R2") == PENDING
+    assert (tiers.debug_sizes()["waiting_keys"], tiers.debug_sizes()["waiting_requests"]) == (2, 2)
+    tiers.request_finished("R1")
+    tiers.request_finished("gone")                   # never asked anything: nothing to drop
+    assert (tiers.debug_sizes()["waiting_keys"], tiers.debug_sizes()["waiting_requests"]) == (1, 1)
+    wait_promotes(tiers)
+    assert tiers.lookup(A, request="R2") == HIT      # answered: no longer waiting, its request still known
+    assert tiers.debug_sizes()["waiting_keys"] == 0
+    tiers.request_finished("R2")
+    assert tiers.debug_sizes()["waiting_requests"] == 0
 
 
 # =========================================================================== checked and found right

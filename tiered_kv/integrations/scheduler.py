@@ -29,7 +29,7 @@ import enum
 import logging
 import os
 import uuid
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Hashable, Iterable, Sequence
 from typing import Any, NamedTuple, Optional
 
 from ..config import TieredKVConfig
@@ -77,11 +77,14 @@ class Prepared(NamedTuple):
     evicted: list[bytes] = []  # prepare_store: keys no longer offloaded anywhere since the last call
 
 
-def _waited(w: Any, entry: Any) -> bool:
-    """Whether a lookup of a key that ``SlabScheduler._waiting`` held as ``w`` is the same request asking again
-    (counted a lookup key at its first ask): it waited on the remote tier (None), on this read-back
-    (``entry``), or on one that never landed (its read failed).  A read-back that landed and that no lookup
+def _waited(w: Any, entry: Any, request: Any) -> bool:
+    """Whether a lookup of a key that ``SlabScheduler._waiting`` held as ``w`` for ``request`` is that request
+    asking again (counted a lookup key at its first ask).  Named (not None), any wait of its own is.  Unnamed
+    (a caller that names no request), it is guessed: it waited on the remote tier (None), on this read-back
+    (``entry``), or on one that never landed (its read failed); a read-back that landed and that no lookup
     was told of (its request went away; the block was evicted since) is a new request's key."""
+    if request is not None:
+        return w is not _NOT_ASKED
     return w is None or w is entry or (w is not _NOT_ASKED and w.state is not _READY)
 
 
@@ -117,9 +120,11 @@ class SlabScheduler:
         self._live: dict[JobKind, dict[frozenset[bytes], collections.deque[Job]]] = {_STORE: {}, _LOAD: {}}
         self._quarantine: list[Job] = []   # cancelled jobs whose copies may still touch their slots
         self._awaiting: list[Job] = []     # completed by the engine, rings not yet showing it
-        # key -> its read-back's host entry (None: asked from the remote tier), for each key a lookup answered
-        # PENDING or RETRY and vLLM has not been told HIT or MISS since: counted a lookup key once.  Bounded
-        self._waiting: dict[bytes, Any] = {}
+        # (request, key) -> its read-back's host entry (None: asked from the remote tier), for each key a lookup
+        # answered PENDING or RETRY and the request has not been told HIT or MISS since: counted a lookup key
+        # once.  Bounded; ``_requests``: each named request's keys there (request_finished drops them)
+        self._waiting: dict[tuple[Any, bytes], Any] = {}
+        self._requests: dict[Any, list[bytes]] = {}
         # keys answered HIT or PENDING since the last tick() (``_looked``: any lookup since), and those of the last
         # step that made lookups: a store's reservation and the evict-ahead at the end of a step leave them (a
         # request waiting on a read-back is asked again later)
@@ -131,7 +136,7 @@ class SlabScheduler:
         core.refresh_gauges()
 
     # ------------------------------------------------------------ lookups
-    def lookup(self, key: bytes, protect: Collection[bytes] = ()) -> Lookup:
+    def lookup(self, key: bytes, protect: Collection[bytes] = (), request: Optional[Hashable] = None) -> Lookup:
         """HIT when ``key`` is READY in the host slab; PENDING while it is read back from disk;
         RETRY while it is asked from the remote tier.
 
@@ -141,9 +146,12 @@ class SlabScheduler:
         step that made lookups (:meth:`tick`, :meth:`prepare_store`: a request waiting on a
         read-back is asked again later), so a prefix longer than the slab gets the part
         that fits instead of evicting itself forever.  The read starts at the end of the
-        step (:meth:`tick`), with the step's other reads.  A block is one lookup key however often vLLM asks
-        for it while it waits (PENDING, RETRY) and once it has its answer, and its hit is
-        counted when it is served: a read-back that fails verification is a miss.
+        step (:meth:`tick`), with the step's other reads.  A block is one lookup key of a
+        request however often it asks for it while it waits (PENDING, RETRY) and once it has
+        its answer, and its hit is counted when it is served, a disk hit if it is the read-back
+        the request waited on: a read-back that fails verification is a miss.  ``request``
+        names the asking request (vLLM's request id; :meth:`request_finished` when it is
+        done); without it, whether an ask is a waiting request's again is guessed by block.
         """
         self._check_key(key)
         self._looked = True
@@ -154,13 +162,13 @@ class SlabScheduler:
         if entry is not None:
             if entry.state is _READY:
                 core.index.touch(entry)
-                self._hit(key, entry)
+                self._hit(key, entry, request)
                 return Lookup.HIT
             p = core.jobs.get(entry.writer.int)
             if p is not None and p.kind is _PROMOTE:
                 core.apply_arrived()  # the read may have landed since the last step
                 if entry.state is _READY:
-                    self._hit(key, entry)
+                    self._hit(key, entry, request)
                     return Lookup.HIT
                 answer = Lookup.PENDING if entry.live else Lookup.MISS
             elif core.remote_pending(entry):
@@ -181,37 +189,54 @@ class SlabScheduler:
                 answer = Lookup.PENDING
                 entry = core.index.get(key)
         waiting = self._waiting
-        if not _waited(waiting.pop(key, _NOT_ASKED), entry):   # else asked while it waited: counted then
+        rk = (request, key)
+        if not _waited(waiting.pop(rk, _NOT_ASKED), entry, request):   # else asked while it waited: counted then
             m = self.metrics
             m.count(m.lookups)
+            if answer is not Lookup.MISS and request is not None:
+                keys = self._requests.get(request)
+                if keys is None:
+                    keys = self._requests[request] = []
+                    if len(self._requests) > core.index.num_slots:   # (requests never finished: the oldest go)
+                        self.request_finished(next(iter(self._requests)))
+                keys.append(key)
         if answer is Lookup.MISS:
             return answer
         # waits for its answer: one key however often it is asked; it goes last (the bound trims the oldest)
-        waiting[key] = entry if answer is Lookup.PENDING else None
+        waiting[rk] = entry if answer is Lookup.PENDING else None
         if len(waiting) > core.index.num_slots:   # a read-back holds a host slot: older ones were evicted or answered
             del waiting[next(iter(waiting))]
         if answer is Lookup.PENDING:
             self._asked.add(key)
         return answer
 
-    def _hit(self, key: bytes, entry: Any) -> None:
+    def _hit(self, key: bytes, entry: Any, request: Optional[Hashable]) -> None:
         """A lookup found ``key`` READY in the host tier: one lookup key and one hit.  A key that waited for
         its answer (:meth:`lookup`) was counted a lookup key at its first ask; the read-back it waited for is a
         disk hit, anything else that made it READY meanwhile (a fetch from the remote tier) the host tier's or
         the remote tier's, as :meth:`TierCore.host_hit` tells."""
         self._asked.add(key)
         if self._waiting:
-            w = self._waiting.pop(key, _NOT_ASKED)
+            w = self._waiting.pop((request, key), _NOT_ASKED)
             if w is entry:
                 m = self.metrics
                 m.count(m.hits["disk"])
                 return
-            if _waited(w, entry):
+            if _waited(w, entry, request):
                 self.core.host_hit(key)
                 return
         m = self.metrics
         m.count(m.lookups)
         self.core.host_hit(key)
+
+    def request_finished(self, request: Hashable) -> None:
+        """``request`` (as named to :meth:`lookup`) is done, finished or aborted: the blocks it waited for are
+        no longer its (a later ask of one is another request's lookup key)."""
+        keys = self._requests.pop(request, None)
+        if keys:
+            waiting = self._waiting
+            for k in keys:
+                waiting.pop((request, k), None)
 
     def touch(self, keys: Iterable[bytes]) -> None:
         self.core.touch(list(keys))
@@ -383,6 +408,7 @@ class SlabScheduler:
             self._cancel(job)
         self.core.drop_all()
         self._waiting.clear()
+        self._requests.clear()
         self._asked, self._kept, self._looked = set(), set(), False
         self.core.refresh_gauges()
         log.info("tiered_kv: every tier reset; %d jobs quarantined until their copies finish", len(self._quarantine))
@@ -508,6 +534,8 @@ class SlabScheduler:
             "host_entries": len(core.index),
             "host_used_slots": core.index.used_slots,
             "disk_entries": self.disk_blocks,
+            "waiting_keys": len(self._waiting),
+            "waiting_requests": len(self._requests),
         }
 
     def _check_keys(self, keys: Sequence[Any]) -> None:

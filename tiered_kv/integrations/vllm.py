@@ -373,7 +373,7 @@ class TieredKVOffloadingManager(OffloadingManager):
         if self._chains_on:
             self._follow(k, req_context)
         seen = self._step_hits.setdefault(req_context.req_id, set())
-        result = self.tiers.lookup(k, protect=seen)
+        result = self.tiers.lookup(k, protect=seen, request=req_context.req_id)
         if result != Lookup.MISS:
             seen.add(k)
         return _RESULT[result]
@@ -408,6 +408,7 @@ class TieredKVOffloadingManager(OffloadingManager):
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._chains.pop(req_context.req_id, None)
+        self.tiers.request_finished(req_context.req_id)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._step_hits.clear()
