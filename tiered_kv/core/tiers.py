@@ -151,7 +151,8 @@ class TierCore:
         self.collect_evicted = collect_evicted
         self.collect_published = collect_published
         self.evicted: list[bytes] = []     # keys no longer in any tier (collect_evicted only)
-        self.disk_closed = False           # close_disk() closed the disk store
+        self.disk_closing = False          # close_disk() is closing the disk store (its restart is behind it)
+        self.disk_closed = False           # ... and closed it
         self.published: list[bytes] = []   # keys stores made READY (collect_published only)
         # write-back: a host victim never offered to the disk is counted (shed, evicted_unwritten)
         self.write_back = config.write_mode == "back" and config.disk_path is not None
@@ -1139,22 +1140,24 @@ class TierCore:
             remote.store.close()
             self.apply_arrived()
         disk = self.disk
-        if disk is None or self.disk_closed:   # (closed by a close an interrupt broke off later: its store is
-            return                             # down, which is no death to restart it for)
-        n = self.n_in_flight
-        block_until(lambda: n[_SPILL] == 0, CLOSE_TIMEOUT_S)
-        if disk.dead and not disk.down:
-            # the I/O process died and its ops are still being answered: wait for those answers, so that
-            # the reconciling start below is not skipped
-            block_until(lambda: disk.down, CLOSE_TIMEOUT_S)
-        if disk.down:
-            # the I/O process died and no pass restarted it (the owner was closing, or in the restart's
-            # back-off): a key invalidated or evicted meanwhile is still on disk, its delete lost with the
-            # process.  One more start reconciles the disk with the index and deletes it, so that the
-            # next open does not find it
-            self.apply_arrived()
-            disk.restart(force=True)
-        disk.store.close()
+        if disk is None or self.disk_closed:
+            return
+        if not self.disk_closing:   # (a store whose close an interrupt broke off is down by its own close,
+            n = self.n_in_flight    # which is no death to restart it for: its close is finished below)
+            block_until(lambda: n[_SPILL] == 0, CLOSE_TIMEOUT_S)
+            if disk.dead and not disk.down:
+                # the I/O process died and its ops are still being answered: wait for those answers, so that
+                # the reconciling start below is not skipped
+                block_until(lambda: disk.down, CLOSE_TIMEOUT_S)
+            if disk.down:
+                # the I/O process died and no pass restarted it (the owner was closing, or in the restart's
+                # back-off): a key invalidated or evicted meanwhile is still on disk, its delete lost with the
+                # process.  One more start reconciles the disk with the index and deletes it, so that the
+                # next open does not find it
+                self.apply_arrived()
+                disk.restart(force=True)
+            self.disk_closing = True
+        disk.store.close()   # idempotent: a close an interrupt broke off is finished by the next one
         self.disk_closed = True
         self.apply_arrived()
 

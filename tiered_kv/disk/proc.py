@@ -122,6 +122,7 @@ class ProcessDiskStore:
         self._on_corrupt = on_corrupt
         self._cmds: list[tuple[Any, ...]] = []
         self._held: list[Promote] = []    # promotes queued since the last start_reads()
+        self._exit_queued = False         # close() queued the child's exit
         # reports of reads served on the owner's thread, not queued yet: ``[report]``, then ``[report, op]`` once
         # its op left _outstanding (None: the child's death answered it)
         self._served: list[list[Any]] = []
@@ -427,10 +428,12 @@ class ProcessDiskStore:
             cached = self.cached
             served, rest = cached.read(held, until)
             if served:
-                # one step (no call between the two stores, so no signal handler runs there): the served reads
+                entries, n = [[r] for r in served], len(served)
+                # one step (no call between the stores, so no signal handler runs there): the served reads
                 # leave the held ones, never to run again (a second read would write a host slot that the first
-                # report may have given back), and their reports wait to be queued
-                self._held, self._served = rest, [[r] for r in served]
+                # report may have given back), their reports wait to be queued, and they are counted served
+                self._held, self._served = rest, entries
+                cached.served += n
                 self._queue_served()
             if self._dead:   # it died during the reads: what it answered failed was not handed on either
                 cached.passed -= sum(1 for op in rest if op.where)
@@ -553,10 +556,11 @@ class ProcessDiskStore:
         an interrupt broke off is finished by the next one."""
         if self._lock_fd < 0 or self._release_late:   # released, or left to the receiver
             return
-        if not self._closing:
+        if not self._exit_queued:   # (until then a close an interrupt broke off starts it again)
             self._closing = True
             self.start_reads()   # reads still held: the child answers them before it exits
-            self._cmds.append(("X",))
+            self._cmds += [("X",)]   # (no call between these two: queued, and known to be)
+            self._exit_queued = True
         deadline = time.monotonic() + _CLOSE_TIMEOUT_S
         try:   # the backlog goes as the child reads it, until the deadline: a child that stopped reading is killed
             self.kick()
