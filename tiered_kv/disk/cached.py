@@ -64,7 +64,7 @@ class CachedReads:
         self._fd = -1
         self._resident: Optional[FileResidency] = None
         self.enabled = bool(_NOWAIT) and _PREADV is not None
-        self.served = 0       # reads answered here
+        self.served = 0       # reads answered here (counted by the store that queues their reports)
         self.passed = 0       # reads with a known record handed on (not cached, or a check failed)
 
     def read(self, ops: list[Promote], until: Optional[float] = None) -> tuple[list[Report], list[Promote]]:
@@ -117,9 +117,8 @@ class CachedReads:
                 rest.append(op)   # a stale record (the slot reused) or damage: the disk I/O side decides
                 continue
             served.append(Report(op.token, _PROMOTE, True, None, n, pc() - t0))
-        self.served += len(served)
         self.passed += sum(1 for op in rest if op.where)
-        return served, rest
+        return served, rest   # (``served`` is counted by the caller, in the step that keeps their reports)
 
     def _off(self, exc: BaseException) -> None:
         self.enabled = False

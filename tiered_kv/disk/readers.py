@@ -25,6 +25,7 @@ Invariants:
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -113,10 +114,12 @@ class Readers:
         if held:
             served, rest = cached.read(held, until)
             if served:
-                # one step (no call between the two stores, so no signal handler runs there): the served reads
+                n = len(served)
+                # one step (no call between the stores, so no signal handler runs there): the served reads
                 # leave the held ones, never to run again (a second read would write a host slot that the first
-                # report may have given back), and their reports wait to be queued
+                # report may have given back), their reports wait to be queued, and they are counted served
                 self._held_reads, self._served = rest, served
+                cached.served += n
                 self._queue_served()
 
     def _queue_served(self) -> None:
@@ -137,29 +140,36 @@ class Readers:
         held = self._held_reads
         if not held:
             return
-        self._held_reads = []
         if lone_here and len(held) == 1:
+            self._held_reads = []
             self._run(held)
             return
-        if self._enqueue(held):
+        if self._enqueue():
             return
         try:   # no reader is left: try to start one again (the thread limit may have eased)
             self._spawn()
         except Exception as exc:   # noqa: BLE001 - still none: these reads are answered, not left queued
+            self._held_reads = []
             self._answer(self._unread(held, f"no disk reader thread could start ({exc!r})"))
             return
-        if not self._enqueue(held):   # pragma: no cover - the reader just started died before they were queued
+        if not self._enqueue():   # pragma: no cover - the reader just started died before they were queued
+            self._held_reads = []
             self._answer(self._unread(held, "no disk reader thread is left"))
 
-    def _enqueue(self, held: list[Promote]) -> bool:
-        """Queue ``held`` for the readers in batches; False (nothing queued) when no reader is left.  Under
-        ``_lock``, so that a dying last reader, which takes what is queued (:meth:`_orphaned`), sees them."""
+    def _enqueue(self) -> bool:
+        """Queue the held reads for the readers in batches and let them go; False (nothing queued, the reads
+        still held) when no reader is left.  Under ``_lock``, so that a dying last reader, which takes what
+        is queued (:meth:`_orphaned`), sees them.  The reads leave the held ones in the same step as they
+        are queued (a store, then one C loop of puts: no signal handler runs in between), so an interrupt
+        neither loses one nor queues one twice."""
+        held = self._held_reads
         limit = self._read_limit()
+        batches = [held[i:i + limit] for i in range(0, len(held), limit)]
         with self._lock:
             if self._readerless:
                 return False
-            for i in range(0, len(held), limit):
-                self._reads.put(held[i:i + limit])
+            self._held_reads = []
+            collections.deque(map(self._reads.put, batches), 0)
         return True
 
     def _unread(self, ops: list[Promote], why: str) -> list[tuple[Promote, Report]]:
