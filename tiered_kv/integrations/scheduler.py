@@ -122,9 +122,10 @@ class SlabScheduler:
         self._awaiting: list[Job] = []     # completed by the engine, rings not yet showing it
         # (request, key) -> its read-back's host entry (None: asked from the remote tier), for each key a lookup
         # answered PENDING or RETRY and the request has not been told HIT or MISS since: counted a lookup key
-        # once.  Bounded; ``_requests``: each named request's keys there (request_finished drops them)
+        # once.  ``_requests``: each named request that waits on a key, its keys there (request_finished drops
+        # them).  Bounded: one request per host slot, as many entries per request named (the oldest go)
         self._waiting: dict[tuple[Any, bytes], Any] = {}
-        self._requests: dict[Any, list[bytes]] = {}
+        self._requests: dict[Any, set[bytes]] = {}
         # keys answered HIT or PENDING since the last tick() (``_looked``: any lookup since), and those of the last
         # step that made lookups: a store's reservation and the evict-ahead at the end of a step leave them (a
         # request waiting on a read-back is asked again later)
@@ -190,22 +191,30 @@ class SlabScheduler:
                 entry = core.index.get(key)
         waiting = self._waiting
         rk = (request, key)
-        if not _waited(waiting.pop(rk, _NOT_ASKED), entry, request):   # else asked while it waited: counted then
+        w = waiting.pop(rk, _NOT_ASKED)
+        if not _waited(w, entry, request):   # else asked while it waited: counted then
             m = self.metrics
             m.count(m.lookups)
-            if answer is not Lookup.MISS and request is not None:
-                keys = self._requests.get(request)
-                if keys is None:
-                    keys = self._requests[request] = []
-                    if len(self._requests) > core.index.num_slots:   # (requests never finished: the oldest go)
-                        self.request_finished(next(iter(self._requests)))
-                keys.append(key)
         if answer is Lookup.MISS:
+            if w is not _NOT_ASKED and request is not None:
+                self._unwait(request, key)
             return answer
-        # waits for its answer: one key however often it is asked; it goes last (the bound trims the oldest)
+        # waits for its answer: one key however often it is asked; it goes last (the bounds trim the oldest)
         waiting[rk] = entry if answer is Lookup.PENDING else None
-        if len(waiting) > core.index.num_slots:   # a read-back holds a host slot: older ones were evicted or answered
-            del waiting[next(iter(waiting))]
+        if request is not None:
+            requests = self._requests
+            keys = requests.get(request)
+            if keys is None:
+                keys = requests[request] = set()
+                if len(requests) > core.index.num_slots:   # (requests never finished: the oldest go)
+                    self.request_finished(next(iter(requests)))
+            keys.add(key)
+        # a read-back holds a host slot: older ones were evicted or answered (per request named)
+        if len(waiting) > core.index.num_slots * (1 + len(self._requests)):
+            r, k = next(iter(waiting))
+            del waiting[(r, k)]
+            if r is not None:
+                self._unwait(r, k)
         if answer is Lookup.PENDING:
             self._asked.add(key)
         return answer
@@ -218,6 +227,8 @@ class SlabScheduler:
         self._asked.add(key)
         if self._waiting:
             w = self._waiting.pop((request, key), _NOT_ASKED)
+            if w is not _NOT_ASKED and request is not None:
+                self._unwait(request, key)
             if w is entry:
                 m = self.metrics
                 m.count(m.hits["disk"])
@@ -228,6 +239,15 @@ class SlabScheduler:
         m = self.metrics
         m.count(m.lookups)
         self.core.host_hit(key)
+
+    def _unwait(self, request: Hashable, key: bytes) -> None:
+        """``request`` no longer waits on ``key`` (answered HIT or MISS, or trimmed): a request that waits on
+        nothing leaves ``_requests``."""
+        keys = self._requests.get(request)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._requests[request]
 
     def request_finished(self, request: Hashable) -> None:
         """``request`` (as named to :meth:`lookup`) is done, finished or aborted: the blocks it waited for are
