@@ -69,6 +69,20 @@ def _settle(tiers: SlabScheduler) -> None:
     tiers.tick()
 
 
+def full_slab_of_a_waiting_prefix(rig: Rig, R: list[bytes]) -> SlabScheduler:
+    """A 4-slot slab (evict-ahead 0) holding three of the four prefix blocks ``R`` (read back by an earlier
+    request) and one other block; ``R[3]`` on disk only."""
+    tiers = _disk_only(rig, R, num_slots=4)
+    assert tiers.core.evict_ahead == 0
+    for k in R[:3]:                                 # k0..k2 read back into the host (an earlier request)
+        assert tiers.lookup(k) == PENDING
+        _settle(tiers)
+    store_ready(tiers, [b"other-x"])                # the fourth slot: some other block
+    _settle(tiers)
+    assert tiers.host_blocks == 4
+    return tiers
+
+
 # =========================================================================== prepare_store vs keys told HIT
 
 def test_a_waiting_request_is_answered_while_another_request_stores_a_block_each_step(rig):
@@ -82,14 +96,7 @@ def test_a_waiting_request_is_answered_while_another_request_stores_a_block_each
     itself forever".  prepare_store's reservation protects only its own keys: it evicts the block the waiting
     request was just told is a HIT, the next step reads that one back (PENDING again), and so on forever."""
     R = _keys(4)
-    tiers = _disk_only(rig, R, num_slots=4)
-    assert tiers.core.evict_ahead == 0
-    for k in R[:3]:                                 # k0..k2 read back into the host (an earlier request)
-        assert tiers.lookup(k) == PENDING
-        _settle(tiers)
-    store_ready(tiers, [b"other-x"])                # the fourth slot: some other block
-    _settle(tiers)
-    assert tiers.host_blocks == 4
+    tiers = full_slab_of_a_waiting_prefix(rig, R)
     answers: list[Optional[int]] = []
     for step in range(10):
         answers.append(_vllm_prefix_step(tiers, R))     # the waiting request's lookups

@@ -91,10 +91,10 @@ from tiered_kv.disk import cached as cached_mod
 
 import disk_helpers as dh
 from test_review_owner_reads import _interrupt_queueing, _kill_and_settle_answers
-from test_review_scheduler3 import _settle
-from test_review_scheduler_logic import _disk_only, _keys, _vllm_prefix_step
+from test_review_scheduler3 import _settle, full_slab_of_a_waiting_prefix
+from test_review_scheduler_logic import _keys, _vllm_prefix_step
 from test_vllm_scheduler import (  # noqa: F401  (rig: the scheduler fixture)
-    PENDING, rig, store_ready, worker_store,
+    rig, store_ready, worker_store,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -220,14 +220,7 @@ def test_a_store_in_a_step_without_lookups_keeps_the_waiting_requests_hits(rig) 
     the last asking step's keys (``_kept``) from the evict-ahead for exactly that case; prepare_store
     protects only ``_asked`` (empty in such a step) and evicts them."""
     R = _keys(4)
-    tiers = _disk_only(rig, R, num_slots=4)
-    assert tiers.core.evict_ahead == 0
-    for k in R[:3]:                                 # k0..k2 read back into the host (an earlier request)
-        assert tiers.lookup(k) == PENDING
-        _settle(tiers)
-    store_ready(tiers, [b"other-x"])                # the fourth slot: some other block
-    _settle(tiers)
-    assert tiers.host_blocks == 4
+    tiers = full_slab_of_a_waiting_prefix(rig, R)
     # step 1: the waiting request is asked: k0..k2 HIT, k3 PENDING (evicts other-x); deferred
     assert _vllm_prefix_step(tiers, R) is None
     tiers.tick()
