@@ -19,7 +19,16 @@ What this shell adds is vLLM's protocol (no vLLM import here):
 * ``reset`` cancels the live jobs into a *quarantine*: their slots stay leased
   until the rings show their copies finished, even when vLLM never reports
   them again, so a slot is never reused under a running copy and a store
-  cancelled before it completed is never published, on host or disk.
+  cancelled before it completed is never published, on host or disk;
+* a lookup answers vLLM's HIT / PENDING (a read-back from disk) / RETRY (a
+  fetch from the remote tier) and counts each request's block once
+  (``_waiting``, by request); the blocks a waiting request was told are hits
+  stay until it asks again (``_asked``/``_kept``).
+
+Longer than the project's usual 500 lines: these are one state machine over the
+same maps (a lookup's answer decides what a store may evict and what a tick
+keeps; reset and close reach every map), and split, each part would reach into
+the others'.
 """
 
 from __future__ import annotations
