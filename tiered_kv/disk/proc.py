@@ -72,6 +72,8 @@ log = logging.getLogger(__name__)
 _STATUS_S = 0.25               # an idle child sends its status this often
 _OPEN_TIMEOUT_S = 600.0        # recovery of a large tier reads every index record
 _KINDS = {k.value: k for k in JobKind}   # a report's kind from its value: a dict lookup, not an enum call
+_TOUCH_BATCH = 64              # a frame of recency touches alone goes once this many are queued ...
+_TOUCH_HOLD_S = 1.0            # ... or the first of them is this old (at the owner's next pass)
 _CLOSE_TIMEOUT_S = 120.0       # close() waits this long for the child to drain, then kills it
 _KILLED_EXIT_S = 5.0           # ... and this long for the killed child to be gone (also at an open that failed)
 _PR_SET_PDEATHSIG = 1
@@ -121,6 +123,8 @@ class ProcessDiskStore:
         self._on_prevented = on_prevented
         self._on_corrupt = on_corrupt
         self._cmds: list[tuple[Any, ...]] = []
+        self._touches = 0                 # how many of _cmds are touches (a frame of touches alone waits: kick())
+        self._touch_since = 0.0           # when the first of them was queued (time.monotonic)
         self._held: list[Promote] = []    # promotes queued since the last start_reads()
         self._exit_queued = False         # close() queued the child's exit
         # reports of reads served on the owner's thread, not queued yet: ``[report]``, then ``[report, op]`` once
@@ -395,7 +399,13 @@ class ProcessDiskStore:
         self._cmds.append(("D", token.int, key))
 
     def submit_touch(self, key: bytes) -> None:
+        """Queue a recency touch (one per promote).  It rides with the next frame that goes anyway; a frame of
+        touches alone waits until ``_TOUCH_BATCH`` of them are queued or the first is ``_TOUCH_HOLD_S`` old
+        (:meth:`kick`): a frame each would wake the child once per lone load, beside the owner's copy."""
+        if not self._touches:
+            self._touch_since = time.monotonic()
         self._cmds.append(("T", key))
+        self._touches += 1
 
     def submit_flush(self, token: uuid.UUID) -> None:
         if not self._track("flush", token):
@@ -471,13 +481,16 @@ class ProcessDiskStore:
         does not take now stays in the backlog for the next call."""
         if self._down:   # answered already (spills, promotes, flushes) or lost with the child, and so is
             self._cmds = []   # what the pipe held back: nothing is held back for a store that is down
+            self._touches = 0
             self._backlog.clear()
             return
         cmds = self._cmds
-        if cmds:
+        if cmds and (len(cmds) > self._touches or self._touches >= _TOUCH_BATCH
+                     or time.monotonic() - self._touch_since >= _TOUCH_HOLD_S):
             frame = _frame(cmds)   # first: an interrupt while it is made leaves the ops queued for the next call
-            self._backlog += frame   # (no call between these two lines: no interrupt either)
+            self._backlog += frame   # (no call between these lines: no interrupt either)
             self._cmds = []
+            self._touches = 0
         backlog = self._backlog
         while backlog and self._cmd_w >= 0:
             try:

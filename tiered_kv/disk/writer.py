@@ -199,8 +199,9 @@ class Writer:
         the next other op or the idle wake-up (every ``IDLE_WAKE_S``) starts.  Waking the writer for
         each promote burst ran its commits beside the readers and the owner's copies, and slowed warm
         promotes.  A touch is recency for the next restart: a crash loses the touches still queued
-        (about a second's worth at most) on top of what the durability level loses, and those entries
-        then rank by their write sequence."""
+        (about a second's worth at most; with the disk I/O process, plus those the owner holds for its
+        next frame: at most 64, and a second's worth while it polls) on top of what the durability level
+        loses, and those entries then rank by their write sequence."""
         kind = type(op)
         if kind is Touch:
             return
