@@ -149,27 +149,34 @@ class Readers:
         try:   # no reader is left: try to start one again (the thread limit may have eased)
             self._spawn()
         except Exception as exc:   # noqa: BLE001 - still none: these reads are answered, not left queued
-            self._held_reads = []
-            self._answer(self._unread(held, f"no disk reader thread could start ({exc!r})"))
+            self._answer_unread(held, f"no disk reader thread could start ({exc!r})")
             return
         if not self._enqueue():   # pragma: no cover - the reader just started died before they were queued
-            self._held_reads = []
-            self._answer(self._unread(held, "no disk reader thread is left"))
+            self._answer_unread(held, "no disk reader thread is left")
+
+    def _answer_unread(self, held: list[Promote], why: str) -> None:
+        """Answer the held reads ``held`` unread (no reader to take them).  Their answers are made first, and
+        the reads leave the held ones in the same step as their reports join the ones still to queue (no call
+        between the stores): an interrupt leaves them held, or answered, never lost."""
+        reports = [r for _, r in self._unread(held, why)]
+        self._held_reads, self._served = [], reports   # (start() queued what _served held before)
+        self._queue_served()
 
     def _enqueue(self) -> bool:
         """Queue the held reads for the readers in batches and let them go; False (nothing queued, the reads
         still held) when no reader is left.  Under ``_lock``, so that a dying last reader, which takes what
         is queued (:meth:`_orphaned`), sees them.  The reads leave the held ones in the same step as they
-        are queued (a store, then one C loop of puts: no signal handler runs in between), so an interrupt
-        neither loses one nor queues one twice."""
+        are queued (a store, then one C loop of puts made beforehand: no call, so no signal handler, in
+        between), so an interrupt neither loses one nor queues one twice."""
         held = self._held_reads
         limit = self._read_limit()
         batches = [held[i:i + limit] for i in range(0, len(held), limit)]
+        puts = map(self._reads.put, batches)   # (made before: the call that makes it may run a signal handler)
         with self._lock:
             if self._readerless:
                 return False
             self._held_reads = []
-            collections.deque(map(self._reads.put, batches), 0)
+            collections.deque(puts, 0)
         return True
 
     def _unread(self, ops: list[Promote], why: str) -> list[tuple[Promote, Report]]:
