@@ -59,6 +59,10 @@ _STORE, _LOAD, _PROMOTE, _FETCH = JobKind.STORE, JobKind.LOAD, JobKind.PROMOTE, 
 _PENDING = JobState.PENDING
 _READY = EntryState.READY
 _SEQ_MASK = (1 << 48) - 1
+# named requests that wait on a lookup's answer, kept until finished (request_finished): a front end that never
+# finishes its requests loses the oldest past this many.  Not tied to the slots: any number of waiting requests
+# may share one read-back (a common prefix)
+REQUESTS_MAX = 1 << 16
 _NOT_ASKED: Any = object()   # SlabScheduler._waiting: a key not waiting for its answer
 
 
@@ -215,7 +219,7 @@ class SlabScheduler:
             keys = requests.get(request)
             if keys is None:
                 keys = requests[request] = set()
-                if len(requests) > core.index.num_slots:   # (requests never finished: the oldest go)
+                if len(requests) > REQUESTS_MAX:   # (requests never finished: the oldest go)
                     self.request_finished(next(iter(requests)))
             keys.add(key)
         # a read-back holds a host slot: older ones were evicted or answered (per request named)
