@@ -621,11 +621,18 @@ class ProcessDiskStore:
         with self._lock:
             fds, self._cmd_w, self._rep_r = (self._cmd_w, self._rep_r), -1, -1
             lock_fd, self._lock_fd = self._lock_fd, -1
-        for fd in fds:
-            if fd >= 0:
-                os.close(fd)
-        if lock_fd >= 0:
-            lock.release(lock_fd)
+        # each is closed whatever happens to the one before (an interrupt after a close): marked released
+        # above, none would be closed by a later call (and none is closed twice: its number may be reused)
+        try:
+            if fds[0] >= 0:
+                os.close(fds[0])
+        finally:
+            try:
+                if fds[1] >= 0:
+                    os.close(fds[1])
+            finally:
+                if lock_fd >= 0:
+                    lock.release(lock_fd)
 
     def kill_for_test(self, sig: int = signal.SIGKILL) -> None:
         """Tests: send ``sig`` to the child (a crash of the I/O process)."""

@@ -112,9 +112,9 @@ class SlotFile:
             return 0
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        fd, self.fd = self.fd, -1   # (marked first: a number closed twice may be another file's by then)
+        if fd >= 0:
+            os.close(fd)
 
     # ------------------------------------------------------------ writer thread
     def alloc(self) -> int:

@@ -154,7 +154,8 @@ class DiskStore:
         releases the files and the path lock), as ``disk_io="process"`` leaves a child it could not stop."""
         if self._closed:
             return
-        self._closed = True
+        # each step below can run again: a close an interrupt broke off is finished by the next one
+        # (``_closed`` is set once the path is released, or left to the reaper)
         self.cached.close()
         deadline = time.monotonic() + CLOSE_JOIN_S
         # the readers first: a read close() lets finish may find a corrupt entry and queue its removal
@@ -167,13 +168,16 @@ class DiskStore:
             self.writer.settle_orphans()
         if readers_done and writer_done:
             self._release()
+            self._closed = True
             return
         log.error("disk tier %s: the disk %s did not finish within %.0f s of close (hung on the disk?); left "
                   "running, its files and the path lock kept until it ends", self.opts.path,
                   "writer" if readers_done else "readers" if writer_done else "readers and writer", CLOSE_JOIN_S)
+        reaper = threading.Thread(target=self._release_late, args=(writer_done,), name="tiered-kv-disk-reaper",
+                                  daemon=True)
+        self._closed = True   # (before the start: one reaper releases the path, never two)
         try:
-            threading.Thread(target=self._release_late, args=(writer_done,), name="tiered-kv-disk-reaper",
-                             daemon=True).start()
+            reaper.start()
         except RuntimeError:   # no thread: the path stays locked until the process ends
             pass
 
@@ -194,11 +198,12 @@ class DiskStore:
         if self.slots is not None:
             self.slots.close()
         if self._lock_fd >= 0:
-            if self._lock_shared:
-                os.close(self._lock_fd)
-            else:
+            if self._lock_shared:   # (marked first: a number closed twice may be another file's by then)
+                fd, self._lock_fd = self._lock_fd, -1
+                os.close(fd)
+            else:   # (lock.release of a lock released already does nothing: run again, it is not lost)
                 lock.release(self._lock_fd)
-            self._lock_fd = -1
+                self._lock_fd = -1
 
     # ------------------------------------------------------------ owner-side API (never blocks on I/O)
     def submit_spill(self, token: uuid.UUID, key: bytes, src: memoryview) -> bool:

@@ -80,6 +80,7 @@ class RemoteStore:
         self.names = KeyNames(opts.namespace)
         name = f"remote {target.redacted}"
         self._closed = False
+        self._closing = False
         self._writer: Optional[Writer] = None
         self._reader: Optional[Reader] = None
         err = _guarded("on_error", on_error)
@@ -168,10 +169,10 @@ class RemoteStore:
 
     def close(self, timeout: float = 5.0) -> None:
         """Send what is queued (for up to ``timeout``), answer the rest ``remote_down``, stop the threads.
-        Idempotent."""
+        Idempotent: each step can run again, and a close an interrupt broke off is finished by the next one."""
         if self._closed or self._writer is None or self._reader is None:
             return
-        self._closed = True
+        self._closing = True   # (takes no more work; _closed once every step is done)
         deadline = time.monotonic() + max(0.0, timeout)
         self._writer.begin_close(deadline)
         self._reader.begin_close(deadline)
@@ -190,12 +191,13 @@ class RemoteStore:
             if not t.join(SHUT_JOIN_S):
                 log.error("%s: the remote %s thread did not stop %.0f s after its connection was shut", self.url,
                           t.role, SHUT_JOIN_S)
+        self._closed = True
         log.info("%s: remote store closed", self.url)
 
     @property
     def available(self) -> bool:
         """The breaker is closed (the server answers) and the store takes work."""
-        return self.breaker.closed and self.healthy and not self._closed
+        return self.breaker.closed and self.healthy and not self._closing
 
     @property
     def queue_depth(self) -> int:
