@@ -149,6 +149,10 @@ class DiskTier:
         # a new disk I/O process being started off the owner's thread: the starter thread, the new store or
         # the start's exception once it ended (restart() adopts it at a later pass), and its abandon()
         self._starting: Optional[tuple[threading.Thread, list[object], Callable[[], bool]]] = None
+        # a new store taken from its start and not yet reconciled with the index (an interrupt broke the
+        # adoption off): the tier is down until restart() finishes it
+        self._adopting: Union[DiskStore, ProcessDiskStore, None] = None
+        self._exported: object = None   # the store whose recovery report was exported (once each)
 
     @classmethod
     def open(cls, cfg: TieredKVConfig, row_bytes: int, completions: CompletionQueue, metrics: Metrics,
@@ -236,7 +240,7 @@ class DiskTier:
     @property
     def down(self) -> bool:
         """The disk I/O process died and every op it had was answered: time for :meth:`restart`."""
-        return self._reopen is not None and getattr(self.store, "down", False)
+        return self._reopen is not None and (self._adopting is not None or getattr(self.store, "down", False))
 
     @property
     def dead(self) -> bool:
@@ -265,6 +269,9 @@ class DiskTier:
         so is any with ``force`` (the owner closing: the last chance to delete what it dropped)."""
         assert self._reopen is not None
         now = time.monotonic() if now is None else now
+        if self._adopting is not None:   # an adoption an interrupt broke off: finished first
+            self._adopt(self._adopting, now)
+            return True
         if self._seen_death is not self.store:   # the first look at this death
             self._seen_death = self.store
             if self.restarts and now - self._started_at < RESTART_BACKOFF_MAX_S:
@@ -292,17 +299,30 @@ class DiskTier:
             if starter.is_alive():
                 return False
             outcome.append(RuntimeError("the disk I/O process's starter ended without an outcome"))
-        self._starting = None
         got = outcome[0]
         if isinstance(got, (DiskTierError, DiskInUseError)):
+            self._starting = None
             self._failed_start(now, str(got))
             return False
         if isinstance(got, BaseException):   # a bug: raised where the synchronous start raised it, in the pass
+            self._starting = None
             raise got
-        store: Union[DiskStore, ProcessDiskStore] = got   # type: ignore[assignment]
         self.count_page_cache_reads()   # the old store's last reads, before its counts are out of sight
+        # one step (no call between the stores): the new store and its share of the path lock are this tier's
+        # from here, adopted by _adopt or, after an interrupt, by the next restart()
+        self._starting, self._adopting = None, got   # type: ignore[assignment]
+        self._adopt(got, now)   # type: ignore[arg-type]
+        return True
+
+    def _adopt(self, store: Union[DiskStore, ProcessDiskStore], now: float) -> None:
+        """Make ``store`` the tier's, its recovered entries reconciled with the index (see :meth:`restart`).
+        Each part can run again: an adoption an interrupt broke off is run again whole by the next
+        :meth:`restart` (the tier is :attr:`down` until it ends), its deletes sent twice at most (token-matched:
+        the second finds nothing)."""
         self.store = store
-        self._export_recovery()
+        if self._exported is not store:   # (marked first: exported once, never twice)
+            self._exported = store
+            self._export_recovery()
         kept = {e.key: e.token for e in store.entries}
         index = self.index
         lost = 0
@@ -316,13 +336,14 @@ class DiskTier:
         for key, token in kept.items():
             store.submit_delete(token, key)
         store.kick()
+        # one step: the tier serves again once the adoption is done, not before
         self._started_at = now
         self.usable = True
         self.restarts += 1
+        self._adopting = None
         log.warning("disk tier %s: disk I/O process restarted (pid %d); %d entr%s lost with the last one, "
                     "%d on disk no longer wanted deleted", store.opts.path, store.pid, lost,
                     "y" if lost == 1 else "ies", len(kept))
-        return True
 
     def _start(self) -> bool:
         """Start a new store (:attr:`_reopen`) on a starter thread; False when that thread cannot start."""
