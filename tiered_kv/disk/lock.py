@@ -23,16 +23,24 @@ import time
 from pathlib import Path
 from typing import Union
 
-__all__ = ["LOCK_NAME", "LockHeld", "take", "release", "leave", "holder_pid", "fsync_path", "sync_dirs"]
+__all__ = ["LOCK_NAME", "LockFd", "LockHeld", "take", "release", "leave", "holder_pid", "fsync_path", "sync_dirs"]
 
 LOCK_NAME = "tiered_kv.lock"
 ORPHAN_WAIT_S = 10.0   # how long take() waits for the I/O process of a dead owner to exit
 
-# the lock files this process has open (take() to release()/leave()), under _fds: a lock file's open and
-# its entry here, its entry's removal and its close, each happen together as seen by a fork (which takes
-# _fds first), so no forked child gets a copy of a lock file it does not close
-_held: set[int] = set()
+# the lock files this process has open (take() to release()/leave()), by descriptor number, under _fds: a
+# lock file's open and its entry here, its entry's removal and its close, each happen together as seen by a
+# fork (which takes _fds first), so no forked child gets a copy of a lock file it does not close
+_held: dict[int, "LockFd"] = {}
 _fds = threading.Lock()
+
+
+class LockFd(int):
+    """The descriptor of a lock :func:`take` returned (an ``int``), and its identity: :func:`release` and
+    :func:`leave` act on this one only while it holds the lock, so running either again (a close an interrupt
+    broke off, finished by the next) does nothing, even once the number is another lock's."""
+
+    __slots__ = ()
 
 
 def _close_in_child() -> None:
@@ -85,14 +93,14 @@ def holder_pid(fd: int) -> str:
         return "unknown"
 
 
-def take(directory: Union[str, "os.PathLike[str]"]) -> int:
+def take(directory: Union[str, "os.PathLike[str]"]) -> LockFd:
     """Take the lock of ``directory`` and write our pid into it; returns the fd to :func:`release`.
 
     Raises :class:`OSError` when the lock file cannot be opened, :class:`LockHeld` when it is held.
     """
     with _fds:   # before the flock: a fork from here on closes it in the child
-        fd = os.open(Path(directory) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-        _held.add(fd)
+        fd = LockFd(os.open(Path(directory) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644))
+        _held[fd] = fd
     deadline = time.monotonic() + ORPHAN_WAIT_S
     while True:
         try:
@@ -104,7 +112,7 @@ def take(directory: Union[str, "os.PathLike[str]"]) -> int:
                 time.sleep(0.01)   # its owner is dead: the owner's I/O process is exiting (see above)
                 continue
             with _fds:
-                _held.discard(fd)
+                del _held[fd]
                 os.close(fd)
             raise LockHeld(holder) from None
     try:
@@ -135,12 +143,12 @@ def _gone(holder: str) -> bool:
 
 def release(fd: int) -> None:
     """Unlock and close a lock :func:`take` returned.  One this process no longer has open (closed in it
-    as a forked child, see above) is left alone: unlocking it would free its parent's path."""
+    as a forked child, see above), or released already (its number may be another lock's by now), is left
+    alone: unlocking it would free another holder's path."""
     with _fds:
-        try:
-            _held.remove(fd)
-        except KeyError:
+        if _held.get(fd) is not fd:
             return
+        del _held[fd]   # (no call from here to the unlock: an interrupt now still closes it, below)
         try:
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
@@ -152,8 +160,7 @@ def leave(fd: int) -> None:
     shares its open file (a disk I/O process that did not exit when killed), and is free once that
     process is gone too."""
     with _fds:
-        try:
-            _held.remove(fd)
-        except KeyError:
+        if _held.get(fd) is not fd:
             return
+        del _held[fd]
         os.close(fd)

@@ -620,9 +620,10 @@ class ProcessDiskStore:
         self.cached.close()
         with self._lock:
             fds, self._cmd_w, self._rep_r = (self._cmd_w, self._rep_r), -1, -1
-            lock_fd, self._lock_fd = self._lock_fd, -1
-        # each is closed whatever happens to the one before (an interrupt after a close): marked released
-        # above, none would be closed by a later call (and none is closed twice: its number may be reused)
+        # each is closed whatever happens to the one before (an interrupt after a close): the pipes, marked
+        # closed above, are closed by no later call (never twice: a number may be another file's by then); the
+        # path lock is marked released only once it is (a second release of it does nothing), so a close an
+        # interrupt broke off before that is finished by the next
         try:
             if fds[0] >= 0:
                 os.close(fds[0])
@@ -631,8 +632,10 @@ class ProcessDiskStore:
                 if fds[1] >= 0:
                     os.close(fds[1])
             finally:
+                lock_fd = self._lock_fd
                 if lock_fd >= 0:
                     lock.release(lock_fd)
+                    self._lock_fd = -1
 
     def kill_for_test(self, sig: int = signal.SIGKILL) -> None:
         """Tests: send ``sig`` to the child (a crash of the I/O process)."""

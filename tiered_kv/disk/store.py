@@ -118,6 +118,7 @@ class DiskStore:
         self.writer = writer
         self.cached = CachedReads(opts.path, opts.namespace, opts.block_bytes)   # a blocked owner's own reads
         self._closed = False
+        self._reaper: Optional[threading.Thread] = None   # the thread a close that left threads running made
 
     # ------------------------------------------------------------ open / close
     def _open(self, on_error: Callable[[str, str], None]) -> int:
@@ -154,6 +155,9 @@ class DiskStore:
         releases the files and the path lock), as ``disk_io="process"`` leaves a child it could not stop."""
         if self._closed:
             return
+        if self._reaper is not None:   # a close an interrupt broke off as it started its reaper
+            self._start_reaper()
+            return
         # each step below can run again: a close an interrupt broke off is finished by the next one
         # (``_closed`` is set once the path is released, or left to the reaper)
         self.cached.close()
@@ -173,13 +177,18 @@ class DiskStore:
         log.error("disk tier %s: the disk %s did not finish within %.0f s of close (hung on the disk?); left "
                   "running, its files and the path lock kept until it ends", self.opts.path,
                   "writer" if readers_done else "readers" if writer_done else "readers and writer", CLOSE_JOIN_S)
-        reaper = threading.Thread(target=self._release_late, args=(writer_done,), name="tiered-kv-disk-reaper",
-                                  daemon=True)
-        self._closed = True   # (before the start: one reaper releases the path, never two)
+        self._reaper = threading.Thread(target=self._release_late, args=(writer_done,), name="tiered-kv-disk-reaper",
+                                        daemon=True)
+        self._start_reaper()
+
+    def _start_reaper(self) -> None:
+        """Start the reaper close() made (a thread runs once: one reaper releases the path, never two)."""
+        assert self._reaper is not None
         try:
-            reaper.start()
-        except RuntimeError:   # no thread: the path stays locked until the process ends
-            pass
+            self._reaper.start()
+        except RuntimeError:   # started already (a close run again), or no thread: the path stays locked until
+            pass               # the process ends
+        self._closed = True
 
     def _release_late(self, writer_done: bool) -> None:
         """After a close that left threads running: once they end, what ``close()`` skipped (the removals
@@ -201,8 +210,8 @@ class DiskStore:
             if self._lock_shared:   # (marked first: a number closed twice may be another file's by then)
                 fd, self._lock_fd = self._lock_fd, -1
                 os.close(fd)
-            else:   # (lock.release of a lock released already does nothing: run again, it is not lost)
-                lock.release(self._lock_fd)
+            else:   # (released first: lock.release of this lock released already does nothing, even once
+                lock.release(self._lock_fd)   # its number is another lock's, so a close run again loses nothing)
                 self._lock_fd = -1
 
     # ------------------------------------------------------------ owner-side API (never blocks on I/O)
