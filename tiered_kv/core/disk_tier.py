@@ -227,9 +227,15 @@ class DiskTier:
         self._metrics.enable_disk_health(True)
 
     def _export_recovery(self) -> None:
-        m, rep = self._metrics, self.store.recovery
+        """The store's recovery report: its gauges set (again, by an adoption run again: harmless), its counts
+        added once per store (marked first: an interrupt may lose them, never add them twice)."""
+        store = self.store
+        m, rep = self._metrics, store.recovery
         m.recovery_seconds.set(rep.seconds)
         m.recovery_purged.set(rep.purged)
+        if self._exported is store:
+            return
+        self._exported = store
         m.orphaned_purged.inc(rep.purged)
         if rep.corrupt:
             m.corrupt_blocks.labels(reason="recovery").inc(rep.corrupt)
@@ -318,20 +324,18 @@ class DiskTier:
         """Make ``store`` the tier's, its recovered entries reconciled with the index (see :meth:`restart`).
         Each part can run again: an adoption an interrupt broke off is run again whole by the next
         :meth:`restart` (the tier is :attr:`down` until it ends), its deletes sent twice at most (token-matched:
-        the second finds nothing)."""
+        the second finds nothing) and a key lost with the last process told gone twice at most."""
         self.store = store
-        if self._exported is not store:   # (marked first: exported once, never twice)
-            self._exported = store
-            self._export_recovery()
+        self._export_recovery()
         kept = {e.key: e.token for e in store.entries}
         index = self.index
         lost = 0
         for d in index.entries():
             if kept.get(d.key) == d.writer:
                 del kept[d.key]
-            else:
-                index.remove(d)
+            else:   # (told first: an adoption run again may tell a key twice, never lose one)
                 self.on_gone(d)
+                index.remove(d)
                 lost += 1
         for key, token in kept.items():
             store.submit_delete(token, key)

@@ -167,7 +167,7 @@ class Writer:
         writer that died could not commit, applied in one transaction, so that none of those entries is
         served after a reopen.  No write can come under their tokens any more: each only deletes the
         entry its token wrote.  Returns how many were applied (0 when the transaction fails: logged)."""
-        ops, self._orphans = self._orphans, []
+        ops = self._orphans[:]   # (taken out once committed: a close an interrupt broke off applies them again)
         if not ops or self._db.env is None:
             return 0
         frees: list[int] = []
@@ -184,6 +184,8 @@ class Writer:
             log.error("disk tier %s: %d removal(s) the dead writer left could not be written either (%r): a "
                       "removed entry among them may be readable after reopen", self.opts.path, len(ops), exc)
             return 0
+        with self._cond:   # (pushes append under it)
+            del self._orphans[:len(ops)]
         log.warning("disk tier %s: %d removal(s) the dead writer could not commit written at close", self.opts.path,
                     len(ops))
         return len(ops)

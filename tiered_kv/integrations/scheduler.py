@@ -136,7 +136,7 @@ class SlabScheduler:
         # (request, key) -> its read-back's host entry (None: asked from the remote tier), for each key a lookup
         # answered PENDING or RETRY and the request has not been told HIT or MISS since: counted a lookup key
         # once.  ``_requests``: each named request that waits on a key, its keys there (request_finished drops
-        # them).  Bounded: one request per host slot, as many entries per request named (the oldest go)
+        # them).  Bounded: REQUESTS_MAX requests, one entry per host slot per request named (the oldest go)
         self._waiting: dict[tuple[Any, bytes], Any] = {}
         self._requests: dict[Any, set[bytes]] = {}
         # keys answered HIT or PENDING since the last tick() (``_looked``: any lookup since), and those of the last
