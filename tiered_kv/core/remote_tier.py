@@ -18,7 +18,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, NamedTuple, Optional, Union
 
 from ..config import TieredKVConfig
@@ -203,11 +203,14 @@ class RemoteTier:
 
     def probe_answered(self, token: uuid.UUID, keys: Sequence[bytes], r: Report, hindex: TierIndex,
                        dindex: Optional[TierIndex], take_token: Callable[[], uuid.UUID],
-                       view: Callable[[int], Any]) -> Union[None, Refused, tuple[uuid.UUID, list[bytes], list[Entry]]]:
+                       view: Callable[[int], Any], promised: Collection[bytes] = ()
+                       ) -> Union[None, Refused, tuple[uuid.UUID, list[bytes], list[Entry]]]:
         """A probe's answer: the keys the server holds, still wanted and still in no local tier, get a
         host slot each (WRITING) and are fetched as one job: (token, keys, entries) when queued; a
         :class:`Refused` when the reader has no room for them (asked before any slot is reserved: a
-        reservation may evict).  The keys it does not hold are remembered as missed."""
+        reservation may evict).  The keys it does not hold are remembered as missed.  The reservations
+        evict neither the fetched keys nor ``promised`` (the keys a front end told its requests are hits:
+        :attr:`TierCore.promised`)."""
         asking, failed, now = self.asking, r.failed, time.monotonic()
         found: list[bytes] = []
         for i, k in enumerate(keys):
@@ -233,8 +236,9 @@ class RemoteTier:
         fetch = take_token()
         got: list[bytes] = []
         entries: list[Entry] = []
+        protect: Collection[bytes] = found if not promised else set(found).union(promised)
         for k in found:
-            e = hindex.reserve(k, fetch, found)
+            e = hindex.reserve(k, fetch, protect)
             if e is None:   # every slot leased: the rest of the prefix is not fetched this time
                 for rest in found[len(got):]:
                     del asking[rest]

@@ -153,7 +153,7 @@ class TierCore:
         self.evicted: list[bytes] = []     # keys no longer in any tier (collect_evicted only)
         self.disk_closing = False          # close_disk() is closing the disk store (its restart is behind it)
         self.disk_closed = False           # ... and closed it
-        self.published: list[bytes] = []   # keys stores made READY (collect_published only)
+        self.published: list[bytes] = []   # keys stores and remote fetches made READY (collect_published only)
         # write-back: a host victim never offered to the disk is counted (shed, evicted_unwritten)
         self.write_back = config.write_mode == "back" and config.disk_path is not None
         self.index = TierIndex(num_slots, on_evict=self._host_evicted if collect_evicted or self.write_back else None,
@@ -167,6 +167,9 @@ class TierCore:
         self._wb_mark = 0       # write-back: host slots used + evictions at its last pass (the difference: stores)
         self._wb_rate = 0       # write-back: a decaying peak of the blocks stored between two passes
         self.closing = False
+        # keys a front end told its requests are hits, to be asked again or loaded later (the vLLM scheduler's:
+        # SlabScheduler): a fetch's reservation never evicts them (RemoteTier.probe_answered)
+        self.promised: Collection[bytes] = ()
         # the front end blocks in a call (TierManager.wait/flush/close): a read the page cache holds is read on
         # this thread, which would otherwise wait for the disk I/O side's answer (config disk_read_cached_in_wait)
         self.read_here = False
@@ -879,7 +882,7 @@ class TierCore:
         if not entries:   # the probe
             if live:
                 got = remote.probe_answered(job.token, job.keys, r, self.index, self.dindex, self.take_token,
-                                            self.slot_views.__getitem__)
+                                            self.slot_views.__getitem__, self.promised)
                 if type(got) is Refused:   # no room in the reader: nothing reserved, counted per key as fetches are
                     self.shed(_FETCH, got.why, got.keys)
                 elif got is not None:
@@ -903,6 +906,8 @@ class TierCore:
             elif r.ok or (failed is not None and i not in failed):
                 index.publish(e)
                 remote.landed_key(e.key, e)
+                if self.collect_published:   # held here now, as a store's block is (reported gone when evicted)
+                    self.published.append(e.key)
                 found += 1
             else:
                 index.writer_done(e)

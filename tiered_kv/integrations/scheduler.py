@@ -136,7 +136,8 @@ class SlabScheduler:
         # (request, key) -> its read-back's host entry (None: asked from the remote tier), for each key a lookup
         # answered PENDING or RETRY and the request has not been told HIT or MISS since: counted a lookup key
         # once.  ``_requests``: each named request that waits on a key, its keys there (request_finished drops
-        # them).  Bounded: REQUESTS_MAX requests, one entry per host slot per request named (the oldest go)
+        # them).  Bounded: REQUESTS_MAX requests, one entry per host slot (and per key asked from the remote tier)
+        # per request named (the oldest go)
         self._waiting: dict[tuple[Any, bytes], Any] = {}
         self._requests: dict[Any, set[bytes]] = {}
         # keys answered HIT or PENDING since the last tick() (``_looked``: any lookup since), and those of the last
@@ -145,6 +146,10 @@ class SlabScheduler:
         self._asked: set[bytes] = set()
         self._looked = False
         self._kept: set[bytes] = set()
+        # _asked | _kept, kept as one set (one object for the core's life): a read-back's or a fetch's host slot
+        # never evicts one of them (core.promised)
+        self._guard: set[bytes] = set()
+        core.promised = self._guard
         self._closed = False
         metrics.health["host"].set(1)
         core.refresh_gauges()
@@ -197,7 +202,8 @@ class SlabScheduler:
             if d is None:
                 # not held here: the remote tier (if any) is asked with the step's other keys
                 answer = Lookup.RETRY if core.want_remote(key) else Lookup.MISS
-            elif core.start_promote(key, d, protect) is None:
+            elif core.start_promote(key, d, self._guard if self._guard.issuperset(protect)
+                                    else self._guard.union(protect)) is None:
                 answer = Lookup.MISS
             else:
                 answer = Lookup.PENDING
@@ -222,14 +228,18 @@ class SlabScheduler:
                 if len(requests) > REQUESTS_MAX:   # (requests never finished: the oldest go)
                     self.request_finished(next(iter(requests)))
             keys.add(key)
-        # a read-back holds a host slot: older ones were evicted or answered (per request named)
-        if len(waiting) > core.index.num_slots * (1 + len(self._requests)):
+        # a read-back holds a host slot, a key asked from the remote tier an entry of its asking map (until its
+        # fetch holds a slot): older waits were evicted or answered (per request named)
+        remote = core.remote
+        if len(waiting) > (core.index.num_slots + (0 if remote is None else len(remote.asking))) \
+                * (1 + len(self._requests)):
             r, k = next(iter(waiting))
             del waiting[(r, k)]
             if r is not None:
                 self._unwait(r, k)
         if answer is Lookup.PENDING:
             self._asked.add(key)
+            self._guard.add(key)
         return answer
 
     def _hit(self, key: bytes, entry: Any, request: Optional[Hashable]) -> None:
@@ -238,6 +248,7 @@ class SlabScheduler:
         disk hit, anything else that made it READY meanwhile (a fetch from the remote tier) the host tier's or
         the remote tier's, as :meth:`TierCore.host_hit` tells."""
         self._asked.add(key)
+        self._guard.add(key)
         if self._waiting:
             w = self._waiting.pop((request, key), _NOT_ASKED)
             if w is not _NOT_ASKED and request is not None:
@@ -425,7 +436,10 @@ class SlabScheduler:
             self.core.cancel(job, reason)
 
     def reset(self) -> None:
-        """Forget every block in every tier (vLLM ``reset_cache``): nothing stored before is served again.
+        """Forget every block in every tier (vLLM ``reset_cache``): nothing stored before is served again from
+        the host and disk tiers.  On a shared remote tier only the keys held here are invalidated: a block this
+        engine wrote there and no longer holds (and any other engine's) may still be fetched; after a weight
+        update give the engines a new ``namespace`` (``docs/remote.md``).
 
         Jobs in flight are cancelled: their late completions are counted as stale,
         their slots freed once their copies finished, and a store among them is never
@@ -443,6 +457,7 @@ class SlabScheduler:
         self._waiting.clear()
         self._requests.clear()
         self._asked, self._kept, self._looked = set(), set(), False
+        self._guard.clear()
         self.core.refresh_gauges()
         log.info("tiered_kv: every tier reset; %d jobs quarantined until their copies finish", len(self._quarantine))
 
@@ -471,6 +486,9 @@ class SlabScheduler:
             self._quarantine = keep
         if self._looked:   # a step that made lookups: its keys are the ones to keep; one with none keeps the last
             self._kept, self._asked, self._looked = self._asked, set(), False
+            guard = self._guard
+            guard.clear()
+            guard.update(self._kept)
         core.end_step(True, protect=self._kept)
 
     @property
