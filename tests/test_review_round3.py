@@ -412,15 +412,19 @@ def test_process_child_death_before_queueing_served_answers_each_load_once(
         drig.close(mgr)
 
 
-def test_a_request_still_waiting_is_not_forgotten_by_the_requests_bound(rig) -> None:  # noqa: F811
+def test_a_request_still_waiting_is_not_forgotten_by_the_requests_bound(rig, monkeypatch) -> None:  # noqa: F811
     """2 host slots, 3 live requests that each waited on a read-back (R2 and R1's first wait answered, R1 waiting
     on a second block, R3 on its first).  ``_requests`` keeps requests whose waits ended until they finish, so
-    the third one past one per host slot drops the oldest, R1, which still waits on A: its next ask is a second
-    lookup key and a host hit.  ``_waiting`` (2 entries) stays within its own bound here."""
-    slab = rig.slab(num_slots=2, row_bytes=256)
+    the third one past the bound (then one per host slot; ``REQUESTS_MAX`` since, set to 2 here) dropped the oldest,
+    R1, which still waits on A: its next ask is a second lookup key and a host hit.  (4 host slots: no read-back
+    needs a slot a request was told is a hit, which none may take any more.)"""
+    import tiered_kv.integrations.scheduler as sched_mod
+
+    monkeypatch.setattr(sched_mod, "REQUESTS_MAX", 2)
+    slab = rig.slab(num_slots=4, row_bytes=256)
     tiers = rig.open(slab, disk=True, disk_blocks=16, disk_io="thread", host_evict_ahead_blocks=0)
     X, A, B, C = b"x", b"a", b"b", b"c"
-    for k in (X, A, B, C, b"f0", b"f1"):
+    for k in (X, A, B, C, b"f0", b"f1", b"f2", b"f3"):
         store_ready(tiers, [k])
         assert tiers.flush(timeout=30)
     tiers.tick()
@@ -430,11 +434,11 @@ def test_a_request_still_waiting_is_not_forgotten_by_the_requests_bound(rig) -> 
     assert tiers.lookup(X, request="R1") == PENDING
     assert tiers.lookup(B, request="R2") == PENDING
     wait_promotes(tiers)
-    # step 2: R2 asks again: HIT; R1 asks again: X HIT, A PENDING (its read-back takes B's slot)
+    # step 2: R2 asks again: HIT; R1 asks again: X HIT, A PENDING
     assert tiers.lookup(B, request="R2") == HIT
     assert tiers.lookup(X, request="R1") == HIT
     assert tiers.lookup(A, protect={X}, request="R1") == PENDING
-    # step 3: a new request R3 asks [C]: PENDING (its read-back takes X's slot)
+    # step 3: a new request R3 asks [C]: PENDING
     assert tiers.lookup(C, request="R3") == PENDING
     assert len(tiers._waiting) <= 2
     wait_promotes(tiers)
