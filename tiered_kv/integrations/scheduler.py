@@ -160,11 +160,12 @@ class SlabScheduler:
         RETRY while it is asked from the remote tier.
 
         A read-back needs a host slot; it never evicts a key in ``protect`` (the keys
-        the same request was just told are hits), nor do a store's reservation and the
-        evict-ahead at the end of a step evict a key answered HIT or PENDING in the last
-        step that made lookups (:meth:`tick`, :meth:`prepare_store`: a request waiting on a
-        read-back is asked again later), so a prefix longer than the slab gets the part
-        that fits instead of evicting itself forever.  The read starts at the end of the
+        the same request was just told are hits), nor do a read-back, a fetch from the
+        remote tier, a store's reservation and the evict-ahead at the end of a step evict a
+        key answered HIT or PENDING in this step or the last that made lookups (:meth:`tick`,
+        :meth:`prepare_store`, ``core.promised``: a request waiting on a read-back is asked
+        again later); a read-back that finds no other slot is a miss, so a prefix longer
+        than the slab gets the part that fits instead of evicting itself forever.  The read starts at the end of the
         step (:meth:`tick`), with the step's other reads.  A block is one lookup key of a
         request however often it asks for it while it waits (PENDING, RETRY) and once it has
         its answer, and its hit is counted when it is served, a disk hit if it is the read-back
