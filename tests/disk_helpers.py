@@ -484,6 +484,18 @@ def flip_slot_byte(path: Any, key: bytes, offset: int) -> None:
         os.close(fd)
 
 
+def assert_reopens(rig: "Rig", kv: torch.Tensor, why: str = "", **kw: Any) -> None:
+    """The path is free again: a new manager opens on it (and is closed), else the test fails (``why``: what held
+    it, for the message).  For a close an interrupt broke off and the next close finished."""
+    from tiered_kv.errors import DiskInUseError
+
+    try:
+        again = rig.open(kv, **kw)
+    except DiskInUseError as exc:
+        pytest.fail(f"the path is still locked after close() was finished{why}: {exc}")
+    rig.close(again)
+
+
 def raw_keys(path: Any) -> set[bytes]:
     """Block keys (from the headers) of every stored entry."""
     return {parse_header(v).key for v in raw_blocks(path).values()}

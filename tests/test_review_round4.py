@@ -52,7 +52,6 @@ is queued sends one "X", restarts nothing, and the child exits 0.
 from __future__ import annotations
 
 import builtins
-import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -163,7 +162,6 @@ def test_requests_never_finished_are_forgotten_oldest_first_past_the_requests_bo
 def test_a_close_interrupted_while_it_releases_the_path_is_finished_by_the_next_close(
         drig: dh.Rig, monkeypatch: pytest.MonkeyPatch) -> None:
     import os as real_os
-    from tiered_kv.errors import DiskInUseError
 
     kv = dh.make_kv(rows=8)
     mgr = drig.open(kv, host_slots=8, disk_slots=64, disk_io="process")
@@ -191,11 +189,7 @@ def test_a_close_interrupted_while_it_releases_the_path_is_finished_by_the_next_
         assert fired
         mgr.close()                       # finishes the close
         monkeypatch.undo()
-        try:
-            again = drig.open(kv, host_slots=8, disk_slots=64, disk_io="process")
-        except DiskInUseError as exc:
-            pytest.fail(f"the path is still locked by this process after close() was finished: {exc}")
-        drig.close(again)
+        dh.assert_reopens(drig, kv, host_slots=8, disk_slots=64, disk_io="process")
     finally:   # what the broken-off close left open (nothing, once fixed)
         monkeypatch.undo()
         proc_mod.lock.release(lock_fd)    # (a no-op for a lock no longer held)
@@ -250,8 +244,6 @@ def test_an_interrupt_in_close_s_restart_after_adoption_keeps_an_invalidated_key
 
 def test_an_interrupt_in_close_s_restart_before_adoption_leaks_no_disk_process(
         drig: dh.Rig, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tiered_kv.errors import DiskInUseError
-
     kv, mgr, old = _dead_child_with_an_invalidated_key(drig)
     tier = mgr._core.disk
     real_start, real_count = tier._start, tier.count_page_cache_reads
@@ -280,12 +272,8 @@ def test_an_interrupt_in_close_s_restart_before_adoption_leaks_no_disk_process(
             mgr.close()
         assert fired
         mgr.close()                       # finishes the close
-        try:
-            again = drig.open(kv, host_slots=8, disk_slots=64, disk_io="process")
-        except DiskInUseError as exc:
-            pytest.fail(f"the path is still held after close() was finished (a restarted disk I/O process no "
-                        f"one holds): {exc}")
-        drig.close(again)
+        dh.assert_reopens(drig, kv, " (a restarted disk I/O process no one holds)", host_slots=8, disk_slots=64,
+                          disk_io="process")
     finally:   # a started store no one adopted (none, once fixed): closed here, its child told to exit
         for got in outcomes:
             for st in got:
@@ -296,8 +284,6 @@ def test_an_interrupt_in_close_s_restart_before_adoption_leaks_no_disk_process(
 # =============================================================================== 6. DiskStore.close (thread mode)
 def test_thread_a_close_interrupted_while_it_joins_the_readers_is_finished_by_the_next_close(
         drig: dh.Rig, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tiered_kv.errors import DiskInUseError
-
     kv = dh.make_kv(rows=8)
     mgr = drig.open(kv, host_slots=8, disk_slots=64, disk_io="thread")
     dh.store_seq(mgr, kv, dh.keys(2, "t"))
@@ -319,12 +305,8 @@ def test_thread_a_close_interrupted_while_it_joins_the_readers_is_finished_by_th
         assert fired
         mgr.close()                       # finishes the close
         writer_alive = store.writer._thread.is_alive()
-        try:
-            again = drig.open(kv, host_slots=8, disk_slots=64, disk_io="thread")
-        except DiskInUseError as exc:
-            pytest.fail(f"the path is still locked after close() was finished (writer thread alive: "
-                        f"{writer_alive}): {exc}")
-        drig.close(again)
+        dh.assert_reopens(drig, kv, f" (writer thread alive: {writer_alive})", host_slots=8, disk_slots=64,
+                          disk_io="thread")
     finally:   # what the broken-off close left running (nothing, once fixed)
         if store._lock_fd >= 0:
             store._closed = False
