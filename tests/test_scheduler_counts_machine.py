@@ -402,6 +402,12 @@ class SchedulerCountsMachine(RuleBasedStateMachine):
             time.sleep(0.0005)
 
     @invariant()
+    def named_waits_counted(self) -> None:
+        """``SlabScheduler._named`` (what the unnamed waits' bound leaves out) is the named requests' waits."""
+        t = self.tiers
+        assert t._named == sum(map(len, t._requests.values())) == sum(1 for r, _ in t._waiting if r is not None)
+
+    @invariant()
     def counts_agree(self) -> None:
         self.seen["steps"] += 1
         keys, hits = _counts(self.metrics)

@@ -204,11 +204,12 @@ class RemoteTier:
     def probe_answered(self, token: uuid.UUID, keys: Sequence[bytes], r: Report, hindex: TierIndex,
                        dindex: Optional[TierIndex], take_token: Callable[[], uuid.UUID],
                        view: Callable[[int], Any], promised: Collection[bytes] = ()
-                       ) -> Union[None, Refused, tuple[uuid.UUID, list[bytes], list[Entry]]]:
+                       ) -> Union[None, Refused, tuple[uuid.UUID, list[bytes], list[Entry], int]]:
         """A probe's answer: the keys the server holds, still wanted and still in no local tier, get a
-        host slot each (WRITING) and are fetched as one job: (token, keys, entries) when queued; a
-        :class:`Refused` when the reader has no room for them (asked before any slot is reserved: a
-        reservation may evict).  The keys it does not hold are remembered as missed.  The reservations
+        host slot each (WRITING) and are fetched as one job: (token, keys, entries, how many found no slot)
+        when queued; a :class:`Refused` when the reader has no room for them (asked before any slot is
+        reserved: a reservation may evict), or no slot for any (``"host_full"``).  A key that found no
+        slot is noted missed.  The keys it does not hold are remembered as missed.  The reservations
         evict neither the fetched keys nor ``promised`` (the keys a front end told its requests are hits:
         :attr:`TierCore.promised`)."""
         asking, failed, now = self.asking, r.failed, time.monotonic()
@@ -239,24 +240,26 @@ class RemoteTier:
         protect: Collection[bytes] = found if not promised else set(found).union(promised)
         for k in found:
             e = hindex.reserve(k, fetch, protect)
-            if e is None:   # every slot leased: the rest of the prefix is not fetched this time
-                for rest in found[len(got):]:
-                    del asking[rest]
+            if e is None:   # every slot leased or promised: the rest of the prefix is not fetched this time,
+                for rest in found[len(got):]:   # and a miss until the miss TTL ends (not asked again at once:
+                    del asking[rest]            # a request would be told to retry at every step)
+                    self.note_miss(rest, now)
                 break
             got.append(k)
             entries.append(e)
             asking[k] = fetch
-        if len(got) < len(found):
-            store.give_fetch_room(len(found) - len(got))
+        unplaced = len(found) - len(got)
+        if unplaced:
+            store.give_fetch_room(unplaced)
         if not got:
-            return None
+            return Refused("host_full", unplaced)
         if not store.submit_fetch(fetch, got, [view(e.slot) for e in entries], room_taken=True):
             for k, e in zip(got, entries):   # the store closes meanwhile
                 del asking[k]
                 hindex.writer_done(e)
                 hindex.abort(e)
             return None
-        return fetch, got, entries
+        return fetch, got, entries, unplaced
 
     def landed_key(self, key: bytes, entry: Entry) -> None:
         """``key``'s fetch published it in the host tier, as ``entry``."""

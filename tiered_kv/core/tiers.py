@@ -886,7 +886,9 @@ class TierCore:
                 if type(got) is Refused:   # no room in the reader: nothing reserved, counted per key as fetches are
                     self.shed(_FETCH, got.why, got.keys)
                 elif got is not None:
-                    token, keys, hosts = got
+                    token, keys, hosts, unplaced = got
+                    if unplaced:   # no host slot for the rest of the prefix: shed, as a read-back's would be
+                        self.shed(_FETCH, "host_full", unplaced)
                     fetch = Job(token, _FETCH, keys[0], -1, keys=keys)
                     fetch._entries = hosts
                     self.jobs[token.int] = fetch

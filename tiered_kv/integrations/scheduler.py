@@ -136,10 +136,11 @@ class SlabScheduler:
         # (request, key) -> its read-back's host entry (None: asked from the remote tier), for each key a lookup
         # answered PENDING or RETRY and the request has not been told HIT or MISS since: counted a lookup key
         # once.  ``_requests``: each named request that waits on a key, its keys there (request_finished drops
-        # them).  Bounded: REQUESTS_MAX requests, one entry per host slot (and per key asked from the remote tier)
-        # per request named (the oldest go)
+        # them).  Bounded: a named request's waits go when it is answered or finished (REQUESTS_MAX requests);
+        # unnamed ones, one per host slot and per key asked from the remote tier (the oldest go)
         self._waiting: dict[tuple[Any, bytes], Any] = {}
         self._requests: dict[Any, set[bytes]] = {}
+        self._named = 0   # the entries of _waiting of named requests (the sum of _requests' sets' sizes)
         # keys answered HIT or PENDING since the last tick() (``_looked``: any lookup since), and those of the last
         # step that made lookups: a store's reservation and the evict-ahead at the end of a step leave them (a
         # request waiting on a read-back is asked again later)
@@ -164,8 +165,8 @@ class SlabScheduler:
         remote tier, a store's reservation and the evict-ahead at the end of a step evict a
         key answered HIT or PENDING in this step or the last that made lookups (:meth:`tick`,
         :meth:`prepare_store`, ``core.promised``: a request waiting on a read-back is asked
-        again later); a read-back that finds no other slot is a miss, so a prefix longer
-        than the slab gets the part that fits instead of evicting itself forever.  The read starts at the end of the
+        again later); a read-back or a fetch that finds no other slot is a miss, so a prefix
+        longer than the slab gets the part that fits instead of evicting itself forever.  The read starts at the end of the
         step (:meth:`tick`), with the step's other reads.  A block is one lookup key of a
         request however often it asks for it while it waits (PENDING, RETRY) and once it has
         its answer, and its hit is counted when it is served, a disk hit if it is the read-back
@@ -199,8 +200,10 @@ class SlabScheduler:
             # not while the disk I/O process is dead: the read would fail at once, the entry stay, and the
             # request be told PENDING (and the same read started) at every step until the restart
             disk = core.disk
-            d = core.dindex.ready(key) if disk is not None and not disk.dead else None
-            if d is None:
+            d = core.dindex.ready(key) if disk is not None else None
+            if d is not None and disk.dead:   # (the remote tier is not asked for it either: it is held here)
+                answer = Lookup.MISS
+            elif d is None:
                 # not held here: the remote tier (if any) is asked with the step's other keys
                 answer = Lookup.RETRY if core.want_remote(key) else Lookup.MISS
             elif core.start_promote(key, d, self._guard if self._guard.issuperset(protect)
@@ -228,19 +231,23 @@ class SlabScheduler:
                 keys = requests[request] = set()
                 if len(requests) > REQUESTS_MAX:   # (requests never finished: the oldest go)
                     self.request_finished(next(iter(requests)))
-            keys.add(key)
-        # a read-back holds a host slot, a key asked from the remote tier an entry of its asking map (until its
-        # fetch holds a slot): older waits were evicted or answered (per request named)
-        remote = core.remote
-        if len(waiting) > (core.index.num_slots + (0 if remote is None else len(remote.asking))) \
-                * (1 + len(self._requests)):
-            r, k = next(iter(waiting))
-            del waiting[(r, k)]
-            if r is not None:
-                self._unwait(r, k)
-        if answer is Lookup.PENDING:
-            self._asked.add(key)
-            self._guard.add(key)
+            if key not in keys:
+                keys.add(key)
+                self._named += 1
+        else:
+            # an unnamed ask: a read-back holds a host slot, a key asked from the remote tier an entry of its
+            # asking map (until its fetch holds a slot), so older unnamed waits were evicted or answered.  A
+            # named request's waits go when it is told HIT or MISS or finishes (REQUESTS_MAX bounds those never
+            # finished)
+            remote = core.remote
+            if len(waiting) - self._named > core.index.num_slots + (0 if remote is None else len(remote.asking)):
+                for old in waiting:   # the oldest unnamed one
+                    if old[0] is None:
+                        del waiting[old]
+                        break
+        # a block a request waits on is kept once it lands, until the request asks again (as a hit is)
+        self._asked.add(key)
+        self._guard.add(key)
         return answer
 
     def _hit(self, key: bytes, entry: Any, request: Optional[Hashable]) -> None:
@@ -269,8 +276,9 @@ class SlabScheduler:
         """``request`` no longer waits on ``key`` (answered HIT or MISS, or trimmed): a request that waits on
         nothing leaves ``_requests``."""
         keys = self._requests.get(request)
-        if keys is not None:
+        if keys is not None and key in keys:
             keys.discard(key)
+            self._named -= 1
             if not keys:
                 del self._requests[request]
 
@@ -279,6 +287,7 @@ class SlabScheduler:
         no longer its (a later ask of one is another request's lookup key)."""
         keys = self._requests.pop(request, None)
         if keys:
+            self._named -= len(keys)
             waiting = self._waiting
             for k in keys:
                 waiting.pop((request, k), None)
@@ -457,6 +466,7 @@ class SlabScheduler:
         self.core.drop_all()
         self._waiting.clear()
         self._requests.clear()
+        self._named = 0
         self._asked, self._kept, self._looked = set(), set(), False
         self._guard.clear()
         self.core.refresh_gauges()
