@@ -61,6 +61,9 @@ class RemoteTier:
         # ... or this machine invalidated it (any value the server holds then is one the invalidation's tomb
         # deletes): never forgotten before it expires
         self.guards: dict[bytes, float] = {}
+        # keys whose fetch found no host slot: the next ask of each is a miss, whatever the miss TTL (asked again
+        # at once, a request would be told to retry at every step while the slots stay taken)
+        self.no_slot: dict[bytes, None] = {}
         # keys fetched into the host tier and not yet found there by a lookup: that lookup counts them as
         # remote hits (bounded: the oldest are forgotten, then counted as host hits)
         self.landed: dict[bytes, Entry] = {}   # key -> the host entry its fetch published (bounded)
@@ -168,10 +171,14 @@ class RemoteTier:
     def want(self, key: bytes, take_token: Callable[[], uuid.UUID]) -> bool:
         """Ask the server for ``key`` (in no local tier): True while it is being asked (with this step's
         probe, or by a probe or fetch in flight).  False when the server is unavailable, missed it
-        lately, or this step asks for ``remote_prefetch_blocks`` keys already.  Nothing local is
+        lately, the key's last fetch found no host slot (once), or this step asks for ``remote_prefetch_blocks`` keys already.  Nothing local is
         taken: a host slot is reserved only once the server said it holds the key."""
         if key in self.asking:
             return True
+        no_slot = self.no_slot
+        if no_slot and key in no_slot:
+            del no_slot[key]
+            return False
         if (len(self.want_keys) >= self.prefetch or not self.store.available
                 or self.recently_missed(key, time.monotonic()) or self.store.invalidating(key)):
             return False
@@ -209,7 +216,7 @@ class RemoteTier:
         host slot each (WRITING) and are fetched as one job: (token, keys, entries, how many found no slot)
         when queued; a :class:`Refused` when the reader has no room for them (asked before any slot is
         reserved: a reservation may evict), or no slot for any (``"host_full"``).  A key that found no
-        slot is noted missed.  The keys it does not hold are remembered as missed.  The reservations
+        slot is a miss at its next ask (:meth:`want`).  The keys it does not hold are remembered as missed.  The reservations
         evict neither the fetched keys nor ``promised`` (the keys a front end told its requests are hits:
         :attr:`TierCore.promised`)."""
         asking, failed, now = self.asking, r.failed, time.monotonic()
@@ -241,9 +248,13 @@ class RemoteTier:
         for k in found:
             e = hindex.reserve(k, fetch, protect)
             if e is None:   # every slot leased or promised: the rest of the prefix is not fetched this time,
-                for rest in found[len(got):]:   # and a miss until the miss TTL ends (not asked again at once:
-                    del asking[rest]            # a request would be told to retry at every step)
-                    self.note_miss(rest, now)
+                no_slot = self.no_slot          # and a miss at its next ask (not asked again at once: a
+                for rest in found[len(got):]:   # request would be told to retry at every step)
+                    del asking[rest]
+                    no_slot[rest] = None
+                if len(no_slot) > MISSED_MAX:
+                    for k in list(no_slot)[:MISSED_MAX // 4]:
+                        del no_slot[k]
                 break
             got.append(k)
             entries.append(e)

@@ -284,13 +284,22 @@ class SlabScheduler:
 
     def request_finished(self, request: Hashable) -> None:
         """``request`` (as named to :meth:`lookup`) is done, finished or aborted: the blocks it waited for are
-        no longer its (a later ask of one is another request's lookup key)."""
+        no longer its (a later ask of one is another request's lookup key), nor kept for it."""
         keys = self._requests.pop(request, None)
         if keys:
             self._named -= len(keys)
             waiting = self._waiting
             for k in keys:
                 waiting.pop((request, k), None)
+            # a block it waited on is kept for no one now, unless another request waits on it too (kept, the
+            # blocks of a request that went away would stay promised through every step with no lookups)
+            others = self._requests.values()
+            asked, kept, guard = self._asked, self._kept, self._guard
+            for k in keys:
+                if (None, k) not in waiting and not any(k in ks for ks in others):
+                    asked.discard(k)
+                    kept.discard(k)
+                    guard.discard(k)
 
     def touch(self, keys: Iterable[bytes]) -> None:
         self.core.touch(list(keys))
