@@ -171,8 +171,9 @@ class RemoteTier:
     def want(self, key: bytes, take_token: Callable[[], uuid.UUID]) -> bool:
         """Ask the server for ``key`` (in no local tier): True while it is being asked (with this step's
         probe, or by a probe or fetch in flight).  False when the server is unavailable, missed it
-        lately, the key's last fetch found no host slot (once), or this step asks for ``remote_prefetch_blocks`` keys already.  Nothing local is
-        taken: a host slot is reserved only once the server said it holds the key."""
+        lately, the key's last fetch found no host slot (once), or this step asks for
+        ``remote_prefetch_blocks`` keys already.  Nothing local is taken: a host slot is reserved only
+        once the server said it holds the key."""
         if key in self.asking:
             return True
         no_slot = self.no_slot
@@ -216,9 +217,9 @@ class RemoteTier:
         host slot each (WRITING) and are fetched as one job: (token, keys, entries, how many found no slot)
         when queued; a :class:`Refused` when the reader has no room for them (asked before any slot is
         reserved: a reservation may evict), or no slot for any (``"host_full"``).  A key that found no
-        slot is a miss at its next ask (:meth:`want`).  The keys it does not hold are remembered as missed.  The reservations
-        evict neither the fetched keys nor ``promised`` (the keys a front end told its requests are hits:
-        :attr:`TierCore.promised`)."""
+        slot is a miss at its next ask (:meth:`want`).  The keys it does not hold are remembered as
+        missed.  The reservations evict neither the fetched keys nor ``promised`` (the keys a front end
+        told its requests are hits: :attr:`TierCore.promised`)."""
         asking, failed, now = self.asking, r.failed, time.monotonic()
         found: list[bytes] = []
         for i, k in enumerate(keys):
