@@ -141,9 +141,9 @@ class SlabScheduler:
         self._waiting: dict[tuple[Any, bytes], Any] = {}
         self._requests: dict[Any, set[bytes]] = {}
         self._named = 0   # the entries of _waiting of named requests (the sum of _requests' sets' sizes)
-        # keys answered HIT or PENDING since the last tick() (``_looked``: any lookup since), and those of the last
-        # step that made lookups: a store's reservation and the evict-ahead at the end of a step leave them (a
-        # request waiting on a read-back is asked again later)
+        # keys answered HIT, PENDING or RETRY since the last tick() (``_looked``: any lookup since), and those of the
+        # last step that made lookups: a store's reservation and the evict-ahead at the end of a step leave them (a
+        # request waiting on a read-back is asked again later; request_finished drops those it alone waited on)
         self._asked: set[bytes] = set()
         self._looked = False
         self._kept: set[bytes] = set()
@@ -163,10 +163,11 @@ class SlabScheduler:
         A read-back needs a host slot; it never evicts a key in ``protect`` (the keys
         the same request was just told are hits), nor do a read-back, a fetch from the
         remote tier, a store's reservation and the evict-ahead at the end of a step evict a
-        key answered HIT or PENDING in this step or the last that made lookups (:meth:`tick`,
-        :meth:`prepare_store`, ``core.promised``: a request waiting on a read-back is asked
-        again later); a read-back or a fetch that finds no other slot is a miss, so a prefix
-        longer than the slab gets the part that fits instead of evicting itself forever.  The read starts at the end of the
+        key answered HIT, PENDING or RETRY in this step or the last that made lookups, unless
+        the requests that waited on it finished (:meth:`tick`, :meth:`prepare_store`,
+        ``core.promised``: a request waiting on a read-back is asked again later); a read-back
+        or a fetch that finds no other slot is a miss, so a prefix longer than the slab gets the
+        part that fits instead of evicting itself forever.  The read starts at the end of the
         step (:meth:`tick`), with the step's other reads.  A block is one lookup key of a
         request however often it asks for it while it waits (PENDING, RETRY) and once it has
         its answer, and its hit is counted when it is served, a disk hit if it is the read-back
