@@ -14,9 +14,9 @@ What it proved wrong, each test failing before its fix:
 2. ``test_blocks_fetched_for_a_finished_request_do_not_shed_every_later_store`` (a regression of 0ef7073, the
    test passed on 0ef7073^): RETRY keys are kept (``_asked``/``_kept``), ``tick`` keeps ``_kept`` while no step
    makes a lookup, and ``request_finished`` left them: blocks fetched for a request that went away stayed
-   promised through the decode-only steps after it, and every store was shed ``host_full``.  Fixed:
-   ``request_finished`` drops the keys it waited on from ``_asked``/``_kept``/``_guard`` unless another request
-   waits on them too.
+   promised through the decode-only steps after it, and every store was shed ``host_full``.  Fixed: ``tick``
+   keeps the last lookups' keys only while a request waits (round 8 replaced a first fix that dropped a
+   finished request's keys, which unprotected a block another request was told is a hit).
 
 Checked and found right: ``_named`` against ``_requests``/``_waiting`` (lookup, ``_hit``, ``_unwait``,
 ``request_finished``, the REQUESTS_MAX eviction, ``reset``; a seeded random run of named/unnamed lookups,
@@ -113,12 +113,16 @@ def test_a_lock_released_twice_never_frees_the_lock_that_reused_its_number(tmp_p
     lock.release(again)
 
 
-def test_a_finished_requests_block_stays_kept_while_another_request_waits_on_it(rig, redis_url):  # noqa: F811
-    """The other half of 2's fix: a block two requests wait on stays kept when one of them finishes."""
+def test_a_finished_requests_block_stays_kept_while_another_request_waits(rig, redis_url):  # noqa: F811
+    """The other half of 2's fix: the kept blocks go at a tick once no request waits, not before."""
     tiers = rig.open(rig.slab(num_slots=4, row_bytes=ROW, name="b.slab"), remote_url=redis_url)
     assert tiers.lookup(Z, request="r1") is RETRY
-    assert tiers.lookup(Z, request="r2") is RETRY
+    assert tiers.lookup(b"w", request="r2") is RETRY
+    tiers.tick()                        # the step's lookups are kept
     tiers.request_finished("r1")
-    assert Z in tiers._guard and Z in tiers._asked
+    tiers.tick()                        # a step with no lookups: r2 still waits, so they stay
+    assert Z in tiers._guard and Z in tiers._kept
     tiers.request_finished("r2")
-    assert Z not in tiers._guard and Z not in tiers._asked
+    assert Z in tiers._guard            # until the next tick
+    tiers.tick()
+    assert not tiers._guard and not tiers._kept

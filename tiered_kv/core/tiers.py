@@ -321,7 +321,11 @@ class TierCore:
         if out:
             if self.disk is not None and self.config.write_mode == "through":
                 self.start_spills(out)
-            if self.remote is not None:
+            remote = self.remote
+            if remote is not None:
+                if remote.no_slot:   # held here now: a fetch that found no slot before is not a miss any more
+                    for e in out:
+                        remote.no_slot.pop(e.key, None)
                 self.start_puts(out)
         return out
 
@@ -640,12 +644,15 @@ class TierCore:
         disk.store.cancel(d.writer, d.key)
 
     def drop_all(self) -> None:
-        """:meth:`drop_key` for every key of every tier."""
+        """:meth:`drop_key` for every key of every tier (and the keys whose fetch found no slot: every slot
+        is free now)."""
         for e in self.index.entries():
             self.drop_key(e.key)
         if self.dindex is not None:
             for d in self.dindex.entries():
                 self.drop_key(d.key)
+        if self.remote is not None:
+            self.remote.no_slot.clear()
 
     # ------------------------------------------------------------------ reports
     def apply(self, r: Any) -> None:

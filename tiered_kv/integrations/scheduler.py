@@ -142,8 +142,8 @@ class SlabScheduler:
         self._requests: dict[Any, set[bytes]] = {}
         self._named = 0   # the entries of _waiting of named requests (the sum of _requests' sets' sizes)
         # keys answered HIT, PENDING or RETRY since the last tick() (``_looked``: any lookup since), and those of the
-        # last step that made lookups: a store's reservation and the evict-ahead at the end of a step leave them (a
-        # request waiting on a read-back is asked again later; request_finished drops those it alone waited on)
+        # last step that made lookups, while a request waits: a store's reservation and the evict-ahead at the end
+        # of a step leave them (a request waiting on a read-back is asked again later)
         self._asked: set[bytes] = set()
         self._looked = False
         self._kept: set[bytes] = set()
@@ -163,8 +163,8 @@ class SlabScheduler:
         A read-back needs a host slot; it never evicts a key in ``protect`` (the keys
         the same request was just told are hits), nor do a read-back, a fetch from the
         remote tier, a store's reservation and the evict-ahead at the end of a step evict a
-        key answered HIT, PENDING or RETRY in this step or the last that made lookups, unless
-        the requests that waited on it finished (:meth:`tick`, :meth:`prepare_store`,
+        key answered HIT, PENDING or RETRY in this step or the last that made lookups, while a
+        request waits to be asked again (:meth:`tick`, :meth:`prepare_store`,
         ``core.promised``: a request waiting on a read-back is asked again later); a read-back
         or a fetch that finds no other slot is a miss, so a prefix longer than the slab gets the
         part that fits instead of evicting itself forever.  The read starts at the end of the
@@ -285,22 +285,14 @@ class SlabScheduler:
 
     def request_finished(self, request: Hashable) -> None:
         """``request`` (as named to :meth:`lookup`) is done, finished or aborted: the blocks it waited for are
-        no longer its (a later ask of one is another request's lookup key), nor kept for it."""
+        no longer its (a later ask of one is another request's lookup key); the blocks kept for the last
+        lookups go at the next :meth:`tick` once no request waits (see there)."""
         keys = self._requests.pop(request, None)
         if keys:
             self._named -= len(keys)
             waiting = self._waiting
             for k in keys:
                 waiting.pop((request, k), None)
-            # a block it waited on is kept for no one now, unless another request waits on it too (kept, the
-            # blocks of a request that went away would stay promised through every step with no lookups)
-            others = self._requests.values()
-            asked, kept, guard = self._asked, self._kept, self._guard
-            for k in keys:
-                if (None, k) not in waiting and not any(k in ks for ks in others):
-                    asked.discard(k)
-                    kept.discard(k)
-                    guard.discard(k)
 
     def touch(self, keys: Iterable[bytes]) -> None:
         self.core.touch(list(keys))
@@ -510,6 +502,11 @@ class SlabScheduler:
             guard = self._guard
             guard.clear()
             guard.update(self._kept)
+        elif self._kept and not self._waiting:
+            # ... while a request waits to be asked again (vLLM may skip it for a step); once none does (each
+            # scheduled, finished or aborted), nothing is promised: the next steps' stores may take those slots
+            self._kept = set()
+            self._guard.clear()
         core.end_step(True, protect=self._kept)
 
     @property
