@@ -53,6 +53,8 @@ def _stores(tiers, n: int, tag: bytes = b"decode") -> list[list[bytes]]:
     """``n`` decode-only engine steps: each stores one new block (no lookups), then on_schedule_end."""
     stored = []
     for i in range(n):
+        if tiers.core.remote is not None:   # the last blocks' remote puts answered: their slots are read no more
+            assert tiers.flush(timeout=30)  # (a put in flight leases its slot: what a store may evict is timing)
         p = tiers.prepare_store([tag + b"-%d" % i])
         stored.append(p.keys)
         if p.keys:

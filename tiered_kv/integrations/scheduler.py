@@ -293,6 +293,16 @@ class SlabScheduler:
             waiting = self._waiting
             for k in keys:
                 waiting.pop((request, k), None)
+            remote = self.core.remote
+            if remote is not None and remote.no_slot:   # its fetch's no-slot marks: not a miss for a later ask
+                for k in keys:                           # (another request waiting on one is asked again)
+                    remote.no_slot.pop(k, None)
+
+    def request_scheduled(self, request: Hashable) -> None:
+        """``request`` was scheduled (its load or its stores are prepared): its lookups are over, and a wait it
+        left on a block it did not ask again (its lookups started past it, or stopped before it) is dropped as at
+        :meth:`request_finished`, so that it keeps no block kept while it runs (:meth:`tick`)."""
+        self.request_finished(request)
 
     def touch(self, keys: Iterable[bytes]) -> None:
         self.core.touch(list(keys))
@@ -308,8 +318,12 @@ class SlabScheduler:
         self.core.link(keys)
 
     # ------------------------------------------------------------ loads
-    def prepare_load(self, keys: Sequence[bytes]) -> Prepared:
-        """Lease the READY host slots of ``keys`` to a load job (the engine copies them to the device)."""
+    def prepare_load(self, keys: Sequence[bytes], request: Optional[Hashable] = None) -> Prepared:
+        """Lease the READY host slots of ``keys`` to a load job (the engine copies them to the device).
+        ``request``: the request it loads for, scheduled now: it waits on nothing any more
+        (:meth:`request_scheduled`)."""
+        if request is not None and request in self._requests:
+            self.request_scheduled(request)
         keys = list(keys)
         if not keys:
             raise InvalidKeyError("prepare_load of no keys (vLLM loads only the keys lookup reported as hits)")
@@ -343,18 +357,21 @@ class SlabScheduler:
         self.metrics.count(self.metrics.job_outcome[(_LOAD, "ok" if r.ok else "failed")])
 
     # ------------------------------------------------------------ stores
-    def prepare_store(self, keys: Sequence[bytes], chain: bool = True) -> Prepared:
+    def prepare_store(self, keys: Sequence[bytes], chain: bool = True, request: Optional[Hashable] = None) -> Prepared:
         """Reserve host slots for the keys not offloaded yet.
 
         A key already in a tier is skipped; one that finds no evictable slot is shed
         (counted in ``tiered_kv_shed_total``), so the engine just stores less.  The
-        reservation evicts neither these keys nor a key a lookup answered HIT or PENDING
+        reservation evicts neither these keys nor a key a lookup answered HIT, PENDING or RETRY
         in this step (vLLM makes a step's lookups before its stores), or in a step that
         made none, in the last step that did (as the evict-ahead, :meth:`tick`): a request
         deferred by a read-back finds, when asked again, the blocks it was told are hits.
         ``chain``: ``keys`` are consecutive blocks of one sequence (False: the caller says
-        the links itself with :meth:`link`).
+        the links itself with :meth:`link`).  ``request``: the request that stores them, scheduled:
+        it waits on nothing any more (:meth:`request_scheduled`).
         """
+        if request is not None and request in self._requests:
+            self.request_scheduled(request)
         keys = list(keys)
         self._check_keys(keys)
         core = self.core

@@ -379,7 +379,7 @@ class TieredKVOffloadingManager(OffloadingManager):
         return _RESULT[result]
 
     def prepare_load(self, keys: Collection[Any], req_context: ReqContext) -> LoadStoreSpec:
-        p = self.tiers.prepare_load([_key(k) for k in keys])
+        p = self.tiers.prepare_load([_key(k) for k in keys], request=req_context.req_id)
         return TieredKVLoadStoreSpec(p.token, p.seq, p.slots)
 
     def touch(self, keys: Collection[Any], req_context: ReqContext) -> None:
@@ -393,7 +393,8 @@ class TieredKVOffloadingManager(OffloadingManager):
         if self._chains_on:
             for k in ks:
                 self._follow(k, req_context)
-        p = self.tiers.prepare_store(ks, chain=False)   # one boundary's keys, one per KV group: no chain
+        # one boundary's keys, one per KV group: no chain
+        p = self.tiers.prepare_store(ks, chain=False, request=req_context.req_id)
         if self._events_on:   # in the order they happened: stores published before, then these evictions
             self._record(self.tiers.take_published(), removed=False)
             self._record(p.evicted, removed=True)
