@@ -21,6 +21,10 @@ Invariants:
 * a reader that finds a slot's bytes changed under it (the entry was dropped and the slot reused
   meanwhile) reports a miss, not corruption: it re-reads the index before blaming the bytes;
 * every read transaction runs under the environment's ``rw`` lock, shared (see env.py).
+
+Longer than the project's usual 500 lines: the held reads, the reports of the reads the owner served
+(``_served``), the queue and the threads that replace a dead reader all move reads between the same
+lists under one lock, in steps an interrupt must not split; split, each part would reach into the others'.
 """
 
 from __future__ import annotations
