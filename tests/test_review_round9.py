@@ -32,10 +32,11 @@ from __future__ import annotations
 import pytest
 
 from test_review_round6 import H1, H2, Z
+from test_review_round8 import _stores
 from test_review_scheduler4 import _ask, _remote_writer, _until_fetched
 from test_review_scheduler_logic import ROW, _disk_only
 from test_vllm_scheduler import (  # noqa: F401  (rig: the fixture)
-    mark, metric, rig, store_ready, wait_promotes, worker_store,
+    mark, metric, rig, store_ready, wait_promotes,
 )
 from tiered_kv.integrations.scheduler import Lookup
 
@@ -46,19 +47,6 @@ DK = b"dk-on-the-disk"
 W = b"w-not-on-the-server"
 
 
-def _stores(tiers, n: int, tag: bytes = b"decode") -> list[list[bytes]]:
-    """``n`` decode-only engine steps: each stores one new block (no lookups), then on_schedule_end."""
-    stored = []
-    for i in range(n):
-        if tiers.core.remote is not None:   # the last blocks' remote puts answered: their slots are read no more
-            assert tiers.flush(timeout=30)  # (a put in flight leases its slot: what a store may evict is timing)
-        p = tiers.prepare_store([tag + b"-%d" % i])
-        stored.append(p.keys)
-        if p.keys:
-            worker_store(tiers.slab, p.keys, p.slots, p.seq)
-            tiers.complete_store(p.keys)
-        tiers.tick()
-    return stored
 
 
 # =========================================================================== 1. another request's lookups
