@@ -38,6 +38,7 @@ from test_review_scheduler_logic import ROW, _disk_only
 from test_vllm_scheduler import (  # noqa: F401  (rig: the fixture)
     mark, metric, rig, store_ready, wait_promotes,
 )
+from tiered_kv.errors import InvalidKeyError
 from tiered_kv.integrations.scheduler import Lookup
 
 pytestmark = pytest.mark.timeout(60)
@@ -141,3 +142,20 @@ def test_a_store_of_a_scheduled_request_drops_the_waits_it_left(rig, redis_url):
     assert ("r", W) in tiers._waiting
     tiers.prepare_store([b"r-new-block-2"], request="r")
     assert ("r", W) not in tiers._waiting and not tiers._requests
+
+
+# =========================================================================== a refused call changes nothing
+@pytest.mark.parametrize("call", ["prepare_load", "prepare_store"])
+def test_a_refused_prepare_leaves_the_requests_waits(rig, call):
+    """``prepare_load``/``prepare_store`` named their request scheduled (its waits dropped) before checking their
+    keys: a call refused with ``InvalidKeyError`` had already changed the scheduler's state.  Fixed: the keys are
+    checked first."""
+    tiers = _disk_only(rig, [DK], num_slots=3, host_evict_ahead_blocks=0)
+    store_ready(tiers, [H1])
+    tiers.tick()
+    assert _ask(tiers, "r", [H1, DK]) == ([H1], True)   # r waits on DK's read-back
+    waits = dict(tiers._waiting)
+    assert ("r", DK) in waits
+    with pytest.raises(InvalidKeyError):
+        getattr(tiers, call)([H1, b""], request="r")    # an empty key: refused
+    assert tiers._waiting == waits and "r" in tiers._requests, "a refused call dropped r's waits"

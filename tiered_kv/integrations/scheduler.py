@@ -322,8 +322,6 @@ class SlabScheduler:
         """Lease the READY host slots of ``keys`` to a load job (the engine copies them to the device).
         ``request``: the request it loads for, scheduled now: it waits on nothing any more
         (:meth:`request_scheduled`)."""
-        if request is not None and request in self._requests:
-            self.request_scheduled(request)
         keys = list(keys)
         if not keys:
             raise InvalidKeyError("prepare_load of no keys (vLLM loads only the keys lookup reported as hits)")
@@ -332,6 +330,8 @@ class SlabScheduler:
             if self.core.index.ready(k) is None:
                 raise InvalidKeyError(f"prepare_load of key {k!r:.80} that lookup did not report as a hit "
                                       f"(state: {self.core.index.get(k)!r:.120})")
+        if request is not None and request in self._requests:   # after the checks: a refused call changes nothing
+            self.request_scheduled(request)
         job = self.core.begin_load(keys, promote=False, bounded=False)
         assert job is not None  # every key READY and no bound: the core always starts it
         self._register(job)
@@ -370,10 +370,10 @@ class SlabScheduler:
         the links itself with :meth:`link`).  ``request``: the request that stores them, scheduled:
         it waits on nothing any more (:meth:`request_scheduled`).
         """
-        if request is not None and request in self._requests:
-            self.request_scheduled(request)
         keys = list(keys)
         self._check_keys(keys)
+        if request is not None and request in self._requests:   # after the checks: a refused call changes nothing
+            self.request_scheduled(request)
         core = self.core
         protect = frozenset(keys)
         asked = self._asked if self._looked else self._kept
