@@ -153,6 +153,7 @@ def test_a_no_slot_mark_does_not_make_a_miss_of_a_later_ask_once_the_key_was_sto
     tiers = _no_slot_for_z(rig, redis_url)
     tiers.request_finished("r")                   # r went away (never asked Z again)
     _a_step_that_keeps_nothing(tiers, b"unrelated")
+    assert tiers.flush(timeout=30)                # H1's, H2's remote puts answered: their slots are evictable
     store_ready(tiers, [Z], tag="engine")         # another request computed Z; the engine stores it
     assert tiers.lookup(Z, request="q2") is HIT
     tiers.tick()
