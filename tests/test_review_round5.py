@@ -105,23 +105,26 @@ def test_thread_a_close_interrupted_after_the_lock_release_does_not_release_anot
 
 
 # =============================================================================== d274653: ProcessDiskStore._release
+@pytest.mark.parametrize("whose", ["store", "tier"])
 def test_process_a_close_interrupted_at_the_lock_release_still_frees_the_path(
-        drig: dh.Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+        drig: dh.Rig, monkeypatch: pytest.MonkeyPatch, whose: str) -> None:
+    """The path lock of the disk I/O process has two shares (the store's and the tier's, which keeps the path
+    locked while a dead child is replaced): a close interrupted as either is closed is finished by the next."""
     kv = dh.make_kv(rows=8)
     mgr = drig.open(kv, host_slots=8, disk_slots=64, disk_io="process")
     dh.store_seq(mgr, kv, dh.keys(2, "r"))
-    store = mgr.disk
-    lock_fd = store._lock_fd
-    real_release = lock_mod.release
+    lock_fd = mgr.disk._lock_fd if whose == "store" else mgr._core.disk._path_lock
+    assert lock_fd is not None and lock_fd >= 0
+    real_leave = lock_mod.leave
     fired: list[int] = []
 
     def interrupt_at_entry(fd: int) -> None:
-        if not fired and fd == lock_fd:
+        if not fired and fd is lock_fd:
             fired.append(fd)
-            raise KeyboardInterrupt   # handled at lock.release's first instruction: nothing released yet
-        real_release(fd)
+            raise KeyboardInterrupt   # handled at lock.leave's first instruction: nothing closed yet
+        real_leave(fd)
 
-    monkeypatch.setattr(lock_mod, "release", interrupt_at_entry)
+    monkeypatch.setattr(lock_mod, "leave", interrupt_at_entry)
     try:
         with pytest.raises(KeyboardInterrupt):
             mgr.close()
@@ -131,7 +134,7 @@ def test_process_a_close_interrupted_at_the_lock_release_still_frees_the_path(
         dh.assert_reopens(drig, kv, host_slots=8, disk_slots=64, disk_io="process")
     finally:
         monkeypatch.undo()
-        lock_mod.release(lock_fd)         # (a no-op once released)
+        lock_mod.leave(lock_fd)           # (a no-op once closed)
 
 
 # =============================================================================== 836df1b: _adopt run again

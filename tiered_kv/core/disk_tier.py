@@ -19,7 +19,9 @@ from typing import Optional, Union
 
 from ..config import TieredKVConfig
 from ..disk import NOT_READ, SPILL_PREVENTED, DiskOptions, DiskStore
+from ..disk import lock as path_lock
 from ..disk.proc import ProcessDiskStore, ProcessStartError, SharedHost
+from ..disk.store import take_path
 from ..errors import DiskInUseError, DiskTierError
 from ..jobs import JobKind
 from ..metrics import Metrics
@@ -126,12 +128,17 @@ class DiskTier:
     ``usable`` turns False once the writer is gone: reads go on, spills are shed.  With the
     disk I/O process (``disk_io="process"``) a writer that is gone is a child that died, and
     :meth:`restart` starts a new one (``usable`` again); a writer thread that died stays gone.
+    ``path_lock``: with the disk I/O process, the tier's own share of the path's lock, held from the open
+    to :meth:`leave_path` (each store has another): the path stays locked while a dead child is replaced,
+    and through the back-off after a start that failed.
     """
 
     def __init__(self, store: Union[DiskStore, ProcessDiskStore], index: TierIndex, metrics: Metrics,
                  reopen: Optional[Callable[[], Union[DiskStore, ProcessDiskStore]]] = None,
-                 on_error: Callable[[str, str], None] = lambda kind, msg: None) -> None:
+                 on_error: Callable[[str, str], None] = lambda kind, msg: None,
+                 path_lock: Optional[path_lock.LockFd] = None) -> None:
         self.store = store
+        self._path_lock = path_lock
         self.index = index
         self.usable = True
         self._metrics = metrics
@@ -181,33 +188,50 @@ class DiskTier:
         on_corrupt = on_error.corrupt
         if cfg.disk_io == "process" and host is None:
             log.info("disk_io='process' needs a shareable host slab; this front end gave none: disk I/O on threads")
+        held: list[path_lock.LockFd] = []   # the tier's share of the path lock (disk I/O process only)
 
         def make() -> Union[DiskStore, ProcessDiskStore]:
-            if cfg.disk_io == "process" and host is not None:
+            if held:   # each store of the disk I/O process uses a share of the tier's lock (never unlocked)
+                assert host is not None
+                try:
+                    share = path_lock.share(held[0])
+                except OSError as exc:   # out of descriptors, or the tier closed (a start abandoned at close)
+                    raise DiskTierError(f"disk_path {str(cfg.disk_dir)!r}: no share of its lock for a disk I/O "
+                                        f"process: {exc}") from exc
                 return ProcessDiskStore(opts, completions, host, on_error=on_error,
-                                        on_prevented=m.orphaned_prevented.inc, on_corrupt=on_corrupt)
+                                        on_prevented=m.orphaned_prevented.inc, on_corrupt=on_corrupt, lock_fd=share)
             return DiskStore(opts, completions, on_error=on_error, on_prevented=m.orphaned_prevented.inc,
                              on_corrupt=on_corrupt)
 
         try:
             try:
+                if cfg.disk_io == "process" and host is not None:
+                    held.append(take_path(cfg.disk_dir))   # type: ignore[arg-type]
                 store = make()
             except ProcessStartError as exc:   # this Python cannot run the child: the same store, as threads
                 log.warning("disk tier %s: %s; its I/O runs as threads of this process instead", cfg.disk_dir, exc)
                 on_error("io_process_start_failed", str(exc))
+                path_lock.release(held.pop())   # the threads' store takes the lock itself
                 store = DiskStore(opts, completions, on_error=on_error, on_prevented=m.orphaned_prevented.inc,
                                   on_corrupt=on_corrupt)
         except DiskInUseError:
+            if held:
+                path_lock.release(held.pop())
             raise
         except DiskTierError as exc:
+            if held:
+                path_lock.release(held.pop())
             on_error("open_failed", str(exc))
             m.enable_disk_health(False)
             return None
+        except BaseException:
+            if held:
+                path_lock.release(held.pop())
+            raise
         index = TierIndex(index_blocks, policy=make_policy(cfg.disk_policy, index_blocks),
                           admission=None if cfg.disk_admission == "all"
                           else make_admission(cfg.disk_admission, index_blocks))
-        tier = cls(store, index, metrics, make if isinstance(store, ProcessDiskStore) else None,
-                   on_error)
+        tier = cls(store, index, metrics, make if held else None, on_error, held[0] if held else None)
         tier.index._on_evict = lambda d: tier._evicted(d, on_evict)
         tier.on_gone = on_evict
         tier._replay_recovered()
@@ -247,6 +271,28 @@ class DiskTier:
     def down(self) -> bool:
         """The disk I/O process died and every op it had was answered: time for :meth:`restart`."""
         return self._reopen is not None and (self._adopting is not None or getattr(self.store, "down", False))
+
+    @property
+    def died(self) -> bool:
+        """The disk I/O process died (on its own: not killed by a close it outlasted), and no new one was
+        adopted yet, or the start of one is under way: a close then starts (or finishes) one more, to
+        reconcile (:meth:`restart`)."""
+        return self._reopen is not None and (self._starting is not None or self._adopting is not None
+                                             or getattr(self.store, "died", False))
+
+    @property
+    def restarting(self) -> bool:
+        """A start of a new disk I/O process, or its adoption, is under way (one an interrupt broke off)."""
+        return self._starting is not None or self._adopting is not None
+
+    def leave_path(self) -> None:
+        """The tier's share of the path lock goes (its final close, after its store's): the path is free once
+        no share is left -- none of a store, nor of a child that did not exit (it stays held until that child
+        is gone).  Once: a second call does nothing."""
+        fd = self._path_lock
+        if fd is not None:
+            path_lock.leave(fd)   # (run again after an interrupt here: does nothing)
+            self._path_lock = None
 
     @property
     def dead(self) -> bool:

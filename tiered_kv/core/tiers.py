@@ -153,6 +153,7 @@ class TierCore:
         self.evicted: list[bytes] = []     # keys no longer in any tier (collect_evicted only)
         self.disk_closing = False          # close_disk() is closing the disk store (its restart is behind it)
         self.disk_closed = False           # ... and closed it
+        self.disk_reconciled = False       # ... after one more start, for a disk I/O process that died
         self.published: list[bytes] = []   # keys stores and remote fetches made READY (collect_published only)
         # write-back: a host victim never offered to the disk is counted (shed, evicted_unwritten)
         self.write_back = config.write_mode == "back" and config.disk_path is not None
@@ -205,6 +206,7 @@ class TierCore:
             except BaseException:
                 if self.disk is not None:
                     self.disk.store.close()
+                    self.disk.leave_path()
                 raise
 
     @staticmethod
@@ -1156,24 +1158,30 @@ class TierCore:
         disk = self.disk
         if disk is None or self.disk_closed:
             return
-        if not self.disk_closing:   # (a store whose close an interrupt broke off is down by its own close,
-            n = self.n_in_flight    # which is no death to restart it for: its close is finished below)
+        if not self.disk_closing:
+            n = self.n_in_flight
             block_until(lambda: n[_SPILL] == 0, CLOSE_TIMEOUT_S)
             if disk.dead and not disk.down:
                 # the I/O process died and its ops are still being answered: wait for those answers, so that
                 # the reconciling start below is not skipped
                 block_until(lambda: disk.down, CLOSE_TIMEOUT_S)
-            if disk.down:
-                # the I/O process died and no pass restarted it (the owner was closing, or in the restart's
-                # back-off): a key invalidated or evicted meanwhile is still on disk, its delete lost with the
-                # process.  One more start reconciles the disk with the index and deletes it, so that the
-                # next open does not find it
-                self.apply_arrived()
-                disk.restart(force=True)
             self.disk_closing = True
+        if disk.restarting:   # a start (or its adoption) a pass or an interrupted close left: finished first
+            self.apply_arrived()
+            disk.restart(force=True)
         disk.store.close()   # idempotent: a close an interrupt broke off is finished by the next one
-        self.disk_closed = True
         self.apply_arrived()
+        if disk.died and not self.disk_reconciled:
+            # the I/O process died -- before the close, and no pass restarted it (the owner was closing, or in
+            # the restart's back-off), or during it --: a key invalidated or evicted meanwhile is still on disk,
+            # its delete lost with the process.  One more start reconciles the disk with the index and deletes
+            # it, so that the next open does not find it (once: a second death ends the close)
+            disk.restart(force=True)
+            self.disk_reconciled = True
+            disk.store.close()
+            self.apply_arrived()
+        disk.leave_path()
+        self.disk_closed = True
 
     def simple_block_until(self, done: Callable[[], bool], timeout: Optional[float]) -> None:
         """Apply reports as they arrive until ``done()`` or the timeout (front ends without copies to run).

@@ -16,6 +16,7 @@ the descriptors passed to it (the disk I/O process gets the lock's, ``pass_fds``
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import threading
@@ -23,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Union
 
-__all__ = ["LOCK_NAME", "LockFd", "LockHeld", "take", "release", "leave", "holder_pid", "fsync_path", "sync_dirs"]
+__all__ = ["LOCK_NAME", "LockFd", "LockHeld", "take", "release", "share", "leave", "holder_pid", "fsync_path", "sync_dirs"]
 
 LOCK_NAME = "tiered_kv.lock"
 ORPHAN_WAIT_S = 10.0   # how long take() waits for the I/O process of a dead owner to exit
@@ -153,6 +154,20 @@ def release(fd: int) -> None:
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
+
+
+def share(fd: "LockFd") -> "LockFd":
+    """Another descriptor of the lock ``fd`` holds (``dup``: the same open file, so the same lock), for
+    :func:`leave` only: the lock stays held while any of its descriptors is open (here or in a child it was
+    passed to), so a holder of several can close one (a disk I/O process replaced) without the path ever
+    being free.  Raises :class:`OSError` when it cannot be made (out of descriptors), or when ``fd`` no
+    longer holds the lock (left or released)."""
+    with _fds:
+        if _held.get(fd) is not fd:   # left or released already: its number may be another file's by now
+            raise OSError(errno.EBADF, "the lock is not held by this descriptor any more")
+        dup = LockFd(os.dup(fd))
+        _held[dup] = dup
+    return dup
 
 
 def leave(fd: int) -> None:

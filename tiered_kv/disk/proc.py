@@ -110,12 +110,18 @@ class ProcessDiskStore:
     """The owner's handle on a :class:`DiskStore` running in a child process; the same owner-side API.
 
     Raises like :class:`DiskStore` at open: :class:`DiskInUseError` when the path is held,
-    :class:`DiskTierError` when it cannot be opened (or the child cannot start)."""
+    :class:`DiskTierError` when it cannot be opened (or the child cannot start).
+
+    ``lock_fd``: a share (:func:`.lock.share`) of the path's lock that its holder -- the disk tier, which
+    replaces a child that died -- keeps beside this store: the store uses it instead of taking the lock, and
+    closes it without unlocking (at its close, or when its start fails), so the path is never free while
+    the holder lives."""
 
     def __init__(self, opts: DiskOptions, completions: CompletionQueue, host: SharedHost,
                  on_error: Callable[[str, str], None] = lambda kind, msg: None,
                  on_prevented: Callable[[], None] = lambda: None,
-                 on_corrupt: Callable[[str], None] = lambda reason: None) -> None:
+                 on_corrupt: Callable[[str], None] = lambda reason: None,
+                 lock_fd: Optional[lock.LockFd] = None) -> None:
         self.opts = opts
         self._out = completions
         self._host = host
@@ -146,12 +152,15 @@ class ProcessDiskStore:
         self.recovery = RecoveryReport()
         self.entries: list[StoredEntry] = []
         self._child_left = False          # an open that failed killed the child, which did not exit (yet)
-        self._lock_fd = take_path(opts.path)
+        self._killed = False              # close() killed the child for outlasting its deadline
+        self.died = False                 # the child ended without closing, and close() did not kill it
+        self._lock_shared = lock_fd is not None   # a share of its holder's lock: closed, never unlocked
+        self._lock_fd = take_path(opts.path) if lock_fd is None else lock_fd
         try:
             self._start()
         except BaseException:
-            if self._child_left:   # the lock stays with the child's share of it: free once the child is gone
-                lock.leave(self._lock_fd)
+            if self._child_left or self._lock_shared:   # the lock stays with the other shares: the child's (free
+                lock.leave(self._lock_fd)                # once it is gone), the holder's
             else:
                 lock.release(self._lock_fd)
             self._lock_fd = -1
@@ -344,6 +353,7 @@ class ProcessDiskStore:
             rest, self._outstanding = self._outstanding, {}
             self._dead = True
         if not closed:
+            self.died = not self._killed
             log.error("disk tier %s: the disk I/O process (pid %d) exited with status %s; %d op(s) in flight "
                       "answered as failed", self.opts.path, self.pid, self.exit_code, len(rest))
             self._host_call(self._on_error, "io_process_died", f"pid {self.pid} exited with status {self.exit_code}")
@@ -600,6 +610,7 @@ class ProcessDiskStore:
         if self._receiver.is_alive():   # the child does not finish: stop it (its ops are answered by _gone)
             log.error("disk tier %s: the disk I/O process did not close within %.0f s; killed",
                       self.opts.path, _CLOSE_TIMEOUT_S)
+            self._killed = True
             self._proc.kill()
             self._receiver.join(_KILLED_EXIT_S)
         if self._receiver.is_alive():
@@ -634,7 +645,7 @@ class ProcessDiskStore:
             finally:
                 lock_fd = self._lock_fd
                 if lock_fd >= 0:
-                    lock.release(lock_fd)
+                    (lock.leave if self._lock_shared else lock.release)(lock_fd)
                     self._lock_fd = -1
 
     def kill_for_test(self, sig: int = signal.SIGKILL) -> None:
