@@ -418,8 +418,8 @@ def test_invalidate_drops_own_unsent_puts(rig: Rig, redis_url: str, redis_server
 
 
 def test_tombs_expire(rig: Rig, redis_url: str, redis_server: RedisServer) -> None:
-    # a tomb of 1 s must outlive a write in flight: a deadline and timeouts shorter than that
-    h = rig.open(redis_url, tomb_ttl_seconds=1, ttl_seconds=None, write_deadline_s=0.3, timeout_s=0.3)
+    # a tomb of 1 s must outlive twice a write in flight: a deadline and timeouts shorter than half that
+    h = rig.open(redis_url, tomb_ttl_seconds=1, ttl_seconds=None, write_deadline_s=0.05, timeout_s=0.2)
     keys, data = blocks(2)
     (tok, _), r = h.put(keys, data)
     raw = redis_server.client()

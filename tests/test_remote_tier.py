@@ -376,7 +376,7 @@ def test_a_remote_write_of_many_blocks_is_one_job_against_max_inflight(managers:
     """A step's remote writes are one job: they must not crowd the engine's own stores out."""
     fresh_redis.pause(30.0, mode="WRITE")   # the writes stay in flight while the engine goes on
     a = managers(remote_config(fresh_redis.url, max_inflight_jobs=4, remote_timeout_seconds=20.0,
-                               remote_write_deadline_seconds=60.0, remote_tomb_ttl_seconds=200), rows=16)
+                               remote_write_deadline_seconds=60.0, remote_tomb_ttl_seconds=300), rows=16)
     store_all(a, keys(8, "first"))
     assert a._core.n_in_flight[JobKind.PUT] == 1
     store_all(a, keys(8, "second"), first_row=8)
@@ -399,10 +399,12 @@ def test_a_bad_remote_url_is_refused_naming_it_without_its_password(url: str, na
 def test_a_tombstone_shorter_than_a_write_can_be_in_flight_is_refused() -> None:
     from tiered_kv.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="remote_tomb_ttl_seconds=12 must exceed"):
+    # a write is refused past half a tombstone's lifetime from when it was queued: half must exceed the longest a
+    # write can be in flight, 10 + 2 x 1 s
+    with pytest.raises(ConfigError, match="remote_tomb_ttl_seconds=24 must exceed twice"):
         TieredKVConfig(namespace=NS, host_capacity_bytes=ROW, remote_url="redis://h:1",
-                       remote_tomb_ttl_seconds=12, remote_write_deadline_seconds=10.0, remote_timeout_seconds=1.0)
-    TieredKVConfig(namespace=NS, host_capacity_bytes=ROW, remote_url="redis://h:1", remote_tomb_ttl_seconds=13,
+                       remote_tomb_ttl_seconds=24, remote_write_deadline_seconds=10.0, remote_timeout_seconds=1.0)
+    TieredKVConfig(namespace=NS, host_capacity_bytes=ROW, remote_url="redis://h:1", remote_tomb_ttl_seconds=25,
                    remote_write_deadline_seconds=10.0, remote_timeout_seconds=1.0)
 
 

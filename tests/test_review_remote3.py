@@ -156,7 +156,7 @@ def relay(redis_server: Any) -> Any:
 # --------------------------------------------------------------------------- 1. a late put outlives its tombstone
 def test_a_put_answered_failed_is_not_published_after_a_later_invalidations_tomb_expired(
         rig: Any, relay: HoldingRelay, redis_url: str, redis_server: Any) -> None:  # noqa: F811
-    opts = dict(timeout_s=0.5, write_deadline_s=0.5, tomb_ttl_seconds=2)   # 2 > 0.5 + 2 x 0.5: the bound holds
+    opts = dict(timeout_s=0.3, write_deadline_s=0.3, tomb_ttl_seconds=2)   # 2 > 2 x (0.3 + 2 x 0.3): the bound holds
     a = rig.open(relay.url, **opts)             # machine A, its link to the server delays the write
     b = rig.open(redis_url, **opts)             # machine B, next to the server
     keys, data = blocks(1)

@@ -171,10 +171,11 @@ class TieredKVConfig:
     remote_ttl_seconds: remote values expire after this long; ``None``: never
         (the server's ``maxmemory`` policy evicts).
     remote_tomb_ttl_seconds: how long a remote tombstone (an invalidated key, a
-        cancelled write) refuses writes from every machine; must exceed the
+        cancelled write) refuses writes from every machine; must exceed twice the
         longest a write can be in flight, ``remote_write_deadline_seconds`` plus two
-        ``remote_timeout_seconds``.  The machine that invalidated a key does not ask
-        the server for it meanwhile.
+        ``remote_timeout_seconds`` (a write is refused past half a tombstone's
+        lifetime from when it was queued).  The machine that invalidated a key does
+        not ask the server for it meanwhile.
     remote_timeout_seconds: socket timeout of one round trip to the server.
     remote_queue_blocks: bound of the remote writes queued (shed beyond).
     remote_batch_blocks: commands per pipelined round trip.

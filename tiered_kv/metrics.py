@@ -43,8 +43,9 @@ _LINKS = (("device", "host"), ("host", "device"), ("host", "disk"), ("disk", "ho
           ("remote", "host"))
 _KINDS = tuple(JobKind)
 REFUSED_REASONS = ("tomb", "token")
-# what verify_entry can say of a remote value (the disk's reasons less those of recovery)
-REMOTE_CORRUPT_REASONS = tuple(r for r in CORRUPT_REASONS if r not in ("recovery", "foreign"))
+# what verify_entry can say of a remote value (the disk's reasons less those of recovery), and a value of another
+# type than a string under a block's name
+REMOTE_CORRUPT_REASONS = tuple(r for r in CORRUPT_REASONS if r not in ("recovery", "foreign")) + ("wrong_type",)
 
 
 def _bucket_bounds(child: Any) -> Optional[tuple[float, ...]]:

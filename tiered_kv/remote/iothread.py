@@ -73,11 +73,13 @@ class IOThread:
 
     def wait_idle(self, timeout: float) -> bool:
         """Block until everything queued so far was sent and answered; False on timeout, and False as soon as
-        queued work is held back (:meth:`_held`): nothing to wait for until the server answers again."""
+        queued work is held back (:meth:`_held`): nothing to wait for until the server answers again, or once the
+        thread is gone for good (not :attr:`healthy`): nothing will be sent any more."""
         with self._cond:
             self._notify()
-            done = self._cond.wait_for(lambda: self._held() or (not self._queued() and not self._busy), timeout)
-            return done and not self._held()
+            done = self._cond.wait_for(
+                lambda: self._held() or not self.healthy or (not self._queued() and not self._busy), timeout)
+            return done and not self._held() and self.healthy
 
     def begin_close(self, deadline: float) -> None:
         with self._cond:

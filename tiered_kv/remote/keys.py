@@ -84,6 +84,11 @@ return gone
 
 # KEYS: value; ARGV: sha1 hex of the bad value a reader saw.  Never deletes a value written since.
 DROP_IF_SAME = """
+if ARGV[1] == '' then
+  local t = redis.call('TYPE', KEYS[1])
+  if t.ok ~= 'string' and t.ok ~= 'none' then return redis.call('DEL', KEYS[1]) end
+  return 0
+end
 local v = redis.call('GET', KEYS[1])
 if v and redis.sha1hex(v) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0

@@ -183,6 +183,13 @@ class Reader(IOThread):
                 reason: Optional[str] = FETCH_MISS
             elif job.probe and not isinstance(value, BaseException):
                 reason = None   # held (its bytes are verified when it is fetched)
+            elif isinstance(value, BaseException) and not job.probe and str(value).startswith("WRONGTYPE"):
+                # a value of another type under a block's name (anything else sharing the server): a foreign
+                # value, a counted miss, deleted if it is still not a string (DROP_IF_SAME with no sha)
+                reason = FETCH_CORRUPT
+                log.warning("%s: a value of another type under a block's name: a miss, deleted", self.name)
+                self._on_corrupt("wrong_type")
+                self._drop(job.keys[i], "")
             elif isinstance(value, BaseException):
                 reason = error_kind(value)
                 msg = f"{type(value).__name__}: {value}"

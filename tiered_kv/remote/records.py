@@ -52,11 +52,13 @@ class RemoteOptions:
 
 
 def tomb_ttl_problem(tomb_ttl_s: float, write_deadline_s: float, timeout_s: float) -> Optional[str]:
-    """Why a tombstone TTL is too short, or None: a tombstone must outlive the longest a write can be in
-    flight (its deadline, then a timeout for the attempt sent just before it and one for the script), or
-    a late write could land after the tombstone that should refuse it expired."""
+    """Why a tombstone TTL is too short, or None.  A write is refused by the server past half a tombstone's
+    lifetime from when it was queued (its deadline, ``Writer._commands``), so no write queued before an
+    invalidation lands after that invalidation's tombstone expired; half a lifetime must then exceed the
+    longest a write can be in flight (its write deadline, then a timeout for the attempt sent just before it
+    and one for the script), or every write that late would be refused."""
     longest = write_deadline_s + 2 * timeout_s
-    if tomb_ttl_s <= longest:
-        return (f"must exceed the longest a remote write can be in flight (write deadline + 2 x timeout = "
-                f"{longest:g} s), or a late write could land after its tombstone expired")
+    if tomb_ttl_s <= 2 * longest:
+        return (f"must exceed twice the longest a remote write can be in flight (write deadline + 2 x timeout = "
+                f"{longest:g} s): a write is refused past half a tombstone's lifetime from when it was queued")
     return None

@@ -158,9 +158,19 @@ class RemoteStore:
 
     def invalidating(self, key: bytes) -> bool:
         """An INVALIDATE of ``key`` has not run on the server yet (queued, in flight, or waiting to be sent
-        again): the server may still hold its old value.  A read of the writer's map without its lock (one
-        dict lookup: atomic under the GIL)."""
-        return key in self._w.invalidating
+        again), or never will (dropped) and a value written before it may not have expired there: the server
+        may still hold its old value.  Reads of the writer's maps without its lock (a dict lookup each:
+        atomic under the GIL)."""
+        w = self._w
+        if key in w.invalidating:
+            return True
+        if w.lost or w.lost_all_until:
+            now = time.monotonic()
+            if now < w.lost_all_until:
+                return True
+            until = w.lost.get(key)
+            return until is not None and now < until
+        return False
 
     def kick(self) -> None:
         """End of the owner's step: send what was queued during it."""

@@ -13,7 +13,9 @@ order, and follows its redirections in order).  Invariants:
   logged once per kind by the owner's callback);
 * ``invalidating`` counts, per key, the INVALIDATE ops not yet run by the server (queued, in flight or
   waiting to be sent again): the owner asks the server for no such key, which may still hold its old
-  value;
+  value; one that will never run (dropped, or made once the thread is gone for good) leaves its key in
+  ``lost`` until a value written before it has expired on the server (``ttl_seconds``; for good without
+  one), asked for by no one either -- past ``LOST_MAX`` such keys, no key is (``lost_all_until``);
 * while the breaker is open, queued puts are answered ``remote_down`` at once and this thread probes;
   ``wait_idle()`` answers False at once while it holds tombstone ops back (:meth:`Writer._held`).
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import time
 import uuid
 from typing import Any, Callable, Optional
@@ -36,7 +39,7 @@ from .ops import CANCEL, CANCELLED, DONE, DROP, INVALIDATE, QUEUED, TAKEN, PutGr
 from .resp import Parts
 from .records import PUT_CANCELLED, PUT_EXPIRED, PUT_REFUSED_TOKEN, PUT_REFUSED_TOMB, REMOTE_DOWN, RemoteOptions
 
-__all__ = ["Writer", "TOMB_CAP", "TOMB_ATTEMPTS", "FALLBACK_WAKE_S", "MAX_RESTARTS"]
+__all__ = ["Writer", "TOMB_CAP", "TOMB_ATTEMPTS", "FALLBACK_WAKE_S", "MAX_RESTARTS", "LOST_MAX"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,7 @@ TOMB_CAP = 100_000        # tombstone ops kept while the breaker is open (a few 
 TOMB_ATTEMPTS = 5         # a tombstone op the server refuses (OOM, script error) this often is dropped
 FALLBACK_WAKE_S = 0.05    # queued work nobody kick()ed is sent after this long anyway
 MAX_RESTARTS = 3          # an I/O thread that dies is restarted this often, then the store is unhealthy
+LOST_MAX = 100_000        # keys whose INVALIDATE will never run, each asked for by no one; past it, none is
 
 
 class Writer(IOThread):
@@ -69,6 +73,8 @@ class Writer(IOThread):
         self.tombs_queued = 0     # tombstone ops in _ops and _delayed
         self.tombs_dropped = 0
         self.invalidating: dict[bytes, int] = {}   # key -> its INVALIDATE ops the server has not run yet
+        self.lost: dict[bytes, float] = {}         # key -> until when an INVALIDATE never run may leave its value
+        self.lost_all_until = 0.0                  # ... for every key, once ``lost`` overflowed (time.monotonic)
         self._held_reports: list[Optional[Report]] = []   # _send's reports not yet put (see there)
         self._held_answered = 0                            # ... and its parts answered, their room not yet released
         self._ttl = int(opts.ttl_seconds or 0)
@@ -132,6 +138,8 @@ class Writer(IOThread):
 
     def _push_tomb(self, op: TombOp) -> bool:
         if not self.healthy or self._closing:
+            if not self._closing:   # gone for good: never sent, counted as one dropped later would be
+                self._dropped(op, "the writer thread is gone")
             return False
         if self.tombs_queued >= TOMB_CAP and not self.breaker.closed:   # reachable: never shed, it drains
             self._drop_oldest_tomb()
@@ -157,7 +165,26 @@ class Writer(IOThread):
         an overflow drops one op per ``invalidate()`` while the server is away); under the lock."""
         self.tombs_dropped += 1
         self._invalidate_done(op)
+        if op.kind == INVALIDATE:
+            self._lost(op.key)
         self._on_error("tomb_dropped", f"{why} ({op.kind})")
+
+    def _lost(self, key: bytes) -> None:
+        """An INVALIDATE of ``key`` will never run: the server may hold its value until that expires, and the
+        owner asks for the key until then no more (:meth:`RemoteStore.invalidating`); under the lock."""
+        now = time.monotonic()
+        until = now + self._ttl if self._ttl else math.inf
+        lost = self.lost
+        if key not in lost and len(lost) >= LOST_MAX:
+            for k in [k for k, u in lost.items() if u <= now]:
+                del lost[k]
+            if len(lost) >= LOST_MAX:   # too many to name: no key is asked for until the last of them expired
+                self.lost_all_until = max(self.lost_all_until, until, max(lost.values()))
+                lost.clear()
+                log.warning("%s: more than %d invalidations could not be sent: no key is fetched from the server "
+                            "until the values written before them expired", self.name, LOST_MAX)
+                return
+        lost[key] = max(until, lost.get(key, 0.0))
 
     def _held(self) -> bool:
         """The open breaker holds tombstone ops back (they wait for the server, however long it is away)."""
@@ -278,6 +305,9 @@ class Writer(IOThread):
             self.tombs_dropped += self.tombs_queued
             for _ in range(self.tombs_queued):
                 self._on_error("tomb_dropped", why)
+            for op in [*self._ops, *self._delayed]:
+                if isinstance(op, TombOp) and op.kind == INVALIDATE:
+                    self._lost(op.key)
         self._ops.clear()
         self._delayed.clear()
         self.invalidating.clear()
@@ -327,8 +357,11 @@ class Writer(IOThread):
             tag, hexed = names.tag(key), token.hex     # one digest of the key for its four names
             staged = f"{tag}:s:{hexed}"
             out.append(("SET", staged, entry, "EX", STAGE_TTL_S))
-            # a deadline half a tombstone's lifetime away: a delivery later than that is refused by the script
-            deadline_ms = int((time.time() + self._tomb_ttl / 2) * 1000)
+            # a deadline half a tombstone's lifetime after the write was queued: a delivery later than that is
+            # refused by the script, so a write queued before an invalidation never lands once its tomb expired
+            # (however late in its write deadline it was sent)
+            queued_wall = time.time() - (time.monotonic() - op.queued_at)
+            deadline_ms = int((queued_wall + self._tomb_ttl / 2) * 1000)
             out.append(self.conn.script("publish", [staged, tag + ":v", tag + ":t", f"{tag}:x:{hexed}"],
                                         [self._ttl, deadline_ms]))
             return
@@ -464,6 +497,7 @@ class Writer(IOThread):
                 self.healthy = False
                 self._take_all_puts(answers, REMOTE_DOWN)
                 self._give_up_tombs("the writer thread is gone")
+            self._busy = False   # the batch it took is answered above (a restarted thread takes the next)
             self._cond.notify_all()
         self._report(held)
         self._answer(answers)
