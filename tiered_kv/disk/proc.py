@@ -41,6 +41,7 @@ the spawner live in :mod:`.pipes`, the child's side in :mod:`.child`.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import os
@@ -74,6 +75,8 @@ _OPEN_TIMEOUT_S = 600.0        # recovery of a large tier reads every index reco
 _KINDS = {k.value: k for k in JobKind}   # a report's kind from its value: a dict lookup, not an enum call
 _TOUCH_BATCH = 64              # a frame of recency touches alone goes once this many are queued ...
 _TOUCH_HOLD_S = 1.0            # ... or the first of them is this old (at the owner's next pass)
+_ZERO = (0,)
+_drain = collections.deque(maxlen=0).extend   # runs a chain of maps to its end, in C
 _CLOSE_TIMEOUT_S = 120.0       # close() waits this long for the child to drain, then kills it
 _KILLED_EXIT_S = 5.0           # ... and this long for the killed child to be gone (also at an open that failed)
 _PR_SET_PDEATHSIG = 1
@@ -103,6 +106,29 @@ class SharedHost:
     row_bytes: int
     base_addr: int
     populate: bool = True
+
+
+_sigpipe_logged = False
+
+
+def _check_sigpipe() -> None:
+    """Warn (once) when this process does not ignore SIGPIPE: the owner writes to the disk I/O process's pipe, and
+    a write after the child died must fail with ``EPIPE`` (answered, counted, the child restarted), which it
+    does only where SIGPIPE is ignored -- CPython's own start-up ignores it; an embedding host, or one that
+    restored ``SIG_DFL``, would be killed by it instead (use ``disk_io="thread"`` there)."""
+    global _sigpipe_logged
+    sig = getattr(signal, "SIGPIPE", None)
+    if sig is None or _sigpipe_logged:
+        return
+    try:
+        ignored = signal.getsignal(sig) == signal.SIG_IGN
+    except (ValueError, OSError):   # not determinable here
+        return
+    if not ignored:
+        _sigpipe_logged = True
+        log.warning("SIGPIPE is not ignored in this process: if the disk I/O process dies, the next write to it "
+                    "kills this process instead of failing (CPython ignores SIGPIPE at start; restore that with "
+                    "signal.signal(signal.SIGPIPE, signal.SIG_IGN), or use disk_io='thread')")
 
 
 # ---------------------------------------------------------------------------- the owner's side
@@ -155,6 +181,7 @@ class ProcessDiskStore:
         self._killed = False              # close() killed the child for outlasting its deadline
         self.died = False                 # the child ended without closing, and close() did not kill it
         self._lock_shared = lock_fd is not None   # a share of its holder's lock: closed, never unlocked
+        _check_sigpipe()
         self._lock_fd = take_path(opts.path) if lock_fd is None else lock_fd
         try:
             self._start()
@@ -411,7 +438,11 @@ class ProcessDiskStore:
     def submit_touch(self, key: bytes) -> None:
         """Queue a recency touch (one per promote).  It rides with the next frame that goes anyway; a frame of
         touches alone waits until ``_TOUCH_BATCH`` of them are queued or the first is ``_TOUCH_HOLD_S`` old
-        (:meth:`kick`): a frame each would wake the child once per lone load, beside the owner's copy."""
+        (:meth:`kick`): a frame each would wake the child once per lone load, beside the owner's copy.  While the
+        pipe is backed up (a child that does not read) touches stay out of the backlog, and one past
+        ``_TOUCH_BATCH`` held is dropped: a touch is a recency hint, and the owner's queue stays bounded."""
+        if self._touches >= _TOUCH_BATCH and self._backlog:
+            return
         if not self._touches:
             self._touch_since = time.monotonic()
         self._cmds.append(("T", key))
@@ -495,22 +526,25 @@ class ProcessDiskStore:
             self._backlog.clear()
             return
         cmds = self._cmds
-        if cmds and (len(cmds) > self._touches or self._touches >= _TOUCH_BATCH
-                     or time.monotonic() - self._touch_since >= _TOUCH_HOLD_S):
+        backlog = self._backlog
+        # a frame of touches alone waits for a batch or an age, and for the frames before it to be taken
+        if cmds and (len(cmds) > self._touches or (not backlog and (
+                self._touches >= _TOUCH_BATCH or time.monotonic() - self._touch_since >= _TOUCH_HOLD_S))):
             frame = _frame(cmds)   # first: an interrupt while it is made leaves the ops queued for the next call
-            self._backlog += frame   # (no call between these lines: no interrupt either)
+            backlog += frame   # (no call between these lines: no interrupt either)
             self._cmds = []
             self._touches = 0
-        backlog = self._backlog
-        while backlog and self._cmd_w >= 0:
+        fd = self._cmd_w
+        while backlog and fd >= 0:
             try:
-                n = os.write(self._cmd_w, backlog)
+                # the write and the removal of what it wrote in one chain of C calls: no signal handler runs
+                # between them (an interrupt as os.write returned would leave its bytes queued, sent twice)
+                _drain(map(backlog.__delitem__, map(slice, _ZERO, map(os.write, (fd,), (backlog,)))))
             except BlockingIOError:
                 return
             except OSError:     # the child is gone: the receiver answers what was outstanding
                 backlog.clear()
                 return
-            del backlog[:n]
 
     @property
     def backlogged(self) -> bool:
