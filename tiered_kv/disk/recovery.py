@@ -34,7 +34,7 @@ from .format import CorruptEntry, EntryHeader, lmdb_key, parse_header, verify_en
 from .records import StoredEntry
 from .slots import SlotFile
 
-__all__ = ["RecoveryReport", "recover", "U64"]
+__all__ = ["RecoveryReport", "recover", "U64", "SEQ_LIMIT", "SEQ_CHECKED", "touch_limit"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,14 @@ SEQ_LIMIT = 1 << 62         # no writer numbers this many writes (146 years at 1
 # damaged number just below SEQ_LIMIT would make the writer number every later write past it (dropped at the
 # next open); a writer resumed from below SEQ_CHECKED has 2**61 writes to go before it reaches SEQ_LIMIT
 SEQ_CHECKED = SEQ_LIMIT >> 1
+
+
+def touch_limit(seq: int) -> int:
+    """The first touch record number that is damage, where the highest verified entry is numbered ``seq``: a
+    touch has no checksum, so one numbered :data:`SEQ_CHECKED` or more is damage unless a verified entry is
+    numbered that high (a writer resumed from it numbers its touches past it too); :data:`SEQ_LIMIT` or more
+    always is.  Recovery's rule, and export's (which must not sign a damaged number into an archive)."""
+    return SEQ_CHECKED if seq < SEQ_CHECKED else SEQ_LIMIT
 
 
 @dataclass
@@ -130,12 +138,12 @@ def recover(db: DiskEnv, slots: SlotFile, ns: bytes, block_bytes: int) -> tuple[
         # recency: a promote's touch may be newer than the write.  A touch has no checksum: one numbered past
         # SEQ_CHECKED is damage, unless a verified entry is numbered that high (a writer resumed from it numbers
         # its touches past it too); past SEQ_LIMIT it always is
-        touch_limit = SEQ_CHECKED if seq < SEQ_CHECKED else SEQ_LIMIT
+        limit = touch_limit(seq)
         touched = {}
         for k, v in txn.cursor(db=db.touch):
             k = bytes(k)
             touched[k] = U64.unpack(bytes(v))[0] if len(v) == U64.size else None
-            if touched[k] is not None and touched[k] >= touch_limit:
+            if touched[k] is not None and touched[k] >= limit:
                 touched[k] = None   # damage: a touch is recency only, dropped below
         for k, tseq in touched.items():
             e = entries.get(k)

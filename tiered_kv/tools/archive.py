@@ -72,7 +72,7 @@ from ..disk.env import init_meta
 from ..disk.format import (FORMAT_VERSION, HEADER_SIZE, CorruptEntry, SlotReader, inline_value, lmdb_key, pack_header,
                            verify_entry)
 from ..disk.lock import LOCK_NAME
-from ..disk.recovery import U64
+from ..disk.recovery import SEQ_CHECKED, SEQ_LIMIT, U64, touch_limit
 from ..disk.lock import sync_dirs
 from .ops import (OpenEnv, OpsError, PathLike, fsync_path, check_env_dir, check_meta, grow_map,
                   hold_path, open_readonly, open_writable, record_changed, stored_payload)
@@ -291,6 +291,10 @@ async def _frames(r: _Reader, hdr: ArchiveHeader, name: str, summary: _Summary) 
                                index, off) from None
         if not eh.key:   # no TierManager writes one (and LMDB refuses the empty key it maps to)
             raise ArchiveError(f"{name}: frame {index} (offset {off}): its entry has an empty key", index, off)
+        if eh.seq >= SEQ_CHECKED:   # no writer numbers that many writes: the destination's writer would resume
+            raise ArchiveError(   # from it, and number its own writes past what recovery keeps (disk/recovery.py)
+                f"{name}: frame {index} (offset {off}): its entry's sequence number {eh.seq} is past what any "
+                f"writer reaches ({SEQ_CHECKED})", index, off)
         digest.update(head)
         digest.update(rest[_FRAME.size - 4:])
         digest.update(value)
@@ -411,7 +415,7 @@ async def export_async(path: PathLike, namespace: str, out: PathLike,
                                 elif not moved:
                                     rep.skipped_corrupt += 1
                                 continue
-                            if lmdb_key(h.key) != bytes(lk):
+                            if lmdb_key(h.key) != bytes(lk) or h.seq >= SEQ_LIMIT:   # (recovery deletes the latter)
                                 rep.skipped_corrupt += 1
                                 continue
                             if h.token.bytes in tombs:
@@ -419,9 +423,12 @@ async def export_async(path: PathLike, namespace: str, out: PathLike,
                                 continue
                             # frames carry self-contained inline entries (the payload inside), with the
                             # entry's recency: a promote's touch record is newer than the write (recovery
-                            # orders the LRU by the newer of the two; the archive has no touch records)
+                            # orders the LRU by the newer of the two; the archive has no touch records).  A
+                            # touch record has no checksum: one recovery would drop as damage is not signed in
                             t = txn.get(lk, db=oe.dbs["touch"])
                             touched = U64.unpack(bytes(t))[0] if t is not None and len(t) == U64.size else 0
+                            if touched >= touch_limit(h.seq):
+                                touched = 0
                             if payload is None and touched <= h.seq:
                                 value = bytes(v)
                             else:

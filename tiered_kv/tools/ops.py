@@ -51,6 +51,7 @@ from ..disk.env import MAX_DBS, MIN_MAP, MIN_READERS, SUBDBS, map_in_use
 from ..disk.format import (FORMAT_VERSION, HEADER_SIZE, HEADER_STRUCT, SLOTS_NAME, CorruptEntry, SlotReader, lmdb_key,
                            parse_header, verify_entry)
 from ..disk.lock import LOCK_NAME, fsync_path
+from ..disk.recovery import SEQ_LIMIT
 
 __all__ = [
     "OpsError", "PathInUseError", "EXIT_OK", "EXIT_PROBLEMS", "EXIT_BAD_INPUT", "EXIT_IN_USE",
@@ -303,7 +304,7 @@ def check_meta(meta: dict[str, Any], path: Path) -> tuple[bytes, int]:
         raise OpsError(f"{str(path)!r} has format version {fv!r} in meta; this tiered_kv reads version "
                        f"{FORMAT_VERSION} only")
     ns, bb = meta.get("namespace_bytes"), meta.get("block_bytes")
-    if ns is None or bb is None or bb <= 0:
+    if ns is None or bb is None or bb <= 0 or bb >= 1 << 64:   # (an entry header's length is 64 bits)
         raise OpsError(f"{str(path)!r}: meta lacks a namespace or a valid block_bytes "
                        f"(namespace={meta.get('namespace')!r}, block_bytes={meta.get('block_bytes', meta.get('block_bytes_raw'))!r})")
     return ns, int(bb)
@@ -664,6 +665,11 @@ def _scan(txn: Any, dbs: dict[str, Any], ns: bytes, bb: int, rep: VerifyReport, 
         if lmdb_key(h.key) != lk:
             rep.corrupt.append(Problem("corrupt", "lmdb_key_mismatch", lk.hex(), h.key.hex(), str(h.token),
                                        f"stored under {lk[:40].hex()}, header key maps to {lmdb_key(h.key)[:40].hex()}"))
+            bad.append(lk)
+            continue
+        if h.seq >= SEQ_LIMIT:   # recovery deletes it (no writer numbers that many writes)
+            rep.corrupt.append(Problem("corrupt", "bad_seq", lk.hex(), h.key.hex(), str(h.token),
+                                       f"sequence number {h.seq} is past what any writer reaches ({SEQ_LIMIT})"))
             bad.append(lk)
             continue
         if h.token.bytes in tombs:
