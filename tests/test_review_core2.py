@@ -110,6 +110,7 @@ class FakeDiskStore:
     seq: int = 0
     dead: bool = False
     down: bool = False
+    died: bool = False      # ended without closing (ProcessDiskStore.died): a close reconciles with one more start
     pid: int = 0
     last_flush_seq: int = 0
     promotes: int = 0
@@ -210,7 +211,7 @@ class FakeDiskStore:
         for t, _, _ in self.flushes:
             self.completions.put(FlushDone(t, False, "disk I/O process died"))
         self.spills, self.held, self.reads, self.flushes = [], [], [], []
-        self.dead = self.down = True
+        self.dead = self.down = self.died = True
 
     def reopened(self) -> "FakeDiskStore":
         """A new process over the same disk: what was committed survives (recovery's entries)."""
