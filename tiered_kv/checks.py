@@ -123,8 +123,9 @@ def check_timeout(timeout: Any) -> Optional[float]:
 def check_device_blocks(t: Any) -> None:
     if not isinstance(t, torch.Tensor):
         raise DeviceTensorError(f"device_blocks must be a torch.Tensor, got {type(t).__name__}")
-    if t.layout is not torch.strided:
-        raise DeviceTensorError(f"device_blocks must be a dense (strided) tensor, got layout {t.layout}")
+    if t.layout is not torch.strided or t.is_nested:   # (a nested tensor says strided, and has no one shape)
+        raise DeviceTensorError(f"device_blocks must be a dense (strided) tensor, got layout {t.layout}"
+                                f"{' (nested)' if t.is_nested else ''}")
     if t.dtype not in SUPPORTED_DTYPES:
         raise DeviceTensorError(f"device_blocks dtype {t.dtype} is not supported; use one of "
                                 f"{sorted(str(d) for d in SUPPORTED_DTYPES)}")

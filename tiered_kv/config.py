@@ -66,6 +66,10 @@ def check_disk_path(disk_path: Any, name: str = "disk_path") -> None:
         raise ConfigError(f"{name} must not be empty")
     if "\0" in text:
         raise ConfigError(f"{name} must not contain a NUL byte, got {disk_path!r}")
+    try:
+        text.encode()
+    except UnicodeEncodeError:   # from the environment, undecodable bytes arrive as lone surrogates: LMDB
+        raise ConfigError(f"{name} must be valid UTF-8, got {disk_path!r}") from None   # opens UTF-8 paths only
 
 
 def _check_int(name: str, value: Any, lo: int, hi: Optional[int] = None) -> None:
@@ -353,13 +357,22 @@ class TieredKVConfig:
         A ``{prefix}`` variable that names no setting but is close to one (a typo: ``..._HOST_CAPACTY_BYTES``)
         is logged as a warning naming the setting it resembles, and ignored: other ``{prefix}`` variables
         may belong to other tools, so none is refused."""
+        if not isinstance(prefix, str):
+            raise ConfigError(f"from_env: prefix must be a str, got {prefix!r:.80}")
+        if environ is not None and not isinstance(environ, Mapping):
+            raise ConfigError(f"from_env: environ must be a mapping of str to str, got {type(environ).__name__}")
         env = os.environ if environ is None else environ
+        bad = next((var for var in env if not isinstance(var, str)), None) if environ is not None else None
+        if bad is not None:
+            raise ConfigError(f"from_env: environ must be a mapping of str to str, got the key {bad!r:.80}")
         values: dict[str, Any] = {}
         fields = dataclasses.fields(cls)
         for f in fields:
             raw = env.get(prefix + f.name.upper())
             if raw is None:
                 continue
+            if not isinstance(raw, str):
+                raise ConfigError(f"environment value for {prefix}{f.name.upper()} must be a str, got {raw!r:.80}")
             values[f.name] = _parse_env(f.name, raw, f.default)
         if prefix:
             names = [f.name.upper() for f in fields]

@@ -215,7 +215,11 @@ class TierManager:
                                             config.num_copy_workers, config.num_copy_streams,
                                             config.copy_batch_max, config.cpu_mover)
         else:
-            self._mover = mover_factory(self._dev_rows, self._host_rows, self._completions)
+            mover = mover_factory(self._dev_rows, self._host_rows, self._completions)
+            if not isinstance(mover, Mover):   # refused before anything uses it (a factory that forgot its return)
+                raise ConfigError(f"mover_factory must return a tiered_kv.movers.Mover, got "
+                                  f"{type(mover).__name__}: {mover!r:.80}")
+            self._mover = mover
         try:
             core = self._core = TierCore(config, self._host_rows, self.metrics, completions=self._completions,
                                          host=host)
