@@ -159,3 +159,28 @@ def test_a_refused_prepare_leaves_the_requests_waits(rig, call):
     with pytest.raises(InvalidKeyError):
         getattr(tiers, call)([H1, b""], request="r")    # an empty key: refused
     assert tiers._waiting == waits and "r" in tiers._requests, "a refused call dropped r's waits"
+
+
+# =========================================================================== a deferred request's hits counted once
+def test_a_deferred_requests_host_hits_are_counted_once(rig):
+    """A request vLLM defers (a read-back further down its prefix) is asked again at the next step: its host
+    blocks were counted a lookup key and a host hit at every ask (round 10's vLLM review: with a real vLLM
+    scheduler, 4 keys and 2 host hits counted for 2 keys served once).  Fixed: a named request's keys told HIT
+    since it was last scheduled or finished are counted once (``SlabScheduler._told``)."""
+    tiers = _disk_only(rig, [DK], num_slots=3, host_evict_ahead_blocks=0)
+    store_ready(tiers, [H1])
+    tiers.tick()
+
+    def counts():
+        return (metric(tiers.metrics, "tiered_kv_lookup_keys_total"),
+                metric(tiers.metrics, "tiered_kv_lookup_hits_total", tier="host"),
+                metric(tiers.metrics, "tiered_kv_lookup_hits_total", tier="disk"))
+
+    before = counts()
+    assert _ask(tiers, "r", [H1, DK]) == ([H1], True)    # deferred on DK's read-back
+    wait_promotes(tiers)
+    assert _ask(tiers, "r", [H1, DK]) == ([H1, DK], False)
+    tiers.prepare_load([H1, DK], request="r")            # scheduled: a later ask of r's is a new lookup
+    got = tuple(a - b for a, b in zip(counts(), before))
+    assert got == (2, 1, 1), f"(lookup keys, host hits, disk hits) {got} for 2 keys served once"
+    assert "r" not in tiers._told

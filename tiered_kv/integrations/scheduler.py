@@ -141,6 +141,10 @@ class SlabScheduler:
         self._waiting: dict[tuple[Any, bytes], Any] = {}
         self._requests: dict[Any, set[bytes]] = {}
         self._named = 0   # the entries of _waiting of named requests (the sum of _requests' sets' sizes)
+        # each named request's keys answered HIT since it was last scheduled or finished: a request vLLM asks again
+        # (deferred on a read-back further down its prefix) is not counted a lookup key and a hit again for them.
+        # Bounded as _requests is (REQUESTS_MAX requests, the oldest go)
+        self._told: dict[Any, set[bytes]] = {}
         # keys answered HIT, PENDING or RETRY since the last tick() (``_looked``: any lookup since), and those of the
         # last step that made lookups, while a request waits: a store's reservation and the evict-ahead at the end
         # of a step leave them (a request waiting on a read-back is asked again later)
@@ -216,7 +220,7 @@ class SlabScheduler:
         waiting = self._waiting
         rk = (request, key)
         w = waiting.pop(rk, _NOT_ASKED)
-        if not _waited(w, entry, request):   # else asked while it waited: counted then
+        if not _waited(w, entry, request) and not self._was_told(request, key):   # else counted then
             m = self.metrics
             m.count(m.lookups)
         if answer is Lookup.MISS:
@@ -255,9 +259,19 @@ class SlabScheduler:
         """A lookup found ``key`` READY in the host tier: one lookup key and one hit.  A key that waited for
         its answer (:meth:`lookup`) was counted a lookup key at its first ask; the read-back it waited for is a
         disk hit, anything else that made it READY meanwhile (a fetch from the remote tier) the host tier's or
-        the remote tier's, as :meth:`TierCore.host_hit` tells."""
+        the remote tier's, as :meth:`TierCore.host_hit` tells.  A named request told HIT for it before, since it
+        was last scheduled or finished (vLLM asks a deferred request again), was counted then."""
         self._asked.add(key)
         self._guard.add(key)
+        first = True
+        if request is not None:
+            told = self._told.get(request)
+            if told is None:
+                told = self._told[request] = set()
+                if len(self._told) > REQUESTS_MAX:   # (requests never finished nor scheduled: the oldest go)
+                    del self._told[next(iter(self._told))]
+            first = key not in told
+            told.add(key)
         if self._waiting:
             w = self._waiting.pop((request, key), _NOT_ASKED)
             if w is not _NOT_ASKED and request is not None:
@@ -269,9 +283,15 @@ class SlabScheduler:
             if _waited(w, entry, request):
                 self.core.host_hit(key)
                 return
-        m = self.metrics
-        m.count(m.lookups)
-        self.core.host_hit(key)
+        if first:
+            m = self.metrics
+            m.count(m.lookups)
+            self.core.host_hit(key)
+
+    def _was_told(self, request: Optional[Hashable], key: bytes) -> bool:
+        """``request`` was told ``key`` is a HIT since it was last scheduled or finished (counted then)."""
+        told = self._told.get(request) if request is not None and self._told else None
+        return told is not None and key in told
 
     def _unwait(self, request: Hashable, key: bytes) -> None:
         """``request`` no longer waits on ``key`` (answered HIT or MISS, or trimmed): a request that waits on
@@ -287,6 +307,7 @@ class SlabScheduler:
         """``request`` (as named to :meth:`lookup`) is done, finished or aborted: the blocks it waited for are
         no longer its (a later ask of one is another request's lookup key); the blocks kept for the last
         lookups go at the next :meth:`tick` once no request waits (see there)."""
+        self._told.pop(request, None)
         keys = self._requests.pop(request, None)
         if keys:
             self._named -= len(keys)
@@ -330,7 +351,8 @@ class SlabScheduler:
             if self.core.index.ready(k) is None:
                 raise InvalidKeyError(f"prepare_load of key {k!r:.80} that lookup did not report as a hit "
                                       f"(state: {self.core.index.get(k)!r:.120})")
-        if request is not None and request in self._requests:   # after the checks: a refused call changes nothing
+        # after the checks (a refused call changes nothing)
+        if request is not None and (request in self._requests or request in self._told):
             self.request_scheduled(request)
         job = self.core.begin_load(keys, promote=False, bounded=False)
         assert job is not None  # every key READY and no bound: the core always starts it
@@ -372,7 +394,8 @@ class SlabScheduler:
         """
         keys = list(keys)
         self._check_keys(keys)
-        if request is not None and request in self._requests:   # after the checks: a refused call changes nothing
+        # after the checks (a refused call changes nothing)
+        if request is not None and (request in self._requests or request in self._told):
             self.request_scheduled(request)
         core = self.core
         protect = frozenset(keys)
@@ -485,6 +508,7 @@ class SlabScheduler:
         self.core.drop_all()
         self._waiting.clear()
         self._requests.clear()
+        self._told.clear()
         self._named = 0
         self._asked, self._kept, self._looked = set(), set(), False
         self._guard.clear()
