@@ -226,15 +226,20 @@ class TierManager:
         except BaseException:
             self._mover.close()
             raise
-        core.on_store = self._apply_store
-        core.on_load = self._apply_load
-        core.on_load_ready = self._load_ready
-        core.on_load_failed = self._load_failed
-        core.cancel_hook = self._cancel
-        self._jobs = core.jobs
-        self._index = core.index
-        self.metrics.capacity["device"].set(self.num_blocks * self.row_bytes)
-        core.refresh_gauges()
+        try:   # (the disk and remote tiers are open: anything raising from here closes them)
+            core.on_store = self._apply_store
+            core.on_load = self._apply_load
+            core.on_load_ready = self._load_ready
+            core.on_load_failed = self._load_failed
+            core.cancel_hook = self._cancel
+            self._jobs = core.jobs
+            self._index = core.index
+            self.metrics.capacity["device"].set(self.num_blocks * self.row_bytes)
+            core.refresh_gauges()
+        except BaseException:
+            core.close_disk(core.simple_block_until)
+            self._mover.close()
+            raise
         log.info("tiered_kv manager: namespace=%s rows=%d row_bytes=%d host_slots=%d pinned=%s mover=%s disk=%s",
                  config.namespace, self.num_blocks, self.row_bytes, num_slots, pin, type(self._mover).__name__,
                  config.disk_path if core.disk is not None else None)

@@ -211,30 +211,38 @@ class DiskTier:
             except ProcessStartError as exc:   # this Python cannot run the child: the same store, as threads
                 log.warning("disk tier %s: %s; its I/O runs as threads of this process instead", cfg.disk_dir, exc)
                 on_error("io_process_start_failed", str(exc))
-                path_lock.release(held.pop())   # the threads' store takes the lock itself
+                # the threads' store takes the lock itself: the tier's share is closed, never unlocked (a killed
+                # child that did not exit keeps the path until it does)
+                path_lock.leave(held.pop())
                 store = DiskStore(opts, completions, on_error=on_error, on_prevented=m.orphaned_prevented.inc,
                                   on_corrupt=on_corrupt)
         except DiskInUseError:
-            if held:
-                path_lock.release(held.pop())
+            if held:   # (closed, never unlocked: a killed child that did not exit keeps the path until it does)
+                path_lock.leave(held.pop())
             raise
         except DiskTierError as exc:
             if held:
-                path_lock.release(held.pop())
+                path_lock.leave(held.pop())
             on_error("open_failed", str(exc))
             m.enable_disk_health(False)
             return None
         except BaseException:
             if held:
-                path_lock.release(held.pop())
+                path_lock.leave(held.pop())
             raise
-        index = TierIndex(index_blocks, policy=make_policy(cfg.disk_policy, index_blocks),
-                          admission=None if cfg.disk_admission == "all"
-                          else make_admission(cfg.disk_admission, index_blocks))
-        tier = cls(store, index, metrics, make if held else None, on_error, held[0] if held else None)
-        tier.index._on_evict = lambda d: tier._evicted(d, on_evict)
-        tier.on_gone = on_evict
-        tier._replay_recovered()
+        try:
+            index = TierIndex(index_blocks, policy=make_policy(cfg.disk_policy, index_blocks),
+                              admission=None if cfg.disk_admission == "all"
+                              else make_admission(cfg.disk_admission, index_blocks))
+            tier = cls(store, index, metrics, make if held else None, on_error, held[0] if held else None)
+            tier.index._on_evict = lambda d: tier._evicted(d, on_evict)
+            tier.on_gone = on_evict
+            tier._replay_recovered()
+        except BaseException:   # (an interrupt in the replay, the longest part of a start): nothing left open
+            store.close()
+            if held:
+                path_lock.leave(held[0])
+            raise
         log.info("tiered_kv disk tier at %s: %d blocks recovered in %.1f ms", cfg.disk_dir, len(tier.index),
                  store.recovery.seconds * 1e3)
         return tier
@@ -350,6 +358,9 @@ class DiskTier:
         if not outcome:   # (written under the start's lock: an outcome there is adopted, its thread ending or not)
             if starter.is_alive():
                 return False
+            if starter.ident is None:   # an interrupt before the thread started: none runs, the next call starts one
+                self._starting = None
+                return False
             outcome.append(RuntimeError("the disk I/O process's starter ended without an outcome"))
         got = outcome[0]
         if isinstance(got, (DiskTierError, DiskInUseError)):
@@ -423,11 +434,14 @@ class DiskTier:
                 return abandoned[0]
 
         starter = threading.Thread(target=start, name="tiered-kv-disk-restart", daemon=True)
+        # recorded first: an interrupt as start() returns (or in its wait for the thread) leaves a thread that runs,
+        # which restart() adopts or abandons; one that never started is started again (restart())
+        self._starting = (starter, outcome, abandon)
         try:
             starter.start()
         except RuntimeError:   # can't start new thread
+            self._starting = None
             return False
-        self._starting = (starter, outcome, abandon)
         return True
 
     def _failed_start(self, now: float, why: str) -> None:

@@ -126,38 +126,43 @@ class SlabScheduler:
         except BaseException:
             self._close_host_fd()
             raise
-        slab.set_owner(core.tokens.prefix)   # the workers copy only this scheduler's jobs (slab.py: the owner)
-        core.on_store = self._apply_store
-        core.on_load = self._apply_load
-        core.cancel_hook = self._cancel_hook
-        self._live: dict[JobKind, dict[frozenset[bytes], collections.deque[Job]]] = {_STORE: {}, _LOAD: {}}
-        self._quarantine: list[Job] = []   # cancelled jobs whose copies may still touch their slots
-        self._awaiting: list[Job] = []     # completed by the engine, rings not yet showing it
-        # (request, key) -> its read-back's host entry (None: asked from the remote tier), for each key a lookup
-        # answered PENDING or RETRY and the request has not been told HIT or MISS since: counted a lookup key
-        # once.  ``_requests``: each named request that waits on a key, its keys there (request_finished drops
-        # them).  Bounded: a named request's waits go when it is answered or finished (REQUESTS_MAX requests);
-        # unnamed ones, one per host slot and per key asked from the remote tier (the oldest go)
-        self._waiting: dict[tuple[Any, bytes], Any] = {}
-        self._requests: dict[Any, set[bytes]] = {}
-        self._named = 0   # the entries of _waiting of named requests (the sum of _requests' sets' sizes)
-        # each named request's keys answered HIT since it was last scheduled or finished: a request vLLM asks again
-        # (deferred on a read-back further down its prefix) is not counted a lookup key and a hit again for them.
-        # Bounded as _requests is (REQUESTS_MAX requests, the oldest go)
-        self._told: dict[Any, set[bytes]] = {}
-        # keys answered HIT, PENDING or RETRY since the last tick() (``_looked``: any lookup since), and those of the
-        # last step that made lookups, while a request waits: a store's reservation and the evict-ahead at the end
-        # of a step leave them (a request waiting on a read-back is asked again later)
-        self._asked: set[bytes] = set()
-        self._looked = False
-        self._kept: set[bytes] = set()
-        # _asked | _kept, kept as one set (one object for the core's life): a read-back's or a fetch's host slot
-        # never evicts one of them (core.promised)
-        self._guard: set[bytes] = set()
-        core.promised = self._guard
-        self._closed = False
-        metrics.health["host"].set(1)
-        core.refresh_gauges()
+        try:   # (the disk and remote tiers are open: anything raising from here closes them)
+            slab.set_owner(core.tokens.prefix)   # the workers copy only this scheduler's jobs (slab.py: the owner)
+            core.on_store = self._apply_store
+            core.on_load = self._apply_load
+            core.cancel_hook = self._cancel_hook
+            self._live: dict[JobKind, dict[frozenset[bytes], collections.deque[Job]]] = {_STORE: {}, _LOAD: {}}
+            self._quarantine: list[Job] = []   # cancelled jobs whose copies may still touch their slots
+            self._awaiting: list[Job] = []     # completed by the engine, rings not yet showing it
+            # (request, key) -> its read-back's host entry (None: asked from the remote tier), for each key a lookup
+            # answered PENDING or RETRY and the request has not been told HIT or MISS since: counted a lookup key
+            # once.  ``_requests``: each named request that waits on a key, its keys there (request_finished drops
+            # them).  Bounded: a named request's waits go when it is answered or finished (REQUESTS_MAX requests);
+            # unnamed ones, one per host slot and per key asked from the remote tier (the oldest go)
+            self._waiting: dict[tuple[Any, bytes], Any] = {}
+            self._requests: dict[Any, set[bytes]] = {}
+            self._named = 0   # the entries of _waiting of named requests (the sum of _requests' sets' sizes)
+            # each named request's keys answered HIT since it was last scheduled or finished: a request vLLM asks again
+            # (deferred on a read-back further down its prefix) is not counted a lookup key and a hit again for them.
+            # Bounded as _requests is (REQUESTS_MAX requests, the oldest go)
+            self._told: dict[Any, set[bytes]] = {}
+            # keys answered HIT, PENDING or RETRY since the last tick() (``_looked``: any lookup since), and those of the
+            # last step that made lookups, while a request waits: a store's reservation and the evict-ahead at the end
+            # of a step leave them (a request waiting on a read-back is asked again later)
+            self._asked: set[bytes] = set()
+            self._looked = False
+            self._kept: set[bytes] = set()
+            # _asked | _kept, kept as one set (one object for the core's life): a read-back's or a fetch's host slot
+            # never evicts one of them (core.promised)
+            self._guard: set[bytes] = set()
+            core.promised = self._guard
+            self._closed = False
+            metrics.health["host"].set(1)
+            core.refresh_gauges()
+        except BaseException:
+            core.close_disk(core.simple_block_until)
+            self._close_host_fd()
+            raise
 
     # ------------------------------------------------------------ lookups
     def lookup(self, key: bytes, protect: Collection[bytes] = (), request: Optional[Hashable] = None) -> Lookup:
@@ -220,7 +225,11 @@ class SlabScheduler:
         waiting = self._waiting
         rk = (request, key)
         w = waiting.pop(rk, _NOT_ASKED)
-        if not _waited(w, entry, request) and not self._was_told(request, key):   # else counted then
+        if request is not None and self._told:   # told HIT before, not now (evicted since): a new lookup key, whose
+            told = self._told.get(request)       # hit is counted when it is served
+            if told is not None:
+                told.discard(key)
+        if not _waited(w, entry, request):   # else asked while it waited: counted then
             m = self.metrics
             m.count(m.lookups)
         if answer is Lookup.MISS:
@@ -287,11 +296,6 @@ class SlabScheduler:
             m = self.metrics
             m.count(m.lookups)
             self.core.host_hit(key)
-
-    def _was_told(self, request: Optional[Hashable], key: bytes) -> bool:
-        """``request`` was told ``key`` is a HIT since it was last scheduled or finished (counted then)."""
-        told = self._told.get(request) if request is not None and self._told else None
-        return told is not None and key in told
 
     def _unwait(self, request: Hashable, key: bytes) -> None:
         """``request`` no longer waits on ``key`` (answered HIT or MISS, or trimmed): a request that waits on
