@@ -70,7 +70,7 @@ import xxhash
 from ..config import MAX_KEY_BYTES
 from ..disk.env import init_meta
 from ..disk.format import (FORMAT_VERSION, HEADER_SIZE, CorruptEntry, SlotReader, inline_value, lmdb_key, pack_header,
-                           verify_entry)
+                           parse_header, verify_entry)
 from ..disk.lock import LOCK_NAME
 from ..disk.recovery import SEQ_CHECKED, SEQ_LIMIT, U64, touch_limit
 from ..disk.lock import sync_dirs
@@ -291,10 +291,9 @@ async def _frames(r: _Reader, hdr: ArchiveHeader, name: str, summary: _Summary) 
                                index, off) from None
         if not eh.key:   # no TierManager writes one (and LMDB refuses the empty key it maps to)
             raise ArchiveError(f"{name}: frame {index} (offset {off}): its entry has an empty key", index, off)
-        if eh.seq >= SEQ_CHECKED:   # no writer numbers that many writes: the destination's writer would resume
-            raise ArchiveError(   # from it, and number its own writes past what recovery keeps (disk/recovery.py)
-                f"{name}: frame {index} (offset {off}): its entry's sequence number {eh.seq} is past what any "
-                f"writer reaches ({SEQ_CHECKED})", index, off)
+        if eh.seq >= SEQ_LIMIT:   # what recovery deletes (no writer numbers that many writes)
+            raise ArchiveError(f"{name}: frame {index} (offset {off}): its entry's sequence number {eh.seq} is past "
+                               f"what any writer reaches ({SEQ_LIMIT})", index, off)
         digest.update(head)
         digest.update(rest[_FRAME.size - 4:])
         digest.update(value)
@@ -402,6 +401,7 @@ async def export_async(path: PathLike, namespace: str, out: PathLike,
                     with oe.begin(buffers=True) as txn, SlotReader(oe.path, bb) as slots:
                         tombs = {bytes(k) for k, _ in txn.cursor(db=oe.dbs["tombs"])}
                         total = txn.stat(oe.dbs["blocks"])["entries"]
+                        limit = touch_limit(_top_seq(txn, oe.dbs["blocks"], ns, bb, slots))
                         for lk, v in txn.cursor(db=oe.dbs["blocks"]):
                             payload = stored_payload(v, bb, slots)
                             try:
@@ -427,7 +427,7 @@ async def export_async(path: PathLike, namespace: str, out: PathLike,
                             # touch record has no checksum: one recovery would drop as damage is not signed in
                             t = txn.get(lk, db=oe.dbs["touch"])
                             touched = U64.unpack(bytes(t))[0] if t is not None and len(t) == U64.size else 0
-                            if touched >= touch_limit(h.seq):
+                            if touched >= limit:
                                 touched = 0
                             if payload is None and touched <= h.seq:
                                 value = bytes(v)
@@ -545,6 +545,23 @@ def _init_meta(txn: Any, oe: OpenEnv, ns: bytes, bb: int) -> None:
     init_meta(txn, oe.dbs["meta"], ns, bb)
 
 
+def _top_seq(txn: Any, blocks: Any, ns: bytes, bb: int, slots: SlotReader) -> int:
+    """The highest sequence number of an entry recovery keeps (one numbered ``SEQ_CHECKED`` or more only if it
+    verifies): what ``touch_limit`` is measured against, as recovery measures it."""
+    top = 0
+    for _, v in txn.cursor(db=blocks):
+        try:
+            h = parse_header(v)
+            if h.seq <= top or h.seq >= SEQ_LIMIT:
+                continue
+            if h.seq >= SEQ_CHECKED:
+                verify_entry(v, ns, None, bb, stored_payload(v, bb, slots))
+        except CorruptEntry:
+            continue
+        top = h.seq
+    return top
+
+
 async def _import_pass(oe: OpenEnv, archive: Path, hdr0: ArchiveHeader, rep: ImportReport, init_meta: bool,
                        target_ns: bytes, rewrite: bool, progress: Optional[Callable[[int], None]]) -> None:
     """One write transaction with every frame; committed only after the trailer checked out."""
@@ -568,9 +585,13 @@ async def _import_pass(oe: OpenEnv, archive: Path, hdr0: ArchiveHeader, rep: Imp
                 async for fr in frames:
                     eh = fr.header
                     value = fr.value
-                    if rewrite:
+                    # a number SEQ_CHECKED or more (from a source whose writer got there) is carried just below it:
+                    # the destination's writer resumes from the highest, and one that high would number its own
+                    # writes past what recovery keeps; they were the source's newest and stay the newest here
+                    seq = eh.seq if eh.seq < SEQ_CHECKED else SEQ_CHECKED - 1
+                    if rewrite or seq != eh.seq:
                         payload = value[eh.payload_offset:]
-                        value = pack_header(target_ns, eh.key, eh.token, payload, eh.seq) + payload
+                        value = pack_header(target_ns, eh.key, eh.token, payload, seq) + payload
                     lk = lmdb_key(eh.key)
                     if txn.get(eh.token.bytes, db=dbs["tombs"]) is not None:
                         counts["skipped_tombstoned"] += 1
@@ -583,6 +604,8 @@ async def _import_pass(oe: OpenEnv, archive: Path, hdr0: ArchiveHeader, rep: Imp
                             oh = None
                         if oh is not None and txn.get(oh.token.bytes, db=dbs["tombs"]) is not None:
                             oh = None   # written under a tombstoned token: the next open purges it
+                        if oh is not None and oh.seq >= SEQ_LIMIT:
+                            oh = None   # numbered past what any writer reaches: the next open deletes it
                         if oh is not None:
                             counts["already_present" if oh.token == eh.token else "kept_existing"] += 1
                             continue
