@@ -44,8 +44,8 @@ STAGE_TTL_S = 60          # a staged value outlives its script by this long at m
 # value was evicted (maxmemory with an allkeys policy).  REFUSED_LATE: the script runs past the deadline --
 # bytes the network delivered long after the writer gave the put up (a client timeout bounds only the
 # client's wait): a tombstone of an invalidation made since may have expired already, so it must not
-# publish.  The writer sets the deadline half a tombstone's lifetime after the send (clocks may differ by
-# as much).
+# publish.  The writer sets the deadline half a tombstone's lifetime after it queued the write (clocks may
+# differ by as much).
 # the refusals, named so that tests can take one out of the script and see a model catch it
 LATE_CHECK = ("if tonumber(ARGV[2]) > 0 then local t = redis.call('TIME'); "
               "if tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) > tonumber(ARGV[2]) then "
@@ -65,10 +65,12 @@ return 0
 """
 
 # KEYS: value, token tomb; ARGV: token (16 bytes), tomb ttl seconds.  The token-matched delete goes first:
-# under maxmemory (noeviction) the tomb's SET fails and aborts the script, the DEL still counts.
+# under maxmemory (noeviction) the tomb's SET fails and aborts the script, the DEL still counts.  A value of
+# another type under the name (not ours: GETRANGE would abort the script before the tomb) is left alone.
 CANCEL = f"""
 local gone = 0
-if redis.call('GETRANGE', KEYS[1], {TOKEN_OFFSET}, {TOKEN_OFFSET + 15}) == ARGV[1] then
+if redis.call('TYPE', KEYS[1]).ok == 'string' and
+   redis.call('GETRANGE', KEYS[1], {TOKEN_OFFSET}, {TOKEN_OFFSET + 15}) == ARGV[1] then
   gone = redis.call('DEL', KEYS[1])
 end
 redis.call('SET', KEYS[2], '1', 'EX', ARGV[2])

@@ -32,8 +32,8 @@ class RemoteOptions:
     ``rediss+cluster://`` (several ``host:port`` seeds, comma separated).  ``namespace`` scopes every
     key on the server and is checked in every value's header.  ``ttl_seconds``: values expire after
     this long (``None``: never; the server's ``maxmemory`` policy evicts).  ``tomb_ttl_seconds``:
-    how long a tombstone refuses writes; longer than any write can be in flight
-    (``write_deadline_s`` + a timeout per attempt).  ``queue_blocks``: bound of the puts queued and
+    how long a tombstone refuses writes; more than twice the longest a write can be in flight
+    (``write_deadline_s`` + two timeouts: :func:`tomb_ttl_problem`).  ``queue_blocks``: bound of the puts queued and
     not yet answered (beyond it the core sheds).  ``batch_blocks``: commands per pipeline.
     """
 

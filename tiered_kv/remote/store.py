@@ -164,12 +164,11 @@ class RemoteStore:
         w = self._w
         if key in w.invalidating:
             return True
-        if w.lost or w.lost_all_until:
+        # lost before lost_all_until: an overflow sets the second before it clears the first
+        until = w.lost.get(key) if w.lost else None
+        if until is not None or w.lost_all_until:
             now = time.monotonic()
-            if now < w.lost_all_until:
-                return True
-            until = w.lost.get(key)
-            return until is not None and now < until
+            return now < w.lost_all_until or (until is not None and now < until)
         return False
 
     def kick(self) -> None:
@@ -221,9 +220,9 @@ class RemoteStore:
 
     # ------------------------------------------------------------ tests, benchmarks, tools
     def wait_idle(self, timeout: float = 10.0) -> bool:
-        """Block until everything queued so far was sent and answered (kicks both threads); False on timeout or
-        (at once) while the breaker holds tombstone ops back.  Not for the owner's hot path: tests, benchmarks
-        and shutdown."""
+        """Block until everything queued so far was sent and answered (kicks both threads); False on timeout, and
+        at once while the breaker holds tombstone ops back or a thread is gone for good.  Not for the owner's hot
+        path: tests, benchmarks and shutdown."""
         end = time.monotonic() + timeout
         return self._w.wait_idle(timeout) and self._r.wait_idle(max(0.0, end - time.monotonic()))
 

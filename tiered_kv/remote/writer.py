@@ -164,21 +164,24 @@ class Writer(IOThread):
         """``op`` will not be sent: counted, and reported to ``on_error`` (the owner's, which logs once per kind:
         an overflow drops one op per ``invalidate()`` while the server is away); under the lock."""
         self.tombs_dropped += 1
-        self._invalidate_done(op)
-        if op.kind == INVALIDATE:
+        if op.kind == INVALIDATE:   # first: a lock-free reader (RemoteStore.invalidating) finds it in one of the two
             self._lost(op.key)
+        self._invalidate_done(op)
         self._on_error("tomb_dropped", f"{why} ({op.kind})")
 
     def _lost(self, key: bytes) -> None:
-        """An INVALIDATE of ``key`` will never run: the server may hold its value until that expires, and the
-        owner asks for the key until then no more (:meth:`RemoteStore.invalidating`); under the lock."""
+        """An INVALIDATE of ``key`` will never run: the server may hold its value until that expires -- one
+        written by a write queued before the drop lands up to half a tombstone's lifetime later (its deadline) --,
+        and the owner asks for the key until then no more (:meth:`RemoteStore.invalidating`); under the lock."""
         now = time.monotonic()
-        until = now + self._ttl if self._ttl else math.inf
+        until = now + self._tomb_ttl / 2 + self._ttl if self._ttl else math.inf
         lost = self.lost
         if key not in lost and len(lost) >= LOST_MAX:
             for k in [k for k, u in lost.items() if u <= now]:
                 del lost[k]
-            if len(lost) >= LOST_MAX:   # too many to name: no key is asked for until the last of them expired
+            # too many to name (or too few expired to make a scan worth it again soon): no key is asked for until
+            # the last of them expired
+            if len(lost) >= LOST_MAX * 9 // 10:
                 self.lost_all_until = max(self.lost_all_until, until, max(lost.values()))
                 lost.clear()
                 log.warning("%s: more than %d invalidations could not be sent: no key is fetched from the server "
@@ -497,8 +500,8 @@ class Writer(IOThread):
                 self.healthy = False
                 self._take_all_puts(answers, REMOTE_DOWN)
                 self._give_up_tombs("the writer thread is gone")
-            self._busy = False   # the batch it took is answered above (a restarted thread takes the next)
-            self._cond.notify_all()
+                self._busy = False   # gone for good: nothing will be taken any more (a restarted thread goes on
+            self._cond.notify_all()   # with the batch answered below: busy until it is idle)
         self._report(held)
         self._answer(answers)
         if restart:
