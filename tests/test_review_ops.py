@@ -150,7 +150,7 @@ def test_an_archive_altered_between_the_two_passes_publishes_nothing_into_an_exi
     dst = build_env(tmp_path / "dst", keys(2, "own"))
     before, snap = raw_all(dst), snapshot(dst)
     offs = _frame_offsets(arch.read_bytes())
-    real_scan = A.scan_archive
+    real_scan = A._scan   # import's pass 1
 
     async def scan_then_alter(archive, progress=None):
         res = await real_scan(archive, progress)
@@ -159,7 +159,7 @@ def test_an_archive_altered_between_the_two_passes_publishes_nothing_into_an_exi
         Path(archive).write_bytes(bytes(data))
         return res
 
-    monkeypatch.setattr(A, "scan_archive", scan_then_alter)
+    monkeypatch.setattr(A, "_scan", scan_then_alter)
     rc, out, err = cli(capsys, "import", str(dst), str(arch), "--no-progress")
     assert rc == 2, (out, err)
     assert f"frame 4 (offset {offs[4]}) is corrupt: frame checksum mismatch" in err, err

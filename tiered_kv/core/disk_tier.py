@@ -160,6 +160,7 @@ class DiskTier:
         # adoption off): the tier is down until restart() finishes it
         self._adopting: Union[DiskStore, ProcessDiskStore, None] = None
         self._exported: object = None   # the store whose recovery report was exported (once each)
+        self.abandoned = False            # a start at close took too long and was abandoned (a hung disk)
 
     @classmethod
     def open(cls, cfg: TieredKVConfig, row_bytes: int, completions: CompletionQueue, metrics: Metrics,
@@ -340,6 +341,12 @@ class DiskTier:
             else:
                 self._backoff = self._retry_at = 0.0
         self.usable = False
+        if self._starting is not None:
+            starter, outcome, abandon = self._starting
+            # an interrupt before its thread ran (never made, or made and not yet run): given up -- a thread that
+            # runs later finds it abandoned and starts nothing --, and started again below
+            if not outcome and not starter.is_alive() and starter.ident is None and abandon():
+                self._starting = None
         if self._starting is None:
             if now < self._retry_at and not force:
                 return False
@@ -352,14 +359,12 @@ class DiskTier:
             starter.join(RESTART_CLOSE_WAIT_S)
             if starter.is_alive() and abandon():   # a new child stuck in its open (a hung disk): not waited for
                 self._starting = None
+                self.abandoned = True
                 self._on_error("io_process_restart_failed", f"the disk I/O process's start took longer than "
                                                             f"{RESTART_CLOSE_WAIT_S:.0f} s at close: abandoned")
                 return False
         if not outcome:   # (written under the start's lock: an outcome there is adopted, its thread ending or not)
             if starter.is_alive():
-                return False
-            if starter.ident is None:   # an interrupt before the thread started: none runs, the next call starts one
-                self._starting = None
                 return False
             outcome.append(RuntimeError("the disk I/O process's starter ended without an outcome"))
         got = outcome[0]
@@ -415,6 +420,9 @@ class DiskTier:
         abandoned = [False]
 
         def start() -> None:
+            with lock:
+                if abandoned[0]:   # given up before this thread ran (restart()): it starts nothing
+                    return
             got: object
             try:
                 got = reopen()

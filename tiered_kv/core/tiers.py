@@ -1168,9 +1168,10 @@ class TierCore:
             self.disk_closing = True
         if disk.restarting:   # a start (or its adoption) a pass or an interrupted close left: finished first
             self.apply_arrived()
-            disk.restart(force=True)
-            # it reconciles, or it was abandoned (a hung disk): no second start, nor a second wait for one
-            self.disk_reconciled = True
+            # adopted, it reconciled; abandoned (a hung disk), no second start nor a second wait for one; a start
+            # that failed leaves the reconciling start below to do
+            if disk.restart(force=True) or disk.abandoned:
+                self.disk_reconciled = True
         disk.store.close()   # idempotent: a close an interrupt broke off is finished by the next one
         self.apply_arrived()
         if disk.died and not self.disk_reconciled:

@@ -254,8 +254,8 @@ class Reader(IOThread):
                 self.accepting = False
                 self.healthy = False
                 done += self._take_all(REMOTE_DOWN)
-            self._busy = False
-            self._cond.notify_all()
+                self._busy = False   # gone for good (a restarted thread is busy until idle: its reports are put
+            self._cond.notify_all()   # below, after the lock)
         for r in done_before:
             self._out.put(r)
         for job in done:

@@ -171,23 +171,27 @@ class Writer(IOThread):
 
     def _lost(self, key: bytes) -> None:
         """An INVALIDATE of ``key`` will never run: the server may hold its value until that expires -- one
-        written by a write queued before the drop lands up to half a tombstone's lifetime later (its deadline) --,
-        and the owner asks for the key until then no more (:meth:`RemoteStore.invalidating`); under the lock."""
+        written by a write queued before the drop lands up to a tombstone's lifetime later (its deadline, half of
+        it, on the writer's clock, which may be ahead of the server's by as much) --, and the owner asks for the
+        key until then no more (:meth:`RemoteStore.invalidating`); under the lock.  ``lost`` is in expiry order
+        (every key's window is as long), so the expired ones leave from its front; a key lost again keeps its place
+        with its later expiry (never out of the map meanwhile: a reader holds no lock), which only delays the
+        pruning behind it."""
         now = time.monotonic()
-        until = now + self._tomb_ttl / 2 + self._ttl if self._ttl else math.inf
+        until = now + self._tomb_ttl + self._ttl if self._ttl else math.inf
         lost = self.lost
-        if key not in lost and len(lost) >= LOST_MAX:
-            for k in [k for k, u in lost.items() if u <= now]:
-                del lost[k]
-            # too many to name (or too few expired to make a scan worth it again soon): no key is asked for until
-            # the last of them expired
-            if len(lost) >= LOST_MAX * 9 // 10:
-                self.lost_all_until = max(self.lost_all_until, until, max(lost.values()))
-                lost.clear()
-                log.warning("%s: more than %d invalidations could not be sent: no key is fetched from the server "
-                            "until the values written before them expired", self.name, LOST_MAX)
-                return
-        lost[key] = max(until, lost.get(key, 0.0))
+        while lost:
+            first = next(iter(lost))
+            if lost[first] > now:
+                break
+            del lost[first]
+        if key not in lost and len(lost) >= LOST_MAX:   # too many to name: no key is asked for until the last expired
+            self.lost_all_until = max(self.lost_all_until, until)
+            lost.clear()
+            log.warning("%s: more than %d invalidations could not be sent: no key is fetched from the server "
+                        "until the values written before them expired", self.name, LOST_MAX)
+            return
+        lost[key] = until
 
     def _held(self) -> bool:
         """The open breaker holds tombstone ops back (they wait for the server, however long it is away)."""

@@ -59,7 +59,7 @@ import shutil
 import socket
 import struct
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Optional
 
@@ -232,6 +232,7 @@ class _Frame:
 class _Summary:
     frames: int = 0
     value_bytes: int = 0
+    high: list[int] = field(default_factory=list)   # the sequence numbers SEQ_CHECKED or more (import renumbers them)
 
 
 async def _frames(r: _Reader, hdr: ArchiveHeader, name: str, summary: _Summary) -> AsyncIterator[_Frame]:
@@ -299,6 +300,8 @@ async def _frames(r: _Reader, hdr: ArchiveHeader, name: str, summary: _Summary) 
         digest.update(value)
         summary.frames += 1
         summary.value_bytes += length
+        if eh.seq >= SEQ_CHECKED:
+            summary.high.append(eh.seq)
         yield _Frame(index, off, value, eh)
         index += 1
 
@@ -335,6 +338,11 @@ class _open_archive:
 
 async def scan_archive(archive: PathLike, progress: Optional[Callable[[int], None]] = None) -> tuple[ArchiveHeader, int, int]:
     """Verify a whole archive without using it: (header, frames, value bytes), or :class:`ArchiveError`."""
+    hdr, s = await _scan(archive, progress)
+    return hdr, s.frames, s.value_bytes
+
+
+async def _scan(archive: PathLike, progress: Optional[Callable[[int], None]] = None) -> tuple[ArchiveHeader, _Summary]:
     name = str(archive)
     async with _open_archive(archive) as f:
         r = _Reader(f, progress)
@@ -344,7 +352,7 @@ async def scan_archive(archive: PathLike, progress: Optional[Callable[[int], Non
             async with contextlib.aclosing(_frames(r, hdr, name, s)) as frames:
                 async for _ in frames:
                     pass
-            return hdr, s.frames, s.value_bytes
+            return hdr, s
         finally:
             await r.close()
 
@@ -401,7 +409,7 @@ async def export_async(path: PathLike, namespace: str, out: PathLike,
                     with oe.begin(buffers=True) as txn, SlotReader(oe.path, bb) as slots:
                         tombs = {bytes(k) for k, _ in txn.cursor(db=oe.dbs["tombs"])}
                         total = txn.stat(oe.dbs["blocks"])["entries"]
-                        limit = touch_limit(_top_seq(txn, oe.dbs["blocks"], ns, bb, slots))
+                        limit = touch_limit(_top_seq(txn, oe.dbs["blocks"], ns, bb, slots, tombs))
                         for lk, v in txn.cursor(db=oe.dbs["blocks"]):
                             payload = stored_payload(v, bb, slots)
                             try:
@@ -545,14 +553,16 @@ def _init_meta(txn: Any, oe: OpenEnv, ns: bytes, bb: int) -> None:
     init_meta(txn, oe.dbs["meta"], ns, bb)
 
 
-def _top_seq(txn: Any, blocks: Any, ns: bytes, bb: int, slots: SlotReader) -> int:
-    """The highest sequence number of an entry recovery keeps (one numbered ``SEQ_CHECKED`` or more only if it
+def _top_seq(txn: Any, blocks: Any, ns: bytes, bb: int, slots: SlotReader, tombs: set[bytes]) -> int:
+    """The highest sequence number of an entry recovery keeps (not of another namespace or length, not stored under
+    another key's LMDB key, not written under a tombstoned token, one numbered ``SEQ_CHECKED`` or more only if it
     verifies): what ``touch_limit`` is measured against, as recovery measures it."""
     top = 0
-    for _, v in txn.cursor(db=blocks):
+    for lk, v in txn.cursor(db=blocks):
         try:
             h = parse_header(v)
-            if h.seq <= top or h.seq >= SEQ_LIMIT:
+            if (h.seq <= top or h.seq >= SEQ_LIMIT or h.namespace != ns or h.length != bb
+                    or h.token.bytes in tombs or lmdb_key(h.key) != bytes(lk)):
                 continue
             if h.seq >= SEQ_CHECKED:
                 verify_entry(v, ns, None, bb, stored_payload(v, bb, slots))
@@ -563,8 +573,10 @@ def _top_seq(txn: Any, blocks: Any, ns: bytes, bb: int, slots: SlotReader) -> in
 
 
 async def _import_pass(oe: OpenEnv, archive: Path, hdr0: ArchiveHeader, rep: ImportReport, init_meta: bool,
-                       target_ns: bytes, rewrite: bool, progress: Optional[Callable[[int], None]]) -> None:
-    """One write transaction with every frame; committed only after the trailer checked out."""
+                       target_ns: bytes, rewrite: bool, progress: Optional[Callable[[int], None]],
+                       renumber: Optional[dict[int, int]] = None) -> None:
+    """One write transaction with every frame; committed only after the trailer checked out.  ``renumber``: the
+    new number of each sequence number SEQ_CHECKED or more in the archive (pass 1's), in their order."""
     name = str(archive)
     dbs = oe.dbs
     bb = hdr0.block_bytes
@@ -587,8 +599,9 @@ async def _import_pass(oe: OpenEnv, archive: Path, hdr0: ArchiveHeader, rep: Imp
                     value = fr.value
                     # a number SEQ_CHECKED or more (from a source whose writer got there) is carried just below it:
                     # the destination's writer resumes from the highest, and one that high would number its own
-                    # writes past what recovery keeps; they were the source's newest and stay the newest here
-                    seq = eh.seq if eh.seq < SEQ_CHECKED else SEQ_CHECKED - 1
+                    # writes past what recovery keeps; they were the source's newest and stay the newest here, in
+                    # their order
+                    seq = eh.seq if eh.seq < SEQ_CHECKED else (renumber or {}).get(eh.seq, SEQ_CHECKED - 1)
                     if rewrite or seq != eh.seq:
                         payload = value[eh.payload_offset:]
                         value = pack_header(target_ns, eh.key, eh.token, payload, seq) + payload
@@ -658,7 +671,9 @@ async def import_async(path: PathLike, archive: PathLike, force_namespace: bool 
                 if not (oe.meta.get("format_version") is None and empty):   # else: initialised below, like DiskStore
                     _check_compat(oe.meta, p, hdr, force_namespace)
         # pass 1: verify everything before anything is written
-        await scan_archive(a, on_verify)
+        _, scanned = await _scan(a, on_verify)
+        # an entry numbered SEQ_CHECKED or more is carried just below it, the order of such entries kept (below)
+        renumber = {seq: SEQ_CHECKED - 1 - i for i, seq in enumerate(sorted(set(scanned.high), reverse=True))}
         created: Optional[Path] = None    # the topmost directory this import created
         made: list[Path] = []
         if state == "new":
@@ -698,7 +713,7 @@ async def import_async(path: PathLike, archive: PathLike, force_namespace: bool 
                                    hdr.block_bytes, created=init, namespace_rewritten=rewrite)
                 for attempt in range(4):
                     try:
-                        await _import_pass(oe, a, hdr, rep, init, target_ns, rewrite, on_import)
+                        await _import_pass(oe, a, hdr, rep, init, target_ns, rewrite, on_import, renumber)
                         break
                     except lmdb.MapFullError:
                         if attempt == 3 or not grow_map(oe, need):
