@@ -49,23 +49,10 @@ import pytest
 from tiered_kv.disk import proc
 from tiered_kv.disk.proc import ProcessDiskStore
 
-from test_review_disk_process2 import RawSlab, reap
+from test_review_disk_process2 import RawSlab
+from test_review_procpipe import _collect, _finish
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _collect(q: Any) -> list[Any]:
-    got = []
-    while (r := q.get(0)) is not None:
-        got.append(r)
-    return got
-
-
-def _finish(store: ProcessDiskStore, slab: RawSlab) -> None:
-    reap(store)
-    store._receiver.join(30)
-    store.close()
-    slab.close()
 
 
 # =========================================================================== 1. kick()'s write and an interrupt

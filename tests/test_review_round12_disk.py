@@ -40,6 +40,7 @@ import pytest
 
 import tiered_kv.core.disk_tier as disk_tier_mod
 from disk_helpers import Rig, keys, make_kv, rig, store_seq  # noqa: F401
+from test_review_round11_disk import _path_is_free, _wait
 from tiered_kv.disk import lock as lock_mod
 from tiered_kv.disk.proc import ProcessDiskStore
 from tiered_kv.errors import DiskTierError
@@ -47,24 +48,6 @@ from tiered_kv.errors import DiskTierError
 pytestmark = pytest.mark.timeout(60)
 
 __all__ = ["rig"]
-
-
-def _wait(pred, what: str, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-    """Poll a condition another process or thread makes true (a bounded wait, never an ordering sleep)."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
-
-
-def _path_is_free(path: Path) -> bool:
-    """Whether this process can take the path's lock now (taken and released at once)."""
-    try:
-        fd = lock_mod.take(path)
-    except lock_mod.LockHeld:
-        return False
-    lock_mod.release(fd)
-    return True
 
 
 def _dead_child_manager(rig: Rig, prefix: str):  # type: ignore[no-untyped-def]
