@@ -18,6 +18,10 @@ order, and follows its redirections in order).  Invariants:
   one), asked for by no one either -- past ``LOST_MAX`` such keys, no key is (``lost_all_until``);
 * while the breaker is open, queued puts are answered ``remote_down`` at once and this thread probes;
   ``wait_idle()`` answers False at once while it holds tombstone ops back (:meth:`Writer._held`).
+
+Longer than the project's usual 500 lines: the put parts, the tombstone ops with their back-off and their drops,
+the keys whose invalidation was lost, and the answers owed when the thread dies all read and change one queue
+under one lock (``_cond``); split, each part would reach into the others' state.
 """
 
 from __future__ import annotations
