@@ -128,7 +128,7 @@ class DiskTier:
     ``usable`` turns False once the writer is gone: reads go on, spills are shed.  With the
     disk I/O process (``disk_io="process"``) a writer that is gone is a child that died, and
     :meth:`restart` starts a new one (``usable`` again); a writer thread that died stays gone.
-    ``path_lock``: with the disk I/O process, the tier's own share of the path's lock, held from the open
+    ``lock_share``: with the disk I/O process, the tier's own share of the path's lock, held from the open
     to :meth:`leave_path` (each store has another): the path stays locked while a dead child is replaced,
     and through the back-off after a start that failed.
     """
@@ -136,9 +136,9 @@ class DiskTier:
     def __init__(self, store: Union[DiskStore, ProcessDiskStore], index: TierIndex, metrics: Metrics,
                  reopen: Optional[Callable[[], Union[DiskStore, ProcessDiskStore]]] = None,
                  on_error: Callable[[str, str], None] = lambda kind, msg: None,
-                 path_lock: Optional[path_lock.LockFd] = None) -> None:
+                 lock_share: Optional[path_lock.LockFd] = None) -> None:
         self.store = store
-        self._path_lock = path_lock
+        self._path_lock = lock_share
         self.index = index
         self.usable = True
         self._metrics = metrics
@@ -286,8 +286,7 @@ class DiskTier:
         """The disk I/O process died (on its own: not killed by a close it outlasted), and no new one was
         adopted yet, or the start of one is under way: a close then starts (or finishes) one more, to
         reconcile (:meth:`restart`)."""
-        return self._reopen is not None and (self._starting is not None or self._adopting is not None
-                                             or getattr(self.store, "died", False))
+        return self._reopen is not None and (self.restarting or getattr(self.store, "died", False))
 
     @property
     def restarting(self) -> bool:
