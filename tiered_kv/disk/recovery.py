@@ -27,14 +27,14 @@ import os
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Optional
 
 from .env import DiskEnv
 from .format import CorruptEntry, EntryHeader, lmdb_key, parse_header, verify_entry, where_of
 from .records import StoredEntry
 from .slots import SlotFile
 
-__all__ = ["RecoveryReport", "recover", "U64", "SEQ_LIMIT", "SEQ_CHECKED", "touch_limit"]
+__all__ = ["RecoveryReport", "recover", "U64", "SEQ_LIMIT", "SEQ_CHECKED", "touch_limit", "removed_why", "REMOVED_AS"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,33 @@ def touch_limit(seq: int) -> int:
     numbered that high (a writer resumed from it numbers its touches past it too); :data:`SEQ_LIMIT` or more
     always is.  Recovery's rule, and export's (which must not sign a damaged number into an archive)."""
     return SEQ_CHECKED if seq < SEQ_CHECKED else SEQ_LIMIT
+
+
+REMOVED_AS = {"bad_seq": "corrupt", "wrong_namespace": "foreign", "wrong_length": "foreign",
+              "lmdb_key_mismatch": "foreign", "unverified": "corrupt", "tombstoned": "purged"}
+"""Each :func:`removed_why` reason, as :class:`RecoveryReport` counts it."""
+
+
+def removed_why(h: EntryHeader, lk: bytes, ns: bytes, block_bytes: int, tombs: Any,
+                verifies: Callable[[], bool]) -> Optional[str]:
+    """Why recovery removes the entry whose parsed header is ``h``, stored under LMDB key ``lk``, or None when it
+    keeps it (the slot checks aside: a slot past the file's end, two records on one slot).  ``tombs``: the
+    tombstoned tokens' bytes; ``verifies``: whether the entry's checksum verifies, asked only of one numbered
+    :data:`SEQ_CHECKED` or more (recovery reads no slot otherwise).  The one statement of the rule: recovery
+    applies it, and the operator tools ask it what recovery will keep (``verify``, export's touch limit)."""
+    if h.seq >= SEQ_LIMIT:   # recovery reads no checksum: a damaged sequence number would number every
+        return "bad_seq"     # later write past 64 bits (the entry's read would fail its checksum anyway)
+    if h.namespace != ns:
+        return "wrong_namespace"
+    if h.length != block_bytes:
+        return "wrong_length"
+    if lmdb_key(h.key) != lk:
+        return "lmdb_key_mismatch"
+    if h.seq >= SEQ_CHECKED and not verifies():
+        return "unverified"   # a damaged sequence number (the read would fail its checksum too)
+    if h.token.bytes in tombs:
+        return "tombstoned"
+    return None
 
 
 @dataclass
@@ -95,20 +122,10 @@ def recover(db: DiskEnv, slots: SlotFile, ns: bytes, block_bytes: int) -> tuple[
                 rep.corrupt += 1
                 dead.append(lk)
                 continue
-            if h.seq >= SEQ_LIMIT:   # recovery reads no checksum: a damaged sequence number would number every
-                rep.corrupt += 1     # later write past 64 bits (the entry's read would fail its checksum anyway)
-                dead.append(lk)
-                continue
-            if h.namespace != ns or h.length != block_bytes or lmdb_key(h.key) != lk:
-                rep.foreign += 1
-                dead.append(lk)
-                continue
-            if h.seq >= SEQ_CHECKED and not _verifies(v, h, ns, slots.fd, sb, file_bytes):
-                rep.corrupt += 1     # a damaged sequence number (the read would fail its checksum too)
-                dead.append(lk)
-                continue
-            if h.token.bytes in tombs:
-                rep.purged += 1
+            why = removed_why(h, lk, ns, block_bytes, tombs, lambda: _verifies(v, h, ns, slots.fd, sb, file_bytes))
+            if why is not None:
+                counted = REMOVED_AS[why]
+                setattr(rep, counted, getattr(rep, counted) + 1)
                 dead.append(lk)
                 continue
             if h.in_slot:

@@ -72,7 +72,7 @@ from ..disk.env import init_meta
 from ..disk.format import (FORMAT_VERSION, HEADER_SIZE, CorruptEntry, SlotReader, inline_value, lmdb_key, pack_header,
                            parse_header, verify_entry)
 from ..disk.lock import LOCK_NAME
-from ..disk.recovery import SEQ_CHECKED, SEQ_LIMIT, U64, touch_limit
+from ..disk.recovery import SEQ_CHECKED, SEQ_LIMIT, U64, removed_why, touch_limit
 from ..disk.lock import sync_dirs
 from .ops import (OpenEnv, OpsError, PathLike, fsync_path, check_env_dir, check_meta, grow_map,
                   hold_path, open_readonly, open_writable, record_changed, stored_payload)
@@ -423,11 +423,12 @@ async def export_async(path: PathLike, namespace: str, out: PathLike,
                                 elif not moved:
                                     rep.skipped_corrupt += 1
                                 continue
-                            if lmdb_key(h.key) != bytes(lk) or h.seq >= SEQ_LIMIT:   # (recovery deletes the latter)
-                                rep.skipped_corrupt += 1
-                                continue
-                            if h.token.bytes in tombs:
+                            why = removed_why(h, bytes(lk), ns, bb, tombs, lambda: True)   # (verified above)
+                            if why == "tombstoned":
                                 rep.skipped_orphaned += 1
+                                continue
+                            if why is not None:
+                                rep.skipped_corrupt += 1
                                 continue
                             # frames carry self-contained inline entries (the payload inside), with the
                             # entry's recency: a promote's touch record is newer than the write (recovery
@@ -561,15 +562,19 @@ def _top_seq(txn: Any, blocks: Any, ns: bytes, bb: int, slots: SlotReader, tombs
     for lk, v in txn.cursor(db=blocks):
         try:
             h = parse_header(v)
-            if (h.seq <= top or h.seq >= SEQ_LIMIT or h.namespace != ns or h.length != bb
-                    or h.token.bytes in tombs or lmdb_key(h.key) != bytes(lk)):
-                continue
-            if h.seq >= SEQ_CHECKED:
-                verify_entry(v, ns, None, bb, stored_payload(v, bb, slots))
         except CorruptEntry:
             continue
-        top = h.seq
+        if h.seq > top and removed_why(h, bytes(lk), ns, bb, tombs, lambda: _verifies(v, ns, bb, slots)) is None:
+            top = h.seq
     return top
+
+
+def _verifies(v: Any, ns: bytes, bb: int, slots: SlotReader) -> bool:
+    try:
+        verify_entry(v, ns, None, bb, stored_payload(v, bb, slots))
+    except CorruptEntry:
+        return False
+    return True
 
 
 async def _import_pass(oe: OpenEnv, archive: Path, hdr0: ArchiveHeader, rep: ImportReport, init_meta: bool,

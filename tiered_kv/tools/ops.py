@@ -51,7 +51,7 @@ from ..disk.env import MAX_DBS, MIN_MAP, MIN_READERS, SUBDBS, map_in_use
 from ..disk.format import (FORMAT_VERSION, HEADER_SIZE, HEADER_STRUCT, SLOTS_NAME, CorruptEntry, SlotReader, lmdb_key,
                            parse_header, verify_entry)
 from ..disk.lock import LOCK_NAME, fsync_path
-from ..disk.recovery import SEQ_LIMIT
+from ..disk.recovery import SEQ_LIMIT, removed_why
 
 __all__ = [
     "OpsError", "PathInUseError", "EXIT_OK", "EXIT_PROBLEMS", "EXIT_BAD_INPUT", "EXIT_IN_USE",
@@ -662,22 +662,22 @@ def _scan(txn: Any, dbs: dict[str, Any], ns: bytes, bb: int, rep: VerifyReport, 
             rep.corrupt.append(_corrupt(lk, v, exc))
             bad.append(lk)
             continue
-        if lmdb_key(h.key) != lk:
-            rep.corrupt.append(Problem("corrupt", "lmdb_key_mismatch", lk.hex(), h.key.hex(), str(h.token),
-                                       f"stored under {lk[:40].hex()}, header key maps to {lmdb_key(h.key)[:40].hex()}"))
-            bad.append(lk)
+        why = removed_why(h, lk, ns, bb, tombs, lambda: True)   # what recovery removes (the checksum verified above)
+        if why is None:
+            rep.ok += 1
             continue
-        if h.seq >= SEQ_LIMIT:   # recovery deletes it (no writer numbers that many writes)
-            rep.corrupt.append(Problem("corrupt", "bad_seq", lk.hex(), h.key.hex(), str(h.token),
-                                       f"sequence number {h.seq} is past what any writer reaches ({SEQ_LIMIT})"))
-            bad.append(lk)
-            continue
-        if h.token.bytes in tombs:
-            rep.orphaned.append(Problem("orphaned", "tombstoned", lk.hex(), h.key.hex(), str(h.token),
+        if why == "tombstoned":
+            rep.orphaned.append(Problem("orphaned", why, lk.hex(), h.key.hex(), str(h.token),
                                         "written under a tombstoned token"))
-            bad.append(lk)
-            continue
-        rep.ok += 1
+        elif why == "lmdb_key_mismatch":
+            rep.corrupt.append(Problem("corrupt", why, lk.hex(), h.key.hex(), str(h.token),
+                                       f"stored under {lk[:40].hex()}, header key maps to {lmdb_key(h.key)[:40].hex()}"))
+        elif why == "bad_seq":
+            rep.corrupt.append(Problem("corrupt", why, lk.hex(), h.key.hex(), str(h.token),
+                                       f"sequence number {h.seq} is past what any writer reaches ({SEQ_LIMIT})"))
+        else:
+            rep.corrupt.append(Problem("corrupt", why, lk.hex(), h.key.hex(), str(h.token), f"recovery removes it ({why})"))
+        bad.append(lk)
     rep.dangling_touch = sum(1 for k, _ in txn.cursor(db=dbs["touch"]) if bytes(k) not in present)
     if progress is not None:
         progress(rep.checked, total)
