@@ -30,6 +30,7 @@ pass (a value's TTL and a lost key's window are the point).
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 import uuid
@@ -243,7 +244,7 @@ def test_invalidating_is_true_for_a_lost_key_while_lost_overflows(
     h.store.invalidate(b"r11-lost-x")   # k2's dropped
     assert set(w.lost) == {k1, k2} and not w.lost_all_until
 
-    class Switching(dict):   # type: ignore[type-arg]
+    class Switching(collections.OrderedDict):   # type: ignore[type-arg]
         switched = False
 
         def get(self, key: Any, default: Any = None) -> Any:

@@ -77,7 +77,8 @@ class Writer(IOThread):
         self.tombs_queued = 0     # tombstone ops in _ops and _delayed
         self.tombs_dropped = 0
         self.invalidating: dict[bytes, int] = {}   # key -> its INVALIDATE ops the server has not run yet
-        self.lost: dict[bytes, float] = {}         # key -> until when an INVALIDATE never run may leave its value
+        # key -> until when an INVALIDATE never run may leave its value, in expiry order
+        self.lost: collections.OrderedDict[bytes, float] = collections.OrderedDict()
         self.lost_all_until = 0.0                  # ... for every key, once ``lost`` overflowed (time.monotonic)
         self._held_reports: list[Optional[Report]] = []   # _send's reports not yet put (see there)
         self._held_answered = 0                            # ... and its parts answered, their room not yet released
@@ -178,9 +179,9 @@ class Writer(IOThread):
         written by a write queued before the drop lands up to a tombstone's lifetime later (its deadline, half of
         it, on the writer's clock, which may be ahead of the server's by as much) --, and the owner asks for the
         key until then no more (:meth:`RemoteStore.invalidating`); under the lock.  ``lost`` is in expiry order
-        (every key's window is as long), so the expired ones leave from its front; a key lost again keeps its place
-        with its later expiry (never out of the map meanwhile: a reader holds no lock), which only delays the
-        pruning behind it."""
+        (every key's window is as long), so the expired ones leave from its front; a key lost again moves to its
+        end with its later expiry (``move_to_end``: never out of the map meanwhile, a reader holds no lock), so
+        that no expired key stays behind it and counts toward ``LOST_MAX``."""
         now = time.monotonic()
         until = now + self._tomb_ttl + self._ttl if self._ttl else math.inf
         lost = self.lost
@@ -196,6 +197,7 @@ class Writer(IOThread):
                         "until the values written before them expired", self.name, LOST_MAX)
             return
         lost[key] = until
+        lost.move_to_end(key)
 
     def _held(self) -> bool:
         """The open breaker holds tombstone ops back (they wait for the server, however long it is away)."""

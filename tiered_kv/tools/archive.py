@@ -232,7 +232,8 @@ class _Frame:
 class _Summary:
     frames: int = 0
     value_bytes: int = 0
-    high: list[int] = field(default_factory=list)   # the sequence numbers SEQ_CHECKED or more (import renumbers them)
+    near: int = SEQ_CHECKED   # collect the sequence numbers this high ...
+    high: list[int] = field(default_factory=list)   # ... (import renumbers those SEQ_CHECKED or more, and below)
 
 
 async def _frames(r: _Reader, hdr: ArchiveHeader, name: str, summary: _Summary) -> AsyncIterator[_Frame]:
@@ -300,7 +301,7 @@ async def _frames(r: _Reader, hdr: ArchiveHeader, name: str, summary: _Summary) 
         digest.update(value)
         summary.frames += 1
         summary.value_bytes += length
-        if eh.seq >= SEQ_CHECKED:
+        if eh.seq >= summary.near:
             summary.high.append(eh.seq)
         yield _Frame(index, off, value, eh)
         index += 1
@@ -342,13 +343,15 @@ async def scan_archive(archive: PathLike, progress: Optional[Callable[[int], Non
     return hdr, s.frames, s.value_bytes
 
 
-async def _scan(archive: PathLike, progress: Optional[Callable[[int], None]] = None) -> tuple[ArchiveHeader, _Summary]:
+async def _scan(archive: PathLike, progress: Optional[Callable[[int], None]] = None,
+                near: int = SEQ_CHECKED) -> tuple[ArchiveHeader, _Summary]:
+    """Verify the whole archive; its summary collects the sequence numbers ``near`` or more."""
     name = str(archive)
     async with _open_archive(archive) as f:
         r = _Reader(f, progress)
         try:
             hdr = await _read_header(r, name)
-            s = _Summary()
+            s = _Summary(near=near)
             async with contextlib.aclosing(_frames(r, hdr, name, s)) as frames:
                 async for _ in frames:
                     pass
@@ -554,6 +557,21 @@ def _init_meta(txn: Any, oe: OpenEnv, ns: bytes, bb: int) -> None:
     init_meta(txn, oe.dbs["meta"], ns, bb)
 
 
+def _renumbering(numbers: list[int]) -> dict[int, int]:
+    """An archive's sequence numbers ``SEQ_CHECKED`` or more carried just below it, still the newest and in their
+    order: from the top down each number takes the next one free below ``SEQ_CHECKED`` (or keeps its own, lower),
+    so those just below ``SEQ_CHECKED`` move down in turn, until one is already below the next free.  ``numbers``:
+    every number the archive holds from ``SEQ_CHECKED`` minus its frame count up (none lower can move)."""
+    out: dict[int, int] = {}
+    free = SEQ_CHECKED - 1
+    for seq in sorted(set(numbers), reverse=True):
+        if seq <= free:
+            break
+        out[seq] = free
+        free -= 1
+    return out
+
+
 def _top_seq(txn: Any, blocks: Any, ns: bytes, bb: int, slots: SlotReader, tombs: set[bytes]) -> int:
     """The highest sequence number of an entry recovery keeps (not of another namespace or length, not stored under
     another key's LMDB key, not written under a tombstoned token, one numbered ``SEQ_CHECKED`` or more only if it
@@ -581,7 +599,7 @@ async def _import_pass(oe: OpenEnv, archive: Path, hdr0: ArchiveHeader, rep: Imp
                        target_ns: bytes, rewrite: bool, progress: Optional[Callable[[int], None]],
                        renumber: Optional[dict[int, int]] = None) -> None:
     """One write transaction with every frame; committed only after the trailer checked out.  ``renumber``: the
-    new number of each sequence number SEQ_CHECKED or more in the archive (pass 1's), in their order."""
+    new number of each sequence number that moves (:func:`_renumbering`, from pass 1); every other keeps its own."""
     name = str(archive)
     dbs = oe.dbs
     bb = hdr0.block_bytes
@@ -606,7 +624,7 @@ async def _import_pass(oe: OpenEnv, archive: Path, hdr0: ArchiveHeader, rep: Imp
                     # the destination's writer resumes from the highest, and one that high would number its own
                     # writes past what recovery keeps; they were the source's newest and stay the newest here, in
                     # their order
-                    seq = eh.seq if eh.seq < SEQ_CHECKED else (renumber or {}).get(eh.seq, SEQ_CHECKED - 1)
+                    seq = (renumber or {}).get(eh.seq, eh.seq if eh.seq < SEQ_CHECKED else SEQ_CHECKED - 1)
                     if rewrite or seq != eh.seq:
                         payload = value[eh.payload_offset:]
                         value = pack_header(target_ns, eh.key, eh.token, payload, seq) + payload
@@ -677,8 +695,9 @@ async def import_async(path: PathLike, archive: PathLike, force_namespace: bool 
                     _check_compat(oe.meta, p, hdr, force_namespace)
         # pass 1: verify everything before anything is written
         _, scanned = await _scan(a, on_verify)
-        # an entry numbered SEQ_CHECKED or more is carried just below it, the order of such entries kept (below)
-        renumber = {seq: SEQ_CHECKED - 1 - i for i, seq in enumerate(sorted(set(scanned.high), reverse=True))}
+        if scanned.high:   # (rare) the numbers just below SEQ_CHECKED they are carried onto: verified once more
+            _, scanned = await _scan(a, None, SEQ_CHECKED - scanned.frames)
+        renumber = _renumbering(scanned.high)
         created: Optional[Path] = None    # the topmost directory this import created
         made: list[Path] = []
         if state == "new":
