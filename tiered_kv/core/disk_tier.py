@@ -11,10 +11,12 @@ thread only; the store's own threads never see this object.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Optional, Union
 
 from ..config import TieredKVConfig
@@ -178,14 +180,23 @@ class DiskTier:
         batch_blocks, queue_blocks = writer_limits(cfg, row_bytes, disk_blocks)
         index_blocks = indexed_blocks(cfg, row_bytes, disk_blocks)
         slots = max(disk_blocks, index_blocks + 2 * batch_blocks)
-        opts = DiskOptions(path=cfg.disk_dir, namespace=cfg.namespace, block_bytes=row_bytes,  # type: ignore[arg-type]
+        m = metrics
+        m.capacity["disk"].set(index_blocks * row_bytes)
+        on_error = DiskErrors(metrics)
+        # resolved once: every later start of a store (a disk I/O process replaced, close()'s reconciling start)
+        # opens the directory whose lock is taken here, whatever the working directory or a link in the path
+        # names by then
+        try:
+            path = Path(os.path.realpath(cfg.disk_dir))   # type: ignore[arg-type]
+        except OSError as exc:   # no working directory any more, under a relative path
+            on_error("open_failed", f"disk_path {str(cfg.disk_dir)!r} cannot be resolved: {exc}")
+            m.enable_disk_health(False)
+            return None
+        opts = DiskOptions(path=path, namespace=cfg.namespace, block_bytes=row_bytes,
                            capacity_bytes=disk_blocks * row_bytes, durability=cfg.durability, slots=slots,
                            map_size_bytes=cfg.disk_map_size_bytes, queue_blocks=queue_blocks,
                            batch_blocks=batch_blocks, batch_bytes=batch_blocks * row_bytes,
                            batch_seconds=cfg.writer_batch_seconds)
-        m = metrics
-        m.capacity["disk"].set(index_blocks * row_bytes)
-        on_error = DiskErrors(metrics)
         on_corrupt = on_error.corrupt
         if cfg.disk_io == "process" and host is None:
             log.info("disk_io='process' needs a shareable host slab; this front end gave none: disk I/O on threads")
@@ -199,15 +210,20 @@ class DiskTier:
                 except OSError as exc:   # out of descriptors, or the tier closed (a start abandoned at close)
                     raise DiskTierError(f"disk_path {str(cfg.disk_dir)!r}: no share of its lock for a disk I/O "
                                         f"process: {exc}") from exc
-                return ProcessDiskStore(opts, completions, host, on_error=on_error,
-                                        on_prevented=m.orphaned_prevented.inc, on_corrupt=on_corrupt, lock_fd=share)
+                try:
+                    return ProcessDiskStore(opts, completions, host, on_error=on_error,
+                                            on_prevented=m.orphaned_prevented.inc, on_corrupt=on_corrupt,
+                                            lock_fd=share)
+                except BaseException:   # whatever it raised, before or after it took the share: left here
+                    path_lock.leave(share)   # (identity-checked: a share the store left already is not closed twice)
+                    raise
             return DiskStore(opts, completions, on_error=on_error, on_prevented=m.orphaned_prevented.inc,
                              on_corrupt=on_corrupt)
 
         try:
             try:
                 if cfg.disk_io == "process" and host is not None:
-                    held.append(take_path(cfg.disk_dir))   # type: ignore[arg-type]
+                    held.append(take_path(path))
                 store = make()
             except ProcessStartError as exc:   # this Python cannot run the child: the same store, as threads
                 log.warning("disk tier %s: %s; its I/O runs as threads of this process instead", cfg.disk_dir, exc)
