@@ -34,8 +34,12 @@ Figures (each the median over ``repeats``, the systems' order rotated each repea
    serves A: its cached tokens and wall time, against ``none``'s first A (a recompute), and the
    bytes on disk (allocated blocks) against the configured capacity (vLLM's ``fs`` tier takes none).
 
-Left out: what a disk tier serves after a SIGKILL mid-write (tiered_kv's is tested by
-``tests/test_disk_crash.py``; vLLM's ``fs`` tier would need the same kill harness on a GPU machine).
+5. **after a SIGKILL mid-write** (the disk systems, float32): an engine serving prompt A and then one
+   prompt after another is SIGKILLed with all its processes once A is on disk and two more prompts
+   finished (``tests/vllm_adapter/crashrun.py``); a fresh engine on the same directory replays each
+   prompt the killed one finished or had in flight, then the same prompts again under a cache salt of
+   their own (a full recompute) as the reference: the blocks it served from disk against the full
+   blocks of the prompts the killed engine finished, and whether every output equals the reference's.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 HARNESS = ROOT / "tests" / "vllm_adapter" / "harness.py"
+sys.path.insert(0, str(HARNESS.parent))
+from crashrun import kill_mid_write  # noqa: E402  (tests/vllm_adapter: the test's kill harness, shared)
 MiB = 1 << 20
 
 PLANS: dict[str, dict[str, Any]] = {
@@ -163,7 +169,7 @@ def run_system(system: str, rep: int, work: Path, plan: dict[str, Any], gpu_shar
         res = r["result"]
         out.update(restart_s=res["wall_s"]["a"], restart_cached_tokens=res["a"]["num_cached_tokens"],
                    restart_same_output=res["a"]["token_ids"] == out["first_tokens"])
-        return out
+        return {**out, **crash_system(system, tag, work, plan, gpu_share, timeout_s)}
     r = _harness(work, f"churn-{tag}", "--scenario", "chaos", "--no-chaos-reference",
                  "--chaos-gpu-blocks", str(plan["churn_blocks"]), "--chaos-requests", str(plan["churn_requests"]),
                  "--chaos-max-tokens", str(plan["churn_tokens"]), *base, timeout_s=timeout_s)
@@ -175,6 +181,27 @@ def run_system(system: str, rep: int, work: Path, plan: dict[str, Any], gpu_shar
                churn_preemptions=r["num_preemptions"])
     out["churn_tokens_per_s"] = out["churn_tokens"] / out["churn_s"]
     return out
+
+
+def crash_system(system: str, tag: str, work: Path, plan: dict[str, Any], gpu_share: Optional[float],
+                 timeout_s: float) -> dict[str, Any]:
+    """Figure 5 for one disk system: its ``crash_*`` fields, or ``crash_error``."""
+    disk = work / f"crash-disk-{tag}"
+    shutil.rmtree(disk, ignore_errors=True)
+    args = _system_args(system, None, plan, gpu_share) + ["--prompt-blocks", str(plan["prompt_blocks"])]
+    killed = kill_mid_write(work, f"crash-{tag}", disk, args, timeout_s)
+    if killed.error:
+        return {"crash_error": killed.error}
+    r = _harness(work, f"replay-{tag}", "--scenario", "replay", "--disk-path", str(disk), "--done-file",
+                 str(killed.done_file), "--replay-seeds", ",".join(map(str, killed.seeds)), *args, timeout_s=timeout_s)
+    if not r["ok"]:
+        return {"crash_error": f"replay: {r['error']}"}
+    res = r["result"]
+    return {"crash_finished_prompts": killed.finished, "crash_finished_blocks": killed.finished * plan["prompt_blocks"],
+            "crash_served_blocks": sum(x["num_cached_tokens"] for x in res["served"].values()) // 32,
+            "crash_right": bool(res["matches_reference"] and res["matches_killed_run"]
+                                and res["reference_cached_tokens"] == 0),
+            "crash_slabs_left": len(killed.slabs_left)}
 
 
 def _median(runs: list[dict[str, Any]], k: str) -> Optional[float]:
@@ -207,6 +234,21 @@ def summarize(runs: dict[str, list[dict[str, Any]]], skipped: dict[str, str]) ->
         row("churn with aborts and preemption", "tokens/s", s, "churn_tokens_per_s", "churn_tokens_per_s", "higher")
     for s in DISK_SYSTEMS:
         row("A on a restarted engine, from disk", "s", s, "restart_s", "store_s", "lower")
+    for s in DISK_SYSTEMS:   # against what the killed engine had finished, not against none
+        if s in skipped:
+            rows.append({"figure": "served after a SIGKILL mid-write", "system": s, "skipped": skipped[s]})
+            continue
+        rs = [r for r in ok.get(s, []) if "crash_served_blocks" in r]
+        if not rs:
+            errs = [r.get("crash_error") or r.get("error") for r in runs.get(s, [])]
+            rows.append({"figure": "served after a SIGKILL mid-write", "system": s, "skipped": f"failed: {errs[:1]}"})
+            continue
+        v, b = _median(rs, "crash_served_blocks"), _median(rs, "crash_finished_blocks")
+        rows.append({"figure": "served after a SIGKILL mid-write", "unit": "blocks", "system": s, "value": v,
+                     "baseline": b, "ratio": v / b if v is not None and b else None, "better": "higher",
+                     "note": (f"baseline: the full blocks of the {_median(rs, 'crash_finished_prompts'):.0f} prompts "
+                              f"the killed engine finished; every output right: {all(r['crash_right'] for r in rs)}; "
+                              f"slab files left in /dev/shm: {sum(r['crash_slabs_left'] for r in rs)}")})
     for r in rows:   # what the figure's runs served, beside it
         rs = ok.get(r["system"], [])
         if not rs or "skipped" in r:
@@ -242,7 +284,8 @@ def format_rows(rows: list[dict[str, Any]], header: str) -> str:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
         lines.append(f"{r['figure']:38s} {r['system']:15s} {v:>10s} {r['unit']:9s} {b:>10s} {ratio:>7s}  "
                      f"{r.get('note', '')}")
-    lines.append("ratio = system / none (no offloading); for seconds lower is better, for tokens/s higher")
+    lines.append("ratio = system / none (no offloading; for the SIGKILL row, / its note's baseline); for seconds "
+                 "lower is better, for tokens/s and blocks higher")
     return "\n".join(lines)
 
 
@@ -322,7 +365,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                       "runs": {s: [{k: v for k, v in r.items() if k != "first_tokens"} for r in rs]
                                                for s, rs in runs.items()}}, indent=1))
         print(f"wrote {a.json}")
-    failed = [r for rs in runs.values() for r in rs if "error" in r]
+    failed = [r for rs in runs.values() for r in rs if "error" in r or "crash_error" in r
+              or r.get("crash_right") is False]
     return 1 if failed else 0
 
 

@@ -3,13 +3,13 @@
 Usage (the harness sets VLLM_CPU_KVCACHE_SPACE=1 itself unless already set)::
 
     .venv-vllm/bin/python tests/vllm_adapter/harness.py \\
-        --scenario {reload,restart,chaos} --workdir DIR \\
+        --scenario {reload,restart,chaos,crash,replay} --workdir DIR \\
         [--offload | --no-offload] [--spec {tiered_kv,vllm-lru,vllm-arc,vllm-fs}] \\
         [--disk-path P] [--host-bytes N] [--disk-bytes N] --json OUT
 
 (``--help`` lists the scenario knobs: --num-others, --settle-s, --chaos-gpu-blocks,
 --chaos-requests, --chaos-max-tokens, --abort-after-steps, --[no-]chaos-reference,
---shutdown-timeout-s.)
+--shutdown-timeout-s, --ready-file, --done-file, --crash-prompts, --replay-seeds.)
 
 What it does:
 
@@ -53,6 +53,10 @@ request's preemptions; the last three split its time at the engine core's timest
   "finished": {rid: REC}, "num_finished",
   "aborted": [rid], "num_aborted", "tokens_at_abort": {rid: n}, "aborted_final_outputs",
   "reference": {rid: ids}, "matches_reference", "wall_s": {"run", "reference"}}``
+* crash (float32; meant to be SIGKILLed with its whole process group, see :func:`scenario_crash`):
+  ``{"done": n}`` if it ever ends by itself
+* replay (float32): ``{"seeds": [seed], "served": {seed: REC}, "reference": {seed: ids}, "killed_run":
+  {seed: ids}, "matches_reference", "matches_killed_run", "wall_s": {"served", "reference"}}``
 
 The ``tiered_kv_*`` maps are filled only when ``PROMETHEUS_MULTIPROC_DIR`` is set (the
 engine core and worker processes inherit it); they are keyed by *sample* name
@@ -417,7 +421,93 @@ def scenario_chaos(llm, args) -> dict[str, Any]:
     }
 
 
-SCENARIOS = {"reload": scenario_reload, "restart": scenario_restart, "chaos": scenario_chaos}
+CRASH_SEED0 = 1000   # crash: prompt B_i is random_tokens(CRASH_SEED0 + i, ...)
+
+
+def _put_line(path: str, obj: Any) -> None:
+    """One JSON line appended and flushed to the page cache (it survives a SIGKILL of this process)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(obj) + "\n")
+
+
+def _spilled_blocks() -> float:
+    """Blocks the adapter's disk tier wrote so far: the host -> disk bytes over one block's (a spill job may
+    carry several blocks)."""
+    m = tiered_kv_metrics() or {}
+
+    def total(name: str, **want: str) -> float:
+        return sum(v for lab, v in m.get(name, []) if all(lab.get(k) == w for k, w in want.items()))
+
+    blocks, used = total("tiered_kv_tier_blocks", tier="disk"), total("tiered_kv_tier_used_bytes", tier="disk")
+    return total("tiered_kv_transfer_bytes_total", src="host", dst="disk") / (used / blocks) if blocks and used else 0
+
+
+def scenario_crash(llm, args) -> dict[str, Any]:
+    """Prompt A, then prompts B0, B1, ... one at a time, each line ``{"seed", "token_ids"}`` appended to
+    ``--done-file`` as it finishes.  Once A's blocks are on disk (the tiered_kv adapter's spill jobs counted
+    in PROMETHEUS_MULTIPROC_DIR, or after 3 B prompts with vLLM's own tiers, which count nothing there),
+    ``--ready-file`` is written: from then on the caller SIGKILLs the engine's process group at any moment,
+    while the blocks of the prompts that follow are stored and spilled.  Ends by itself after
+    ``--crash-prompts`` B prompts (a caller that meant to kill it failed to)."""
+    n = args.prompt_blocks * BLOCK_SIZE + 8
+    ready = False
+    (rec,), _ = generate(llm, [random_tokens(PROMPT_A_SEED, n)], RELOAD_MAX_TOKENS)
+    _put_line(args.done_file, {"seed": PROMPT_A_SEED, "token_ids": rec["token_ids"]})
+    for i in range(args.crash_prompts):
+        seed = CRASH_SEED0 + i
+        (rec,), _ = generate(llm, [random_tokens(seed, n)], RELOAD_MAX_TOKENS)
+        _put_line(args.done_file, {"seed": seed, "token_ids": rec["token_ids"]})
+        if not ready and (_spilled_blocks() >= args.prompt_blocks if args.spec == "tiered_kv" else i >= 2):
+            ready = True
+            with open(args.ready_file + ".tmp", "w") as f:
+                f.write(str(i + 1))
+            os.replace(args.ready_file + ".tmp", args.ready_file)
+    return {"done": args.crash_prompts + 1}
+
+
+def scenario_replay(llm, args) -> dict[str, Any]:
+    """After a ``crash`` run was SIGKILLed, a fresh engine on the same ``--disk-path``: the prompts of
+    ``--replay-seeds`` (A's and the B's the killed engine finished, or may have had in flight) in one batch,
+    then the same prompts again under a ``cache_salt`` of their own (no cache can serve them: a full
+    recompute, in a batch of the same shape) as the reference.  What the disk served after the crash is
+    each served record's ``num_cached_tokens``; its output must equal the reference's, and the killed
+    engine's output where that finished the prompt (``--done-file``)."""
+    from vllm import TokensPrompt
+
+    n = args.prompt_blocks * BLOCK_SIZE + 8
+    seeds = [int(x) for x in args.replay_seeds.split(",")]
+    prompts = [random_tokens(seed, n) for seed in seeds]
+    killed: dict[int, list[int]] = {}
+    with open(args.done_file) as f:
+        for line in f:
+            try:
+                d = json.loads(line)
+            except ValueError:   # a line the kill cut short
+                continue
+            killed[int(d["seed"])] = d["token_ids"]
+    t0 = time.perf_counter()
+    served = [record(o) for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                               greedy(RELOAD_MAX_TOKENS), use_tqdm=False)]
+    t_served = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    ref = [record(o) for o in llm.generate([TokensPrompt(prompt_token_ids=p, cache_salt=f"reference-{s}")
+                                            for p, s in zip(prompts, seeds)],
+                                           greedy(RELOAD_MAX_TOKENS), use_tqdm=False)]
+    t_ref = time.perf_counter() - t0
+    return {
+        "seeds": seeds,
+        "served": {s: r for s, r in zip(seeds, served)},
+        "reference": {s: r["token_ids"] for s, r in zip(seeds, ref)},
+        "reference_cached_tokens": sum(r["num_cached_tokens"] for r in ref),
+        "killed_run": {s: killed[s] for s in seeds if s in killed},
+        "matches_reference": all(a["token_ids"] == b["token_ids"] for a, b in zip(served, ref)),
+        "matches_killed_run": all(r["token_ids"] == killed[s] for s, r in zip(seeds, served) if s in killed),
+        "wall_s": {"served": t_served, "reference": t_ref},
+    }
+
+
+SCENARIOS = {"reload": scenario_reload, "restart": scenario_restart, "chaos": scenario_chaos,
+             "crash": scenario_crash, "replay": scenario_replay}
 
 
 # ----------------------------------------------------------------------------- main
@@ -447,6 +537,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--abort-after-steps", type=int, default=40)
     p.add_argument("--chaos-reference", action=argparse.BooleanOptionalAction, default=True,
                    help="chaos: re-run each completed prompt alone for comparison")
+    p.add_argument("--ready-file", help="crash: written once the caller may kill the engine")
+    p.add_argument("--done-file", help="crash: each finished prompt's output is appended here; replay: read")
+    p.add_argument("--crash-prompts", type=int, default=400, help="crash: B prompts before it ends by itself")
+    p.add_argument("--replay-seeds", help="replay: the prompts' seeds, comma-separated")
     return p.parse_args(argv)
 
 
@@ -482,6 +576,16 @@ def run(args: argparse.Namespace, report: dict[str, Any]) -> None:
             # in a request (seen without any offloading: 1 of 7 requests, from its 145th token on).  Without the
             # comparison (the churn benchmark) the model's own dtype stays
             overrides["dtype"] = "float32"
+    if args.scenario in ("crash", "replay"):
+        # the replay compares a prefix served from disk with a full recompute, in float32 for the reason above;
+        # both runs must agree on the dtype (it sizes the blocks the disk tier holds)
+        overrides["dtype"] = "float32"
+        if not (args.offload and args.disk_path and args.done_file):
+            raise ValueError(f"--scenario {args.scenario} needs --offload, --disk-path and --done-file")
+        if args.scenario == "crash" and not args.ready_file:
+            raise ValueError("--scenario crash needs --ready-file")
+        if args.scenario == "replay" and not args.replay_seeds:
+            raise ValueError("--scenario replay needs --replay-seeds")
 
     t0 = time.perf_counter()
     llm = make_llm(model_dir, extra, **overrides)

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from crashrun import Killed, kill_mid_write
 
 pytestmark = pytest.mark.slow
 
@@ -144,4 +146,39 @@ def test_aborts_and_preemption(workdir: Path, figures: dict[str, Any]) -> None:
                         "stale": _metric(r, "tiered_kv_stale_callbacks_total"),
                         "stores": _metric(r, "tiered_kv_jobs_total", kind="store", outcome="ok"),
                         "loads": _metric(r, "tiered_kv_jobs_total", kind="load", outcome="ok"),
+                        "wall_s": res["wall_s"]}
+
+
+def crash_and_replay(workdir: Path, name: str) -> tuple[dict[str, Any], Killed]:
+    """An engine SIGKILLed mid-write (:func:`crashrun.kill_mid_write`), then a fresh engine on the same disk path
+    replays every prompt the killed one finished or may have had in flight."""
+    disk = workdir / f"{name}-disk"
+    killed = kill_mid_write(workdir, f"{name}1", disk, ["--offload"])
+    assert not killed.error, killed.error
+    assert killed.rc == -signal.SIGKILL
+    again = _run(workdir, f"{name}2", "--scenario", "replay", "--offload", "--disk-path", str(disk), "--done-file",
+                 str(killed.done_file), "--replay-seeds", ",".join(map(str, killed.seeds)))
+    return again, killed
+
+
+def test_a_sigkill_mid_write_leaves_a_disk_tier_that_serves_only_right_blocks(
+        workdir: Path, figures: dict[str, Any]) -> None:
+    again, killed = crash_and_replay(workdir, "crash")
+    res = again["result"]
+    # the shared slab's name was dropped once every process had it mapped: a crash leaves nothing in /dev/shm
+    assert not killed.slabs_left, f"the killed engine left {sorted(killed.slabs_left)} in /dev/shm"
+    served = res["served"]
+    # prompt A was on disk before the kill: a fresh engine gets all of its full blocks from there
+    assert served["1"]["num_cached_tokens"] == PROMPT_BLOCKS * BLOCK
+    # every block served after the crash is the right one: each prompt's output equals a full recompute's and
+    # the killed engine's, whatever the kill interrupted
+    assert res["reference_cached_tokens"] == 0
+    assert res["matches_reference"], {s: (r["token_ids"], res["reference"][s]) for s, r in served.items()}
+    assert res["matches_killed_run"]
+    assert _metric(again, "tiered_kv_corrupt_blocks_total") == 0
+    assert _metric(again, "tiered_kv_errors_total") == 0
+    hits = sum(r["num_cached_tokens"] for r in served.values()) // BLOCK
+    figures["crash"] = {"finished_before_kill": killed.finished, "replayed": len(served), "blocks_served": hits,
+                        "blocks_asked": len(served) * PROMPT_BLOCKS,
+                        "purged": _metric(again, "tiered_kv_recovery_purged_entries"),
                         "wall_s": res["wall_s"]}

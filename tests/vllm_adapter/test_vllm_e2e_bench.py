@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+MIB = 1 << 20
 
 
 def _load() -> Any:
@@ -75,6 +76,25 @@ def test_a_failed_run_is_left_out_of_the_median_and_a_system_with_none_left_says
     assert _row(rows, "A on a restarted", "vllm-fs")["skipped"].startswith("failed")
 
 
+def test_the_sigkill_row_is_what_the_replay_served_against_what_the_killed_engine_finished() -> None:
+    disk = {"restart_s": 1.0, "restart_cached_tokens": 192, "restart_same_output": True, "disk_bytes_used": MIB,
+            "disk_bytes_capacity": 256 * MIB}
+    runs = {"none": [_run("none")],
+            "tiered_kv+disk": [_run("tiered_kv+disk", **disk, crash_finished_prompts=p, crash_finished_blocks=6 * p,
+                                    crash_served_blocks=v, crash_right=True, crash_slabs_left=0)
+                               for p, v in ((4, 30), (5, 12), (3, 18))],
+            "vllm-fs": [_run("vllm-fs", **disk, crash_error="no kill point within 300 s")]}
+    rows = E2E.summarize(runs, {})
+    r = _row(rows, "served after a SIGKILL", "tiered_kv+disk")
+    assert (r["value"], r["baseline"], r["ratio"]) == (18, 24, pytest.approx(0.75))
+    assert r["note"] == ("baseline: the full blocks of the 4 prompts the killed engine finished; every output "
+                         "right: True; slab files left in /dev/shm: 0")
+    assert _row(rows, "served after a SIGKILL", "vllm-fs")["skipped"] == "failed: ['no kill point within 300 s']"
+    runs["tiered_kv+disk"][1]["crash_right"] = False
+    assert "every output right: False" in _row(E2E.summarize(runs, {}), "served after a SIGKILL",
+                                               "tiered_kv+disk")["note"]
+
+
 def test_native_specs_are_skipped_with_vllms_reason_on_a_cpu_platform() -> None:
     from vllm.platforms import current_platform
 
@@ -110,6 +130,10 @@ def test_a_smoke_run_measures_tiered_kv_beside_no_offloading(tmp_path: Path) -> 
     restart = _row(res["rows"], "A on a restarted", "tiered_kv+disk")
     assert restart["note"].startswith("192 tokens from disk, same output: True")
     assert "MiB on disk of 256 MiB" in restart["note"]
+    crash = _row(res["rows"], "served after a SIGKILL", "tiered_kv+disk")
+    assert crash["value"] >= 6 and crash["ratio"] >= 0.2, crash   # prompt A was on disk before the kill
+    assert "every output right: True; slab files left in /dev/shm: 0" in crash["note"], crash
     for s in ("vllm-lru", "vllm-arc", "vllm-fs"):
         assert "skipped" in _row(res["rows"], "reload" if s != "vllm-fs" else "A on a restarted", s)
+    assert "skipped" in _row(res["rows"], "served after a SIGKILL", "vllm-fs")
     assert "reload after reset_prefix_cache()" in proc.stdout
