@@ -47,6 +47,23 @@ QUEUE_BATCHES, QUEUE_MIN_BLOCKS = 4, 256
 """A derived writer queue (``writer_queue_blocks=None``) holds this many write batches, at least this many blocks."""
 
 
+def _absolute(disk_dir: "os.PathLike[str]") -> Path:
+    """``disk_dir`` resolved once, at the open: every later start of a store (a disk I/O process replaced,
+    ``close()``'s reconciling start) opens it under that name whatever the working directory or a link in the
+    path names by then.  LMDB opens UTF-8 names only (the name given was checked): where the resolved name is not
+    UTF-8 (a link to a directory so named), the name made absolute without resolving links, else as given.  What
+    a name names may still change after the open (the directory replaced or mounted over, or a link it keeps
+    repointed): each store given a share of the tier's lock checks that the name still names the locked
+    directory (``DiskStore._check_lock``) and refuses to open another."""
+    for p in (os.path.realpath(disk_dir), os.path.abspath(disk_dir)):
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError:
+            continue
+        return Path(p)
+    return Path(disk_dir)
+
+
 def writer_limits(cfg: TieredKVConfig, row_bytes: int, disk_blocks: int) -> tuple[int, int]:
     """The disk writer's blocks per write batch and its queue bound, for a tier of ``disk_blocks``
     blocks of ``row_bytes``: the configured values, or where they are None, derived from the block size.
@@ -183,11 +200,8 @@ class DiskTier:
         m = metrics
         m.capacity["disk"].set(index_blocks * row_bytes)
         on_error = DiskErrors(metrics)
-        # resolved once: every later start of a store (a disk I/O process replaced, close()'s reconciling start)
-        # opens the directory whose lock is taken here, whatever the working directory or a link in the path
-        # names by then
         try:
-            path = Path(os.path.realpath(cfg.disk_dir))   # type: ignore[arg-type]
+            path = _absolute(cfg.disk_dir)   # type: ignore[arg-type]
         except OSError as exc:   # no working directory any more, under a relative path
             on_error("open_failed", f"disk_path {str(cfg.disk_dir)!r} cannot be resolved: {exc}")
             m.enable_disk_health(False)

@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 from typing import Union
 
-__all__ = ["LOCK_NAME", "LockFd", "LockHeld", "take", "release", "share", "leave", "holder_pid", "fsync_path", "sync_dirs"]
+__all__ = ["LOCK_NAME", "LockFd", "LockHeld", "take", "release", "share", "leave", "holder_pid", "locks", "fsync_path",
+           "sync_dirs"]
 
 LOCK_NAME = "tiered_kv.lock"
 ORPHAN_WAIT_S = 10.0   # how long take() waits for the I/O process of a dead owner to exit
@@ -92,6 +93,17 @@ def holder_pid(fd: int) -> str:
         return os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
     except OSError:
         return "unknown"
+
+
+def locks(fd: int, directory: Union[str, "os.PathLike[str]"]) -> bool:
+    """Whether the open lock file ``fd`` is ``directory``'s lock file (the same inode), i.e. ``directory`` still
+    names the directory whose lock ``fd`` holds: not one that replaced it (moved aside, removed and made again,
+    mounted over) or that a link repointed since names."""
+    try:
+        mine, there = os.fstat(fd), os.stat(Path(directory) / LOCK_NAME)
+    except FileNotFoundError:
+        return False
+    return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
 
 
 def take(directory: Union[str, "os.PathLike[str]"]) -> LockFd:

@@ -128,9 +128,11 @@ class DiskStore:
             self._lock_fd = take_path(o.path)
         try:
             ns = o.namespace.encode()
+            self._check_lock()
             self.db = DiskEnv(o.path, ns, o.block_bytes, o.durability, o.map_size_bytes, o.target_slots(),
                               o.num_readers, on_error)
             self.slots = SlotFile(o.path, o.block_bytes, o.target_slots(), o.durability, o.batch_blocks)
+            self._check_lock()   # (and after: the name did not move to another directory while it was opened)
             self.entries, seq, self.recovery = recover(self.db, self.slots, ns, o.block_bytes)
             if o.durability != "none":   # the files' names survive a crash with their contents
                 lock.fsync_path(o.path, directory=True)
@@ -147,6 +149,14 @@ class DiskStore:
         except BaseException:
             self._release()
             raise
+
+    def _check_lock(self) -> None:
+        """A store given a share of its holder's lock (the disk I/O process) opens the path by name: the name must
+        still name the directory that lock was taken on, not one that replaced it since (moved aside, made again,
+        mounted over, a link repointed), whose lock this store does not hold and which another owner may."""
+        if self._lock_shared and not lock.locks(self._lock_fd, self.opts.path):
+            raise DiskTierError(f"disk_path {str(self.opts.path)!r} no longer names the directory locked when the "
+                                f"tier opened (moved, replaced or mounted over since): not opened")
 
     def close(self) -> None:
         """Finish queued ops, sync, stop threads, release the path.  Idempotent.  Bounded by
