@@ -199,6 +199,8 @@ def crash_system(system: str, tag: str, work: Path, plan: dict[str, Any], gpu_sh
     res = r["result"]
     return {"crash_finished_prompts": killed.finished, "crash_finished_blocks": killed.finished * plan["prompt_blocks"],
             "crash_served_blocks": sum(x["num_cached_tokens"] for x in res["served"].values()) // 32,
+            # per prompt replayed (A, B0, ..., the one that may have been in flight): its blocks served from disk
+            "crash_served_by_prompt": [res["served"][str(s)]["num_cached_tokens"] // 32 for s in killed.seeds],
             "crash_right": bool(res["matches_reference"] and res["matches_killed_run"]
                                 and res["reference_cached_tokens"] == 0),
             "crash_slabs_left": len(killed.slabs_left)}
