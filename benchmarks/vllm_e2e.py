@@ -36,7 +36,7 @@ Figures (each the median over ``repeats``, the systems' order rotated each repea
 
 5. **after a SIGKILL mid-write** (the disk systems, float32): an engine serving prompt A and then one
    prompt after another is SIGKILLed with all its processes once A is on disk and two more prompts
-   finished (``tests/vllm_adapter/crashrun.py``); a fresh engine on the same directory replays each
+   finished, and (tiered_kv) its engine has spill jobs in flight (``tests/vllm_adapter/crashrun.py``); a fresh engine on the same directory replays each
    prompt the killed one finished or had in flight, then the same prompts again under a cache salt of
    their own (a full recompute) as the reference: the blocks it served from disk against the full
    blocks of the prompts the killed engine finished, and whether every output equals the reference's.
@@ -203,7 +203,7 @@ def crash_system(system: str, tag: str, work: Path, plan: dict[str, Any], gpu_sh
             "crash_served_by_prompt": [res["served"][str(s)]["num_cached_tokens"] // 32 for s in killed.seeds],
             "crash_right": bool(res["matches_reference"] and res["matches_killed_run"]
                                 and res["reference_cached_tokens"] == 0),
-            "crash_slabs_left": len(killed.slabs_left)}
+            "crash_slabs_left": len(killed.slabs_left), "crash_spills_in_flight": killed.spills_in_flight}
 
 
 def _median(runs: list[dict[str, Any]], k: str) -> Optional[float]:
@@ -250,7 +250,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]], skipped: dict[str, str]) ->
                      "baseline": b, "ratio": v / b if v is not None and b else None, "better": "higher",
                      "note": (f"baseline: the full blocks of the {_median(rs, 'crash_finished_prompts'):.0f} prompts "
                               f"the killed engine finished; every output right: {all(r['crash_right'] for r in rs)}; "
-                              f"slab files left in /dev/shm: {sum(r['crash_slabs_left'] for r in rs)}")})
+                              f"slab files left in /dev/shm: {sum(r['crash_slabs_left'] for r in rs)}; spill jobs in flight at the "
+                              f"kill: {_median(rs, 'crash_spills_in_flight') or 0:.0f}")})
     for r in rows:   # what the figure's runs served, beside it
         rs = ok.get(r["system"], [])
         if not rs or "skipped" in r:

@@ -14,6 +14,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
+
 __all__ = ["Killed", "kill_mid_write", "HARNESS"]
 
 HARNESS = Path(__file__).with_name("harness.py")
@@ -27,6 +30,7 @@ class Killed:
     seeds: list[int]        # what to replay: those, and the one that may have been in flight
     done_file: Path         # their outputs, one JSON line each
     slabs_left: set[str] = field(default_factory=set)   # shared slab files the kill left in /dev/shm
+    spills_in_flight: float = 0.0   # the adapter's spill jobs in flight when it was killed (0: none, or not known)
     error: str = ""         # why no kill happened (the harness ended or stalled first), else empty
 
 
@@ -39,11 +43,19 @@ def _lines(path: Path) -> int:
     return path.read_text().count("\n") if path.exists() else 0
 
 
+def _spills_in_flight(prom: Path) -> float:
+    """The adapter's spill jobs started and not yet answered, as its last engine step published them."""
+    reg = CollectorRegistry()
+    MultiProcessCollector(reg, path=str(prom))
+    return sum(s.value for fam in reg.collect() if fam.name == "tiered_kv_jobs_in_flight"
+               for s in fam.samples if s.labels.get("kind") == "spill")
+
+
 def kill_mid_write(workdir: Path, name: str, disk: Path, args: list[str], timeout_s: float = 300.0) -> Killed:
     """Start ``harness.py --scenario crash`` in a session of its own, wait until its first prompt is on disk and two
-    more prompts finished (later prompts' blocks are then being stored and spilled), and SIGKILL the session: the
-    front end, the EngineCore and worker processes and a disk I/O process all at once.  ``args``: the harness's
-    other arguments (``--offload``, ``--spec``, sizes)."""
+    more prompts finished, then -- with the tiered_kv adapter -- until its engine has spill jobs in flight (at most
+    two more prompts), and SIGKILL the session: the front end, the EngineCore and worker processes and a disk
+    I/O process all at once.  ``args``: the harness's other arguments (``--offload``, ``--spec``, sizes)."""
     done, ready = workdir / f"{name}-done.jsonl", workdir / f"{name}-ready"
     for p in (done, ready):
         p.unlink(missing_ok=True)
@@ -52,20 +64,28 @@ def kill_mid_write(workdir: Path, name: str, disk: Path, args: list[str], timeou
     for f in prom.iterdir():
         f.unlink()
     before = _slabs()
-    proc = subprocess.Popen([sys.executable, str(HARNESS), "--workdir", str(workdir), "--json",
-                             str(workdir / f"{name}.json"), "--scenario", "crash", "--disk-path", str(disk),
-                             "--done-file", str(done), "--ready-file", str(ready), *args],
-                            env=dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(prom)), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    log = workdir / f"{name}.stderr"   # a file, not a pipe: nothing is read from it until the harness is gone
+    with open(log, "w") as err_f:
+        proc = subprocess.Popen([sys.executable, str(HARNESS), "--workdir", str(workdir), "--json",
+                                 str(workdir / f"{name}.json"), "--scenario", "crash", "--disk-path", str(disk),
+                                 "--done-file", str(done), "--ready-file", str(ready), *args],
+                                env=dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(prom)), stdout=subprocess.DEVNULL,
+                                stderr=err_f, start_new_session=True)
     error = ""
     deadline = time.monotonic() + timeout_s
+    adapter = "--spec" not in args or args[args.index("--spec") + 1] == "tiered_kv"
+    in_flight = 0.0
     try:
         first = None
         while True:   # polling files another process writes (not ordering threads)
             if first is None and ready.exists():
                 first = int(ready.read_text())
             if first is not None and _lines(done) >= first + 3:
-                break
+                if not adapter or _lines(done) >= first + 5:
+                    break
+                in_flight = _spills_in_flight(prom)
+                if in_flight:
+                    break
             if proc.poll() is not None:
                 error = f"the crash harness ended first (rc={proc.returncode})"
                 break
@@ -76,9 +96,9 @@ def kill_mid_write(workdir: Path, name: str, disk: Path, args: list[str], timeou
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-        _, err = proc.communicate(timeout=60)
+        proc.wait(60)
     if error:
-        error += ": " + (err or "")[-3000:]
+        error += ": " + log.read_text(errors="replace")[-3000:]
     finished = _lines(done)   # A, B0 .. B(finished - 2); B(finished - 1) may have been in flight
     seeds = [PROMPT_A_SEED] + [CRASH_SEED0 + i for i in range(finished)]
-    return Killed(proc.returncode, finished, seeds, done, _slabs() - before, error)
+    return Killed(proc.returncode, finished, seeds, done, _slabs() - before, in_flight, error)

@@ -179,6 +179,7 @@ def test_a_sigkill_mid_write_leaves_a_disk_tier_that_serves_only_right_blocks(
     assert _metric(again, "tiered_kv_errors_total") == 0
     hits = sum(r["num_cached_tokens"] for r in served.values()) // BLOCK
     figures["crash"] = {"finished_before_kill": killed.finished, "replayed": len(served), "blocks_served": hits,
-                        "blocks_asked": len(served) * PROMPT_BLOCKS,
+                        "blocks_asked": len(served) * PROMPT_BLOCKS, "spills_in_flight": killed.spills_in_flight,
+                        "served_by_prompt": [served[str(s)]["num_cached_tokens"] // BLOCK for s in killed.seeds],
                         "purged": _metric(again, "tiered_kv_recovery_purged_entries"),
                         "wall_s": res["wall_s"]}

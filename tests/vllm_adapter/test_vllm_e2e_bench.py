@@ -81,14 +81,15 @@ def test_the_sigkill_row_is_what_the_replay_served_against_what_the_killed_engin
             "disk_bytes_capacity": 256 * MIB}
     runs = {"none": [_run("none")],
             "tiered_kv+disk": [_run("tiered_kv+disk", **disk, crash_finished_prompts=p, crash_finished_blocks=6 * p,
-                                    crash_served_blocks=v, crash_right=True, crash_slabs_left=0)
+                                    crash_served_blocks=v, crash_right=True, crash_slabs_left=0,
+                                    crash_spills_in_flight=1)
                                for p, v in ((4, 30), (5, 12), (3, 18))],
             "vllm-fs": [_run("vllm-fs", **disk, crash_error="no kill point within 300 s")]}
     rows = E2E.summarize(runs, {})
     r = _row(rows, "served after a SIGKILL", "tiered_kv+disk")
     assert (r["value"], r["baseline"], r["ratio"]) == (18, 24, pytest.approx(0.75))
     assert r["note"] == ("baseline: the full blocks of the 4 prompts the killed engine finished; every output "
-                         "right: True; slab files left in /dev/shm: 0")
+                         "right: True; slab files left in /dev/shm: 0; spill jobs in flight at the kill: 1")
     assert _row(rows, "served after a SIGKILL", "vllm-fs")["skipped"] == "failed: ['no kill point within 300 s']"
     runs["tiered_kv+disk"][1]["crash_right"] = False
     assert "every output right: False" in _row(E2E.summarize(runs, {}), "served after a SIGKILL",
