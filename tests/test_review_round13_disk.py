@@ -97,6 +97,7 @@ import pytest
 
 import tiered_kv.disk.proc as proc_mod
 from disk_helpers import Rig, disk_health, keys, make_kv, metric, rig, store_seq  # noqa: F401
+from test_review_round11_disk import _path_is_free
 from tiered_kv import TierManager
 from tiered_kv.disk import lock as lock_mod
 from tiered_kv.disk.proc import ProcessDiskStore
@@ -104,16 +105,6 @@ from tiered_kv.disk.proc import ProcessDiskStore
 pytestmark = pytest.mark.timeout(60)
 
 __all__ = ["rig"]
-
-
-def _path_is_free(path: Path) -> bool:
-    """Whether this process can take the path's lock now (taken and released at once)."""
-    try:
-        fd = lock_mod.take(path)
-    except lock_mod.LockHeld:
-        return False
-    lock_mod.release(fd)
-    return True
 
 
 def _wait(pred, what: str, timeout: float = 15.0) -> None:  # type: ignore[no-untyped-def]
