@@ -276,17 +276,27 @@ def test_an_interrupt_as_the_disk_io_store_is_made_leaves_the_path_free(
     The interrupt is injected at the constructor's first Python call before its ``try`` (``CachedReads``), where
     CPython runs a pending SIGINT handler (its ``RESUME`` eval-breaker check).
     """
+    interrupted_open_leaves_the_path_free(rig, monkeypatch, proc_mod, "CachedReads", after=False,
+                                          what="its disk I/O store was made")
+
+
+def interrupted_open_leaves_the_path_free(rig: Rig, monkeypatch: pytest.MonkeyPatch, owner: Any, name: str,
+                                          after: bool, what: str) -> None:
+    """A process-mode manager's open interrupted once (``KeyboardInterrupt``) at ``owner.name``, before the call
+    or, with ``after``, as it returns: the open raises it, and no share of the path's lock stays open, the path
+    free (shares left after the check are left, so that the next tests find the path free)."""
     before = set(lock_mod._held)
     fired: list[bool] = []
-    real = proc_mod.CachedReads
+    real = getattr(owner, name)
 
     def interrupted(*a: Any, **k: Any) -> Any:
+        got = real(*a, **k) if after else None
         if not fired:
             fired.append(True)
-            raise KeyboardInterrupt   # Ctrl-C handled as the store's owner-side reader is made
-        return real(*a, **k)
+            raise KeyboardInterrupt   # where CPython would run a pending SIGINT handler
+        return got if after else real(*a, **k)
 
-    monkeypatch.setattr(proc_mod, "CachedReads", interrupted)
+    monkeypatch.setattr(owner, name, interrupted)
     with pytest.raises(KeyboardInterrupt):
         rig.open(make_kv(rows=8), host_slots=8, disk_slots=64, disk_io="process")
     assert fired
@@ -295,7 +305,7 @@ def test_an_interrupt_as_the_disk_io_store_is_made_leaves_the_path_free(
     free = _path_is_free(rig.path)
     try:
         assert free and not leaked, (
-            f"after a start-up interrupted as its disk I/O store was made, no owner is left but the path is "
+            f"after a start-up interrupted as {what}, no owner is left but the path is "
             f"{'free' if free else 'locked'} and {len(leaked)} share(s) of its lock stay open in this process")
     finally:
         for fd in leaked:   # (the next tests of this process must find the path free)

@@ -51,11 +51,14 @@ def _absolute(disk_dir: "os.PathLike[str]") -> Path:
     """``disk_dir`` resolved once, at the open: every later start of a store (a disk I/O process replaced,
     ``close()``'s reconciling start) opens it under that name whatever the working directory or a link in the
     path names by then.  LMDB opens UTF-8 names only (the name given was checked): where the resolved name is not
-    UTF-8 (a link to a directory so named), the name made absolute without resolving links, else as given.  What
+    UTF-8 (a link to a directory so named), the name made absolute as it is (no link resolved, no ``..``
+    removed), else as given.  What
     a name names may still change after the open (the directory replaced or mounted over, or a link it keeps
     repointed): each store given a share of the tier's lock checks that the name still names the locked
     directory (``DiskStore._check_lock``) and refuses to open another."""
-    for p in (os.path.realpath(disk_dir), os.path.abspath(disk_dir)):
+    name = os.fspath(disk_dir)
+    # the fallback is not normalized: "link/../x" is the kernel's to resolve (through the link), not abspath's
+    for p in (os.path.realpath(name), name if os.path.isabs(name) else os.path.join(os.getcwd(), name)):
         try:
             p.encode("utf-8")
         except UnicodeEncodeError:
@@ -244,22 +247,22 @@ class DiskTier:
                 on_error("io_process_start_failed", str(exc))
                 # the threads' store takes the lock itself: the tier's share is closed, never unlocked (a killed
                 # child that did not exit keeps the path until it does)
-                path_lock.leave(held.pop())
+                path_lock.leave_all(held.pop())
                 store = DiskStore(opts, completions, on_error=on_error, on_prevented=m.orphaned_prevented.inc,
                                   on_corrupt=on_corrupt)
         except DiskInUseError:
             if held:   # (closed, never unlocked: a killed child that did not exit keeps the path until it does)
-                path_lock.leave(held.pop())
+                path_lock.leave_all(held.pop())
             raise
         except DiskTierError as exc:
             if held:
-                path_lock.leave(held.pop())
+                path_lock.leave_all(held.pop())
             on_error("open_failed", str(exc))
             m.enable_disk_health(False)
             return None
         except BaseException:
             if held:
-                path_lock.leave(held.pop())
+                path_lock.leave_all(held.pop())
             raise
         try:
             index = TierIndex(index_blocks, policy=make_policy(cfg.disk_policy, index_blocks),

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Union
 
-__all__ = ["LOCK_NAME", "LockFd", "LockHeld", "take", "release", "share", "leave", "holder_pid", "locks", "fsync_path",
+__all__ = ["LOCK_NAME", "LockFd", "LockHeld", "take", "release", "share", "leave", "leave_all", "holder_pid", "locks", "fsync_path",
            "sync_dirs"]
 
 LOCK_NAME = "tiered_kv.lock"
@@ -180,6 +180,24 @@ def share(fd: "LockFd") -> "LockFd":
         dup = LockFd(os.dup(fd))
         _held[dup] = dup
     return dup
+
+
+def leave_all(fd: int) -> None:
+    """:func:`leave` ``fd`` and every other descriptor of its lock this process still holds (its shares): for
+    an owner giving up an open before any store of it lives, whatever an interrupt left between a
+    :func:`share` and the code that would have left it."""
+    with _fds:
+        if _held.get(fd) is not fd:
+            return
+        mine = os.fstat(fd)
+        for other in list(_held.values()):
+            try:
+                same = other is fd or (os.fstat(other).st_dev, os.fstat(other).st_ino) == (mine.st_dev, mine.st_ino)
+            except OSError:   # (closed behind the registry's back: nothing to leave)
+                same = False
+            if same:
+                del _held[other]
+                os.close(other)
 
 
 def leave(fd: int) -> None:
