@@ -52,10 +52,9 @@ def _absolute(disk_dir: "os.PathLike[str]") -> Path:
     ``close()``'s reconciling start) opens it under that name whatever the working directory or a link in the
     path names by then.  LMDB opens UTF-8 names only (the name given was checked): where the resolved name is not
     UTF-8 (a link to a directory so named), the name made absolute as it is (no link resolved, no ``..``
-    removed), else as given.  What
-    a name names may still change after the open (the directory replaced or mounted over, or a link it keeps
-    repointed): each store given a share of the tier's lock checks that the name still names the locked
-    directory (``DiskStore._check_lock``) and refuses to open another."""
+    removed), else as given.  What a name names may still change after the open (the directory replaced or
+    mounted over, or a link it keeps repointed): each store given a share of the tier's lock checks that the
+    name still names the locked directory (``DiskStore._check_lock``) and refuses to open another."""
     name = os.fspath(disk_dir)
     # the fallback is not normalized: "link/../x" is the kernel's to resolve (through the link), not abspath's
     for p in (os.path.realpath(name), name if os.path.isabs(name) else os.path.join(os.getcwd(), name)):

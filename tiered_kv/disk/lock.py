@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import Union
 
-__all__ = ["LOCK_NAME", "LockFd", "LockHeld", "take", "release", "share", "leave", "leave_all", "holder_pid", "locks", "fsync_path",
-           "sync_dirs"]
+__all__ = ["LOCK_NAME", "LockFd", "LockHeld", "take", "release", "share", "leave", "leave_all", "holder_pid", "locks",
+           "fsync_path", "sync_dirs"]
 
 LOCK_NAME = "tiered_kv.lock"
 ORPHAN_WAIT_S = 10.0   # how long take() waits for the I/O process of a dead owner to exit
@@ -192,10 +192,10 @@ def leave_all(fd: int) -> None:
         mine = os.fstat(fd)
         for other in list(_held.values()):
             try:
-                same = other is fd or (os.fstat(other).st_dev, os.fstat(other).st_ino) == (mine.st_dev, mine.st_ino)
+                st = os.fstat(other)
             except OSError:   # (closed behind the registry's back: nothing to leave)
-                same = False
-            if same:
+                continue
+            if other is fd or (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
                 del _held[other]
                 os.close(other)
 
