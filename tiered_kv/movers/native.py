@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from itertools import starmap
@@ -66,18 +65,21 @@ HELP_WAIT_S = 0.001
 with a timeout returns within about this of it however long the copy takes."""
 
 
+POLL_S = 0.00005
+""":meth:`NativeMover._wait_oldest`'s timed wait asks its future this often (see there why not a callback)."""
+
+
 class _Batch:
     """A launch's transfers, in flight from before the launch: ``futs`` gets the launch's future from C
     (``list.extend`` of the launcher's result), so no interrupt can fall between the launch returning
     and the batch knowing it (an empty ``futs`` after an interrupt: nothing was launched)."""
 
-    __slots__ = ("futs", "transfers", "started", "done")
+    __slots__ = ("futs", "transfers", "started")
 
     def __init__(self, transfers: list[Transfer], started: float) -> None:
         self.futs: list[Any] = []
         self.transfers = transfers
         self.started = started
-        self.done: Optional[threading.Event] = None   # set when the copy ends (made by help_one, on demand)
 
     @property
     def future(self) -> Any:
@@ -335,7 +337,10 @@ class NativeMover(Mover):
 
     def _wait_oldest(self, timeout: Optional[float]) -> None:
         """Wait until the oldest batch's copy ends, at most ``timeout`` seconds (None: for as long as it
-        takes); a torch future has no timed wait, so a done-callback sets an event, made once per batch."""
+        takes).  A torch future has no timed wait, and a Python done-callback would not do: torch runs it, and
+        drops it, on the inter-op thread that completed the future -- after the future reads done -- taking the
+        GIL there; a process that ends meanwhile aborts ("terminate called without an active exception": the
+        thread meets a finalizing interpreter).  So a timed wait asks the future every :data:`POLL_S`."""
         b = self._inflight[0]
         fut = b.future
         if fut is None or fut.done():
@@ -346,11 +351,13 @@ class NativeMover(Mover):
             except Exception:   # noqa: BLE001 - its error is reported by harvest()
                 pass
             return
-        ev = b.done
-        if ev is None:
-            ev = b.done = threading.Event()
-            fut.add_done_callback(lambda _f: ev.set())   # type: ignore[union-attr]
-        ev.wait(timeout)
+        deadline = time.perf_counter() + timeout
+        done, clock, sleep = fut.done, time.perf_counter, time.sleep
+        while not done():
+            left = deadline - clock()
+            if left <= 0:
+                return
+            sleep(min(left, POLL_S))
 
     def _memmove_one(self, held: collections.deque[Transfer]) -> None:
         """The one held transfer of at most :data:`~.thread.FEW_ROWS` rows, copied here with ``memmove``
