@@ -66,9 +66,11 @@ with a timeout returns within about this of it however long the copy takes."""
 
 
 POLL_MIN_S, POLL_MAX_S = 0.00002, 0.0002
-""":meth:`NativeMover._wait_oldest`'s timed wait asks its future after this long first, then twice as long each
-time, up to the second figure, across the waits on one batch (see there why not a callback): a short copy is seen
-done soon after it is, a long one costs a wake-up per 0.2 ms (each about 10-20 us of CPU on the reference VM)."""
+""":meth:`NativeMover._wait_oldest`'s timed wait (see there why not a callback) sleeps until about when the batch's
+copy should end (its rows at the rate blocked waits saw), then asks its future after this long, twice as long
+each time after, up to the second figure: each wake-up costs 10-20 us of CPU on the reference VM, taken from the
+copy on a machine of two cores."""
+EXPECT_SHARE = 0.8   # of its expected duration, a timed wait sleeps before it first asks a batch's future
 
 
 class _Batch:
@@ -76,13 +78,15 @@ class _Batch:
     (``list.extend`` of the launcher's result), so no interrupt can fall between the launch returning
     and the batch knowing it (an empty ``futs`` after an interrupt: nothing was launched)."""
 
-    __slots__ = ("futs", "transfers", "started", "poll_s")
+    __slots__ = ("futs", "transfers", "started", "rows", "expect", "poll_s")
 
-    def __init__(self, transfers: list[Transfer], started: float) -> None:
+    def __init__(self, transfers: list[Transfer], started: float, row_s: float) -> None:
         self.futs: list[Any] = []
         self.transfers = transfers
         self.started = started
-        self.poll_s = POLL_MIN_S   # the next pause of a timed wait on it (_wait_oldest)
+        self.rows = sum(len(t.rows) for t in transfers)
+        self.expect = started + EXPECT_SHARE * row_s * self.rows   # a timed wait first asks about then
+        self.poll_s = POLL_MIN_S   # its next pause after that (_wait_oldest)
 
     @property
     def future(self) -> Any:
@@ -131,6 +135,7 @@ class NativeMover(Mover):
         if launch_fn is None and run_fn is None:
             self._warm_up()
         self.batches = 0     # batched copies started
+        self._row_s = 0.0    # seconds per row of a batch's copy, as blocked waits saw them end (moving average)
         self.retried = 0     # transfers started again alone after their batch's copy raised
 
     def _warm_up(self) -> None:
@@ -221,7 +226,7 @@ class NativeMover(Mover):
         if not go:
             return
         cols = list(zip(*args))   # per argument of copy_rows, one entry per group
-        b = _Batch(go, time.perf_counter())
+        b = _Batch(go, time.perf_counter(), self._row_s)
         inflight = self._inflight
         try:
             # in the try: an interrupt as the append returns is answered by the handler below (an
@@ -297,7 +302,7 @@ class NativeMover(Mover):
     def _answer(self, b: _Batch) -> None:
         put = self._out.put
         block = self._block_bytes
-        per_row = (time.perf_counter() - b.started) / max(1, sum(len(t.rows) for t in b.transfers))
+        per_row = (time.perf_counter() - b.started) / max(1, b.rows)
         for t in b.transfers:
             m = len(t.rows)
             put(Report(t.token, t.kind, True, None, m * block, m * per_row))
@@ -355,15 +360,22 @@ class NativeMover(Mover):
             except Exception:   # noqa: BLE001 - its error is reported by harvest()
                 pass
             return
-        deadline = time.perf_counter() + timeout
         done, clock, sleep = fut.done, time.perf_counter, time.sleep
+        now = clock()
+        deadline = now + timeout
         while not done():
-            left = deadline - clock()
+            left = deadline - now
             if left <= 0:
                 return
-            pause = b.poll_s
-            b.poll_s = min(2 * pause, POLL_MAX_S)
+            pause = b.expect - now
+            if pause < POLL_MIN_S:
+                pause = b.poll_s
+                b.poll_s = min(2 * pause, POLL_MAX_S)
             sleep(min(left, pause))
+            now = clock()
+        if b.rows:   # seen done within a pause of its end: the rate the next batches' first sleeps go by
+            seen = (now - b.started) / b.rows
+            self._row_s = seen if not self._row_s else 0.7 * self._row_s + 0.3 * seen
 
     def _memmove_one(self, held: collections.deque[Transfer]) -> None:
         """The one held transfer of at most :data:`~.thread.FEW_ROWS` rows, copied here with ``memmove``
