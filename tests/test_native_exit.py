@@ -98,3 +98,32 @@ def test_a_process_that_ends_right_after_its_copies_exits_cleanly(close: bool) -
         proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=120,
                               env={**env, "PYTHONPATH": ":".join(p for p in sys.path if p)})
         assert proc.returncode == 0 and "terminate called" not in proc.stderr, (proc.returncode, proc.stderr[-2000:])
+
+
+def test_a_thread_mover_whose_workers_the_exit_stopped_still_copies_what_comes_after() -> None:
+    """``ThreadMover._end`` (the exit handler's stop, for a mover left open) ends the workers after what was queued,
+    but leaves the mover open: a transfer submitted later -- by an exit handler that runs after it, then closing
+    the manager -- is copied by the owner in ``close()``, and answered."""
+    import time
+    import uuid
+
+    from tiered_kv.jobs import JobKind
+    from tiered_kv.movers import CompletionQueue, ThreadMover, Transfer
+
+    dev = torch.arange(16 * 64, dtype=torch.int64).view(16, 64).to(torch.uint8)
+    host = torch.zeros((16, 64), dtype=torch.uint8)
+    q = CompletionQueue()
+    m = ThreadMover([(dev, host)], q, num_workers=2, batch_max=64)
+    first = Transfer(uuid.uuid4(), JobKind.STORE, [0, 1], [0, 1])
+    m.submit(first)
+    m.flush()
+    m._end(time.monotonic() + 10)
+    assert not any(t.is_alive() for t in m._threads)
+    later = Transfer(uuid.uuid4(), JobKind.STORE, [5, 6, 7], [5, 6, 7])
+    m.submit(later)
+    m.close()
+    reports = {}
+    while (r := q.get(0)) is not None:
+        reports[r.token] = r
+    assert reports.keys() == {first.token, later.token} and all(r.ok for r in reports.values())
+    assert torch.equal(host[[0, 1, 5, 6, 7]], dev[[0, 1, 5, 6, 7]])

@@ -121,7 +121,11 @@ class TieredKVConfig:
         take the GIL, so they go on while the engine thread runs Python
         (:mod:`tiered_kv.movers.native`); rows no 8- or 16-byte view fits, or a
         torch without TorchScript, fall back to the threads.  ``"threads"``:
-        ``num_copy_workers`` Python threads (:mod:`tiered_kv.movers.thread`).
+        ``num_copy_workers`` Python threads (:mod:`tiered_kv.movers.thread`).  Known
+        limit of ``"native"``: torch's inter-op threads do not survive ``os.fork()``, and
+        a child forked after a manager was made hangs in their teardown if it ends with
+        ``sys.exit`` (one that ends with ``os._exit``, as ``multiprocessing`` does, is
+        not affected): a host that forks such children uses ``"threads"``.
     num_copy_workers: worker threads of the CPU mover with ``cpu_mover="threads"``
         (ignored with CUDA).
     num_copy_streams: CUDA copy streams of the GPU mover.

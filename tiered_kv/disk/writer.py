@@ -453,7 +453,10 @@ class Writer:
             # large batch is checksummed on the hash thread while this one writes the same bytes
             # (the slots stay leased until the batch's reports, so both read what is published)
             if sum(op.nbytes for op in todo) >= self.opts.hash_offload_bytes:
-                hashing = self._hasher().submit(self._pack_entries, todo)
+                try:
+                    hashing = self._hasher().submit(self._pack_entries, todo)
+                except RuntimeError:   # the interpreter is exiting (concurrent.futures refuses new work then,
+                    self._pack_entries(todo)   # before any atexit handler, e.g. one that closes the tier): here
             else:
                 self._pack_entries(todo)
             written: list[Spill] = []

@@ -19,6 +19,7 @@ move imports around.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import ctypes
 import itertools
@@ -26,6 +27,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Callable, Optional
 
@@ -199,6 +201,34 @@ def copy_one(t: Transfer, nrows: int, nslots: int, block_bytes: int, copy: Calla
     return Report(t.token, t.kind, True, None, len(t.rows) * block_bytes, time.perf_counter() - t0)
 
 
+_open_at_exit: Optional["weakref.WeakSet[ThreadMover]"] = None   # made on first use (nothing at import)
+
+
+def _close_at_exit(mover: "ThreadMover") -> None:
+    """Stop ``mover``'s copy threads when the interpreter exits if it is still open then (:meth:`ThreadMover._end`).
+    They run torch ops with the GIL released; one that returns from an op while the interpreter finalizes is
+    ended inside torch's C++, and the process aborts ("terminate called without an active exception").
+    ``atexit`` handlers run before that, every thread still alive: the copies in flight finish there and the
+    threads end."""
+    global _open_at_exit
+    if _open_at_exit is None:
+        _open_at_exit = weakref.WeakSet()
+        atexit.register(_close_open_movers)
+    _open_at_exit.add(mover)
+
+
+EXIT_WAIT_S = 10.0   # how long the interpreter's exit waits at most for the copy threads of movers left open
+
+
+def _close_open_movers() -> None:
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for m in list(_open_at_exit or ()):
+        try:
+            m._end(deadline)
+        except Exception:   # noqa: BLE001 - at exit: said, and the next one ended
+            log.exception("the copy threads of a mover could not be stopped at exit")
+
+
 class ThreadMover(Mover):
     """Copies on worker threads, a batch of transfers at a time; reports through ``completions``.
 
@@ -244,6 +274,7 @@ class ThreadMover(Mover):
         self._q: queue.SimpleQueue[Optional[list[Transfer]]] = queue.SimpleQueue()
         self._copy = copy_fn or _copy
         self._closed = False
+        self._ended = False   # the interpreter's exit stopped the workers (_end)
         self.helped = 0  # transfers run by the owner in help_one()
         self.batches = 0  # batched copies made (one per direction of a batch)
         self.caught_up = 0   # help_one() calls a flush made for batches the workers had not taken (see flush)
@@ -259,6 +290,7 @@ class ThreadMover(Mover):
             self._spawn()
 
     def _spawn(self) -> None:
+        _close_at_exit(self)
         t = threading.Thread(target=self._run, name="tiered-kv-copy", daemon=True)
         with self._lock:
             self._threads = [x for x in self._threads if x.is_alive()] + [t]
@@ -491,9 +523,27 @@ class ThreadMover(Mover):
                 else:
                     copy(dev[r], host[s])
 
+    def _end(self, deadline: float) -> None:
+        """At the interpreter's exit, for a mover left open: its workers stop once the batches queued before
+        are copied, each waited for until ``deadline`` at most (a copy hung on the way is left: no exit hangs
+        for it).  The mover stays open: what is submitted later (an exit handler that runs after this one) is
+        copied by the owner, in ``wait()`` and in :meth:`close`."""
+        if self._closed or self._ended:
+            return
+        self._ended = True
+        with self._lock:
+            threads = list(self._threads)
+        for _ in threads:
+            self._q.put(None)
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
     def close(self) -> None:
         self._holding = False
         self.flush()  # queued transfers are copied (or answered as cancelled) ahead of the stop sentinels
+        if self._ended:   # no workers since the exit began (_end): what is queued is copied here
+            while self.help_one():
+                pass
         self._closed = True
         # one stop sentinel per worker, behind every batch; a worker that dies on the way is replaced
         # (see _run), and the replacement is stopped and joined in the next round
