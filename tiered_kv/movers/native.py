@@ -368,7 +368,9 @@ class NativeMover(Mover):
             if left <= 0:
                 return
             pause = b.expect - now
-            if pause < POLL_MIN_S:
+            if pause >= POLL_MIN_S:
+                b.expect = 0.0   # once: an estimate far off (a stalled copy seen before) costs one such sleep
+            else:
                 pause = b.poll_s
                 b.poll_s = min(2 * pause, POLL_MAX_S)
             sleep(min(left, pause))
