@@ -361,7 +361,7 @@ class NativeMover(Mover):
                 pass
             return
         done, clock, sleep = fut.done, time.perf_counter, time.sleep
-        now = clock()
+        now = before = clock()
         deadline = now + timeout
         while not done():
             left = deadline - now
@@ -369,15 +369,18 @@ class NativeMover(Mover):
                 return
             pause = b.expect - now
             if pause >= POLL_MIN_S:
-                b.expect = 0.0   # once: an estimate far off (a stalled copy seen before) costs one such sleep
+                b.expect = 0.0   # once: an estimate far off costs one such sleep per batch
             else:
                 pause = b.poll_s
                 b.poll_s = min(2 * pause, POLL_MAX_S)
             sleep(min(left, pause))
-            now = clock()
-        if b.rows:   # seen done within a pause of its end: the rate the next batches' first sleeps go by
-            seen = (now - b.started) / b.rows
-            self._row_s = seen if not self._row_s else 0.7 * self._row_s + 0.3 * seen
+            before, now = now, clock()
+        if b.rows and now > before:
+            # it ended between the last two looks: the middle, per row, is what the next batches' first sleeps
+            # go by -- taken at once when it is lower (an estimate too high only delays), at most doubling the
+            # estimate when higher (one stalled copy must not hold back the waits after it)
+            seen, est = ((before + now) / 2 - b.started) / b.rows, self._row_s
+            self._row_s = seen if not est or seen < est else 0.7 * est + 0.3 * min(seen, 2 * est)
 
     def _memmove_one(self, held: collections.deque[Transfer]) -> None:
         """The one held transfer of at most :data:`~.thread.FEW_ROWS` rows, copied here with ``memmove``

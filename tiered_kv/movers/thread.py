@@ -531,17 +531,29 @@ class ThreadMover(Mover):
         if self._closed or self._ended:
             return
         self._ended = True
-        with self._lock:
-            threads = list(self._threads)
-        for _ in threads:
-            self._q.put(None)
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+        joined: set[threading.Thread] = set()
+        while time.monotonic() < deadline:   # as close() does: a worker replaced on the way is stopped next round
+            with self._lock:
+                threads = [t for t in self._threads if t.is_alive() and t not in joined]
+            if not threads:
+                return
+            for _ in threads:
+                self._q.put(None)
+            for t in threads:
+                t.join(max(0.0, deadline - time.monotonic()))
+            joined.update(threads)
 
     def close(self) -> None:
         self._holding = False
         self.flush()  # queued transfers are copied (or answered as cancelled) ahead of the stop sentinels
-        if self._ended:   # no workers since the exit began (_end): what is queued is copied here
+        if self._ended:   # no workers since the exit began (_end): what is queued is copied here, stop
+            while True:       # sentinels left over (for a worker that died meanwhile) skipped
+                try:
+                    batch = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if batch is not None:
+                    self._held.extend(batch)
             while self.help_one():
                 pass
         self._closed = True
