@@ -369,7 +369,8 @@ class NativeMover(Mover):
                 return
             pause = b.expect - now
             if pause >= POLL_MIN_S:
-                b.expect = 0.0   # once: an estimate far off costs one such sleep per batch
+                if pause <= left:   # this sleep reaches it: an estimate far off costs one such sleep per batch
+                    b.expect = 0.0
             else:
                 pause = b.poll_s
                 b.poll_s = min(2 * pause, POLL_MAX_S)

@@ -217,6 +217,7 @@ def _close_at_exit(mover: "ThreadMover") -> None:
     _open_at_exit.add(mover)
 
 
+_NEVER = object()   # iter()'s end marker for a queue drained until it raises Empty
 EXIT_WAIT_S = 10.0   # how long the interpreter's exit waits at most for the copy threads of movers left open
 
 
@@ -547,13 +548,11 @@ class ThreadMover(Mover):
         self._holding = False
         self.flush()  # queued transfers are copied (or answered as cancelled) ahead of the stop sentinels
         if self._ended:   # no workers since the exit began (_end): what is queued is copied here, stop
-            while True:       # sentinels left over (for a worker that died meanwhile) skipped
-                try:
-                    batch = self._q.get_nowait()
-                except queue.Empty:
-                    break
-                if batch is not None:
-                    self._held.extend(batch)
+            try:              # sentinels left over (for a worker that died meanwhile) skipped; each take and
+                self._held.extend(   # its record in C, no bytecode between them for an interrupt to land on
+                    itertools.chain.from_iterable(filter(None, iter(self._q.get_nowait, _NEVER))))
+            except queue.Empty:
+                pass
             while self.help_one():
                 pass
         self._closed = True
