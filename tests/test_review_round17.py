@@ -228,10 +228,12 @@ def test_the_exit_stop_waits_for_a_worker_that_replaced_one_that_died():
 # ---------------------------------------------------------------------------------------------------- finding 3
 class _SimClock:
     """A simulated ``time`` for native.py: ``sleep`` advances ``perf_counter`` and finishes the launched copies
-    whose end has come (a copy's future is done from its end on, as torch's would be)."""
+    whose end has come (a copy's future is done from its end on, as torch's would be); ``sleeps`` counts the
+    wake-ups."""
 
     def __init__(self) -> None:
         self.now = 1000.0
+        self.sleeps = 0
         self.copies: list[tuple[float, torch.futures.Future]] = []
         self.durations: list[float] = []   # the next launches' copy durations, in order
 
@@ -239,6 +241,7 @@ class _SimClock:
         return self.now
 
     def sleep(self, s: float) -> None:
+        self.sleeps += 1
         self.now += max(0.0, s)
         self._finish()
 

@@ -85,19 +85,14 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch
 
+from test_review_round17 import _SimClock, _planes
 from tiered_kv.jobs import JobKind
 from tiered_kv.movers import CompletionQueue, NativeMover, ThreadMover, Transfer, native_available
 from tiered_kv.movers import native as native_mod
 
 _STORE = JobKind.STORE
 WAIT_S = 10.0
-
-
-def _planes(n: int = 16, width: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    dev = torch.arange(n * width, dtype=torch.int64).remainder(251).to(torch.uint8).view(n, width)
-    return dev, torch.zeros((n, width), dtype=torch.uint8)
 
 
 def _running(cls: type, name: str) -> Any:
@@ -166,32 +161,6 @@ def test_an_interrupt_in_the_drain_of_close_after_the_exit_stop_loses_no_batch()
 
 
 # ---------------------------------------------------------------------------------------------------- finding 2
-class _SimClock:
-    """A simulated ``time`` for native.py (as in tests/test_review_round17.py): ``sleep`` advances ``perf_counter``
-    and finishes the launched copies whose end has come; ``sleeps`` counts the wake-ups."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-        self.sleeps = 0
-        self.copies: list[tuple[float, torch.futures.Future]] = []
-        self.durations: list[float] = []   # the next launches' copy durations, in order
-
-    def perf_counter(self) -> float:
-        return self.now
-
-    def sleep(self, s: float) -> None:
-        self.sleeps += 1
-        self.now += max(0.0, s)
-        for end, fut in self.copies:
-            if end <= self.now and not fut.done():
-                fut.set_result(0)
-
-    def launch(self, *args: Any) -> torch.futures.Future:
-        fut: torch.futures.Future = torch.futures.Future()
-        self.copies.append((self.now + self.durations.pop(0), fut))
-        return fut
-
-
 @pytest.mark.skipif(not native_available(), reason="no TorchScript here: the native mover is not used")
 def test_a_long_copy_with_a_learned_rate_is_slept_toward_not_polled(monkeypatch):
     clock = _SimClock()
