@@ -255,6 +255,23 @@ class _SimClock:
         self.copies.append((self.now + self.durations.pop(0), fut))
         return fut
 
+    def store_and_wait(self, m: NativeMover, q: CompletionQueue, token: str, rows: list[int], duration: float) -> float:
+        """A store of ``rows`` whose copy takes ``duration``, launched, then waited for as the manager's
+        _block_until does (help_one until answered); how long after its copy ended the wait returned (``sleeps``
+        counts the wait's wake-ups from 0)."""
+        self.durations.append(duration)
+        m.submit(Transfer(token, _STORE, rows, rows))
+        m.flush()
+        end, self.sleeps = self.copies[-1][0], 0
+        for _ in range(100000):
+            if q.drain():
+                break
+            self.now += 1e-6      # the owner's own work between two calls
+            m.help_one()
+        else:
+            raise AssertionError("never answered")
+        return self.now - end
+
 
 @pytest.mark.skipif(not native_available(), reason="no TorchScript here: the native mover is not used")
 def test_one_stalled_copy_does_not_make_later_waits_oversleep(monkeypatch):
@@ -266,20 +283,8 @@ def test_one_stalled_copy_does_not_make_later_waits_oversleep(monkeypatch):
     copy_s = 50e-6
 
     def one(token: str, duration: float) -> float:
-        """A 3-row store launched, then waited for as the manager's _block_until does (help_one until answered);
-        how long after its copy ended the wait returned."""
-        clock.durations.append(duration)
-        m.submit(Transfer(token, _STORE, [3, 4, 5], [3, 4, 5]))
-        m.flush()
-        end = clock.copies[-1][0]
-        for _ in range(100000):
-            if q.drain():
-                break
-            clock.now += 1e-6      # the owner's own work between two calls
-            m.help_one()
-        else:
-            raise AssertionError("never answered")
-        return clock.now - end
+        """A 3-row store: how long after its copy ended the wait returned."""
+        return clock.store_and_wait(m, q, token, [3, 4, 5], duration)
 
     for i in range(10):                    # the steady state: 50 us copies
         one(f"warm{i}", copy_s)

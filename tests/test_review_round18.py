@@ -171,20 +171,9 @@ def test_a_long_copy_with_a_learned_rate_is_slept_toward_not_polled(monkeypatch)
     copy_s, rows = 10e-3, list(range(100))
 
     def one(token: str) -> tuple[int, float]:
-        """A 100-row store of a 10 ms copy, waited for as the manager's _block_until does (help_one until
-        answered): the wait's wake-ups, and how long after the copy ended it returned."""
-        clock.durations.append(copy_s)
-        m.submit(Transfer(token, _STORE, rows, rows))
-        m.flush()
-        end, clock.sleeps = clock.copies[-1][0], 0
-        for _ in range(100000):
-            if q.drain():
-                break
-            clock.now += 1e-6      # the owner's own work between two calls
-            m.help_one()
-        else:
-            raise AssertionError("never answered")
-        return clock.sleeps, clock.now - end
+        """A 100-row store of a 10 ms copy: the wait's wake-ups, and how long after the copy ended it returned."""
+        late = clock.store_and_wait(m, q, token, rows, copy_s)
+        return clock.sleeps, late
 
     for i in range(5):                     # the rate is learned: 0.1 ms a row
         one(f"warm{i}")
