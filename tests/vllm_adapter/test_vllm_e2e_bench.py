@@ -132,7 +132,11 @@ def test_a_smoke_run_measures_tiered_kv_beside_no_offloading(tmp_path: Path) -> 
     assert restart["note"].startswith("192 tokens from disk, same output: True")
     assert "MiB on disk of 256 MiB" in restart["note"]
     crash = _row(res["rows"], "served after a SIGKILL", "tiered_kv+disk")
-    assert crash["value"] >= 6 and crash["ratio"] >= 0.2, crash   # prompt A was on disk before the kill
+    # prompt A was on disk before the kill: all of its blocks are served.  What share of the others is, is the
+    # figure (how far the writer was behind when the kill landed), not a pass mark
+    by_prompt = [r["crash_served_by_prompt"] for r in res["runs"]["tiered_kv+disk"]]
+    assert by_prompt and all(b[0] == 6 for b in by_prompt), by_prompt
+    assert crash["value"] >= 6 and crash["baseline"] >= 6 * 4, crash   # A and the three prompts before the kill
     assert "every output right: True; slab files left in /dev/shm: 0" in crash["note"], crash
     for s in ("vllm-lru", "vllm-arc", "vllm-fs"):
         assert "skipped" in _row(res["rows"], "reload" if s != "vllm-fs" else "A on a restarted", s)
