@@ -117,7 +117,7 @@ def test_a_failed_commit_is_counted_under_the_label_of_its_cause(rig, monkeypatc
     batch_bytes = mgr._core.disk.store.opts.batch_bytes
     real = shutil.disk_usage
     monkeypatch.setattr(writer_mod.shutil, "disk_usage",
-                        lambda p: usage(1 << 40, 0, int(free_batches * batch_bytes)) if str(p) == str(mgr._core.disk.store.opts.path) else real(p))
+                        lambda p: usage(1 << 40, 0, int(free_batches * batch_bytes)) if str(p) == str(mgr._core.disk.store.db.path) else real(p))
     rig.gate(mgr, block_from=None, raise_at={1: exc})
     store_one(mgr, kv, b"lost", 0, flush=False)
     drain(mgr)

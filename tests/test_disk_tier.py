@@ -171,8 +171,8 @@ def test_a_new_tier_directory_and_its_files_are_named_durably(rig, tmp_path, mon
     real = lock.fsync_path
 
     def spy(p, directory=False):
-        if directory:
-            synced.append(Path(p).absolute())
+        if directory:   # a store syncs its directory through the descriptor it opened it with
+            synced.append(Path(os.readlink(f"/proc/self/fd/{p}")) if isinstance(p, int) else Path(p).absolute())
         real(p, directory)
 
     monkeypatch.setattr(lock, "fsync_path", spy)

@@ -321,7 +321,7 @@ def test_an_eio_syncing_the_tier_directory_at_open_runs_host_only(rig: Rig, monk
     real = lock_mod.fsync_path
 
     def fsync_path(p: Any, directory: bool = False) -> None:
-        if directory and Path(p).name == "disk":
+        if directory and Path(os.readlink(f"/proc/self/fd/{p}") if isinstance(p, int) else p).name == "disk":
             raise OSError(errno.EIO, "Input/output error")
         real(p, directory)
 

@@ -185,11 +185,14 @@ def test_a_disk_path_through_a_link_to_a_directory_not_named_in_utf8_still_opens
     assert mgr2.lookup(ks) == len(ks)
 
 
-def test_a_store_on_a_shared_lock_refuses_a_directory_replaced_while_it_opens(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Finding 1's check runs before *and after* the store opens its files by name: a directory moved aside and
-    replaced between the environment's open and the slot file's is refused too (the store would otherwise hold
-    one directory's environment and another's slot file, under a lock of neither's), and the share is closed."""
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "by-name"])
+def test_a_store_on_a_shared_lock_never_mixes_two_directories_replaced_while_it_opens(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pinned: bool) -> None:
+    """A directory moved aside and replaced between the environment's open and the slot file's: the store must
+    not hold one directory's environment and another's slot file, under a lock of neither's.  Pinned (the
+    default, ``/proc``): both are the locked directory's, wherever its name went, and nothing lands in the
+    replacement.  By name (no ``/proc``): finding 1's check after the opens refuses it, and the share is
+    closed."""
     import tiered_kv.disk.store as store_mod
     from disk_helpers import NS, ROW
     from tiered_kv.disk import DiskOptions, DiskStore
@@ -197,15 +200,17 @@ def test_a_store_on_a_shared_lock_refuses_a_directory_replaced_while_it_opens(
     from tiered_kv.errors import DiskTierError
     from tiered_kv.movers import CompletionQueue
 
-    d = tmp_path / "disk"
+    d, aside = tmp_path / "disk", tmp_path / "aside"
     d.mkdir()
     held = lock_mod.take(d)
     share = os.dup(held)   # as the disk I/O process gets it (inherited; no registry in that process)
     real = store_mod.DiskEnv
+    if not pinned:
+        monkeypatch.setattr(lock_mod, "pinned_path", lambda dfd: None)
 
     def env_then_replace(*a: object, **k: object) -> object:
         env = real(*a, **k)   # type: ignore[arg-type]
-        os.rename(d, tmp_path / "aside")
+        os.rename(d, aside)
         d.mkdir()
         return env
 
@@ -213,9 +218,15 @@ def test_a_store_on_a_shared_lock_refuses_a_directory_replaced_while_it_opens(
     opts = DiskOptions(path=d, namespace=NS, block_bytes=ROW, capacity_bytes=8 * ROW, durability="none",
                        batch_blocks=8, batch_bytes=8 * ROW, batch_seconds=0.0, slots=8, num_readers=1)
     try:
-        with pytest.raises(DiskTierError, match="no longer names the directory locked"):
-            DiskStore(opts, CompletionQueue(), lock_fd=share)
-        with pytest.raises(OSError):   # closed (never unlocked) by the store that refused
+        if pinned:
+            store = DiskStore(opts, CompletionQueue(), lock_fd=share)
+            store.close()
+            assert {"data.mdb", "lock.mdb", "slots.tkv"} <= {p.name for p in aside.iterdir()}
+            assert list(d.iterdir()) == []
+        else:
+            with pytest.raises(DiskTierError, match="no longer names the directory locked"):
+                DiskStore(opts, CompletionQueue(), lock_fd=share)
+        with pytest.raises(OSError):   # closed (never unlocked) by the store, once closed or refused
             os.fstat(share)
     finally:
         lock_mod.release(held)

@@ -100,8 +100,10 @@ class DiskEnv:
     ``tombs``, ``touch``.  ``env`` is read on each use (tests wrap it to inject faults)."""
 
     def __init__(self, path: Path, namespace: bytes, block_bytes: int, durability: str, map_size_bytes: int,
-                 target_slots: int, num_readers: int, on_error: Callable[[str, str], None]) -> None:
-        self.path = path
+                 target_slots: int, num_readers: int, on_error: Callable[[str, str], None],
+                 name: Optional[Path] = None) -> None:
+        self.path = path   # what the files are opened through (the store's pinned directory)
+        self.name = path if name is None else name   # the disk_path as configured, for messages
         self.durability = durability
         self.rw = RWLock()
         self._block_bytes = block_bytes
@@ -117,7 +119,7 @@ class DiskEnv:
                 # made by LMDB, which writes its first meta pages at the first commit: a process that died
                 # (or a disk that filled) before it left no record; LMDB takes the empty file as a new one
                 log.warning("disk_path %r: data.mdb is empty (no commit reached it): the tier starts empty",
-                            str(path))
+                            str(self.name))
                 existing = False
             # with room to grow: a map exactly as large as a full file would leave recovery's first write
             # transaction (it drops what it finds damaged) no page, and the tier would never open again
@@ -127,7 +129,7 @@ class DiskEnv:
                             metasync=durability == "sync", writemap=False, map_async=False, readahead=True,
                             meminit=False, max_readers=max(MIN_READERS, 4 * num_readers + 8), lock=True)
         except lmdb.Error as exc:
-            raise DiskTierError(f"disk_path {str(path)!r} is not a usable LMDB environment: {exc}") from exc
+            raise DiskTierError(f"disk_path {str(self.name)!r} is not a usable LMDB environment: {exc}") from exc
         self.env = env
         try:
             self.reader_check()
@@ -155,12 +157,12 @@ class DiskEnv:
         size = data.stat().st_size
         if size < need:
             os.truncate(data, need)
-            log.info("disk_path %r: data.mdb extended from %d to %d bytes (LMDB's last page)", str(self.path), size,
+            log.info("disk_path %r: data.mdb extended from %d to %d bytes (LMDB's last page)", str(self.name), size,
                      need)
 
     def _check_meta(self, ns: bytes) -> None:
         """Write the meta records of a fresh environment, or refuse another format/namespace/block size."""
-        p, bb_want = self.path, self._block_bytes
+        p, bb_want = self.name, self._block_bytes
         with self.env.begin(write=True) as txn:
             ver = txn.get(b"format_version", db=self.meta)
             if ver is None and txn.stat(self.blocks)["entries"] == 0:
@@ -197,7 +199,7 @@ class DiskEnv:
             self._on_error("lmdb_error", f"reader_check: {exc!r}")
             return
         if cleared:
-            log.warning("disk tier %s: cleared %d reader slot(s) left by dead processes", self.path, cleared)
+            log.warning("disk tier %s: cleared %d reader slot(s) left by dead processes", self.name, cleared)
 
     def grow_ahead(self, need: int) -> None:
         """Grow before MapFullError when the free map space is below twice what a batch writes."""

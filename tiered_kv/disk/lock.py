@@ -22,10 +22,10 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 __all__ = ["LOCK_NAME", "LockFd", "LockHeld", "take", "release", "share", "leave", "leave_all", "holder_pid", "locks",
-           "fsync_path", "sync_dirs"]
+           "pin", "pinned_path", "fsync_path", "sync_dirs"]
 
 LOCK_NAME = "tiered_kv.lock"
 ORPHAN_WAIT_S = 10.0   # how long take() waits for the I/O process of a dead owner to exit
@@ -68,8 +68,12 @@ class LockHeld(Exception):
         self.holder = holder
 
 
-def fsync_path(p: Union[str, "os.PathLike[str]"], directory: bool = False) -> None:
-    """fsync a file, or a directory (its entries: the files and directories made in it)."""
+def fsync_path(p: Union[int, str, "os.PathLike[str]"], directory: bool = False) -> None:
+    """fsync a file, or a directory (its entries: the files and directories made in it), by name or by an open
+    descriptor (an ``int``, left open)."""
+    if isinstance(p, int):
+        os.fsync(p)
+        return
     fd = os.open(p, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
     try:
         os.fsync(fd)
@@ -104,6 +108,39 @@ def locks(fd: int, directory: Union[str, "os.PathLike[str]"]) -> bool:
     except FileNotFoundError:
         return False
     return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
+
+
+def pin(fd: int, directory: Union[str, "os.PathLike[str]"]) -> int:
+    """Open ``directory`` (``O_DIRECTORY``) and return that descriptor if the directory it opened holds the lock
+    file ``fd`` is (checked through the descriptor, not the name); else -1.  Files opened through the descriptor
+    (:func:`pinned_path`) are the locked directory's whatever happens to its name afterwards (moved aside, made
+    again, mounted over): the check and the opens that follow it see one directory.  The caller closes it."""
+    try:
+        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return -1
+    try:
+        mine, there = os.fstat(fd), os.stat(LOCK_NAME, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        there = None
+    except BaseException:
+        os.close(dfd)
+        raise
+    if there is None or (mine.st_dev, mine.st_ino) != (there.st_dev, there.st_ino):
+        os.close(dfd)
+        return -1
+    return dfd
+
+
+def pinned_path(dfd: int) -> Optional[Path]:
+    """A path that names the directory open as ``dfd`` itself (``/proc/self/fd/N``: the kernel resolves it to
+    the open directory, not to a name), for the libraries that open files by path (LMDB); None where this
+    process has no ``/proc`` (the caller then opens by name and checks the lock again after)."""
+    p = Path(f"/proc/self/fd/{dfd}")
+    try:
+        return p if os.path.samestat(os.stat(p), os.fstat(dfd)) else None
+    except OSError:
+        return None
 
 
 def take(directory: Union[str, "os.PathLike[str]"]) -> LockFd:

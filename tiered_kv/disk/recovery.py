@@ -179,7 +179,7 @@ def recover(db: DiskEnv, slots: SlotFile, ns: bytes, block_bytes: int) -> tuple[
     if db.durability != "none":
         env.sync(True)
     log.info("disk tier %s recovered in %.3f s: %d entries, %d purged under tombstones, %d corrupt, "
-             "%d foreign, %d tombstones dropped", db.path, rep.seconds, rep.entries, rep.purged,
+             "%d foreign, %d tombstones dropped", db.name, rep.seconds, rep.entries, rep.purged,
              rep.corrupt, rep.foreign, rep.tombs_dropped)
     return sorted(entries.values(), key=lambda e: e.seq), seq, rep
 

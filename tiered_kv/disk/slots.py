@@ -63,7 +63,7 @@ class SlotsExhausted(Exception):
 
 class SlotFile:
     def __init__(self, directory: Path, block_bytes: int, target_slots: int, durability: str,
-                 batch_blocks: int) -> None:
+                 batch_blocks: int, name: Optional[Path] = None) -> None:
         self.slot_bytes = slot_bytes_for(block_bytes)
         self._durable = durability != "none"
         self._batch_durability = durability == "batch"
@@ -71,7 +71,8 @@ class SlotFile:
         try:
             self.fd = os.open(directory / SLOTS_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
-            raise DiskTierError(f"disk_path {str(directory)!r}: cannot open {SLOTS_NAME}: {exc}") from exc
+            raise DiskTierError(f"disk_path {str(directory if name is None else name)!r}: cannot open {SLOTS_NAME}: "
+                                f"{exc}") from exc
         self.lock = threading.Lock()
         self.free: list[int] = []            # heap of free slot numbers
         # a slot cut short (a truncated file) still counts: an entry in it may have survived recovery

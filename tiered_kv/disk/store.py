@@ -93,6 +93,7 @@ class DiskStore:
         # the path lock: taken here, or (the disk I/O process, proc.py) taken by the owner and shared,
         # in which case it is never unlocked here (flock belongs to the shared open file)
         self._lock_fd = -1
+        self._dir_fd = -1   # the locked directory, open while the store is (its files are opened through it)
         self._lock_shared = lock_fd >= 0
         if self._lock_shared:
             self._lock_fd = lock_fd
@@ -128,14 +129,22 @@ class DiskStore:
             self._lock_fd = take_path(o.path)
         try:
             ns = o.namespace.encode()
-            self._check_lock()
-            self.db = DiskEnv(o.path, ns, o.block_bytes, o.durability, o.map_size_bytes, o.target_slots(),
-                              o.num_readers, on_error)
-            self.slots = SlotFile(o.path, o.block_bytes, o.target_slots(), o.durability, o.batch_blocks)
-            self._check_lock()   # (and after: the name did not move to another directory while it was opened)
+            # the directory itself, checked to hold the lock and then opened through its descriptor: a name that
+            # moves to another directory meanwhile (moved aside and made again, mounted over) changes nothing here
+            self._dir_fd = lock.pin(self._lock_fd, o.path)
+            if self._dir_fd < 0:
+                raise DiskTierError(f"disk_path {str(o.path)!r} no longer names the directory locked when the tier "
+                                    f"opened (moved, replaced or mounted over since): not opened")
+            at = lock.pinned_path(self._dir_fd)
+            self.db = DiskEnv(o.path if at is None else at, ns, o.block_bytes, o.durability, o.map_size_bytes,
+                              o.target_slots(), o.num_readers, on_error, name=o.path)
+            self.slots = SlotFile(o.path if at is None else at, o.block_bytes, o.target_slots(), o.durability,
+                                  o.batch_blocks, name=o.path)
+            if at is None:   # opened by name (no /proc): the name did not move to another directory meanwhile
+                self._check_lock()
             self.entries, seq, self.recovery = recover(self.db, self.slots, ns, o.block_bytes)
             if o.durability != "none":   # the files' names survive a crash with their contents
-                lock.fsync_path(o.path, directory=True)
+                lock.fsync_path(self._dir_fd, directory=True)
             return seq
         except lmdb.Error as exc:
             self._release()
@@ -151,10 +160,10 @@ class DiskStore:
             raise
 
     def _check_lock(self) -> None:
-        """A store given a share of its holder's lock (the disk I/O process) opens the path by name: the name must
-        still name the directory that lock was taken on, not one that replaced it since (moved aside, made again,
-        mounted over, a link repointed), whose lock this store does not hold and which another owner may."""
-        if self._lock_shared and not lock.locks(self._lock_fd, self.opts.path):
+        """Where the files were opened by name (no ``/proc``): the name must still name the directory whose lock
+        this store holds, not one that replaced it since (moved aside, made again, mounted over, a link
+        repointed), whose lock this store does not hold and which another owner may."""
+        if not lock.locks(self._lock_fd, self.opts.path):
             raise DiskTierError(f"disk_path {str(self.opts.path)!r} no longer names the directory locked when the "
                                 f"tier opened (moved, replaced or mounted over since): not opened")
 
@@ -216,6 +225,9 @@ class DiskStore:
             self.db.close()
         if self.slots is not None:
             self.slots.close()
+        if self._dir_fd >= 0:   # (marked first, as the lock's below)
+            fd, self._dir_fd = self._dir_fd, -1
+            os.close(fd)
         if self._lock_fd >= 0:
             if self._lock_shared:   # (marked first: a number closed twice may be another file's by then)
                 fd, self._lock_fd = self._lock_fd, -1

@@ -386,7 +386,7 @@ class Writer:
         if kind == "io_error":
             # LMDB reports a short write on a full disk as EIO: look at the free space
             try:
-                if shutil.disk_usage(self.opts.path).free < 2 * self.opts.batch_bytes:
+                if shutil.disk_usage(self._db.path).free < 2 * self.opts.batch_bytes:   # the store's own directory
                     return "disk_full"
             except OSError:
                 pass
