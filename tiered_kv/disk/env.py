@@ -31,6 +31,7 @@ import lmdb
 
 from ..errors import DiskTierError
 from .format import FORMAT_VERSION
+from .lock import as_named
 
 __all__ = ["SUBDBS", "MAX_DBS", "MIN_MAP", "DiskEnv", "RWLock", "init_meta", "map_in_use"]
 
@@ -129,7 +130,8 @@ class DiskEnv:
                             metasync=durability == "sync", writemap=False, map_async=False, readahead=True,
                             meminit=False, max_readers=max(MIN_READERS, 4 * num_readers + 8), lock=True)
         except lmdb.Error as exc:
-            raise DiskTierError(f"disk_path {str(self.name)!r} is not a usable LMDB environment: {exc}") from exc
+            raise DiskTierError(f"disk_path {str(self.name)!r} is not a usable LMDB environment: "
+                               f"{as_named(str(exc), path, self.name)}") from exc
         self.env = env
         try:
             self.reader_check()

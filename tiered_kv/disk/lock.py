@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 __all__ = ["LOCK_NAME", "LockFd", "LockHeld", "take", "release", "share", "leave", "leave_all", "holder_pid", "locks",
-           "pin", "pinned_path", "fsync_path", "sync_dirs"]
+           "pin", "pinned_path", "as_named", "fsync_path", "sync_dirs"]
 
 LOCK_NAME = "tiered_kv.lock"
 ORPHAN_WAIT_S = 10.0   # how long take() waits for the I/O process of a dead owner to exit
@@ -110,26 +110,29 @@ def locks(fd: int, directory: Union[str, "os.PathLike[str]"]) -> bool:
     return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
 
 
-def pin(fd: int, directory: Union[str, "os.PathLike[str]"]) -> int:
-    """Open ``directory`` (``O_DIRECTORY``) and return that descriptor if the directory it opened holds the lock
-    file ``fd`` is (checked through the descriptor, not the name); else -1.  Files opened through the descriptor
-    (:func:`pinned_path`) are the locked directory's whatever happens to its name afterwards (moved aside, made
-    again, mounted over): the check and the opens that follow it see one directory.  The caller closes it."""
+def pin(fd: int, directory: Union[str, "os.PathLike[str]"], into: list[int]) -> bool:
+    """Open ``directory`` (``O_DIRECTORY``) and say whether the directory it opened holds the lock file ``fd`` is
+    (checked through the descriptor, not the name).  The descriptor is appended to ``into``, the caller's, which
+    closes it (in either case): the open and that record are one chain of C calls, so an interrupt cannot fall
+    between them.  Files opened through the descriptor (:func:`pinned_path`) are the locked directory's whatever
+    happens to its name afterwards (moved aside, made again, mounted over): the check and the opens that follow
+    it see one directory."""
+    n = len(into)
     try:
-        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        into.extend(map(os.open, (directory,), (os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC,)))
     except (FileNotFoundError, NotADirectoryError):
-        return -1
-    try:
-        mine, there = os.fstat(fd), os.stat(LOCK_NAME, dir_fd=dfd, follow_symlinks=False)
+        return False
+    try:   # (followed if a link, as take() opens it)
+        mine, there = os.fstat(fd), os.stat(LOCK_NAME, dir_fd=into[n])
     except FileNotFoundError:
-        there = None
-    except BaseException:
-        os.close(dfd)
-        raise
-    if there is None or (mine.st_dev, mine.st_ino) != (there.st_dev, there.st_ino):
-        os.close(dfd)
-        return -1
-    return dfd
+        return False
+    return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
+
+
+def as_named(text: str, at: Path, name: Union[str, "os.PathLike[str]"]) -> str:
+    """``text`` (an error's, which names the path a file was opened through) with the pinned path ``at`` given as
+    the configured ``name``, the one the operator knows."""
+    return text.replace(str(at), str(name))
 
 
 def pinned_path(dfd: int) -> Optional[Path]:

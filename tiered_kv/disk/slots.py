@@ -39,6 +39,7 @@ import xxhash
 
 from ..errors import DiskTierError
 from .format import SLOTS_NAME, CorruptEntry, EntryHeader, parse_header, slot_bytes_for
+from .lock import as_named
 
 __all__ = ["SlotFile", "SlotsExhausted"]
 
@@ -71,8 +72,9 @@ class SlotFile:
         try:
             self.fd = os.open(directory / SLOTS_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
-            raise DiskTierError(f"disk_path {str(directory if name is None else name)!r}: cannot open {SLOTS_NAME}: "
-                                f"{exc}") from exc
+            name = directory if name is None else name
+            raise DiskTierError(f"disk_path {str(name)!r}: cannot open {SLOTS_NAME}: "
+                                f"{as_named(str(exc), directory, name)}") from exc
         self.lock = threading.Lock()
         self.free: list[int] = []            # heap of free slot numbers
         # a slot cut short (a truncated file) still counts: an entry in it may have survived recovery

@@ -25,6 +25,7 @@ readers before it releases anything.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
@@ -93,7 +94,7 @@ class DiskStore:
         # the path lock: taken here, or (the disk I/O process, proc.py) taken by the owner and shared,
         # in which case it is never unlocked here (flock belongs to the shared open file)
         self._lock_fd = -1
-        self._dir_fd = -1   # the locked directory, open while the store is (its files are opened through it)
+        self._dirs: list[int] = []   # the locked directory, open while the store is (its files are opened through it)
         self._lock_shared = lock_fd >= 0
         if self._lock_shared:
             self._lock_fd = lock_fd
@@ -131,11 +132,10 @@ class DiskStore:
             ns = o.namespace.encode()
             # the directory itself, checked to hold the lock and then opened through its descriptor: a name that
             # moves to another directory meanwhile (moved aside and made again, mounted over) changes nothing here
-            self._dir_fd = lock.pin(self._lock_fd, o.path)
-            if self._dir_fd < 0:
+            if not lock.pin(self._lock_fd, o.path, self._dirs):
                 raise DiskTierError(f"disk_path {str(o.path)!r} no longer names the directory locked when the tier "
                                     f"opened (moved, replaced or mounted over since): not opened")
-            at = lock.pinned_path(self._dir_fd)
+            at = lock.pinned_path(self._dirs[0])
             self.db = DiskEnv(o.path if at is None else at, ns, o.block_bytes, o.durability, o.map_size_bytes,
                               o.target_slots(), o.num_readers, on_error, name=o.path)
             self.slots = SlotFile(o.path if at is None else at, o.block_bytes, o.target_slots(), o.durability,
@@ -144,20 +144,29 @@ class DiskStore:
                 self._check_lock()
             self.entries, seq, self.recovery = recover(self.db, self.slots, ns, o.block_bytes)
             if o.durability != "none":   # the files' names survive a crash with their contents
-                lock.fsync_path(self._dir_fd, directory=True)
+                lock.fsync_path(self._dirs[0], directory=True)
             return seq
         except lmdb.Error as exc:
+            msg = f"disk_path {str(o.path)!r} is damaged: {self._named(exc)}"
             self._release()
-            raise DiskTierError(f"disk_path {str(o.path)!r} is damaged: {exc}") from exc
+            raise DiskTierError(msg) from exc
         except (OverflowError, ValueError) as exc:   # sizes LMDB cannot map: a tier that cannot open
             self._release()
             raise DiskTierError(f"disk_path {str(o.path)!r} cannot be opened with these sizes: {exc}") from exc
         except OSError as exc:   # an I/O error (the directory's fsync, a stat of data.mdb): a tier that cannot open
+            msg = f"disk_path {str(o.path)!r} cannot be opened: {self._named(exc)}"
             self._release()
-            raise DiskTierError(f"disk_path {str(o.path)!r} cannot be opened: {exc}") from exc
+            raise DiskTierError(msg) from exc
         except BaseException:
             self._release()
             raise
+
+    def _named(self, exc: BaseException) -> str:
+        """An error's text with the pinned path the files were opened through given as the configured one."""
+        text = str(exc)
+        for fd in self._dirs:
+            text = lock.as_named(text, Path(f"/proc/self/fd/{fd}"), self.opts.path)
+        return text
 
     def _check_lock(self) -> None:
         """Where the files were opened by name (no ``/proc``): the name must still name the directory whose lock
@@ -225,9 +234,10 @@ class DiskStore:
             self.db.close()
         if self.slots is not None:
             self.slots.close()
-        if self._dir_fd >= 0:   # (marked first, as the lock's below)
-            fd, self._dir_fd = self._dir_fd, -1
-            os.close(fd)
+        try:   # each taken off and closed in one chain of C calls (never closed twice, none left by an interrupt)
+            collections.deque(map(os.close, iter(self._dirs.pop, None)), maxlen=0)
+        except IndexError:   # none left
+            pass
         if self._lock_fd >= 0:
             if self._lock_shared:   # (marked first: a number closed twice may be another file's by then)
                 fd, self._lock_fd = self._lock_fd, -1
