@@ -293,9 +293,15 @@ class ThreadMover(Mover):
     def _spawn(self) -> None:
         _close_at_exit(self)
         t = threading.Thread(target=self._run, name="tiered-kv-copy", daemon=True)
-        with self._lock:
+        with self._lock:   # listed before it starts: a close() from now on stops and joins it
             self._threads = [x for x in self._threads if x.is_alive()] + [t]
-        t.start()
+        try:
+            t.start()
+        except BaseException:
+            if t.ident is None:   # never started (no thread to be had): not a worker, nothing for close() to join
+                with self._lock:
+                    self._threads = [x for x in self._threads if x is not t]
+            raise
 
     def submit(self, t: Transfer) -> None:
         if self._batch_max == 1 and not self._holding:
@@ -344,6 +350,8 @@ class ThreadMover(Mover):
             if not self.help_one():
                 break
             self.caught_up += 1
+        if self._ended:   # no worker since the exit stop: the owner copies
+            self._copy_here()
 
     def _behind(self) -> int:
         """How many of the batches the workers have not taken were given to them at least ``catch_up_s``
@@ -525,15 +533,19 @@ class ThreadMover(Mover):
                     copy(dev[r], host[s])
 
     def _end(self, deadline: float) -> None:
-        """At the interpreter's exit, for a mover left open: its workers stop once the batches queued before
-        are copied, each waited for until ``deadline`` at most (a copy hung on the way is left: no exit hangs
-        for it).  The mover stays open: what is submitted later (an exit handler that runs after this one) is
-        copied by the owner, in ``wait()`` and in :meth:`close`."""
-        if self._closed or self._ended:
+        """At the interpreter's exit, for a mover whose workers are still alive: they stop once the batches queued
+        before are copied, waited for until ``deadline`` at most (a copy hung on the way is left: no exit hangs
+        for it; each is still sent its stop when the deadline has passed, and stops after its copy).  A mover
+        left open stays open: what is submitted later (an exit handler that runs after this one) is copied by the
+        owner, in ``flush()`` and so in every ``poll()``/``wait()``/``finished()``, and in :meth:`close`.  A
+        ``close()`` under way on another thread, or broken off in its join (Ctrl-C), put its stops already but
+        its workers may still copy: they are waited for here too."""
+        if self._ended:
             return
-        self._ended = True
+        if not self._closed:
+            self._ended = True
         joined: set[threading.Thread] = set()
-        while time.monotonic() < deadline:   # as close() does: a worker replaced on the way is stopped next round
+        while True:   # as close() does: a worker replaced on the way is stopped next round
             with self._lock:
                 threads = [t for t in self._threads if t.is_alive() and t not in joined]
             if not threads:
@@ -543,13 +555,29 @@ class ThreadMover(Mover):
             for t in threads:
                 t.join(max(0.0, deadline - time.monotonic()))
             joined.update(threads)
+            if time.monotonic() >= deadline:
+                return
+
+    def _copy_here(self) -> None:
+        """After the exit stop (:meth:`_end`) no worker takes from the queue: what is queued is copied on the
+        calling thread.  A stop sentinel met on the way goes back to the queue's end (``help_one``), where a worker
+        still stopping takes it: so each is passed at most once, and the loop ends."""
+        for _ in range(self._q.qsize() + 1):
+            while self.help_one():
+                pass
+            if not self._q.qsize() or self._closed:
+                return
 
     def close(self) -> None:
         self._holding = False
         self.flush()  # queued transfers are copied (or answered as cancelled) ahead of the stop sentinels
-        if self._ended:   # no workers since the exit began (_end): what is queued is copied here, stop
-            try:              # sentinels left over (for a worker that died meanwhile) skipped; each take and
-                self._held.extend(   # its record in C, no bytecode between them for an interrupt to land on
+        with self._lock:
+            live = any(t.is_alive() for t in self._threads)
+        # no workers since the exit began (_end), or none left (one died and no thread could replace it): what is
+        # queued is copied here, stop sentinels left over (for a worker that died meanwhile) skipped; each take and
+        if self._ended or not live:   # its record in C, no bytecode between them for an interrupt to land on
+            try:
+                self._held.extend(
                     itertools.chain.from_iterable(filter(None, iter(self._q.get_nowait, _NEVER))))
             except queue.Empty:
                 pass
