@@ -276,6 +276,7 @@ class ThreadMover(Mover):
         self._copy = copy_fn or _copy
         self._closed = False
         self._ended = False   # the interpreter's exit stopped the workers (_end)
+        self._stranded = False   # a dead worker could not be replaced: the owner copies (flush)
         self.helped = 0  # transfers run by the owner in help_one()
         self.batches = 0  # batched copies made (one per direction of a batch)
         self.caught_up = 0   # help_one() calls a flush made for batches the workers had not taken (see flush)
@@ -297,10 +298,9 @@ class ThreadMover(Mover):
             self._threads = [x for x in self._threads if x.is_alive()] + [t]
         try:
             t.start()
-        except BaseException:
-            if t.ident is None:   # never started (no thread to be had): not a worker, nothing for close() to join
-                with self._lock:
-                    self._threads = [x for x in self._threads if x is not t]
+        except RuntimeError:   # "can't start new thread" (raised before any thread exists): not a worker, nothing
+            with self._lock:   # for close() to join
+                self._threads = [x for x in self._threads if x is not t]
             raise
 
     def submit(self, t: Transfer) -> None:
@@ -350,8 +350,8 @@ class ThreadMover(Mover):
             if not self.help_one():
                 break
             self.caught_up += 1
-        if self._ended:   # no worker since the exit stop: the owner copies
-            self._copy_here()
+        if self._ended or self._stranded:   # no worker since the exit stop, or one could not be replaced: the
+            self._copy_here()                # owner copies
 
     def _behind(self) -> int:
         """How many of the batches the workers have not taken were given to them at least ``catch_up_s``
@@ -391,6 +391,10 @@ class ThreadMover(Mover):
         """
         if self._closed:
             return False
+        return self._help()
+
+    def _help(self) -> bool:
+        """:meth:`help_one`'s copy, also once closed (``close()`` copying what no worker is left to copy)."""
         held = self._held
         if not held:
             try:
@@ -447,7 +451,11 @@ class ThreadMover(Mover):
                 self._out.put(Report(t.token, t.kind, False, f"worker died: {exc!r}"))
             # replaced also while close() runs: the batches queued behind this one need a worker, and
             # close() joins the replacement too (it returns only once no worker is left)
-            self._spawn()
+            try:
+                self._spawn()
+            except RuntimeError:   # no thread to be had: the owner copies in each flush from now on, and close()
+                self._stranded = True   # copies what is left
+                raise
             if not isinstance(exc, Exception):
                 raise
 
@@ -571,18 +579,6 @@ class ThreadMover(Mover):
     def close(self) -> None:
         self._holding = False
         self.flush()  # queued transfers are copied (or answered as cancelled) ahead of the stop sentinels
-        with self._lock:
-            live = any(t.is_alive() for t in self._threads)
-        # no workers since the exit began (_end), or none left (one died and no thread could replace it): what is
-        # queued is copied here, stop sentinels left over (for a worker that died meanwhile) skipped; each take and
-        if self._ended or not live:   # its record in C, no bytecode between them for an interrupt to land on
-            try:
-                self._held.extend(
-                    itertools.chain.from_iterable(filter(None, iter(self._q.get_nowait, _NEVER))))
-            except queue.Empty:
-                pass
-            while self.help_one():
-                pass
         self._closed = True
         # one stop sentinel per worker, behind every batch; a worker that dies on the way is replaced
         # (see _run), and the replacement is stopped and joined in the next round
@@ -591,9 +587,18 @@ class ThreadMover(Mover):
             with self._lock:
                 threads = [t for t in self._threads if t not in joined]
             if not threads:
-                return
+                break
             for _ in threads:
                 self._q.put(None)
             for t in threads:
                 t.join()
             joined.update(threads)
+        # no worker is left: what none took (none since the exit stop, or the last died and could not be replaced)
+        # is copied here, the stop sentinels skipped; each take and its record in C, no bytecode between them for
+        # an interrupt to land on
+        try:
+            self._held.extend(itertools.chain.from_iterable(filter(None, iter(self._q.get_nowait, _NEVER))))
+        except queue.Empty:
+            pass
+        while self._help():
+            pass
