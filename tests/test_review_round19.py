@@ -40,7 +40,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -146,6 +146,68 @@ def test_a_copier_job_submitted_after_the_exit_stop_is_copied_by_wait(tmp_path: 
         slab.close()
 
 
+class WorkerDies(BaseException):
+    """Ends a copy worker's thread (not an ``Exception``: the worker does not take it as a failed copy)."""
+
+
+def no_thread_to_be_had(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From now on no thread can be started ("can't start new thread"): a dead worker is not replaced."""
+    def no_thread(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+
+
+def dies_when_joined(worker: threading.Thread, gate: threading.Event) -> None:
+    """``worker`` waits on ``gate`` inside its copy; it goes on (and dies) only once someone joins it."""
+    real_join = worker.join
+
+    def join(timeout: Any = None) -> None:
+        gate.set()
+        real_join(WAIT_S if timeout is None else timeout)
+
+    worker.join = join   # type: ignore[method-assign]
+
+
+def first_batch_kills_its_worker(m: ThreadMover, entered: Any = None, gate: Any = None) -> None:
+    """The first batch a worker of ``m`` copies ends that worker's thread (after ``entered`` is set and ``gate``
+    opened, when given); later batches are copied."""
+    real = m._do_batch
+    deaths: list[int] = []
+
+    def dies_once(ts: list[Transfer]) -> Any:
+        if not deaths:
+            deaths.append(1)
+            if entered is not None:
+                entered.set()
+                gate.wait(WAIT_S)
+            raise WorkerDies("the worker's thread ends")
+        return real(ts)
+
+    m._do_batch = dies_once   # type: ignore[method-assign]
+
+
+def dies_in_close_unreplaced(m: ThreadMover, monkeypatch: pytest.MonkeyPatch, row: int) -> Callable[[], None]:
+    """``m``'s one worker takes a store of ``row`` ("first") and holds it until someone joins it (``close()``), then
+    dies, and no thread can replace it.  Returns what lets it go and waits for it (for a ``finally``)."""
+    entered, gate = threading.Event(), threading.Event()
+    first_batch_kills_its_worker(m, entered, gate)
+    worker = m._threads[0]
+    real_join = worker.join
+    m.submit(Transfer("first", _STORE, [row], [row]))
+    m.flush()
+    assert entered.wait(WAIT_S), "the worker took the first batch"
+    no_thread_to_be_had(monkeypatch)
+    dies_when_joined(worker, gate)
+
+    def release() -> None:
+        gate.set()
+        real_join(WAIT_S)
+        assert not worker.is_alive()
+
+    return release
+
+
 # ---------------------------------------------------------------------------------------------------- finding 3
 def test_a_mover_met_after_the_exit_deadline_passed_still_stops_its_workers():
     """What it proved wrong (the reviewer's suspicion, shown here): every mover open at exit shares one deadline
@@ -172,27 +234,13 @@ def test_a_worker_that_cannot_be_replaced_leaves_a_mover_that_closes_and_answers
     unstarted one stayed listed and ``close()`` raised "cannot join thread before it is started", and a batch
     queued after the death had no worker to copy it: never answered.  Fixed: a thread that never started is taken
     off the list, and ``close()`` of a mover with no live worker copies what is queued itself."""
-    class Dies(BaseException):
-        pass
-
-    calls = []
-
-    def dies_once(dst: torch.Tensor, src: torch.Tensor) -> None:
-        calls.append(1)
-        if len(calls) == 1:
-            raise Dies("the worker's thread ends")
-        dst.copy_(src)
-
     dev, host = _planes()
     q = CompletionQueue()
-    m = ThreadMover([(dev, host)], q, num_workers=1, batch_max=64, copy_fn=dies_once)
+    m = ThreadMover([(dev, host)], q, num_workers=1, batch_max=64)
+    first_batch_kills_its_worker(m)
     worker = m._threads[0]
     real_start = threading.Thread.start
-
-    def no_thread(self: threading.Thread) -> None:
-        raise RuntimeError("can't start new thread")
-
-    monkeypatch.setattr(threading.Thread, "start", no_thread)   # the replacement cannot start
+    no_thread_to_be_had(monkeypatch)   # the replacement cannot start
     m.submit(Transfer("first", _STORE, [0], [0]))
     m.flush()
     worker.join(WAIT_S)

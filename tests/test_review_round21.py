@@ -41,21 +41,17 @@ Checked and found to hold (no test)
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import pytest
 import torch
 
 from test_review_round17 import _planes
+from test_review_round19 import dies_in_close_unreplaced, first_batch_kills_its_worker, no_thread_to_be_had
 from tiered_kv.jobs import JobKind
 from tiered_kv.movers import CompletionQueue, ThreadMover, Transfer
 
 _STORE = JobKind.STORE
 WAIT_S = 10.0
-
-
-class _Dies(BaseException):
-    """What ends a copy worker's thread (an injected asynchronous exception, a ``SystemExit`` from a copy hook)."""
 
 
 # ---------------------------------------------------------------------------------------------------- finding 1
@@ -76,43 +72,15 @@ def test_a_worker_that_dies_while_close_joins_it_leaves_no_batch_unanswered(monk
     ``_held``, as the ``not live`` branch does) and copy it on the calling thread (a ``help_one`` that ignores
     ``_closed`` for this drain, or ``self._do_batch`` directly), or at least answer it failed ("closed: no worker");
     equivalently, loop ``check live / join`` until the queue holds nothing but sentinels."""
-    entered, gate = threading.Event(), threading.Event()
-    calls: list[int] = []
-
-    def dies_once(dst: torch.Tensor, src: torch.Tensor) -> None:
-        calls.append(1)
-        if len(calls) == 1:
-            entered.set()
-            gate.wait(WAIT_S)
-            raise _Dies("the worker's thread ends")
-        dst.copy_(src)
-
     dev, host = _planes()
     q = CompletionQueue()
-    m = ThreadMover([(dev, host)], q, num_workers=1, batch_max=64, copy_fn=dies_once)
-    worker = m._threads[0]
-    m.submit(Transfer("first", _STORE, [0], [0]))
-    m.flush()
-    assert entered.wait(WAIT_S), "the worker took the first batch"
-
-    def no_thread(self: threading.Thread) -> None:
-        raise RuntimeError("can't start new thread")
-
-    monkeypatch.setattr(threading.Thread, "start", no_thread)   # the replacement cannot start
-    real_join = worker.join
-
-    def join(timeout: Any = None) -> None:   # close() waits for the worker: only now does it die
-        gate.set()
-        real_join(WAIT_S if timeout is None else timeout)
-
-    worker.join = join   # type: ignore[method-assign]
+    m = ThreadMover([(dev, host)], q, num_workers=1, batch_max=64)
+    release = dies_in_close_unreplaced(m, monkeypatch, 0)
     m.submit(Transfer("second", _STORE, [1], [1]))   # queued by close()'s flush, behind the batch being copied
     try:
         m.close()
     finally:
-        gate.set()
-        real_join(WAIT_S)
-    assert not worker.is_alive()
+        release()
     got = {r.token: r.ok for r in q.drain()}
     assert "second" in got, f"a transfer queued before close() was never answered: {got}"
 
@@ -145,22 +113,9 @@ def test_a_copier_job_submitted_after_its_worker_died_unreplaced_is_copied(tmp_p
         m = c._mover
         assert isinstance(m, ThreadMover)
         worker = m._threads[0]
-        real_do_batch = m._do_batch
-        deaths: list[int] = []
-
-        def dies_once(ts: list[Transfer]) -> Any:
-            if not deaths:
-                deaths.append(1)
-                raise _Dies("the copy worker's thread ends")
-            return real_do_batch(ts)
-
-        m._do_batch = dies_once   # type: ignore[method-assign]
+        first_batch_kills_its_worker(m)
         real_start = threading.Thread.start
-
-        def no_thread(self: threading.Thread) -> None:
-            raise RuntimeError("can't start new thread")
-
-        monkeypatch.setattr(threading.Thread, "start", no_thread)   # the replacement cannot start
+        no_thread_to_be_had(monkeypatch)   # the replacement cannot start
         assert c.submit(1, b"a" * 16, 0, True, [0], [0])
         c.wait([1], timeout=WAIT_S)      # answered failed by the dying worker
         worker.join(WAIT_S)

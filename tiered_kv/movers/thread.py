@@ -217,7 +217,6 @@ def _close_at_exit(mover: "ThreadMover") -> None:
     _open_at_exit.add(mover)
 
 
-_NEVER = object()   # iter()'s end marker for a queue drained until it raises Empty
 EXIT_WAIT_S = 10.0   # how long the interpreter's exit waits at most for the copy threads of movers left open
 
 
@@ -298,8 +297,8 @@ class ThreadMover(Mover):
             self._threads = [x for x in self._threads if x.is_alive()] + [t]
         try:
             t.start()
-        except RuntimeError:   # "can't start new thread" (raised before any thread exists): not a worker, nothing
-            with self._lock:   # for close() to join
+        except Exception:   # "can't start new thread", a MemoryError (raised before any thread exists): not a
+            with self._lock:   # worker, nothing for close() to join (an interrupt in start()'s wait: it may run)
                 self._threads = [x for x in self._threads if x is not t]
             raise
 
@@ -453,7 +452,7 @@ class ThreadMover(Mover):
             # close() joins the replacement too (it returns only once no worker is left)
             try:
                 self._spawn()
-            except RuntimeError:   # no thread to be had: the owner copies in each flush from now on, and close()
+            except Exception:   # no thread to be had: the owner copies in each flush from now on, and close()
                 self._stranded = True   # copies what is left
                 raise
             if not isinstance(exc, Exception):
@@ -566,14 +565,17 @@ class ThreadMover(Mover):
             if time.monotonic() >= deadline:
                 return
 
-    def _copy_here(self) -> None:
-        """After the exit stop (:meth:`_end`) no worker takes from the queue: what is queued is copied on the
-        calling thread.  A stop sentinel met on the way goes back to the queue's end (``help_one``), where a worker
+    def _copy_here(self, help: Optional[Callable[[], bool]] = None) -> None:
+        """No worker takes from the queue (after the exit stop, :meth:`_end`; one that could not be replaced;
+        ``close()`` once its workers ended): what is queued is copied on the calling thread by ``help``
+        (:meth:`help_one` unless given), a batch at a time in the order queued (so one flush's stores never pass
+        an earlier flush's loads).  A stop sentinel met on the way goes back to the queue's end, where a worker
         still stopping takes it: so each is passed at most once, and the loop ends."""
+        help = self.help_one if help is None else help
         for _ in range(self._q.qsize() + 1):
-            while self.help_one():
+            while help():
                 pass
-            if not self._q.qsize() or self._closed:
+            if not self._q.qsize():
                 return
 
     def close(self) -> None:
@@ -594,11 +596,5 @@ class ThreadMover(Mover):
                 t.join()
             joined.update(threads)
         # no worker is left: what none took (none since the exit stop, or the last died and could not be replaced)
-        # is copied here, the stop sentinels skipped; each take and its record in C, no bytecode between them for
-        # an interrupt to land on
-        try:
-            self._held.extend(itertools.chain.from_iterable(filter(None, iter(self._q.get_nowait, _NEVER))))
-        except queue.Empty:
-            pass
-        while self._help():
-            pass
+        # is copied here, in the order queued; the stop sentinels left stay in the queue, unread
+        self._copy_here(self._help)
