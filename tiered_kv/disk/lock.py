@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 __all__ = ["LOCK_NAME", "LockFd", "LockHeld", "take", "release", "share", "leave", "leave_all", "holder_pid", "locks",
-           "pin", "pinned_path", "as_named", "fsync_path", "sync_dirs"]
+           "pin", "fd_path", "pinned_path", "as_named", "fsync_path", "sync_dirs"]
 
 LOCK_NAME = "tiered_kv.lock"
 ORPHAN_WAIT_S = 10.0   # how long take() waits for the I/O process of a dead owner to exit
@@ -135,11 +135,16 @@ def as_named(text: str, at: Path, name: Union[str, "os.PathLike[str]"]) -> str:
     return text.replace(str(at), str(name))
 
 
+def fd_path(fd: int) -> Path:
+    """``/proc/self/fd/N``: the name under which this process's descriptor ``fd`` is opened through."""
+    return Path(f"/proc/self/fd/{fd}")
+
+
 def pinned_path(dfd: int) -> Optional[Path]:
     """A path that names the directory open as ``dfd`` itself (``/proc/self/fd/N``: the kernel resolves it to
     the open directory, not to a name), for the libraries that open files by path (LMDB); None where this
     process has no ``/proc`` (the caller then opens by name and checks the lock again after)."""
-    p = Path(f"/proc/self/fd/{dfd}")
+    p = fd_path(dfd)
     try:
         return p if os.path.samestat(os.stat(p), os.fstat(dfd)) else None
     except OSError:

@@ -165,7 +165,7 @@ class DiskStore:
         """An error's text with the pinned path the files were opened through given as the configured one."""
         text = str(exc)
         for fd in self._dirs:
-            text = lock.as_named(text, Path(f"/proc/self/fd/{fd}"), self.opts.path)
+            text = lock.as_named(text, lock.fd_path(fd), self.opts.path)
         return text
 
     def _check_lock(self) -> None:
