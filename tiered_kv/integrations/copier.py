@@ -278,6 +278,8 @@ class SlabCopier:
                 return
             pending.discard(report.token)
             self._take(report, self._finished)
+            if pending and self._mover is not None:   # a mover whose worker died unreplaced copies here (its
+                self._mover.flush()                     # flush), woken by the dead worker's answers
 
     @property
     def in_flight(self) -> int:

@@ -284,6 +284,9 @@ class ThreadMover(Mover):
         self._holding = False
         # owner thread only: submitted, not yet given to the workers (batched, or held: see hold())
         self._held: collections.deque[Transfer] = collections.deque()
+        # owner thread only: the rest of a batch it took from the workers' queue (help_one) and copies in parts:
+        # older than anything held, so copied first, and never queued again (flushes stay in order)
+        self._taken: collections.deque[Transfer] = collections.deque()
         self._local = threading.local()   # per thread: its staging buffer
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -325,6 +328,8 @@ class ThreadMover(Mover):
         on a device between steps) take a batch long before, and nothing is copied here."""
         if self._holding:
             return
+        while self._taken and self._help():   # a batch the owner began (an interrupt broke it off): before any other
+            pass
         behind = self._behind()
         if self._held:
             held, self._held = self._held, collections.deque()
@@ -343,8 +348,8 @@ class ThreadMover(Mover):
                 self._held.extendleft(reversed(rest))
                 raise
             self._put_at.extend([now] * len(queued))
-        while behind > 0 or self._held:   # help_one takes the oldest queued batch (part of it: the rest stays held)
-            if not self._held:
+        while behind > 0 or self._taken:   # help_one takes the oldest queued batch (part of it: the rest is taken)
+            if not self._taken:
                 behind -= 1
             if not self.help_one():
                 break
@@ -393,11 +398,13 @@ class ThreadMover(Mover):
         return self._help()
 
     def _help(self) -> bool:
-        """:meth:`help_one`'s copy, also once closed (``close()`` copying what no worker is left to copy)."""
-        held = self._held
+        """:meth:`help_one`'s copy, also once closed (``close()`` copying what no worker is left to copy): the
+        rest of a batch taken before, else transfers held, else a batch taken from the queue."""
+        held = self._taken or self._held
         if not held:
+            held = self._taken
             try:
-                # from the workers' queue into ``held`` by C calls alone: no bytecode runs between the
+                # from the workers' queue into ``_taken`` by C calls alone: no bytecode runs between the
                 # take and the append, so an exception raised by a signal handler (run by CPython only
                 # between bytecodes) cannot fall between them and lose the batch
                 held.extend(itertools.chain.from_iterable(itertools.islice(iter(self._q.get_nowait, None), 1)))
@@ -444,10 +451,8 @@ class ThreadMover(Mover):
                     put(report)
                     answered += 1
                 current = None
-        except BaseException as exc:  # the thread is dying: answer for what it held, then replace it
+        except BaseException as exc:  # the thread is dying: replaced, then it answers for what it held
             log.error("copy worker died: %r", exc)
-            for t in (current or [])[answered:]:
-                self._out.put(Report(t.token, t.kind, False, f"worker died: {exc!r}"))
             # replaced also while close() runs: the batches queued behind this one need a worker, and
             # close() joins the replacement too (it returns only once no worker is left)
             try:
@@ -455,6 +460,9 @@ class ThreadMover(Mover):
             except Exception:   # no thread to be had: the owner copies in each flush from now on, and close()
                 self._stranded = True   # copies what is left
                 raise
+            finally:   # after the mark: an owner woken by these answers finds the mover stranded when it is
+                for t in (current or [])[answered:]:
+                    self._out.put(Report(t.token, t.kind, False, f"worker died: {exc!r}"))
             if not isinstance(exc, Exception):
                 raise
 
