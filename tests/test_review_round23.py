@@ -15,7 +15,13 @@ What it proved wrong (both fixed; each test fails on 488ed10 and passes now):
    submitted: ``split_batches`` put a later flush's stores before it, so with one worker a later flush's store of
    a row was copied before an earlier flush's load of it.  Fixed: the rest of a batch the owner took waits in
    ``_taken``, which ``_help`` copies first and ``flush()`` finishes before it queues anything; it is never
-   queued again.  (This also covers the first suspicion below: ``hold(False)``'s flush finishes it too.)
+   queued again.  (This also covers the first suspicion below.)
+3. (Round 24's review, of those fixes: no defect proven; one suspicion shown here.)
+   ``test_the_rest_of_a_batch_a_waiting_owner_began_goes_to_the_live_workers_not_the_engine_thread`` -- with live
+   workers, ``flush()`` finished ``_taken`` on the calling thread: after ``TierManager.wait()`` helped with part of a
+   batch, ``hold(False)`` copied up to 12 MiB more on the engine thread, past the wait's end.  Fixed: with live
+   workers the rest goes back to them, first among what that flush queues (moved in one C call); only a mover with
+   no worker copies it on the caller.
 
 Suspected, not shown (no test)
 ==============================
@@ -174,3 +180,49 @@ def test_an_interrupt_between_owner_copies_leaves_no_batch_rest_to_pass_a_later_
     assert torch.equal(dev[0], host[0]), "the load was copied"
     assert not torch.equal(host[1], before), "the store of flush 2 was copied before the load of flush 1"
     assert torch.equal(host[1], host[0])
+
+
+# ---------------------------------------------------------------------------------------------------- round 24
+def test_the_rest_of_a_batch_a_waiting_owner_began_goes_to_the_live_workers_not_the_engine_thread() -> None:
+    """What round 24's review suspected, shown here: with ``_taken`` (finding 2's fix) ``flush()`` finished the rest
+    of a batch the owner began on the calling thread, also while workers live -- ``TierManager.wait()`` helps with
+    ``help_one`` until its job is done, then ``hold(False)`` flushes: up to ``BATCH_BYTES - HELP_BYTES`` (12 MiB) more
+    copied on the engine thread, past the wait's end (its deadline too).  Fixed: with live workers the rest goes
+    back to them, first among what that flush queues; only a mover with no worker (ended, stranded) copies it
+    here."""
+    mib = 1 << 20
+    dev, host = _planes(8, mib)
+    entered, gate = threading.Event(), threading.Event()
+    q = CompletionQueue()
+    m = ThreadMover([(dev, host)], q, num_workers=1, batch_max=64)
+    real = m._do_batch
+
+    def first_held(ts: list[Transfer]) -> Any:   # the worker's first batch waits for the gate
+        if not entered.is_set():
+            entered.set()
+            gate.wait(WAIT_S)
+        return real(ts)
+
+    m._do_batch = first_held   # type: ignore[method-assign]
+    try:
+        m.submit(Transfer("busy", _STORE, [7], [7]))
+        m.flush()
+        assert entered.wait(WAIT_S), "the worker is busy with the first batch"
+        loads = [Transfer(f"load{i}", _LOAD, [i], [i]) for i in range(5)]
+        assert 5 * mib > HELP_BYTES >= 4 * mib
+        for t in loads:
+            m.submit(t)
+        m.flush()                      # one queued batch of 5 MiB
+        m.hold(True)                   # the owner blocks in wait() ...
+        assert m.help_one()            # ... and copies the first part of that batch
+        helped = m.helped
+        assert helped == 4 and len(m._taken) == 1
+        m.hold(False)                  # its job is done: wait() returns
+        assert m.helped == helped, "the rest of the batch was copied on the owner's thread"
+        assert not m._taken
+    finally:
+        gate.set()
+        m.close()
+    got = {r.token: r.ok for r in q.drain()}
+    assert got == {"busy": True} | {t.token: True for t in loads}, got
+    assert torch.equal(dev[:5], host[:5])

@@ -328,8 +328,15 @@ class ThreadMover(Mover):
         on a device between steps) take a batch long before, and nothing is copied here."""
         if self._holding:
             return
-        while self._taken and self._help():   # a batch the owner began (an interrupt broke it off): before any other
-            pass
+        if self._taken:   # the rest of a batch the owner began (a wait that ended, an interrupt): older than anything
+            if self._ended or self._stranded:   # no worker: copied here before anything else (flushes stay in order)
+                while self._taken and self._help():
+                    pass
+            else:   # the workers copy it, first among what goes now (not on the engine thread, past a wait's deadline);
+                try:   # each moved in C, none lost or doubled by an interrupt
+                    self._held.extendleft(iter(self._taken.pop, None))
+                except IndexError:
+                    pass
         behind = self._behind()
         if self._held:
             held, self._held = self._held, collections.deque()
@@ -384,8 +391,9 @@ class ThreadMover(Mover):
         self._holding = on
 
     def help_one(self) -> bool:
-        """Copy one batch on the calling thread: held transfers (see :meth:`hold`; up to
-        :data:`HELP_BYTES`, at least one) before a batch queued for the workers; False when there is none.
+        """Copy one batch on the calling thread: the rest of a queued batch it took before, then held transfers
+        (see :meth:`hold`), then a batch queued for the workers (up to :data:`HELP_BYTES`, at least one
+        transfer); False when there is none.
 
         The owner calls it while it blocks in ``wait()``: instead of sleeping until a worker wakes
         up for the copy (and then waking up itself for the report, a thread hand-off per copy that
