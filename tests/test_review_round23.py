@@ -20,7 +20,7 @@ What it proved wrong (both fixed; each test fails on 488ed10 and passes now):
    ``test_the_rest_of_a_batch_a_waiting_owner_began_goes_to_the_live_workers_not_the_engine_thread`` -- with live
    workers, ``flush()`` finished ``_taken`` on the calling thread: after ``TierManager.wait()`` helped with part of a
    batch, ``hold(False)`` copied up to 12 MiB more on the engine thread, past the wait's end.  Fixed: with live
-   workers the rest goes back to them, first among what that flush queues (moved in one C call); only a mover with
+   workers the rest goes back to them with what that flush queues (moved in one C call); only a mover with
    no worker copies it on the caller.
 
 Suspected, not shown (no test)

@@ -241,8 +241,10 @@ class ThreadMover(Mover):
 
     The owner keeps the transfers it submits in one queue (``_held``) and hands them to the
     workers at :meth:`flush`, as batches (a batch's stores, then its loads: with ``num_workers=1``
-    the stores of a flush are copied before its loads, and flushes in order), with two reasons to
-    keep them:
+    the stores of a flush are copied before its loads, and flushes in order while the owner does not
+    copy beside the workers; an owner that helps them, :meth:`help_one`, copies one batch while a worker
+    copies the next, and what it leaves of a batch goes back with its next flush's transfers: the
+    managers keep a row's store and a load into it apart by its fence), with two reasons to keep them:
 
     * ``batch_max`` > 1: the queue goes to the workers at :meth:`flush` (the manager's
       ``poll()``/``wait()``) or once ``batch_max`` are queued.  An engine step's ``store()``
@@ -285,7 +287,7 @@ class ThreadMover(Mover):
         # owner thread only: submitted, not yet given to the workers (batched, or held: see hold())
         self._held: collections.deque[Transfer] = collections.deque()
         # owner thread only: the rest of a batch it took from the workers' queue (help_one) and copies in parts:
-        # older than anything held, so copied first, and never queued again (flushes stay in order)
+        # older than anything held, so copied first; with no worker, never queued again (flushes stay in order)
         self._taken: collections.deque[Transfer] = collections.deque()
         self._local = threading.local()   # per thread: its staging buffer
         self._lock = threading.Lock()
@@ -332,11 +334,9 @@ class ThreadMover(Mover):
             if self._ended or self._stranded:   # no worker: copied here before anything else (flushes stay in order)
                 while self._taken and self._help():
                     pass
-            else:   # the workers copy it, first among what goes now (not on the engine thread, past a wait's deadline);
-                try:   # each moved in C, none lost or doubled by an interrupt
-                    self._held.extendleft(iter(self._taken.pop, None))
-                except IndexError:
-                    pass
+            else:   # the workers copy it, with what goes now (not on the engine thread, past a wait's deadline);
+                # each moved in C, with no comparison (Python code) between a pop and its add: none lost or doubled
+                self._held.extendleft(map(collections.deque.pop, itertools.repeat(self._taken, len(self._taken))))
         behind = self._behind()
         if self._held:
             held, self._held = self._held, collections.deque()
