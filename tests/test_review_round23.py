@@ -182,6 +182,41 @@ def test_an_interrupt_between_owner_copies_leaves_no_batch_rest_to_pass_a_later_
     assert torch.equal(host[1], host[0])
 
 
+def busy_worker(rows: int = 8, width: int = 1 << 20) -> tuple[torch.Tensor, torch.Tensor, CompletionQueue,
+                                                                ThreadMover, threading.Event]:
+    """A one-worker mover (SlabCopier's shape) whose worker is inside its first batch (a store, "busy", of row 7)
+    until the returned gate opens: (dev, host, completions, mover, gate)."""
+    dev, host = _planes(rows, width)
+    entered, gate = threading.Event(), threading.Event()
+    q = CompletionQueue()
+    m = ThreadMover([(dev, host)], q, num_workers=1, batch_max=64)
+    real = m._do_batch
+
+    def first_held(ts: list[Transfer]) -> Any:
+        if not entered.is_set():
+            entered.set()
+            gate.wait(WAIT_S)
+        return real(ts)
+
+    m._do_batch = first_held   # type: ignore[method-assign]
+    m.submit(Transfer("busy", _STORE, [7], [7]))
+    m.flush()
+    assert entered.wait(WAIT_S), "the worker is busy with the first batch"
+    return dev, host, q, m, gate
+
+
+def help_with_part_of(m: ThreadMover, loads: list[Transfer]) -> None:
+    """``loads`` (5 rows of 1 MiB) queued as one batch; the owner then blocks (``hold(True)``) and copies its first
+    part (``help_one``: 4 MiB), leaving the last load in ``_taken``."""
+    assert len(loads) == 5 and 5 * (1 << 20) > HELP_BYTES >= 4 * (1 << 20)
+    for t in loads:
+        m.submit(t)
+    m.flush()
+    m.hold(True)
+    assert m.help_one()
+    assert [t.token for t in m._taken] == [loads[-1].token]
+
+
 # ---------------------------------------------------------------------------------------------------- round 24
 def test_the_rest_of_a_batch_a_waiting_owner_began_goes_to_the_live_workers_not_the_engine_thread() -> None:
     """What round 24's review suspected, shown here: with ``_taken`` (finding 2's fix) ``flush()`` finished the rest
@@ -190,33 +225,12 @@ def test_the_rest_of_a_batch_a_waiting_owner_began_goes_to_the_live_workers_not_
     copied on the engine thread, past the wait's end (its deadline too).  Fixed: with live workers the rest goes
     back to them, first among what that flush queues; only a mover with no worker (ended, stranded) copies it
     here."""
-    mib = 1 << 20
-    dev, host = _planes(8, mib)
-    entered, gate = threading.Event(), threading.Event()
-    q = CompletionQueue()
-    m = ThreadMover([(dev, host)], q, num_workers=1, batch_max=64)
-    real = m._do_batch
-
-    def first_held(ts: list[Transfer]) -> Any:   # the worker's first batch waits for the gate
-        if not entered.is_set():
-            entered.set()
-            gate.wait(WAIT_S)
-        return real(ts)
-
-    m._do_batch = first_held   # type: ignore[method-assign]
+    dev, host, q, m, gate = busy_worker()
+    loads = [Transfer(f"load{i}", _LOAD, [i], [i]) for i in range(5)]
     try:
-        m.submit(Transfer("busy", _STORE, [7], [7]))
-        m.flush()
-        assert entered.wait(WAIT_S), "the worker is busy with the first batch"
-        loads = [Transfer(f"load{i}", _LOAD, [i], [i]) for i in range(5)]
-        assert 5 * mib > HELP_BYTES >= 4 * mib
-        for t in loads:
-            m.submit(t)
-        m.flush()                      # one queued batch of 5 MiB
-        m.hold(True)                   # the owner blocks in wait() ...
-        assert m.help_one()            # ... and copies the first part of that batch
+        help_with_part_of(m, loads)    # the owner blocks in wait() and copies the first part of a batch
         helped = m.helped
-        assert helped == 4 and len(m._taken) == 1
+        assert helped == 4
         m.hold(False)                  # its job is done: wait() returns
         assert m.helped == helped, "the rest of the batch was copied on the owner's thread"
         assert not m._taken

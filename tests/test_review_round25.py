@@ -27,16 +27,14 @@ xfail):
 from __future__ import annotations
 
 import signal
-import threading
 from typing import Any
 
 import pytest
 import torch
 
-from test_review_round17 import _planes
+from test_review_round23 import busy_worker, help_with_part_of
 from tiered_kv.jobs import JobKind
-from tiered_kv.movers import CompletionQueue, ThreadMover, Transfer
-from tiered_kv.movers.thread import HELP_BYTES
+from tiered_kv.movers import Transfer
 
 _STORE, _LOAD = JobKind.STORE, JobKind.LOAD
 WAIT_S = 10.0
@@ -66,20 +64,7 @@ def test_an_interrupt_while_flush_moves_the_taken_rest_loses_no_transfer(monkeyp
     ``self._held.extendleft(map(collections.deque.pop, itertools.repeat(self._taken, len(self._taken))))``
     (``len`` taken first; only the owner thread touches ``_taken``), or make ``Transfer`` ``@dataclass(slots=True,
     eq=False)`` (identity compare, no Python code: nothing relies on value equality of transfers)."""
-    mib = 1 << 20
-    dev, host = _planes(8, mib)
-    entered, gate = threading.Event(), threading.Event()
-    q = CompletionQueue()
-    m = ThreadMover([(dev, host)], q, num_workers=1, batch_max=64)
-    real = m._do_batch
-
-    def first_held(ts: list[Transfer]) -> Any:   # the worker's first batch waits for the gate
-        if not entered.is_set():
-            entered.set()
-            gate.wait(WAIT_S)
-        return real(ts)
-
-    m._do_batch = first_held   # type: ignore[method-assign]
+    dev, host, q, m, gate = busy_worker()
     loads = [Transfer(f"load{i}", _LOAD, [i], [i]) for i in range(5)]
     real_eq = Transfer.__eq__
     eq_calls: list[Any] = []
@@ -92,16 +77,7 @@ def test_an_interrupt_while_flush_moves_the_taken_rest_loses_no_transfer(monkeyp
 
     old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        m.submit(Transfer("busy", _STORE, [7], [7]))
-        m.flush()
-        assert entered.wait(WAIT_S), "the worker is busy with the first batch"
-        assert 5 * mib > HELP_BYTES >= 4 * mib
-        for t in loads:
-            m.submit(t)
-        m.flush()                      # one queued batch of 5 MiB
-        m.hold(True)                   # the owner blocks in wait() ...
-        assert m.help_one()            # ... and copies the first part of that batch
-        assert [t.token for t in m._taken] == ["load4"]
+        help_with_part_of(m, loads)    # the owner blocks in wait() and copies the first part ("load4" left)
         monkeypatch.setattr(Transfer, "__eq__", eq_with_a_signal)
         try:
             m.hold(False)              # wait()'s finally; Ctrl-C lands in the sentinel compare (none with the fix)
@@ -138,33 +114,11 @@ def test_the_taken_rest_goes_to_the_worker_before_a_later_flushs_stores() -> Non
     Proposed fix: queue the rest as its own batch(es) ahead of the new ones, not merged -- e.g. move it into a
     separate deque in C and build ``batches = split_batches(rest, ...) + split_batches(held, ...)`` (a rest is one
     kind, so its split keeps its order), with the interrupt handler putting both back (rest into ``_taken``)."""
-    mib = 1 << 20
-    dev, host = _planes(8, mib)
+    dev, host, q, m, gate = busy_worker()
     host[0].fill_(0xAA)           # what the load brings into row 0
-    entered, gate = threading.Event(), threading.Event()
-    q = CompletionQueue()
-    m = ThreadMover([(dev, host)], q, num_workers=1, batch_max=64)
-    real = m._do_batch
-
-    def first_held(ts: list[Transfer]) -> Any:   # the worker's first batch waits for the gate
-        if not entered.is_set():
-            entered.set()
-            gate.wait(WAIT_S)
-        return real(ts)
-
-    m._do_batch = first_held   # type: ignore[method-assign]
     loads = [Transfer(f"load{i}", _LOAD, [i], [i]) for i in (2, 3, 4, 5)] + [Transfer("load0", _LOAD, [0], [0])]
     try:
-        m.submit(Transfer("busy", _STORE, [7], [7]))
-        m.flush()
-        assert entered.wait(WAIT_S), "the worker is busy with the first batch"
-        assert 5 * mib > HELP_BYTES >= 4 * mib
-        for t in loads:
-            m.submit(t)
-        m.flush()                                       # flush 1: one queued batch of 5 MiB
-        m.hold(True)
-        assert m.help_one()                             # the owner copies its first 4 MiB
-        assert [t.token for t in m._taken] == ["load0"]
+        help_with_part_of(m, loads)                     # flush 1; the owner copies its first 4 MiB ("load0" left)
         m.submit(Transfer("store", _STORE, [0], [1]))   # row 0 -> slot 1, after the load into row 0
         m.hold(False)                                   # flush 2
         gate.set()
