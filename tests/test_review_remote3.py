@@ -181,6 +181,7 @@ def test_a_put_answered_failed_is_not_published_after_a_later_invalidations_tomb
 def test_no_io_thread_touches_the_host_slab_after_close_returned(
         redis_url: str, managers: Any, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     from tiered_kv.core import tiers
+    from tiered_kv.remote import store as remote_store_mod
     a = managers(remote_config(redis_url))
     b = managers(remote_config(redis_url, remote_timeout_seconds=0.2))
     k = b"review3-fetch-across-close"
@@ -190,6 +191,11 @@ def test_no_io_thread_touches_the_host_slab_after_close_returned(
     reader = store._r
     real = reader.conn.round_trip
     gate, entered = threading.Event(), threading.Event()
+    real_shut = reader.conn.shut
+
+    def shut() -> None:   # what shutting a socket does to a read blocked on it: the read returns at once
+        real_shut()
+        gate.set()
 
     def round_trip(cmds: list[Any]) -> list[Any]:
         if any(type(c).__name__ == "GetInto" for c in cmds):   # the fetch (not the probe) is held on the wire
@@ -201,7 +207,9 @@ def test_no_io_thread_touches_the_host_slab_after_close_returned(
         return real(cmds)
 
     monkeypatch.setattr(reader.conn, "round_trip", round_trip)
+    monkeypatch.setattr(reader.conn, "shut", shut)
     monkeypatch.setattr(tiers, "CLOSE_TIMEOUT_S", 0.2)                 # shorter bounds, same code path
+    monkeypatch.setattr(remote_store_mod, "SHUT_JOIN_S", 1.0)          # (the held trip outlasts it unless shut)
     real_close = store.close
     monkeypatch.setattr(store, "close", lambda timeout=5.0: real_close(timeout=0.1))
     assert b.lookup([k]) == 0

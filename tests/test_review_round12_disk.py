@@ -142,8 +142,9 @@ def test_a_starter_thread_still_bootstrapping_is_not_taken_for_one_that_never_st
             raise KeyboardInterrupt   # Ctrl-C handled in Thread.start's wait for the new thread's bootstrap
 
     class SlowToBootstrap(threading.Thread):
-        def _bootstrap(self) -> None:   # the OS has not scheduled the new thread yet
-            gate.wait(15)
+        def _bootstrap(self) -> None:   # the OS has not scheduled the new thread yet (the first starter only)
+            if fired and fired[0] is self:
+                gate.wait(15)
             super()._bootstrap()   # type: ignore[misc]
 
         def start(self) -> None:
@@ -183,6 +184,7 @@ def test_a_starter_thread_still_bootstrapping_is_not_taken_for_one_that_never_st
             mgr.wait(timeout=0.01)
             assert time.monotonic() < deadline, "the disk I/O process was never restarted"
         gate.set()           # the OS schedules the first starter at last
+        assert fired[0]._started.wait(15)   # type: ignore[attr-defined]   # (join() refuses a thread not yet run)
         fired[0].join(15)
         assert not fired[0].is_alive()
         mgr.close()

@@ -555,8 +555,9 @@ def test_a_cancelled_spill_whose_write_landed_is_counted_stale_not_published(tmp
         core.cancel(job, StaleReason.SUPERSEDED)
         assert job._dead is None
         before = mgr_metric(mgr, "tiered_kv_stale_callbacks_total", kind="spill", reason="superseded")
-        core._apply_spill(job, Report(job.token, JobKind.SPILL, True, None, 2 * ROW_BYTES, 0.001))
+        core.apply(Report(job.token, JobKind.SPILL, True, None, 2 * ROW_BYTES, 0.001))   # pops the record, as a poll does
         assert mgr_metric(mgr, "tiered_kv_stale_callbacks_total", kind="spill", reason="superseded") == before + 2
+        assert not core.jobs   # every part's token gone: close() has nothing to wait for
         assert b"c0" not in disk.index and b"c1" not in disk.index
         assert [e.readers for e in hosts] == [0, 0]
         assert mgr_metric(mgr, "tiered_kv_transfer_bytes_total", src="host", dst="disk") == 0
