@@ -69,9 +69,11 @@ class CopyResult:
 
 
 class _CopyJob:
-    """One vLLM job: the token the mover carries (its report names this record, never a map key)."""
+    """One vLLM job: the token the mover carries (its report names this record, never a map key).
+    ``marked``: its ring entry was written (by its first report; a second one, answered again after an
+    interrupt, is posted unmarked and discarded by the owner)."""
 
-    __slots__ = ("job_id", "token", "seq", "store", "nblocks")
+    __slots__ = ("job_id", "token", "seq", "store", "nblocks", "marked")
 
     def __init__(self, job_id: int, token: bytes, seq: int, store: bool, nblocks: int) -> None:
         self.job_id = job_id
@@ -79,6 +81,7 @@ class _CopyJob:
         self.seq = seq
         self.store = store
         self.nblocks = nblocks
+        self.marked = False
 
 
 class _MarkThenPost(CompletionQueue):
@@ -93,6 +96,10 @@ class _MarkThenPost(CompletionQueue):
 
     def put(self, item: Report) -> None:
         job: _CopyJob = item.token
+        if job.marked:   # a transfer answered again (an interrupt inside the first put): the first report's
+            self._done.put(item)   # mark stands; the owner discards this one as stale
+            return
+        job.marked = True   # before the write: interrupted in between, the entry stays unwritten (quarantined)
         if not item.ok:
             log.error("slab copy of job %d failed: %s", job.job_id, item.error)
         try:
@@ -121,8 +128,9 @@ class SlabCopier:
     Jobs run in submission order (see the module docstring); each is marked done in the rank's
     ring after its copies completed, then its report is posted; the owner thread (the engine's,
     in :meth:`finished`) maps reports back to the engine's job ids.  A report it does not know (a
-    duplicate or one after :meth:`close`) is discarded and counted, never raised; so is a submit
-    that reuses the token of a job in flight.
+    duplicate or one after :meth:`close`) is discarded and counted, never raised, and never writes the
+    ring; a submit that reuses the token of a job in flight is counted the same way and answered
+    failed at once (never copied: its slots are the scheduler's, and its token is not its own).
 
     ``batch_max``: jobs queued before they start (module docstring); ``pin``: ``pin_host_memory``
     (:func:`tiered_kv.checks.pin_decision`), ``cudart`` the CUDA runtime that pins (default ``torch.cuda.cudart()``);
@@ -183,9 +191,9 @@ class SlabCopier:
         if len(blocks) != len(slots):
             raise ConfigError(f"job {job_id}: {len(blocks)} device blocks for {len(slots)} slab slots; "
                               f"tiered_kv stores one device block per key (blocks_per_chunk=1)")
-        if token in self._jobs:
-            self._stale(_STORE if store else _LOAD)
-            log.warning("job %d reuses the token of a job in flight; ignored", job_id)
+        live = self._jobs.get(token)
+        if live is not None:
+            self._refuse_duplicate(job_id, live, seq, store)
             return True
         # (a sequence or a numpy array: vLLM's block ids arrive as int32 arrays, converted once here)
         rows, where = list(map(int, blocks)), list(map(int, slots))
@@ -210,6 +218,19 @@ class SlabCopier:
         self._mover.submit(Transfer(job, _STORE if store else _LOAD, rows, where))
         return True
 
+    def _refuse_duplicate(self, job_id: int, live: _CopyJob, seq: int, store: bool) -> None:
+        """A submit carrying the token of job ``live``, in flight: counted, its ring entry marked failed (unless
+        it is ``live``'s own), and answered failed at the next :meth:`finished` -- vLLM was told it was taken,
+        and completes a job only once ``get_finished`` names it."""
+        self._stale(_STORE if store else _LOAD)
+        log.warning("job %d reuses the token of job %d, in flight: answered failed, not copied", job_id, live.job_id)
+        if seq != live.seq:
+            try:
+                self.slab.mark_done(self.rank, seq, False)
+            except Exception:  # noqa: BLE001 - unmarked, its slots stay quarantined: safe
+                log.exception("marking job %d failed in the slab failed", job_id)
+        self._finished.append(CopyResult(job_id, False, 0, 0.0, store))
+
     def _start(self) -> None:
         """Start the queued copies (the engine asks for results, or a store follows a load)."""
         self._loads_queued = False
@@ -217,20 +238,24 @@ class SlabCopier:
             self._mover.flush()
 
     def finished(self) -> list[CopyResult]:
-        """Owner thread: the jobs finished since the last call; starts the copies queued since then."""
+        """Owner thread: the jobs finished since the last call; starts the copies queued since then.
+
+        Each report goes from the queue into ``_kept`` in C, and its result into ``_finished`` before it
+        leaves ``_kept``; the results leave ``_finished`` only as this returns.  So an exception a signal
+        handler raises anywhere in here leaves every report or result for the next call."""
         self._start()
         if self._mover is not None:
             self._mover.harvest()  # CUDA: answers (and marks) the jobs whose end event was reached
-        out, self._finished = self._finished, []
-        while self._kept:   # taken by a wait() that a signal handler's exception broke off
-            self._take(self._kept.popleft(), out)
-        while True:
-            try:
-                report = self._done.get_nowait()
-            except queue.Empty:
-                break
-            self._take(report, out)
+        kept = self._kept   # (and what a wait() a signal handler's exception broke off took)
+        try:
+            kept.extend(iter(self._done.get_nowait, None))   # all of it, in one C loop
+        except queue.Empty:
+            pass
+        while kept:
+            self._take(kept[0], self._finished)
+            kept.popleft()   # after its result is kept: interrupted in between, it is taken again (and counted stale)
         self.metrics.flush()
+        out, self._finished = self._finished, []
         return out
 
     def _take(self, r: Report, out: list[CopyResult]) -> None:
@@ -238,9 +263,11 @@ class SlabCopier:
         if self._jobs.get(job.token) is not job:
             self._stale(r.kind)
             return
-        del self._jobs[job.token]
-        m = self.metrics
         n = job.nblocks * self.block_bytes
+        result = CopyResult(job.job_id, r.ok, n if r.ok else 0, r.seconds, job.store)
+        del self._jobs[job.token]   # then the append, with no call between them: no signal handler runs in
+        out.append(result)          # between, so the job's result is never lost once it left _jobs
+        m = self.metrics
         # bytes and copy times are counted here, job outcomes by the scheduler side (once per job); a copy
         # time per block, as TierManager observes it; a failed copy moved no bytes, and is counted on the
         # tier it was to write (a failed load: the device's), as TierManager counts it
@@ -250,7 +277,6 @@ class SlabCopier:
             link = ("device", "host") if job.store else ("host", "device")
             m.count(m.link_bytes[link], n)
             m.observe(m.link_seconds[link], r.seconds / max(1, job.nblocks), max(1, job.nblocks))
-        out.append(CopyResult(job.job_id, r.ok, n if r.ok else 0, r.seconds, job.store))
 
     def _stale(self, kind: JobKind) -> None:
         self.metrics.count(self.metrics.stale[(kind, StaleReason.UNKNOWN_TOKEN)])
