@@ -248,8 +248,20 @@ def test_layout_is_page_aligned_and_sized(tmp_path, opened):
 
 def test_slab_path_sanitises_engine_id(tmp_path):
     assert slab_path("engine-1_a.b", str(tmp_path)) == tmp_path / "tiered_kv_engine-1_a.b.slab"
-    assert slab_path("../x y/z", str(tmp_path)) == tmp_path / "tiered_kv_.._x_y_z.slab"
-    assert slab_path("../x y/z", str(tmp_path)).parent == tmp_path
+    odd = slab_path("../x y/z", str(tmp_path))
+    assert odd.parent == tmp_path and odd.name.startswith("tiered_kv_.._x_y_z-") and odd.suffix == ".slab"
+
+
+def test_engines_with_different_ids_never_share_a_slab(tmp_path):
+    """Review round 26 (suspected, shown here): ``e:1``, ``e/1``, ``e 1`` and ``e_1`` were all the file of
+    ``e_1``: a second engine attached to the first one's live slab and took over its rows.  Each id has its
+    own file now; an id too long for a file name is cut and kept apart by its digest."""
+    ids = ["e_1", "e:1", "e/1", "e 1", "é1", "e\udcff1", "x" * 300, "x" * 300 + "y"]
+    paths = [slab_path(i, str(tmp_path)) for i in ids]
+    assert len(set(paths)) == len(ids)
+    assert all(p.parent == tmp_path and len(p.name) < 255 for p in paths)
+    assert paths[0].name == "tiered_kv_e_1.slab"   # an id that is already a file name keeps it
+    assert slab_path("e:1", str(tmp_path)) == paths[1]   # the same id, the same file, in every process
 
 
 # --------------------------------------------------------------------------- rings

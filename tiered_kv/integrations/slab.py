@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import xxhash
 
 from ..errors import ConfigError
 
@@ -63,9 +64,18 @@ OWNER_OFFSET = 64    # in the header page, after the header
 OWNER_BYTES = 10     # a token's prefix: the 80 bits above its 48-bit counter (jobs.TokenFactory)
 
 
+_NAME_MAX_ID = 96   # characters of the engine id kept in the file name
+
+
 def slab_path(engine_id: str, shm_dir: str = "/dev/shm") -> Path:
-    """Where the slab of the engine ``engine_id`` lives."""
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in engine_id)
+    """Where the slab of the engine ``engine_id`` lives.  An id of letters, digits and ``-_.`` (vLLM's own: a
+    UUID) names it as it is; any other, or a longer one, is written with ``_`` for each other character, cut
+    to :data:`_NAME_MAX_ID` characters, and followed by a digest of the whole id, so two engines with
+    different ids never share a slab (``e:1``, ``e/1`` and ``e_1`` would all read ``e_1``)."""
+    safe = "".join(c if c.isalnum() and c.isascii() or c in "-_." else "_" for c in engine_id)
+    if safe != engine_id or len(safe) > _NAME_MAX_ID:
+        digest = xxhash.xxh3_64_hexdigest(engine_id.encode("utf-8", "surrogatepass"))
+        safe = f"{safe[:_NAME_MAX_ID]}-{digest}"
     return Path(shm_dir) / f"tiered_kv_{safe}.slab"
 
 
