@@ -154,11 +154,40 @@ def test_bad_ring_size_raises_config_error(tmp_path, ring_size):
 def test_attach_to_a_file_never_initialised_times_out_with_config_error(tmp_path):
     p = tmp_path / "x.slab"
     p.write_bytes(b"")  # a creator that died before writing its header
+    p.chmod(0o600)      # (as the creator makes it)
     with pytest.raises(ConfigError, match="not initialised"):
         SharedSlab.open(p, 4, 64, 1, timeout=0.05)
     p.write_bytes(b"NOTASLAB" + bytes(4096))  # some other file at that name
     with pytest.raises(ConfigError, match="not initialised"):
         SharedSlab.open(p, 4, 64, 1, timeout=0.05)
+
+
+@pytest.mark.parametrize("how", ["mode", "owner", "link", "directory"])
+def test_a_slab_file_this_user_did_not_make_alone_is_never_attached(tmp_path, opened, how):
+    """Review round 26 (suspected, shown here): ``/dev/shm`` is writable by every local user, and a slab's rows
+    are the engine's KV, loaded with no checksum.  A file under the engine's slab name that another user owns,
+    that other users may read or write, or that is a link or a directory, is refused with a ConfigError naming
+    it -- before it is mapped -- and left as it is."""
+    real = tmp_path / "real.slab"
+    opened(real, 4, 64, 1).close()   # a genuine slab's file, header and all
+    p = tmp_path / "x.slab"
+    if how == "link":
+        p.symlink_to(real)
+    elif how == "directory":
+        p.mkdir()
+    else:
+        p.write_bytes(real.read_bytes())
+        p.chmod(0o666 if how == "mode" else 0o600)
+        if how == "owner":
+            if os.geteuid() != 0:
+                pytest.skip("giving a file to another user needs root")
+            os.chown(p, 65534, 65534)
+    before = os.lstat(p)
+    with pytest.raises(ConfigError, match=r"x\.slab") as e:
+        SharedSlab.open(p, 4, 64, 1, timeout=0.05)
+    assert {"mode": "0666", "owner": "uid 65534", "link": "attach", "directory": "attach"}[how] in str(e.value)
+    after = os.lstat(p)
+    assert (after.st_ino, after.st_mode, after.st_uid) == (before.st_ino, before.st_mode, before.st_uid)
 
 
 def _creator_mid_initialisation(path: Path, num_slots: int, row_bytes: int, world: int) -> int:

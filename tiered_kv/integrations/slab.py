@@ -41,6 +41,7 @@ import errno
 import logging
 import mmap
 import os
+import stat
 import struct
 import time
 from pathlib import Path
@@ -138,9 +139,14 @@ class SharedSlab:
             created = True
         except FileExistsError:
             try:
-                fd = os.open(path, os.O_RDWR)
-            except OSError as exc:   # another user's slab, a directory, ...
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+            except OSError as exc:   # another user's slab, a directory, a link ...
                 raise ConfigError(f"cannot attach to the shared host slab {str(path)!r}: {exc}") from exc
+            try:
+                cls._check_ours(fd, path)
+            except BaseException:
+                os.close(fd)
+                raise
         except OSError as exc:
             raise ConfigError(f"cannot create the shared host slab {str(path)!r}: {exc}") from exc
         mm: Optional[mmap.mmap] = None
@@ -167,6 +173,24 @@ class SharedSlab:
         log.info("tiered_kv shared slab %s: %s, %d slots x %d bytes, %d ranks",
                  path, "created" if created else "attached", num_slots, row_bytes, world_size)
         return slab
+
+    @staticmethod
+    def _check_ours(fd: int, path: Path) -> None:
+        """An existing slab file is attached to only if this engine's processes could have made it: a regular
+        file of this user that no other user can read or write (the creator makes it ``0o600``).  ``/dev/shm``
+        is writable by every local user, and the slab's rows are the engine's KV bytes, loaded with no
+        checksum: a file another user placed under the engine's name would read or feed them."""
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"the shared host slab {str(path)!r} is not a regular file; refused")
+        if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+            raise ConfigError(f"the shared host slab {str(path)!r} belongs to uid {st.st_uid}, not to this process's "
+                              f"{os.geteuid()}: another user's file under this engine's name; refused (remove it, or "
+                              f"give the engine another engine_id)")
+        if st.st_mode & 0o077:
+            raise ConfigError(f"the shared host slab {str(path)!r} has mode {stat.S_IMODE(st.st_mode):04o}: other users "
+                              f"may read or write it (this engine makes it 0600); refused (remove it, or give the "
+                              f"engine another engine_id)")
 
     @staticmethod
     def _size_or_wait(fd: int, path: Path, total: int, header: bytes, created: bool, timeout: float,
