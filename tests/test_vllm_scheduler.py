@@ -893,19 +893,21 @@ def test_copier_duplicate_token_counted_and_close_is_clean(rig):
     slab = rig.slab(num_slots=2, row_bytes=16)
     kv = _kv(4, 16, seed=8)
     copier = rig.copier(slab, 0, [kv])
-    release = _gate_marks(slab)
+    release = _gate_marks(slab, lambda seq: seq == 1)   # job 1 stays in flight
     assert copier.submit(1, b"x" * 16, 1, True, [0], [0])
-    assert copier.submit(2, b"x" * 16, 2, True, [1], [1])   # same token while in flight: ignored, counted
-    assert metric(copier.metrics, STALE, kind="store", reason="unknown_token") == 1
+    assert copier.submit(2, b"x" * 16, 2, True, [1], [1])   # same token while in flight: counted, never copied,
+    assert metric(copier.metrics, STALE, kind="store", reason="unknown_token") == 1   # answered failed
     assert copier.in_flight == 1
+    assert slab.done(2) and not slab.ok(2)
     release.set()
     copier.close()                                     # finishes queued copies, then stops
     copier.close()
     assert copier.submit(3, b"y" * 16, 3, True, [2], [0]) is False
-    assert [(r.job_id, r.ok) for r in copier.finished()] == [(1, True)]
+    assert [(r.job_id, r.ok) for r in copier.finished()] == [(2, False), (1, True)]
     assert copier.finished() == []
     copier.wait([1, 3])                                # nothing in flight: returns
-    assert slab.done(1) and not slab.done(2)
+    assert slab.done(1) and slab.ok(1)
+    assert torch.equal(slab.rows[1], torch.zeros(16, dtype=torch.uint8))   # job 2's slot: never written
 
 
 def test_copier_rejects_bad_configuration(rig):
