@@ -307,7 +307,7 @@ class TierIndex:
 
         A key present here is touched, a key in ``elsewhere`` (another tier) skipped, a
         key the admission filter refuses skipped (counted in ``refused``), a key repeated is
-        reserved once.  Returns (keys reserved, their entries, keys that found no evictable
+        taken once (reserved, refused or found no slot once).  Returns (keys reserved, their entries, keys that found no evictable
         slot).  One call per job: the engine stores a step's blocks.  ``chain``: ``keys`` are consecutive
         blocks of one sequence, in order (a prefix-aware policy links them); False where they are not.
         ``replace``: entries of ``keys`` here, not READY (fetches in flight), reserved as if absent; each
@@ -332,6 +332,9 @@ class TierIndex:
             new = list(map(Entry, got, slots, repeat(writer, n)))
             entries.update(zip(got, new))
             return got, new, 0
+        if n > 1 and len(set(keys)) != n:   # a key repeated: each key once -- reserved, refused or shed once
+            keys = list(dict.fromkeys(keys))
+            n = len(keys)
         get, pop, hit = entries.get, free.pop, policy.hit
         lru_get = None if lru is None else lru.get
         admits = None if self.admission is None else self.admits
