@@ -105,7 +105,7 @@ _NOTHING = object()
 
 
 def get_within(q: "queue.SimpleQueue[Any]", timeout: Optional[float],
-               kept: "Optional[collections.deque[Any]]" = None) -> Any:
+               kept: "Optional[collections.deque[Any]]" = None, leave: bool = False) -> Any:
     """``q.get(timeout=timeout)`` (None, or longer than a lock can wait: block; <= 0: do not wait) that
     keeps its timeout.
 
@@ -126,12 +126,14 @@ def get_within(q: "queue.SimpleQueue[Any]", timeout: Optional[float],
     took an item, if it did: a handler that raises there (Ctrl-C's ``KeyboardInterrupt``) would drop
     the item taken.  With ``kept`` (the consumer's deque, empty, of items to take before the queue's),
     the item goes there before the signals are let in and is taken back from it afterwards: an
-    exception from a handler leaves it in ``kept`` for the consumer's next call."""
+    exception from a handler leaves it in ``kept`` for the consumer's next call.  With ``leave`` too, it
+    stays there (``kept[0]``, returned): the consumer pops it once it recorded it, so that no handler can
+    drop it in between either."""
     if kept is not None:
         if timeout is None or timeout > threading.TIMEOUT_MAX:
-            return _into(kept, q.get)
+            return _into(kept, q.get, leave)
         try:
-            return _into(kept, q.get_nowait)
+            return _into(kept, q.get_nowait, leave)
         except queue.Empty:
             if timeout <= 0:
                 raise
@@ -162,11 +164,11 @@ def get_within(q: "queue.SimpleQueue[Any]", timeout: Optional[float],
                 _sigmask(signal.SIG_SETMASK, old)   # a signal that came meanwhile is handled now
         if kept is not None:
             if kept:
-                return kept.popleft()
+                return kept[0] if leave else kept.popleft()
         elif got is not _NOTHING:
             return got
         try:   # and the lock is held again before the next timed get (case 1)
-            return q.get_nowait() if kept is None else _into(kept, q.get_nowait)
+            return q.get_nowait() if kept is None else _into(kept, q.get_nowait, leave)
         except queue.Empty:
             pass
 
@@ -178,8 +180,8 @@ def _keep(kept: "collections.deque[Any]", take: Callable[[], Any]) -> None:
     kept.extend(itertools.islice(iter(take, _NOTHING), 1))
 
 
-def _into(kept: "collections.deque[Any]", take: Callable[[], Any]) -> Any:
+def _into(kept: "collections.deque[Any]", take: Callable[[], Any], leave: bool = False) -> Any:
     """``take()``'s item, kept (:func:`_keep`) then taken back from the front of ``kept``: an exception from
-    a handler in between leaves it there for the consumer's next call."""
+    a handler in between leaves it there for the consumer's next call.  ``leave``: left there too."""
     _keep(kept, take)
-    return kept.popleft()
+    return kept[0] if leave else kept.popleft()

@@ -70,8 +70,8 @@ class CopyResult:
 
 class _CopyJob:
     """One vLLM job: the token the mover carries (its report names this record, never a map key).
-    ``marked``: its ring entry was written (by its first report; a second one, answered again after an
-    interrupt, is posted unmarked and discarded by the owner)."""
+    ``marked``: its first report was posted, its ring entry written (a report answered again after that,
+    after an interrupt, is posted unmarked and discarded by the owner)."""
 
     __slots__ = ("job_id", "token", "seq", "store", "nblocks", "marked")
 
@@ -96,10 +96,9 @@ class _MarkThenPost(CompletionQueue):
 
     def put(self, item: Report) -> None:
         job: _CopyJob = item.token
-        if job.marked:   # a transfer answered again (an interrupt inside the first put): the first report's
-            self._done.put(item)   # mark stands; the owner discards this one as stale
+        if job.marked:   # a transfer answered again after its first report was posted (an interrupt right
+            self._done.put(item)   # after that put): the first one's mark stands; the owner discards this one
             return
-        job.marked = True   # before the write: interrupted in between, the entry stays unwritten (quarantined)
         if not item.ok:
             log.error("slab copy of job %d failed: %s", job.job_id, item.error)
         try:
@@ -107,6 +106,9 @@ class _MarkThenPost(CompletionQueue):
         except Exception:  # noqa: BLE001 - unmarked, the job's slots stay quarantined: safe, counted
             log.exception("marking job %d done in the slab failed", job.job_id)
             item.ok = False
+        # the flag and the post with no call between them (no signal handler runs in between): a report answered
+        # again after an interrupt before this point writes the ring again, with the outcome the owner will see
+        job.marked = True
         self._done.put(item)
 
 
@@ -298,12 +300,13 @@ class SlabCopier:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 return
-            try:
-                report = self._kept.popleft() if self._kept else get_within(self._done, remaining, self._kept)
+            try:   # left at the front of _kept until its result is kept (as finished() takes them)
+                report = self._kept[0] if self._kept else get_within(self._done, remaining, self._kept, leave=True)
             except queue.Empty:
                 return
-            pending.discard(report.token)
             self._take(report, self._finished)
+            self._kept.popleft()
+            pending.discard(report.token)
             if pending and self._mover is not None:   # a mover whose worker died unreplaced copies here (its
                 self._mover.flush()                     # flush), woken by the dead worker's answers
 
