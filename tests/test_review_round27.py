@@ -66,7 +66,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from prometheus_client import CollectorRegistry
 
 from tiered_kv.integrations.copier import SlabCopier
