@@ -254,8 +254,12 @@ class SlabCopier:
         except queue.Empty:
             pass
         while kept:
-            self._take(kept[0], self._finished)
-            kept.popleft()   # after its result is kept: interrupted in between, it is taken again (and counted stale)
+            report = kept[0]
+            self._take(report, self._finished)
+            # after its result is kept (interrupted in between, it is taken again, and counted stale), and only if
+            # it is still at the front: a signal handler that called wait() or finished() meanwhile took it already
+            if kept and kept[0] is report:
+                kept.popleft()
         self.metrics.flush()
         out, self._finished = self._finished, []
         return out
@@ -305,7 +309,8 @@ class SlabCopier:
             except queue.Empty:
                 return
             self._take(report, self._finished)
-            self._kept.popleft()
+            if self._kept and self._kept[0] is report:   # (as finished() pops it)
+                self._kept.popleft()
             pending.discard(report.token)
             if pending and self._mover is not None:   # a mover whose worker died unreplaced copies here (its
                 self._mover.flush()                     # flush), woken by the dead worker's answers
