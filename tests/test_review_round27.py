@@ -62,7 +62,6 @@ Suspected, not shown
 from __future__ import annotations
 
 import collections
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -73,14 +72,7 @@ from tiered_kv.integrations.slab import SharedSlab
 from tiered_kv.metrics import Metrics
 from tiered_kv.movers import Report
 
-WAIT_S = 5.0
-
-
-@pytest.fixture
-def slab(tmp_path: Path):
-    s = SharedSlab.open(tmp_path / "r27.slab", 8, 64, 1)
-    yield s
-    s.close()
+from test_review_round26_worker import WAIT_S, slab  # noqa: F401  (slab: the fixture, one 8-slot slab)
 
 
 def _metrics() -> Metrics:

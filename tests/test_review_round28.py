@@ -63,24 +63,15 @@ Suspected, not shown
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-import pytest
 from prometheus_client import CollectorRegistry
 
 from tiered_kv.integrations.copier import SlabCopier
 from tiered_kv.integrations.slab import SharedSlab
 from tiered_kv.metrics import Metrics
 
-WAIT_S = 5.0
-
-
-@pytest.fixture
-def slab(tmp_path: Path):
-    s = SharedSlab.open(tmp_path / "r28.slab", 8, 64, 1)
-    yield s
-    s.close()
+from test_review_round26_worker import WAIT_S, slab  # noqa: F401  (slab: the fixture, one 8-slot slab)
 
 
 def _copier(slab: SharedSlab) -> SlabCopier:
