@@ -1,10 +1,12 @@
-"""Where the time of four missed targets goes: one load from disk at a time, the engine step, a
-step's copies batched, and ``store()``'s p99 while copies run.
+"""Where the time of five missed targets goes: one load from disk at a time, the engine step, a
+step's copies batched, ``store()``'s p99 while copies run, and the native CPU mover's launch in the
+copy step.
 
     .venv/bin/python benchmarks/breakdown.py promote [--block-kib 2048] [--loads 32]
     .venv/bin/python benchmarks/breakdown.py step [--steps 600]
     .venv/bin/python benchmarks/breakdown.py batched [--block-kib 64] [--pass-mib 128]
     .venv/bin/python benchmarks/breakdown.py first-store [--steps 400] [--block-kib 2048] [--rows 512] [--torch-threads N]
+    .venv/bin/python benchmarks/breakdown.py launch [--steps 300] [--block-kib 64]
 
 ``promote``: the parts of one ``load(key, row)`` + ``wait([job])`` of a key only on disk (page
 cache warm), each a median over 32 loads, timed by wrapping the methods that do them (the reader's
@@ -35,6 +37,13 @@ the engine thread inside ``poll()`` (the launch replaced by a synchronous run of
 copy), with no copy at all (a launch that answers at once), and with the Python copy threads.  The
 bench's p99 over all calls is one of the first calls (one in 16), so this shows what that call pays
 for.  ``--torch-threads 1``: the same with the copies on one core.
+
+``launch``: the engine thread's CPU time in the native CPU mover's launch (``rowcopy.compiled().launch``:
+the argument lists converted to TorchScript values, the inter-op thread woken), the call ``poll()`` makes
+once per step of ``tiered-kv bench``'s copy step: a 64-row launch (64 stores and 64 loads, rows and slots
+in order) after a 1-row copy, a 1-row launch after that 64-row copy, and a 1-row launch after a 1-row
+copy, each followed by its ``wait()`` and 2 ms of sleep, medians over ``--steps`` rounds; beside them a
+fixed Python loop (500 dict lookups) alone and while a 64-row copy is in flight.
 
 Diagnostics, not figures of record: wrapping methods adds a little to each part, and the figures
 move with the machine's load.  Nothing here is imported by the library or the tests.
@@ -327,12 +336,71 @@ def first_store(steps: int, row: int = 2 << 20, n: int = 512) -> None:
               f"the others {med(rest) / 1e3:4.1f} us, poll() {med(polls) / 1e3:5.0f} us")
 
 
+def launch(rounds: int, row: int) -> None:
+    from tiered_kv.movers.rowcopy import compiled, list_args
+    from tiered_kv.movers.thread import STAGE_BYTES
+
+    cu = compiled()
+    width = max(1, row // 8)   # int64 elements per row, as the native mover views rows
+    dev = torch.ones((256, width), dtype=torch.int64)
+    host = torch.ones((512, width), dtype=torch.int64)
+    held = cu.hold_planes([dev], [host])
+    held.wait()
+    stage = [max(1, STAGE_BYTES // (width * 8))]   # the staging rows the native mover passes
+
+    def args(n: int) -> tuple[Any, ...]:   # n device rows into slots 100.., and n slots 300.. into rows 64..
+        stores = list_args(list(range(100, 100 + n)), list(range(n)))
+        loads = list_args(list(range(64, 64 + n)), list(range(300, 300 + n)))
+        return ([True, False], *zip(stores, loads), stage)
+
+    big, small = args(64), args(1)
+    table = dict.fromkeys(range(100_000), 1)
+    keys = list(range(0, 100_000, 37))[:500]
+
+    def walk() -> int:
+        total = 0
+        for k in keys:
+            total += table[k]
+        return total
+
+    tt = time.thread_time_ns
+    got: dict[str, list[int]] = {"64-row launch after a 1-row copy": [], "1-row launch after a 64-row copy": [],
+                                 "1-row launch after a 1-row copy": [], "walk alone": [], "walk beside a copy": []}
+    # each round: the walks (the second beside a 64-row copy), then launches whose copy before them is known
+    order = (("1-row launch after a 64-row copy", small), ("", small), ("1-row launch after a 1-row copy", small),
+             ("64-row launch after a 1-row copy", big))
+    for _ in range(rounds):
+        walk()
+        t = tt()
+        walk()
+        got["walk alone"].append(tt() - t)
+        fut = cu.launch(held, *big)
+        t = tt()
+        walk()
+        got["walk beside a copy"].append(tt() - t)
+        fut.wait()
+        time.sleep(0.002)
+        for label, a in order:
+            t = tt()
+            fut = cu.launch(held, *a)
+            spent = tt() - t
+            fut.wait()
+            time.sleep(0.002)
+            if label:
+                got[label].append(spent)
+    med = statistics.median
+    print(f"native mover launch, {row // 1024} KiB rows, engine-thread CPU, median of {rounds} rounds")
+    for label, xs in got.items():
+        print(f"  {label:34s} {med(xs) / 1e3:6.1f} us")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["promote", "step", "batched", "first-store"])
-    ap.add_argument("--block-kib", type=int, default=None, help="default: 2048 (promote, first-store), 64 (batched)")
+    ap.add_argument("what", choices=["promote", "step", "batched", "first-store", "launch"])
+    ap.add_argument("--block-kib", type=int, default=None,
+                    help="default: 2048 (promote, first-store), 64 (batched, launch)")
     ap.add_argument("--rows", type=int, default=512, help="first-store: device rows (and host slots)")
-    ap.add_argument("--steps", type=int, default=None, help="default: 600 (step), 400 (first-store)")
+    ap.add_argument("--steps", type=int, default=None, help="default: 600 (step), 400 (first-store), 300 (launch)")
     ap.add_argument("--loads", type=int, default=32, help="promote: blocks loaded one at a time (at least 2)")
     ap.add_argument("--pass-mib", type=int, default=128, help="batched: MiB per pass")
     ap.add_argument("--torch-threads", type=int, default=None,
@@ -350,6 +418,8 @@ def main() -> None:
         batched((a.block_kib or 64) << 10, a.pass_mib << 20)
     elif a.what == "first-store":
         first_store(a.steps or 400, (a.block_kib or 2048) << 10, a.rows)
+    elif a.what == "launch":
+        launch(a.steps or 300, (a.block_kib or 64) << 10)
     else:
         step(a.steps or 600)
 
