@@ -254,15 +254,19 @@ class SlabCopier:
         except queue.Empty:
             pass
         while kept:
-            report = kept[0]
-            self._take(report, self._finished)
-            # after its result is kept (interrupted in between, it is taken again, and counted stale), and only if
-            # it is still at the front: a signal handler that called wait() or finished() meanwhile took it already
-            if kept and kept[0] is report:
-                kept.popleft()
+            self._take_front(kept[0])
         self.metrics.flush()
         out, self._finished = self._finished, []
         return out
+
+    def _take_front(self, report: Report) -> None:
+        """Take ``report``, the front of ``_kept``, into ``_finished``, then pop it: after its result is kept
+        (interrupted in between, it is taken again, and counted stale), and only if it is still the front (a
+        signal handler that called :meth:`wait` or :meth:`finished` meanwhile took it already)."""
+        self._take(report, self._finished)
+        kept = self._kept
+        if kept and kept[0] is report:
+            kept.popleft()
 
     def _take(self, r: Report, out: list[CopyResult]) -> None:
         job: _CopyJob = r.token
@@ -308,9 +312,7 @@ class SlabCopier:
                 report = self._kept[0] if self._kept else get_within(self._done, remaining, self._kept, leave=True)
             except queue.Empty:
                 return
-            self._take(report, self._finished)
-            if self._kept and self._kept[0] is report:   # (as finished() pops it)
-                self._kept.popleft()
+            self._take_front(report)
             pending.discard(report.token)
             if pending and self._mover is not None:   # a mover whose worker died unreplaced copies here (its
                 self._mover.flush()                     # flush), woken by the dead worker's answers
