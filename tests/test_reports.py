@@ -107,3 +107,33 @@ def test_completion_queue_get_returns_none_when_nothing_came_and_the_report_when
     assert q.get(None) == "r"
     q.put("s")
     assert q.get(0.0) == "s"
+
+
+def test_a_handler_that_raises_inside_an_items_eq_never_drops_the_item() -> None:
+    """What it proved wrong (found by round 28's interrupt sweep, ``tests/test_review_round28.py``): ``_keep`` and
+    the vLLM copier's drain took items with ``iter(take, sentinel)``, which compares each item with the sentinel;
+    for a :class:`Report` (a dataclass) that runs its ``__eq__``, Python code in which a signal handler may run,
+    between the take and the append.  A ``KeyboardInterrupt`` there dropped the item.  Fixed: items are taken and
+    appended by C calls alone (``map`` of a C caller), with no comparison (``_keep``, ``drain_into``).  Here the
+    item's ``__eq__`` raises, as the handler would."""
+    import collections
+
+    from tiered_kv.reports import drain_into
+
+    class Touchy:
+        def __eq__(self, other: object) -> bool:
+            raise KeyboardInterrupt("a handler ran in __eq__")
+
+        __hash__ = object.__hash__
+
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    kept: collections.deque = collections.deque()
+    first = Touchy()
+    q.put(first)
+    assert get_within(q, 0.5, kept) is first and not kept
+    items = [Touchy() for _ in range(3)]
+    for it in items:
+        q.put(it)
+    drain_into(kept, q)
+    assert [id(x) for x in kept] == [id(x) for x in items]   # (by identity: == would run __eq__)
+    assert q.empty()

@@ -2,7 +2,7 @@
 ``get_within(..., leave=True)``, ``_MarkThenPost.put`` flags ``marked`` after the ring write) and d8f954c (three
 tests made fast).
 
-What it proved wrong (both fixed; each test fails on the tree before the fix and passes now):
+What it proved wrong (all fixed; each test fails on the tree before its fix and passes now; the third, an interrupt swept over every call return of ``finished()``/``wait()``, was added while reading the whole change once more):
 
 1. ``test_a_wait_a_signal_handler_runs_inside_finished_loses_no_report`` -- ``finished()`` and ``wait()`` both
    "take ``_kept[0]``, then ``popleft()``", assuming the front of ``_kept`` is still the report they took.  A
@@ -65,6 +65,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from tiered_kv.integrations.copier import SlabCopier
@@ -139,3 +140,79 @@ def test_wait_does_not_raise_index_error_when_a_signal_handler_calls_finished(sl
         assert seen == [4]
     finally:
         c.close()
+
+
+# --------------------------------------------------------------------------- every interrupt point, swept
+_COPIER_FILE = SlabCopier.__init__.__code__.co_filename
+
+
+def _interrupt_at(k: int) -> tuple[Any, list[int]]:
+    """A profile hook raising ``KeyboardInterrupt`` at the ``k``-th return of a call made by the copier's own code
+    -- where CPython runs a pending signal's handler (its eval-breaker check after each call) -- and the count of
+    such points seen (one entry once it fired)."""
+    seen = [0]
+    fired: list[int] = []
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if fired:
+            return
+        if event == "c_return":
+            caller = frame
+        elif event == "return":
+            caller = frame.f_back
+        else:
+            return
+        if caller is None or caller.f_code.co_filename != _COPIER_FILE:
+            return
+        seen[0] += 1
+        if seen[0] == k:
+            fired.append(k)
+            raise KeyboardInterrupt(f"interrupt at call return {k}")
+
+    return hook, fired
+
+
+@pytest.mark.parametrize("entry", ["finished", "wait"])
+def test_an_interrupt_at_any_call_return_in_finished_or_wait_loses_and_doubles_no_result(
+        slab: SharedSlab, entry: str) -> None:
+    """What it proved wrong (fixed; the ``finished`` case fails on 55745b0): the claim of d82ffc0, a50a072 and
+    cc90945 that no signal handler can drop or double a result did not hold at the first step: ``finished()``
+    drained the queue with ``iter(get_nowait, None)``, whose sentinel comparison runs a :class:`Report`'s
+    dataclass ``__eq__`` -- Python code between a take and its append -- and an interrupt there lost job 1 (call
+    return 3 of the sweep).  ``reports._keep``, under every ``get_within`` of the project, had the same
+    comparison.  Fixed: both take and append by C calls alone (``reports.drain_into``, ``_keep``).  The rest of
+    the reasoning held: reports enter ``_kept`` in one C loop, a report leaves ``_kept`` only once its result is in
+    ``_finished`` (``_take_front``), ``_take`` removes the job and appends its result with no call in between, and
+    ``_finished`` is swapped out only as ``finished()`` returns.  Pinned here by sweeping the interrupt over every
+    call return made from copier.py during one ``finished()`` / ``wait()`` of three answered jobs: however it is
+    interrupted, the calls after it name each job exactly once, ok, and nothing stays in flight."""
+    import sys
+
+    k = 1
+    while True:
+        c = _copier(slab)
+        try:
+            for j in (1, 2, 3):
+                assert c.submit(j, bytes([0x30 + j]) * 16, j, True, [], [])   # answered at once, ring marked
+            hook, fired = _interrupt_at(k)
+            got: list[int] = []
+            sys.setprofile(hook)
+            try:
+                if entry == "finished":
+                    got += [r.job_id for r in c.finished()]
+                else:
+                    c.wait({1, 2, 3}, timeout=WAIT_S)
+            except KeyboardInterrupt:
+                pass
+            finally:
+                sys.setprofile(None)
+            for _ in range(3):
+                got += [r.job_id for r in c.finished()]
+            assert sorted(got) == [1, 2, 3], f"interrupted at call return {k}: results {sorted(got)}"
+            assert c.in_flight == 0 and all(slab.done(j) and slab.ok(j) for j in (1, 2, 3))
+        finally:
+            c.close()
+        if not fired:   # the sweep passed the last call return
+            break
+        k += 1
+    assert k > 10, f"only {k - 1} interrupt points were swept: the hook did not see the copier's calls"

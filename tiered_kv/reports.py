@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
+import operator
 import queue
 import signal
 import threading
@@ -18,7 +19,7 @@ from typing import Any, Callable, Optional
 
 from .jobs import JobKind
 
-__all__ = ["Report", "CompletionQueue", "get_within"]
+__all__ = ["Report", "CompletionQueue", "get_within", "drain_into"]
 
 
 @dataclass(slots=True)
@@ -173,11 +174,25 @@ def get_within(q: "queue.SimpleQueue[Any]", timeout: Optional[float],
             pass
 
 
+_CALL = operator.methodcaller("__call__")   # f -> f(), in C
+
+
 def _keep(kept: "collections.deque[Any]", take: Callable[[], Any]) -> None:
     """Append ``take()``'s item to ``kept`` in C, before any Python code runs: a Python signal handler runs
     between two bytecodes (on the main thread, also for a signal another thread received), and one that
-    raises there would drop an item held only by a Python frame."""
-    kept.extend(itertools.islice(iter(take, _NOTHING), 1))
+    raises there would drop an item held only by a Python frame.  No comparison either: ``iter(take,
+    sentinel)`` compares each item with the sentinel, which runs a dataclass's ``__eq__`` (a
+    :class:`Report`'s) -- Python code, between the take and the append."""
+    kept.extend(map(_CALL, (take,)))
+
+
+def drain_into(kept: "collections.deque[Any]", q: "queue.SimpleQueue[Any]") -> None:
+    """Append every item ``q`` holds now to ``kept``, by C calls alone (as :func:`_keep`): however a signal
+    handler interrupts, each item taken is in ``kept``."""
+    try:
+        kept.extend(map(_CALL, itertools.repeat(q.get_nowait)))
+    except queue.Empty:
+        pass
 
 
 def _into(kept: "collections.deque[Any]", take: Callable[[], Any], leave: bool = False) -> Any:

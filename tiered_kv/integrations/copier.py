@@ -49,7 +49,7 @@ from ..hostmem import prepare_host_memory
 from ..jobs import JobKind, StaleReason
 from ..metrics import Metrics
 from ..movers import CompletionQueue, CudaMover, Mover, Plane, Report, ThreadMover, Transfer
-from ..reports import get_within
+from ..reports import drain_into, get_within
 from .slab import SharedSlab
 
 __all__ = ["SlabCopier", "CopyResult"]
@@ -249,10 +249,7 @@ class SlabCopier:
         if self._mover is not None:
             self._mover.harvest()  # CUDA: answers (and marks) the jobs whose end event was reached
         kept = self._kept   # (and what a wait() a signal handler's exception broke off took)
-        try:
-            kept.extend(iter(self._done.get_nowait, None))   # all of it, in one C loop
-        except queue.Empty:
-            pass
+        drain_into(kept, self._done)
         while kept:
             self._take_front(kept[0])
         self.metrics.flush()
