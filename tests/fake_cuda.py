@@ -149,6 +149,7 @@ class FakeGPU:
         self.index_error: Optional[BaseException] = None  # raised by an index upload, likewise
         self.index_error_skip = 0
         self.calls = 0  # calls that queued copies (copy, gather, scatter, index): the engine thread's cost
+        self.strided_ok = True   # what strided_index_ops() answers (TorchCuda probes the device)
         self.batches: list[FakeStream] = []  # the stream of each batch of copies, in order
 
     # --- the runtime interface
@@ -168,6 +169,10 @@ class FakeGPU:
     def order_after(self, stream: FakeStream, other: FakeStream) -> None:
         """``TorchCuda.order_after``: ``stream.wait_stream(other)``."""
         stream.wait_stream(other)
+
+    def strided_index_ops(self, device: Any) -> bool:
+        """``TorchCuda.strided_index_ops``: here the gathers and scatters run as torch CPU ops, which do it right."""
+        return self.strided_ok
 
     def synchronize(self, device: Any = None) -> None:
         """``torch.cuda.synchronize``: everything queued runs (the benchmarks' baseline uses it)."""

@@ -387,3 +387,40 @@ def test_slab_copier_orders_its_copies_after_the_engines_queued_work(tmp_path: P
     finally:
         copier.close()
         slab.close()
+
+
+# ----------------------------------------------------------------------------- planes side by side in a host row
+def test_the_device_does_index_ops_on_column_slices_right() -> None:
+    """The probe ``CudaMover`` runs at start before it groups planes (movers/torch_cuda.py)."""
+    from tiered_kv.movers import TorchCuda
+    assert TorchCuda().strided_index_ops(torch.device("cuda"))
+
+
+def test_a_copier_over_several_kv_tensors_round_trips_a_step_through_the_staging_rows(tmp_path: Path) -> None:
+    """The vLLM worker's layout on a real device: 4 KV tensors side by side in each slab row, one group; a store of
+    scattered rows into consecutive slots and a load back into other rows land every byte."""
+    from tiered_kv.integrations.copier import SlabCopier
+    from tiered_kv.integrations.slab import SharedSlab
+    from tiered_kv.metrics import Metrics
+
+    widths = (4096, 1024, 2048, 512)
+    slab = SharedSlab.open(tmp_path / "g.slab", 16, sum(widths), 1)
+    g = torch.Generator().manual_seed(7)
+    kv = [torch.randint(0, 256, (32, w), dtype=torch.uint8, generator=g).to("cuda") for w in widths]
+    copier = SlabCopier(slab, 0, kv, metrics=Metrics(registry=CollectorRegistry(), namespace="t"), batch_max=8)
+    try:
+        assert len(copier._mover._groups) == 1                      # type: ignore[union-attr]
+        rows = [9, 3, 30, 17, 4, 22]
+        assert copier.submit(1, b"s" * 16, 1, True, rows, [2, 3, 4, 5, 10, 11])
+        copier.wait([1], timeout=30)
+        for r, s in zip(rows, [2, 3, 4, 5, 10, 11]):
+            assert torch.equal(slab.rows[s], torch.cat([t[r].cpu() for t in kv]))
+        back = [0, 1, 2, 5, 6, 7]
+        assert copier.submit(2, b"l" * 16, 2, False, back, [2, 3, 4, 5, 10, 11])
+        copier.wait([2], timeout=30)
+        for b, r in zip(back, rows):
+            for t in kv:
+                assert torch.equal(t[b], t[r])
+    finally:
+        copier.close()
+        slab.close()

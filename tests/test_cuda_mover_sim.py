@@ -758,6 +758,8 @@ def test_a_transfer_whose_only_call_cannot_be_queued_is_answered_at_its_chunks_e
 
 
 def test_every_copy_goes_over_every_plane() -> None:
+    """Two planes side by side in one slab row (the vLLM worker's layout) go through staging rows together: per
+    chunk a gather into each plane's columns, then one copy of the staging rows to the slab."""
     gpu, out = FakeGPU(), CompletionQueue()
     dev_a = torch.arange(4 * 8, dtype=torch.uint8).view(4, 8)
     dev_b = torch.arange(100, 100 + 4 * 16, dtype=torch.uint8).view(4, 16)
@@ -767,7 +769,8 @@ def test_every_copy_goes_over_every_plane() -> None:
     mover.submit(t)
     mover.flush()
     (side,) = gpu.side
-    assert [op[0] for op in side.ops] == ["wait", "event", "copy", "copy", "event", "copy", "copy", "event"]
+    assert [op[0] for op in side.ops] == ["wait", "event", "gather", "gather", "copy", "event", "gather", "gather",
+                                          "copy", "event"]
     gpu.run_all()
     mover.harvest()
     (r,) = out.drain()

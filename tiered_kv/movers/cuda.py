@@ -28,7 +28,7 @@ from .base import (CompletionQueue, Mover, Plane, Report, Transfer, byte_rows, c
                    rows_view, transfer_error, widen)
 from .torch_cuda import TorchCuda
 
-__all__ = ["CudaMover", "TorchCuda", "EVENT_BYTES", "STAGE_BYTES"]
+__all__ = ["CudaMover", "TorchCuda", "EVENT_BYTES", "STAGE_BYTES", "GROUP_STAGE_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,78 @@ bytes in about a millisecond, a fraction of an engine step: finer completion tha
 STAGE_BYTES = 8 << 20
 """``CudaMover``: the device staging rows of a copy stream and plane (rows gathered for one DMA) hold at most
 this many bytes (at least one row, at most a chunk's)."""
+
+
+GROUP_STAGE_BYTES = 64 << 20
+"""``CudaMover``: a copy stream's device staging rows for a group of planes (see :class:`_Group`) hold at most this
+many bytes (at least one block, at most a chunk's: one pass per chunk of :data:`EVENT_BYTES`).  A pass costs a
+gather or a scatter per plane, so with the vLLM worker's layout (one plane per layer, a 2 MiB slab row for 32
+layers of 64 KiB) 8 MiB of staging rows would take 16 passes of 32 calls for a step of 64 blocks, and these rows
+take two."""
+
+
+class _Group:
+    """Planes whose host rows lie side by side in one host row, as the vLLM worker's KV tensors do in a slab row
+    (one plane per KV tensor, each a byte region of the row).  Each such plane's host rows alone are not one range
+    in memory, so copied plane by plane they would take a call per block per plane; as a group a chunk's blocks
+    go through staging rows laid out as the host rows' region: one gather (stores) or scatter (loads) per plane on
+    the device into or out of its columns, and one copy per run of consecutive slots (``one_range``: the region is
+    the whole host row) or per block (it is part of one) between the staging rows and the host.
+
+    ``planes``: the plane numbers; ``devs``: their device rows (elements of ``host``'s type); ``cols``: each plane's
+    columns of the region (``(start, end)``, in those elements); ``host``: the region as ``[slots, width]``."""
+
+    __slots__ = ("planes", "devs", "cols", "host", "one_range", "width")
+
+    def __init__(self, planes: list[int], devs: list[torch.Tensor], cols: list[tuple[int, int]],
+                 host: torch.Tensor) -> None:
+        self.planes, self.devs, self.cols, self.host = planes, devs, cols, host
+        self.width = int(host.shape[1])
+        self.one_range = _one_range(host)
+
+
+def _host_groups(planes: Sequence[Plane], views: list[Optional[tuple[torch.Tensor, torch.Tensor, bool, bool]]]
+                 ) -> list[_Group]:
+    """The groups (two planes or more) of ``planes`` whose host rows are adjacent byte ranges of one host row:
+    same storage, same row stride and slots, each plane's region starting where the one before it ends.  Only
+    planes the batched path takes (``views``) whose own host rows are not one range; each side's row bytes
+    consecutive."""
+    found: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []   # (host address, plane, host bytes, device bytes)
+    for p, v in enumerate(views):
+        if v is None or v[3]:
+            continue
+        d, h = rows_view(planes[p][0]), rows_view(planes[p][1])
+        if d is None or h is None or d.stride(1) != 1 or h.stride(1) != 1 or d.shape[1] != h.shape[1]:
+            continue
+        found.append((h.data_ptr(), p, h, d))
+    found.sort(key=lambda f: f[0])
+    runs: list[list[tuple[int, int, torch.Tensor, torch.Tensor]]] = []
+    for f in found:
+        if runs:
+            ptr, _, h, _ = runs[-1][-1]
+            if (f[0] == ptr + int(h.shape[1]) and f[2].stride(0) == h.stride(0) and f[2].shape[0] == h.shape[0]
+                    and f[2].untyped_storage().data_ptr() == h.untyped_storage().data_ptr()):
+                runs[-1].append(f)
+                continue
+        runs.append([f])
+    return [_group(run) for run in runs if len(run) >= 2]
+
+
+def _group(run: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> _Group:
+    first = run[0][2]
+    width = sum(int(h.shape[1]) for _, _, h, _ in run)
+    region = first.as_strided((int(first.shape[0]), width), (first.stride(0), 1))
+    devs = [d for _, _, _, d in run]
+    widths = [int(h.shape[1]) for _, _, h, _ in run]
+    wide = widen(region, torch.int64)
+    wide_devs = [widen(d, torch.int64) for d in devs]
+    if wide is not None and all(w % 8 == 0 for w in widths) and all(d is not None for d in wide_devs):
+        region, devs, widths = wide, [d for d in wide_devs if d is not None], [w // 8 for w in widths]
+    cols, at = [], 0
+    for w in widths:
+        cols.append((at, at + w))
+        at += w
+    return _Group([p for _, p, _, _ in run], devs, cols, region)
 
 
 def _range_views(dev: torch.Tensor, host: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor, bool, bool]]:
@@ -172,9 +244,16 @@ class CudaMover(Mover):
     which they get instead.  Slots
     in ascending runs (what the host index hands a step's stores) make a
     step one or two calls per chunk and plane; scattered slots fall back to a
-    copy per block.  A plane whose host rows are not one range in memory (the
-    vLLM worker's planes, each a byte region of the slab rows) is copied block
-    by block.  ``batched=False``: every block is its own ``copy_`` (the
+    copy per block.  Planes whose host rows lie side by side in one host row
+    (the vLLM worker's, one per KV tensor, each a byte region of the slab rows)
+    go through staging rows together (:class:`_Group`): a gather or scatter per
+    plane and a copy per run of consecutive slots, where plane by plane each
+    block would take a copy per plane (a step of 64 blocks over 32 KV tensors:
+    about 35 calls instead of 2,048); on a real device only once a probe at
+    start saw the device do those index ops on column slices right.  Any other
+    plane whose host rows are not one range in memory is copied block by block.
+    A chunk that loads one row twice is copied block by block too, in order.
+    ``batched=False``: every block is its own ``copy_`` (the
     per-block path the benchmarks compare against).  ``stage_bytes``: the
     staging rows' bound (None: ``STAGE_BYTES`` when first used).
 
@@ -226,6 +305,19 @@ class CudaMover(Mover):
         # bf16 or fp8 row beside integer host rows would be converted value by value and reported ok
         self._blocks = [byte_rows(d, h) if v is None else (d, h) for (d, h), v in zip(self._planes, self._views)]
         self._stages: list[list[Optional[torch.Tensor]]] = [[None] * len(self._planes) for _ in self._streams]
+        # planes side by side in one host row go through staging rows together (_Group), where the device
+        # computes index ops on column slices of them right (probed once here on a real device)
+        groups = _host_groups(self._planes, self._views) if batched else []
+        if groups and not rt.strided_index_ops(self._device):
+            log.warning("index_select/index_copy_ on column slices of staging rows gave wrong bytes or failed on %s: "
+                        "the planes side by side in one host row are copied block by block", self._device)
+            groups = []
+        self._groups = groups
+        grouped = {p for g in groups for p in g.planes}
+        self._solo = [p for p in range(len(self._planes)) if p not in grouped]   # planes copied on their own
+        # per stream and group: its staging rows and each plane's columns of them
+        self._gstages: list[list[Optional[tuple[torch.Tensor, list[torch.Tensor]]]]] = [
+            [None] * len(groups) for _ in self._streams]
         self._taken = False   # flush(): the direction being handed on was taken by _queue_on_stream
 
     def submit(self, t: Transfer) -> None:
@@ -432,17 +524,24 @@ class CudaMover(Mover):
         runs: Optional[list[tuple[int, int]]] = None    # runs of consecutive slots
         ranges: Optional[list[tuple[int, int]]] = None  # runs of consecutive slots and rows
         idx: Optional[torch.Tensor] = None
-        for p, views in enumerate(self._views):
+        for g_at, g in enumerate(self._groups):
+            if not store and len(set(rows)) < len(rows):
+                # a chunk that loads a row twice: one index_copy_ would land either block; copied block by block,
+                # the later one lands last, as submitted
+                for p in g.planes:
+                    bad = self._copy_blocks(ops, p, rows, slots, store, bad)
+                continue
+            if idx is None:
+                try:
+                    idx = ops.index(array.array("q", rows).tolist())
+                except Exception as exc:   # no block of the chunk reaches a group's copies
+                    bad = _failed(bad, 0, len(rows), exc, store)
+                    continue
+            bad = self._queue_group(ops, stream, g_at, g, idx, rows, slots, store, bad)
+        for p in self._solo:
+            views = self._views[p]
             if views is None:   # block by block
-                dev, host = self._blocks[p]
-                for a in range(len(rows)):
-                    try:
-                        if store:
-                            ops.copy(host[slots[a]], dev[rows[a]])
-                        else:
-                            ops.copy(dev[rows[a]], host[slots[a]])
-                    except Exception as exc:
-                        bad = _failed(bad, a, a + 1, exc, store)
+                bad = self._copy_blocks(ops, p, rows, slots, store, bad)
                 continue
             dev, host, dev_range, host_range = views
             if not host_range:
@@ -479,6 +578,73 @@ class CudaMover(Mover):
                 except Exception as exc:  # these blocks' call did not reach the stream: their transfers fail
                     bad = _failed(bad, done, b, exc, store)
         return bad
+
+    def _copy_blocks(self, ops: Any, p: int, rows: list[int], slots: list[int], store: bool,
+                     bad: Optional[list[tuple[int, int, str]]]) -> Optional[list[tuple[int, int, str]]]:
+        """Plane ``p``'s copies of blocks ``rows[i] <-> slots[i]``, a call per block, in order."""
+        dev, host = self._blocks[p]
+        for a in range(len(rows)):
+            try:
+                if store:
+                    ops.copy(host[slots[a]], dev[rows[a]])
+                else:
+                    ops.copy(dev[rows[a]], host[slots[a]])
+            except Exception as exc:
+                bad = _failed(bad, a, a + 1, exc, store)
+        return bad
+
+    def _queue_group(self, ops: Any, stream: int, g_at: int, g: _Group, idx: torch.Tensor, rows: list[int],
+                     slots: list[int], store: bool, bad: Optional[list[tuple[int, int, str]]]
+                     ) -> Optional[list[tuple[int, int, str]]]:
+        """Group ``g``'s copies of blocks ``rows[i] <-> slots[i]`` (``idx``: ``rows`` on the device), a stage-full
+        at a time: stores gather each plane's rows into its columns of the staging rows, then copy them to the
+        host, a call per run of consecutive slots (or per block); loads the other way round.  A gather or scatter
+        that cannot be queued fails the pass's blocks, a host copy its own."""
+        stage, cols = self._group_stage(stream, g_at, g)
+        c, n, host = int(stage.shape[0]), len(rows), g.host
+        for j in range(0, n, c):
+            e = min(n, j + c)
+            try:
+                m = e - j
+                part = stage if m == c else stage[:m]
+                views = cols if m == c else [v[:m] for v in cols]
+                at = idx if j == 0 and e == n else idx[j:e]
+                # the host side: runs of consecutive slots where the region is whole host rows, else a block each
+                spans = ([(a + j, b + j) for a, b in _slot_runs(slots[j:e])] if g.one_range
+                         else [(a, a + 1) for a in range(j, e)])
+                if store:
+                    for dev, v in zip(g.devs, views):
+                        ops.gather(v, dev, at)
+            except Exception as exc:  # the pass's rows are not all in the staging rows: its blocks fail
+                bad = _failed(bad, j, e, exc, store)
+                continue
+            for a, b in spans:
+                try:
+                    if store:
+                        ops.copy(host[slots[a]:slots[a] + b - a], part[a - j:b - j])
+                    else:
+                        ops.copy(part[a - j:b - j], host[slots[a]:slots[a] + b - a])
+                except Exception as exc:  # these blocks' call did not reach the stream: their transfers fail
+                    bad = _failed(bad, a, b, exc, store)
+            if not store:
+                try:
+                    for dev, v in zip(g.devs, views):
+                        ops.scatter(dev, at, v)
+                except Exception as exc:  # some planes' rows not written: the pass's blocks fail
+                    bad = _failed(bad, j, e, exc, store)
+        return bad
+
+    def _group_stage(self, stream: int, g_at: int, g: _Group) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Stream ``stream``'s staging rows for group ``g`` and each plane's columns of them (as :meth:`_stage`)."""
+        st = self._gstages[stream][g_at]
+        if st is None:
+            row = g.width * g.host.element_size()
+            bound = self._stage_bytes if self._stage_bytes is not None else GROUP_STAGE_BYTES
+            n = max(1, min(self._per_event, bound // max(1, row)))
+            with torch.inference_mode(False):
+                t = torch.empty((n, g.width), dtype=g.host.dtype, device=self._device)
+                st = self._gstages[stream][g_at] = (t, [t[:, a:b] for a, b in g.cols])
+        return st
 
     def _stage_rows(self, like: torch.Tensor) -> int:
         """How many of ``like``'s rows the staging rows hold: ``stage_bytes`` (or ``STAGE_BYTES``) of them, at
