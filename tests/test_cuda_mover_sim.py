@@ -676,6 +676,12 @@ def test_the_cuda_bench_section_runs_on_the_simulated_device() -> None:
     assert "tiered_kv (32 MiB staging)" in text and "engine-thread CPU per CUDA call" in text
     (fig,) = [f for f in report._core_figures({"cuda_copy": r}) if f["id"] == "cuda.store_p99"]
     assert "engine thread per step" in fig["note"]
+    w = r["worker_layout"]
+    assert (w["grouped"]["groups"], w["per_block"]["groups"]) == (1, 0)
+    assert w["grouped"]["problems"] == 0 and w["per_block"]["problems"] == 0
+    for d in ("store", "load"):
+        assert w["grouped"][d]["gb_per_s"] > 0 and w["per_block"][d]["engine_cpu_us_per_step"]["n"] == w["steps"]
+    assert "the vLLM worker's layout" in text and "per-block" in text
     assert gpu.idle
 
 

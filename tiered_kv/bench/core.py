@@ -53,8 +53,10 @@ from __future__ import annotations
 import bisect
 import contextlib
 import gc
+import logging
 import os
 import random
+import statistics
 import time
 from collections import OrderedDict
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
@@ -1102,6 +1104,103 @@ def _cuda_call_costs(d: _Device, n: int = 2000, rounds: int = 5) -> dict[str, fl
             "calls_per_round": n, "rounds": rounds}
 
 
+class _NoGroups:
+    """A CUDA runtime whose probe refuses index ops on column slices: ``CudaMover`` then copies planes side by side
+    in one host row block by block, as it did before it grouped them (the A/B of :func:`_cuda_worker_layout`)."""
+
+    def __init__(self, rt: Any) -> None:
+        self._rt = rt
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._rt, name)
+
+    @staticmethod
+    def strided_index_ops(device: Any) -> bool:
+        return False
+
+
+WORKER_STEPS = {"full": 40, "quick": 10, "smoke": 2}
+
+
+def _cuda_worker_layout(quick: Union[bool, str], rng: random.Random, d: _Device, planes: int = 32,
+                        plane_bytes: int = 16 * KiB) -> dict[str, Any]:
+    """The vLLM worker's layout (``SlabCopier``): ``planes`` KV tensors, a block of ``plane_bytes`` each, side by side
+    in the rows of one pinned slab; a ``CudaMover`` on one stream, as the copier makes it.  Per step one job of
+    ``STEP_BLOCKS`` blocks: stores of random device rows into consecutive slots (as the scheduler hands them out),
+    then a pass of loads of those slots into other random rows.  Through the staging rows (the default) and block by
+    block (the probe refused: before planes were grouped), beside one ``copy_`` of a step's bytes each way between
+    a contiguous device buffer and the slab; GB/s of the whole pass and the engine thread's CPU per step."""
+    from tiered_kv.movers import CudaMover
+    dev, rt = d.dev, d.rt
+    n, steps = STEP_BLOCKS, WORKER_STEPS[as_mode(quick)]
+    kvs = [torch.empty((2 * n, plane_bytes), dtype=torch.uint8, device=dev) for _ in range(planes)]
+    for i, t in enumerate(kvs):
+        t.copy_(((torch.arange(2 * n, device=dev) * 7 + i) % 251).to(torch.uint8).unsqueeze(1).expand(2 * n, plane_bytes))
+    slab = d.host((n, planes * plane_bytes))
+    step_bytes = n * planes * plane_bytes
+    out: dict[str, Any] = {"kv_tensors": planes, "plane_bytes": plane_bytes, "blocks_per_step": n, "steps": steps,
+                           "step_bytes": step_bytes}
+    flat = torch.empty((n, planes * plane_bytes), dtype=torch.uint8, device=dev)
+    stream = rt.new_stream(dev)
+    for direction in ("store", "load"):
+        times = []
+        for _ in range(steps + 1):
+            d.sync()
+            t = time.perf_counter()
+            rt.copy(slab, flat, stream) if direction == "store" else rt.copy(flat, slab, stream)
+            d.sync()
+            times.append(time.perf_counter() - t)
+        out[f"baseline_one_copy_{direction}_gb_per_s"] = step_bytes / statistics.median(times[1:]) / 1e9
+    quiet = logging.getLogger("tiered_kv.movers.cuda")
+    for mode, runtime in (("grouped", rt), ("per_block", _NoGroups(rt))):
+        q = CompletionQueue()
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)   # the per-block side's probe refusal is this A/B's doing, not the device's
+        try:
+            m = CudaMover([(k, slab[:, i * plane_bytes:(i + 1) * plane_bytes]) for i, k in enumerate(kvs)], q,
+                          num_streams=1, runtime=runtime)
+        finally:
+            quiet.setLevel(level)
+        side: dict[str, Any] = {"groups": len(m._groups)}
+        bad = 0
+        stored: list[int] = []
+        for direction, kind in (("store", JobKind.STORE), ("load", JobKind.LOAD)):
+            cpu: list[float] = []
+            d.sync()
+            t0 = time.perf_counter()
+            rows: list[int] = []
+            for _ in range(steps):
+                rows = rng.sample(range(n), n) if kind is JobKind.STORE else rng.sample(range(n, 2 * n), n)
+                c = time.thread_time()
+                m.submit(Transfer(os.urandom(16), kind, rows, list(range(n))))
+                m.flush()
+                m.harvest()
+                cpu.append((time.thread_time() - c) * 1e6)
+            d.sync()
+            m.harvest()
+            wall = time.perf_counter() - t0
+            got = q.drain()
+            bad += sum(not r.ok for r in got) + (steps - len(got))
+            # the last step's bytes: slot i holds device row rows[i]'s blocks (stores); the load's row rows[i] holds
+            # what slot i held, the last store step's row stored[i] (loads)
+            for i in range(n):
+                want = torch.cat([k[rows[i] if kind is JobKind.STORE else stored[i]].cpu() for k in kvs])
+                have = slab[i] if kind is JobKind.STORE else torch.cat([k[rows[i]].cpu() for k in kvs])
+                bad += not torch.equal(want, have)
+            stored = rows
+            side[direction] = {"gb_per_s": steps * step_bytes / wall / 1e9, "engine_cpu_us_per_step": summarize(cpu, "us")}
+        m.close()
+        side["problems"] = bad   # failed or missing reports, and rows with wrong bytes
+        out[mode] = side
+    for direction in ("store", "load"):
+        base = out[f"baseline_one_copy_{direction}_gb_per_s"]
+        for mode in ("grouped", "per_block"):
+            out[mode][direction]["ratio_over_one_copy"] = _ratio(out[mode][direction]["gb_per_s"], base)
+    del kvs, slab, flat
+    d.release()
+    return out
+
+
 def bench_cuda_copy(quick: Union[bool, str] = False, seed: int = 0,
                     block_sizes: Sequence[int] = (64 * KiB, 256 * KiB, 2 * MiB, 8 * MiB),
                     runtime: Optional[Any] = None) -> dict[str, Any]:
@@ -1134,6 +1233,8 @@ def bench_cuda_copy(quick: Union[bool, str] = False, seed: int = 0,
         # the same with 4x the staging rows (a step's 16 scattered rows of 2 MiB: one gather and one copy
         # instead of four of each): whether fewer, larger calls pay for the device memory
         "store_latency_stage_32MiB": _cuda_store_latency(quick, rng, d, stage_bytes=32 * MiB),
+        # the vLLM worker's copier layout: KV tensors side by side in a slab row, through staging rows and block by block
+        "worker_layout": _cuda_worker_layout(quick, rng, d),
     }
 
 
@@ -1335,6 +1436,20 @@ def _fmt_cuda(c: dict[str, Any]) -> list[str]:
                 cpu = [x[k]["mean"] for k in ("engine_cpu_us_per_step", "engine_cpu_us_per_step_batched_scattered",
                                               "engine_cpu_us_per_step_batched_per_block")]
                 lines.append(row + "   " + "/".join(f"{v:.0f}" for v in cpu))
+    w = c.get("worker_layout")
+    if w:
+        lines.append(f"   the vLLM worker's layout: {w['kv_tensors']} KV tensors of {_size(w['plane_bytes'])} blocks side by "
+                     f"side in a slab row, steps of {w['blocks_per_step']} blocks (random rows, consecutive slots); "
+                     "GB/s, ratio to one copy_ of a step's bytes, engine-thread CPU us per step (mean):")
+        for direction in ("store", "load"):
+            row = f"     {direction:<6} one copy_ {w[f'baseline_one_copy_{direction}_gb_per_s']:.2f}"
+            for mode in ("grouped", "per_block"):
+                x = w[mode][direction]
+                row += (f"   {mode.replace('_', '-')} {x['gb_per_s']:.2f} ({x['ratio_over_one_copy']:.3f}x, "
+                        f"{x['engine_cpu_us_per_step']['mean']:.0f} us)")
+            lines.append(row)
+        lines.append(f"     failed, missing or wrong: grouped {w['grouped']['problems']}, "
+                     f"per-block {w['per_block']['problems']}")
     cl = c.get("store_latency")
     if cl:
         lines.append(f"   store() on the CUDA KV tensor ({cl['mover']}, {_size(cl['row_bytes'])} rows, "
