@@ -2,7 +2,8 @@
 # The checks that need a GPU, in one run (CI has no GPU; a GPU machine is lent rarely and briefly):
 #   1. tiered-kv bench --sections cuda,store_latency: device<->host GB/s beside torch's copy_, a step's
 #      blocks as one store_many/load_many beside one large copy_ (issue 25, with the engine thread's CPU
-#      per step), and store() latency on a CUDA KV tensor beside the unsafe original (then the CPU
+#      per step), the vLLM worker's layout (32 KV tensors side by side in a slab row, through staging rows
+#      and block by block), and store() latency on a CUDA KV tensor beside the unsafe original (then the CPU
 #      mover's, on this host); first, since its figures are what a short lease is for
 #   2. tests/test_cuda.py: the manager and its CudaMover on a real device (ordering, fences, failures)
 #   3. tiered-kv bench --quick --sections lifecycles,copy_step: the engine thread's bookkeeping on this

@@ -682,6 +682,9 @@ def test_the_cuda_bench_section_runs_on_the_simulated_device() -> None:
     for d in ("store", "load"):
         assert w["grouped"][d]["gb_per_s"] > 0 and w["per_block"][d]["engine_cpu_us_per_step"]["n"] == w["steps"]
     assert "the vLLM worker's layout" in text and "per-block" in text
+    figs = {f["id"]: f for f in report._core_figures({"cuda_copy": r})}
+    assert figs["cuda.worker_layout.store"]["value"] == w["grouped"]["store"]["gb_per_s"]
+    assert "block by block" in figs["cuda.worker_layout.load"]["note"]
     assert gpu.idle
 
 

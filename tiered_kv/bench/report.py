@@ -247,6 +247,20 @@ def _core_figures(c: dict[str, Any]) -> list[dict[str, Any]]:
                          + (f"; one CUDA call on this host: an event record + query "
                             f"{cu['call_costs']['event_record_and_query_us']:.1f} us, a copy_ "
                             f"{cu['call_costs']['copy_call_us']:.1f} us" if cu.get("call_costs") else "")))
+        w = cu.get("worker_layout")
+        if w:   # the vLLM worker's copier layout, grouped (the default) against block by block
+            for d in ("store", "load"):
+                g, pb = w["grouped"][d], w["per_block"][d]
+                out.append(_fig(
+                    "CUDA links", f"cuda.worker_layout.{d}",
+                    f"vLLM worker layout, {w['kv_tensors']} KV tensors x {_size(w['plane_bytes'])} side by side in a "
+                    f"slab row, steps of {w['blocks_per_step']} blocks", "GB/s", g["gb_per_s"],
+                    w[f"baseline_one_copy_{d}_gb_per_s"], "one copy_ of a step's bytes between a contiguous device "
+                    "buffer and the slab", "one copy_",
+                    note=f"block by block {pb['gb_per_s']:.2f} GB/s; engine-thread CPU per step, mean: grouped "
+                         f"{g['engine_cpu_us_per_step']['mean']:.0f} us, block by block "
+                         f"{pb['engine_cpu_us_per_step']['mean']:.0f} us; failed, missing or wrong: "
+                         f"{w['grouped']['problems']} and {w['per_block']['problems']}"))
         cl = cu.get("store_latency")
         if cl:
             out.append(_store_p99(
