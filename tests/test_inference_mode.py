@@ -155,6 +155,32 @@ def test_the_cuda_movers_staging_rows_made_inside_inference_mode_serve_copies_ou
         m.close()
 
 
+def test_the_cuda_movers_group_staging_rows_made_inside_inference_mode_serve_copies_outside_it(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The same for the staging rows of planes side by side in one host row (the vLLM copier's layout)."""
+    gpu = FakeGPU()
+    a, b = _kv(8, 4, False), _kv(8, 5, False)
+    host = torch.zeros((8, 2 * ROW), dtype=torch.uint8)
+    out = CompletionQueue()
+    m = CudaMover([(a, host[:, :ROW]), (b, host[:, ROW:])], out, 1, runtime=gpu, batch_max=64)
+    try:
+        assert len(m._groups) == 1
+        for i, inside in enumerate((True, False)):
+            rows, slots = ([6, 1, 4], [0, 1, 2]) if i == 0 else ([2, 7, 0], [3, 4, 5])
+            with torch.inference_mode(inside):
+                m.submit(Transfer(f"t{i}", JobKind.STORE, rows, slots))
+                m.flush()
+            assert m._gstages[0][0] is not None
+            gpu.run_all()
+            m.harvest()
+            (r,) = out.drain()
+            assert r.ok, r.error
+            assert torch.equal(host[slots, :ROW], a[rows]) and torch.equal(host[slots, ROW:], b[rows])
+        _no_failed_copies(None, caplog)
+    finally:
+        m.close()
+
+
 def test_plain_alias_is_the_tensor_itself_or_a_normal_tensor_over_its_memory() -> None:
     normal = torch.arange(12, dtype=torch.float16).view(3, 4)
     assert plain_alias(normal) is normal
