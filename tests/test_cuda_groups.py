@@ -244,6 +244,36 @@ def test_a_gather_scatter_or_index_that_cannot_be_queued_fails_the_transfers_of_
             assert torch.equal(torch.cat([devs[0][i], devs[1][i]]), slab[i])
 
 
+def test_staging_rows_that_cannot_be_made_leave_the_chunk_to_copies_block_by_block(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A device out of memory for the staging rows: the step still lands, a call per block per plane, logged once;
+    the staging rows are made once memory is back."""
+    gpu, out = FakeGPU(), CompletionQueue()
+    devs, slab, planes = layout([8, 8], seed=10)
+    m = CudaMover(planes, out, 1, runtime=gpu)
+    real = CudaMover._group_stage
+
+    def no_memory(self: CudaMover, *a: Any) -> Any:
+        raise RuntimeError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(CudaMover, "_group_stage", no_memory)
+    for step in range(2):
+        t = tr(STORE, [3 + step, 1], [2 * step, 2 * step + 1])
+        m.submit(t)
+        m.flush()
+        assert op_kinds(gpu) == ["copy"] * 4
+        assert answers(gpu, m, out)[t.token].ok
+        for r, s in zip(t.rows, t.slots):
+            assert torch.equal(slab[s], torch.cat([devs[0][r], devs[1][r]]))
+    assert caplog.text.count("could not be made") == 1
+    monkeypatch.setattr(CudaMover, "_group_stage", real)
+    t = tr(STORE, [6, 7], [6, 7])
+    m.submit(t)
+    m.flush()
+    assert op_kinds(gpu) == ["gather", "gather", "copy"]
+    assert answers(gpu, m, out)[t.token].ok
+
+
 # ----------------------------------------------------------------------------- random layouts and batches
 @st.composite
 def scenarios(draw: Any) -> dict[str, Any]:

@@ -318,6 +318,7 @@ class CudaMover(Mover):
         # per stream and group: its staging rows and each plane's columns of them
         self._gstages: list[list[Optional[tuple[torch.Tensor, list[torch.Tensor]]]]] = [
             [None] * len(groups) for _ in self._streams]
+        self._stage_failed = False   # a group's staging rows could not be made (logged once)
         self._taken = False   # flush(): the direction being handed on was taken by _queue_on_stream
 
     def submit(self, t: Transfer) -> None:
@@ -531,13 +532,23 @@ class CudaMover(Mover):
                 for p in g.planes:
                     bad = self._copy_blocks(ops, p, rows, slots, store, bad)
                 continue
+            try:
+                staged = self._group_stage(stream, g_at, g)
+            except Exception as exc:   # no device memory for the staging rows: this chunk's copies block by block
+                if not self._stage_failed:
+                    self._stage_failed = True
+                    log.warning("staging rows for %d planes side by side in a host row could not be made (%r): "
+                                "their copies go block by block until they can", len(g.planes), exc)
+                for p in g.planes:
+                    bad = self._copy_blocks(ops, p, rows, slots, store, bad)
+                continue
             if idx is None:
                 try:
                     idx = ops.index(array.array("q", rows).tolist())
                 except Exception as exc:   # no block of the chunk reaches a group's copies
                     bad = _failed(bad, 0, len(rows), exc, store)
                     continue
-            bad = self._queue_group(ops, stream, g_at, g, idx, rows, slots, store, bad)
+            bad = self._queue_group(ops, staged, g, idx, rows, slots, store, bad)
         for p in self._solo:
             views = self._views[p]
             if views is None:   # block by block
@@ -593,14 +604,15 @@ class CudaMover(Mover):
                 bad = _failed(bad, a, a + 1, exc, store)
         return bad
 
-    def _queue_group(self, ops: Any, stream: int, g_at: int, g: _Group, idx: torch.Tensor, rows: list[int],
-                     slots: list[int], store: bool, bad: Optional[list[tuple[int, int, str]]]
+    def _queue_group(self, ops: Any, staged: tuple[torch.Tensor, list[torch.Tensor]], g: _Group, idx: torch.Tensor,
+                     rows: list[int], slots: list[int], store: bool, bad: Optional[list[tuple[int, int, str]]]
                      ) -> Optional[list[tuple[int, int, str]]]:
-        """Group ``g``'s copies of blocks ``rows[i] <-> slots[i]`` (``idx``: ``rows`` on the device), a stage-full
-        at a time: stores gather each plane's rows into its columns of the staging rows, then copy them to the
-        host, a call per run of consecutive slots (or per block); loads the other way round.  A gather or scatter
-        that cannot be queued fails the pass's blocks, a host copy its own."""
-        stage, cols = self._group_stage(stream, g_at, g)
+        """Group ``g``'s copies of blocks ``rows[i] <-> slots[i]`` (``idx``: ``rows`` on the device) through
+        ``staged`` (its staging rows and each plane's columns of them), a stage-full at a time: stores gather each
+        plane's rows into its columns, then copy them to the host, a call per run of consecutive slots (or per
+        block); loads the other way round.  A gather or scatter that cannot be queued fails the pass's blocks, a
+        host copy its own."""
+        stage, cols = staged
         c, n, host = int(stage.shape[0]), len(rows), g.host
         for j in range(0, n, c):
             e = min(n, j + c)
