@@ -24,12 +24,13 @@ from hypothesis import given, settings, strategies as st
 from prometheus_client import CollectorRegistry
 
 from fake_cuda import FakeGPU
+from test_cuda_batched import done as answers   # every report, each transfer once
 from tiered_kv.integrations import copier as copier_mod
 from tiered_kv.integrations.copier import SlabCopier
 from tiered_kv.integrations.slab import SharedSlab
 from tiered_kv.jobs import JobKind
 from tiered_kv.metrics import Metrics
-from tiered_kv.movers import CompletionQueue, CudaMover, Report, Transfer
+from tiered_kv.movers import CompletionQueue, CudaMover, Transfer
 
 STORE, LOAD = JobKind.STORE, JobKind.LOAD
 ERR = RuntimeError("CUDA error: injected")
@@ -54,14 +55,6 @@ def layout(widths: list[int], nrows: int = 8, nslots: int = 8, before: int = 0, 
 
 def tr(kind: JobKind, rows: list[int], slots: list[int]) -> Transfer:
     return Transfer(uuid.uuid4(), kind, rows, slots)
-
-
-def answers(gpu: FakeGPU, mover: CudaMover, out: CompletionQueue) -> dict[Any, Report]:
-    gpu.run_all()
-    mover.harvest()
-    reps = out.drain()
-    assert len({r.token for r in reps}) == len(reps), "a transfer answered twice"
-    return {r.token: r for r in reps}
 
 
 def op_kinds(gpu: FakeGPU) -> list[str]:

@@ -130,52 +130,32 @@ def test_the_vllm_workers_copier_copies_whatever_inference_mode_made_or_calls_it
         slab.close()
 
 
+@pytest.mark.parametrize("planes", [1, 2])
 def test_the_cuda_movers_staging_rows_made_inside_inference_mode_serve_copies_outside_it(
-        caplog: pytest.LogCaptureFixture) -> None:
+        caplog: pytest.LogCaptureFixture, planes: int) -> None:
     """On the simulated device: the staging rows are made at the first scattered copy, in the caller's mode,
-    and written by every later one, in whatever mode the caller is in then."""
+    and written by every later one, in whatever mode the caller is in then.  Two planes side by side in one host
+    row (the vLLM copier's layout) have staging rows of their own (a group's)."""
     gpu = FakeGPU()
-    dev, host = _kv(8, 4, False), torch.zeros((8, ROW), dtype=torch.uint8)
+    devs = [_kv(8, 4 + p, False) for p in range(planes)]
+    host = torch.zeros((8, planes * ROW), dtype=torch.uint8)
     out = CompletionQueue()
-    m = CudaMover([(dev, host)], out, 1, runtime=gpu, batch_max=64)
+    m = CudaMover([(d, host[:, p * ROW:(p + 1) * ROW]) for p, d in enumerate(devs)], out, 1, runtime=gpu, batch_max=64)
+    stages = m._stages[0] if planes == 1 else m._gstages[0]
     try:
+        assert len(m._groups) == planes - 1
         for i, inside in enumerate((True, False)):
             rows, slots = ([6, 1, 4], [0, 1, 2]) if i == 0 else ([2, 7, 0], [3, 4, 5])   # gathered through the stage
             with torch.inference_mode(inside):
                 m.submit(Transfer(f"t{i}", JobKind.STORE, rows, slots))
                 m.flush()
-            assert m._stages[0][0] is not None
+            assert stages[0] is not None
             gpu.run_all()
             m.harvest()
             (r,) = out.drain()
             assert r.ok, r.error
-            assert torch.equal(host[slots], dev[rows])
-        _no_failed_copies(None, caplog)
-    finally:
-        m.close()
-
-
-def test_the_cuda_movers_group_staging_rows_made_inside_inference_mode_serve_copies_outside_it(
-        caplog: pytest.LogCaptureFixture) -> None:
-    """The same for the staging rows of planes side by side in one host row (the vLLM copier's layout)."""
-    gpu = FakeGPU()
-    a, b = _kv(8, 4, False), _kv(8, 5, False)
-    host = torch.zeros((8, 2 * ROW), dtype=torch.uint8)
-    out = CompletionQueue()
-    m = CudaMover([(a, host[:, :ROW]), (b, host[:, ROW:])], out, 1, runtime=gpu, batch_max=64)
-    try:
-        assert len(m._groups) == 1
-        for i, inside in enumerate((True, False)):
-            rows, slots = ([6, 1, 4], [0, 1, 2]) if i == 0 else ([2, 7, 0], [3, 4, 5])
-            with torch.inference_mode(inside):
-                m.submit(Transfer(f"t{i}", JobKind.STORE, rows, slots))
-                m.flush()
-            assert m._gstages[0][0] is not None
-            gpu.run_all()
-            m.harvest()
-            (r,) = out.drain()
-            assert r.ok, r.error
-            assert torch.equal(host[slots, :ROW], a[rows]) and torch.equal(host[slots, ROW:], b[rows])
+            for p, d in enumerate(devs):
+                assert torch.equal(host[slots, p * ROW:(p + 1) * ROW], d[rows])
         _no_failed_copies(None, caplog)
     finally:
         m.close()
