@@ -1134,8 +1134,9 @@ def _cuda_worker_layout(quick: Union[bool, str], rng: random.Random, d: _Device,
     dev, rt = d.dev, d.rt
     n, steps = STEP_BLOCKS, WORKER_STEPS[as_mode(quick)]
     kvs = [torch.empty((2 * n, plane_bytes), dtype=torch.uint8, device=dev) for _ in range(planes)]
-    for i, t in enumerate(kvs):
-        t.copy_(((torch.arange(2 * n, device=dev) * 7 + i) % 251).to(torch.uint8).unsqueeze(1).expand(2 * n, plane_bytes))
+    cols = torch.arange(plane_bytes, device=dev)
+    for i, t in enumerate(kvs):   # bytes that differ along a row, from row to row and from tensor to tensor
+        t.copy_(((torch.arange(2 * n, device=dev) * 7 + i * 13).unsqueeze(1) + cols) % 251)
     slab = d.host((n, planes * plane_bytes))
     step_bytes = n * planes * plane_bytes
     out: dict[str, Any] = {"kv_tensors": planes, "plane_bytes": plane_bytes, "blocks_per_step": n, "steps": steps,

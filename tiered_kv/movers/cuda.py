@@ -101,7 +101,29 @@ def _host_groups(planes: Sequence[Plane], views: list[Optional[tuple[torch.Tenso
                 runs[-1].append(f)
                 continue
         runs.append([f])
-    return [_group(run) for run in runs if len(run) >= 2]
+    return [_group(run) for run in runs if len(run) >= 2 and not _overlapped(run, planes)]
+
+
+def _overlapped(run: list[tuple[int, int, torch.Tensor, torch.Tensor]], planes: Sequence[Plane]) -> bool:
+    """Whether a plane outside ``run`` may share host bytes with it: a group is copied as one, so only its own
+    planes' order is kept, and aliased host rows would land another plane's bytes than copying plane by plane.
+    A plane of the same storage is clear only with the same row stride and bytes of the row beside the run's."""
+    first = run[0][2]
+    base, stride = first.untyped_storage().data_ptr(), first.stride(0)
+    lo = (first.data_ptr() - base) % stride
+    hi = lo + sum(int(h.shape[1]) for _, _, h, _ in run)
+    members = {p for _, p, _, _ in run}
+    for q, (_, host) in enumerate(planes):
+        if q in members or host.untyped_storage().data_ptr() != base:
+            continue
+        h = rows_view(host)
+        if h is None or h.stride(0) != stride:
+            return True
+        a = (h.data_ptr() - base) % stride
+        b = a + int(h.shape[1]) * h.stride(1) if h.shape[1] else a
+        if b > stride or hi > stride or (a < hi and lo < b):
+            return True
+    return False
 
 
 def _group(run: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> _Group:
@@ -252,7 +274,7 @@ class CudaMover(Mover):
     about 35 calls instead of 2,048); on a real device only once a probe at
     start saw the device do those index ops on column slices right.  Any other
     plane whose host rows are not one range in memory is copied block by block.
-    A chunk that loads one row twice is copied block by block too, in order.
+    A chunk that loads one row twice is copied block by block, every plane, in order.
     ``batched=False``: every block is its own ``copy_`` (the
     per-block path the benchmarks compare against).  ``stage_bytes``: the
     staging rows' bound (None: ``STAGE_BYTES`` when first used).
@@ -300,10 +322,11 @@ class CudaMover(Mover):
         # per plane: (device rows, host rows, device rows are one range, host rows are one range) as views
         # index ops and range copies take, or None: copied block by block
         self._views = [_range_views(d, h) if batched else None for d, h in self._planes]
-        # the planes copied block by block, as byte rows where torch views them so, else as they are when both
-        # sides hold the same elements (copy_ converts none); any other plane is refused here (ValueError): a
-        # bf16 or fp8 row beside integer host rows would be converted value by value and reported ok
-        self._blocks = [byte_rows(d, h) if v is None else (d, h) for (d, h), v in zip(self._planes, self._views)]
+        # each plane's rows for copies block by block (its own path, or a fallback of the batched one), as byte
+        # rows where torch views them so, else as they are when both sides hold the same elements (copy_ converts
+        # none); any other plane is refused here (ValueError): a bf16 or fp8 row beside integer host rows would be
+        # converted value by value and reported ok
+        self._blocks = [byte_rows(d, h) for d, h in self._planes]
         self._stages: list[list[Optional[torch.Tensor]]] = [[None] * len(self._planes) for _ in self._streams]
         # planes side by side in one host row go through staging rows together (_Group), where the device
         # computes index ops on column slices of them right (probed once here on a real device)
@@ -525,13 +548,13 @@ class CudaMover(Mover):
         runs: Optional[list[tuple[int, int]]] = None    # runs of consecutive slots
         ranges: Optional[list[tuple[int, int]]] = None  # runs of consecutive slots and rows
         idx: Optional[torch.Tensor] = None
+        if not store and len(set(rows)) < len(rows):
+            # a chunk that loads a row twice: one index_copy_ would land either block; copied block by block, plane
+            # by plane, the later one lands last, as submitted
+            for p in range(len(self._planes)):
+                bad = self._copy_blocks(ops, p, rows, slots, store, bad)
+            return bad
         for g_at, g in enumerate(self._groups):
-            if not store and len(set(rows)) < len(rows):
-                # a chunk that loads a row twice: one index_copy_ would land either block; copied block by block,
-                # the later one lands last, as submitted
-                for p in g.planes:
-                    bad = self._copy_blocks(ops, p, rows, slots, store, bad)
-                continue
             try:
                 staged = self._group_stage(stream, g_at, g)
             except Exception as exc:   # no device memory for the staging rows: this chunk's copies block by block
@@ -545,8 +568,9 @@ class CudaMover(Mover):
             if idx is None:
                 try:
                     idx = ops.index(array.array("q", rows).tolist())
-                except Exception as exc:   # no block of the chunk reaches a group's copies
-                    bad = _failed(bad, 0, len(rows), exc, store)
+                except Exception:   # noqa: BLE001 - a row that is not an int, or the upload failed: block by block,
+                    for p in g.planes:   # where each transfer meets its own outcome
+                        bad = self._copy_blocks(ops, p, rows, slots, store, bad)
                     continue
             bad = self._queue_group(ops, staged, g, idx, rows, slots, store, bad)
         for p in self._solo:

@@ -90,20 +90,23 @@ class TorchCuda:  # pragma: no cover - needs CUDA (tests/test_cuda.py)
 
     def strided_index_ops(self, device: torch.device) -> bool:
         """Whether ``index_select`` into, and ``index_copy_`` from, a column slice of a device tensor give the right
-        bytes here and touch no other column: what :class:`~.cuda.CudaMover` does with the staging rows of planes
-        side by side in one host row.  Probed once per mover, at its start, on a few rows (it waits for them)."""
+        bytes here and touch no other column, for 8-byte and 1-byte elements: what :class:`~.cuda.CudaMover` does
+        with the staging rows of planes side by side in one host row.  Probed once per mover, at its start, on a few
+        rows (it waits for them)."""
         try:
-            src = torch.arange(1, 25, dtype=torch.int64, device=device).view(6, 4)
-            idx = torch.tensor([4, 0, 2], dtype=torch.int64, device=device)
-            stage = torch.zeros((3, 10), dtype=torch.int64, device=device)
-            torch.index_select(src, 0, idx, out=stage[:, 3:7])
-            back = torch.zeros_like(src)
-            back.index_copy_(0, idx, stage[:, 3:7])
-            want = src.cpu()[[4, 0, 2]]
-            got, again, rest = stage.cpu(), back.cpu(), stage.cpu()
-            return (torch.equal(got[:, 3:7], want) and torch.equal(again[[4, 0, 2]], want)
-                    and int(again[[1, 3, 5]].abs().sum()) == 0 and int(rest[:, :3].abs().sum()) == 0
-                    and int(rest[:, 7:].abs().sum()) == 0)
+            for dtype in (torch.int64, torch.uint8):
+                src = (torch.arange(1, 25, device=device) % 127).to(dtype).view(6, 4)
+                idx = torch.tensor([4, 0, 2], dtype=torch.int64, device=device)
+                stage = torch.zeros((3, 10), dtype=dtype, device=device)
+                torch.index_select(src, 0, idx, out=stage[:, 3:7])
+                back = torch.zeros_like(src)
+                back.index_copy_(0, idx, stage[:, 3:7])
+                want, got, again = src.cpu()[[4, 0, 2]], stage.cpu(), back.cpu()
+                if not (torch.equal(got[:, 3:7], want) and torch.equal(again[[4, 0, 2]], want)
+                        and int(again[[1, 3, 5]].abs().sum()) == 0 and int(got[:, :3].abs().sum()) == 0
+                        and int(got[:, 7:].abs().sum()) == 0):
+                    return False
+            return True
         except Exception:   # noqa: BLE001 - any failure: the mover copies those planes block by block
             return False
 
