@@ -240,6 +240,27 @@ def test_a_host_copy_that_cannot_be_queued_fails_only_the_transfers_with_a_block
         assert torch.equal(slab[t.slots[0]], torch.cat([devs[0][t.rows[0]], devs[1][t.rows[0]]]))
 
 
+def test_a_load_whose_host_copy_cannot_be_queued_leaves_its_rows_as_they_were_and_lands_the_others() -> None:
+    """Round 29's suspicion: a load pass scattered every staging row, also those a failed host copy never filled,
+    writing stale bytes into the failed transfer's device rows.  Now such a pass copies only the other blocks'
+    rows (block by block, a fault path), and the failed transfer's rows keep their bytes."""
+    gpu, out = FakeGPU(), CompletionQueue()
+    devs, slab, planes = layout([8, 16], seed=12)
+    m = CudaMover(planes, out, 1, runtime=gpu)
+    keep = [d.clone() for d in devs]
+    a, b, c = tr(LOAD, [1], [1]), tr(LOAD, [2], [3]), tr(LOAD, [3], [5])   # three runs of one slot
+    for t in (a, b, c):
+        m.submit(t)
+    gpu.copy_error, gpu.copy_error_skip = ERR, 1       # a's host copy goes through, b's fails
+    m.flush()
+    got = answers(gpu, m, out)
+    assert got[a.token].ok and not got[b.token].ok and got[c.token].ok
+    for t in (a, c):
+        assert torch.equal(torch.cat([devs[0][t.rows[0]], devs[1][t.rows[0]]]), slab[t.slots[0]])
+    for d, k in zip(devs, keep):
+        assert torch.equal(d[2], k[2]), "the failed load's row was written"
+
+
 @pytest.mark.parametrize("kind", ["gather", "scatter", "index"])
 def test_a_gather_scatter_or_index_that_cannot_be_queued_fails_the_transfers_of_its_pass_only(kind: str) -> None:
     """A gather or scatter fails its pass's transfers; an index upload that fails leaves the chunk to copies block by

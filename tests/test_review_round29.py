@@ -51,9 +51,9 @@ Checked, found sound (plain tests below where cheap):
 - the SlabCopier with world_size 2 (existing test_cuda_groups/test_review_movers3 cover it end to end).
 
 Suspected, not shown:
-- a load pass whose host->staging copy fails still scatters the staging rows of that run into the failed
-  transfers' device rows (stale bytes from an earlier pass or chunk); the failed transfers are answered failed,
-  so the owner does not trust those rows, but the per-block path would have left them unwritten;
+- (taken up, tests/test_cuda_groups.py) a load pass whose host->staging copy fails still scattered the staging
+  rows of that run into the failed transfers' device rows (stale bytes from an earlier pass or chunk); such a pass
+  now copies only the other blocks' rows;
 - (taken up: ``TorchCuda.strided_index_ops`` now probes uint8 column slices too, which groups whose widths do not
   widen use; whether any device needs it takes a GPU to show);
 - the probe's ``.cpu()`` reads wait for the device's current stream at construction (documented; at start only).

@@ -654,6 +654,7 @@ class CudaMover(Mover):
             except Exception as exc:  # the pass's rows are not all in the staging rows: its blocks fail
                 bad = _failed(bad, j, e, exc, store)
                 continue
+            lost: list[tuple[int, int]] = []   # spans whose host copy did not reach the stream
             for a, b in spans:
                 try:
                     if store:
@@ -662,10 +663,17 @@ class CudaMover(Mover):
                         ops.copy(part[a - j:b - j], host[slots[a]:slots[a] + b - a])
                 except Exception as exc:  # these blocks' call did not reach the stream: their transfers fail
                     bad = _failed(bad, a, b, exc, store)
+                    lost.append((a, b))
             if not store:
                 try:
-                    for dev, v in zip(g.devs, views):
-                        ops.scatter(dev, at, v)
+                    if not lost:
+                        for dev, v in zip(g.devs, views):
+                            ops.scatter(dev, at, v)
+                    else:   # a fault path: the rows of the lost spans keep their bytes, the others get theirs
+                        for i in range(j, e):
+                            if not any(a <= i < b for a, b in lost):
+                                for dev, v in zip(g.devs, views):
+                                    ops.copy(dev[rows[i]], v[i - j])
                 except Exception as exc:  # some planes' rows not written: the pass's blocks fail
                     bad = _failed(bad, j, e, exc, store)
         return bad
