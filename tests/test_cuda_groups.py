@@ -88,10 +88,13 @@ def test_planes_with_a_gap_or_in_other_slabs_or_alone_are_not_grouped() -> None:
     assert CudaMover(apart, CompletionQueue(), 1, runtime=gpu)._groups == []
     alone = [planes[1]]
     assert CudaMover(alone, CompletionQueue(), 1, runtime=gpu)._groups == []
-    whole = [(devs[0], torch.zeros((8, 8), dtype=torch.uint8)), planes[0], planes[1]]   # its own rows are one range
+    other = torch.zeros((8, 8), dtype=torch.uint8)
+    whole = [(devs[2], other), planes[0], planes[1]]   # its own host rows are one range: solo
     m = CudaMover(whole, CompletionQueue(), 1, runtime=gpu)
     (g,) = m._groups
     assert g.planes == [1, 2] and m._solo == [0]
+    aliased = [(devs[0], other), planes[0], planes[1]]   # a solo plane whose device rows are a member's
+    assert CudaMover(aliased, CompletionQueue(), 1, runtime=gpu)._groups == []
     assert CudaMover(planes, CompletionQueue(), 1, runtime=gpu, batched=False)._groups == []
 
 

@@ -105,16 +105,24 @@ def _host_groups(planes: Sequence[Plane], views: list[Optional[tuple[torch.Tenso
 
 
 def _overlapped(run: list[tuple[int, int, torch.Tensor, torch.Tensor]], planes: Sequence[Plane]) -> bool:
-    """Whether a plane outside ``run`` may share host bytes with it: a group is copied as one, so only its own
-    planes' order is kept, and aliased host rows would land another plane's bytes than copying plane by plane.
-    A plane of the same storage is clear only with the same row stride and bytes of the row beside the run's."""
+    """Whether a plane outside ``run`` may share bytes with it: a group is copied as one, so only its own planes'
+    order is kept, and aliased rows would land another plane's bytes than copying plane by plane.  On the host a
+    plane of the same storage is clear only with the same row stride and bytes of the row beside the run's; on
+    the device, only a plane of another storage."""
     first = run[0][2]
     base, stride = first.untyped_storage().data_ptr(), first.stride(0)
+    if stride <= 0:
+        return True
     lo = (first.data_ptr() - base) % stride
     hi = lo + sum(int(h.shape[1]) for _, _, h, _ in run)
     members = {p for _, p, _, _ in run}
-    for q, (_, host) in enumerate(planes):
-        if q in members or host.untyped_storage().data_ptr() != base:
+    devices = {d.untyped_storage().data_ptr() for _, _, _, d in run}
+    for q, (dev, host) in enumerate(planes):
+        if q in members:
+            continue
+        if dev.untyped_storage().data_ptr() in devices:
+            return True
+        if host.untyped_storage().data_ptr() != base:
             continue
         h = rows_view(host)
         if h is None or h.stride(0) != stride:
