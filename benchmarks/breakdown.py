@@ -41,9 +41,11 @@ for.  ``--torch-threads 1``: the same with the copies on one core.
 ``launch``: the engine thread's CPU time in the native CPU mover's launch (``rowcopy.compiled().launch``:
 the argument lists converted to TorchScript values, the inter-op thread woken), the call ``poll()`` makes
 once per step of ``tiered-kv bench``'s copy step: a 64-row launch (64 stores and 64 loads, rows and slots
-in order) after a 1-row copy, a 1-row launch after that 64-row copy, and a 1-row launch after a 1-row
-copy, each followed by its ``wait()`` and 2 ms of sleep, medians over ``--steps`` rounds; beside them a
-fixed Python loop (500 dict lookups) alone and while a 64-row copy is in flight.
+in order) after a 1-row copy, a 1-row launch after that 64-row copy, a 1-row launch after a 1-row
+copy, and a 1-row launch after this thread filled 8 MiB of memory (no copy: whether any sweep of the
+caches, not the copy, makes the launch slow), each followed by its ``wait()`` and 2 ms of sleep, medians
+over ``--steps`` rounds; beside them a fixed Python loop (500 dict lookups) alone and while a 64-row copy
+is in flight.
 
 Diagnostics, not figures of record: wrapping methods adds a little to each part, and the figures
 move with the machine's load.  Nothing here is imported by the library or the tests.
@@ -365,7 +367,10 @@ def launch(rounds: int, row: int) -> None:
 
     tt = time.thread_time_ns
     got: dict[str, list[int]] = {"64-row launch after a 1-row copy": [], "1-row launch after a 64-row copy": [],
-                                 "1-row launch after a 1-row copy": [], "walk alone": [], "walk beside a copy": []}
+                                 "1-row launch after a 1-row copy": [],
+                                 "1-row launch after an 8 MiB fill": [], "walk alone": [],
+                                 "walk beside a copy": []}
+    junk = torch.zeros(8 << 20, dtype=torch.uint8)   # no copy at all: this thread sweeps 8 MiB of memory
     # each round: the walks (the second beside a 64-row copy), then launches whose copy before them is known
     order = (("1-row launch after a 64-row copy", small), ("", small), ("1-row launch after a 1-row copy", small),
              ("64-row launch after a 1-row copy", big))
@@ -388,6 +393,13 @@ def launch(rounds: int, row: int) -> None:
             time.sleep(0.002)
             if label:
                 got[label].append(spent)
+        junk.fill_(len(got["walk alone"]) & 255)
+        time.sleep(0.002)
+        t = tt()
+        fut = cu.launch(held, *small)
+        got["1-row launch after an 8 MiB fill"].append(tt() - t)
+        fut.wait()
+        time.sleep(0.002)
     med = statistics.median
     print(f"native mover launch, {row // 1024} KiB rows, engine-thread CPU, median of {rounds} rounds")
     for label, xs in got.items():

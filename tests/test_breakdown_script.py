@@ -49,7 +49,8 @@ def test_promote_prints_every_part_for_both_disk_io_modes() -> None:
     (("first-store", "--steps", "2", "--block-kib", "64", "--rows", "32", "--torch-threads", "1"),
      ("native mover", "copy on the engine thread", "no copy", "Python copy threads", "(ThreadMover)")),
     (("launch", "--steps", "3", "--block-kib", "16"),
-     ("native mover launch, 16 KiB rows", "1-row launch after a 64-row copy", "walk beside a copy")),
+     ("native mover launch, 16 KiB rows", "1-row launch after a 64-row copy", "1-row launch after an 8 MiB fill",
+      "walk beside a copy")),
 ])
 def test_the_other_diagnostics_run(args: tuple[str, ...], lines: tuple[str, ...]) -> None:
     out = _run(*args)
