@@ -307,34 +307,3 @@ def test_second_hit_admits_a_block_vllm_asked_for_before(model_dir: str, tmp_pat
         assert out is not None and out.keys_to_store == [hot], out.keys_to_store
     finally:
         p.close()
-
-
-def _mapped(path: Path) -> bool:
-    """Whether this process still maps ``path`` (an unlinked file shows as ``<path> (deleted)``)."""
-    with open("/proc/self/maps") as f:
-        return any(str(path) in line for line in f)
-
-
-@pytest.mark.parametrize("disk", [False, True])
-def test_shutdown_unmaps_the_shared_slab_in_this_process(model_dir: str, tmp_path: Path, disk: bool) -> None:
-    """An engine whose scheduler and worker live in the caller's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, a
-    notebook making one ``LLM`` after another) kept each slab mapped until the process exited: shutdown unlinked
-    it but never unmapped it (the copier's mover held views of its rows), so every engine's slab stayed in memory.
-    After both sides' shutdown the mapping is gone."""
-    extra = (tkv_extra(tmp_path, disk_path=str(tmp_path / "disk"), disk_bytes=64 * ROW_BYTES) if disk
-             else tkv_extra(tmp_path))
-    spec = make_spec(_fresh_cfg(model_dir, extra))
-    mgr = spec.get_manager()
-    worker = spec.get_worker(canonical(new_kv(seed=40)))
-    path = mgr.slab.path
-    ctx = ReqContext(req_id="r")
-    ks = keys(2, "unmap")
-    out = mgr.prepare_store(ks, ctx)
-    assert worker.submit_store(1, gpu_spec([1, 2]), out.store_spec)
-    worker.wait({1})
-    assert [r.job_id for r in worker.get_finished()] == [1]
-    mgr.complete_store(ks, ctx)
-    assert _mapped(path)
-    worker.shutdown()
-    mgr.shutdown()
-    assert not _mapped(path), f"{path} still mapped after shutdown"

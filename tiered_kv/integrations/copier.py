@@ -319,8 +319,7 @@ class SlabCopier:
         return len(self._jobs)
 
     def close(self) -> None:
-        """Finish queued copies, stop the copy worker and unpin the slab.  Idempotent.  The mover and its views of
-        the slab rows are dropped, so that the slab's :meth:`~.slab.SharedSlab.close` can unmap it."""
+        """Finish queued copies, stop the copy worker and unpin the slab.  Idempotent."""
         if self._close_done:
             return
         self._closed = True   # from the start: no submit while the copies are finished
@@ -329,5 +328,4 @@ class SlabCopier:
         self.slab.unpin()  # after the copies: none reads or writes the rows any more
         # only now: a close interrupted before this is finished by a retry, not skipped with copies queued
         self._close_done = True
-        self._mover = None   # (nothing is in flight: every later call finds the copier closed)
         self.metrics.flush()

@@ -437,7 +437,6 @@ class TieredKVOffloadingManager(OffloadingManager):
     def shutdown(self) -> None:
         self.tiers.close()
         self.slab.unlink()
-        self.slab.close()   # this process's mapping: an engine in the caller's process gives its memory back
 
     def _record(self, keys: list[bytes], removed: bool) -> None:
         if keys:
@@ -488,4 +487,3 @@ class TieredKVOffloadingWorker(OffloadingWorker):
     def shutdown(self) -> None:
         self.copier.close()
         self.slab.unlink()
-        self.slab.close()   # this process's mapping (the copier dropped its views of it)
