@@ -115,6 +115,8 @@ def _overlapped(run: list[tuple[int, int, torch.Tensor, torch.Tensor]], planes: 
         return True
     lo = (first.data_ptr() - base) % stride
     hi = lo + sum(int(h.shape[1]) for _, _, h, _ in run)
+    if int(first.shape[0]) > 1 and (hi - lo > stride or any(d.stride(0) < d.shape[1] for _, _, _, d in run)):
+        return True   # the run's own rows overlap from slot to slot (or a member's device rows from row to row)
     members = {p for _, p, _, _ in run}
     devices = {d.untyped_storage().data_ptr() for _, _, _, d in run}
     for q, (dev, host) in enumerate(planes):
