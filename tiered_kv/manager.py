@@ -606,10 +606,28 @@ class TierManager:
         self._mover.flush()
 
     def _deliver_cancelled(self) -> None:
-        if self._deliver:
-            pending, self._deliver = self._deliver, []
-            for job in pending:
-                self._finish_cancelled(job)
+        """Report the cancelled jobs :meth:`_cancel` queued: stores, and loads that waited for their promotes (no
+        copy queued: given up here).  A job leaves ``_deliver`` only once reported, and each step before is safe to
+        run again, so an interrupt anywhere loses none and reports none twice; a cancel an interrupt broke off is
+        finished here."""
+        deliver, core = self._deliver, self._core
+        while deliver:
+            job = deliver[0]
+            if not job.state.terminal:
+                reason = job.cancel_reason or _R_CANCELLED
+                if job.kind is _STORE:
+                    core.cancel(job, reason)   # (a no-op unless an interrupt stopped _cancel before it)
+                    self._drop_row_stores(job)
+                    self._finish_cancelled(job)
+                elif job._waiters or self._jobs.get(job.token.int) is not job:   # waiting, or given up already
+                    core.cancel(job, reason)
+                    core.abandon(job)
+                    self._unfence_load(job)
+                    self._finish_cancelled(job)
+                else:   # its promotes landed meanwhile and its copy is queued: fenced until that copy's report
+                    core.cancel(job, reason)
+            if deliver and deliver[0] is job:
+                del deliver[0]
 
     def _block_until(self, done: Callable[[], bool], timeout: Optional[float]) -> None:
         """Block until ``done()`` (or the timeout), applying reports as they come.
@@ -717,27 +735,31 @@ class TierManager:
         self._outbox.append(Completion(job, False, f"failed: {job.error}"))
 
     def _finish_cancelled(self, job: Job) -> None:
-        job._move(_CANCELLED)
-        job.error = _CANCELLED_ERROR[job.cancel_reason or _R_CANCELLED]
+        err = _CANCELLED_ERROR[job.cancel_reason or _R_CANCELLED]
+        c = _tuple_new(Completion, (job, False, err))
+        job.state = _CANCELLED   # then no call until the completion is out
+        job.error = err
+        self._outbox.append(c)
         self.metrics.count(self.metrics.job_outcome[(job.kind, "cancelled")])
-        self._outbox.append(_tuple_new(Completion, (job, False, job.error)))
 
     # ------------------------------------------------------------ internals: cancellation
     def _cancel(self, job: Job, reason: StaleReason) -> None:
         """The core's cancel hook and this front end's: the core's part, then the rows'."""
         if job.state is not _PENDING:
             return
-        self._core.cancel(job, reason)
         kind = job.kind
+        waiting = kind is _LOAD and bool(job._waiters)
+        if kind is _STORE or waiting:
+            job.cancel_reason = reason
+            self._deliver.append(job)
+        self._core.cancel(job, reason)
         if kind is _STORE:
             # its result will be discarded: the key is forgotten now, the slot leased until the report
             self._drop_row_stores(job)
-            self._deliver.append(job)
-        elif kind is _LOAD and job._waiters:
+        elif waiting:
             # still waiting for its promotes: no copy was queued, so nothing can reach its rows
             self._core.abandon(job)
             self._unfence_load(job)
-            self._deliver.append(job)
         # else a load stays fenced in _row_load until its worker has reported
 
     def _issued(self, job: Job) -> bool:
@@ -758,11 +780,12 @@ class TierManager:
         _drop_job(key_loads, keys, job)
 
     def _give_up_row(self, block: int) -> None:
-        for job in _jobs_of(self._row_stores.pop(block, None)):
+        for job in _jobs_of(self._row_stores.get(block)):
             if len(job.blocks) == 1:
                 self._cancel(job, _R_SOURCE_REUSED)
             elif job.state is _PENDING:
                 self._core.cancel_part(job, job.blocks.index(block), _R_SOURCE_REUSED)
+        self._row_stores.pop(block, None)
 
     def _drop_row_stores(self, job: Job) -> None:
         _drop_job(self._row_stores, job.blocks, job)

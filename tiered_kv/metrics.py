@@ -307,7 +307,6 @@ class Metrics:
         old = self._levels
         if values == old:
             return
-        self._levels = values
         gauges = [self.used["host"], self.blocks["host"], *[self.in_flight[k] for k in _KINDS]]
         if disk is not None:
             gauges += [self.used["disk"], self.blocks["disk"], self.writer_queue, self.tombstones, self.disk_map_bytes,
@@ -317,6 +316,7 @@ class Metrics:
         for i, (g, v) in enumerate(zip(gauges, values)):
             if i >= len(old) or old[i] != v:
                 g.set(v)
+        self._levels = values
 
     def enable_disk_health(self, healthy: bool) -> None:
         """Export the disk tier's health (only managers configured with one)."""

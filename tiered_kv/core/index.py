@@ -499,14 +499,18 @@ class TierIndex:
 
     def remove(self, entry: Entry) -> None:
         """Take the entry out of the index; its slot is freed once no lease holds it."""
+        if self._entries.get(entry.key) is entry:
+            del self._entries[entry.key]
         if entry.live:
             entry.live = False
-            if self._entries.get(entry.key) is entry:
-                del self._entries[entry.key]
-            if entry.state is _READY:
-                self.policy.remove(entry)   # evictable or leased: the policy forgets it
-            else:
-                self.policy.abandon(entry.key)   # never inserted: what the reservation told it goes
+            try:
+                if entry.state is _READY:
+                    self.policy.remove(entry)   # evictable or leased: the policy forgets it
+                else:
+                    self.policy.abandon(entry.key)   # never inserted: what the reservation told it goes
+            finally:
+                self._maybe_free(entry)
+            return
         self._maybe_free(entry)
 
     # -- internals -------------------------------------------------------

@@ -350,6 +350,8 @@ class TierCore:
                 for i in range(len(job._entries)):
                     self.stale(_STORE, dead.get(i) or why, job.token)
             for e in job._entries:
+                if e.live:
+                    index.abort(e)   # a cancel interrupted before it aborted this part
                 index.writer_done(e)
 
     def settle_cancelled(self, job: Job) -> None:
@@ -370,13 +372,14 @@ class TierCore:
         dead = job._dead
         if dead is None:
             dead = job._dead = {}
+        e = job._entries[i]
+        if e.live:
+            self.index.abort(e)
         if i in dead:
             return
         dead[i] = reason
         if len(dead) == len(job._entries):
             self.cancel_hook(job, reason)
-            return
-        self.index.abort(job._entries[i])
 
     # ------------------------------------------------------------------ loads
     def begin_load(self, keys: Sequence[bytes], protect: Collection[bytes] = (),
@@ -450,9 +453,10 @@ class TierCore:
         return job
 
     def release_load(self, job: Job) -> None:
-        """A load's report was applied (or it was given up before a copy was queued): free its leases."""
-        self.index.release_all(job._entries)
-        job._entries = []
+        """A load's report was applied (or it was given up before a copy was queued): free its leases.  Taken off
+        the job first: run again after an interrupt it releases none twice (one it broke off stays leased)."""
+        entries, job._entries = job._entries, []
+        self.index.release_all(entries)
         waits = job._waiters
         if waits:
             job._waiters = None
@@ -463,8 +467,10 @@ class TierCore:
     def abandon(self, job: Job) -> None:
         """A load given up before any copy was queued (it waited for promotes): no report will come,
         so its record goes now and its leases are freed."""
-        if self.jobs.pop(job.token.int, None) is not None:
+        tok = job.token.int
+        if self.jobs.get(tok) is job:
             self.n_in_flight[job.kind] -= 1
+            del self.jobs[tok]
         self.release_load(job)
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> int:
