@@ -72,10 +72,11 @@ import torch
 
 from fake_cuda import FakeGPU, FakeStream
 from test_review_movers3 import LoggedQueue, settle
+from test_cuda_batched import done as answers   # every report, each transfer once
 from test_cuda_batched_edges import addrs
 from tiered_kv.bench import core
 from tiered_kv.jobs import JobKind
-from tiered_kv.movers import CompletionQueue, CudaMover, Report, Transfer
+from tiered_kv.movers import CompletionQueue, CudaMover, Transfer
 from tiered_kv.movers import cuda as cuda_mod
 
 pytestmark = pytest.mark.timeout(120)
@@ -87,12 +88,6 @@ def tr(kind: JobKind, rows: list[Any], slots: list[Any]) -> Transfer:
     return Transfer(uuid.uuid4(), kind, list(rows), list(slots))
 
 
-def answers(gpu: FakeGPU, mover: CudaMover, out: CompletionQueue) -> dict[Any, Report]:
-    gpu.run_all()
-    mover.harvest()
-    reps = out.drain()
-    assert len({r.token for r in reps}) == len(reps), "a transfer answered twice"
-    return {r.token: r for r in reps}
 
 
 # ============================================================================= 1

@@ -153,6 +153,15 @@ RELOAD_ROW = 15
 
 
 # --------------------------------------------------------------------------------------------- the hooks
+def _returned(frame: Any, event: str, arg: Any) -> Optional[tuple[Any, str]]:
+    """For a profile event that is a call returning: (the caller's frame, the callee's name); else None."""
+    if event == "c_return":
+        return frame, getattr(arg, "__name__", "?")
+    if event == "return" and frame.f_back is not None:
+        return frame.f_back, frame.f_code.co_name
+    return None
+
+
 def _interrupt_at(k: int) -> tuple[Callable[..., None], list[tuple[int, str, int, str]]]:
     """Raise ``KeyboardInterrupt`` at the ``k``-th return of a call made from library code; ``fired`` gets
     (k, caller file, caller line, callee) once it did."""
@@ -160,15 +169,11 @@ def _interrupt_at(k: int) -> tuple[Callable[..., None], list[tuple[int, str, int
     fired: list[tuple[int, str, int, str]] = []
 
     def hook(frame: Any, event: str, arg: Any) -> None:
-        if fired:
+        got = None if fired else _returned(frame, event, arg)
+        if got is None:
             return
-        if event == "c_return":
-            caller, callee = frame, getattr(arg, "__name__", "?")
-        elif event == "return":
-            caller, callee = frame.f_back, frame.f_code.co_name
-        else:
-            return
-        if caller is None or not caller.f_code.co_filename.startswith(LIB):
+        caller, callee = got
+        if not caller.f_code.co_filename.startswith(LIB):
             return
         seen[0] += 1
         if seen[0] == k:
@@ -187,15 +192,11 @@ def _interrupt_on(file: str, caller_fn: str, callee: str, nth: int = 1
     path = LIB + file
 
     def hook(frame: Any, event: str, arg: Any) -> None:
-        if fired:
+        got = None if fired else _returned(frame, event, arg)
+        if got is None:
             return
-        if event == "c_return":
-            caller, name = frame, getattr(arg, "__name__", "?")
-        elif event == "return":
-            caller, name = frame.f_back, frame.f_code.co_name
-        else:
-            return
-        if caller is None or caller.f_code.co_name != caller_fn or name != callee:
+        caller, name = got
+        if caller.f_code.co_name != caller_fn or name != callee:
             return
         if caller.f_code.co_filename != path:
             return
@@ -441,6 +442,22 @@ def test_sweep_known_bad(name: str) -> None:
     assert not fails, fails[0]
 
 
+def _interrupt_once(point: tuple[str, str, str, str, str], retry: bool) -> None:
+    """``point`` = (id, action, module, caller, callee): the action interrupted at that call return on a prepared
+    manager, retried once where ``retry`` (a caller that retries its call), then the checks."""
+    _, name, file, caller, callee = point
+    w = World()
+    try:
+        prepare(w)
+        hook, fired = _interrupt_on(file, caller, callee)
+        _run_with(hook, lambda: ACTIONS[name](w))
+        if retry:
+            _run_with(lambda *a: None, lambda: ACTIONS[name](w))
+        check(w, f"{name} interrupted at the return of {callee} in {caller} ({fired[:1]})")
+    finally:
+        w.mgr.close()
+
+
 # --------------------------------------------------------------------------------------------- (1) submit
 SUBMIT_POINTS = [
     # (id, action, module, caller, callee)   -- the sweep's k and line on 2d44b5d in the id's comment
@@ -485,15 +502,7 @@ def test_an_interrupted_submit_leaks_nothing(point: tuple[str, str, str, str, st
     register the job record *before* reserving or acquiring (or undo the reservation in a handler:
     ``index.abort(e); index.writer_done(e)`` / ``release_all``); and in ``TierIndex.reserve`` take the slot
     only once the entry holds it: ``entry = Entry(key, free[-1], writer); entries[key] = entry; free.pop()``."""
-    _, name, file, caller, callee = point
-    w = World()
-    try:
-        prepare(w)
-        hook, fired = _interrupt_on(file, caller, callee)
-        _run_with(hook, lambda: ACTIONS[name](w))
-        check(w, f"{name} interrupted at the return of {callee} in {caller} ({fired[:1]})")
-    finally:
-        w.mgr.close()
+    _interrupt_once(point, retry=False)
 
 
 # --------------------------------------------------------------------------------------------- (2) apply
@@ -663,16 +672,7 @@ def test_an_interrupted_cancel_of_a_store_still_reports_it(point: tuple[str, str
     (``if self.jobs.get(tok) is job: self.n_in_flight[kind] -= 1; del self.jobs[tok]``) -- its
     ``jobs.pop(...)`` then ``-= 1`` loses the decrement when interrupted at the ``pop`` (seen once the rest is
     fixed: ``wait()`` never quiesces)."""
-    _, name, file, caller, callee = point
-    w = World()
-    try:
-        prepare(w)
-        hook, fired = _interrupt_on(file, caller, callee)
-        _run_with(hook, lambda: ACTIONS[name](w))
-        _run_with(lambda *a: None, lambda: ACTIONS[name](w))   # the caller retries its call
-        check(w, f"{name} interrupted at the return of {callee} in {caller} ({fired[:1]})")
-    finally:
-        w.mgr.close()
+    _interrupt_once(point, retry=True)
 
 
 # --------------------------------------------------------------------------------------------- with a disk tier

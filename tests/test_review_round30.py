@@ -54,15 +54,15 @@ from __future__ import annotations
 
 import itertools
 import random
-import uuid
 from typing import Any
 
 import pytest
 import torch
 
 from fake_cuda import FakeGPU
+from test_review_round29 import tr   # a transfer of these rows and slots, a fresh token
 from tiered_kv.jobs import JobKind
-from tiered_kv.movers import CompletionQueue, CudaMover, Transfer
+from tiered_kv.movers import CompletionQueue, CudaMover
 from tiered_kv.movers.torch_cuda import TorchCuda
 
 pytestmark = pytest.mark.timeout(120)
@@ -70,8 +70,6 @@ pytestmark = pytest.mark.timeout(120)
 STORE, LOAD = JobKind.STORE, JobKind.LOAD
 
 
-def tr(kind: JobKind, rows: list[int], slots: list[int]) -> Transfer:
-    return Transfer(uuid.uuid4(), kind, list(rows), list(slots))
 
 
 def settle(gpu: FakeGPU, m: CudaMover, out: CompletionQueue) -> dict[Any, bool]:
