@@ -774,6 +774,8 @@ class TierCore:
         waiters, job._waiters = job._waiters or [], None
         if job.state is not _PENDING:  # invalidated meanwhile: its loads were cancelled with it
             self.stale(_PROMOTE, job.cancel_reason or _R_SUPERSEDED, job.token)
+            if entry.live:
+                self.index.abort(entry)   # a cancel an interrupt broke off before its abort
             self.index.writer_done(entry)
             job._move(_CANCELLED)
             self.metrics.count(self.metrics.job_outcome[(_PROMOTE, "cancelled")])
