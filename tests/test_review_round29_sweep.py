@@ -14,8 +14,9 @@ and every key ``lookup`` calls ready loads back the bytes its store copied.  The
 each failure at one named call return (caller function, callee), so they do not depend on k.
 
 What it proved wrong (k is the sweep's, seed 29).  Fixed: (3), (4), (5), (7) and the cancelled jobs' half of (2) -- their tests
-are ordinary tests now and fail on bc26484, the tree before the fixes.  Still open, each an ``xfail(strict=True,
-raises=AssertionError)`` test: (1), the reports' half of (2), and (6) -- see "Left open" below:
+are ordinary tests now and fail on bc26484, the tree before the fixes --, then (1) and (6), whose tests fail on 13f3c2f.
+Still open, each an ``xfail(strict=True, raises=AssertionError)`` test: the reports' half of (2) -- see "Left open"
+below:
 
 1. ``test_an_interrupted_submit_leaks_nothing`` -- ``store``/``store_many``/``load``/``load_many`` register the job
    in the core (``TierCore.jobs``, ``n_in_flight``, a reserved WRITING entry or a reader lease) several calls
@@ -78,9 +79,18 @@ reported (5, 2b); ``_give_up_row`` pops the row's stores only after cancelling t
 part's entry before recording it dead (7); ``release_load`` takes the entries off the job before releasing them (a
 retry releases none twice).
 
-Left open: (1), (2) and (6) need each submit and each report's application to be all-or-nothing under an
-interrupt (an undo handler from the reservation to the mover, and a report taken off the queue only once its
-completion is out); a ``KeyboardInterrupt`` there still loses that job.
+How (1) and (6) were fixed: a submit is all-or-nothing.  ``TierIndex.reserve`` (and the batched reservations) put
+the entry in the map before its slot leaves the free list, with no call between; ``begin_store*`` undo, in a
+handler, the entries reserved under their token until the job is registered (``TierCore._unreserve``);
+``begin_load`` registers the job before it takes its leases, each lease written to ``job._entries`` with no call
+between the count and the store, and names a promote in the load's ``_waiters`` before the load in the promote's;
+``start_promote`` undoes its reservation, or once registered finishes its lease and queued read, in a handler.
+The front end clears ``TierCore.begun`` before each begin and, in a handler, answers the job the core registered
+failed through the completion queue unless the mover took its transfer (``Transfer.taken``, set with no call
+before the mover's append): the next poll frees everything by the failed-copy path.
+
+Left open: (2) needs each report's application to be all-or-nothing under an interrupt (a report taken off the
+queue only once its completion is out); a ``KeyboardInterrupt`` there still loses that job.
 
 The full sweeps of those calls are pinned as ``xfail(strict=True)`` too (``test_sweep_known_bad``,
 ``test_disk_sweep_known_bad``), each stopping at its first failing k: once fixed they pass and must become
@@ -419,8 +429,10 @@ def sweep(name: str, stop_first: bool, disk_path: Optional[Callable[[], str]] = 
 SOUND = ["free_block_load_row", "free_block_copied_load_row", "cancel",
          # fixed (3), (4), (5), (7): pinned since
          "free_block_store_row", "invalidate", "cancel_store", "free_block_single_store_row",
-         "invalidate_stored_key", "invalidate_ready"]
-KNOWN_BAD = ["store", "store_many", "load", "load_many", "poll", "wait_jobs", "wait_all"]
+         "invalidate_stored_key", "invalidate_ready",
+         # fixed (1)
+         "store", "store_many", "load", "load_many"]
+KNOWN_BAD = ["poll", "wait_jobs", "wait_all"]
 
 
 @pytest.mark.parametrize("name", SOUND)
@@ -432,12 +444,11 @@ def test_sweep_an_interrupt_at_any_call_return_leaks_and_loses_nothing(name: str
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="interrupts in submit (1) and in applying reports (2) break the guarantees: see the "
-                          "targeted tests")
+                   reason="interrupts in applying reports (2) break the guarantees: see the targeted tests")
 @pytest.mark.parametrize("name", KNOWN_BAD)
 def test_sweep_known_bad(name: str) -> None:
-    """The full sweep of each call still failing; stops at the first failing k.  Once (1)-(7) are fixed this
-    must pass for every k: move ``name`` to ``SOUND``."""
+    """The full sweep of each call still failing; stops at the first failing k.  Once (2) is fixed this must pass
+    for every k: move ``name`` to ``SOUND``."""
     k, fails = sweep(name, stop_first=True)
     assert not fails, fails[0]
 
@@ -475,16 +486,12 @@ SUBMIT_POINTS = [
 ]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "store/store_many/load/load_many register the job in the core (record, n_in_flight, a reserved entry or a "
-    "reader lease, the row fence) before the mover holds its transfer, with no handler: an interrupt in between "
-    "leaves a job nobody answers"))
 @pytest.mark.parametrize("point", SUBMIT_POINTS, ids=[p[0] for p in SUBMIT_POINTS])
 def test_an_interrupted_submit_leaks_nothing(point: tuple[str, str, str, str, str]) -> None:
     """Contract: an interrupted ``store``/``store_many``/``load``/``load_many`` whose Job never reached the caller
     leaks nothing: later ``wait()`` quiesces, every slot and row comes back, the key can be stored again.
 
-    What is wrong: the job enters ``TierCore.jobs`` (``n_in_flight`` + 1), its host entries are reserved WRITING
+    What it proved wrong: the job entered ``TierCore.jobs`` (``n_in_flight`` + 1), its host entries are reserved WRITING
     (store) or leased (load: ``acquire``), and the rows recorded (``_row_stores``/``_row_load``), several calls
     before ``self._mover.submit(t)`` (manager.py:296 / 388); an interrupt anywhere in between (sweep: store
     k=5..15, store_many k=23..40, load k=11..22, load_many k=20..39) leaves a job whose report never comes:
@@ -493,15 +500,10 @@ def test_an_interrupted_submit_leaks_nothing(point: tuple[str, str, str, str, st
     ``TierIndex.reserve``'s ``Entry(key, free.pop(), writer)`` (index.py:265) the popped slot is in no entry
     at all: lost to the slab for good.
 
-    Proposed fix: make each submit all-or-nothing.  In ``store``/``store_many``/``load``/``load_many`` wrap
-    everything from the core's ``begin_*`` to ``mover.submit`` in ``try/except BaseException``: unless the
-    mover holds the transfer, answer the job failed through the completion queue
-    (``self._completions.put(Report(job.token, kind, False, "interrupted"))``, as ``NativeMover._answer_unstarted``
-    does), so the next poll's ``_apply_store``/``_apply_load`` releases the entries, leases and rows by the normal
-    path (a completion the caller never held is harmless); in ``begin_store_one``/``begin_store``/``begin_load``
-    register the job record *before* reserving or acquiring (or undo the reservation in a handler:
-    ``index.abort(e); index.writer_done(e)`` / ``release_all``); and in ``TierIndex.reserve`` take the slot
-    only once the entry holds it: ``entry = Entry(key, free[-1], writer); entries[key] = entry; free.pop()``."""
+    Fixed as proposed: each submit is all-or-nothing (see "How (1) and (6) were fixed" above): the front end answers
+    a registered job failed through the completion queue unless the mover took its transfer, the core undoes a
+    reservation no registered job holds, and ``TierIndex.reserve`` takes the slot only once the entry holds it
+    (``entry = Entry(key, free[-1], writer); entries[key] = entry; free.pop()``)."""
     _interrupt_once(point, retry=False)
 
 
@@ -737,14 +739,11 @@ def test_an_interrupted_cancel_of_a_load_waiting_for_disk_still_reports_it(tmp_p
         w.mgr.close()
 
 
-@pytest.mark.parametrize("name", ["free_block_load_row", pytest.param("load_disk_only", marks=pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason="with a disk tier (1)'s window in start_promote, and the waiter list "
-                                               "of begin_load, still fail"))])
-def test_disk_sweep_known_bad(tmp_path: Any, name: str) -> None:
-    """The sweep with a disk tier (thread mode), stopping at the first failing k: ``free_block`` of a row of the
-    load_many waiting for its reads (fails at k=11, ``_cancel``'s ``cancel`` return: (5)), ``load`` of a key only
-    on disk (fails at k=20, ``TierIndex.reserve``'s ``free.pop`` in ``start_promote``: (1)).  Must pass once
-    fixed."""
+@pytest.mark.parametrize("name", ["free_block_load_row", "load_disk_only"])
+def test_disk_sweep_leaks_and_loses_nothing(tmp_path: Any, name: str) -> None:
+    """Pinned: the sweep with a disk tier (thread mode), stopping at the first failing k: ``free_block`` of a row of
+    the load_many waiting for its reads (failed at k=11, ``_cancel``'s ``cancel`` return: (5)), ``load`` of a key
+    only on disk (failed at k=20, ``TierIndex.reserve``'s ``free.pop`` in ``start_promote``: (1))."""
     counter = [0]
 
     def path() -> str:
@@ -758,14 +757,11 @@ def test_disk_sweep_known_bad(tmp_path: Any, name: str) -> None:
 PROMOTE_POINTS = [("reserve", 1), ("__getitem__", 1)]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "TierCore.start_promote reserves the host entry and registers the PROMOTE job before the read is queued, "
-    "with no handler: an interrupt in between leaves a read nobody answers"))
 @pytest.mark.parametrize("callee,nth", PROMOTE_POINTS, ids=[p[0] for p in PROMOTE_POINTS])
 def test_an_interrupted_read_from_disk_leaks_nothing(tmp_path: Any, monkeypatch: Any, callee: str, nth: int) -> None:
     """Contract: as (1), for the read from disk a ``load`` of a disk-only key starts (disk tier, thread mode).
 
-    What is wrong: ``TierCore.start_promote`` (tiers.py:963-982) reserves the host entry (``index.reserve``), leases
+    What it proved wrong: ``TierCore.start_promote`` (tiers.py:963-982) reserved the host entry (``index.reserve``), leases
     the disk entry, registers the PROMOTE job (``jobs``, ``n_in_flight[PROMOTE]``) and only then queues the read
     (``disk.store.queue_promote(..., self.slot_views[entry.slot], ...)``).  An interrupt at the return of
     ``reserve`` leaves the key's host entry WRITING for ever (no job names its writer token); at the return of
@@ -773,10 +769,10 @@ def test_an_interrupted_read_from_disk_leaks_nothing(tmp_path: Any, monkeypatch:
     counts promotes), the disk entry stays leased, and ``close()`` waits its whole ``CLOSE_TIMEOUT_S`` (30 s) for
     the promote (shortened here).
 
-    Proposed fix: as (1): in ``start_promote`` wrap reserve .. ``queue_promote`` in ``try/except BaseException``
-    that undoes what was done (``index.abort(entry)``, ``index.writer_done(entry)``, ``disk.index.release(d)``,
-    pop the job, ``n_in_flight`` - 1) unless ``queue_promote`` took the read; the load waiting on it then is
-    never created (``begin_load`` raised)."""
+    Fixed: ``start_promote``'s handler undoes the host reservation while no job is registered (the job is
+    registered before the disk entry is leased), and once registered finishes the promote -- the disk lease if
+    not taken, the read if the disk store does not hold it (``holds_read``) -- so its report comes and it lands
+    as a prefetch; the load that would wait for it is never created (``begin_load`` raised)."""
     import tiered_kv.manager
     monkeypatch.setattr(tiered_kv.manager, "CLOSE_TIMEOUT_S", WAIT_S)   # close() waits that long for the promote
     w = World(29, str(tmp_path / "disk"))
@@ -789,13 +785,11 @@ def test_an_interrupted_read_from_disk_leaks_nothing(tmp_path: Any, monkeypatch:
         w.mgr.close()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "begin_load lists the new load among a promote's waiters before it sets the load's own _waiters: "
-    "interrupted in between, the promote's report makes _apply_promote raise AttributeError out of wait()"))
-def test_an_interrupted_load_from_disk_never_makes_a_later_wait_raise(tmp_path: Any) -> None:
+@pytest.mark.parametrize("nth", [3, 4])
+def test_an_interrupted_load_from_disk_never_makes_a_later_wait_raise(tmp_path: Any, nth: int) -> None:
     """Contract: later ``poll()``/``wait()`` calls never raise because an earlier call was interrupted.
 
-    What is wrong: ``TierCore.begin_load`` for a key only on disk starts its promote, then for each part
+    What it proved wrong: ``TierCore.begin_load`` for a key only on disk started its promote, then for each part
     ``p._waiters.append((job, i))`` (tiers.py:442) and only after the loop ``job._waiters = waits`` (tiers.py:447),
     the job not yet in ``jobs``.  An interrupt at that ``append``'s return (sweep with the disk tier: ``load``
     of a disk-only key) leaves a PENDING load that the promote names as its waiter while its own ``_waiters`` is
@@ -803,17 +797,18 @@ def test_an_interrupted_load_from_disk_never_makes_a_later_wait_raise(tmp_path: 
     ``AttributeError: 'NoneType' object has no attribute 'remove'`` out of the caller's next ``wait()``; the
     reports drained with it are lost (as (2)), and the promote's host entry stays as it was.
 
-    Proposed fix: in ``begin_load`` build ``waits`` and ``entries`` first and register the job in the promotes
-    only after ``job._waiters = waits`` and ``jobs[token.int] = job`` (plus (1)'s all-or-nothing submit); and in
-    ``_apply_promote`` skip a waiter whose ``_waiters`` is None or does not hold the promote (``w._waiters and
-    job in w._waiters``), as ``release_load`` already does."""
+    Fixed: ``begin_load`` registers the job and sets ``job._waiters`` to the list it fills before the loop, and
+    names each promote there before it names the load in the promote's waiters; the front end answers the load
+    failed (1), whose ``release_load`` takes it off every promote that names it.  (The 3rd and 4th appends are
+    ``reads``/``plan``'s and then, now, ``waits.append``/``p._waiters.append``.)"""
     w = World(29, str(tmp_path / "disk"))
     try:
         prepare_disk(w)
         assert w.mgr._index.get(key(3)) is None and w.mgr.lookup([key(3)]) == 1   # k3 on disk only
-        # begin_load's appends: reads.append, plan.append, then the promote's p._waiters.append((job, i))
-        hook, fired = _interrupt_on("core/tiers.py", "begin_load", "append", 3)
+        # begin_load's appends: reads.append, plan.append, then waits.append(p) and p._waiters.append((job, i))
+        hook, fired = _interrupt_on("core/tiers.py", "begin_load", "append", nth)
         _run_with(hook, lambda: w.load(key(3), 13))
+        assert fired, "the hook never fired"
         check_disk(w, f"load of a disk-only key interrupted at {fired[:1]}")
     finally:
         w.mgr.close()

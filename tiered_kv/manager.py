@@ -260,10 +260,16 @@ class TierManager:
             key, block = self._check_args(key, block)
         if block in self._row_load:
             raise BlockBusyError(f"block {block} has a load in flight; its content is not there yet")
-        job = self._core.begin_store_one(key)
-        if job is None:
-            return None
-        return self._submit_store(job, [block])
+        core = self._core
+        core.begun = None
+        try:
+            job = core.begin_store_one(key)
+            if job is None:
+                return None
+            return self._submit_store(job, [block])
+        except BaseException:
+            self._unsubmit()
+            raise
 
     def store_many(self, keys: Sequence[bytes], blocks: Sequence[int]) -> Optional[Job]:
         """``store()`` of many keys as one job: ``keys[i]`` from device row ``blocks[i]``.
@@ -279,13 +285,19 @@ class TierManager:
         if row_load and not row_load.keys().isdisjoint(blocks):
             b = next(b for b in blocks if b in row_load)
             raise BlockBusyError(f"block {b} has a load in flight; its content is not there yet")
-        job = self._core.begin_store(keys, keys if len(keys) > 1 else ())
-        if job is None:
-            return None
-        if len(job.keys) != len(keys):
-            row_of = dict(zip(keys, blocks))
-            return self._submit_store(job, [row_of[k] for k in job.keys])
-        return self._submit_store(job, blocks)
+        core = self._core
+        core.begun = None
+        try:
+            job = core.begin_store(keys, keys if len(keys) > 1 else ())
+            if job is None:
+                return None
+            if len(job.keys) != len(keys):
+                row_of = dict(zip(keys, blocks))
+                return self._submit_store(job, [row_of[k] for k in job.keys])
+            return self._submit_store(job, blocks)
+        except BaseException:
+            self._unsubmit()
+            raise
 
     def _submit_store(self, job: Job, blocks: list[int]) -> Job:
         job.block = blocks[0]
@@ -330,10 +342,16 @@ class TierManager:
             key, block = self._check_args(key, block)
         if block in self._row_load:
             raise BlockBusyError(f"block {block} already has a load in flight")
-        job = self._core.begin_load((key,))
-        if job is None:
-            return None
-        return self._submit_load(job, (block,))
+        core = self._core
+        core.begun = None
+        try:
+            job = core.begin_load((key,))
+            if job is None:
+                return None
+            return self._submit_load(job, (block,))
+        except BaseException:
+            self._unsubmit()
+            raise
 
     def load_many(self, keys: Sequence[bytes], blocks: Sequence[int]) -> Optional[Job]:
         """``load()`` of many keys as one job: ``keys[i]`` into device row ``blocks[i]``.
@@ -351,10 +369,32 @@ class TierManager:
         if row_load and not row_load.keys().isdisjoint(blocks):
             b = next(b for b in blocks if b in row_load)
             raise BlockBusyError(f"block {b} already has a load in flight")
-        job = self._core.begin_load(keys)
-        if job is None:
-            return None
-        return self._submit_load(job, tuple(blocks))
+        core = self._core
+        core.begun = None
+        try:
+            job = core.begin_load(keys)
+            if job is None:
+                return None
+            return self._submit_load(job, tuple(blocks))
+        except BaseException:
+            self._unsubmit()
+            raise
+
+    def _unsubmit(self) -> None:
+        """A store or load an interrupt (or any exception) broke off inside its call: the job the core registered
+        (``TierCore.begun``; a begin broken off before that undid its own part), unless the mover took its
+        transfer (``Transfer.taken``, then its report comes), is answered failed through the completion queue.
+        The next poll applies that report as any failed copy's, so every slot, lease, row fence and map entry the
+        call had made is freed by the one path that frees them, whichever of them it had reached.  The caller
+        never got the job: the completion names one it does not know."""
+        core = self._core
+        job, core.begun = core.begun, None
+        if job is None or job.state is not _PENDING:
+            return
+        t = job._transfer
+        if t is not None and t.taken:
+            return
+        self._completions.put(Report(job.token, job.kind, False, "interrupted before its copy was queued"))
 
     def _submit_load(self, job: Job, blocks: tuple[int, ...]) -> Job:
         job.block = blocks[0]

@@ -262,8 +262,11 @@ class TierIndex:
             raise AssertionError(f"reserve of present key {key!r}")  # internal bug: callers check first
         if not free and not self._evict_one(protect, key):
             return None
-        entry = Entry(key, free.pop(), writer)
+        # the slot leaves the free list only once the entry holding it is in the map, with no call between
+        # (an interrupt lands at a call's return): a caller's handler finds it there under ``writer``
+        entry = Entry(key, free[-1], writer)
         entries[key] = entry
+        free.pop()
         return entry
 
     def reserve_each(self, keys: Sequence[bytes], writers: Sequence[uuid.UUID]) -> list[Entry]:
@@ -295,9 +298,10 @@ class TierIndex:
         got = keys[:m] if m < n else keys
         slots = free[-m:]
         slots.reverse()
-        del free[-m:]
         new = list(map(Entry, got, slots, writers[:m] if m < len(writers) else writers))
-        entries.update(zip(got, new))
+        pairs = zip(got, new)
+        del free[-m:]          # no call between these two (see reserve)
+        entries.update(pairs)
         return new
 
     def reserve_absent(self, keys: Sequence[bytes], writer: uuid.UUID, protect: Collection[bytes],
@@ -328,9 +332,10 @@ class TierIndex:
             got = list(keys)
             slots = free[-n:]
             slots.reverse()
-            del free[-n:]
             new = list(map(Entry, got, slots, repeat(writer, n)))
-            entries.update(zip(got, new))
+            pairs = zip(got, new)
+            del free[-n:]          # no call between these two (see reserve)
+            entries.update(pairs)
             return got, new, 0
         if n > 1 and len(set(keys)) != n:   # a key repeated: each key once -- reserved, refused or shed once
             keys = list(dict.fromkeys(keys))
@@ -372,7 +377,9 @@ class TierIndex:
                 if not self._evict_one(protect, k):
                     full += 1
                     continue
-            e = entries[k] = Entry(k, pop(), writer)
+            e = Entry(k, free[-1], writer)
+            entries[k] = e
+            pop()   # the slot leaves the free list once its entry is in the map (see reserve)
             add_key(k)
             add_entry(e)
         return got, new, full
@@ -416,19 +423,27 @@ class TierIndex:
         entry.writing = False
         self._maybe_free(entry)
 
-    def acquire(self, entry: Entry) -> None:
-        """Lease a READY entry's slot to a load (a use: out of the policy until released)."""
+    def acquire(self, entry: Entry, into: Optional[list[Any]] = None, i: int = 0) -> None:
+        """Lease a READY entry's slot to a load (a use: out of the policy until released).
+
+        ``into``: the holder's list of its leases; the lease is written to ``into[i]`` with no call between
+        the count and that store, so under an interrupt (it lands at a call's return) the lease is either
+        there or not taken.  The entry leaves the policy's order first: an interrupt between leaves it
+        unleased out of the order (never evicted until its next lease's release puts it back), never
+        leased inside it, where the default policy's batched eviction would free a slot being read."""
         if entry.state is not _READY or not entry.live:
             raise AssertionError(f"acquire of {entry!r}")  # internal bug
         pinned = self._pinned
         if entry.readers == 0 or (pinned and entry in pinned):
-            pinned.discard(entry)   # pinned so far: the lease takes it out of the policy now
             lru = self._lru
             if lru is not None:
                 lru.pop(entry.key, None)   # LRU.lease written out (each load leases)
             else:
                 self.policy.lease(entry)
+            pinned.discard(entry)   # pinned so far: the lease took it out of the policy now
         entry.readers += 1
+        if into is not None:
+            into[i] = entry
 
     def pin_all(self, entries: Sequence[Entry]) -> None:
         """A reader that is no use for each READY entry of ``entries`` (a spill's or a put's copy): each
@@ -461,19 +476,24 @@ class TierIndex:
             else:
                 self._maybe_free(entry)
 
-    def acquire_all(self, entries: Sequence[Entry]) -> None:
-        """:meth:`acquire` for each of ``entries`` (a load's, leased together)."""
+    def acquire_all(self, entries: Sequence[Entry], into: Optional[list[Any]] = None) -> None:
+        """:meth:`acquire` for each of ``entries`` (a load's, leased together), each lease written to ``into[i]``
+        as there (``into`` None: ``entries`` is the holder's list, and an interrupt may leave a lease taken
+        that no list holds)."""
+        if into is None:
+            into = [None] * len(entries)
         lru, lease, pinned = self._lru, self.policy.lease, self._pinned
-        for e in entries:
+        for i, e in enumerate(entries):
             if e.state is not _READY or not e.live:
                 raise AssertionError(f"acquire of {e!r}")  # internal bug
             if e.readers == 0 or (pinned and e in pinned):
-                pinned.discard(e)
                 if lru is not None:
                     lru.pop(e.key, None)   # LRU.lease written out
                 else:
                     lease(e)
+                pinned.discard(e)
             e.readers += 1
+            into[i] = e
 
     def release_all(self, entries: Sequence[Optional[Entry]]) -> None:
         """:meth:`release` for each of ``entries`` that is not None (a load's, released together)."""

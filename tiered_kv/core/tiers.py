@@ -70,7 +70,7 @@ _HOST_DISK = ("host", "disk")
 _HOST_REMOTE, _REMOTE_HOST = ("host", "remote"), ("remote", "host")
 _PENDING, _CANCELLING, _DONE, _FAILED, _CANCELLED = (JobState.PENDING, JobState.CANCELLING, JobState.DONE,
                                                    JobState.FAILED, JobState.CANCELLED)
-_READY = EntryState.READY
+_READY, _WRITING = EntryState.READY, EntryState.WRITING
 _state_of = attrgetter("state")
 _writer_int = attrgetter("writer.int")
 _R_CANCELLED, _R_SUPERSEDED, _R_UNKNOWN = StaleReason.CANCELLED, StaleReason.SUPERSEDED, StaleReason.UNKNOWN_TOKEN
@@ -171,6 +171,10 @@ class TierCore:
         # keys a front end told its requests are hits, to be asked again or loaded later (the vLLM scheduler's:
         # SlabScheduler): a fetch's reservation never evicts them (RemoteTier.probe_answered)
         self.promised: Collection[bytes] = ()
+        # the job the last begin_store*/begin_load registered, set with no call between its registration and this
+        # store: a front end whose submit an interrupt broke off finds here the job it may not hold (see
+        # TierManager._unsubmit); a front end clears it before each begin
+        self.begun: Optional[Job] = None
         # the front end blocks in a call (TierManager.wait/flush/close): a read the page cache holds is read on
         # this thread, which would otherwise wait for the disk I/O side's answer (config disk_read_cached_in_wait)
         self.read_here = False
@@ -260,20 +264,26 @@ class TierCore:
             pending = self.remote_pending
             fetching = [e for e in map(self.index.get, keys) if e is not None and e.state is not _READY and pending(e)]
         pool = self.token_pool
-        token = pool.popleft() if pool else self.tokens()
-        got, entries, full = self.index.reserve_absent(keys, token, protect, self.dindex, chain, fetching)
-        for e in fetching:
-            if not e.live:   # its key reserved for this store: the fetch gave way
-                self._fetch_superseded(e)
-        if full:   # each key that found no evictable slot (the blocks not offloaded), job started or not
-            self.shed(_STORE, "host_full", full)
-        if not entries:
-            pool.appendleft(token)   # not issued: the next job takes it, in order
-            return None
-        job = Job(token, _STORE, got[0], -1, keys=got)
-        job._entries = entries
-        jobs[token.int] = job
-        self.n_in_flight[_STORE] += 1
+        token = None
+        try:
+            token = pool.popleft() if pool else self.tokens()
+            got, entries, full = self.index.reserve_absent(keys, token, protect, self.dindex, chain, fetching)
+            for e in fetching:
+                if not e.live:   # its key reserved for this store: the fetch gave way
+                    self._fetch_superseded(e)
+            if full:   # each key that found no evictable slot (the blocks not offloaded), job started or not
+                self.shed(_STORE, "host_full", full)
+            if not entries:
+                pool.appendleft(token)   # not issued: the next job takes it, in order
+                return None
+            job = Job(token, _STORE, got[0], -1, keys=got)
+            job._entries = entries
+            jobs[token.int] = job   # registered: from here to the return no call (see _unreserve)
+            self.n_in_flight[_STORE] += 1
+        except BaseException:
+            self._unreserve(token, keys, fetching)
+            raise
+        self.begun = job
         return job
 
     def begin_store_one(self, key: bytes) -> Optional[Job]:
@@ -298,18 +308,41 @@ class TierCore:
             return None
         jobs = self.jobs
         pool = self.token_pool
-        token = pool.popleft() if pool else self.tokens()
-        e = index.reserve(key, token, (), fetch)
-        if e is None:
-            pool.appendleft(token)   # not issued: the next job takes it, in order
-            return self.shed(_STORE, "host_full")
-        if fetch is not None:
-            self._fetch_superseded(fetch)
-        job = Job(token, _STORE, key, -1)
-        job._entries = [e]
-        jobs[token.int] = job
-        self.n_in_flight[_STORE] += 1
+        token = None
+        try:
+            token = pool.popleft() if pool else self.tokens()
+            e = index.reserve(key, token, (), fetch)
+            if e is None:
+                pool.appendleft(token)   # not issued: the next job takes it, in order
+                return self.shed(_STORE, "host_full")
+            if fetch is not None:
+                self._fetch_superseded(fetch)
+            job = Job(token, _STORE, key, -1)
+            job._entries = [e]
+            jobs[token.int] = job   # registered: from here to the return no call (see _unreserve)
+            self.n_in_flight[_STORE] += 1
+        except BaseException:
+            self._unreserve(token, (key,), () if fetch is None else (fetch,))
+            raise
+        self.begun = job
         return job
+
+    def _unreserve(self, token: Optional[uuid.UUID], keys: Sequence[bytes], fetching: Sequence[Entry]) -> None:
+        """A ``begin_store*`` an interrupt broke off before its job was registered: the host entries it reserved
+        under ``token`` (found in the map: :meth:`TierIndex.reserve` puts an entry there before its slot leaves
+        the free list) go, and a fetch that gave way to one is told so.  Nothing else holds them: no job, no
+        transfer."""
+        if token is None:
+            return
+        index = self.index
+        for k in keys:
+            e = index.get(k)
+            if e is not None and e.writer is token and e.state is _WRITING:
+                index.abort(e)
+                index.writer_done(e)
+        for e in fetching:
+            if not e.live:
+                self._fetch_superseded(e)
 
     def publish_store(self, job: Job) -> list[Entry]:
         """A PENDING store's copies landed: its live parts become READY (and spill, write-through)."""
@@ -399,12 +432,15 @@ class TierCore:
             if None not in plan and list(map(_state_of, plan)).count(_READY) == len(plan):   # all READY on the host
                 if bounded and len(jobs) - self.spill_extra >= self.max_inflight:
                     return self.shed(_LOAD, "inflight_limit")
-                index.acquire_all(plan)
                 token = self.take_token()
                 job = Job(token, _LOAD, keys[0], -1, keys=tuple(keys))
-                job._entries = plan
+                # registered before its leases, each written to job._entries as it is taken: whatever an interrupt
+                # broke off, the job holds exactly the leases taken (the front end answers it failed)
+                leased = job._entries = [None] * len(plan)
                 jobs[token.int] = job
                 self.n_in_flight[_LOAD] += 1
+                self.begun = job
+                index.acquire_all(plan, leased)
                 return job
         plan = []                   # per key: its READY host entry, or the PROMOTE job to wait for
         reads: list[int] = []       # the keys to read from disk (plan holds their disk entries)
@@ -435,21 +471,22 @@ class TierCore:
                     return None   # shed (host_full); the reads already started finish as prefetches
         token = self.take_token()
         job = Job(token, _LOAD, keys[0], -1, keys=tuple(keys))
-        entries: list[Optional[Entry]] = []
+        # registered first, as above; a promote is named in the load's _waiters (the promotes it still waits
+        # for) before the load is named in the promote's, so that a promote landing never finds a load that
+        # does not know it (an interrupted begin leaves at most the other half, which release_load undoes)
+        entries: list[Optional[Entry]] = [None] * len(plan)
         waits: list[Job] = []
-        for i, p in enumerate(plan):
-            if type(p) is not Job:
-                index.acquire(p)
-                entries.append(p)
-            else:
-                p._waiters.append((job, i))
-                waits.append(p)
-                entries.append(None)
         job._entries = entries
-        if waits:
-            job._waiters = waits   # a load's _waiters: the promotes it still waits for
+        job._waiters = waits
         jobs[token.int] = job
         self.n_in_flight[_LOAD] += 1
+        self.begun = job
+        for i, p in enumerate(plan):
+            if type(p) is not Job:
+                index.acquire(p, entries, i)
+            else:
+                waits.append(p)
+                p._waiters.append((job, i))
         return job
 
     def release_load(self, job: Job) -> None:
@@ -791,8 +828,7 @@ class TierCore:
                 continue
             w._waiters.remove(job)
             if r.ok and entry.live:
-                self.index.acquire(entry)
-                w._entries[i] = entry
+                self.index.acquire(entry, w._entries, i)
                 if not w._waiters:
                     w._waiters = None
                     self.on_load_ready(w)
@@ -975,18 +1011,30 @@ class TierCore:
         the engine's call, and the readers get a step's reads as one batch, in file order."""
         disk = self.disk
         assert disk is not None
-        token = self.take_token()
-        entry = self.index.reserve(key, token, protect)
-        if entry is None:
-            return self.shed(_LOAD, "host_full")
-        disk.index.acquire(d)
-        job = Job(token, _PROMOTE, key, -1)
-        job._entries = [entry]
-        job._dentry = d
-        job._waiters = []
-        self.jobs[token.int] = job
-        self.n_in_flight[_PROMOTE] += 1
-        disk.store.queue_promote(token, key, d.writer, self.slot_views[entry.slot], d.where)
+        token = job = None
+        leases = d.readers
+        try:
+            token = self.take_token()
+            entry = self.index.reserve(key, token, protect)
+            if entry is None:
+                return self.shed(_LOAD, "host_full")
+            job = Job(token, _PROMOTE, key, -1)
+            job._entries = [entry]
+            job._dentry = d
+            job._waiters = []
+            self.jobs[token.int] = job
+            self.n_in_flight[_PROMOTE] += 1
+            disk.index.acquire(d)
+            disk.store.queue_promote(token, key, d.writer, self.slot_views[entry.slot], d.where)
+        except BaseException:
+            if job is None or self.jobs.get(token.int) is not job:   # not registered: its reservation goes
+                self._unreserve(token, (key,), ())
+            else:   # registered: finished here, so that its report comes (a prefetch, if no load waits for it)
+                if d.readers == leases:
+                    disk.index.acquire(d)
+                if not disk.store.holds_read(token):
+                    disk.store.queue_promote(token, key, d.writer, self.slot_views[job._entries[0].slot], d.where)
+            raise
         return job
 
     def _writeback(self) -> None:

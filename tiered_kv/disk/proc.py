@@ -461,6 +461,10 @@ class ProcessDiskStore:
             return
         self._held.append(Promote(token, key, expect, dst, where))
 
+    def holds_read(self, token: uuid.UUID) -> bool:
+        """As :meth:`DiskStore.holds_read`."""
+        return any(op.token is token for op in self._held)
+
     def start_reads(self, cached_here: bool = False, until: Optional[float] = None) -> None:
         """Hand the held reads to the readers: the child starts them when this pass's frame arrives
         (a pass with none held sends nothing).  ``cached_here``: the owner blocks anyway, so what the

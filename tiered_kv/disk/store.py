@@ -279,6 +279,11 @@ class DiskStore:
         ``where``: the owner's copy of the entry's record (``format.where_of``), 0 if it has none."""
         self.readers.hold(Promote(token, key, expect, dst, where))
 
+    def holds_read(self, token: uuid.UUID) -> bool:
+        """A read :meth:`queue_promote` queued under ``token`` is held, not yet handed on (an owner whose promote
+        an interrupt broke off asks, before it queues it again)."""
+        return any(op.token is token for op in self.readers._held_reads)
+
     def start_reads(self, lone_here: bool = False, cached_here: bool = False, until: Optional[float] = None) -> None:
         """Hand the reads held by :meth:`queue_promote` to the readers (see :meth:`Readers.start`).
         ``cached_here``: the owner blocks anyway: what the page cache holds of them is read on its

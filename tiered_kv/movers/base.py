@@ -33,13 +33,16 @@ class Transfer:
 
     ``token`` is opaque to the mover and comes back in the report (``TierManager``: the job's UUID;
     the vLLM copier: its job record).  ``cancelled`` is a hint the owner may set so that a worker
-    that has not started skips the copies."""
+    that has not started skips the copies.  ``taken``: set by ``submit`` right before the call that queues
+    it, with no call between (an interrupt lands at a call's return), so that an owner whose submit was
+    interrupted knows whether the mover answers it (True) or it must be answered for it."""
 
     token: Any
     kind: JobKind  # STORE: device rows -> host slots; LOAD: host slots -> device rows
     rows: list[int]
     slots: list[int]
     cancelled: bool = False
+    taken: bool = False
 
 
 class Mover(abc.ABC):
@@ -98,6 +101,7 @@ class ImmediateMover(Mover):
         self._nbytes = host_rows[0].numel() * host_rows.element_size()   # a row's bytes, whatever its shape
 
     def submit(self, t: Transfer) -> None:
+        t.taken = True
         self._put(Report(t.token, t.kind, True, None, len(t.rows) * self._nbytes, 0.0))
 
     def close(self) -> None:

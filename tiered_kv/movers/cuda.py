@@ -356,6 +356,7 @@ class CudaMover(Mover):
 
     def submit(self, t: Transfer) -> None:
         q = self._queued
+        t.taken = True   # no call between this and the append (Transfer.taken)
         q.append(t)
         if len(q) >= self._batch_max:
             self.flush()

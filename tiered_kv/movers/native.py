@@ -155,6 +155,7 @@ class NativeMover(Mover):
     # ------------------------------------------------------------------ owner thread
     def submit(self, t: Transfer) -> None:
         held = self._held
+        t.taken = True   # no call between this and the append (Transfer.taken)
         held.append(t)
         if len(held) >= self._batch_max:
             self.flush()

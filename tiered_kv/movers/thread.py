@@ -309,10 +309,14 @@ class ThreadMover(Mover):
 
     def submit(self, t: Transfer) -> None:
         if self._batch_max == 1 and not self._holding:
+            # (Transfer.taken: queue.Queue.put is Python code, so an interrupt inside it before its append would
+            # leave the transfer marked and not queued -- unanswered, never answered twice)
+            t.taken = True
             self._q.put([t])
             self._put_at.append(time.monotonic())
             return
         held = self._held
+        t.taken = True   # no call between this and the append (Transfer.taken)
         held.append(t)
         if len(held) >= self._batch_max:
             self.flush()  # keeps them while the owner holds them
