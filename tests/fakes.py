@@ -170,6 +170,7 @@ class FakeMover(Mover):
 
     # -- Mover ------------------------------------------------------
     def submit(self, t: Transfer) -> None:
+        t.taken = True   # (the mover contract: Transfer.taken)
         with self._lock:
             self.submitted.append(t)
             self.outstanding.append(t)
@@ -325,14 +326,14 @@ def make_fake_manager(cfg: TieredKVConfig, kv: torch.Tensor,
 
 
 def instrument_get(completions: CompletionQueue, on_enter: Callable[[Any], None]) -> None:
-    """Call ``on_enter(timeout)`` whenever the owner blocks in ``completions.get``."""
-    orig = completions.get
+    """Call ``on_enter(timeout)`` whenever the owner blocks for a report (``completions.wait``)."""
+    orig = completions.wait
 
-    def get(timeout: Optional[float]) -> Optional[Any]:
+    def wait(timeout: Optional[float]) -> bool:
         on_enter(timeout)
         return orig(timeout)
 
-    completions.get = get  # type: ignore[method-assign]
+    completions.wait = wait  # type: ignore[method-assign]
 
 
 # --------------------------------------------------------------------------- batched API over a disk tier

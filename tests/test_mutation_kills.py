@@ -735,12 +735,12 @@ def test_simple_block_until_waits_in_bounded_steps_and_honours_its_timeout(fake)
     """Kills ``tiered_kv.core.tiers.xǁTierCoreǁsimple_block_until__mutmut_1`` to ``_4``, ``_8`` to ``_11``,
     ``_16``, ``_17``, ``_20`` and ``_21`` (the scheduler front end's blocking loop: no deadline, a wrong
     wait step, or no wait): without a timeout it waits on the completion queue in 0.5 s steps until
-    ``done()``; with one, in steps of at most 0.5 s and never past it.  The queue's ``get`` is replaced
+    ``done()``; with one, in steps of at most 0.5 s and never past it.  The queue's ``wait`` is replaced
     by one that records its timeout and returns at once, so nothing here really sleeps."""
     mgr, _ = fake
     core = mgr._core
     waits: list = []
-    core.completions.get = lambda timeout: waits.append(timeout)   # type: ignore[method-assign]
+    core.completions.wait = lambda timeout: waits.append(timeout) or False   # type: ignore[method-assign]
     core.simple_block_until(lambda: True, None)
     assert waits == []
     answers = iter([False, False, True])

@@ -14,9 +14,8 @@ and every key ``lookup`` calls ready loads back the bytes its store copied.  The
 each failure at one named call return (caller function, callee), so they do not depend on k.
 
 What it proved wrong (k is the sweep's, seed 29).  Fixed: (3), (4), (5), (7) and the cancelled jobs' half of (2) -- their tests
-are ordinary tests now and fail on bc26484, the tree before the fixes --, then (1) and (6), whose tests fail on 13f3c2f.
-Still open, each an ``xfail(strict=True, raises=AssertionError)`` test: the reports' half of (2) -- see "Left open"
-below:
+are ordinary tests now and fail on bc26484, the tree before the fixes --, then (1), (6) and the reports' half of (2),
+whose tests fail on 13f3c2f:
 
 1. ``test_an_interrupted_submit_leaks_nothing`` -- ``store``/``store_many``/``load``/``load_many`` register the job
    in the core (``TierCore.jobs``, ``n_in_flight``, a reserved WRITING entry or a reader lease) several calls
@@ -89,12 +88,19 @@ The front end clears ``TierCore.begun`` before each begin and, in a handler, ans
 failed through the completion queue unless the mover took its transfer (``Transfer.taken``, set with no call
 before the mover's append): the next poll frees everything by the failed-copy path.
 
-Left open: (2) needs each report's application to be all-or-nothing under an interrupt (a report taken off the
-queue only once its completion is out); a ``KeyboardInterrupt`` there still loses that job.
+How (2) was fixed: a report leaves the queue only once applied (``CompletionQueue.arrived`` moves the reports to its
+kept deque in C; ``apply_arrived`` takes each off its front after ``apply``; the blocked waits leave a report they
+took there too), and ``TierCore.apply`` applies a STORE/LOAD report all-or-nothing: the front end's part up to the
+commit is safe to run again (the job stays in ``jobs``; leases leave the job's list one by one with their count,
+``TierIndex.release_taken``), the commit makes no call from the record's removal to the completion's append
+(``applied`` names the report, so a pass after an interrupt past it skips it), and what may not run twice
+(counts, spills, remote writes) runs after it, once.  The internal jobs' reports (spills, promotes, remote
+writes and fetches) are committed first and applied once: an interrupt inside one loses the rest of that one
+(not swept here).
 
-The full sweeps of those calls are pinned as ``xfail(strict=True)`` too (``test_sweep_known_bad``,
-``test_disk_sweep_known_bad``), each stopping at its first failing k: once fixed they pass and must become
-ordinary tests.  The fixes proposed for (2b), (3), (4), (5) and (7) were tried together on a scratch copy of
+The full sweeps of those calls were pinned as ``xfail(strict=True)`` too; each is an ordinary test now
+(``test_sweep_an_interrupt_at_any_call_return_leaks_and_loses_nothing``,
+``test_disk_sweep_leaks_and_loses_nothing``).  The fixes proposed for (2b), (3), (4), (5) and (7) were tried together on a scratch copy of
 the library (not here): their targeted tests pass, and so do the full sweeps of ``cancel``, ``free_block`` and
 ``invalidate`` of a store and of ``invalidate`` of a READY key (host tier) and of ``free_block`` of a load
 waiting for its reads (disk tier); (1), (2) and (6) were not tried (larger changes).
@@ -140,6 +146,11 @@ Suspected, not shown:
   between.
 * ``DiskStore.queue_promote`` interrupted (disk/store.py:280, load of a disk-only key k=28) leaves the promote
   in flight for ever, as in (6); the fix there must cover the store's own bookkeeping too.
+
+Since the fix of (2): ``_block_until`` leaves a report it waited for queued (``CompletionQueue.wait``);
+``release_load`` releases through ``TierIndex.release_taken`` (each lease leaves the job's list with its count);
+a store's spills and remote writes start after its commit, once (an interrupt there may leave a spill unstarted
+or half-started: the internal jobs are not swept here).
 """
 
 from __future__ import annotations
@@ -430,9 +441,8 @@ SOUND = ["free_block_load_row", "free_block_copied_load_row", "cancel",
          # fixed (3), (4), (5), (7): pinned since
          "free_block_store_row", "invalidate", "cancel_store", "free_block_single_store_row",
          "invalidate_stored_key", "invalidate_ready",
-         # fixed (1)
-         "store", "store_many", "load", "load_many"]
-KNOWN_BAD = ["poll", "wait_jobs", "wait_all"]
+         # fixed (1), (2)
+         "store", "store_many", "load", "load_many", "poll", "wait_jobs", "wait_all"]
 
 
 @pytest.mark.parametrize("name", SOUND)
@@ -441,16 +451,6 @@ def test_sweep_an_interrupt_at_any_call_return_leaks_and_loses_nothing(name: str
     k, fails = sweep(name, stop_first=False)
     assert not fails, "\n".join(fails)
     assert k > 5, f"only {k - 1} interrupt points swept: the hook did not see the library's calls"
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="interrupts in applying reports (2) break the guarantees: see the targeted tests")
-@pytest.mark.parametrize("name", KNOWN_BAD)
-def test_sweep_known_bad(name: str) -> None:
-    """The full sweep of each call still failing; stops at the first failing k.  Once (2) is fixed this must pass
-    for every k: move ``name`` to ``SOUND``."""
-    k, fails = sweep(name, stop_first=True)
-    assert not fails, fails[0]
 
 
 def _interrupt_once(point: tuple[str, str, str, str, str], retry: bool) -> None:
@@ -520,9 +520,6 @@ APPLY_POINTS = [
 ]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "a report is taken off the queue, and its job off TierCore.jobs, before its completion is in _outbox, with no "
-    "handler: an interrupt in between (drain, apply_arrived's loop, apply, _apply_store/_apply_load, _ok) loses it"))
 @pytest.mark.parametrize("entry", ["poll", "wait_jobs"])
 @pytest.mark.parametrize("point", APPLY_POINTS, ids=[p[0] for p in APPLY_POINTS])
 def test_an_interrupted_poll_loses_no_report(point: tuple[str, str, str, str, int], entry: str) -> None:
@@ -532,7 +529,7 @@ def test_an_interrupted_poll_loses_no_report(point: tuple[str, str, str, str, in
     Set-up: a store_many (k4, k5) and a load (k0 -> row 10) whose copies ended (reports queued), a store (k6)
     and a load_many not started; ``poll()`` (or ``wait(held)``) interrupted at one call return of the apply path.
 
-    What is wrong: ``CompletionQueue.drain`` builds its list with ``[get() for _ in range(n)]`` (reports.py:75):
+    What it proved wrong: ``CompletionQueue.drain`` built its list with ``[get() for _ in range(n)]`` (reports.py:75):
     an interrupt at a ``get_nowait`` return or the comprehension's drops the reports taken; ``apply_arrived``
     (tiers.py:715-716) holds the drained list in a local: an interrupt in one ``apply`` drops every report after
     it; ``TierCore.apply`` pops the job from ``jobs`` first (tiers.py:669) and the front end's
@@ -541,13 +538,9 @@ def test_an_interrupted_poll_loses_no_report(point: tuple[str, str, str, str, in
     even DONE: ``wait([job])`` returns, ``poll()`` never reports it).  Sweep: poll k=18..49, wait(jobs) k=50..90
     and 217..256.  A store interrupted before ``publish_store`` also leaves its keys WRITING for ever.
 
-    Proposed fix: keep a report where the next call finds it until its completion is out -- the round-28
-    ``SlabCopier`` pattern: ``drain_into(completions._kept, q)`` (C calls only) instead of ``drain()``'s list; in
-    ``apply_arrived`` apply ``kept[0]`` and ``popleft()`` it only after ``apply`` returned; and make ``apply``
-    re-entrant for the same report: look the job up with ``jobs.get`` and pop it as the last step, right after
-    the completion is appended (no call in between), with each step before it idempotent on a second pass
-    (``_drop_job``/``_unfence_load`` are; ``publish_all`` on READY entries, ``release_all`` guarded by
-    ``job._entries`` being emptied first, ``metrics.moved`` after the append)."""
+    Fixed as proposed (see "How (2) was fixed" above): the report stays at the front of the kept deque until
+    applied, the job leaves ``jobs`` at the commit with its completion, every step before is safe to run again
+    and the counts run after."""
     _, file, caller, callee, nth = point
     w = World()
     try:

@@ -38,6 +38,7 @@ from prometheus_client import CollectorRegistry
 
 from .config import TieredKVConfig
 from .core import CLOSE_TIMEOUT_S, TierCore
+from .core.tiers import Applied
 from .core import POLL_SLICE_S as _POLL_SLICE_S, WAKE_S as _WAKE_S
 from .checks import (SUPPORTED_DTYPES, check_block, check_device_blocks, check_key, check_many, check_mover_factory,
                      check_registry, check_timeout, NOT_SEQUENCES, pin_decision, plain_alias)
@@ -108,10 +109,14 @@ def _drop_job(m: dict[Any, Any], ks: Sequence[Any], job: Job) -> None:
         held = m.get(k)
         if held is job:
             del m[k]
-        elif type(held) is list and job in held:
-            held.remove(job)
-            if len(held) == 1:
-                m[k] = held[0]
+        elif type(held) is list:
+            if job in held:
+                held.remove(job)
+            if len(held) <= 1:   # (also a list an interrupted pass left so)
+                if held:
+                    m[k] = held[0]
+                else:
+                    del m[k]
 
 
 def _slots(entries: list[Any]) -> list[int]:
@@ -202,7 +207,6 @@ class TierManager:
         self._owner_tag = object()
         self._max_key_bytes = config.max_key_bytes
         self._deliver: list[Job] = []                 # cancelled jobs to report at the next poll
-        self._outbox: list[Completion] = []           # applied, not yet returned by poll()/wait()
         # row -> the store reading it, or a list when several do (live jobs only): one store per row is the rule
         self._row_stores: dict[int, Any] = {}
         self._row_load: dict[int, Job] = {}           # row -> the load writing it (live jobs only)
@@ -227,8 +231,11 @@ class TierManager:
             self._mover.close()
             raise
         try:   # (the disk and remote tiers are open: anything raising from here closes them)
-            core.on_store = self._apply_store
-            core.on_load = self._apply_load
+            # (completions applied, not yet returned by poll()/wait(), wait in core.outbox)
+            core.on_store = self._store_reported
+            core.after_store = self._store_applied
+            core.on_load = self._load_reported
+            core.after_load = self._load_applied
             core.on_load_ready = self._load_ready
             core.on_load_failed = self._load_failed
             core.cancel_hook = self._cancel
@@ -467,7 +474,8 @@ class TierManager:
         if self._closed:
             self._check_open()  # raises
         self._poll(True)
-        out, self._outbox = self._outbox, []
+        core = self._core
+        out, core.outbox = core.outbox, []
         return out
 
     def wait(self, jobs: Optional[Iterable[Job]] = None, timeout: Optional[float] = None) -> list[Completion]:
@@ -489,7 +497,8 @@ class TierManager:
             n = self._core.n_in_flight
             self._block_until(lambda: n[_STORE] == 0 and n[_LOAD] == 0 and n[_PROMOTE] == 0 and n[_FETCH] == 0
                               and not self._deliver, timeout)
-            out, self._outbox = self._outbox, []
+            core = self._core
+            out, core.outbox = core.outbox, []
             return out
         if isinstance(jobs, Job) or not isinstance(jobs, Iterable):
             raise InvalidJobError(f"jobs must be an iterable of Job or None, got {type(jobs).__name__}: {jobs!r:.120}")
@@ -509,7 +518,8 @@ class TierManager:
             return i == len(targets)
 
         self._block_until(all_reported, timeout)
-        out, self._outbox = self._outbox, []
+        core = self._core
+        out, core.outbox = core.outbox, []
         return out
 
     def flush(self, timeout: Optional[float] = None) -> bool:
@@ -613,7 +623,7 @@ class TierManager:
         return {
             "jobs": len(self._jobs),
             "deliver": len(self._deliver),
-            "outbox": len(self._outbox),
+            "outbox": len(self._core.outbox),
             "row_stores": len(self._row_stores),
             "row_load": len(self._row_load),
             "key_loads": len(self._key_loads),
@@ -701,7 +711,6 @@ class TierManager:
                     until = now + _HELP_SLICE_S if deadline is None else min(now + _HELP_SLICE_S, deadline)
                     while time.monotonic() < until and mover.help_one():
                         pass
-                    report = None
                 else:
                     # wake each slice while a polled mover's copies end unseen (harvested at each wake-up) or the
                     # disk I/O process's pipe holds ops back (sent at each); else at the next report: a wake-up
@@ -711,9 +720,7 @@ class TierManager:
                         step = _POLL_SLICE_S if remaining is None else min(_POLL_SLICE_S, remaining)
                     if step is None or step > _WAKE_S:
                         step = _WAKE_S
-                    report = self._completions.get(step)
-                if report is not None:
-                    core.apply(report)
+                    self._completions.wait(step)   # a report that came stays queued: applied below
                 if now - last_full >= _HELP_SLICE_S:
                     self._poll()
                     last_full = now
@@ -729,57 +736,84 @@ class TierManager:
             core.read_here, core.read_until = False, None
             self._poll(True)
 
-    def _apply_store(self, job: Job, r: Report) -> None:
+    # ------------------------------------------------------------ internals: reports (TierCore.apply's hooks)
+    def _store_reported(self, job: Job, r: Report) -> Applied:
+        """A store's report, up to its commit: safe to run again (an interrupt leaves the report queued)."""
         self._drop_row_stores(job)
         core = self._core
         if job.state is not _PENDING:  # cancelled: delivered or queued for delivery
             core.drop_store(job, failed=False)
-            return
+            return None, None, None
         if not r.ok:
             core.drop_store(job, failed=True)
-            self._fail(job, r, "host")
-            return
-        core.publish_store(job)
-        self._ok(job, r, _D2H)
+            job.error = r.error or "failed"
+            return _FAILED, Completion(job, False, f"failed: {job.error}"), None
+        return _DONE, _tuple_new(Completion, (job, True, None)), core.publish_entries(job)
 
-    def _apply_load(self, job: Job, r: Report) -> None:
+    def _store_applied(self, job: Job, r: Report, published: Any) -> None:
+        """After a store's commit, once: its counts, and its spills and remote writes (write-through)."""
+        core = self._core
+        state = job.state
+        if state is _DONE:
+            core.after_publish(job, published)
+            self._count_ok(job, r, _D2H)
+        elif state is _FAILED:
+            core.count_dropped(job, failed=True)
+            self._count_failed(job, "host")
+        else:
+            core.count_dropped(job, failed=False)
+
+    def _load_reported(self, job: Job, r: Report) -> Applied:
+        """A load's report, up to its commit: safe to run again (an interrupt leaves the report queued)."""
         self._unfence_load(job)
         self._core.release_load(job)
-        if job.state is not _PENDING:
-            self._core.stale(_LOAD, job.cancel_reason or _R_CANCELLED, job.token)
-            self._finish_cancelled(job)
-        elif not r.ok:
-            self._fail(job, r, "device")
+        if job.state is not _PENDING:   # cancelled with its copy queued: this report delivers it
+            job.error = err = _CANCELLED_ERROR[job.cancel_reason or _R_CANCELLED]
+            return _CANCELLED, _tuple_new(Completion, (job, False, err)), None
+        if not r.ok:
+            job.error = r.error or "failed"
+            return _FAILED, Completion(job, False, f"failed: {job.error}"), None
+        return _DONE, _tuple_new(Completion, (job, True, None)), None
+
+    def _load_applied(self, job: Job, r: Report, extra: Any) -> None:
+        """After a load's commit, once: its counts."""
+        state = job.state
+        if state is _DONE:
+            self._count_ok(job, r, _H2D)
+        elif state is _FAILED:
+            self._count_failed(job, "device")
         else:
-            self._ok(job, r, _H2D)
+            self._core.stale(_LOAD, job.cancel_reason or _R_CANCELLED, job.token)
+            self.metrics.count(self.metrics.job_outcome[(_LOAD, "cancelled")])
 
     def _load_failed(self, job: Job, error: str) -> None:
         """A load whose read from disk failed (the core dropped its record): nothing reaches its rows."""
         self._unfence_load(job)
         self._fail(job, Report(job.token, _LOAD, False, error), "disk")
 
-    def _ok(self, job: Job, r: Report, link: tuple[str, str]) -> None:
-        # callers apply only PENDING jobs, and PENDING -> DONE is always allowed (jobs.ALLOWED_MOVES)
-        job.state = _DONE
+    def _count_ok(self, job: Job, r: Report, link: tuple[str, str]) -> None:
         n = len(job.keys)   # the histogram is one block's copy: the job's time shared by its blocks
         self.metrics.moved(job.kind, link, r.nbytes, r.seconds / n, 1, n)
-        self._outbox.append(_tuple_new(Completion, (job, True, None)))
 
-    def _fail(self, job: Job, r: Report, tier: str) -> None:
-        job._move(_FAILED)
-        job.error = r.error or "failed"
+    def _count_failed(self, job: Job, tier: str) -> None:
         self.metrics.count(self.metrics.job_outcome[(job.kind, "failed")])
         if not job.error.startswith("miss"):
             self.metrics.error(tier, "copy_failed")
             log.warning("%s job %s for key %r failed: %s", job.kind, job.token, job.key, job.error)
-        self._outbox.append(Completion(job, False, f"failed: {job.error}"))
+
+    def _fail(self, job: Job, r: Report, tier: str) -> None:
+        """A load given up outside a report's application (its read from disk failed, the manager closed)."""
+        job._move(_FAILED)
+        job.error = r.error or "failed"
+        self._core.outbox.append(Completion(job, False, f"failed: {job.error}"))
+        self._count_failed(job, tier)
 
     def _finish_cancelled(self, job: Job) -> None:
         err = _CANCELLED_ERROR[job.cancel_reason or _R_CANCELLED]
         c = _tuple_new(Completion, (job, False, err))
         job.state = _CANCELLED   # then no call until the completion is out
         job.error = err
-        self._outbox.append(c)
+        self._core.outbox.append(c)
         self.metrics.count(self.metrics.job_outcome[(job.kind, "cancelled")])
 
     # ------------------------------------------------------------ internals: cancellation

@@ -74,6 +74,24 @@ class CompletionQueue:
         get = q.get_nowait
         return [get() for _ in range(n)]
 
+    def arrived(self) -> "collections.deque[Any]":
+        """Every report queued so far, moved in C to the end of the kept deque, which is returned: the consumer
+        takes each off its front once applied, so that an interrupt loses none (:func:`drain_into`)."""
+        kept = self._kept
+        drain_into(kept, self._q)
+        return kept
+
+    def wait(self, timeout: Optional[float]) -> bool:
+        """Wait at most ``timeout`` seconds (None: for ever) until a report is there; it is left queued, at the
+        front of the kept deque (:meth:`arrived` takes it with the rest).  False when none came."""
+        if self._kept:
+            return True
+        try:
+            get_within(self._q, timeout, self._kept, leave=True)
+        except queue.Empty:
+            return False
+        return True
+
     def get(self, timeout: Optional[float]) -> Optional[Any]:
         """The next report, waiting at most ``timeout`` seconds (None: for ever); None when none came."""
         if self._kept:

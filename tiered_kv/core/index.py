@@ -29,7 +29,7 @@ import enum
 import uuid
 from collections import deque
 from collections.abc import Callable, Collection, Container, Iterator, Sequence
-from itertools import islice, repeat
+from itertools import chain, islice, repeat
 from typing import Any, Optional
 
 from ..untrack import untrack
@@ -497,25 +497,55 @@ class TierIndex:
 
     def release_all(self, entries: Sequence[Optional[Entry]]) -> None:
         """:meth:`release` for each of ``entries`` that is not None (a load's, released together)."""
+        self.release_taken(list(entries))
+
+    def release_taken(self, entries: list[Optional[Entry]]) -> None:
+        """:meth:`release_all` of the holder's own list, emptied as it goes: each entry leaves the list in C
+        and its count drops before any call (an interrupt lands at a call's return), so that run again after
+        an interrupt it releases exactly the entries not released yet; the one whose release was broken off
+        is put back where its count says (:meth:`_settle`)."""
         lru, unlease, pinned = self._lru, self.policy.unlease, self._pinned
-        for e in entries:
-            if e is None:
-                continue
-            n = e.readers
-            if n <= 0:
-                raise AssertionError(f"release without acquire: {e!r}")  # internal bug
-            e.readers = n - 1
-            if n == 1:
-                if pinned and e in pinned:
-                    pinned.discard(e)   # never left the policy
-                    self._maybe_free(e)
-                elif e.live and e.state is _READY:
-                    if lru is not None:
-                        lru[e.key] = e   # LRU.unlease written out
+        e = None
+        try:
+            for e in map(list.pop, repeat(entries, len(entries)), repeat(0)):
+                if e is None:
+                    continue
+                n = e.readers
+                if n <= 0:
+                    raise AssertionError(f"release without acquire: {e!r}")  # internal bug
+                e.readers = n - 1
+                if n == 1:
+                    if pinned and e in pinned:
+                        pinned.discard(e)   # never left the policy
+                        self._maybe_free(e)
+                    elif e.live and e.state is _READY:
+                        if lru is not None:
+                            lru[e.key] = e   # LRU.unlease written out
+                        else:
+                            unlease(e)
                     else:
-                        unlease(e)
-                else:
-                    self._maybe_free(e)
+                        self._maybe_free(e)
+        except BaseException:
+            if e is not None:
+                self._settle(e)
+            raise
+
+    def _settle(self, e: Entry) -> None:
+        """``e``'s lease was released by a call an interrupt broke off: with no reader left, it goes where its
+        state says (back in the default policy's order if live and READY, its slot freed if removed); each
+        step is skipped when done already.  Another policy's order cannot be asked, and is left as it is."""
+        if e.readers:
+            return
+        pinned = self._pinned
+        if pinned and e in pinned:
+            pinned.discard(e)
+            self._maybe_free(e)
+        elif e.live and e.state is _READY:
+            lru = self._lru
+            if lru is not None and e.key not in lru:
+                lru[e.key] = e
+        else:
+            self._maybe_free(e)
 
     def remove(self, entry: Entry) -> None:
         """Take the entry out of the index; its slot is freed once no lease holds it."""
@@ -535,9 +565,10 @@ class TierIndex:
 
     # -- internals -------------------------------------------------------
     def _maybe_free(self, entry: Entry) -> None:
-        if not entry.live and not entry.writing and entry.readers == 0 and entry.slot >= 0:
-            self._free.append(entry.slot)
-            entry.slot = -1
+        slot = entry.slot
+        if not entry.live and not entry.writing and entry.readers == 0 and slot >= 0:
+            entry.slot = -1   # before the append, with no call between: run again, it never frees the slot twice
+            self._free.append(slot)
 
     def evict_ahead(self, free: int, protect: Collection[bytes] = ()) -> int:
         """Evict the policy's victims until ``free`` slots are free or nothing is evictable, never an entry
@@ -575,17 +606,19 @@ class TierIndex:
             keys = list(islice(lru, n))
         if protect and not set(keys).isdisjoint(protect):
             return False
-        victims = list(map(lru.pop, keys))
+        victims = list(map(lru.__getitem__, keys))
         on_evict = self._on_evict
         if on_evict is not None:
             _consume(map(on_evict, victims))
-        _consume(map(self._entries.__delitem__, keys))
-        self._free += [e.slot for e in reversed(victims)]   # pop() takes the oldest victim's slot first
-        for e in victims:   # _evicted, the rest of it
-            e.live = False
-            e.slot = -1
-        self.evictions += len(victims)
-        return len(victims) == n
+        slots = [e.slot for e in reversed(victims)]   # pop() takes the oldest victim's slot first
+        m = len(victims)
+        # _evicted for each, in one C call (no Python code runs in it, so no interrupt lands inside): out of the
+        # order and the map, their slots free, each marked removed -- all of it or none
+        _consume(chain(map(lru.pop, keys), map(self._entries.__delitem__, keys), map(self._free.append, slots),
+                       map(setattr, victims, repeat("live", m), repeat(False)),
+                       map(setattr, victims, repeat("slot", m), repeat(-1))))
+        self.evictions += m
+        return m == n
 
     def _evict_one(self, protect: Collection[bytes], key: bytes) -> bool:
         entry = self.policy.victim(protect, key)
@@ -604,6 +637,7 @@ class TierIndex:
             self._on_evict(entry)
         entry.live = False
         del self._entries[entry.key]
-        self._free.append(entry.slot)
-        entry.slot = -1
+        slot = entry.slot
+        entry.slot = -1   # (as in _maybe_free)
+        self._free.append(slot)
         self.evictions += 1

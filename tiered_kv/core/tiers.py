@@ -73,6 +73,16 @@ _PENDING, _CANCELLING, _DONE, _FAILED, _CANCELLED = (JobState.PENDING, JobState.
 _READY, _WRITING = EntryState.READY, EntryState.WRITING
 _state_of = attrgetter("state")
 _writer_int = attrgetter("writer.int")
+
+Applied = tuple[Optional[JobState], Any, Any]
+"""What a front end's ``on_store``/``on_load`` return: the job's new state (None: unchanged), the completion to
+queue in ``TierCore.outbox`` (None: none), and what to hand to ``after_store``/``after_load``."""
+
+
+def _nothing(job: Job, r: Report, extra: Any) -> None:
+    return None
+
+
 _R_CANCELLED, _R_SUPERSEDED, _R_UNKNOWN = StaleReason.CANCELLED, StaleReason.SUPERSEDED, StaleReason.UNKNOWN_TOKEN
 
 EVICT_AHEAD_MAX = 64
@@ -184,8 +194,15 @@ class TierCore:
         self._flushes: dict[uuid.UUID, Optional[FlushDone]] = {}
         # the front end's hooks (set by it): apply its STORE/LOAD reports, start a load whose promotes
         # landed, and cancel one of its jobs (a promote's waiting load, an invalidated store)
-        self.on_store: Callable[[Job, Report], None] = self._no_front_end
-        self.on_load: Callable[[Job, Report], None] = self._no_front_end
+        # on_store/on_load: a report's application up to its commit, safe to run again (see apply); they return the
+        # job's new state (None: unchanged) and the completion to queue in ``outbox`` (None: none), and an object
+        # handed to after_store/after_load, which run once after the commit
+        self.on_store: Callable[[Job, Report], Applied] = self._no_front_end
+        self.on_load: Callable[[Job, Report], Applied] = self._no_front_end
+        self.after_store: Callable[[Job, Report, Any], None] = _nothing
+        self.after_load: Callable[[Job, Report, Any], None] = _nothing
+        self.outbox: list[Any] = []   # the front end's completions (TierManager's; poll() takes the list)
+        self.applied: Any = None      # a report whose application was committed, still queued (see apply_arrived)
         self.on_load_ready: Callable[[Job], None] = lambda job: None
         self.on_load_failed: Callable[[Job, str], None] = lambda job, error: None
         self.cancel_hook: Callable[[Job, StaleReason], None] = self.cancel
@@ -214,7 +231,7 @@ class TierCore:
                 raise
 
     @staticmethod
-    def _no_front_end(job: Job, r: Report) -> None:  # pragma: no cover - a front end always sets its hooks
+    def _no_front_end(job: Job, r: Report) -> Applied:  # pragma: no cover - a front end always sets its hooks
         raise AssertionError(f"no front end applies {job.kind} reports")
 
     # ------------------------------------------------------------------ tokens, accounting
@@ -346,7 +363,18 @@ class TierCore:
 
     def publish_store(self, job: Job) -> list[Entry]:
         """A PENDING store's copies landed: its live parts become READY (and spill, write-through)."""
-        out = self.index.publish_all(job._entries)   # a cancelled part's entry left the index already
+        out = self.publish_entries(job)
+        self.after_publish(job, out)
+        return out
+
+    def publish_entries(self, job: Job) -> list[Entry]:
+        """:meth:`publish_store`'s first part, safe to run again (a report whose application an interrupt broke
+        off is applied again): the live parts READY; returns them."""
+        return self.index.publish_all(job._entries)   # a cancelled part's entry left the index already
+
+    def after_publish(self, job: Job, out: list[Entry]) -> None:
+        """:meth:`publish_store`'s second part, run once its report is applied (``out``: its live parts): cancelled
+        parts counted stale, the live ones spilled (write-through) and put to the remote tier."""
         dead = job._dead
         if dead is not None:
             for reason in dead.values():
@@ -362,30 +390,33 @@ class TierCore:
                     for e in out:
                         remote.no_slot.pop(e.key, None)
                 self.start_puts(out)
-        return out
 
     def drop_store(self, job: Job, failed: bool) -> None:
         """A store's report that publishes nothing: it failed (the front end reports and counts it) or
-        was cancelled (counted stale here)."""
-        index, dead = self.index, job._dead
+        was cancelled (counted stale: :meth:`count_dropped`).  Safe to run again: each entry leaves the
+        index and its writer's hold on the slot goes, once."""
+        index = self.index
+        for e in job._entries:
+            if e.live:
+                index.abort(e)   # a failed store's parts; a cancelled one's that a cancel interrupted left
+            index.writer_done(e)
+
+    def count_dropped(self, job: Job, failed: bool) -> None:
+        """:meth:`drop_store`'s counts, run once its report is applied: the parts (or the whole job) cancelled
+        before the report are discarded reports, counted stale (a failed one's cancelled parts too, whatever
+        the copy did)."""
+        dead = job._dead
         if failed:
-            if dead is not None:   # its parts cancelled before the report: discarded, whatever the copy did
+            if dead is not None:
                 for reason in dead.values():
                     self.stale(_STORE, reason, job.token)
-            for e in job._entries:
-                index.writer_done(e)
-                index.abort(e)
-        else:
-            why = job.cancel_reason or _R_CANCELLED
-            if dead is None:   # cancelled whole: one report discarded
-                self.stale(_STORE, why, job.token)
-            else:   # its parts cancelled one by one (cancel_part): each with its own reason, as publish_store
-                for i in range(len(job._entries)):
-                    self.stale(_STORE, dead.get(i) or why, job.token)
-            for e in job._entries:
-                if e.live:
-                    index.abort(e)   # a cancel interrupted before it aborted this part
-                index.writer_done(e)
+            return
+        why = job.cancel_reason or _R_CANCELLED
+        if dead is None:   # cancelled whole: one report discarded
+            self.stale(_STORE, why, job.token)
+        else:   # its parts cancelled one by one (cancel_part): each with its own reason, as after_publish
+            for i in range(len(job._entries)):
+                self.stale(_STORE, dead.get(i) or why, job.token)
 
     def settle_cancelled(self, job: Job) -> None:
         """A cancelled STORE/LOAD whose copies are known to be over, without a report to apply (the
@@ -490,16 +521,19 @@ class TierCore:
         return job
 
     def release_load(self, job: Job) -> None:
-        """A load's report was applied (or it was given up before a copy was queued): free its leases.  Taken off
-        the job first: run again after an interrupt it releases none twice (one it broke off stays leased)."""
-        entries, job._entries = job._entries, []
-        self.index.release_all(entries)
+        """A load's report was applied (or it was given up before a copy was queued): free its leases, and take
+        it off the promotes it waited for.  Safe to run again after an interrupt: each lease leaves the job's
+        list as it is released (:meth:`TierIndex.release_taken`), and the promotes forget it before it forgets
+        them."""
+        entries = job._entries
+        if entries:
+            self.index.release_taken(entries)
         waits = job._waiters
         if waits:
-            job._waiters = None
             for p in waits:
                 if p._waiters:
                     p._waiters[:] = [w for w in p._waiters if w[0] is not job]
+            job._waiters = None
 
     def abandon(self, job: Job) -> None:
         """A load given up before any copy was queued (it waited for promotes): no report will come,
@@ -701,27 +735,48 @@ class TierCore:
 
     # ------------------------------------------------------------------ reports
     def apply(self, r: Any) -> None:
-        """Apply one worker report: to the live job its token names, else counted and dropped."""
+        """Apply one worker report: to the live job its token names, else counted and dropped.
+
+        A STORE/LOAD report's application is all-or-nothing under an interrupt.  The front end's ``on_store``/
+        ``on_load`` do what may run again (the job stays in ``jobs``: an interrupt there leaves the report at the
+        front of the queue, applied again by the next pass); then the commit, with no call from the record's
+        removal to the completion's append (an interrupt lands at a call's return): the record goes, the job
+        takes its new state, ``applied`` names the report (so that a pass after an interrupt past the commit
+        skips it) and the completion is queued; then ``after_store``/``after_load`` (counts, spills), once.  The
+        internal jobs' reports are committed first and applied once (an interrupt loses the rest of that one)."""
         if type(r) is FlushDone:
             if r.token in self._flushes:
                 self._flushes[r.token] = r
             if not r.ok:
                 self.metrics.error("disk", "flush_failed")
+            self.applied = r
             return
         try:
-            job = self.jobs.pop(r.token.int, None)
+            tok = r.token.int
         except AttributeError:  # not a token at all (a foreign or broken worker): nothing of ours either
-            job = None
+            tok = None
+        jobs = self.jobs
+        job = jobs.get(tok)
         if job is None:
             self._unknown(r)
+            self.applied = r
             return
         kind = job.kind
+        if kind is _STORE or kind is _LOAD:
+            state, c, extra = (self.on_store if kind is _STORE else self.on_load)(job, r)
+            del jobs[tok]   # the commit: no call from here to the append
+            self.n_in_flight[kind] -= 1
+            self.applied = r
+            if state is not None:
+                job.state = state
+            if c is not None:
+                self.outbox.append(c)
+            (self.after_store if kind is _STORE else self.after_load)(job, r, extra)
+            return
+        del jobs[tok]
         self.n_in_flight[kind] -= 1
-        if kind is _STORE:
-            self.on_store(job, r)
-        elif kind is _LOAD:
-            self.on_load(job, r)
-        elif kind is _SPILL:
+        self.applied = r
+        if kind is _SPILL:
             self._apply_spill(job, r)
         elif kind is _PROMOTE:
             self._apply_promote(job, r)
@@ -754,9 +809,23 @@ class TierCore:
         this thread (never waiting on the disk: ``disk/cached.py``), their reports applied below."""
         if self.disk is not None:
             self.disk.store.start_reads(cached_here=self.read_here, until=self.read_until)
+        # each report leaves the queue only once applied (CompletionQueue.arrived moves them to its kept deque in
+        # C): an interrupt in one leaves it and those behind it for the next pass (apply: committed or not)
+        kept = self.completions.arrived()
         apply = self.apply
-        for r in self.completions.drain():
-            apply(r)
+        while kept:
+            r = kept[0]
+            if r is not self.applied:
+                try:
+                    apply(r)
+                except Exception:   # a fault, not an interrupt: that report is not applied again (it would raise again)
+                    if kept and kept[0] is r:
+                        kept.popleft()
+                        self.applied = None
+                    raise
+            kept.popleft()
+            # (cleared once the report is gone: the same report queued again by its producer is stale, counted)
+            self.applied = None
 
     def _apply_spill(self, job: Job, r: Report) -> None:
         """A spill job's one report, for each of its parts: the host slot's lease goes; a cancelled
@@ -771,7 +840,7 @@ class TierCore:
         self.spill_extra -= len(parts) - 1   # their tokens leave jobs below
         where = r.where   # each part's record, as the disk side wrote it (None from a store that does not say)
         if live and r.ok and dead is None and failed is None:   # every part written: the loop below, batched
-            self.index.release_all(job._entries)
+            self.index.release_taken(job._entries)
             for d in parts[1:]:   # the first part's token was the report's
                 jobs.pop(d.writer.int, None)
             if where is not None:
@@ -824,8 +893,8 @@ class TierCore:
             # policy's next victim, evicted ahead before the engine asks for it again (S3-FIFO, ARC)
             self.index.touch(entry)
         for w, i in waiters:
-            if w.state is not _PENDING:
-                continue
+            if w.state is not _PENDING or not w._waiters or job not in w._waiters:
+                continue   # (a load given up meanwhile: release_load took it off the promotes, maybe not this one)
             w._waiters.remove(job)
             if r.ok and entry.live:
                 self.index.acquire(entry, w._entries, i)
@@ -1255,9 +1324,7 @@ class TierCore:
                 return
             if self.unsent():
                 step = min(step, POLL_SLICE_S)
-            r = self.completions.get(step)
-            if r is not None:
-                self.apply(r)
+            self.completions.wait(step)   # a report that came stays queued: applied below
             self.apply_arrived()
             self.kick()
 

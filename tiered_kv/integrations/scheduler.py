@@ -43,6 +43,7 @@ from typing import Any, NamedTuple, Optional
 
 from ..config import TieredKVConfig
 from ..core import CLOSE_TIMEOUT_S, TierCore
+from ..core.tiers import Applied
 from ..core.index import EntryState
 from ..disk.proc import SharedHost
 from ..errors import InvalidKeyError
@@ -128,8 +129,10 @@ class SlabScheduler:
             raise
         try:   # (the disk and remote tiers are open: anything raising from here closes them)
             slab.set_owner(core.tokens.prefix)   # the workers copy only this scheduler's jobs (slab.py: the owner)
-            core.on_store = self._apply_store
-            core.on_load = self._apply_load
+            core.on_store = self._store_reported
+            core.after_store = self._store_applied
+            core.on_load = self._load_reported
+            core.after_load = self._load_applied
             core.cancel_hook = self._cancel_hook
             self._live: dict[JobKind, dict[frozenset[bytes], collections.deque[Job]]] = {_STORE: {}, _LOAD: {}}
             self._quarantine: list[Job] = []   # cancelled jobs whose copies may still touch their slots
@@ -376,9 +379,12 @@ class SlabScheduler:
         # as a store: the outcome is what every rank's ring records (a copy that failed on one rank failed)
         self.core.apply(Report(job.token, _LOAD, self.slab.ok(token_seq(job.token))))
 
-    def _apply_load(self, job: Job, r: Report) -> None:
+    def _load_reported(self, job: Job, r: Report) -> Applied:
+        """TierCore.apply's hook, up to the commit (safe to run again)."""
         self.core.release_load(job)
-        job.state = JobState.DONE if r.ok else JobState.FAILED
+        return (JobState.DONE if r.ok else JobState.FAILED), None, None
+
+    def _load_applied(self, job: Job, r: Report, extra: Any) -> None:
         # job outcomes are counted here, bytes and copy times by the worker that copied them
         self.metrics.count(self.metrics.job_outcome[(_LOAD, "ok" if r.ok else "failed")])
 
@@ -438,14 +444,19 @@ class SlabScheduler:
         ok = success and self.slab.ok(token_seq(job.token))
         self.core.apply(Report(job.token, _STORE, ok))
 
-    def _apply_store(self, job: Job, r: Report) -> None:
+    def _store_reported(self, job: Job, r: Report) -> Applied:
+        """TierCore.apply's hook, up to the commit (safe to run again)."""
         if not r.ok:
-            job.state = JobState.FAILED
             self.core.drop_store(job, failed=True)
+            return JobState.FAILED, None, None
+        return JobState.DONE, None, self.core.publish_entries(job)
+
+    def _store_applied(self, job: Job, r: Report, published: Any) -> None:
+        if not r.ok:
+            self.core.count_dropped(job, failed=True)
             self.metrics.count(self.metrics.job_outcome[(_STORE, "failed")])
             return
-        job.state = JobState.DONE
-        self.core.publish_store(job)
+        self.core.after_publish(job, published)
         self.metrics.count(self.metrics.job_outcome[(_STORE, "ok")])
 
     # ------------------------------------------------------------ jobs

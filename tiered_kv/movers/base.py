@@ -49,7 +49,8 @@ class Mover(abc.ABC):
     """What the owner calls on a mover; every method is called unconditionally.
 
     * ``submit(t)`` (owner thread): take a transfer; it is answered by exactly one
-      :class:`Report` on the mover's completion queue.
+      :class:`Report` on the mover's completion queue.  Sets ``t.taken`` right before the call that
+      queues it (see :class:`Transfer`).
     * ``harvest()``: answer what finished since the last call.  Movers whose reports appear
       only here set ``polled = True``; the default does nothing.
     * ``flush()``: start the transfers the mover queued (one that batches what ``submit``

@@ -1,0 +1,134 @@
+"""A seeded engine whose every call may be interrupted: exactly-once reporting and no leak, whatever call a
+``KeyboardInterrupt`` breaks off.
+
+Each of 30 seeded runs makes 60 random engine calls on a small manager (``store``/``store_many`` from rows 0..9,
+``load``/``load_many`` into rows 10..14, ``cancel``, ``free_block`` -- retried until True, then the engine writes
+the row --, ``invalidate``, ``poll``, ``wait``); each call first runs once interrupted at a random call return
+made from library code (the sweep's hook, ``test_review_round29_sweep._interrupt_at``), then, as an engine
+would, the same call again.  A store or load whose interrupted call never returned its job is not held by the
+caller: it may still be reported (a completion naming a job the caller does not know), and it must leak
+nothing.  After the run, :func:`test_review_round29_sweep.check` (host tier) or
+:func:`test_review_round31.check_disk` (disk tier): every job the caller holds reported exactly once, nothing
+in flight, every row free, every host entry READY and unleased with its slot, the gauges at 0, no row written
+after its load was reported, every ready key loads back the bytes its store copied.
+
+With a disk tier (thread mode) ``poll``/``wait`` are not interrupted: the internal jobs' reports (spills,
+promotes) are applied once, committed first, and an interrupt inside one still loses the rest of it
+(``TierCore.apply``; ``docs/architecture.md``, invariant 1).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Callable, Optional
+
+import pytest
+import torch
+
+import tiered_kv.manager
+from test_review_round29_sweep import ROW_BYTES, World, _interrupt_at, _run_with, check, key
+from test_review_round31 import check_disk
+from tiered_kv.errors import BlockBusyError
+
+STEPS = 60
+WAIT_S = 0.5
+
+
+class _World(World):
+    """:class:`World` that keeps every job a completion names alive: ``seen`` counts completions by ``id``, and a
+    job the caller never held (its call interrupted) would otherwise be freed and its id reused by a new one."""
+
+    def __init__(self, seed: int, disk_path: Optional[str]) -> None:
+        super().__init__(seed, disk_path)
+        self.alive: list[Any] = []
+
+    def take(self, comps: list[Any]) -> None:
+        self.alive.extend(c.job for c in comps)
+        super().take(comps)
+
+
+def _twice(rnd: random.Random, call: Callable[[], Any]) -> Any:
+    """``call()`` interrupted at a random call return, then ``call()`` again (what the engine does after an
+    interrupt it caught); returns the second call's result."""
+    _run_with(_interrupt_at(rnd.randrange(1, 80))[0], call)
+    return call()
+
+
+def _engine(seed: int, disk_path: Optional[str]) -> None:
+    rnd = random.Random(seed)
+    w = _World(seed, disk_path)
+    m = w.mgr
+    ops = ["store", "store_many", "load", "load_many", "cancel", "free", "inval", "poll", "wait"]
+    interrupt_polls = disk_path is None
+    try:
+        for _ in range(STEPS):
+            op = rnd.choice(ops)
+            try:
+                if op in ("store", "store_many"):
+                    n = 1 if op == "store" else 2
+                    rs, ks = rnd.sample(range(10), n), [key(x) for x in rnd.sample(range(24), n)]
+                    j = _twice(rnd, lambda: m.store(ks[0], rs[0]) if n == 1 else m.store_many(ks, rs))
+                    # the bytes each key holds: its row's where the retry's job stores it; where not, the interrupted
+                    # call's job may or may not have stored it (or an older store did): not checked
+                    got = {} if j is None else dict(zip(j.keys, j.blocks))
+                    for k, r in zip(ks, rs):
+                        if k in got:
+                            w.expect[k] = w.row(r)
+                        else:
+                            w.expect.pop(k, None)
+                    if j is not None:
+                        w.held.append(j)
+                elif op == "load":
+                    k, r = key(rnd.randrange(0, 24)), rnd.randrange(10, 15)
+                    _twice(rnd, lambda: w.load(k, r))
+                elif op == "load_many":
+                    ks, rs = [key(x) for x in rnd.sample(range(24), 2)], rnd.sample(range(10, 15), 2)
+                    _twice(rnd, lambda: w.load_many(ks, rs))
+                elif op == "cancel" and w.held:
+                    j = rnd.choice(w.held)
+                    _twice(rnd, lambda: m.cancel(j))
+                elif op == "free":
+                    r = rnd.randrange(0, 15)
+                    _run_with(_interrupt_at(rnd.randrange(1, 80))[0], lambda: m.free_block(r))
+                    for _ in range(20):
+                        if m.free_block(r):
+                            break
+                        w.take(m.wait(timeout=0.05))
+                    else:
+                        raise AssertionError(f"seed {seed}: free_block({r}) never True")
+                    pat = bytes([rnd.randrange(256)]) * ROW_BYTES
+                    w.kv[r] = torch.frombuffer(bytearray(pat), dtype=torch.uint8)
+                    if r in w.sentinel:
+                        w.sentinel[r] = pat
+                elif op == "inval":
+                    k = key(rnd.randrange(0, 24))
+                    _twice(rnd, lambda: m.invalidate(k))
+                    w.expect.pop(k, None)
+                elif op == "poll":
+                    if interrupt_polls:
+                        _run_with(_interrupt_at(rnd.randrange(1, 120))[0], lambda: w.take(m.poll()))
+                    w.take(m.poll())
+                else:
+                    if interrupt_polls:
+                        _run_with(_interrupt_at(rnd.randrange(1, 200))[0], lambda: w.take(m.wait(timeout=0.05)))
+                    w.take(m.wait(timeout=0.05))
+            except BlockBusyError:
+                pass
+        label = f"seed {seed} ({'disk' if disk_path else 'host'} tier)"
+        if disk_path is None:
+            check(w, label)
+        else:
+            check_disk(w, label)
+    finally:
+        m.close()
+
+
+def test_a_seeded_engine_every_call_interrupted_host_tier() -> None:
+    for seed in range(30):
+        _engine(seed, None)
+
+
+def test_a_seeded_engine_every_call_interrupted_disk_tier(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tiered_kv.manager, "CLOSE_TIMEOUT_S", WAIT_S)
+    for seed in range(30):
+        _engine(seed, str(tmp_path / f"d{seed}"))
