@@ -4,8 +4,7 @@ deliveries loses and corrupts nothing), reviewed for new bugs in the normal path
 reused here) did not try -- chiefly the same interrupts with a disk tier in thread mode (``disk_io="thread"``), where
 loads wait for reads from disk (PROMOTE jobs) and ``invalidate`` cancels a promote.
 
-What it proved wrong: 1 is fixed (its test fails on the tree before the fix and passes now); 2 is open, a strict
-xfail with its proposed fix in the test's docstring:
+What it proved wrong: 1 and 2 are fixed (each test fails on the tree before its fix and passes now):
 
 1. ``test_an_interrupted_invalidate_of_a_key_being_read_from_disk_leaks_nothing`` -- ``invalidate(key)`` of a key
    whose read from disk is in flight (a load_many waits for it) cancels the PROMOTE through ``TierCore.cancel``,
@@ -188,9 +187,6 @@ def test_an_interrupted_invalidate_of_a_key_being_read_from_disk_leaks_nothing(t
         m.close()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "an interrupt at the return of Condition.__enter__ in disk Writer.push (invalidate's tomb) leaves the writer's "
-    "lock held: the engine thread's next push (a touch, tomb, flush) deadlocks"))
 def test_an_interrupted_invalidate_never_leaves_the_disk_writer_locked(tmp_path: Any, monkeypatch: Any) -> None:
     """Contract (the commit's): an interrupt at any call return inside ``invalidate`` corrupts nothing; later calls
     return.
@@ -202,18 +198,21 @@ def test_an_interrupted_invalidate_never_leaves_the_disk_writer_locked(tmp_path:
     it is never released (CPython's known window, bpo-29988: a signal handler runs at the eval-breaker check
     after ``Lock.__enter__`` returns inside ``Condition.__enter__``).
 
-    What is wrong: the next ``Writer.push`` on the engine thread (here the promote's ``submit_touch`` applied by the
-    following ``wait()``) blocks for ever on ``with self._cond:`` -- the engine hangs inside ``wait()``/``poll()``;
-    the writer thread, waiting on the same condition, never wakes either.  (This test only checks the lock, so it
-    fails fast instead of hanging; it releases the leaked lock before ``close()``.)
+    What it proved wrong: the next ``Writer.push`` on the engine thread (here the promote's ``submit_touch`` applied by
+    the following ``wait()``) blocked for ever on ``with self._cond:`` -- the engine hung inside ``wait()``/``poll()``;
+    the writer thread, waiting on the same condition, never woke either.  (This test only checks the lock, so it
+    fails fast instead of hanging; it releases a leaked lock before ``close()``.)
 
-    Proposed fix: make the engine thread's side of the disk writer lock-free, so no interrupt can leave a lock
-    held: in ``Writer.push``/``submit_spills`` (disk/writer.py) queue the op with one atomic C call on a
-    ``collections.deque`` inbox (``self._inbox.append(op)``: either queued or not) and wake the writer with a
-    ``threading.Event`` (``set()`` is safe to repeat); the writer thread moves the inbox into ``_ops`` under its own
-    lock and does the touch de-duplication and the ``queue_blocks`` bound there (the bound for spills can stay an
-    owner-side counter).  (Rewriting ``with self._cond:`` as ``acquire()`` + ``try/finally`` does not close the
-    window: the interrupt can still land between the acquire's return and the ``try``.)"""
+    Fixed: the engine thread's side of the disk writer (``submit_spills``, ``push``, ``begin_close``,
+    ``settle_orphans``) takes the condition's raw lock with ``with self._lock:`` instead of ``with self._cond:``.
+    ``Lock.__enter__`` is C, called by the BEFORE_WITH opcode, and the ``with`` block's exception handler covers the
+    instruction right after it with no eval-breaker check in between (CPython 3.11: ``dis`` shows the handler's
+    range starting at the POP_TOP after BEFORE_WITH; a blocked acquire a signal interrupts raises without taking the
+    lock).  Each op is queued with its counts in one run of bytecodes with no call (``+=``), so an interrupt leaves
+    it queued once or not at all; a wake-up cut off inside ``Condition.notify`` only delays the op (the writer's
+    waits are timed).  The lock-free inbox proposed here was not needed.  ``tests/test_interrupt_locks.py`` sweeps
+    every call return inside each of those methods (threading.py's frames included), and the remote store's
+    owner-side calls, fixed the same way."""
     monkeypatch.setattr(tiered_kv.manager, "CLOSE_TIMEOUT_S", WAIT_S)
     w = World(29, str(tmp_path / "disk"))
     m = w.mgr
@@ -221,7 +220,11 @@ def test_an_interrupted_invalidate_never_leaves_the_disk_writer_locked(tmp_path:
     leaked = False
     try:
         prepare_disk(w)
-        hook, fired = _interrupt_on("disk/writer.py", "push", "__enter__")
+        # the first call return inside push (threading.py's frames included): Condition.__enter__'s before the fix,
+        # which took the lock with ``with self._cond:``; the first call inside the ``with self._lock:`` block after it
+        from test_interrupt_locks import _interrupt_inside
+        from tiered_kv.disk.writer import Writer
+        hook, fired = _interrupt_inside(Writer.push, 1)
         _run_with(hook, lambda: ACTIONS["invalidate"](w))
         assert fired, "the hook never fired"
         got = lock.acquire(timeout=1.0)

@@ -45,6 +45,7 @@ MIN_READERS = 126           # LMDB's default reader table; more readers get 4 sl
 MAP_GROWTH = 1.5            # a grown map is at least this much larger: few growths, each under an exclusive lock
 GROW_NEED_FACTOR = 4        # ... and holds this many times what the batch that asked needs, beyond what is used
 GROW_SPARE_BLOCKS = 16      # ... plus room for this many more index records of a block each (page-rounded)
+RW_WAKE_S = 1.0             # a RWLock waiter looks again at least this often (a wake-up an interrupt cut off)
 GROW_FREE_SHARE = 4         # growing needs 1/this of the new room free on the device now (the file grows as pages are written)
 
 
@@ -62,36 +63,43 @@ def map_in_use(env: Any) -> int:
 
 
 class RWLock:
-    """Many readers or one exclusive holder (the writer growing the map)."""
+    """Many readers or one exclusive holder (the writer growing the map).
+
+    Interrupt-safe for the owner's thread (``settle_orphans`` at close takes it shared): every method takes the
+    raw lock with ``with self._lock:`` -- its C ``__enter__`` leaves no window where a signal handler finds the
+    lock taken and no ``with`` to release it, unlike ``with self._cond:`` (``Condition.__enter__`` is Python code,
+    bpo-29988) -- and each wait is timed (:data:`RW_WAKE_S`), so a wake-up an interrupt cut off inside
+    ``notify_all`` (Python code) delays a waiter, never strands it."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._readers = 0
         self._exclusive = False
         self._waiting = 0
 
     def acquire_shared(self) -> None:
-        with self._cond:
+        with self._lock:
             while self._exclusive or self._waiting:
-                self._cond.wait()
+                self._cond.wait(RW_WAKE_S)
             self._readers += 1
 
     def release_shared(self) -> None:
-        with self._cond:
+        with self._lock:
             self._readers -= 1
             if self._readers == 0:
                 self._cond.notify_all()
 
     def acquire_exclusive(self) -> None:
-        with self._cond:
+        with self._lock:
             self._waiting += 1
             while self._exclusive or self._readers:
-                self._cond.wait()
+                self._cond.wait(RW_WAKE_S)
             self._waiting -= 1
             self._exclusive = True
 
     def release_exclusive(self) -> None:
-        with self._cond:
+        with self._lock:
             self._exclusive = False
             self._cond.notify_all()
 

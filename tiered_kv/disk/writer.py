@@ -74,7 +74,9 @@ class Writer:
         self._on_error = on_error
         self._on_prevented = on_prevented
         self._seq = seq
-        self._cond = threading.Condition(threading.Lock())
+        # the owner's side takes the raw lock (``with self._lock:``), never the condition: see push()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._ops: collections.deque[Any] = collections.deque()
         # the tombs and deletes a failed batch kept, retried first by the next batch on top of its
         # batch_blocks new ops (under _cond): however many are kept, the ops behind them are still taken
@@ -100,29 +102,44 @@ class Writer:
         self._thread.start()
 
     # ------------------------------------------------------------ owner side (never blocks on I/O)
+    # Interrupt-safe (a KeyboardInterrupt at any point of the owner's thread): the owner takes the raw lock with
+    # ``with self._lock:``, never ``with self._cond:``.  ``Condition.__enter__`` is Python code, and a signal handler
+    # that runs at its return leaves the lock taken with no ``with`` to release it (bpo-29988): the engine's next
+    # push, and the writer, deadlock.  ``Lock.__enter__`` is C, called by the BEFORE_WITH opcode, after which the
+    # ``with`` block's handler covers the body with no eval-breaker check in between (CPython 3.11: a lock
+    # acquire a signal interrupts raises without taking it).  Inside, each op is queued together with its
+    # bookkeeping in one run of bytecodes with no call (``+=`` on the deque, the counters, the set): no signal
+    # handler runs in between, so an interrupt leaves an op queued once with its counts, or not at all.  Only
+    # the wake-up (``Condition.notify``, Python code) can be cut off: the writer's every wait is timed
+    # (IDLE_WAKE_S at most), so that delays the op, never loses it.
     def submit_spills(self, tokens: list[uuid.UUID], keys: list[bytes], srcs: list[memoryview]) -> bool:
         """Queue the spills of one owner job (all or none): answered by one report under ``tokens[0]``
         (a :class:`SpillGroup` when there are several); False when the queue has no room for them all."""
         n = len(tokens)
-        group = SpillGroup(tokens[0], n) if n > 1 else None
-        with self._cond:
+        tombs = self._tombs
+        with self._lock:
             if not self.accepting or self.spills_queued + n > self.opts.queue_blocks:
                 return False
-            add, queued = self._ops.append, self._tombs.queued
-            for i in range(n):
-                src = srcs[i]
-                op = Spill(tokens[i], keys[i], src, len(src), group=group, part=i)
-                add(op)
-                queued(op.token)
-            self.spills_queued += n
-            self._wake_writer(op)
+            group = SpillGroup(tokens[0], n) if n > 1 else None
+            ops = [Spill(tokens[i], keys[i], srcs[i], len(srcs[i]), group=group, part=i) for i in range(n)]
+            unsettled = set(tokens)
+            with tombs.lock:   # (the writer reads tombs.unsettled under it; raw lock, as above)
+                # one step, no call: each spill is unsettled (its tomb kept) before the writer can take it
+                tombs.unsettled |= unsettled
+                self._ops += ops
+                self.spills_queued += n
+            self._wake_writer(ops[-1])
         return True
 
     def push(self, op: Any, front: bool = False) -> None:
         """Queue a tomb, delete, touch or flush.  A touch (recency only) is dropped when its key has one
         queued already or ``queue_blocks`` touches are queued: a writer stuck in a commit must not grow
-        the queue by one per promote (the next restart then ranks those entries by an older use)."""
-        with self._cond:
+        the queue by one per promote (the next restart then ranks those entries by an older use).
+
+        Interrupted (see above), ``op`` is queued once or not at all (a retry queues it then); a tomb or delete
+        queued at the front and interrupted in its ``appendleft`` is queued, its wake-up left to the writer's
+        next timed wake."""
+        with self._lock:
             if not self.accepting:
                 if isinstance(op, Flush):  # answer at once: nothing will commit any more
                     self._out.put(FlushDone(op.token, False, "disk writer is gone"))
@@ -131,10 +148,17 @@ class Writer:
                 return
             if type(op) is Touch:
                 touched = self._touched
-                if op.key in touched or len(touched) >= self.opts.queue_blocks:
+                k = op.key
+                if k in touched or len(touched) >= self.opts.queue_blocks:
                     return
-                touched.add(op.key)
-            (self._ops.appendleft if front else self._ops.append)(op)
+                # one step, no call: queued and counted together (a touch wakes no one)
+                touched |= {k}
+                self._ops += (op,)
+                return
+            if front:
+                self._ops.appendleft(op)
+            else:
+                self._ops += (op,)
             self._wake_writer(op)
 
     def room(self) -> int:
@@ -146,7 +170,7 @@ class Writer:
 
     def begin_close(self) -> None:
         """Drain what is queued, then stop (ops pushed until :meth:`join` returns still count)."""
-        with self._cond:
+        with self._lock:   # (the owner's thread: see above; an interrupted notify is healed by the timed wait)
             self._closed = True
             self._cond.notify_all()
 
@@ -184,7 +208,7 @@ class Writer:
             log.error("disk tier %s: %d removal(s) the dead writer left could not be written either (%r): a "
                       "removed entry among them may be readable after reopen", self.opts.path, len(ops), exc)
             return 0
-        with self._cond:   # (pushes append under it)
+        with self._lock:   # (pushes append under it; the owner's thread: see above)
             del self._orphans[:len(ops)]
         log.warning("disk tier %s: %d removal(s) the dead writer could not commit written at close", self.opts.path,
                     len(ops))

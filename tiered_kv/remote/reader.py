@@ -22,7 +22,7 @@ from typing import Callable, Optional
 from ..disk.format import HEADER_SIZE, CorruptEntry, verify_entry, verify_split
 from ..reports import CompletionQueue, Report
 from .breaker import Breaker
-from .iothread import IOThread
+from .iothread import IDLE_WAKE_S, IOThread
 from .conn import Conn, error_kind, unreachable as server_unreachable
 from .keys import KeyNames, sha1hex
 from .ops import FetchJob
@@ -63,7 +63,7 @@ class Reader(IOThread):
     def take_room(self, n: int) -> bool:
         """Hold room for a job of ``n`` parts (its :meth:`submit` with ``room_taken``); False when it does not
         fit now (breaker open, store closing, queue full)."""
-        with self._cond:
+        with self._lock:   # (the owner's thread: the raw lock, see iothread)
             if not self.accepting or not self.breaker.closed or self.parts_pending + n > self.limit:
                 return False
             self.parts_pending += n
@@ -71,7 +71,7 @@ class Reader(IOThread):
 
     def give_room(self, n: int) -> None:
         """Give back room :meth:`take_room` held and no job will use."""
-        with self._cond:
+        with self._lock:
             self.parts_pending -= n
 
     def submit(self, token: uuid.UUID, keys: list[bytes], views: list[memoryview], probe: bool = False,
@@ -79,16 +79,20 @@ class Reader(IOThread):
         """Queue a job; False, nothing queued, when it does not fit.  ``room_taken``: :meth:`take_room` held its
         room, so it is refused only when the store is closing (the room is given back then)."""
         n = len(keys)
-        with self._cond:
+        with self._lock:   # (the owner's thread: the raw lock, see iothread)
             if room_taken:
                 if not self.accepting:
                     self.parts_pending -= n
                     return False
+                add = 0
             elif not self.accepting or not self.breaker.closed or self.parts_pending + n > self.limit:
                 return False
             else:
-                self.parts_pending += n
-            self._jobs.append(FetchJob(token, keys, views, probe))
+                add = n
+            job = FetchJob(token, keys, views, probe)
+            # one step, no call (no signal handler runs in between): the job queued with its room
+            self._jobs += (job,)
+            self.parts_pending += add
             if self.parts_pending >= self.opts.batch_blocks:
                 self._notify()
         return True
@@ -126,7 +130,7 @@ class Reader(IOThread):
                     self._wake = False
                     self._busy = False
                     self._cond.notify_all()   # wait_idle()
-                    self._cond.wait()
+                    self._cond.wait(IDLE_WAKE_S)   # (timed: a wake-up an interrupt cut off)
                     self._busy = True
                 elif not self._cond.wait(FALLBACK_WAKE_S):
                     self._wake = True

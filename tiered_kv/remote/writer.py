@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional
 from ..disk.format import pack_header
 from ..reports import CompletionQueue, Report
 from .breaker import Breaker
-from .iothread import IOThread
+from .iothread import IDLE_WAKE_S, IOThread
 from .conn import BREAKER_KINDS, Conn, error_kind, unreachable as server_unreachable
 from .keys import NOT_STAGED, PUBLISHED, REFUSED_LATE, REFUSED_TOKEN, REFUSED_TOMB, STAGE_TTL_S, KeyNames
 from .ops import CANCEL, CANCELLED, DONE, DROP, INVALIDATE, QUEUED, TAKEN, PutGroup, PutPart, TombOp
@@ -93,37 +93,45 @@ class Writer(IOThread):
         return max(0, self.opts.queue_blocks - self.puts_pending)
 
     def submit(self, tokens: list[uuid.UUID], keys: list[bytes], views: list[memoryview]) -> bool:
+        """Queue one put job (all parts or none: see :mod:`~tiered_kv.remote.iothread` on interrupts)."""
         n = len(keys)
         now = time.monotonic()
-        with self._cond:
+        with self._lock:
             if not self.accepting or not self.breaker.closed or self.puts_pending + n > self.opts.queue_blocks:
                 return False
             group = PutGroup(tokens[0], n)
-            add, unsent = self._ops.append, self._unsent
-            for i in range(n):
-                p = PutPart(group, i, tokens[i], keys[i], views[i], now)
-                add(p)
-                unsent.setdefault(p.key, []).append(p)
+            parts = [PutPart(group, i, tokens[i], keys[i], views[i], now) for i in range(n)]
+            # one step, no call (no signal handler runs in between): the parts queued and counted together
+            self._ops += parts
             self.puts_pending += n
+            unsent = self._unsent
+            for p in parts:   # an interrupt here leaves a part out of _unsent only: a cancel then does not drop it
+                unsent.setdefault(p.key, []).append(p)   # unsent, and its tomb (queued after it) refuses or deletes it
             if len(self._ops) >= self.opts.batch_blocks:   # a full batch waits for no kick
                 self._notify()
         return True
 
     def cancel(self, token: uuid.UUID, key: bytes) -> None:
-        with self._cond:
+        op = TombOp(CANCEL, key, token)
+        with self._lock:
             for p in self._unsent.get(key, ()):
                 if p.token == token and p.state == QUEUED:
                     p.state = CANCELLED
-            self._push_tomb(TombOp(CANCEL, key, token))
+            self._push_tomb(op)
 
     def invalidate(self, key: bytes) -> None:
-        with self._cond:
+        op = TombOp(INVALIDATE, key)
+        with self._lock:
             for p in self._unsent.get(key, ()):
                 if p.state == QUEUED:
                     p.state = CANCELLED
-            if self._push_tomb(TombOp(INVALIDATE, key)):
+            if self._tomb_room(op):
                 inv = self.invalidating
-                inv[key] = inv.get(key, 0) + 1
+                n = inv.get(key, 0) + 1
+                # one step, no call: queued and counted (tombs_queued, invalidating) together
+                self._ops += (op,)
+                self.tombs_queued += 1
+                inv[key] = n
 
     def _invalidate_done(self, op: TombOp) -> None:
         """``op`` left for good (run by the server, or dropped); under the lock."""
@@ -137,19 +145,30 @@ class Writer(IOThread):
 
     def drop(self, key: bytes, sha: str) -> None:
         """Delete the value of ``key`` if it still has sha1 ``sha`` (a reader found it corrupt)."""
-        with self._cond:
-            self._push_tomb(TombOp(DROP, key, sha=sha))
+        op = TombOp(DROP, key, sha=sha)
+        with self._lock:
+            self._push_tomb(op)
             self._notify()
 
     def _push_tomb(self, op: TombOp) -> bool:
+        """Queue a tombstone op (under the lock): False when it may not be (:meth:`_tomb_room`)."""
+        if not self._tomb_room(op):
+            return False
+        # one step, no call: queued and counted together
+        self._ops += (op,)
+        self.tombs_queued += 1
+        return True
+
+    def _tomb_room(self, op: TombOp) -> bool:
+        """Whether tombstone op ``op`` may be queued now (under the lock; the caller queues and counts it in one
+        step): False while closing, or once the thread is gone (then counted as dropped); at ``TOMB_CAP`` while the
+        server is away the oldest one is dropped to make room."""
         if not self.healthy or self._closing:
             if not self._closing:   # gone for good: never sent, counted as one dropped later would be
                 self._dropped(op, "the writer thread is gone")
             return False
         if self.tombs_queued >= TOMB_CAP and not self.breaker.closed:   # reachable: never shed, it drains
             self._drop_oldest_tomb()
-        self._ops.append(op)
-        self.tombs_queued += 1
         return True
 
     def _drop_oldest_tomb(self) -> None:
@@ -273,7 +292,7 @@ class Writer(IOThread):
                         return [], answers, False
                     self._busy = False
                     self._cond.notify_all()   # wait_idle()
-                    self._cond.wait()
+                    self._cond.wait(IDLE_WAKE_S)   # (timed: a wake-up an interrupt cut off)
                     self._busy = True
                 elif not self._cond.wait(FALLBACK_WAKE_S):
                     self._wake = True   # queued, never kicked: send anyway
