@@ -14,7 +14,10 @@ after its load was reported, every ready key loads back the bytes its store copi
 
 With a disk tier (thread mode) ``poll``/``wait`` are not interrupted: the internal jobs' reports (spills,
 promotes) are applied once, committed first, and an interrupt inside one still loses the rest of it
-(``TierCore.apply``; ``docs/architecture.md``, invariant 1).
+(``TierCore.apply``; ``docs/architecture.md``, invariant 1).  What those passes can promise is swept on its own
+below: an internal job's start (``TierCore.start_spills``, ``start_puts``) interrupted anywhere leaves the in-flight
+counts true (each sweep fails with the registration's steps in another order, and the spill sweep with the disk
+writer's liveness read from ``Thread.is_alive()``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import tiered_kv.manager
 from test_review_round29_sweep import ROW_BYTES, World, _interrupt_at, _run_with, check, key
 from test_review_round31 import check_disk
 from tiered_kv.errors import BlockBusyError
+from tiered_kv.jobs import JobKind
 
 STEPS = 60
 WAIT_S = 0.5
@@ -132,3 +136,87 @@ def test_a_seeded_engine_every_call_interrupted_disk_tier(tmp_path: Any, monkeyp
     monkeypatch.setattr(tiered_kv.manager, "CLOSE_TIMEOUT_S", WAIT_S)
     for seed in range(30):
         _engine(seed, str(tmp_path / f"d{seed}"))
+
+
+def _internal_counts_agree(core: Any, label: str) -> None:
+    """The in-flight counts of the internal jobs and ``spill_extra`` say what the job map holds."""
+    jobs = {id(j): j for j in core.jobs.values()}.values()
+    for kind in (JobKind.SPILL, JobKind.PUT):
+        n = sum(1 for j in jobs if j.kind is kind)
+        assert core.n_in_flight[kind] == n, f"{label}: {kind.value} in flight {core.n_in_flight[kind]}, jobs {n}"
+    extra = len(core.jobs) - len(jobs)
+    assert core.spill_extra == extra, f"{label}: spill_extra {core.spill_extra}, the jobs' extra tokens {extra}"
+
+
+def test_an_interrupted_spill_start_keeps_the_in_flight_counts_true(tmp_path: Any,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store's report applied by ``wait()`` starts its write-through spill (``TierCore.start_spills``): an
+    interrupt at every call return inside it (and what it calls) leaves ``n_in_flight[SPILL]`` and ``spill_extra``
+    agreeing with the job map, before and after the spill's report (a job registered with its count taken in two
+    steps took the count to -1 when its report came).  What the spill itself held when the interrupt came before
+    its job was registered is not checked here: it is left leased (``docs/architecture.md``, invariant 1)."""
+    from test_interrupt_locks import MAX_K, _call_with, _interrupt_inside
+    from tiered_kv.core.tiers import TierCore
+
+    monkeypatch.setattr(tiered_kv.manager, "CLOSE_TIMEOUT_S", WAIT_S)
+    swept = 0
+    for k in range(1, MAX_K):
+        w = _World(29, str(tmp_path / f"d{k}"))
+        m = w.mgr
+        core = m._core
+        try:
+            assert w.store_many([key(0), key(1)], [0, 1]) is not None
+            hook, fired = _interrupt_inside(TierCore.start_spills, k)
+            _, exc = _call_with(hook, lambda: w.take(m.wait(timeout=WAIT_S)))
+            label = f"start_spills interrupted at {fired[0] if fired else 'no point (ran through)'}"
+            assert exc is None or (fired and isinstance(exc, KeyboardInterrupt)), f"{label}: raised {exc!r}"
+            _internal_counts_agree(core, label)
+            w.take(m.wait(timeout=WAIT_S))
+            assert m.flush(timeout=5)
+            w.take(m.poll())
+            _internal_counts_agree(core, label + ", its report applied")
+            assert core.n_in_flight[JobKind.SPILL] == 0, f"{label}: a spill still in flight"
+        finally:
+            m.close()
+        swept += 1
+        if not fired:
+            break
+    assert swept > 10
+
+
+def test_an_interrupted_put_start_keeps_the_in_flight_counts_true(redis_url: str) -> None:
+    """As above for the remote tier's write-through (``TierCore.start_puts``): an interrupt at every call return
+    inside it leaves ``n_in_flight[PUT]`` agreeing with the job map, and a put job registered is answered."""
+    import time
+
+    from prometheus_client import CollectorRegistry
+
+    from disk_helpers import make_kv
+    from test_interrupt_locks import MAX_K, _call_with, _interrupt_inside
+    from tiered_kv import TieredKVConfig, TierManager
+    from tiered_kv.core.tiers import TierCore
+
+    swept = 0
+    for k in range(1, MAX_K):
+        cfg = TieredKVConfig(namespace=f"ie-put-{k}", host_capacity_bytes=8 * 4096, remote_url=redis_url)
+        m = TierManager(cfg, make_kv(4, 4096, seed=k), registry=CollectorRegistry())
+        core = m._core
+        try:
+            job = m.store_many([b"p0", b"p1"], [0, 1])
+            assert job is not None
+            hook, fired = _interrupt_inside(TierCore.start_puts, k)
+            _, exc = _call_with(hook, lambda: m.wait([job], timeout=WAIT_S))
+            label = f"start_puts interrupted at {fired[0] if fired else 'no point (ran through)'}"
+            assert exc is None or (fired and isinstance(exc, KeyboardInterrupt)), f"{label}: raised {exc!r}"
+            _internal_counts_agree(core, label)
+            deadline = time.monotonic() + 15
+            while core.n_in_flight[JobKind.PUT] and time.monotonic() < deadline:
+                m.wait(timeout=0.05)   # (the server answers on its own time: polled to a deadline, not ordered)
+            _internal_counts_agree(core, label + ", its report applied")
+            assert core.n_in_flight[JobKind.PUT] == 0, f"{label}: a put still in flight"
+        finally:
+            m.close()
+        swept += 1
+        if not fired:
+            break
+    assert swept > 10

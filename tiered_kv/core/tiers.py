@@ -43,6 +43,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Collection, Sequence
+from itertools import repeat
 from operator import attrgetter
 from typing import Any, Optional
 
@@ -919,11 +920,13 @@ class TierCore:
         job = Job(tokens[0], _PUT, hosts[0].key, -1, keys=[e.key for e in hosts])
         job._entries = hosts
         job._dentry = tokens
-        self.jobs[tokens[0].int] = job   # the report's token; an invalidated key finds its part by key
+        tok = tokens[0].int   # the report's token; an invalidated key finds its part by key
+        parts = list(zip(job.keys, zip(tokens, repeat(job))))
         putting = remote.putting
-        for e, t in zip(hosts, tokens):
-            putting[e.key] = (t, job)
+        # registered in one step, as a spill job (start_spills)
+        self.jobs[tok] = job
         self.n_in_flight[_PUT] += 1
+        putting.update(parts)
 
     def _apply_put(self, job: Job, r: Report) -> None:
         """A put job's one report: the host slots' leases go; each part is counted by its own outcome
@@ -1069,9 +1072,13 @@ class TierCore:
         job._entries = hosts
         job._dentry = disks
         # every part's token names the job: an invalidated key finds its write
-        self.jobs.update(zip(map(_writer_int, disks), [job] * len(disks)))
-        self.spill_extra += len(disks) - 1
+        parts = list(zip(map(_writer_int, disks), repeat(job)))
+        extra = len(disks) - 1
+        # registered in one step: no call before the update, itself one C call (an interrupt lands at a call's
+        # return), so that the counts and the job map never disagree (a report would take the count below 0)
+        self.spill_extra += extra
         self.n_in_flight[_SPILL] += 1
+        self.jobs.update(parts)
 
     def start_promote(self, key: bytes, d: Entry, protect: Collection[bytes] = ()) -> Optional[Job]:
         """Read ``key`` (its READY disk entry ``d``) into a new host slot (an internal PROMOTE job).

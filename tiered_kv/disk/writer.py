@@ -98,6 +98,7 @@ class Writer:
         self.tombstones = 0
         self.writer_error: Optional[BaseException] = None
         self.fault_hook: Optional[Callable[[str], None]] = None  # tests: raise inside the writer at a named point
+        self._running = True   # until _writer_main ends (alive())
         self._thread = threading.Thread(target=self._writer_main, name="tiered-kv-disk-writer", daemon=True)
         self._thread.start()
 
@@ -166,7 +167,10 @@ class Writer:
         return max(0, self.opts.queue_blocks - self.spills_queued) if self.accepting else 0
 
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        """The writer thread runs (its own flag, not ``Thread.is_alive()``: that one, interrupted on the owner's thread
+        as its lock probe returns, marks a running thread stopped for good -- CPython 3.11's bpo-45274 handler -- and
+        the disk tier would take its writer for dead)."""
+        return self._running
 
     def begin_close(self) -> None:
         """Drain what is queued, then stop (ops pushed until :meth:`join` returns still count)."""
@@ -178,7 +182,7 @@ class Writer:
         """Wait for the writer thread to end (after :meth:`begin_close`); False when it still runs after
         ``timeout`` seconds (None: no limit): a write or sync hung in the kernel."""
         self._thread.join(timeout)
-        if self._thread.is_alive():
+        if self._running:   # (see alive())
             return False
         self.accepting = False
         if self._hash_pool is not None:
@@ -286,6 +290,12 @@ class Writer:
 
     # ------------------------------------------------------------ the thread
     def _writer_main(self) -> None:
+        try:
+            self._writer_loop()
+        finally:
+            self._running = False
+
+    def _writer_loop(self) -> None:
         try:
             while True:
                 batch = self._take_batch()
