@@ -394,6 +394,9 @@ class TierIndex:
             if not e.live:
                 self._maybe_free(e)
                 continue
+            if e.state is _READY:   # published already (a report applied again after an interrupt): in the order
+                out.append(e)
+                continue
             e.state = _READY
             if e.readers == 0:
                 if lru is not None:
@@ -500,19 +503,20 @@ class TierIndex:
         self.release_taken(list(entries))
 
     def release_taken(self, entries: list[Optional[Entry]]) -> None:
-        """:meth:`release_all` of the holder's own list, emptied as it goes: each entry leaves the list in C
-        and its count drops before any call (an interrupt lands at a call's return), so that run again after
-        an interrupt it releases exactly the entries not released yet; the one whose release was broken off
-        is put back where its count says (:meth:`_settle`)."""
+        """:meth:`release_all` of the holder's own list, emptied: each entry leaves the list (its place set to
+        None) and its count drops with no call between (an interrupt lands at a call's return), so that run
+        again after an interrupt it releases exactly the entries not released yet; the one whose release was
+        broken off is put back where its count says (:meth:`_settle`).  In the list's order, O(n)."""
         lru, unlease, pinned = self._lru, self.policy.unlease, self._pinned
         e = None
         try:
-            for e in map(list.pop, repeat(entries, len(entries)), repeat(0)):
+            for i, e in enumerate(entries):
                 if e is None:
                     continue
                 n = e.readers
                 if n <= 0:
                     raise AssertionError(f"release without acquire: {e!r}")  # internal bug
+                entries[i] = None   # no call from here to the count's drop
                 e.readers = n - 1
                 if n == 1:
                     if pinned and e in pinned:
@@ -525,6 +529,8 @@ class TierIndex:
                             unlease(e)
                     else:
                         self._maybe_free(e)
+            e = None
+            entries.clear()
         except BaseException:
             if e is not None:
                 self._settle(e)
