@@ -42,8 +42,8 @@ class _World(World):
     """:class:`World` that keeps every job a completion names alive: ``seen`` counts completions by ``id``, and a
     job the caller never held (its call interrupted) would otherwise be freed and its id reused by a new one."""
 
-    def __init__(self, seed: int, disk_path: Optional[str]) -> None:
-        super().__init__(seed, disk_path)
+    def __init__(self, seed: int, disk_path: Optional[str], disk_io: str = "thread") -> None:
+        super().__init__(seed, disk_path, disk_io)
         self.alive: list[Any] = []
 
     def take(self, comps: list[Any]) -> None:
@@ -148,34 +148,40 @@ def _internal_counts_agree(core: Any, label: str) -> None:
     assert core.spill_extra == extra, f"{label}: spill_extra {core.spill_extra}, the jobs' extra tokens {extra}"
 
 
-def test_an_interrupted_spill_start_keeps_the_in_flight_counts_true(tmp_path: Any,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """A store's report applied by ``wait()`` starts its write-through spill (``TierCore.start_spills``): an
-    interrupt at every call return inside it (and what it calls) leaves ``n_in_flight[SPILL]`` and ``spill_extra``
-    agreeing with the job map, before and after the spill's report (a job registered with its count taken in two
-    steps took the count to -1 when its report came).  What the spill itself held when the interrupt came before
-    its job was registered is not checked here: it is left leased (``docs/architecture.md``, invariant 1)."""
+@pytest.mark.parametrize("io", ["thread", "process"])
+def test_an_interrupted_spill_start_is_finished_or_undone(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+                                                          io: str) -> None:
+    """A store's report applied by ``wait()`` starts its write-through spill: an interrupt at every call return inside
+    ``TierCore._start_spills`` (and what it calls: the disk reservations, the pins, the store's queueing, the job's
+    registration) leaves it all done or none of it (``TierCore._spill_start_broken``): ``n_in_flight[SPILL]`` and
+    ``spill_extra`` agree with the job map, and once the spill's report is applied nothing is leased, in flight or
+    lost (``check_disk``: every host entry READY and unleased, every ready key loads back its bytes).  Before,
+    a job registered with its count taken in two steps took the count to -1, the disk writer was taken for dead
+    (``Thread.is_alive()`` interrupted), and a start broken off after its pins left its host entries leased."""
     from test_interrupt_locks import MAX_K, _call_with, _interrupt_inside
     from tiered_kv.core.tiers import TierCore
 
     monkeypatch.setattr(tiered_kv.manager, "CLOSE_TIMEOUT_S", WAIT_S)
     swept = 0
     for k in range(1, MAX_K):
-        w = _World(29, str(tmp_path / f"d{k}"))
+        w = _World(29, str(tmp_path / f"d{k}"), disk_io=io)
         m = w.mgr
         core = m._core
         try:
             assert w.store_many([key(0), key(1)], [0, 1]) is not None
-            hook, fired = _interrupt_inside(TierCore.start_spills, k)
+            w.expect.update({key(0): w.row(0), key(1): w.row(1)})
+            hook, fired = _interrupt_inside(TierCore._start_spills, k)
             _, exc = _call_with(hook, lambda: w.take(m.wait(timeout=WAIT_S)))
-            label = f"start_spills interrupted at {fired[0] if fired else 'no point (ran through)'}"
+            label = f"{io}: _start_spills interrupted at {fired[0] if fired else 'no point (ran through)'}"
             assert exc is None or (fired and isinstance(exc, KeyboardInterrupt)), f"{label}: raised {exc!r}"
             _internal_counts_agree(core, label)
             w.take(m.wait(timeout=WAIT_S))
-            assert m.flush(timeout=5)
+            assert m.flush(timeout=5), label
             w.take(m.poll())
             _internal_counts_agree(core, label + ", its report applied")
             assert core.n_in_flight[JobKind.SPILL] == 0, f"{label}: a spill still in flight"
+            check_disk(w, label)
+            assert not core.index._pinned, f"{label}: pinned at quiescence: {core.index._pinned}"
         finally:
             m.close()
         swept += 1
@@ -220,3 +226,26 @@ def test_an_interrupted_put_start_keeps_the_in_flight_counts_true(redis_url: str
         if not fired:
             break
     assert swept > 10
+
+
+def test_an_interrupted_pin_pins_each_entry_or_not() -> None:
+    """``TierIndex.pin_all`` interrupted at every call return inside it: each entry is pinned (one lease more, in the
+    pinned set) or untouched -- never in the set without its lease (the order of the two steps before), which
+    ``TierCore._spill_start_broken`` could not tell from a pin, and which a later release would not undo."""
+    import uuid
+
+    from test_interrupt_locks import MAX_K, _call_with, _interrupt_inside
+    from tiered_kv.core.index import TierIndex
+
+    for k in range(1, MAX_K):
+        idx = TierIndex(4)
+        _, new, _ = idx.reserve_absent([b"a", b"b", b"c"], uuid.uuid4(), (), None)
+        idx.publish_all(new)
+        hook, fired = _interrupt_inside(TierIndex.pin_all, k)
+        _, exc = _call_with(hook, lambda: idx.pin_all(new))
+        assert exc is None or (fired and isinstance(exc, KeyboardInterrupt)), exc
+        for e in new:
+            assert (e in idx._pinned) == (e.readers == 1) and e.readers <= 1, f"k={k}: {e!r}, pinned {idx._pinned}"
+        if not fired:
+            assert all(e.readers == 1 for e in new)
+            break

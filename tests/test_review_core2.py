@@ -114,6 +114,7 @@ class FakeDiskStore:
     pid: int = 0
     last_flush_seq: int = 0
     promotes: int = 0
+    spills_accepted: int = 0
     alive: bool = True
     closed: bool = False
     log: list[tuple] = field(default_factory=list)
@@ -127,6 +128,7 @@ class FakeDiskStore:
         if not self.alive or self.queue_depth + len(tokens) > self.opts.queue_blocks:
             return False
         self.seq += 1
+        self.spills_accepted += 1
         self.spills.append(SpillOp(list(tokens), list(keys), [view(s) for s in slots], self.seq))
         self.log.append(("spill", tuple(keys), tuple(tokens)))
         return True

@@ -251,12 +251,12 @@ def key(i: int) -> bytes:
 class World:
     """One manager and what its caller knows: the jobs it was handed, what each store copied, reports seen."""
 
-    def __init__(self, seed: int = 29, disk_path: Optional[str] = None) -> None:
+    def __init__(self, seed: int = 29, disk_path: Optional[str] = None, disk_io: str = "thread") -> None:
         g = torch.Generator().manual_seed(seed)
         self.kv = torch.randint(0, 256, (ROWS, ROW_BYTES), dtype=torch.uint8, generator=g)
         kw: dict[str, Any] = {}
         if disk_path is not None:
-            kw = dict(disk_path=disk_path, disk_capacity_bytes=64 * ROW_BYTES, disk_io="thread")
+            kw = dict(disk_path=disk_path, disk_capacity_bytes=64 * ROW_BYTES, disk_io=disk_io)
         self.reg = CollectorRegistry()
         self.mgr = TierManager(TieredKVConfig(namespace="r29s", host_capacity_bytes=SLOTS * ROW_BYTES, **kw),
                                self.kv, registry=self.reg)

@@ -455,9 +455,10 @@ class TierIndex:
         for e in entries:
             if e.state is not _READY or not e.live:
                 raise AssertionError(f"pin of {e!r}")  # internal bug
-            if e.readers == 0:
+            n = e.readers
+            e.readers = n + 1   # no call from here to the end of the add: an interrupt pins each entry or not
+            if n == 0:
                 pinned.add(e)
-            e.readers += 1
 
     def release(self, entry: Entry) -> None:
         """A reader finished; the slot becomes evictable (a lease's: as a use; a pin's: where it was)

@@ -1055,7 +1055,29 @@ class TierCore:
         each that cannot be is shed and counted."""
         disk = self.disk
         assert disk is not None
-        hosts, disks, shed = disk.start_spills(entries, self.index, self.tokens, self.slot_views.__getitem__)
+        # what a handler needs to tell how far a start an interrupt broke off went (_spill_start_broken): the
+        # tokens made (a disk entry reserved under one of them is this start's), the host leases before (a pin
+        # is one more), and the store's count of accepted submissions
+        made: list[uuid.UUID] = []
+        make = self.tokens
+
+        def token() -> uuid.UUID:
+            t = make()
+            made.append(t)
+            return t
+
+        before = [e.readers for e in entries]
+        sent = disk.store.spills_accepted
+        try:
+            self._start_spills(entries, token)
+        except BaseException:
+            self._spill_start_broken(entries, made, before, sent)
+            raise
+
+    def _start_spills(self, entries: list[Entry], token: Callable[[], uuid.UUID]) -> None:
+        disk = self.disk
+        assert disk is not None
+        hosts, disks, shed = disk.start_spills(entries, self.index, token, self.slot_views.__getitem__)
         if shed:
             for e, why in shed:   # counted once a residency: write-back offers it again (spilled None)
                 if e.spilled is not None:
@@ -1066,8 +1088,11 @@ class TierCore:
         else:
             for e in entries:
                 e.spilled = True  # on disk, on its way, or refused by the disk's admission: write-back offers it again only if its write fails
-        if not hosts:
-            return
+        if hosts:
+            self._register_spill(hosts, disks)
+
+    def _register_spill(self, hosts: list[Entry], disks: list[Entry]) -> None:
+        """Record the spill job of ``hosts`` (pinned) whose writes to ``disks`` (reserved) were queued."""
         job = Job(disks[0].writer, _SPILL, hosts[0].key, -1, keys=[e.key for e in hosts])
         job._entries = hosts
         job._dentry = disks
@@ -1079,6 +1104,42 @@ class TierCore:
         self.spill_extra += extra
         self.n_in_flight[_SPILL] += 1
         self.jobs.update(parts)
+
+    def _spill_start_broken(self, entries: list[Entry], made: list[uuid.UUID], before: list[int], sent: int) -> None:
+        """An interrupt broke off :meth:`start_spills`: finish it if the store took its writes, else undo it.
+
+        What it did is read back from the state (each step of it is all or nothing under an interrupt): the
+        disk entries reserved are those, still in the disk index, whose writer is a token it made (a reservation
+        its refusal path aborted is gone already); a host entry was pinned if it holds one lease more than before
+        (one its refusal path released holds none more); the store took the writes if its count of accepted
+        submissions moved.  Taken: the job is registered (unless it was), and its report comes.  Not taken: each
+        pin is released and each reservation dropped.  The shed counts of a start broken off are lost."""
+        disk = self.disk
+        assert disk is not None
+        mine = set(made)
+        dmap = disk.index._entries
+        hosts: list[Entry] = []
+        disks: list[Entry] = []
+        pinned: list[bool] = []
+        for e, n in zip(entries, before):
+            d = dmap.get(e.key)
+            if d is not None and d.writer in mine:
+                hosts.append(e)
+                disks.append(d)
+                pinned.append(e.readers == n + 1)
+        if not hosts or disks[0].writer.int in self.jobs:   # nothing reserved, or registered already
+            return
+        if disk.store.spills_accepted != sent:
+            for e in hosts:
+                e.spilled = True
+            self._register_spill(hosts, disks)
+            return
+        index, dindex = self.index, disk.index
+        for e, d, p in zip(hosts, disks, pinned):
+            if p:
+                index.release(e)
+            dindex.writer_done(d)
+            dindex.abort(d)
 
     def start_promote(self, key: bytes, d: Entry, protect: Collection[bytes] = ()) -> Optional[Job]:
         """Read ``key`` (its READY disk entry ``d``) into a new host slot (an internal PROMOTE job).

@@ -172,6 +172,7 @@ class ProcessDiskStore:
         self._closing = False
         self._release_late = False        # close() left the pipes and the path lock to the receiver
         self._spills_sent = 0             # owner thread only
+        self.spills_accepted = 0          # submit_spills calls that queued their op (DiskStore.spills_accepted)
         self._spills_answered = 0         # receiver thread only
         self.status: dict[str, Any] = {}
         self.exit_code: Optional[int] = None
@@ -423,10 +424,20 @@ class ProcessDiskStore:
         """As :meth:`DiskStore.submit_spills`: one op for the child (which maps the same slots), one
         report back."""
         n = len(tokens)
-        if self.spill_room() < n or not self._track("spill", tokens[0], n):
+        if self.spill_room() < n:
             return False
-        self._spills_sent += n
-        self._cmds.append(("S", [t.int for t in tokens], keys, slots))
+        cmd = ("S", [t.int for t in tokens], keys, slots)
+        op = ("spill", tokens[0], n)
+        tok = tokens[0].int
+        with self._lock:   # (as _track)
+            if self._dead:
+                return False
+            # one step, no call: tracked, counted and queued together -- an interrupt leaves all of it or none
+            # (spills_accepted: see DiskStore.spills_accepted)
+            self._outstanding[tok] = op
+            self._spills_sent += n
+            self.spills_accepted += 1
+            self._cmds += (cmd,)
         return True
 
     def cancel(self, token: uuid.UUID, key: bytes) -> None:

@@ -259,6 +259,12 @@ class DiskStore:
         failed (:class:`~tiered_kv.disk.records.SpillGroup`)."""
         return self.writer.submit_spills(tokens, keys, [view(s) for s in slots])
 
+    @property
+    def spills_accepted(self) -> int:
+        """How many :meth:`submit_spills` calls queued their spills so far: counted in the step that queues them,
+        so that an owner whose call an interrupt broke off tells whether it did (``TierCore.start_spills``)."""
+        return self.writer.spill_jobs
+
     def cancel(self, token: uuid.UUID, key: bytes) -> None:
         """Cancel the spill ``token``: never published; removed if it already was (token must match)."""
         self.tombs.cancel(token)

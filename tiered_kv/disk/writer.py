@@ -99,6 +99,7 @@ class Writer:
         self.writer_error: Optional[BaseException] = None
         self.fault_hook: Optional[Callable[[str], None]] = None  # tests: raise inside the writer at a named point
         self._running = True   # until _writer_main ends (alive())
+        self.spill_jobs = 0    # submit_spills calls that queued their spills (owner thread; see DiskStore.spills_accepted)
         self._thread = threading.Thread(target=self._writer_main, name="tiered-kv-disk-writer", daemon=True)
         self._thread.start()
 
@@ -129,6 +130,7 @@ class Writer:
                 tombs.unsettled |= unsettled
                 self._ops += ops
                 self.spills_queued += n
+                self.spill_jobs += 1
             self._wake_writer(ops[-1])
         return True
 
