@@ -423,13 +423,13 @@ def test_child_died_is_the_reason_given_to_a_spill_it_took(rig: Rig) -> None:
     mgr = rig.open(kv)
     store = _spill_to_a_stopped_child(mgr, kv, b"k")
     seen = []
-    orig = mgr._core._apply_spill
+    orig = mgr._core._spill_applied
 
-    def spy(job, r):  # type: ignore[no-untyped-def]
+    def spy(job, r, outcome):  # type: ignore[no-untyped-def]
         seen.append(r.error)
-        orig(job, r)
+        orig(job, r, outcome)
 
-    mgr._core._apply_spill = spy
+    mgr._core._spill_applied = spy
     store.kill_for_test(signal.SIGKILL)
     _wait_down(store)
     drain(mgr)

@@ -105,3 +105,25 @@ def test_the_same_report_object_queued_twice_is_applied_once_and_counted_stale()
     assert [c.job for c in comps] == [job] and job.done
     assert mgr_metric(mgr, "tiered_kv_stale_callbacks_total", kind="store", reason="unknown_token") == 1
     assert mgr.poll() == []
+
+
+def test_a_spill_part_published_again_sits_in_its_policy_once() -> None:
+    """``TierIndex.publish`` (a spill part's, run again when an interrupt broke off ``TierCore._spill_reported``
+    before its commit) passes over an entry already READY: with S3-FIFO on the disk tier (``disk_policy``) a key
+    back from the ghost went to the main FIFO on the first publish and to the small one on the second.  Fails
+    without the ``entry.state is _READY`` check in ``publish``."""
+    import uuid
+
+    from tiered_kv.core.index import TierIndex
+    from tiered_kv.core.policy import make_policy
+
+    idx = TierIndex(4, policy=make_policy("s3fifo", 4))
+    pol = idx.policy
+    for k in (b"a", b"b", b"c", b"d", b"e"):   # e's reservation evicts a (freq 0) into the ghost
+        e = idx.reserve(k, uuid.uuid4())
+        assert e is not None and idx.publish(e)
+    assert b"a" in pol.ghost and b"a" not in idx
+    a = idx.reserve(b"a", uuid.uuid4())
+    assert a is not None
+    assert idx.publish(a) and idx.publish(a)
+    assert (b"a" in pol.main) + (b"a" in pol.small) == 1, "a is in both S3-FIFO queues"

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from ..config import TieredKVConfig
-from ..disk import NOT_READ, SPILL_PREVENTED, DiskOptions, DiskStore
+from ..disk import NOT_READ, DiskOptions, DiskStore
 from ..disk import lock as path_lock
 from ..disk.proc import ProcessDiskStore, ProcessStartError, SharedHost
 from ..disk.store import take_path
@@ -565,20 +565,6 @@ class DiskTier:
             disks.append(d)
             room -= 1
         return hosts, disks, shed
-
-    def finish_spill(self, d: Entry, ok: bool, error: Optional[str]) -> bool:
-        """One live spill's outcome: the entry is published, or dropped when the write failed (counted).
-
-        Returns True when the write failed by a fault (not stopped by a tomb): ``flush()``
-        answers False when it applies one.  The caller counts the spills that succeeded."""
-        if ok:
-            self.index.publish(d)
-            return False
-        self.index.writer_done(d)
-        self.index.abort(d)
-        m = self._metrics
-        m.count(m.job_outcome[(JobKind.SPILL, "failed")])
-        return error != SPILL_PREVENTED
 
     # ------------------------------------------------------------------ promotes
     def finish_promote(self, hindex: TierIndex, entry: Entry, d: Entry, r: Report) -> None:

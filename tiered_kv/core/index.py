@@ -412,6 +412,8 @@ class TierIndex:
         if not entry.live:
             self._maybe_free(entry)
             return False
+        if entry.state is _READY:   # published already (a report applied again after an interrupt)
+            return True
         entry.state = _READY
         if entry.readers == 0:
             self.policy.insert(entry)

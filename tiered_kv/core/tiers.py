@@ -50,7 +50,7 @@ from typing import Any, Optional
 import torch
 
 from ..config import TieredKVConfig
-from ..disk import FlushDone, writable_view
+from ..disk import SPILL_PREVENTED, FlushDone, writable_view
 from ..disk.proc import SharedHost
 from ..errors import ConfigError
 from ..jobs import Job, JobKind, JobState, StaleReason, TokenFactory
@@ -85,6 +85,7 @@ def _nothing(job: Job, r: Report, extra: Any) -> None:
 
 
 _R_CANCELLED, _R_SUPERSEDED, _R_UNKNOWN = StaleReason.CANCELLED, StaleReason.SUPERSEDED, StaleReason.UNKNOWN_TOKEN
+_PART_OK, _PART_FAILED, _PART_FAULT = "ok", "failed", "fault"   # a spill part's outcome (a cancelled one: its reason)
 
 EVICT_AHEAD_MAX = 64
 """``host_evict_ahead_blocks=None``: at most this many free slots are prepared per step (and at most 1/32
@@ -774,12 +775,19 @@ class TierCore:
                 self.outbox.append(c)
             (self.after_store if kind is _STORE else self.after_load)(job, r, extra)
             return
+        if kind is _SPILL:   # as a STORE/LOAD: _spill_reported may run again, _spill_applied runs once
+            state, extra, outcome = self._spill_reported(job, r)
+            del jobs[tok]   # the commit: no call from here to the next line's end
+            self.n_in_flight[kind] -= 1
+            self.spill_extra -= extra   # (the other parts' tokens left jobs in _spill_reported)
+            self.applied = r
+            job.state = state
+            self._spill_applied(job, r, outcome)
+            return
         del jobs[tok]
         self.n_in_flight[kind] -= 1
         self.applied = r
-        if kind is _SPILL:
-            self._apply_spill(job, r)
-        elif kind is _PROMOTE:
+        if kind is _PROMOTE:
             self._apply_promote(job, r)
         elif kind is _PUT:
             self._apply_put(job, r)
@@ -828,50 +836,72 @@ class TierCore:
             # (cleared once the report is gone: the same report queued again by its producer is stale, counted)
             self.applied = None
 
-    def _apply_spill(self, job: Job, r: Report) -> None:
-        """A spill job's one report, for each of its parts: the host slot's lease goes; a cancelled
-        part is counted stale, a live one published or dropped by its own outcome (``r.failed``)."""
+    def _spill_reported(self, job: Job, r: Report) -> tuple[JobState, int, Optional[list[Any]]]:
+        """A spill job's one report up to its commit, for each part; safe to run again (an interrupt leaves the
+        report queued): the other parts' tokens leave ``jobs``, each live part's disk entry is published or
+        dropped by its own outcome (``r.failed``), a cancelled part's is let go, and the host slots' leases go
+        (:meth:`TierIndex.release_taken`).  Returns the job's new state, how many tokens beyond the report's it
+        held (``spill_extra``), and each part's outcome for :meth:`_spill_applied` (None: every part written)."""
         disk = self.disk
         assert disk is not None
-        release, jobs, dindex = self.index.release, self.jobs, disk.index
+        dindex, jobs = disk.index, self.jobs
         live = job.state is _PENDING
-        job._move(_CANCELLED if not live else _DONE if r.ok else _FAILED)
         dead, failed = job._dead, r.failed
-        parts = job._dentry
-        self.spill_extra -= len(parts) - 1   # their tokens leave jobs below
+        parts, hosts = job._dentry, job._entries
         where = r.where   # each part's record, as the disk side wrote it (None from a store that does not say)
+        for d in parts[1:]:   # (the first part's token is the report's: it leaves at the commit)
+            jobs.pop(d.writer.int, None)
+        state = _CANCELLED if not live else _DONE if r.ok else _FAILED
         if live and r.ok and dead is None and failed is None:   # every part written: the loop below, batched
-            self.index.release_taken(job._entries)
-            for d in parts[1:]:   # the first part's token was the report's
-                jobs.pop(d.writer.int, None)
             if where is not None:
                 for d, w in zip(parts, where):
                     d.where = w
-            dindex.publish_all(parts)   # DiskTier.finish_spill(d, True, None) for each
-            self.metrics.moved(_SPILL, _HOST_DISK, len(parts) * self.row_bytes, r.seconds / len(parts), len(parts))
-            return
-        ok_parts = 0
+            dindex.publish_all(parts)   # (an entry published already is passed over)
+            self.index.release_taken(hosts)
+            return state, len(parts) - 1, None
+        outcome: list[Any] = []
         for i, d in enumerate(parts):
-            release(job._entries[i])
-            if i:
-                jobs.pop(d.writer.int, None)   # the first part's token was the report's
             if not live or (dead is not None and i in dead):
-                why = dead.get(i) if dead is not None else None
-                self.stale(_SPILL, why or job.cancel_reason or _R_CANCELLED, d.writer)
                 dindex.writer_done(d)
-                m = self.metrics
-                m.count(m.job_outcome[(_SPILL, "cancelled")])
+                why = dead.get(i) if dead is not None else None
+                outcome.append(why or job.cancel_reason or _R_CANCELLED)
             elif r.ok or (failed is not None and i not in failed):
                 if where is not None:
                     d.where = where[i]
-                disk.finish_spill(d, True, None)
+                dindex.publish(d)
+                outcome.append(_PART_OK)
+            else:
+                dindex.writer_done(d)
+                dindex.abort(d)
+                fault = (r.error if failed is None else failed[i]) != SPILL_PREVENTED
+                if fault and hosts[i] is not None:   # (None: released by a pass an interrupt broke off, marked then)
+                    hosts[i].spilled = False   # a fault, not a tomb: write-back offers the block again
+                outcome.append(_PART_FAULT if fault else _PART_FAILED)
+        self.index.release_taken(hosts)
+        return state, len(parts) - 1, outcome
+
+    def _spill_applied(self, job: Job, r: Report, outcome: Optional[list[Any]]) -> None:
+        """After a spill's commit, once: its counts (a cancelled part stale, a failed one failed, a fault for
+        ``flush()``, the bytes written)."""
+        m, parts = self.metrics, job._dentry
+        n = len(parts)
+        if outcome is None:
+            m.moved(_SPILL, _HOST_DISK, n * self.row_bytes, r.seconds / n, n)
+            return
+        ok_parts = 0
+        for d, o in zip(parts, outcome):
+            if o is _PART_OK:
                 ok_parts += 1
-            elif disk.finish_spill(d, False, r.error if failed is None else failed[i]):
-                self.spill_faults += 1
-                job._entries[i].spilled = False   # a fault, not a tomb: write-back offers the block again
+            elif o is _PART_FAILED or o is _PART_FAULT:
+                m.count(m.job_outcome[(_SPILL, "failed")])
+                if o is _PART_FAULT:
+                    self.spill_faults += 1
+            else:   # a cancelled part: its reason
+                self.stale(_SPILL, o, d.writer)
+                m.count(m.job_outcome[(_SPILL, "cancelled")])
         if ok_parts:   # the writer's time, shared by the blocks it wrote (cancelled parts included)
-            written = len(job._dentry) - (0 if failed is None else len(failed))
-            self.metrics.moved(_SPILL, _HOST_DISK, ok_parts * self.row_bytes, r.seconds / written, ok_parts)
+            written = n - (0 if r.failed is None else len(r.failed))
+            m.moved(_SPILL, _HOST_DISK, ok_parts * self.row_bytes, r.seconds / written, ok_parts)
 
     def _apply_promote(self, job: Job, r: Report) -> None:
         disk = self.disk
