@@ -26,7 +26,6 @@ import random
 from typing import Any, Callable, Optional
 
 import pytest
-import torch
 
 import tiered_kv.manager
 from test_review_round29_sweep import ROW_BYTES, World, _interrupt_at, _run_with, check, key
@@ -93,16 +92,7 @@ def _engine(seed: int, disk_path: Optional[str]) -> None:
                 elif op == "free":
                     r = rnd.randrange(0, 15)
                     _run_with(_interrupt_at(rnd.randrange(1, 80))[0], lambda: m.free_block(r))
-                    for _ in range(20):
-                        if m.free_block(r):
-                            break
-                        w.take(m.wait(timeout=0.05))
-                    else:
-                        raise AssertionError(f"seed {seed}: free_block({r}) never True")
-                    pat = bytes([rnd.randrange(256)]) * ROW_BYTES
-                    w.kv[r] = torch.frombuffer(bytearray(pat), dtype=torch.uint8)
-                    if r in w.sentinel:
-                        w.sentinel[r] = pat
+                    w.free_and_rewrite(r, bytes([rnd.randrange(256)]) * ROW_BYTES, f"seed {seed}")
                 elif op == "inval":
                     k = key(rnd.randrange(0, 24))
                     _twice(rnd, lambda: m.invalidate(k))
@@ -145,6 +135,16 @@ def _internal_counts_agree(core: Any, label: str) -> None:
     assert core.spill_extra == extra, f"{label}: spill_extra {core.spill_extra}, the jobs' extra tokens {extra}"
 
 
+def _settled(w: _World, label: str) -> None:
+    """After the spill's report: the counts agree with the job map, no spill in flight, nothing leased, pinned or
+    lost (``check_disk``)."""
+    core = w.mgr._core
+    _internal_counts_agree(core, label)
+    assert core.n_in_flight[JobKind.SPILL] == 0, f"{label}: a spill still in flight"
+    check_disk(w, label)
+    assert not core.index._pinned, f"{label}: pinned at quiescence: {core.index._pinned}"
+
+
 @pytest.mark.parametrize("io", ["thread", "process"])
 def test_an_interrupted_spill_start_is_finished_or_undone(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
                                                           io: str) -> None:
@@ -175,10 +175,7 @@ def test_an_interrupted_spill_start_is_finished_or_undone(tmp_path: Any, monkeyp
             w.take(m.wait(timeout=WAIT_S))
             assert m.flush(timeout=5), label
             w.take(m.poll())
-            _internal_counts_agree(core, label + ", its report applied")
-            assert core.n_in_flight[JobKind.SPILL] == 0, f"{label}: a spill still in flight"
-            check_disk(w, label)
-            assert not core.index._pinned, f"{label}: pinned at quiescence: {core.index._pinned}"
+            _settled(w, label + ", its report applied")
         finally:
             m.close()
         swept += 1
@@ -283,12 +280,10 @@ def test_an_interrupted_spill_report_is_applied_again_once(tmp_path: Any, monkey
             assert exc is None or (fired and isinstance(exc, KeyboardInterrupt)), f"{label}: raised {exc!r}"
             assert m.flush(timeout=5), label
             w.take(m.poll())
-            _internal_counts_agree(core, label)
-            assert core.n_in_flight[JobKind.SPILL] == 0 and not core.jobs, f"{label}: {core.jobs}"
+            assert not core.jobs, f"{label}: {core.jobs}"
             stale = metric_sum(m, "tiered_kv_stale_callbacks_total", kind="spill")
             assert stale == (1 if parts == "one_invalidated" else 0), f"{label}: {stale} stale spill reports"
-            check_disk(w, label)
-            assert not core.index._pinned, f"{label}: pinned at quiescence: {core.index._pinned}"
+            _settled(w, label)
         finally:
             m.close()
         swept += 1

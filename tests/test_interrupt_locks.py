@@ -85,6 +85,22 @@ def _interrupt_inside(fn: Callable[..., Any], k: int) -> tuple[Callable[..., Non
     return hook, fired
 
 
+def _interrupt_in_notify(at: str) -> tuple[Callable[..., None], list[str]]:
+    """Raise ``KeyboardInterrupt`` at the first return of ``at`` called from ``Condition.notify``; ``seen`` gets it."""
+    seen: list[str] = []
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        got = _returned(frame, event, arg)
+        if got is None or seen:
+            return
+        caller, callee = got
+        if caller.f_code.co_name == "notify" and callee == at:
+            seen.append(callee)
+            raise KeyboardInterrupt(f"interrupt at the return of {callee} in Condition.notify")
+
+    return hook, seen
+
+
 def _call_with(hook: Callable[..., None], call: Callable[[], Any]) -> tuple[Any, Optional[BaseException]]:
     sys.setprofile(hook)
     try:
@@ -470,17 +486,7 @@ def test_a_wake_up_cut_off_in_notify_only_delays_a_flush(tmp_path: Any, monkeypa
         while not writer._cond._waiters and time.monotonic() < deadline:   # (waits for the writer's first wait only)
             time.sleep(0.001)
         assert writer._cond._waiters, "the writer never waited"
-        seen: list[str] = []
-
-        def hook(frame: Any, event: str, arg: Any) -> None:
-            got = _returned(frame, event, arg)
-            if got is None or seen:
-                return
-            caller, callee = got
-            if caller.f_code.co_name == "notify" and callee == at:
-                seen.append(callee)
-                raise KeyboardInterrupt(f"interrupt at the return of {callee} in Condition.notify")
-
+        hook, seen = _interrupt_in_notify(at)
         tok = uuid.uuid4()
         _, exc = _call_with(hook, lambda: writer.push(Flush(tok, writer.failures)))
         assert seen and isinstance(exc, KeyboardInterrupt), (seen, exc)
@@ -548,17 +554,7 @@ def test_a_wake_up_cut_off_in_kick_only_delays_a_put(redis_url: str, at: str) ->
         assert w._cond._waiters, "the remote writer thread never waited"
         tok = uuid.uuid4()
         assert store.submit_puts([tok], [b"k"], [memoryview(bytearray(64))])
-        seen: list[str] = []
-
-        def hook(frame: Any, event: str, arg: Any) -> None:
-            got = _returned(frame, event, arg)
-            if got is None or seen:
-                return
-            caller, callee = got
-            if caller.f_code.co_name == "notify" and callee == at:
-                seen.append(callee)
-                raise KeyboardInterrupt(f"interrupt at the return of {callee} in Condition.notify")
-
+        hook, seen = _interrupt_in_notify(at)
         _, exc = _call_with(hook, w.kick)
         assert seen and isinstance(exc, KeyboardInterrupt), (seen, exc)
         _lock_free(w._cond._lock, f"kick interrupted in notify at {at}")

@@ -265,6 +265,20 @@ class World:
         self.seen: dict[int, int] = {}          # id(job) -> completions naming it
         self.sentinel: dict[int, bytes] = {}    # row -> what the caller wrote there once its load was reported
 
+
+    def free_and_rewrite(self, r: int, pat: bytes, label: str) -> None:
+        """``free_block(r)`` until True (waiting for the report of a load into it), then the engine writes ``pat``
+        into the row."""
+        m = self.mgr
+        for _ in range(20):
+            if m.free_block(r):
+                break
+            self.take(m.wait(timeout=0.05))
+        else:
+            raise AssertionError(f"{label}: free_block({r}) never True")
+        self.kv[r] = torch.frombuffer(bytearray(pat), dtype=torch.uint8)
+        if r in self.sentinel:
+            self.sentinel[r] = pat
     def row(self, r: int) -> bytes:
         return bytes(self.kv[r].numpy().tobytes())
 

@@ -249,8 +249,6 @@ def _engine_run(seed: int, path: str, interrupt: bool) -> None:
     the last store job that took it."""
     import random
 
-    import torch
-
     from test_review_round29_sweep import ROW_BYTES, _interrupt_at
     from tiered_kv.errors import BlockBusyError
 
@@ -289,16 +287,7 @@ def _engine_run(seed: int, path: str, interrupt: bool) -> None:
                     r = rnd.randrange(0, 15)
                     if interrupt:
                         _run_with(_interrupt_at(rnd.randrange(1, 40))[0], lambda: m.free_block(r))
-                    for _ in range(20):
-                        if m.free_block(r):
-                            break
-                        w.take(m.wait(timeout=0.05))
-                    else:
-                        raise AssertionError(f"seed {seed}: free_block({r}) never True")
-                    pat = bytes([rnd.randrange(256)]) * ROW_BYTES
-                    w.kv[r] = torch.frombuffer(bytearray(pat), dtype=torch.uint8)
-                    if r in w.sentinel:
-                        w.sentinel[r] = pat
+                    w.free_and_rewrite(r, bytes([rnd.randrange(256)]) * ROW_BYTES, f"seed {seed}")
                 elif op == "inval":
                     k = key(rnd.randrange(0, 40))
                     m.invalidate(k)
