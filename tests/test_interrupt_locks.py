@@ -32,6 +32,7 @@ remote thread's idle wait had no timeout: the put waited for the owner's next ca
 
 from __future__ import annotations
 
+import _weakrefset
 import sys
 import threading
 import time
@@ -43,7 +44,7 @@ import pytest
 
 import tiered_kv.disk.writer as disk_writer_mod
 import tiered_kv.manager
-from test_review_round29_sweep import ACTIONS, WAIT_S, World, _returned, check_disk, prepare_disk
+from test_review_round29_sweep import ACTIONS, LIB, WAIT_S, World, _returned, check_disk, prepare_disk
 from tiered_kv.disk.env import RWLock
 from tiered_kv.disk.records import Delete, DiskOptions, Flush, FlushDone, Spill, Tomb, Touch
 from tiered_kv.disk.tombs import Tombs
@@ -57,12 +58,17 @@ from tiered_kv.remote.writer import Writer as RemoteWriter
 from tiered_kv.reports import CompletionQueue
 
 MAX_K = 2000   # a sweep that has not ended by then is a bug of the sweep
+_THREADING = threading.__file__
+_WEAKREFSET = _weakrefset.__file__
 
 
 # --------------------------------------------------------------------------------------------- the hook
 def _interrupt_inside(fn: Callable[..., Any], k: int) -> tuple[Callable[..., None], list[tuple[int, str, int, str]]]:
     """Raise ``KeyboardInterrupt`` at the ``k``-th call return whose caller runs inside ``fn`` (``fn``'s own frame or
-    any frame it called, threading.py's included); ``fired`` gets (k, caller file, caller line, callee)."""
+    any frame it called, threading.py's included); ``fired`` gets (k, caller file, caller line, callee).  Only
+    callers in the library or threading.py count, and no weak set's callback: a garbage collector's callback
+    (hypothesis registers one) or a weakref's runs on top of whatever frame freed or allocated, where an exception
+    is only printed ("Exception ignored")."""
     code = fn.__code__
     seen = [0]
     fired: list[tuple[int, str, int, str]] = []
@@ -72,6 +78,9 @@ def _interrupt_inside(fn: Callable[..., Any], k: int) -> tuple[Callable[..., Non
         if got is None:
             return
         caller, callee = got
+        where = caller.f_code.co_filename
+        if (not where.startswith(LIB) and where != _THREADING) or frame.f_code.co_filename == _WEAKREFSET:
+            return
         f = caller
         while f is not None and f.f_code is not code:
             f = f.f_back
