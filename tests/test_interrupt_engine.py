@@ -135,6 +135,29 @@ def _internal_counts_agree(core: Any, label: str) -> None:
     assert core.spill_extra == extra, f"{label}: spill_extra {core.spill_extra}, the jobs' extra tokens {extra}"
 
 
+def _interrupted(fn: Callable[..., Any], k: int, call: Callable[[], Any], what: str) -> tuple[bool, str]:
+    """``call()`` with an interrupt at the ``k``-th call return inside ``fn``: whether it fired, and a label naming
+    where; only the interrupt may come out."""
+    from test_interrupt_locks import _call_with, _interrupt_inside
+
+    hook, fired = _interrupt_inside(fn, k)
+    _, exc = _call_with(hook, call)
+    label = f"{what}: {fn.__name__} interrupted at {fired[0] if fired else 'no point (ran through)'}"
+    assert exc is None or (fired and isinstance(exc, KeyboardInterrupt)), f"{label}: raised {exc!r}"
+    return bool(fired), label
+
+
+def _sweep(one: Callable[[int], bool], least: int) -> None:
+    """``one(k)`` for k = 1, 2, ... until the call ran through with no interrupt; at least ``least`` points."""
+    from test_interrupt_locks import MAX_K
+
+    for k in range(1, MAX_K):
+        if not one(k):
+            assert k > least, f"only {k - 1} call returns swept"
+            return
+    raise AssertionError(f"more than {MAX_K} call returns")
+
+
 def _settled(w: _World, label: str) -> None:
     """After the spill's report: the counts agree with the job map, no spill in flight, nothing leased, pinned or
     lost (``check_disk``)."""
@@ -155,33 +178,27 @@ def test_an_interrupted_spill_start_is_finished_or_undone(tmp_path: Any, monkeyp
     lost (``check_disk``: every host entry READY and unleased, every ready key loads back its bytes).  Before,
     a job registered with its count taken in two steps took the count to -1, the disk writer was taken for dead
     (``Thread.is_alive()`` interrupted), and a start broken off after its pins left its host entries leased."""
-    from test_interrupt_locks import MAX_K, _call_with, _interrupt_inside
     from tiered_kv.core.tiers import TierCore
 
     monkeypatch.setattr(tiered_kv.manager, "CLOSE_TIMEOUT_S", WAIT_S)
-    swept = 0
-    for k in range(1, MAX_K):
+
+    def one(k: int) -> bool:
         w = _World(29, str(tmp_path / f"d{k}"), disk_io=io)
         m = w.mgr
-        core = m._core
         try:
             assert w.store_many([key(0), key(1)], [0, 1]) is not None
             w.expect.update({key(0): w.row(0), key(1): w.row(1)})
-            hook, fired = _interrupt_inside(TierCore._start_spills, k)
-            _, exc = _call_with(hook, lambda: w.take(m.wait(timeout=WAIT_S)))
-            label = f"{io}: _start_spills interrupted at {fired[0] if fired else 'no point (ran through)'}"
-            assert exc is None or (fired and isinstance(exc, KeyboardInterrupt)), f"{label}: raised {exc!r}"
-            _internal_counts_agree(core, label)
+            fired, label = _interrupted(TierCore._start_spills, k, lambda: w.take(m.wait(timeout=WAIT_S)), io)
+            _internal_counts_agree(m._core, label)
             w.take(m.wait(timeout=WAIT_S))
             assert m.flush(timeout=5), label
             w.take(m.poll())
             _settled(w, label + ", its report applied")
+            return fired
         finally:
             m.close()
-        swept += 1
-        if not fired:
-            break
-    assert swept > 10
+
+    _sweep(one, 10)
 
 
 def test_an_interrupted_put_start_keeps_the_in_flight_counts_true(redis_url: str) -> None:
@@ -192,34 +209,28 @@ def test_an_interrupted_put_start_keeps_the_in_flight_counts_true(redis_url: str
     from prometheus_client import CollectorRegistry
 
     from disk_helpers import make_kv
-    from test_interrupt_locks import MAX_K, _call_with, _interrupt_inside
     from tiered_kv import TieredKVConfig, TierManager
     from tiered_kv.core.tiers import TierCore
 
-    swept = 0
-    for k in range(1, MAX_K):
+    def one(k: int) -> bool:
         cfg = TieredKVConfig(namespace=f"ie-put-{k}", host_capacity_bytes=8 * 4096, remote_url=redis_url)
         m = TierManager(cfg, make_kv(4, 4096, seed=k), registry=CollectorRegistry())
         core = m._core
         try:
             job = m.store_many([b"p0", b"p1"], [0, 1])
             assert job is not None
-            hook, fired = _interrupt_inside(TierCore.start_puts, k)
-            _, exc = _call_with(hook, lambda: m.wait([job], timeout=WAIT_S))
-            label = f"start_puts interrupted at {fired[0] if fired else 'no point (ran through)'}"
-            assert exc is None or (fired and isinstance(exc, KeyboardInterrupt)), f"{label}: raised {exc!r}"
+            fired, label = _interrupted(TierCore.start_puts, k, lambda: m.wait([job], timeout=WAIT_S), "remote")
             _internal_counts_agree(core, label)
             deadline = time.monotonic() + 15
             while core.n_in_flight[JobKind.PUT] and time.monotonic() < deadline:
                 m.wait(timeout=0.05)   # (the server answers on its own time: polled to a deadline, not ordered)
             _internal_counts_agree(core, label + ", its report applied")
             assert core.n_in_flight[JobKind.PUT] == 0, f"{label}: a put still in flight"
+            return fired
         finally:
             m.close()
-        swept += 1
-        if not fired:
-            break
-    assert swept > 10
+
+    _sweep(one, 10)
 
 
 def test_an_interrupted_pin_pins_each_entry_or_not() -> None:
@@ -256,12 +267,11 @@ def test_an_interrupted_spill_report_is_applied_again_once(tmp_path: Any, monkey
     once with its record taken first, and an interrupt inside lost the rest of it (host entries leased for good,
     the other parts' tokens left in ``jobs``)."""
     from disk_helpers import metric_sum
-    from test_interrupt_locks import MAX_K, _call_with, _interrupt_inside
     from tiered_kv.core.tiers import TierCore
 
     monkeypatch.setattr(tiered_kv.manager, "CLOSE_TIMEOUT_S", WAIT_S)
-    swept = 0
-    for k in range(1, MAX_K):
+
+    def one(k: int) -> bool:
         w = _World(29, str(tmp_path / f"d{k}"))
         m = w.mgr
         core = m._core
@@ -274,19 +284,15 @@ def test_an_interrupted_spill_report_is_applied_again_once(tmp_path: Any, monkey
                 m.invalidate(key(1))
             else:
                 w.expect[key(1)] = w.row(1)
-            hook, fired = _interrupt_inside(TierCore._spill_reported, k)
-            _, exc = _call_with(hook, lambda: m.flush(timeout=5))
-            label = f"{parts}: _spill_reported interrupted at {fired[0] if fired else 'no point (ran through)'}"
-            assert exc is None or (fired and isinstance(exc, KeyboardInterrupt)), f"{label}: raised {exc!r}"
+            fired, label = _interrupted(TierCore._spill_reported, k, lambda: m.flush(timeout=5), parts)
             assert m.flush(timeout=5), label
             w.take(m.poll())
             assert not core.jobs, f"{label}: {core.jobs}"
             stale = metric_sum(m, "tiered_kv_stale_callbacks_total", kind="spill")
             assert stale == (1 if parts == "one_invalidated" else 0), f"{label}: {stale} stale spill reports"
             _settled(w, label)
+            return fired
         finally:
             m.close()
-        swept += 1
-        if not fired:
-            break
-    assert swept > 5
+
+    _sweep(one, 5)

@@ -44,7 +44,7 @@ import pytest
 
 import tiered_kv.disk.writer as disk_writer_mod
 import tiered_kv.manager
-from test_review_round29_sweep import ACTIONS, LIB, WAIT_S, World, _returned, check_disk, prepare_disk
+from test_review_round29_sweep import ACTIONS, LIB, WAIT_S, World, _interrupt_kth, _returned, check_disk, prepare_disk
 from tiered_kv.disk.env import RWLock
 from tiered_kv.disk.records import Delete, DiskOptions, Flush, FlushDone, Spill, Tomb, Touch
 from tiered_kv.disk.tombs import Tombs
@@ -70,28 +70,17 @@ def _interrupt_inside(fn: Callable[..., Any], k: int) -> tuple[Callable[..., Non
     (hypothesis registers one) or a weakref's runs on top of whatever frame freed or allocated, where an exception
     is only printed ("Exception ignored")."""
     code = fn.__code__
-    seen = [0]
-    fired: list[tuple[int, str, int, str]] = []
 
-    def hook(frame: Any, event: str, arg: Any) -> None:
-        got = None if fired else _returned(frame, event, arg)
-        if got is None:
-            return
-        caller, callee = got
+    def counts(frame: Any, caller: Any) -> bool:
         where = caller.f_code.co_filename
         if (not where.startswith(LIB) and where != _THREADING) or frame.f_code.co_filename == _WEAKREFSET:
-            return
+            return False
         f = caller
         while f is not None and f.f_code is not code:
             f = f.f_back
-        if f is None:
-            return
-        seen[0] += 1
-        if seen[0] == k:
-            fired.append((k, caller.f_code.co_filename.rsplit("/", 2)[-1], caller.f_lineno, callee))
-            raise KeyboardInterrupt(f"interrupt at call return {k}")
+        return f is not None
 
-    return hook, fired
+    return _interrupt_kth(k, counts)
 
 
 def _interrupt_in_notify(at: str) -> tuple[Callable[..., None], list[str]]:

@@ -183,9 +183,10 @@ def _returned(frame: Any, event: str, arg: Any) -> Optional[tuple[Any, str]]:
     return None
 
 
-def _interrupt_at(k: int) -> tuple[Callable[..., None], list[tuple[int, str, int, str]]]:
-    """Raise ``KeyboardInterrupt`` at the ``k``-th return of a call made from library code; ``fired`` gets
-    (k, caller file, caller line, callee) once it did."""
+def _interrupt_kth(k: int, counts: Callable[[Any, Any], bool]
+                   ) -> tuple[Callable[..., None], list[tuple[int, str, int, str]]]:
+    """Raise ``KeyboardInterrupt`` at the ``k``-th call return for which ``counts(callee frame, caller frame)``
+    holds; ``fired`` gets (k, caller file, caller line, callee) once it did."""
     seen = [0]
     fired: list[tuple[int, str, int, str]] = []
 
@@ -194,14 +195,22 @@ def _interrupt_at(k: int) -> tuple[Callable[..., None], list[tuple[int, str, int
         if got is None:
             return
         caller, callee = got
-        if not caller.f_code.co_filename.startswith(LIB):
+        if not counts(frame, caller):
             return
         seen[0] += 1
         if seen[0] == k:
-            fired.append((k, caller.f_code.co_filename[len(LIB):], caller.f_lineno, callee))
+            where = caller.f_code.co_filename
+            fired.append((k, where[len(LIB):] if where.startswith(LIB) else where.rsplit(os.sep, 1)[-1],
+                          caller.f_lineno, callee))
             raise KeyboardInterrupt(f"interrupt at call return {k}")
 
     return hook, fired
+
+
+def _interrupt_at(k: int) -> tuple[Callable[..., None], list[tuple[int, str, int, str]]]:
+    """Raise ``KeyboardInterrupt`` at the ``k``-th return of a call made from library code; ``fired`` gets
+    (k, caller file, caller line, callee) once it did."""
+    return _interrupt_kth(k, lambda frame, caller: caller.f_code.co_filename.startswith(LIB))
 
 
 def _interrupt_on(file: str, caller_fn: str, callee: str, nth: int = 1

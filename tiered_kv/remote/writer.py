@@ -21,7 +21,8 @@ order, and follows its redirections in order).  Invariants:
 
 Longer than the project's usual 500 lines: the put parts, the tombstone ops with their back-off and their drops,
 the keys whose invalidation was lost, and the answers owed when the thread dies all read and change one queue
-under one lock (``_cond``); split, each part would reach into the others' state.
+under one lock (``_lock``, with the condition ``_cond`` over it); split, each part would reach into the
+others' state.
 """
 
 from __future__ import annotations
