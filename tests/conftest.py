@@ -39,6 +39,22 @@ def _disk_io_for_the_test(request: pytest.FixtureRequest) -> Iterator[None]:
     disk_helpers.DEFAULT_DISK_IO = fakes.DEFAULT_DISK_IO = None
 
 
+@pytest.fixture(autouse=True)
+def _every_interrupt_point_fires() -> Iterator[None]:
+    """A test that arms an interrupt at a named call return (``test_review_round29_sweep._interrupt_on``) fails when
+    that return never came: a point renamed or gone from the code would leave the test passing, testing nothing."""
+    mod = sys.modules.get("test_review_round29_sweep")
+    if mod is not None:
+        mod.ARMED.clear()
+    yield
+    mod = sys.modules.get("test_review_round29_sweep")
+    if mod is None:
+        return
+    dead = [what for what, fired in mod.ARMED if not fired]
+    mod.ARMED.clear()
+    assert not dead, f"interrupt points armed that never came (gone from the code?): {dead}"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under ``make mutate``, a mutant's tests run fastest first: mutmut 3.8.1 hands them over in set
     order, and a killed mutant should cost its quickest failing test, not a state machine's run."""
