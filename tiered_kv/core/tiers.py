@@ -363,19 +363,13 @@ class TierCore:
             if not e.live:
                 self._fetch_superseded(e)
 
-    def publish_store(self, job: Job) -> list[Entry]:
-        """A PENDING store's copies landed: its live parts become READY (and spill, write-through)."""
-        out = self.publish_entries(job)
-        self.after_publish(job, out)
-        return out
-
     def publish_entries(self, job: Job) -> list[Entry]:
-        """:meth:`publish_store`'s first part, safe to run again (a report whose application an interrupt broke
-        off is applied again): the live parts READY; returns them."""
+        """A PENDING store's copies landed: its live parts become READY; returns them.  Safe to run again (a report
+        whose application an interrupt broke off is applied again); :meth:`after_publish` follows, once."""
         return self.index.publish_all(job._entries)   # a cancelled part's entry left the index already
 
     def after_publish(self, job: Job, out: list[Entry]) -> None:
-        """:meth:`publish_store`'s second part, run once its report is applied (``out``: its live parts): cancelled
+        """After :meth:`publish_entries`, once the report is applied (``out``: the live parts): cancelled
         parts counted stale, the live ones spilled (write-through) and put to the remote tier."""
         dead = job._dead
         if dead is not None:
