@@ -192,6 +192,16 @@ class _VllmOrderEngine(Engine):
         return so
 
 
+def _drain(eng: Any, busy: Any, deadline_s: float = 30.0) -> None:
+    """Step ``eng`` while ``busy()``, to a deadline, not a count: the copies run on the copier's thread, and a step
+    with no request to run takes microseconds -- a count of steps could end before the thread got the GIL to copy
+    (a request left waiting for its load, a store never reported).  The deadline only bounds a hang."""
+    deadline = time.monotonic() + deadline_s
+    while busy():
+        assert time.monotonic() < deadline, f"the engine did not drain in {deadline_s} s"
+        eng.step()
+
+
 def test_vllm_worker_order_with_async_copies_aborts_and_resets_keeps_kv_and_events_right(model_dir: str,
                                                                                          tmp_path: Path) -> None:
     """Held: a real Scheduler on a small GPU pool (preemptions) and an 8-slot host tier, requests sharing prefixes,
@@ -233,10 +243,7 @@ def test_vllm_worker_order_with_async_copies_aborts_and_resets_keeps_kv_and_even
             if rng.random() < 0.3:
                 eng.sched.reset_prefix_cache()
             if it % 8 == 7:   # drained now and then: the GPU prefix cache empties, later requests load
-                for _ in range(100):
-                    if not eng.sched.has_requests():
-                        break
-                    eng.step()
+                _drain(eng, lambda: eng.sched.has_requests())
                 eng.sched.reset_prefix_cache()
             if eng.sched.has_requests():
                 eng.step()
@@ -251,10 +258,9 @@ def test_vllm_worker_order_with_async_copies_aborts_and_resets_keeps_kv_and_even
                         bad_events.append(("stored twice", it))
                     stored[k] = not ev.removed
         conn = eng.sched.connector
-        for _ in range(200):
-            if not (eng.sched.has_requests() or conn.has_pending_push_work()):
-                break
-            eng.step()
+        # until vLLM has no request and no copy job in flight (it reports a copy finished at a later step)
+        _drain(eng, lambda: eng.sched.has_requests() or conn.has_pending_push_work()
+               or bool(conn.connector_scheduler._jobs))
         assert eng.bad_kv == [] and bad_events == []
         assert jobs(eng.mgr, "load", "ok") >= 3 and jobs(eng.mgr, "store", "ok") >= 10   # it did load and store
         sizes = eng.mgr.tiers.debug_sizes()
