@@ -1,7 +1,7 @@
 """Orderings of the disk tier that only a held thread or a recorded call sequence can show (issue 21).
 
 * A promote leases its disk entry (``TierCore.start_promote`` -> ``TierIndex.acquire``, released in
-  ``TierCore._apply_promote``): while its read is in flight, disk eviction must take other entries,
+  ``TierCore._promote_reported``): while its read is in flight, disk eviction must take other entries,
   and the entry's slot in the slot file must not be handed to another key.  The read is held by a
   stand-in for the readers' slot file between the read's index lookup and its ``preadv`` (the
   window where a reused slot would be read), released by an event: no sleeps.
@@ -55,7 +55,7 @@ class _ReadHeldAtSlotFile:
 @pytest.mark.disk_threads
 def test_a_promote_in_flight_keeps_its_disk_entry_and_slot_under_eviction_pressure(tmp_path):
     """Guards the promote's lease on its disk entry (``TierCore.start_promote``: ``disk.index.acquire(d)``,
-    released in ``_apply_promote``).
+    released in ``_promote_reported``).
 
     Key A is on disk only; ``load(A)`` starts a promote whose real read is held after it looked A up
     (it knows A's slot) and before it reads the slot.  Meanwhile 16 more blocks are spilled into an

@@ -290,7 +290,7 @@ def test_a_read_refused_by_a_full_reader_table_does_not_delete_the_entry(tmp_pat
     ``Readers._read`` lumps every ``lmdb.Error`` with I/O errors: ``MDB_READERS_FULL`` -- the reader table is
     shared with every process reading the environment (``tiered-kv verify``/``export`` hold no path lock) --
     is answered READ_FAILED and the writer deletes the entry, token-matched (the core forgets it too:
-    ``finish_promote`` keeps an entry only for NOT_READ).  The block was fine and durable; a later read with
+    ``promote_reported`` keeps an entry only for NOT_READ).  The block was fine and durable; a later read with
     the table free finds it gone.  A transient refusal to begin a transaction should be a miss that keeps the
     block (NOT_READ), as a read the I/O process never made is."""
     st = _Store(tmp_path / "d")

@@ -42,7 +42,7 @@ def _disk_only(rig: Rig, n: int, prefix: str):  # type: ignore[no-untyped-def]
 def test_a_promote_failed_by_the_io_process_death_does_not_delete_the_durable_entry(rig: Rig, when: str) -> None:
     """A durable disk entry must survive a crash of the I/O process: the death is a fault of the
     process, not of the entry.  But a promote answered ``io_process_died`` (in flight at the death, or
-    started while the process is down) makes ``DiskTier.finish_promote`` remove the disk entry from
+    started while the process is down) makes ``DiskTier.promote_reported`` remove the disk entry from
     the index, and the restart's reconciliation then deletes it from disk (on disk, not in the
     index): a process crash wipes every block the engine was reading back."""
     kv, mgr, ks = _disk_only(rig, 4, "p")

@@ -159,7 +159,7 @@ def test_touches_queued_while_every_commit_fails_stay_bounded(tmp_path: Path, mo
     st.s.fault_hook = gate
     try:
         for i in range(promotes):
-            st.s.submit_touch(b"k%d" % i)              # what DiskTier.finish_promote queues per promote
+            st.s.submit_touch(b"k%d" % i)              # what DiskTier.promote_applied queues per promote
         st.s.submit_delete(uuid.uuid4(), b"evicted")   # an eviction: wakes the writer (touches wake no one)
         gate.entered(promotes + 20)                    # far more attempts than batches queued
         with w._cond:

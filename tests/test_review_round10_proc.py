@@ -197,7 +197,7 @@ def test_touches_for_a_child_that_does_not_read_stay_bounded(tmp_path: Path, mon
     A child stops reading when its command thread blocks: it runs a lone promote's read itself
     (child.py:260-261, ``lone_here=True``), which on a hung disk sleeps uninterruptibly while the pipe fills;
     the owner meanwhile serves promotes from the page cache on its own thread
-    (``ProcessDiskStore.start_reads(cached_here=True)``), each queueing a touch (``DiskTier.finish_promote``).
+    (``ProcessDiskStore.start_reads(cached_here=True)``), each queueing a touch (``DiskTier.promote_applied``).
     Here the full pipe is a patched ``os.write`` that refuses the command pipe (as test_review_procpipe.py's
     R3 does); 20,000 promotes of one key, a pass each, leave 20,000 touches of that key in the backlog, where
     the writer would keep one.  Fix: while ``backlogged``, drop a touch whose key is already held or once

@@ -5,7 +5,7 @@ What it proved wrong (each test failed before its fix):
 
 * a lookup's read-back landed as an unused entry: with S3-FIFO or ARC on a hot host, the step's evict-ahead
   took exactly that block, and the engine's next lookup found it only on disk again (another read, another
-  disk hit counted).  The lookup that asked is now the block's use (``TierCore._apply_promote``);
+  disk hit counted).  The lookup that asked is now the block's use (``TierCore._promote_reported``);
 * a disk block dropped by a failed read-back (corrupt on disk), or not found by a restarted disk I/O process,
   left every tier without ``take_evicted()`` reporting it: vLLM and KV-event consumers kept believing it
   offloaded (``DiskTier.on_gone``);

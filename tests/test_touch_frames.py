@@ -1,6 +1,6 @@
 """Recency touches to the disk I/O process ride with the frames that go anyway.
 
-Each promote queues a touch (``DiskTier.finish_promote``).  Sent alone, each made a frame to the child
+Each promote queues a touch (``DiskTier.promote_applied``).  Sent alone, each made a frame to the child
 once per lone load: a pipe write on the owner's thread and a wake-up of the child's command thread beside
 the owner's copy (16-18% of one warm load from disk at a time on a 2-vCPU VM).  A frame of touches alone
 now waits until ``_TOUCH_BATCH`` of them are queued or the first is ``_TOUCH_HOLD_S`` old; any other op,

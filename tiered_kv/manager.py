@@ -65,6 +65,15 @@ _D2H, _H2D = ("device", "host"), ("host", "device")
 _INTERNAL = frozenset({_SPILL, _PROMOTE})  # jobs the core starts itself; never returned to the engine
 _CANCELLED_ERROR = {r: f"cancelled ({r.value})" for r in StaleReason}
 _tuple_new = tuple.__new__  # Completion(...) without the generated __new__: a Python frame less per job
+
+
+def _copy_queued(job: Job) -> bool:
+    """The mover took ``job``'s copy (its report will come); a load may still name the last read it waited for
+    then, until the core's pass over that read's report ends (``TierCore._promote_reported``)."""
+    t = job._transfer
+    return t is not None and t.taken
+
+
 _HELP_SLICE_S = 0.002
 """While blocking, the owner copies for at most this long before it applies the reports and checks again."""
 
@@ -424,12 +433,14 @@ class TierManager:
     def _load_ready(self, job: Job) -> None:
         """Every host slot of ``job`` is READY and leased to it: queue its copies.  Once ``close()`` closed
         the mover (its wait for promotes timed out), none: a copy queued then could land after close()
-        returned and would never be reported; the load is answered as a miss instead."""
+        returned and would never be reported; the load is answered as a miss instead.  Safe to run again (the
+        core's pass over a read's report, broken off): a copy the mover took (``Transfer.taken``) is not queued
+        again, a load answered already is not answered again."""
+        if _copy_queued(job):
+            return
         if self._mover_closed:
+            self._load_failed(job, "miss: the manager closed before its read from disk landed", "device")
             self._core.abandon(job)
-            self._unfence_load(job)
-            self._fail(job, Report(job.token, _LOAD, False, "miss: the manager closed before its read from disk "
-                                   "landed"), "device")
             return
         t = job._transfer = Transfer(job.token, _LOAD, list(job.blocks), _slots(job._entries))
         self._mover.submit(t)
@@ -786,10 +797,13 @@ class TierManager:
             self._core.stale(_LOAD, job.cancel_reason or _R_CANCELLED, job.token)
             self.metrics.count(self.metrics.job_outcome[(_LOAD, "cancelled")])
 
-    def _load_failed(self, job: Job, error: str) -> None:
-        """A load whose read from disk failed (the core dropped its record): nothing reaches its rows."""
+    def _load_failed(self, job: Job, error: str, tier: str = "disk") -> None:
+        """A load given up before its copy was queued (its read from disk failed): nothing reaches its rows, and
+        it is answered failed unless it was answered already (safe to run again; the core then drops its record,
+        :meth:`TierCore.abandon`)."""
         self._unfence_load(job)
-        self._fail(job, Report(job.token, _LOAD, False, error), "disk")
+        if job.state is _PENDING:
+            self._fail(job, error, tier)
 
     def _count_ok(self, job: Job, r: Report, link: tuple[str, str]) -> None:
         n = len(job.keys)   # the histogram is one block's copy: the job's time shared by its blocks
@@ -801,11 +815,12 @@ class TierManager:
             self.metrics.error(tier, "copy_failed")
             log.warning("%s job %s for key %r failed: %s", job.kind, job.token, job.key, job.error)
 
-    def _fail(self, job: Job, r: Report, tier: str) -> None:
+    def _fail(self, job: Job, error: str, tier: str) -> None:
         """A load given up outside a report's application (its read from disk failed, the manager closed)."""
-        job._move(_FAILED)
-        job.error = r.error or "failed"
-        self._core.outbox.append(Completion(job, False, f"failed: {job.error}"))
+        c = _tuple_new(Completion, (job, False, f"failed: {error}"))
+        job.state = _FAILED   # then no call until the completion is out
+        job.error = error
+        self._core.outbox.append(c)
         self._count_failed(job, tier)
 
     def _finish_cancelled(self, job: Job) -> None:
@@ -822,7 +837,7 @@ class TierManager:
         if job.state is not _PENDING:
             return
         kind = job.kind
-        waiting = kind is _LOAD and bool(job._waiters)
+        waiting = kind is _LOAD and bool(job._waiters) and not _copy_queued(job)
         if kind is _STORE or waiting:
             job.cancel_reason = reason
             self._deliver.append(job)

@@ -567,24 +567,30 @@ class DiskTier:
         return hosts, disks, shed
 
     # ------------------------------------------------------------------ promotes
-    def finish_promote(self, hindex: TierIndex, entry: Entry, d: Entry, r: Report) -> None:
-        """A live promote's report: the host entry is published (and the disk entry's recency kept),
-        or dropped with the disk entry forgotten when the read failed; counted.  A read that never
-        reached the disk (its I/O process died, or its read transaction could not begin) keeps the disk
-        entry: the block is still there."""
-        m = self._metrics
+    def promote_reported(self, hindex: TierIndex, entry: Entry, d: Optional[Entry], r: Report) -> None:
+        """A live promote's report, its state; safe to run again: the host entry is published, or dropped with
+        the disk entry ``d`` forgotten when the read failed (``d`` None: let go already, by a pass before).  A
+        read that never reached the disk (its I/O process died, or its read transaction could not begin) keeps
+        the disk entry: the block is still there."""
         if r.ok:
             hindex.publish(entry)
-            m.moved(JobKind.PROMOTE, ("disk", "host"), r.nbytes, r.seconds)
-            self.store.submit_touch(entry.key)
             return
         hindex.writer_done(entry)
         hindex.abort(entry)
-        m.count(m.job_outcome[(JobKind.PROMOTE, "failed")])
-        # gone, superseded or bad on disk (the reader already queued the removal of a corrupt entry)
-        if d.live and not (r.error or "").startswith(NOT_READ):
-            self.index.remove(d)
+        # gone, superseded or bad on disk (the reader already queued the removal of a corrupt entry); told first,
+        # as in _adopt: a pass run again may tell a key twice, never lose one
+        if d is not None and d.live and not (r.error or "").startswith(NOT_READ):
             self.on_gone(d)
+            self.index.remove(d)
+
+    def promote_applied(self, key: bytes, r: Report) -> None:
+        """A live promote's report, once: counted, and the disk entry's recency kept."""
+        m = self._metrics
+        if r.ok:
+            m.moved(JobKind.PROMOTE, ("disk", "host"), r.nbytes, r.seconds)
+            self.store.submit_touch(key)
+        else:
+            m.count(m.job_outcome[(JobKind.PROMOTE, "failed")])
 
     # ------------------------------------------------------------------ removal
     def forget(self, d: Entry) -> None:

@@ -16,7 +16,8 @@ stores reading each row, the mover); the vLLM scheduler side
 (:class:`~tiered_kv.integrations.scheduler.SlabScheduler`) vLLM's key-set
 completions and the slab's rings.  A front end sets the hooks ``on_store`` /
 ``on_load`` (apply a report of its STORE/LOAD job), ``on_load_ready`` /
-``on_load_failed`` (a load's reads from disk landed / failed) and
+``on_load_failed`` (a load's reads from disk landed / failed; each may be called again for the same load after
+an interrupt, and must then neither queue its copy twice nor answer it twice) and
 ``cancel_hook`` (cancel one of its jobs); everything else it calls here.
 
 Invariants enforced here: a report is applied only to the live job its token
@@ -739,7 +740,8 @@ class TierCore:
         removal to the completion's append (an interrupt lands at a call's return): the record goes, the job
         takes its new state, ``applied`` names the report (so that a pass after an interrupt past the commit
         skips it) and the completion is queued; then ``after_store``/``after_load`` (counts, spills), once.  The
-        internal jobs' reports are committed first and applied once (an interrupt loses the rest of that one)."""
+        PROMOTE's report the same way (``_promote_reported`` may run again, ``_promote_applied`` runs once); the
+        remote jobs' reports are committed first and applied once (an interrupt loses the rest of that one)."""
         if type(r) is FlushDone:
             if r.token in self._flushes:
                 self._flushes[r.token] = r
@@ -778,12 +780,19 @@ class TierCore:
             job.state = state
             self._spill_applied(job, r, outcome)
             return
+        if kind is _PROMOTE:   # as a STORE/LOAD: _promote_reported may run again, _promote_applied runs once
+            state = self._promote_reported(job, r)
+            del jobs[tok]   # the commit: no call from here to the next line's end
+            self.n_in_flight[kind] -= 1
+            self.applied = r
+            job.state = state
+            job._waiters = None
+            self._promote_applied(job, r)
+            return
         del jobs[tok]
         self.n_in_flight[kind] -= 1
         self.applied = r
-        if kind is _PROMOTE:
-            self._apply_promote(job, r)
-        elif kind is _PUT:
+        if kind is _PUT:
             self._apply_put(job, r)
         else:
             self._apply_fetch(job, r)
@@ -897,38 +906,63 @@ class TierCore:
             written = n - (0 if r.failed is None else len(r.failed))
             m.moved(_SPILL, _HOST_DISK, ok_parts * self.row_bytes, r.seconds / written, ok_parts)
 
-    def _apply_promote(self, job: Job, r: Report) -> None:
-        disk = self.disk
+    def _promote_reported(self, job: Job, r: Report) -> JobState:
+        """A read from disk's report up to its commit; safe to run again (an interrupt leaves the report queued, and
+        the job in ``jobs``).  The host entry is published (or dropped, with the disk entry when the read found it
+        gone or bad); each load still waiting for this read leases the entry -- its copy queued once it was the
+        last (``on_load_ready``) -- or, the read failed, is failed and given up (``on_load_failed``, ``abandon``);
+        last, the disk entry's lease goes (``job._dentry`` holds it: empty once released).  Each step finds what a
+        pass before it did: a lease written into the load's list, a load no longer waiting for this read.  A
+        cancelled promote's loads were cancelled with it (the front end's ``_deliver`` finishes a cancel broken
+        off).  Returns the job's new state."""
+        disk, index = self.disk, self.index
         assert disk is not None
-        entry, d = job._entries[0], job._dentry
-        disk.index.release(d)
-        waiters, job._waiters = job._waiters or [], None
-        if job.state is not _PENDING:  # invalidated meanwhile: its loads were cancelled with it
-            self.stale(_PROMOTE, job.cancel_reason or _R_SUPERSEDED, job.token)
+        entry, lease = job._entries[0], job._dentry
+        if job.state is not _PENDING:   # invalidated meanwhile
             if entry.live:
-                self.index.abort(entry)   # a cancel an interrupt broke off before its abort
-            self.index.writer_done(entry)
-            job._move(_CANCELLED)
-            self.metrics.count(self.metrics.job_outcome[(_PROMOTE, "cancelled")])
-            return
-        job._move(_DONE if r.ok else _FAILED)
-        disk.finish_promote(self.index, entry, d, r)
-        if r.ok and not waiters and entry.live:
+                index.abort(entry)   # a cancel an interrupt broke off before its abort
+            index.writer_done(entry)
+            disk.index.release_taken(lease)
+            return _CANCELLED
+        disk.promote_reported(index, entry, lease[0] if lease else None, r)
+        waiters = job._waiters
+        if waiters:
+            ok = r.ok and entry.live
+            error = (r.error or "miss") if not r.ok else "superseded"
+            for w, i in list(waiters):   # (a load given up leaves this list)
+                ws = w._waiters
+                if not ws or job not in ws:
+                    continue   # its copy queued, given up, or no longer waiting for this read
+                if not ok:
+                    self.on_load_failed(w, error)   # (a load failed by a pass before is not failed again)
+                    self.abandon(w)
+                    continue
+                if w.state is _CANCELLING:
+                    continue   # cancelled (its cancel broken off, or its copy queued): the front end finishes it
+                leased = w._entries
+                if w.state is _PENDING and leased and leased[i] is None:
+                    index.acquire(entry, leased, i)
+                if len(ws) > 1:
+                    ws.remove(job)   # other reads to wait for
+                else:   # the last: its copy is queued (or, given up meanwhile, never), then it waits no more
+                    self.on_load_ready(w)   # (run again, it finds the copy queued, or the load given up)
+                    w._waiters = None
+        elif r.ok and entry.live:
             # a lookup's read-back (no load waits for it): that lookup was a use of the block, so it is not the
             # policy's next victim, evicted ahead before the engine asks for it again (S3-FIFO, ARC)
-            self.index.touch(entry)
-        for w, i in waiters:
-            if w.state is not _PENDING or not w._waiters or job not in w._waiters:
-                continue   # (a load given up meanwhile: release_load took it off the promotes, maybe not this one)
-            w._waiters.remove(job)
-            if r.ok and entry.live:
-                self.index.acquire(entry, w._entries, i)
-                if not w._waiters:
-                    w._waiters = None
-                    self.on_load_ready(w)
-            else:
-                self.abandon(w)
-                self.on_load_failed(w, (r.error or "miss") if not r.ok else "superseded")
+            index.touch(entry)
+        disk.index.release_taken(lease)
+        return _DONE if r.ok else _FAILED
+
+    def _promote_applied(self, job: Job, r: Report) -> None:
+        """After a promote's commit, once: its counts (and the disk entry's recency)."""
+        if job.state is _CANCELLED:
+            self.stale(_PROMOTE, job.cancel_reason or _R_SUPERSEDED, job.token)
+            self.metrics.count(self.metrics.job_outcome[(_PROMOTE, "cancelled")])
+            return
+        disk = self.disk
+        assert disk is not None
+        disk.promote_applied(job.key, r)
 
     # ------------------------------------------------------------------ remote
     def start_puts(self, entries: list[Entry]) -> None:
@@ -1173,7 +1207,6 @@ class TierCore:
         disk = self.disk
         assert disk is not None
         token = job = None
-        leases = d.readers
         try:
             token = self.take_token()
             entry = self.index.reserve(key, token, protect)
@@ -1181,18 +1214,18 @@ class TierCore:
                 return self.shed(_LOAD, "host_full")
             job = Job(token, _PROMOTE, key, -1)
             job._entries = [entry]
-            job._dentry = d
+            job._dentry = [None]   # the disk entry's lease, written there as it is taken (TierIndex.acquire)
             job._waiters = []
             self.jobs[token.int] = job
             self.n_in_flight[_PROMOTE] += 1
-            disk.index.acquire(d)
+            disk.index.acquire(d, job._dentry, 0)
             disk.store.queue_promote(token, key, d.writer, self.slot_views[entry.slot], d.where)
         except BaseException:
             if job is None or self.jobs.get(token.int) is not job:   # not registered: its reservation goes
                 self._unreserve(token, (key,), ())
             else:   # registered: finished here, so that its report comes (a prefetch, if no load waits for it)
-                if d.readers == leases:
-                    disk.index.acquire(d)
+                if job._dentry[0] is None:
+                    disk.index.acquire(d, job._dentry, 0)
                 if not disk.store.holds_read(token):
                     disk.store.queue_promote(token, key, d.writer, self.slot_views[job._entries[0].slot], d.where)
             raise
