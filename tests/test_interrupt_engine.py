@@ -14,10 +14,9 @@ after its load was reported, every ready key loads back the bytes its store copi
 
 With a disk tier (thread mode) ``poll``/``wait`` are interrupted too: a spill's start is finished or undone
 (``TierCore._spill_start_broken``) and its report applied as a store's is (``_spill_reported`` runs again,
-``_spill_applied`` once); before those, 19 of 40 seeds leaked host leases or left spill tokens behind.  The
-promote's and the remote jobs' reports are still applied once, committed first (``docs/architecture.md``,
-invariant 1): these seeds did not break one off where that loses anything.  Below, sweeps of each of those
-steps on their own: every call return inside it.
+``_spill_applied`` once); before those, 19 of 40 seeds leaked host leases or left spill tokens behind.  Below,
+sweeps of the spill's steps on their own: every call return inside each.  A read from disk's report is swept in
+``tests/test_interrupt_promote.py``, the remote tier's steps in ``tests/test_interrupt_remote.py``.
 """
 
 from __future__ import annotations
@@ -194,38 +193,6 @@ def test_an_interrupted_spill_start_is_finished_or_undone(tmp_path: Any, monkeyp
             assert m.flush(timeout=5), label
             w.take(m.poll())
             _settled(w, label + ", its report applied")
-            return fired
-        finally:
-            m.close()
-
-    _sweep(one, 10)
-
-
-def test_an_interrupted_put_start_keeps_the_in_flight_counts_true(redis_url: str) -> None:
-    """As above for the remote tier's write-through (``TierCore.start_puts``): an interrupt at every call return
-    inside it leaves ``n_in_flight[PUT]`` agreeing with the job map, and a put job registered is answered."""
-    import time
-
-    from prometheus_client import CollectorRegistry
-
-    from disk_helpers import make_kv
-    from tiered_kv import TieredKVConfig, TierManager
-    from tiered_kv.core.tiers import TierCore
-
-    def one(k: int) -> bool:
-        cfg = TieredKVConfig(namespace=f"ie-put-{k}", host_capacity_bytes=8 * 4096, remote_url=redis_url)
-        m = TierManager(cfg, make_kv(4, 4096, seed=k), registry=CollectorRegistry())
-        core = m._core
-        try:
-            job = m.store_many([b"p0", b"p1"], [0, 1])
-            assert job is not None
-            fired, label = _interrupted(TierCore.start_puts, k, lambda: m.wait([job], timeout=WAIT_S), "remote")
-            _internal_counts_agree(core, label)
-            deadline = time.monotonic() + 15
-            while core.n_in_flight[JobKind.PUT] and time.monotonic() < deadline:
-                m.wait(timeout=0.05)   # (the server answers on its own time: polled to a deadline, not ordered)
-            _internal_counts_agree(core, label + ", its report applied")
-            assert core.n_in_flight[JobKind.PUT] == 0, f"{label}: a put still in flight"
             return fired
         finally:
             m.close()

@@ -859,16 +859,21 @@ class FakeRemoteStore:
         self.cancelled: set[uuid.UUID] = set()
         self.available = True
         self.healthy = True
+        self.fetch_room_held = 0   # (room is never refused here)
+        self.reads_accepted = 0
+        self.puts_accepted = 0
 
     def put_room(self) -> int:
         return 1 << 20
 
     def submit_puts(self, tokens: list[uuid.UUID], keys: list[bytes], views: list[memoryview]) -> bool:
         self.puts.append((list(tokens), list(keys), list(views)))
+        self.puts_accepted += 1
         return True
 
     def submit_probe(self, token: uuid.UUID, keys: list[bytes]) -> bool:
         self.reads.append((token, list(keys), None))
+        self.reads_accepted += 1
         return True
 
     def take_fetch_room(self, n: int) -> bool:
@@ -880,6 +885,7 @@ class FakeRemoteStore:
     def submit_fetch(self, token: uuid.UUID, keys: list[bytes], views: list[memoryview],
                      room_taken: bool = False) -> bool:
         self.reads.append((token, list(keys), list(views)))
+        self.reads_accepted += 1
         return True
 
     def answer_read(self, i: int = 0, fault: bool = False) -> None:

@@ -396,7 +396,7 @@ ROW = 4096
 def test_a_fetch_started_by_a_probe_report_is_sent_before_the_owner_sleeps(redis_url: str, monkeypatch):
     """Machine A publishes a key; machine B (a polled mover, idle) looks it up and ``wait()``s for
     quiescence.  The wait's first pass submits the probe; its answer, applied in an inner pass, starts
-    the fetch (``probe_answered`` -> ``submit_fetch``), which the reader sends only when kicked (or,
+    the fetch (``RemoteTier.fetch_found`` -> ``submit_fetch``), which the reader sends only when kicked (or,
     at best, after ``FALLBACK_WAKE_S``).  The owner then blocks on the queue for ``min(timeout, _WAKE_S)``
     with that fetch unsent; before e4e71f1 it slept 0.5 ms and a full pass (``end_step``'s kick) came
     within ``_HELP_SLICE_S``.  The manager's clock stands still except where the owner blocks (each get

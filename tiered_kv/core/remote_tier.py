@@ -110,22 +110,10 @@ class RemoteTier:
         return cls(store, metrics, cfg.remote_miss_ttl_seconds, cfg.remote_prefetch_blocks, cfg.remote_tomb_ttl_seconds)
 
     # ------------------------------------------------------------------ puts
-    def start_puts(self, entries: list[Entry], hindex: TierIndex, make_token: Callable[[], uuid.UUID],
-                   view: Callable[[int], Any]) -> tuple[list[Entry], list[uuid.UUID], int]:
-        """Queue the writes of READY host ``entries`` as one store request, a new token each.
-
-        Returns the host entries written (their slots pinned for the write until its report is
-        applied), their tokens, and how many were shed (no room: the server is down or slow)."""
-        store = self.store
-        room = store.put_room()
-        if room <= 0:
-            return [], [], len(entries)
-        hosts = entries[:room] if len(entries) > room else entries
-        tokens = [make_token() for _ in hosts]
-        if not store.submit_puts(tokens, [e.key for e in hosts], [view(e.slot) for e in hosts]):
-            return [], [], len(entries)
-        hindex.pin_all(hosts)   # a copy elsewhere is no use: each stays where it is in the eviction order
-        return hosts, tokens, len(entries) - len(hosts)
+    def puts_room(self, entries: list[Entry]) -> list[Entry]:
+        """The first of ``entries`` whose writes fit in the store's queue now (none while the server is down)."""
+        room = self.store.put_room()
+        return [] if room <= 0 else entries[:room] if len(entries) > room else entries
 
     @staticmethod
     def refused(error: Optional[str]) -> bool:
@@ -209,40 +197,44 @@ class RemoteTier:
             return Refused("backpressure" if self.store.available else "remote_down", len(keys))
         return token, keys
 
-    def probe_answered(self, token: uuid.UUID, keys: Sequence[bytes], r: Report, hindex: TierIndex,
-                       dindex: Optional[TierIndex], take_token: Callable[[], uuid.UUID],
-                       view: Callable[[int], Any], promised: Collection[bytes] = ()
-                       ) -> Union[None, Refused, tuple[uuid.UUID, list[bytes], list[Entry], int]]:
-        """A probe's answer: the keys the server holds, still wanted and still in no local tier, get a
-        host slot each (WRITING) and are fetched as one job: (token, keys, entries, how many found no slot)
-        when queued; a :class:`Refused` when the reader has no room for them (asked before any slot is
-        reserved: a reservation may evict), or no slot for any (``"host_full"``).  A key that found no
-        slot is a miss at its next ask (:meth:`want`).  The keys it does not hold are remembered as
-        missed.  The reservations evict neither the fetched keys nor ``promised`` (the keys a front end
-        told its requests are hits: :attr:`TierCore.promised`)."""
+    def probe_found(self, token: uuid.UUID, keys: Sequence[bytes], r: Report, hindex: TierIndex,
+                    dindex: Optional[TierIndex]) -> list[bytes]:
+        """A probe's answer: the keys the server holds, still wanted and still in no local tier (left asked for
+        under the probe's token, for :meth:`fetch_found`); the others are no longer asked for, and those it does
+        not hold are remembered as missed.  Safe to run again (an interrupt leaves the report queued): a key let
+        go by a pass before is passed over, one remembered as missed is remembered again."""
         asking, failed, now = self.asking, r.failed, time.monotonic()
         found: list[bytes] = []
         for i, k in enumerate(keys):
             if asking.get(k) != token:
-                continue   # invalidated, or stored by the engine, meanwhile
+                continue   # invalidated, or stored by the engine, meanwhile (or let go by a pass before)
             if r.ok or (failed is not None and i not in failed):
                 if k in hindex or (dindex is not None and k in dindex):
                     del asking[k]
                 else:
                     found.append(k)
             else:
-                del asking[k]
                 if self.missing(r.error if failed is None else failed[i]):
-                    self.note_miss(k, now)
-        if not found:
-            return None
-        store = self.store
+                    self.note_miss(k, now)   # (before its ask goes: a pass again remembers it again, never not)
+                del asking[k]
+        return found
+
+    def fetch_found(self, probe: uuid.UUID, found: list[bytes], fetch: uuid.UUID, hindex: TierIndex,
+                    view: Callable[[int], Any], promised: Collection[bytes] = ()
+                    ) -> Union[None, Refused, tuple[list[bytes], list[Entry], int]]:
+        """Fetch the keys ``probe`` found (:meth:`probe_found`) as one job under ``fetch``: each gets a host slot
+        (WRITING); (keys, entries, how many found no slot) when queued; a :class:`Refused` when the reader has no
+        room for them (asked before any slot is reserved: a reservation may evict), or no slot for any
+        (``"host_full"``).  A key that found no slot is a miss at its next ask (:meth:`want`).  The
+        reservations evict neither the fetched keys nor ``promised`` (the keys a front end told its requests are
+        hits: :attr:`TierCore.promised`).  Run once; an interrupt inside is finished or undone by
+        :meth:`TierCore._fetch_start_broken`."""
+        asking, store = self.asking, self.store
         if not store.take_fetch_room(len(found)):
             # refused before any host slot is reserved: a reservation may evict READY blocks, for nothing here
             for k in found:
                 del asking[k]
             return Refused("backpressure" if store.available else "remote_down", len(found))
-        fetch = take_token()
         got: list[bytes] = []
         entries: list[Entry] = []
         protect: Collection[bytes] = found if not promised else set(found).union(promised)
@@ -251,8 +243,8 @@ class RemoteTier:
             if e is None:   # every slot leased or promised: the rest of the prefix is not fetched this time,
                 no_slot = self.no_slot          # and a miss at its next ask (not asked again at once: a
                 for rest in found[len(got):]:   # request would be told to retry at every step)
-                    del asking[rest]
                     no_slot[rest] = None
+                    del asking[rest]
                 if len(no_slot) > MISSED_MAX:
                     for k in list(no_slot)[:MISSED_MAX // 4]:
                         del no_slot[k]
@@ -271,7 +263,7 @@ class RemoteTier:
                 hindex.writer_done(e)
                 hindex.abort(e)
             return None
-        return fetch, got, entries, unplaced
+        return got, entries, unplaced
 
     def landed_key(self, key: bytes, entry: Entry) -> None:
         """``key``'s fetch published it in the host tier, as ``entry``."""

@@ -182,7 +182,7 @@ class TierCore:
         self._wb_rate = 0       # write-back: a decaying peak of the blocks stored between two passes
         self.closing = False
         # keys a front end told its requests are hits, to be asked again or loaded later (the vLLM scheduler's:
-        # SlabScheduler): a fetch's reservation never evicts them (RemoteTier.probe_answered)
+        # SlabScheduler): a fetch's reservation never evicts them (RemoteTier.fetch_found)
         self.promised: Collection[bytes] = ()
         # the job the last begin_store*/begin_load registered, set with no call between its registration and this
         # store: a front end whose submit an interrupt broke off finds here the job it may not hold (see
@@ -740,8 +740,8 @@ class TierCore:
         removal to the completion's append (an interrupt lands at a call's return): the record goes, the job
         takes its new state, ``applied`` names the report (so that a pass after an interrupt past the commit
         skips it) and the completion is queued; then ``after_store``/``after_load`` (counts, spills), once.  The
-        PROMOTE's report the same way (``_promote_reported`` may run again, ``_promote_applied`` runs once); the
-        remote jobs' reports are committed first and applied once (an interrupt loses the rest of that one)."""
+        internal jobs' reports the same way: ``_<kind>_reported`` may run again, ``_<kind>_applied`` runs once (a
+        probe's answer then starts the fetch of what it found: :meth:`_fetch_found`, finished or undone)."""
         if type(r) is FlushDone:
             if r.token in self._flushes:
                 self._flushes[r.token] = r
@@ -789,13 +789,38 @@ class TierCore:
             job._waiters = None
             self._promote_applied(job, r)
             return
-        del jobs[tok]
+        if kind is _PUT:   # the same
+            state = self._put_reported(job, r)
+            del jobs[tok]   # the commit: no call from here to the next line's end
+            self.n_in_flight[kind] -= 1
+            self.applied = r
+            job.state = state
+            self._put_applied(job, r)
+            return
+        # a FETCH: the same; a probe's answer then starts the fetch of what it found, once (finished or undone)
+        remote = self.remote
+        assert remote is not None
+        live = job.state is _PENDING
+        state = _CANCELLED if not live else _DONE if r.ok else _FAILED
+        if job._entries:
+            self._fetch_reported(job, r)
+            del jobs[tok]   # the commit: no call from here to the next line's end
+            self.n_in_flight[kind] -= 1
+            self.applied = r
+            job.state = state
+            self._fetch_applied(job, r)
+            return
+        found = remote.probe_found(job.token, job.keys, r, self.index, self.dindex) if live else None
+        del jobs[tok]   # the commit, as above
         self.n_in_flight[kind] -= 1
         self.applied = r
-        if kind is _PUT:
-            self._apply_put(job, r)
-        else:
-            self._apply_fetch(job, r)
+        job.state = state
+        if found:
+            self._fetch_found(job.token, found)
+        if r.failed:
+            faults = sum(1 for why in r.failed.values() if not remote.missing(why))
+            if faults:
+                self.metrics.count(self.metrics.job_outcome[(_FETCH, "failed")], faults)
 
     def _unknown(self, r: Any) -> None:
         """A report no live job's token names: counted ``unknown_token`` under its kind.  A report with no
@@ -967,14 +992,34 @@ class TierCore:
     # ------------------------------------------------------------------ remote
     def start_puts(self, entries: list[Entry]) -> None:
         """Write READY host entries to the remote tier as one internal PUT job (a token per key, one
-        report); what does not fit in its queue is shed and counted."""
+        report); what does not fit in its queue is shed and counted.  Each host slot is pinned before the write is
+        queued (the writer reads it until the job is answered); an interrupt inside is finished or undone
+        (:meth:`_put_start_broken`)."""
         remote = self.remote
         assert remote is not None
-        hosts, tokens, shed = remote.start_puts(entries, self.index, self.tokens, self.slot_views.__getitem__)
-        if shed:
-            self.shed(_PUT, "remote_down" if not remote.store.available else "backpressure", shed)
-        if not hosts:
-            return
+        hosts = tokens = before = sent = None
+        try:   # (from the first call on: an interrupt lands at a call's return)
+            store = remote.store
+            hosts = remote.puts_room(entries)
+            if hosts:
+                before = [e.readers for e in hosts]
+                tokens = [self.tokens() for _ in hosts]
+                sent = store.puts_accepted
+                self.index.pin_all(hosts)   # a copy elsewhere is no use: each stays where it is in the eviction order
+                if store.submit_puts(tokens, [e.key for e in hosts], [self.slot_views[e.slot] for e in hosts]):
+                    self._register_put(hosts, tokens)
+                else:
+                    self.index.release_taken(list(hosts))
+                    hosts = []
+            if len(hosts) < len(entries):
+                self.shed(_PUT, "remote_down" if not store.available else "backpressure", len(entries) - len(hosts))
+        except BaseException:
+            self._put_start_broken(hosts, tokens, before, sent)
+            raise
+
+    def _register_put(self, hosts: list[Entry], tokens: list[uuid.UUID]) -> None:
+        remote = self.remote
+        assert remote is not None
         job = Job(tokens[0], _PUT, hosts[0].key, -1, keys=[e.key for e in hosts])
         job._entries = hosts
         job._dentry = tokens
@@ -986,19 +1031,48 @@ class TierCore:
         self.n_in_flight[_PUT] += 1
         putting.update(parts)
 
-    def _apply_put(self, job: Job, r: Report) -> None:
-        """A put job's one report: the host slots' leases go; each part is counted by its own outcome
-        (a part whose key was invalidated meanwhile is counted stale)."""
+    def _put_start_broken(self, hosts: Optional[list[Entry]], tokens: Optional[list[uuid.UUID]],
+                          before: Optional[list[int]], sent: Optional[int]) -> None:
+        """An interrupt broke off :meth:`start_puts`: finish it if the store queued the writes, else undo it.  Read
+        back (each step is all or nothing under an interrupt): a host entry was pinned if it holds one lease more
+        than ``before``; the store queued the job if its count of put jobs queued moved from ``sent``.  Queued:
+        the job is registered, unless it was (every slot was pinned before the writes were queued).  Not queued:
+        each pin taken is released.  The shed count is lost.  (None: broken off before that was known -- nothing
+        was pinned yet.)"""
+        if not hosts or tokens is None or before is None or sent is None or tokens[0].int in self.jobs:
+            return
         remote = self.remote
         assert remote is not None
-        release, m = self.index.release, self.metrics
-        live = job.state is _PENDING
-        job._move(_CANCELLED if not live else _DONE if r.ok else _FAILED)
-        dead, failed = job._dead, r.failed
+        if remote.store.puts_accepted != sent:
+            self._register_put(hosts, tokens)
+            return
+        index = self.index
+        for e, n in zip(hosts, before):
+            if e.readers == n + 1:
+                index.release(e)
+
+    def _put_reported(self, job: Job, r: Report) -> JobState:
+        """A put job's one report up to its commit; safe to run again: each part leaves the writes in flight
+        (``put_done``, by its token), and the host slots' leases go (:meth:`TierIndex.release_taken`).  Returns the
+        job's new state."""
+        remote = self.remote
+        assert remote is not None
+        put_done = remote.put_done
+        for key, token in zip(job.keys, job._dentry):
+            put_done(key, token)
+        self.index.release_taken(job._entries)
+        return _CANCELLED if job.state is not _PENDING else _DONE if r.ok else _FAILED
+
+    def _put_applied(self, job: Job, r: Report) -> None:
+        """After a put's commit, once: each part counted by its own outcome (a part whose key was invalidated
+        meanwhile is counted stale)."""
+        remote = self.remote
+        assert remote is not None
+        m = self.metrics
+        live = job.state is not _CANCELLED
+        dead, failed, tokens = job._dead, r.failed, job._dentry
         ok_parts = 0
-        for i, (e, token) in enumerate(zip(job._entries, job._dentry)):
-            release(e)
-            remote.put_done(e.key, token)
+        for i, token in enumerate(tokens):
             if not live or (dead is not None and i in dead):
                 why = dead.get(i) if dead is not None else None
                 self.stale(_PUT, why or job.cancel_reason or _R_CANCELLED, token)
@@ -1013,7 +1087,7 @@ class TierCore:
                     m.count(m.job_outcome[(_PUT, "failed")])
                     self.put_faults += 1
         if ok_parts:
-            m.moved(_PUT, _HOST_REMOTE, ok_parts * self.row_bytes, r.seconds / len(job._entries), ok_parts)
+            m.moved(_PUT, _HOST_REMOTE, ok_parts * self.row_bytes, r.seconds / len(tokens), ok_parts)
 
     def want_remote(self, key: bytes) -> bool:
         """Ask the server for ``key`` (in no local tier) with this step's probe; True while it is being
@@ -1036,75 +1110,158 @@ class TierCore:
         self.remote.superseded(e.key)
 
     def _start_probe(self) -> None:
-        """Submit the step's wanted keys as one FETCH job that first asks which of them the server holds."""
+        """Submit the step's wanted keys as one FETCH job that first asks which of them the server holds.  An
+        interrupt inside is finished or undone (:meth:`_probe_start_broken`): the probe is registered if the store
+        queued it, else its keys are no longer asked for (each would be "asked" for good: ``RemoteTier.want``)."""
         remote = self.remote
         assert remote is not None
-        got = remote.take_wanted()
-        if got is None:
-            return
-        if type(got) is Refused:   # not queued: the reader is full or the server unavailable (asked again later)
-            self.shed(_FETCH, got.why, got.keys)   # counted per key, as fetches are
-            return
-        token, keys = got
+        token, wanted, sent = remote.want_token, remote.want_keys, None
+        try:   # (from the first call on: an interrupt lands at a call's return)
+            sent = remote.store.reads_accepted
+            got = remote.take_wanted()
+            if got is None:
+                return
+            if type(got) is Refused:   # not queued: the reader is full or the server unavailable (asked again later)
+                self.shed(_FETCH, got.why, got.keys)   # counted per key, as fetches are
+                return
+            self._register_probe(*got)
+        except BaseException:
+            self._probe_start_broken(token, wanted, sent)
+            raise
+
+    def _register_probe(self, token: uuid.UUID, keys: list[bytes]) -> None:
         job = Job(token, _FETCH, keys[0], -1, keys=keys)
         job._entries = []   # a probe: no host slot yet (the fetch that follows has one per key)
-        self.jobs[token.int] = job
+        self.jobs[token.int] = job   # registered in one step: no call between this and the count
         self.n_in_flight[_FETCH] += 1
 
-    def _apply_fetch(self, job: Job, r: Report) -> None:
-        """A FETCH job's report.  A probe's: the keys the server holds are fetched (a new FETCH job, host
-        slots reserved now), those it lacks remembered as missed.  A fetch's: each part found is
-        published on the host; a part invalidated or stored by the engine meanwhile is counted stale."""
+    def _probe_start_broken(self, token: Optional[uuid.UUID], wanted: list[bytes], sent: Optional[int]) -> None:
+        """An interrupt broke off :meth:`_start_probe`: what it did is read back.  Its token still wanted: nothing
+        was taken.  Registered already: done.  Queued (the store's count of reads queued moved): registered now,
+        with the keys it was queued with (those still asked for under its token, in the order wanted).  Else
+        none of its keys is asked for any longer (wanted again, they are asked again).  Its shed count is lost."""
         remote = self.remote
         assert remote is not None
-        m = self.metrics
-        live = job.state is _PENDING
-        job._move(_CANCELLED if not live else _DONE if r.ok else _FAILED)
-        failed = r.failed
-        entries = job._entries
-        if not entries:   # the probe
-            if live:
-                got = remote.probe_answered(job.token, job.keys, r, self.index, self.dindex, self.take_token,
-                                            self.slot_views.__getitem__, self.promised)
-                if type(got) is Refused:   # no room in the reader: nothing reserved, counted per key as fetches are
-                    self.shed(_FETCH, got.why, got.keys)
-                elif got is not None:
-                    token, keys, hosts, unplaced = got
-                    if unplaced:   # no host slot for the rest of the prefix: shed, as a read-back's would be
-                        self.shed(_FETCH, "host_full", unplaced)
-                    fetch = Job(token, _FETCH, keys[0], -1, keys=keys)
-                    fetch._entries = hosts
-                    self.jobs[token.int] = fetch
-                    self.n_in_flight[_FETCH] += 1
-            faults = sum(1 for why in (failed or {}).values() if not remote.missing(why))
-            if faults:
-                m.count(m.job_outcome[(_FETCH, "failed")], faults)
+        if token is None or sent is None or remote.want_token is token or token.int in self.jobs:
             return
-        index = self.index
-        found = faults = 0
+        asking = remote.asking
+        keys = list(dict.fromkeys(k for k in wanted if asking.get(k) == token))
+        if not keys:
+            return
+        if remote.store.reads_accepted != sent:
+            self._register_probe(token, keys)
+            return
+        for k in keys:
+            del asking[k]
+
+    def _fetch_found(self, probe: uuid.UUID, found: list[bytes]) -> None:
+        """Start the fetch of the keys the probe ``probe`` found (still asked for under its token): one FETCH job,
+        a host slot reserved for each (``RemoteTier.fetch_found``).  Run once, after the probe's commit; an
+        interrupt inside is finished or undone (:meth:`_fetch_start_broken`)."""
+        remote = self.remote
+        assert remote is not None
+        fetch = held = sent = None
+        try:   # (from the first call on: an interrupt lands at a call's return)
+            store = remote.store
+            held = store.fetch_room_held
+            sent = store.reads_accepted
+            fetch = self.take_token()
+            got = remote.fetch_found(probe, found, fetch, self.index, self.slot_views.__getitem__, self.promised)
+            if type(got) is Refused:   # no room in the reader: nothing reserved, counted per key as fetches are
+                self.shed(_FETCH, got.why, got.keys)
+                return
+            if got is None:
+                return
+            _, hosts, unplaced = got
+            self._register_fetch(fetch, hosts)
+            if unplaced:   # no host slot for the rest of the prefix: shed, as a read-back's would be
+                self.shed(_FETCH, "host_full", unplaced)
+        except BaseException:
+            self._fetch_start_broken(probe, found, fetch, held, sent)
+            raise
+
+    def _register_fetch(self, fetch: uuid.UUID, hosts: list[Entry]) -> None:
+        job = Job(fetch, _FETCH, hosts[0].key, -1, keys=[e.key for e in hosts])
+        job._entries = hosts
+        self.jobs[fetch.int] = job   # registered in one step, as a probe
+        self.n_in_flight[_FETCH] += 1
+
+    def _fetch_start_broken(self, probe: uuid.UUID, found: list[bytes], fetch: Optional[uuid.UUID],
+                            held: Optional[int], sent: Optional[int]) -> None:
+        """An interrupt broke off :meth:`_fetch_found`: finish it if the store queued the fetch, else undo it.
+
+        Read back from the state (each step of it is all or nothing under an interrupt): the host entries
+        reserved are those of ``found`` whose writer is ``fetch``; the store queued the fetch if its count of reads
+        queued moved; the room taken and not used or given back is what its ``fetch_room_held`` gained.  Queued:
+        the job is registered (unless it was) with the entries reserved, in order.  Not queued: each reservation
+        is dropped.  Either way the room left held is given back and no key of ``found`` is asked for under the
+        probe's token any longer (nor under the fetch's, when not queued).  The shed counts are lost.  (``held``
+        and ``sent``: the counts before it, None when it was broken off before it read them: nothing done.)"""
+        remote = self.remote
+        assert remote is not None
+        store, index, asking = remote.store, self.index, remote.asking
+        queued = fetch is not None and sent is not None and store.reads_accepted != sent
+        hosts = [] if fetch is None else [e for e in map(index.get, found) if e is not None and e.writer == fetch]
+        if queued:
+            if hosts and fetch.int not in self.jobs:
+                self._register_fetch(fetch, hosts)
+        else:
+            for e in hosts:
+                index.writer_done(e)
+                index.abort(e)
+        for k in found:
+            t = asking.get(k)
+            if t is not None and (t == probe or (not queued and t == fetch)):
+                del asking[k]
+        extra = 0 if held is None else store.fetch_room_held - held
+        if extra > 0:
+            store.give_fetch_room(extra)
+
+    def _fetch_reported(self, job: Job, r: Report) -> None:
+        """A fetch's report up to its commit; safe to run again: each part leaves the keys asked for; found, its
+        host entry is published, else dropped (a key the server did not hold is remembered as missed).  A part
+        whose key was invalidated or stored by the engine meanwhile (its entry out of the index before the first
+        pass: ``job._dead``, fixed by that pass) is let go."""
+        remote = self.remote
+        assert remote is not None
+        index, entries, failed = self.index, job._entries, r.failed
+        stale = job._dead
+        if stale is None:   # worked out before any change, then stored in one step: a pass again finds the same
+            stale = job._dead = {i: _R_SUPERSEDED for i, e in enumerate(entries) if not e.live}
         now = time.monotonic()
         for i, e in enumerate(entries):
             remote.fetched(e.key, job.token)
-            if not e.live:
+            if i in stale:
                 index.writer_done(e)
-                self.stale(_FETCH, job.cancel_reason or _R_SUPERSEDED, job.token)
             elif r.ok or (failed is not None and i not in failed):
                 index.publish(e)
                 remote.landed_key(e.key, e)
-                if self.collect_published:   # held here now, as a store's block is (reported gone when evicted)
-                    self.published.append(e.key)
-                found += 1
             else:
                 index.writer_done(e)
                 index.abort(e)
-                error = r.error if failed is None else failed[i]
-                if remote.missing(error):
+                if remote.missing(r.error if failed is None else failed[i]):
                     remote.note_miss(e.key, now)
-                else:
-                    faults += 1
+
+    def _fetch_applied(self, job: Job, r: Report) -> None:
+        """After a fetch's commit, once: each part counted (found, stale, or a fault: a part the server did not hold
+        is a miss, not a failure), and the keys found told as published."""
+        remote = self.remote
+        assert remote is not None
+        m, entries, failed = self.metrics, job._entries, r.failed
+        stale = job._dead or {}
+        found = faults = 0
+        for i, e in enumerate(entries):
+            if i in stale:
+                self.stale(_FETCH, job.cancel_reason or _R_SUPERSEDED, job.token)
+            elif r.ok or (failed is not None and i not in failed):
+                if self.collect_published:   # held here now, as a store's block is (reported gone when evicted)
+                    self.published.append(e.key)
+                found += 1
+            elif not remote.missing(r.error if failed is None else failed[i]):
+                faults += 1
         if found:   # a lookup hit for the lookup that finds them (lookup_prefix), not now
             m.moved(_FETCH, _REMOTE_HOST, found * self.row_bytes, r.seconds / len(entries), found)
-        if faults:   # a part the server did not hold is a miss, not a failure
+        if faults:
             m.count(m.job_outcome[(_FETCH, "failed")], faults)
 
     # ------------------------------------------------------------------ disk

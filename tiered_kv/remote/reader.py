@@ -57,6 +57,10 @@ class Reader(IOThread):
         self._answered = 0        # parts of _inflight answered so far (a thread dying mid-batch answers the rest)
         self._ready: list[Report] = []   # reports of jobs that batch completed, queued once its room is free
         self.parts_pending = 0
+        # the owner's side only, each moved in the same step as the queue or count it goes with, so that a start the
+        # owner's interrupt broke off can read back how far it went (TierCore._fetch_start_broken)
+        self.room_held = 0   # room take_room holds that no submit used and give_room did not give back
+        self.accepted = 0    # jobs submit queued
         self._thread = self._start()
 
     # ------------------------------------------------------------ any thread, never blocks on I/O
@@ -67,12 +71,14 @@ class Reader(IOThread):
             if not self.accepting or not self.breaker.closed or self.parts_pending + n > self.limit:
                 return False
             self.parts_pending += n
+            self.room_held += n
         return True
 
     def give_room(self, n: int) -> None:
         """Give back room :meth:`take_room` held and no job will use."""
         with self._lock:
             self.parts_pending -= n
+            self.room_held -= n
 
     def submit(self, token: uuid.UUID, keys: list[bytes], views: list[memoryview], probe: bool = False,
                room_taken: bool = False) -> bool:
@@ -83,16 +89,19 @@ class Reader(IOThread):
             if room_taken:
                 if not self.accepting:
                     self.parts_pending -= n
+                    self.room_held -= n
                     return False
-                add = 0
+                add, used = 0, n
             elif not self.accepting or not self.breaker.closed or self.parts_pending + n > self.limit:
                 return False
             else:
-                add = n
+                add, used = n, 0
             job = FetchJob(token, keys, views, probe)
             # one step, no call (no signal handler runs in between): the job queued with its room
             self._jobs += (job,)
             self.parts_pending += add
+            self.room_held -= used
+            self.accepted += 1
             if self.parts_pending >= self.opts.batch_blocks:
                 self._notify()
         return True

@@ -117,10 +117,27 @@ class RemoteStore:
             raise ValueError(f"submit_puts: {len(tokens)} tokens, {n} keys, {len(views)} views")
         return self._w.submit(tokens, keys, [self._bytes_view(v) for v in views])
 
+    @property
+    def puts_accepted(self) -> int:
+        """How many put jobs were queued, counted in the step that queued each (the owner reads back how far a start
+        an interrupt broke off went: ``TierCore._put_start_broken``)."""
+        return self._w.accepted
+
     def take_fetch_room(self, n: int) -> bool:
         """Hold room for a fetch of ``n`` parts, before the owner reserves (and may evict for) its host slots;
         False when it would be refused now.  The fetch then goes in with ``submit_fetch(..., room_taken=True)``."""
         return self._r.take_room(n)
+
+    @property
+    def fetch_room_held(self) -> int:
+        """Room :meth:`take_fetch_room` holds that no :meth:`submit_fetch` used and :meth:`give_fetch_room` did not
+        give back (the owner's: it reads back how far a start an interrupt broke off went)."""
+        return self._r.room_held
+
+    @property
+    def reads_accepted(self) -> int:
+        """How many probe and fetch jobs were queued, moved in the same step that queued each (as above)."""
+        return self._r.accepted
 
     def give_fetch_room(self, n: int) -> None:
         """Give back room :meth:`take_fetch_room` held for parts that will not be fetched."""

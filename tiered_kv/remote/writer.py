@@ -75,6 +75,7 @@ class Writer(IOThread):
         self._inflight: list[Any] = []
         self._delayed: list[TombOp] = []   # tombstone ops to send again once their retry_at passed
         self.puts_pending = 0     # put parts submitted and not answered
+        self.accepted = 0         # put jobs submit queued, counted in the step that queues each (the owner's side)
         self.tombs_queued = 0     # tombstone ops in _ops and _delayed
         self.tombs_dropped = 0
         self.invalidating: dict[bytes, int] = {}   # key -> its INVALIDATE ops the server has not run yet
@@ -105,6 +106,7 @@ class Writer(IOThread):
             # one step, no call (no signal handler runs in between): the parts queued and counted together
             self._ops += parts
             self.puts_pending += n
+            self.accepted += 1
             unsent = self._unsent
             for p in parts:   # an interrupt here leaves a part out of _unsent only: a cancel then does not drop it
                 unsent.setdefault(p.key, []).append(p)   # unsent, and its tomb (queued after it) refuses or deletes it
