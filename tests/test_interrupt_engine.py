@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 import pytest
 
 import tiered_kv.manager
+from disk_helpers import content
 from test_review_round29_sweep import ROW_BYTES, World, _interrupt_at, _run_with, check, key
 from test_review_round31 import check_disk
 from tiered_kv.errors import BlockBusyError
@@ -40,8 +41,9 @@ class _World(World):
     """:class:`World` that keeps every job a completion names alive: ``seen`` counts completions by ``id``, and a
     job the caller never held (its call interrupted) would otherwise be freed and its id reused by a new one."""
 
-    def __init__(self, seed: int, disk_path: Optional[str], disk_io: str = "thread") -> None:
-        super().__init__(seed, disk_path, disk_io)
+    def __init__(self, seed: int, disk_path: Optional[str], disk_io: str = "thread",
+                 remote_url: Optional[str] = None) -> None:
+        super().__init__(seed, disk_path, disk_io, remote_url, f"r29s-{seed}" if remote_url else "r29s")
         self.alive: list[Any] = []
 
     def take(self, comps: list[Any]) -> None:
@@ -56,24 +58,39 @@ def _twice(rnd: random.Random, call: Callable[[], Any]) -> Any:
     return call()
 
 
-def _engine(seed: int, disk_path: Optional[str]) -> None:
+def _engine(seed: int, disk_path: Optional[str], remote_url: Optional[str] = None,
+            settle: Optional[Callable[[Any, str], None]] = None) -> None:
+    """``remote_url``: a remote tier too, and more stores and ``lookup`` among the calls (a key the host evicted is
+    asked from the server, and fetched); ``settle(world, label)`` waits for its writes, probes and fetches before
+    the checks (taking the completions it meets).  The keys are then content-addressed, as a serving engine's
+    are (a key names a prefix of tokens, and its KV is always the same): before a store the engine frees the row
+    and writes the key's bytes there (``disk_helpers.content``).  A store of a key the server holds is not
+    skipped as one the host or disk holds is, so with a key's bytes changing from store to store a failed or
+    cancelled store would leave the server's older value to be fetched back under it."""
     rnd = random.Random(seed)
-    w = _World(seed, disk_path)
+    w = _World(seed, disk_path, remote_url=remote_url)
     m = w.mgr
     ops = ["store", "store_many", "load", "load_many", "cancel", "free", "inval", "poll", "wait"]
+    steps = STEPS
+    if remote_url is not None:   # more stores (the host evicts) and lookups (evicted keys are fetched back)
+        ops += ["lookup", "lookup", "lookup", "store_many", "store_many"]
+        steps = 2 * STEPS
     try:
-        for _ in range(STEPS):
+        for _ in range(steps):
             op = rnd.choice(ops)
             try:
                 if op in ("store", "store_many"):
                     n = 1 if op == "store" else 2
                     rs, ks = rnd.sample(range(10), n), [key(x) for x in rnd.sample(range(24), n)]
+                    if remote_url is not None:
+                        for k, r in zip(ks, rs):
+                            w.free_and_rewrite(r, bytes(content(k, ROW_BYTES).numpy()), f"seed {seed}")
                     j = _twice(rnd, lambda: m.store(ks[0], rs[0]) if n == 1 else m.store_many(ks, rs))
                     # the bytes each key holds: its row's where the retry's job stores it; where not, the interrupted
                     # call's job may or may not have stored it (or an older store did): not checked
                     got = {} if j is None else dict(zip(j.keys, j.blocks))
                     for k, r in zip(ks, rs):
-                        if k in got:
+                        if k in got or remote_url is not None:
                             w.expect[k] = w.row(r)
                         else:
                             w.expect.pop(k, None)
@@ -95,7 +112,11 @@ def _engine(seed: int, disk_path: Optional[str]) -> None:
                 elif op == "inval":
                     k = key(rnd.randrange(0, 24))
                     _twice(rnd, lambda: m.invalidate(k))
-                    w.expect.pop(k, None)
+                    if remote_url is None:
+                        w.expect.pop(k, None)
+                elif op == "lookup":
+                    ks = [key(x) for x in sorted(rnd.sample(range(24), 3))]
+                    _twice(rnd, lambda: m.lookup(ks))
                 elif op == "poll":
                     _run_with(_interrupt_at(rnd.randrange(1, 120))[0], lambda: w.take(m.poll()))
                     w.take(m.poll())
@@ -104,7 +125,9 @@ def _engine(seed: int, disk_path: Optional[str]) -> None:
                     w.take(m.wait(timeout=0.05))
             except BlockBusyError:
                 pass
-        label = f"seed {seed} ({'disk' if disk_path else 'host'} tier)"
+        label = f"seed {seed} ({'remote' if remote_url else 'disk' if disk_path else 'host'} tier)"
+        if settle is not None:
+            settle(w, label)
         if disk_path is None:
             check(w, label)
         else:
@@ -220,6 +243,44 @@ def test_an_interrupted_pin_pins_each_entry_or_not() -> None:
             assert (e in idx._pinned) == (e.readers == 1) and e.readers <= 1, f"k={k}: {e!r}, pinned {idx._pinned}"
         if not fired:
             assert all(e.readers == 1 for e in new)
+            break
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo", "arc", "prefix"])
+def test_an_interrupted_remove_never_leaves_a_removed_entry_in_the_policy(policy: str) -> None:
+    """``TierIndex.remove`` of a READY entry (``invalidate``'s ``drop_key``) interrupted at every call return inside
+    it, then made again as the engine's retried ``invalidate`` would (if the key is still there): every entry the
+    policy would evict is the map's, live; the key is gone with its slot free; and the index evicts every other
+    entry to make room for new keys without an error.  Before, the entry left the map and was marked removed
+    before the policy forgot it: interrupted inside the policy's ``remove`` (the default one: at ``od.get``'s
+    return), it stayed in the eviction order, dead, and a retry found nothing to remove.  Its eviction later
+    raised ``KeyError`` out of ``store_many`` (the remote tier's seeded engine, seed 8), or, had the key been
+    stored again meanwhile, would have taken that new entry out of the map."""
+    import uuid
+
+    from test_interrupt_locks import MAX_K, _call_with, _interrupt_inside
+    from tiered_kv.core.index import TierIndex
+    from tiered_kv.core.policy import make_policy
+
+    keys = [b"a", b"b", b"c", b"d"]
+    for k in range(1, MAX_K):
+        idx = TierIndex(4, policy=make_policy(policy, 4))
+        _, new, _ = idx.reserve_absent(keys, uuid.uuid4(), (), None)
+        idx.publish_all(new)
+        victim = new[1]
+        hook, fired = _interrupt_inside(TierIndex.remove, k)
+        _, exc = _call_with(hook, lambda: idx.remove(victim))
+        assert exc is None or (fired and isinstance(exc, KeyboardInterrupt)), exc
+        label = f"{policy}, k={k} ({fired[0] if fired else 'ran through'})"
+        if idx.get(b"b") is victim:   # still in the index: the retry removes it
+            idx.remove(victim)
+        assert idx.get(b"b") is None and not victim.live and victim.slot == -1, f"{label}: {victim!r}"
+        # every other entry evicted for new keys: the policy gives up only entries of the map, live
+        _, again, full = idx.reserve_absent([b"w", b"x", b"y", b"z"], uuid.uuid4(), (), None)
+        assert full == 0 and len(again) == 4, f"{label}: {full} keys found no slot"
+        assert sorted(e.key for e in idx.entries()) == [b"w", b"x", b"y", b"z"], label
+        assert idx.used_slots == 4 and len(set(e.slot for e in again)) == 4, f"{label}: slots {[e.slot for e in again]}"
+        if not fired:
             break
 
 

@@ -557,19 +557,36 @@ class TierIndex:
             self._maybe_free(e)
 
     def remove(self, entry: Entry) -> None:
-        """Take the entry out of the index; its slot is freed once no lease holds it."""
-        if self._entries.get(entry.key) is entry:
-            del self._entries[entry.key]
-        if entry.live:
-            entry.live = False
-            try:
+        """Take the entry out of the index; its slot is freed once no lease holds it.
+
+        Never a removed entry left in the policy's order, whatever call an interrupt breaks off (it lands at a
+        call's return): its eviction would take the key's next entry out of the map, or raise ``KeyError`` in the
+        engine's call.  The default policy's order, the map and the mark go in one C call; another policy forgets
+        the entry first, while it is still live and in the map, so that an interrupt there leaves it in the
+        index (removed by a retry: the policy's ``remove`` finds it gone), then the map and the mark go with no call
+        between."""
+        entries, key = self._entries, entry.key
+        if entry.live and entries.get(key) is entry:
+            lru = self._lru
+            if lru is not None and entry.state is _READY:   # (evictable: in the order; leased: not in it)
+                slot = entry.slot
+                if entry.writing or entry.readers or slot < 0:   # its slot held: freed by its release
+                    _consume(chain(map(lru.pop, (key,), (None,)), map(entries.__delitem__, (key,)),
+                                   map(setattr, (entry,), ("live",), (False,))))
+                else:   # (_maybe_free in the same C call)
+                    _consume(chain(map(lru.pop, (key,), (None,)), map(entries.__delitem__, (key,)),
+                                   map(setattr, (entry, entry), ("live", "slot"), (False, -1)),
+                                   map(self._free.append, (slot,))))
+                return
+            else:
                 if entry.state is _READY:
                     self.policy.remove(entry)   # evictable or leased: the policy forgets it
                 else:
-                    self.policy.abandon(entry.key)   # never inserted: what the reservation told it goes
-            finally:
-                self._maybe_free(entry)
-            return
+                    self.policy.abandon(key)   # never inserted: what the reservation told it goes
+                del entries[key]
+                entry.live = False
+        elif entry.live:   # (not the map's entry: never the case for a live one)
+            entry.live = False
         self._maybe_free(entry)
 
     # -- internals -------------------------------------------------------

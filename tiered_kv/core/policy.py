@@ -60,6 +60,11 @@ __all__ = ["Policy", "LRU", "S3FIFO", "ARC", "PrefixLRU", "Admission", "AdmitAll
            "ADMISSIONS", "make_policy", "make_admission", "admission_victim"]
 
 
+def _consume(it: Iterator[object]) -> None:
+    """Run an iterator to its end in C (no Python code runs inside it, so no interrupt lands between its steps)."""
+    deque(it, 0)
+
+
 class Policy:
     """The order of one tier's evictable entries (see the module's table).  ``__init__(num_slots)``:
     the tier's size, for policies that size their queues or ghost lists by it."""
@@ -686,22 +691,26 @@ class PrefixLRU(Policy):
         return self.clock
 
     def _place(self, k: bytes, node: _Node) -> None:
-        """Put an evictable node at the hot end of the queue its state says."""
+        """Put an evictable node at the hot end of the queue its state says (its mark and its place with no call
+        between: an interrupt lands at a call's return, and a node marked for a queue it is not in would raise
+        ``KeyError`` when it leaves it)."""
         q = _ORPHAN if node.orphan else _INNER if self.children.get(k) else _LEAF
+        queue = self._queue(q)
         node.q = q
-        self._queue(q)[k] = node
+        queue[k] = node
 
     def _requeue(self, k: bytes, node: _Node) -> None:
-        """An evictable node's state changed (orphaned, adopted, lost its last child)."""
+        """An evictable node's state changed (orphaned, adopted, lost its last child): it moves to the queue its
+        state says, out of one and into the other in one C call (never in none, nor in two)."""
         if node.q == _LEASED:
             return
-        del self._queue(node.q)[k]
-        if node.orphan or self.children.get(k):
-            self._place(k, node)
+        q = _ORPHAN if node.orphan else _INNER if self.children.get(k) else _LEAF
+        old, new = self._queue(node.q), self._queue(q)
+        _consume(chain(map(old.pop, (k,), (None,)), map(setattr, (node,), ("q",), (q,)),
+                       map(new.__setitem__, (k,), (node,))))
+        if q != _LEAF:
             return
         leaves = self.leaves   # a new leaf: the cold end when used no later than the coldest leaf
-        node.q = _LEAF
-        leaves[k] = node
         for first in leaves.values():
             if node.t <= first.t:
                 leaves.move_to_end(k, last=False)
@@ -778,7 +787,7 @@ class PrefixLRU(Policy):
         node = self.nodes.get(k)
         if node is None or node.entry is not e or node.q == _LEASED:
             return
-        del self._queue(node.q)[k]
+        self._queue(node.q).pop(k, None)   # (out of it already: a removal an interrupt broke off)
         node.q = _LEASED
         node.t = self._tick()
 
@@ -797,8 +806,10 @@ class PrefixLRU(Policy):
 
     def _drop(self, k: bytes, node: _Node, evicted: bool) -> None:
         """``node`` leaves the tier: its children become orphans, its parent may become a leaf."""
+        # every reference to k goes before its node does, the node last: an interrupt leaves no key in a queue
+        # or a parent's children without its node (looked up by key there: KeyError), and k still found by a
+        # retry (``remove`` again), which finishes the rest (a node out of its queue is let go of tolerantly)
         nodes, children = self.nodes, self.children
-        del nodes[k]
         if node.q != _LEASED:
             self._queue(node.q).pop(k, None)
         kids = children.get(k)
@@ -818,6 +829,7 @@ class PrefixLRU(Policy):
                     pn = nodes.get(parent)
                     if pn is not None and pn.q == _INNER:
                         self._requeue(parent, pn)
+        del nodes[k]
         if evicted:
             g = self.ghosts
             g[k] = None
@@ -835,23 +847,25 @@ class PrefixLRU(Policy):
             if k != key and k not in protect and not node.entry.readers:
                 self._drop(k, node, True)   # changes the queues: no next step of this loop
                 return node.entry
+        # CLOCK over the leaves from the front: a protected leaf is passed over where it is, a used one goes round
+        # with one use less, the first unused one goes.  Each change is one C call (an interrupt lands at a call's
+        # return): a leaf is never out of its queue while marked in it (its removal would raise KeyError)
         leaves = self.leaves
-        held: list[tuple[bytes, _Node]] = []   # protected: passed over, put back where they were
-        try:
-            while leaves:
-                k, node = leaves.popitem(last=False)
+        while True:
+            passed = True
+            for k in list(leaves):
+                node = leaves[k]
                 if k == key or k in protect or node.entry.readers:
-                    held.append((k, node))
-                elif node.freq > 0:            # used since it came: one more round
+                    continue
+                passed = False
+                if node.freq > 0:            # used since it came: one more round
                     node.freq -= 1
-                    leaves[k] = node
+                    leaves.move_to_end(k)
                 else:
                     self._drop(k, node, True)
                     return node.entry
-        finally:
-            for k, node in reversed(held):
-                leaves[k] = node
-                leaves.move_to_end(k, last=False)
+            if passed:   # every leaf protected or leased
+                break
         for k, node in self.inner.items():
             if k != key and k not in protect and not node.entry.readers:
                 self._drop(k, node, True)
