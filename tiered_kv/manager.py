@@ -401,7 +401,8 @@ class TierManager:
         (``TierCore.begun``; a begin broken off before that undid its own part), unless the mover took its
         transfer (``Transfer.taken``, then its report comes), is answered failed through the completion queue.
         The next poll applies that report as any failed copy's, so every slot, lease, row fence and map entry the
-        call had made is freed by the one path that frees them, whichever of them it had reached.  The caller
+        call had made is freed by the one path that frees them, whichever of them it had reached; a load is first
+        taken off the reads from disk it waits for, so that one landing before that report queues no copy.  The caller
         never got the job: the completion names one it does not know."""
         core = self._core
         job, core.begun = core.begun, None
@@ -410,6 +411,8 @@ class TierManager:
         t = job._transfer
         if t is not None and t.taken:
             return
+        if job.kind is _LOAD:   # no longer waiting for its reads: one that lands before this report queues no copy
+            core.release_load(job)
         self._completions.put(Report(job.token, job.kind, False, "interrupted before its copy was queued"))
 
     def _submit_load(self, job: Job, blocks: tuple[int, ...]) -> Job:
@@ -680,7 +683,8 @@ class TierManager:
                     core.cancel(job, reason)   # (a no-op unless an interrupt stopped _cancel before it)
                     self._drop_row_stores(job)
                     self._finish_cancelled(job)
-                elif job._waiters or self._jobs.get(job.token.int) is not job:   # waiting, or given up already
+                elif (job._waiters and not _copy_queued(job)) or self._jobs.get(job.token.int) is not job:
+                    # waiting (no copy queued: a read's pass broken off may have queued it, still named), or given up
                     core.cancel(job, reason)
                     core.abandon(job)
                     self._unfence_load(job)

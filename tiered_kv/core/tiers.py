@@ -958,12 +958,12 @@ class TierCore:
                 ws = w._waiters
                 if not ws or job not in ws:
                     continue   # its copy queued, given up, or no longer waiting for this read
+                if w.state is _CANCELLING:
+                    continue   # cancelled (its cancel broken off, or its copy queued): the front end finishes it
                 if not ok:
                     self.on_load_failed(w, error)   # (a load failed by a pass before is not failed again)
                     self.abandon(w)
                     continue
-                if w.state is _CANCELLING:
-                    continue   # cancelled (its cancel broken off, or its copy queued): the front end finishes it
                 leased = w._entries
                 if w.state is _PENDING and leased and leased[i] is None:
                     index.acquire(entry, leased, i)
@@ -1220,8 +1220,8 @@ class TierCore:
     def _fetch_reported(self, job: Job, r: Report) -> None:
         """A fetch's report up to its commit; safe to run again: each part leaves the keys asked for; found, its
         host entry is published, else dropped (a key the server did not hold is remembered as missed).  A part
-        whose key was invalidated or stored by the engine meanwhile (its entry out of the index before the first
-        pass: ``job._dead``, fixed by that pass) is let go."""
+        whose key was invalidated or stored by the engine meanwhile (its entry out of the index before a pass
+        published it) is let go, and named in ``job._dead`` (so a pass again, and the counts, take it as such)."""
         remote = self.remote
         assert remote is not None
         index, entries, failed = self.index, job._entries, r.failed
@@ -1231,11 +1231,15 @@ class TierCore:
         now = time.monotonic()
         for i, e in enumerate(entries):
             remote.fetched(e.key, job.token)
+            found = r.ok or (failed is not None and i not in failed)
+            if found and i not in stale and not e.live and e.state is not _READY:
+                stale[i] = _R_SUPERSEDED   # out of the index between two passes, before one published it
             if i in stale:
                 index.writer_done(e)
-            elif r.ok or (failed is not None and i not in failed):
-                index.publish(e)
-                remote.landed_key(e.key, e)
+            elif found:
+                if e.state is not _READY:   # (published by a pass before: landed then, maybe counted a hit since)
+                    index.publish(e)
+                    remote.landed_key(e.key, e)
             else:
                 index.writer_done(e)
                 index.abort(e)
@@ -1525,8 +1529,15 @@ class TierCore:
             remote.store.kick()
             n = self.n_in_flight
             deadline = None if timeout is None else time.monotonic() + timeout
-            block_until(lambda: n[_PUT] == 0, timeout)
-            ok = n[_PUT] == 0 and self.put_faults == faults
+            drained = [False]   # seen by the wait itself: its last pass may apply a store's report, whose write-through
+                                # put (started after this flush) is not one it covers
+
+            def puts_done() -> bool:
+                drained[0] = n[_PUT] == 0
+                return drained[0]
+
+            block_until(puts_done, timeout)
+            ok = drained[0] and self.put_faults == faults
             # an invalidation or a cancel has no report: wait until the writer sent it too
             left = 1e9 if deadline is None else max(0.0, deadline - time.monotonic())
             ok = remote.store.wait_writes(left) and ok
