@@ -30,7 +30,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from disk_helpers import fill, keys, make_kv, metric, row_is
-from test_interrupt_engine import _internal_counts_agree, _interrupted, _sweep
+from test_interrupt_engine import _engine, _internal_counts_agree, _interrupted, _sweep
 from test_interrupt_locks import LIB, _call_with
 from test_review_round29_sweep import _interrupt_kth
 from tiered_kv import TieredKVConfig, TierManager
@@ -252,3 +252,27 @@ def test_an_interrupted_probe_or_fetch_report_is_applied_again(redis_url: str, r
             b.close()
 
     _sweep(one, 10)
+
+
+def test_a_seeded_engine_every_call_interrupted_remote_tier(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``test_interrupt_engine``'s seeded engine (every call interrupted once at a random call return, then made
+    again) with a remote tier and ``lookup`` among its calls: the host tier's 12 slots evict, a lookup of an
+    evicted key probes the server and fetches it, invalidations tomb it there.  Then nothing is left in flight,
+    asked for, pinned or held in the reader (``_settled``), and the host-tier checks hold: every job the caller
+    holds reported exactly once, every ready key loads back the bytes its store copied."""
+    import tiered_kv.manager
+
+    monkeypatch.setattr(tiered_kv.manager, "CLOSE_TIMEOUT_S", 0.5)
+
+    def settle(w: Any, label: str) -> None:
+        m = w.mgr
+        core = m._core
+        assert m.flush(timeout=DEADLINE_S), label
+        deadline = time.monotonic() + DEADLINE_S
+        while core.jobs or core.remote.want_token is not None:   # (the server answers on its own time)
+            assert time.monotonic() < deadline, f"{label}: never quiescent: {list(core.jobs.values())[:3]}"
+            w.take(m.wait(timeout=0.01))
+        _settled(m, label)
+
+    for seed in range(20):
+        _engine(seed, None, redis_url, settle)
