@@ -28,26 +28,16 @@ import pytest
 import tiered_kv.manager
 from disk_helpers import metric_sum
 from test_interrupt_engine import _internal_counts_agree, _sweep
-from test_interrupt_locks import LIB, _call_with
-from test_review_round29_sweep import WAIT_S, World, _interrupt_kth, check_disk
+from test_interrupt_locks import _call_with
+from test_interrupt_remote import _inside_apply_of
+from test_review_round29_sweep import WAIT_S, World, check_disk
 from test_review_round31 import prepare_landed
-from tiered_kv.core.tiers import TierCore
 from tiered_kv.jobs import JobKind, JobState
 
 
 def _inside_promote_apply(k: int) -> tuple[Callable[..., None], list[Any]]:
     """The hook: the k-th call return made from library code while ``TierCore.apply`` applies a PROMOTE report."""
-    code = TierCore.apply.__code__
-
-    def counts(frame: Any, caller: Any) -> bool:
-        if not caller.f_code.co_filename.startswith(LIB):
-            return False
-        f = caller
-        while f is not None and f.f_code is not code:
-            f = f.f_back
-        return f is not None and f.f_locals.get("kind") is JobKind.PROMOTE
-
-    return _interrupt_kth(k, counts)
+    return _inside_apply_of(JobKind.PROMOTE, k)
 
 
 def _fail_reads(w: World) -> None:

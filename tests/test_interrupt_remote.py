@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry
 from disk_helpers import fill, keys, make_kv, metric, row_is
 from test_interrupt_engine import _engine, _internal_counts_agree, _interrupted, _sweep
 from test_interrupt_locks import LIB, _call_with
+from test_remote_tier import until as _until
 from test_review_round29_sweep import _interrupt_kth
 from tiered_kv import TieredKVConfig, TierManager
 from tiered_kv.core.index import EntryState
@@ -48,15 +49,6 @@ def _manager(url: str, ns: str, seed: int) -> TierManager:
     return TierManager(cfg, make_kv(16, ROW, seed=seed), registry=CollectorRegistry())
 
 
-def _until(cond: Callable[[], bool], mgr: TierManager, what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        mgr.poll()
-        time.sleep(0.002)   # not ordering anything: the server answers on its own time
-
-
 def _queued(mgr: TierManager, n: int, what: str) -> None:
     """Wait, applying nothing, until ``n`` reports wait in ``mgr``'s completion queue."""
     q = mgr._completions._q
@@ -68,6 +60,8 @@ def _queued(mgr: TierManager, n: int, what: str) -> None:
 
 
 def _inside_apply_of(kind: JobKind, k: int) -> tuple[Callable[..., None], list[Any]]:
+    """The hook: the k-th call return made from library code while ``TierCore.apply`` applies a report of ``kind``
+    (its frame's ``kind``)."""
     code = TierCore.apply.__code__
 
     def counts(frame: Any, caller: Any) -> bool:

@@ -771,56 +771,51 @@ class TierCore:
                 self.outbox.append(c)
             (self.after_store if kind is _STORE else self.after_load)(job, r, extra)
             return
-        if kind is _SPILL:   # as a STORE/LOAD: _spill_reported may run again, _spill_applied runs once
+        # the internal jobs as a STORE/LOAD: _<kind>_reported may run again, then the commit, then _<kind>_applied once
+        if kind is _SPILL:
             state, extra, outcome = self._spill_reported(job, r)
-            del jobs[tok]   # the commit: no call from here to the next line's end
-            self.n_in_flight[kind] -= 1
-            self.spill_extra -= extra   # (the other parts' tokens left jobs in _spill_reported)
-            self.applied = r
-            job.state = state
+            self._commit(job, tok, r, state, extra)   # (the other parts' tokens left jobs in _spill_reported)
             self._spill_applied(job, r, outcome)
             return
-        if kind is _PROMOTE:   # as a STORE/LOAD: _promote_reported may run again, _promote_applied runs once
-            state = self._promote_reported(job, r)
-            del jobs[tok]   # the commit: no call from here to the next line's end
-            self.n_in_flight[kind] -= 1
-            self.applied = r
-            job.state = state
-            job._waiters = None
+        if kind is _PROMOTE:
+            self._commit(job, tok, r, self._promote_reported(job, r))
             self._promote_applied(job, r)
             return
-        if kind is _PUT:   # the same
-            state = self._put_reported(job, r)
-            del jobs[tok]   # the commit: no call from here to the next line's end
-            self.n_in_flight[kind] -= 1
-            self.applied = r
-            job.state = state
+        if kind is _PUT:
+            self._commit(job, tok, r, self._put_reported(job, r))
             self._put_applied(job, r)
             return
-        # a FETCH: the same; a probe's answer then starts the fetch of what it found, once (finished or undone)
+        # a FETCH; a probe's answer then starts the fetch of what it found, once (finished or undone)
         remote = self.remote
         assert remote is not None
         live = job.state is _PENDING
         state = _CANCELLED if not live else _DONE if r.ok else _FAILED
         if job._entries:
             self._fetch_reported(job, r)
-            del jobs[tok]   # the commit: no call from here to the next line's end
-            self.n_in_flight[kind] -= 1
-            self.applied = r
-            job.state = state
+            self._commit(job, tok, r, state)
             self._fetch_applied(job, r)
             return
         found = remote.probe_found(job.token, job.keys, r, self.index, self.dindex) if live else None
-        del jobs[tok]   # the commit, as above
-        self.n_in_flight[kind] -= 1
-        self.applied = r
-        job.state = state
         if found:
-            self._fetch_found(job.token, found)
+            self._fetch_found(job, tok, r, state, found)   # (commits first)
+        else:
+            self._commit(job, tok, r, state)
         if r.failed:
             faults = sum(1 for why in r.failed.values() if not remote.missing(why))
             if faults:
                 self.metrics.count(self.metrics.job_outcome[(_FETCH, "failed")], faults)
+
+    def _commit(self, job: Job, tok: int, r: Any, state: JobState, extra: int = 0) -> None:
+        """An internal job's report committed, with no call from the record's removal to the job's new state (an
+        interrupt lands at a call's return: at this one's, all of it is done): ``applied`` names the report, so
+        that a pass after an interrupt past the commit skips it.  ``tok``: the report's token, naming the record;
+        ``extra``: the spill's other parts' tokens."""
+        del self.jobs[tok]
+        self.n_in_flight[job.kind] -= 1
+        self.spill_extra -= extra
+        self.applied = r
+        job.state = state
+        job._waiters = None   # (a promote: the loads it named are done with it)
 
     def _unknown(self, r: Any) -> None:
         """A report no live job's token names: counted ``unknown_token`` under its kind.  A report with no
@@ -1154,14 +1149,16 @@ class TierCore:
         for k in keys:
             del asking[k]
 
-    def _fetch_found(self, probe: uuid.UUID, found: list[bytes]) -> None:
-        """Start the fetch of the keys the probe ``probe`` found (still asked for under its token): one FETCH job,
-        a host slot reserved for each (``RemoteTier.fetch_found``).  Run once, after the probe's commit; an
-        interrupt inside is finished or undone (:meth:`_fetch_start_broken`)."""
+    def _fetch_found(self, job: Job, tok: int, r: Report, state: JobState, found: list[bytes]) -> None:
+        """Commit the probe ``job``'s report, then start the fetch of the keys it found (still asked for under its
+        token): one FETCH job, a host slot reserved for each (``RemoteTier.fetch_found``).  Run once; an interrupt
+        inside, the commit's return included, is finished or undone (:meth:`_fetch_start_broken`)."""
         remote = self.remote
         assert remote is not None
+        probe = job.token
         fetch = held = sent = None
         try:   # (from the first call on: an interrupt lands at a call's return)
+            self._commit(job, tok, r, state)
             store = remote.store
             held = store.fetch_room_held
             sent = store.reads_accepted
