@@ -852,20 +852,17 @@ class PrefixLRU(Policy):
         # return): a leaf is never out of its queue while marked in it (its removal would raise KeyError)
         leaves = self.leaves
         while True:
-            passed = True
-            for k in list(leaves):
-                node = leaves[k]
-                if k == key or k in protect or node.entry.readers:
-                    continue
-                passed = False
-                if node.freq > 0:            # used since it came: one more round
-                    node.freq -= 1
-                    leaves.move_to_end(k)
-                else:
-                    self._drop(k, node, True)
-                    return node.entry
-            if passed:   # every leaf protected or leased
-                break
+            for k, node in leaves.items():   # the first leaf not passed over (from the front: a move ends the loop)
+                if k != key and k not in protect and not node.entry.readers:
+                    break
+            else:
+                break   # every leaf protected or leased
+            if node.freq > 0:            # used since it came: one more round
+                node.freq -= 1
+                leaves.move_to_end(k)
+            else:
+                self._drop(k, node, True)
+                return node.entry
         for k, node in self.inner.items():
             if k != key and k not in protect and not node.entry.readers:
                 self._drop(k, node, True)
