@@ -284,6 +284,40 @@ def test_an_interrupted_remove_never_leaves_a_removed_entry_in_the_policy(policy
             break
 
 
+def test_an_interrupted_eviction_never_leaves_a_live_entry_out_of_the_order() -> None:
+    """A reservation in a full host tier (default policy) evicts its victim (``TierIndex._evict_one``); interrupted at
+    every call return inside that, then made again: every entry is either in the eviction order or gone, with its
+    slot free.  Before, the policy's ``victim`` took the entry out of the order first: an interrupt at its return,
+    or at the eviction hook's, left it live in the map and out of the order, never evicted until its next load."""
+    import uuid
+
+    from test_interrupt_locks import MAX_K, _call_with, _interrupt_inside
+    from tiered_kv.core.index import TierIndex
+
+    told: list[bytes] = []
+    for k in range(1, MAX_K):
+        told.clear()
+        idx = TierIndex(4, on_evict=lambda e: told.append(e.key))
+        _, new, _ = idx.reserve_absent([b"a", b"b", b"c", b"d"], uuid.uuid4(), (), None)
+        idx.publish_all(new)
+        hook, fired = _interrupt_inside(TierIndex._evict_one, k)
+        w = uuid.uuid4()
+        _, exc = _call_with(hook, lambda: idx.reserve(b"z", w))
+        assert exc is None or (fired and isinstance(exc, KeyboardInterrupt)), exc
+        label = f"k={k} ({fired[0] if fired else 'ran through'})"
+        if idx.get(b"z") is None:   # the engine's retry
+            assert idx.reserve(b"z", w) is not None, label
+        lru = idx._lru
+        assert lru is not None
+        live = [e for e in idx.entries() if e.key != b"z"]
+        assert all(lru.get(e.key) is e for e in live), f"{label}: out of the order: {live}, order {list(lru)}"
+        assert len(live) == 3 and not new[0].live and new[0].slot == -1, f"{label}: {new[0]!r}"
+        assert told and set(told) == {b"a"}, f"{label}: the hook was told {told}"
+        assert idx.used_slots == 4 and len(idx._free) == 0, label
+        if not fired:
+            break
+
+
 @pytest.mark.parametrize("parts", ["all_written", "one_invalidated"])
 def test_an_interrupted_spill_report_is_applied_again_once(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
                                                             parts: str) -> None:

@@ -647,6 +647,21 @@ class TierIndex:
         return m == n
 
     def _evict_one(self, protect: Collection[bytes], key: bytes) -> bool:
+        lru = self._lru
+        if lru is not None:
+            # the default policy's victim leaves the order, the map and its slot in one C call, after the eviction
+            # hook (an interrupt at the hook's return changes nothing here: the retry tells it again): never out of
+            # the order while live, as a victim taken by ``victim`` and broken off before ``_evicted`` would be
+            entry = self.policy.peek(protect, key)   # (LRU.victim's choice, changing nothing)
+            if entry is None:
+                return False
+            if self._on_evict is not None:
+                self._on_evict(entry)
+            k, slot = entry.key, entry.slot
+            _consume(chain(map(lru.pop, (k,)), map(self._entries.__delitem__, (k,)),
+                           map(setattr, (entry, entry), ("live", "slot"), (False, -1)), map(self._free.append, (slot,))))
+            self.evictions += 1
+            return True
         entry = self.policy.victim(protect, key)
         if entry is None:
             return False
