@@ -28,7 +28,7 @@ from __future__ import annotations
 import enum
 import uuid
 from collections import deque
-from collections.abc import Callable, Collection, Container, Iterator, Sequence
+from collections.abc import Callable, Collection, Container, Iterable, Iterator, Sequence
 from itertools import chain, islice, repeat
 from typing import Any, Optional
 
@@ -389,21 +389,25 @@ class TierIndex:
         while they were written, and their slots are free now)."""
         lru, insert = self._lru, self.policy.insert
         out = []
-        for e in entries:
-            e.writing = False
-            if not e.live:
-                self._maybe_free(e)
-                continue
-            if e.state is _READY:   # published already (a report applied again after an interrupt): in the order
+        try:
+            for e in entries:
+                e.writing = False
+                if not e.live:
+                    self._maybe_free(e)
+                    continue
+                if e.state is _READY:   # published already (a report applied again after an interrupt): in the order
+                    out.append(e)
+                    continue
+                e.state = _READY
+                if e.readers == 0:
+                    if lru is not None:
+                        lru[e.key] = e   # LRU.insert written out (each block a store publishes)
+                    else:
+                        insert(e)
                 out.append(e)
-                continue
-            e.state = _READY
-            if e.readers == 0:
-                if lru is not None:
-                    lru[e.key] = e   # LRU.insert written out (each block a store publishes)
-                else:
-                    insert(e)
-            out.append(e)
+        except BaseException:
+            self._repair(entries)   # an insert broken off: READY, and in the order
+            raise
         return out
 
     def publish(self, entry: Entry) -> bool:
@@ -416,7 +420,11 @@ class TierIndex:
             return True
         entry.state = _READY
         if entry.readers == 0:
-            self.policy.insert(entry)
+            try:
+                self.policy.insert(entry)
+            except BaseException:
+                self._repair((entry,))
+                raise
         return True
 
     def abort(self, entry: Entry) -> None:
@@ -433,22 +441,26 @@ class TierIndex:
 
         ``into``: the holder's list of its leases; the lease is written to ``into[i]`` with no call between
         the count and that store, so under an interrupt (it lands at a call's return) the lease is either
-        there or not taken.  The entry leaves the policy's order first: an interrupt between leaves it
-        unleased out of the order (never evicted until its next lease's release puts it back), never
-        leased inside it, where the default policy's batched eviction would free a slot being read."""
+        there or not taken.  The entry leaves the policy's order first, never leased inside it, where the
+        default policy's batched eviction would free a slot being read; an interrupt before the count puts
+        it back (:meth:`_repair`)."""
         if entry.state is not _READY or not entry.live:
             raise AssertionError(f"acquire of {entry!r}")  # internal bug
         pinned = self._pinned
-        if entry.readers == 0 or (pinned and entry in pinned):
-            lru = self._lru
-            if lru is not None:
-                lru.pop(entry.key, None)   # LRU.lease written out (each load leases)
-            else:
-                self.policy.lease(entry)
-            pinned.discard(entry)   # pinned so far: the lease took it out of the policy now
-        entry.readers += 1
-        if into is not None:
-            into[i] = entry
+        try:
+            if entry.readers == 0 or (pinned and entry in pinned):
+                lru = self._lru
+                if lru is not None:
+                    lru.pop(entry.key, None)   # LRU.lease written out (each load leases)
+                else:
+                    self.policy.lease(entry)
+                pinned.discard(entry)   # pinned so far: the lease took it out of the policy now
+            entry.readers += 1
+            if into is not None:
+                into[i] = entry
+        except BaseException:
+            self._repair((entry,))   # not counted: back in the order
+            raise
 
     def pin_all(self, entries: Sequence[Entry]) -> None:
         """A reader that is no use for each READY entry of ``entries`` (a spill's or a put's copy): each
@@ -470,17 +482,21 @@ class TierIndex:
         entry.readers -= 1
         if entry.readers == 0:
             pinned = self._pinned
-            if pinned and entry in pinned:
-                pinned.discard(entry)   # never left the policy
-                self._maybe_free(entry)
-            elif entry.live and entry.state is _READY:
-                lru = self._lru
-                if lru is not None:
-                    lru[entry.key] = entry   # LRU.unlease written out
+            try:
+                if pinned and entry in pinned:
+                    pinned.discard(entry)   # never left the policy
+                    self._maybe_free(entry)
+                elif entry.live and entry.state is _READY:
+                    lru = self._lru
+                    if lru is not None:
+                        lru[entry.key] = entry   # LRU.unlease written out
+                    else:
+                        self.policy.unlease(entry)
                 else:
-                    self.policy.unlease(entry)
-            else:
-                self._maybe_free(entry)
+                    self._maybe_free(entry)
+            except BaseException:
+                self._repair((entry,))   # released: in the order, or its slot freed
+                raise
 
     def acquire_all(self, entries: Sequence[Entry], into: Optional[list[Any]] = None) -> None:
         """:meth:`acquire` for each of ``entries`` (a load's, leased together), each lease written to ``into[i]``
@@ -489,17 +505,21 @@ class TierIndex:
         if into is None:
             into = [None] * len(entries)
         lru, lease, pinned = self._lru, self.policy.lease, self._pinned
-        for i, e in enumerate(entries):
-            if e.state is not _READY or not e.live:
-                raise AssertionError(f"acquire of {e!r}")  # internal bug
-            if e.readers == 0 or (pinned and e in pinned):
-                if lru is not None:
-                    lru.pop(e.key, None)   # LRU.lease written out
-                else:
-                    lease(e)
-                pinned.discard(e)
-            e.readers += 1
-            into[i] = e
+        try:
+            for i, e in enumerate(entries):
+                if e.state is not _READY or not e.live:
+                    raise AssertionError(f"acquire of {e!r}")  # internal bug
+                if e.readers == 0 or (pinned and e in pinned):
+                    if lru is not None:
+                        lru.pop(e.key, None)   # LRU.lease written out
+                    else:
+                        lease(e)
+                    pinned.discard(e)
+                e.readers += 1
+                into[i] = e
+        except BaseException:
+            self._repair(entries)   # the lease broken off: back in the order
+            raise
 
     def release_all(self, entries: Sequence[Optional[Entry]]) -> None:
         """:meth:`release` for each of ``entries`` that is not None (a load's, released together)."""
@@ -509,7 +529,7 @@ class TierIndex:
         """:meth:`release_all` of the holder's own list, emptied: each entry leaves the list (its place set to
         None) and its count drops with no call between (an interrupt lands at a call's return), so that run
         again after an interrupt it releases exactly the entries not released yet; the one whose release was
-        broken off is put back where its count says (:meth:`_settle`).  In the list's order, O(n)."""
+        broken off is put back where its count says (:meth:`_repair`).  In the list's order, O(n)."""
         lru, unlease, pinned = self._lru, self.policy.unlease, self._pinned
         e = None
         try:
@@ -536,25 +556,24 @@ class TierIndex:
             entries.clear()
         except BaseException:
             if e is not None:
-                self._settle(e)
+                self._repair((e,))
             raise
 
-    def _settle(self, e: Entry) -> None:
-        """``e``'s lease was released by a call an interrupt broke off: with no reader left, it goes where its
-        state says (back in the default policy's order if live and READY, its slot freed if removed); each
-        step is skipped when done already.  Another policy's order cannot be asked, and is left as it is."""
-        if e.readers:
-            return
-        pinned = self._pinned
-        if pinned and e in pinned:
-            pinned.discard(e)
-            self._maybe_free(e)
-        elif e.live and e.state is _READY:
-            lru = self._lru
-            if lru is not None and e.key not in lru:
-                lru[e.key] = e
-        else:
-            self._maybe_free(e)
+    def _repair(self, among: Optional[Iterable[Optional[Entry]]] = None) -> None:
+        """After an interrupt broke off a step that moves entries into or out of the policy's order (a lease, a
+        release, a publish, an eviction, a removal): each entry of ``among`` (None: every entry), run through
+        the policy's ``holds``/``restore``, ends up where its state says: live, READY and with no reader but
+        pins, in the order; removed, with no reader or writer, its slot free.  (No step leaves a leased entry in the
+        order: a lease leaves it before it is counted.)  Each step is skipped where done already.  O(len(among)),
+        on an interrupt only."""
+        policy, pinned, entries = self.policy, self._pinned, self._entries
+        for e in list(entries.values()) if among is None else list(among):
+            if e is None:
+                continue
+            if not e.live or entries.get(e.key) is not e:
+                self._maybe_free(e)
+            elif e.state is _READY and (e.readers == 0 or e in pinned) and not policy.holds(e):
+                policy.restore(e)
 
     def remove(self, entry: Entry) -> None:
         """Take the entry out of the index; its slot is freed once no lease holds it.
@@ -579,10 +598,14 @@ class TierIndex:
                                    map(self._free.append, (slot,))))
                 return
             else:
-                if entry.state is _READY:
-                    self.policy.remove(entry)   # evictable or leased: the policy forgets it
-                else:
-                    self.policy.abandon(key)   # never inserted: what the reservation told it goes
+                try:
+                    if entry.state is _READY:
+                        self.policy.remove(entry)   # evictable or leased: the policy forgets it
+                    else:
+                        self.policy.abandon(key)   # never inserted: what the reservation told it goes
+                except BaseException:
+                    self._repair((entry,))   # still in the index: in the order again, for the retry to remove
+                    raise
                 del entries[key]
                 entry.live = False
         elif entry.live:   # (not the map's entry: never the case for a live one)
@@ -611,13 +634,10 @@ class TierIndex:
             if self._evict_lru(n, protect) or self.evictions != before or not protect:
                 return self.evictions - before
             # one of the n oldest is protected: one victim at a time, past it
-        victim = self.policy.victim
         done = 0
         while done < n:
-            entry = victim(protect, None)
-            if entry is None:
+            if not self._evict_one(protect, None):
                 break
-            self._evicted(entry)
             done += 1
         return done
 
@@ -662,10 +682,20 @@ class TierIndex:
                            map(setattr, (entry, entry), ("live", "slot"), (False, -1)), map(self._free.append, (slot,))))
             self.evictions += 1
             return True
-        entry = self.policy.victim(protect, key)
-        if entry is None:
-            return False
-        self._evicted(entry)
+        # another policy: its victim leaves the order in its own steps.  Broken off before the index had the entry,
+        # that entry is still live in the map: back in the order (``_repair``); after, the eviction is finished (its
+        # hook told again at worst, as above), never a live entry out of the order
+        entry = None
+        try:
+            entry = self.policy.victim(protect, key)
+            if entry is None:
+                return False
+            self._evicted(entry)
+        except BaseException:
+            if entry is not None and entry.live and self._entries.get(entry.key) is entry:
+                self._evicted(entry)
+            self._repair()
+            raise
         return True
 
     def _evicted(self, entry: Entry) -> None:

@@ -29,6 +29,10 @@ The calls:
                     spills in this order: what it picks does not depend on whether the reports
                     of the spills in flight were applied yet)
 ``link(keys)``      ``keys`` were seen in prefix order (a lookup's or a store's sequence)
+``holds(e)``        whether ``e`` is in the order now (evictable, or pinned in place)
+``restore(e)``      ``e``, live, READY and with no reader but pins, is not in the order (a step an
+                    interrupt broke off left it out): it comes back, a lease still recorded for it
+                    ended (by default: ``unlease``)
 ==================  =========================================================================
 
 Admission (:class:`Admission`) decides whether a new key enters a tier at all: ``admit(key, victim)``
@@ -102,6 +106,15 @@ class Policy:
         """The entry ``victim(protect, key)`` would take now, changing nothing (None: it would take none)."""
         raise NotImplementedError
 
+    def holds(self, e: "Entry") -> bool:   # pragma: no cover
+        """Whether ``e`` is in the eviction order now (evictable, or pinned where it is)."""
+        raise NotImplementedError
+
+    def restore(self, e: "Entry") -> None:
+        """``e`` should be in the order and is not (:meth:`TierIndex._repair`, after an interrupt): back as a
+        release puts it, which ends a lease still recorded for it or inserts it as new."""
+        self.unlease(e)
+
     uses_links = False   # True: the index calls link() (the others ignore the prefix structure: no call)
 
     def link(self, keys: Sequence[bytes]) -> None:
@@ -133,6 +146,9 @@ class LRU(Policy):
 
     def lease(self, e: "Entry") -> None:
         self.od.pop(e.key, None)
+
+    def holds(self, e: "Entry") -> bool:
+        return self.od.get(e.key) is e
 
     def remove(self, e: "Entry") -> None:
         od = self.od
@@ -260,14 +276,29 @@ class S3FIFO(Policy):
 
     def unlease(self, e: "Entry") -> None:
         k = e.key
-        q = self.leased.pop(k, None)
+        q = self.leased.get(k)
+        # back in its FIFO, the lease's record and count gone, with no call between (an interrupt lands at a
+        # call's return): never out of both
         if q is None:   # not leased here: a new entry as far as this policy knows
             self.insert(e)
         elif q == _SMALL:
-            self.n_leased_small -= 1
             self.small[k] = e
+            del self.leased[k]
+            self.n_leased_small -= 1
         else:
             self.main[k] = e
+            del self.leased[k]
+
+    def holds(self, e: "Entry") -> bool:
+        k = e.key
+        return self.small.get(k) is e or self.main.get(k) is e
+
+    def restore(self, e: "Entry") -> None:
+        k = e.key
+        if k in self.leased or k not in self.freq:
+            self.unlease(e)
+        else:   # held, out of its FIFO (a victim's walk broken off): at the newest end of the small one
+            self.small[k] = e
 
     def remove(self, e: "Entry") -> None:
         k = e.key
@@ -276,7 +307,9 @@ class S3FIFO(Policy):
         elif self.main.get(k) is e:
             del self.main[k]
         elif k in self.leased:
-            if self.leased.pop(k) == _SMALL:
+            q = self.leased[k]
+            del self.leased[k]   # (with its count, no call between)
+            if q == _SMALL:
                 self.n_leased_small -= 1
         else:
             return
@@ -517,12 +550,18 @@ class ARC(Policy):
 
     def unlease(self, e: "Entry") -> None:
         k = e.key
-        q = self.leased.pop(k, 0)
+        q = self.leased.get(k, 0)
         if q == 0:   # not leased here: a new entry as far as this policy knows
             self.insert(e)
             return
-        self.n_leased[q] -= 1
+        # back in its list, the lease's record and count gone, with no call between: never out of both
         (self.t1 if q == 1 else self.t2)[k] = e
+        del self.leased[k]
+        self.n_leased[q] -= 1
+
+    def holds(self, e: "Entry") -> bool:
+        k = e.key
+        return self.t1.get(k) is e or self.t2.get(k) is e
 
     def remove(self, e: "Entry") -> None:
         k = e.key
@@ -531,7 +570,9 @@ class ARC(Policy):
         elif self.t2.get(k) is e:
             del self.t2[k]
         elif k in self.leased:
-            self.n_leased[self.leased.pop(k)] -= 1
+            q = self.leased[k]
+            del self.leased[k]   # (with its count, no call between)
+            self.n_leased[q] -= 1
 
     @staticmethod
     def _oldest(od: "OrderedDict[bytes, Entry]", protect: Collection[bytes],
@@ -790,6 +831,20 @@ class PrefixLRU(Policy):
         self._queue(node.q).pop(k, None)   # (out of it already: a removal an interrupt broke off)
         node.q = _LEASED
         node.t = self._tick()
+
+    def holds(self, e: "Entry") -> bool:
+        node = self.nodes.get(e.key)
+        return node is not None and node.entry is e and node.q != _LEASED and self._queue(node.q).get(e.key) is node
+
+    def restore(self, e: "Entry") -> None:
+        k = e.key
+        node = self.nodes.get(k)
+        if node is None or node.entry is not e:
+            self.insert(e)
+            return
+        if node.q != _LEASED:
+            self._queue(node.q).pop(k, None)
+        self._place(k, node)
 
     def unlease(self, e: "Entry") -> None:
         k = e.key
