@@ -40,6 +40,8 @@ import prometheus_client
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.registry import Collector
 
+from .errors import ConfigError
+
 __all__ = [
     "make_wsgi_app",
     "make_asgi_app",
@@ -73,16 +75,20 @@ def multiprocess_dir() -> Optional[str]:
 def scrape_registry(registry: Optional[Collector] = None) -> Collector:
     """The registry an app or endpoint serves: ``registry``, else a multiprocess one, else ``REGISTRY``.
 
-    Raises :class:`ValueError` when multiprocess mode is asked for but its
-    directory does not exist.
+    Raises :class:`~tiered_kv.errors.ConfigError` (a :class:`ValueError`) when ``registry`` is not a
+    collector (no callable ``collect``: every scrape would fail), or when multiprocess mode is asked for
+    but its directory does not exist.
     """
     if registry is not None:
+        if not callable(getattr(registry, "collect", None)):
+            raise ConfigError(f"registry must be None or a prometheus_client collector (a CollectorRegistry), got "
+                              f"{type(registry).__name__}: {registry!r:.80}")
         return registry
     path = multiprocess_dir()
     if path is None:
         return REGISTRY
     if not os.path.isdir(path):
-        raise ValueError(f"PROMETHEUS_MULTIPROC_DIR={path!r} is not a directory")
+        raise ConfigError(f"PROMETHEUS_MULTIPROC_DIR={path!r} is not a directory")
     from prometheus_client.multiprocess import MultiProcessCollector
 
     fresh = CollectorRegistry()
@@ -182,10 +188,13 @@ def serve_metrics(port: int, addr: str = "127.0.0.1", registry: Optional[Collect
     or ``"::"`` to be scraped from another host or container).  ``port=0``
     picks a free port; read it back from ``.port``.  Returns a
     :class:`MetricsServer` (``server, thread = serve_metrics(...)`` works too);
-    call ``.close()`` to stop it.
+    call ``.close()`` to stop it.  A bad ``port``, ``addr`` or ``registry`` raises
+    :class:`~tiered_kv.errors.ConfigError`, naming it.
     """
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
+        raise ConfigError(f"port must be an int in [0, 65535], got {port!r}")
+    if not isinstance(addr, str) or not addr:
+        raise ConfigError(f"addr must be a non-empty str (a host name or an IP address), got {addr!r}")
     app = make_wsgi_app(registry)
     server_class = _ThreadingServer6 if ":" in addr else _ThreadingServer
     server = make_server(addr, port, app, server_class=server_class, handler_class=_QuietHandler)

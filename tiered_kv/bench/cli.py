@@ -224,10 +224,14 @@ def _bench(args: argparse.Namespace) -> int:
                 result = json.load(f)
         except (OSError, ValueError) as exc:
             return _err(f"cannot read {args.from_json}: {exc}")
-        if result.get("benchmark") != "tiered-kv bench":
+        if not isinstance(result, dict) or result.get("benchmark") != "tiered-kv bench":
             return _err(f"{args.from_json} is not a 'tiered-kv bench' result")
-        result = report.revive(result)   # NaN the run measured, saved as null
-        result["figures"] = report.collect_figures(result)  # figures follow the current report code
+        try:
+            result = report.revive(result)   # NaN the run measured, saved as null
+            result["figures"] = report.collect_figures(result)  # figures follow the current report code
+            table = report.format_table(result)
+        except (KeyError, TypeError, AttributeError, ValueError, IndexError) as exc:   # a truncated or edited file
+            return _err(f"{args.from_json} is not a complete 'tiered-kv bench' result: {type(exc).__name__}: {exc}")
     else:
         sections = None
         if args.sections is not None:
@@ -235,6 +239,8 @@ def _bench(args: argparse.Namespace) -> int:
             unknown = sorted(set(sections) - set(SECTIONS))
             if unknown:
                 return _err(f"unknown sections {unknown}; known: {', '.join(SECTIONS)}")
+            if not sections:
+                return _err(f"--sections {args.sections!r} names no section; known: {', '.join(SECTIONS)}")
         mode = "smoke" if args.smoke else ("quick" if args.quick else "full")
         if args.trace is not None and not Path(args.trace).is_file():
             return _err(f"--trace {args.trace}: no such file")
@@ -252,7 +258,8 @@ def _bench(args: argparse.Namespace) -> int:
                                remote_url=args.remote_url)
         except TraceError as exc:
             return _err(str(exc))
-    print(report.format_table(result))
+        table = report.format_table(result)
+    print(table)
     if not args.no_details and not args.from_json:
         print("\n\n==== details (median / p90 / p99 / max; each section's own report) ====\n")
         print(report.format_details(result))
