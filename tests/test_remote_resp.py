@@ -8,6 +8,7 @@ redis-py's own packer and against a real ``redis-server`` through :class:`~tiere
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import uuid
@@ -23,7 +24,7 @@ from redis.exceptions import ConnectionError, MovedError, NoScriptError, Respons
 
 from tiered_kv.disk.format import HEADER_SIZE, CorruptEntry, pack_header, verify_entry, verify_split  # noqa: E402
 from tiered_kv.remote.conn import Conn, plain, route_key  # noqa: E402
-from tiered_kv.remote.resp import LARGE, GetInto, Landed, Parts, Replies, pack  # noqa: E402
+from tiered_kv.remote.resp import LARGE, READ_BUFFER, Drained, GetInto, Landed, Parts, Replies, pack  # noqa: E402
 from tiered_kv.remote.url import parse_url  # noqa: E402
 
 
@@ -109,9 +110,23 @@ def _reply() -> st.SearchStrategy[tuple[bytes, Any, Optional[tuple[int, int]]]]:
         st.tuples(st.integers(0, 40), st.integers(0, 300)).flatmap(
             lambda hp: st.binary(min_size=sum(hp), max_size=sum(hp)).map(
                 lambda v: (_bulk(v), Landed(v[:hp[0]]), hp))),
-        # ... any other length arrives whole (and leaves the view alone)
-        st.binary(min_size=1, max_size=50).map(lambda v: (_bulk(v), v, (len(v) + 1, 0))),
+        # ... any other length is drained: its first bytes, its length and sha1 (and the view left alone)
+        st.binary(min_size=1, max_size=50).map(lambda v: (_bulk(v), Drained(v, len(v), hashlib.sha1(v).hexdigest()),
+                                                           (len(v) + 1, 0))),
     )
+
+
+@pytest.mark.parametrize("chunk", [1000, 65536 + 7, 1 << 20])
+def test_a_value_far_longer_than_expected_is_drained_keeping_only_its_first_bytes(chunk: int) -> None:
+    """A :class:`GetInto` answered with a value far longer than a block's (a foreign or hostile one) keeps the
+    expected length and one reply buffer of it, hashes all of it, and leaves the stream at the next reply."""
+    big = os.urandom(3 * READ_BUFFER + 11)
+    r = replies(_bulk(big) + b":7\r\n", (chunk,))
+    view = memoryview(bytearray(b"\xee" * 100))
+    got = r.read(GetInto("k", 20, view))
+    assert got == Drained(big[:120 + READ_BUFFER], len(big), hashlib.sha1(big).hexdigest())
+    assert bytes(view) == b"\xee" * 100
+    assert r.read() == 7
 
 
 @settings(max_examples=300, deadline=None)
@@ -223,7 +238,9 @@ def test_a_round_trip_on_a_real_server_reads_values_into_views(redis_url: str, r
                             GetInto("resp:none", 1, other), ("EXISTS", "resp:a", "resp:none"), ("HGET", "resp:a", "f")])
         assert out[:2] == [b"OK", head + payload]
         assert out[2] == Landed(head) and bytes(view) == payload
-        assert out[3] == head + payload and bytes(other) == bytes(7)
+        whole = head + payload   # another length than 1 + 7: drained, its first 8 bytes and a reply buffer kept
+        assert out[3] == Drained(whole[:8 + READ_BUFFER], len(whole), hashlib.sha1(whole).hexdigest())
+        assert bytes(other) == bytes(7)
         assert out[4] is None and out[5] == 1
         assert isinstance(out[6], ResponseError) and "WRONGTYPE" in str(out[6])
         # the link is dropped when the server closes it; the next trip connects again

@@ -5,8 +5,10 @@ core reserved for it, fenced until this part is answered), then verified there w
 :func:`~tiered_kv.disk.format.verify_split` (magic, version, namespace, key, length, checksum): a value
 that fails is a miss -- the core frees the slot, whose bytes were never published -- is reported to
 ``on_corrupt`` and is deleted by the writer thread only if the server still holds the same bytes
-(its sha1), never a good value written since.  A value of another length (or one that came through
-a cluster redirection) arrives whole and is verified with
+(its sha1), never a good value written since.  A value of another length is never a block's: it is
+drained from the socket with only its first bytes kept (:class:`~.resp.Drained`: the server's length
+never sizes an allocation) and answered corrupt, with the reason its verification gives.  One that came
+through a cluster redirection (redis-py reads it) arrives whole and is verified with
 :func:`~tiered_kv.disk.format.verify_entry` before it is copied.  Invariant: every fetch job is answered
 exactly once; while the breaker is open, queued fetches are answered ``remote_down`` at once.
 """
@@ -26,7 +28,7 @@ from .iothread import IDLE_WAKE_S, IOThread
 from .conn import Conn, error_kind, unreachable as server_unreachable
 from .keys import KeyNames, sha1hex
 from .ops import FetchJob
-from .resp import GetInto, Landed
+from .resp import Drained, GetInto, Landed
 from .records import FETCH_CORRUPT, FETCH_MISS, REMOTE_DOWN, RemoteOptions
 from .writer import FALLBACK_WAKE_S, MAX_RESTARTS
 
@@ -221,12 +223,16 @@ class Reader(IOThread):
                         try:
                             if isinstance(value, Landed):    # the payload is in the slot already
                                 verify_split(value.head, view, ns, key, length)
+                            elif isinstance(value, Drained):   # another length: its first bytes say why
+                                verify_entry(value.prefix, ns, key, length=length)
+                                raise CorruptEntry("truncated", f"{value.n} bytes, not a {length}-byte block's value")
                             else:
                                 view[:] = memoryview(value)[verify_entry(value, ns, key,
                                                                          length=length).payload_offset:]
                         except CorruptEntry as e:
                             reason = FETCH_CORRUPT
-                            corrupt = e, sha1hex(value.head, view) if isinstance(value, Landed) else sha1hex(value)
+                            corrupt = e, (sha1hex(value.head, view) if isinstance(value, Landed) else
+                                          value.sha if isinstance(value, Drained) else sha1hex(value))
                         else:
                             reason, nbytes = None, length
                 if corrupt is not None:

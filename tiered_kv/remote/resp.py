@@ -17,7 +17,10 @@ authenticates and configures (TLS, ``AUTH``, ``SELECT``, timeouts: :class:`redis
   :class:`Parts` argument is one bulk string sent as several buffers (the entry header, then the slot);
 * :class:`Replies` parses replies from the socket into one reusable buffer; a :class:`GetInto`
   command's value is read with its head (header, namespace, key) into a small buffer and its payload
-  straight into the caller's view (the reserved host slot), then verified there by the reader.
+  straight into the caller's view (the reserved host slot), then verified there by the reader; a value of
+  another length (never a block's: a foreign or damaged one) is read off the socket in bounded pieces,
+  hashed as it goes, and only its first bytes kept (:class:`Drained`): what the server sends never
+  sizes an allocation here.
 
 Error replies become the exceptions redis-py would raise (``MOVED`` -> ``MovedError``, ``NOSCRIPT`` ->
 ``NoScriptError``, ...), returned in the command's place, never raised; a socket timeout or a closed
@@ -27,10 +30,11 @@ connection raises redis-py's ``TimeoutError`` / ``ConnectionError`` and leaves t
 
 from __future__ import annotations
 
+import hashlib
 import socket
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
-__all__ = ["Parts", "GetInto", "Landed", "pack", "Replies", "LARGE"]
+__all__ = ["Parts", "GetInto", "Landed", "Drained", "pack", "Replies", "LARGE"]
 
 Buffer = Union[bytes, bytearray, memoryview]
 LARGE = 16 << 10          # an argument at least this big is sent in place, not copied into the command buffer
@@ -65,6 +69,16 @@ class Landed(NamedTuple):
     in the command's view now, not verified yet)."""
 
     head: bytes
+
+
+class Drained(NamedTuple):
+    """The answer to a :class:`GetInto` whose value had another length: its first bytes (at most the
+    expected length and one reply buffer more), its whole length, and the sha1 (hex, as Lua's
+    ``redis.sha1hex``) of all of it.  The rest was read off the socket and not kept."""
+
+    prefix: bytes
+    n: int
+    sha: str
 
 
 def _arg(a: Any) -> Buffer:
@@ -180,22 +194,42 @@ class Replies:
             self._fill()
         self._start += 2
 
+    def _drain(self, n: int, keep: int) -> "Drained":
+        """A bulk value of ``n`` bytes: its first ``keep`` kept, all of it hashed, the rest read in pieces of
+        one reply buffer and dropped."""
+        prefix = bytearray(min(n, keep))
+        self._read_into(memoryview(prefix))
+        h = hashlib.sha1(prefix)
+        left = n - len(prefix)
+        if left:
+            piece = memoryview(bytearray(min(left, READ_BUFFER)))
+            while left:
+                m = min(left, len(piece))
+                self._read_into(piece[:m])
+                h.update(piece[:m])
+                left -= m
+        self._skip_crlf()
+        return Drained(bytes(prefix), n, h.hexdigest())
+
     # ------------------------------------------------------------ replies
     def read(self, into: Optional[GetInto] = None) -> Any:
         """The next reply: bytes, int, None, a list, an exception instance (an error reply), or -- for
-        ``into`` and a value of the expected length -- :class:`Landed`."""
+        ``into`` -- :class:`Landed` (a value of the expected length) or :class:`Drained` (of another)."""
         line = self._line()
         kind, rest = line[:1], line[1:]
         if kind == b"$":
             n = int(rest)
             if n < 0:
                 return None
-            if into is not None and n == into.head + len(into.view):
-                head = bytearray(into.head)
-                self._read_into(memoryview(head))
-                self._read_into(into.view)
-                self._skip_crlf()
-                return Landed(bytes(head))
+            if into is not None:
+                want = into.head + len(into.view)
+                if n == want:
+                    head = bytearray(into.head)
+                    self._read_into(memoryview(head))
+                    self._read_into(into.view)
+                    self._skip_crlf()
+                    return Landed(bytes(head))
+                return self._drain(n, want + READ_BUFFER)
             value = bytearray(n)
             self._read_into(memoryview(value))
             self._skip_crlf()
