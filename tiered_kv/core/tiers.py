@@ -269,8 +269,9 @@ class TierCore:
         are consecutive blocks of one sequence (see :meth:`link`).
         """
         jobs = self.jobs
+        dindex = self.readable_dindex()
         if len(jobs) - self.spill_extra >= self.max_inflight:
-            index, dindex = self.index, self.dindex
+            index = self.index
             absent = False
             for k in keys:
                 e = index.get(k)
@@ -287,7 +288,7 @@ class TierCore:
         token = None
         try:
             token = pool.popleft() if pool else self.tokens()
-            got, entries, full = self.index.reserve_absent(keys, token, protect, self.dindex, chain, fetching)
+            got, entries, full = self.index.reserve_absent(keys, token, protect, dindex, chain, fetching)
             for e in fetching:
                 if not e.live:   # its key reserved for this store: the fetch gave way
                     self._fetch_superseded(e)
@@ -320,7 +321,7 @@ class TierCore:
                 index.touch(fetch)
                 return None
         dindex = self.dindex
-        if dindex is not None and key in dindex:
+        if dindex is not None and key in dindex and not self.disk.dead:   # type: ignore[union-attr]
             return None
         if full:
             return self.shed(_STORE, "inflight_limit")
@@ -486,6 +487,8 @@ class TierCore:
             d = dindex.ready(k) if dindex is not None and promote else None
             if d is None:
                 return None
+            if self.disk.dead:   # type: ignore[union-attr]   # its read would fail at once: not started
+                return self.shed(_LOAD, "disk_down")
             reads.append(len(plan))
             plan.append(d)
         if bounded and len(jobs) - self.spill_extra >= self.max_inflight:
@@ -544,6 +547,8 @@ class TierCore:
     def lookup_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` are READY in a lower tier (host, or disk), each marked recently used."""
         dindex = self.dindex
+        if dindex is not None and self.disk.dead:   # type: ignore[union-attr]   # (readable_dindex, inline)
+            dindex = None
         if dindex is None:
             n = host = self.index.ready_run(keys)
         else:
@@ -566,6 +571,14 @@ class TierCore:
         if host:
             m.count(m.hits["host"], host)
         return n
+
+    def readable_dindex(self) -> Optional[TierIndex]:
+        """The disk tier's index while its blocks can be read; None without a disk tier, or while its disk I/O
+        process is dead and no new one adopted (:attr:`DiskTier.dead`): a read would fail at once, so a lookup
+        finds no block there, a load of one is shed (``disk_down``), and a store of one is the host tier's to
+        keep (the disk index is left as it is, for the new process's adoption to reconcile)."""
+        dindex = self.dindex
+        return None if dindex is None or self.disk.dead else dindex   # type: ignore[union-attr]
 
     def seen(self, keys: Sequence[bytes]) -> None:
         """The engine asked for ``keys``: references the admission filters count (each front end's lookup)."""
