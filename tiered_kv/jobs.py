@@ -7,8 +7,8 @@ owner (engine) thread with a fresh UUID token; workers only ever see
 the answer by token, so a late, duplicate or foreign answer can never touch
 another job's state.
 
-State table (the only allowed moves; ``Job._move`` checks them, and the hot paths that
-set a state directly do so only from a state they checked first)::
+State table (the only allowed moves, ``ALLOWED_MOVES``; ``Job._move`` checks one against it; the
+library sets a state directly, each time from a state it checked first or holds by construction)::
 
     PENDING     --report ok-------------> DONE        (reported ok)
     PENDING     --report failed---------> FAILED      (reported not ok)
