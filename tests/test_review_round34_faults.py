@@ -20,9 +20,12 @@ Deterministic: seeded data, ``tmp_path``, bounded waits only.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -191,6 +194,38 @@ def test_bench_sections_that_name_no_section_are_refused(capsys) -> None:
 
 
 # ============================================================================ disk I/O process: down is a miss
+@contextlib.contextmanager
+def _disk_io_process_down(rig: Any) -> Iterator[tuple[Any, Any, list[bytes]]]:
+    """Four blocks only on disk, then the disk I/O process killed, its replacement's open held until the block
+    ends (a long recovery scan: the tier stays down meanwhile); the restart settled after it."""
+    import signal
+    import threading
+
+    from disk_helpers import disk_only_keys, settle_restart
+
+    kv, mgr, ks = disk_only_keys(rig, "process", n=4)
+    tier = mgr._core.disk
+    gate = threading.Event()
+    real_reopen = tier._reopen
+
+    def held_reopen() -> Any:
+        gate.wait(30)
+        return real_reopen()
+
+    tier._reopen = held_reopen
+    try:
+        mgr.disk.kill_for_test(signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while tier._starting is None:   # the death applied and the restart begun: the tier is down
+            assert time.monotonic() < deadline, "the disk I/O process's death was not noticed"
+            mgr.wait(timeout=0.01)
+        assert not tier.usable
+        yield kv, mgr, ks
+    finally:
+        gate.set()
+        settle_restart(mgr)
+
+
 def test_lookup_reports_no_disk_hit_while_the_disk_io_process_is_down(rig) -> None:
     """While the disk I/O process is dead and its replacement not yet adopted (its open and recovery scan run on a
     starter thread: seconds on a large tier; after a restart that failed, a back-off of up to 60 s), the tier
@@ -205,42 +240,20 @@ def test_lookup_reports_no_disk_hit_while_the_disk_io_process_is_down(rig) -> No
     ``TierCore.begin_load`` starts promotes on a tier that is down.  Fix: while the disk tier is not usable
     (or its store is dead), look up and load through the host tier only (the disk index kept as it is, for the
     adoption's reconciliation), shedding a load that needs the disk as ``disk_down``."""
-    import signal
-    import threading
-
-    from disk_helpers import disk_only_keys, settle_restart
-
-    kv, mgr, ks = disk_only_keys(rig, "process", n=4)
-    tier = mgr._core.disk
-    gate = threading.Event()
-    real_reopen = tier._reopen
-
-    def held_reopen():   # the replacement's open (its recovery scan) takes a while: the tier stays down meanwhile
-        gate.wait(30)
-        return real_reopen()
-
-    tier._reopen = held_reopen
-    hits0 = metric(mgr, "tiered_kv_lookup_hits_total", tier="disk")
-    try:
-        mgr.disk.kill_for_test(signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while tier._starting is None:   # the death applied and the restart begun: the tier is down
-            assert time.monotonic() < deadline, "the disk I/O process's death was not noticed"
-            mgr.wait(timeout=0.01)
-        assert not tier.usable
+    with _disk_io_process_down(rig) as (kv, mgr, ks):
+        hits0 = metric(mgr, "tiered_kv_lookup_hits_total", tier="disk")
         n = mgr.lookup(ks)
         job = mgr.load(ks[0], 0)
         outcome = None
         if job is not None:
             got = [c for c in mgr.wait([job], timeout=10) if c.job is job]
             outcome = got[0].error if got else "not reported"
+        mgr.poll()   # (the step's counts applied)
         disk_hits = metric(mgr, "tiered_kv_lookup_hits_total", tier="disk") - hits0
         assert (n, disk_hits, job) == (0, 0, None), (
             f"with the disk I/O process down, lookup() answered {n} leading blocks ready ({disk_hits:g} counted as "
             f"disk hits) and load() started a job that ended {outcome!r}")
-    finally:
-        gate.set()
-        settle_restart(mgr)
+        assert metric(mgr, "tiered_kv_shed_total", kind="load", reason="disk_down") == 1
     assert mgr.lookup(ks) == len(ks)   # once the new process is adopted the blocks are served again
     for i, k in enumerate(ks):
         assert load_ok(mgr, kv, k, i)
@@ -254,28 +267,9 @@ def test_a_store_while_the_disk_io_process_is_down_is_not_refused_for_a_block_on
     READY in ``dindex`` whatever ``DiskTier.usable`` says.  Fix: while the disk tier is down, a key held only on
     disk is stored into the host tier like a key in no tier (its disk entry left for the adoption to
     reconcile)."""
-    import signal
-    import threading
+    from disk_helpers import fill, row_is
 
-    from disk_helpers import disk_only_keys, fill, row_is, settle_restart
-
-    kv, mgr, ks = disk_only_keys(rig, "process", n=4)
-    tier = mgr._core.disk
-    gate = threading.Event()
-    real_reopen = tier._reopen
-
-    def held_reopen():   # the replacement's open (its recovery scan) takes a while: the tier stays down meanwhile
-        gate.wait(30)
-        return real_reopen()
-
-    tier._reopen = held_reopen
-    try:
-        mgr.disk.kill_for_test(signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while tier._starting is None:   # the death applied and the restart begun: the tier is down
-            assert time.monotonic() < deadline, "the disk I/O process's death was not noticed"
-            mgr.wait(timeout=0.01)
-        assert not tier.usable
+    with _disk_io_process_down(rig) as (kv, mgr, ks):
         fill(kv, 3, ks[0])
         job = mgr.store(ks[0], 3)
         assert job is not None, ("store() of a block held only by the disk tier, which is down, returned None: the "
@@ -284,6 +278,3 @@ def test_a_store_while_the_disk_io_process_is_down_is_not_refused_for_a_block_on
         assert got and got[0].ok
         kv[3].zero_()
         assert load_ok(mgr, kv, ks[0], 3) and row_is(kv, 3, ks[0])   # served from the host tier meanwhile
-    finally:
-        gate.set()
-        settle_restart(mgr)
