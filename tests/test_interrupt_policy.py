@@ -173,15 +173,23 @@ def test_an_interrupted_release_puts_the_entry_back_in_the_order(policy: str, ho
     assert swept > 1 or how == "release"   # (the default policy's release of a live lease makes no call)
 
 
+@pytest.mark.parametrize("leased", [False, True], ids=["unleased", "leased"])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_an_interrupted_remove_leaves_the_entry_in_the_order_or_gone(policy: str) -> None:
-    """An invalidate's removal of a READY entry broken off anywhere, and not retried: the entry is gone with its slot
-    free, or still in the index and in the order (evicted like any other)."""
-    def setup() -> tuple[TierIndex, list[Entry]]:
-        return _full(policy)
+def test_an_interrupted_remove_leaves_the_entry_in_the_order_or_gone(policy: str, leased: bool) -> None:
+    """An invalidate's removal of a READY entry (``leased``: one a load reads, released after) broken off anywhere,
+    and not retried: the entry is gone with its slot free, or still in the index and in the order (evicted like any
+    other); a lease the policy recorded is forgotten with its count (S3-FIFO's and ARC's counts of leases)."""
+    def setup() -> tuple[TierIndex, list[Entry], list[Any]]:
+        idx, new = _full(policy)
+        into: list[Any] = [None]
+        if leased:
+            idx.acquire(new[2], into, 0)
+        return idx, new, into
 
-    def after(st: tuple[TierIndex, list[Entry]], label: str) -> None:
-        _every_slot_reclaimable(st[0], f"{policy}, {label}")
+    def after(st: tuple[TierIndex, list[Entry], list[Any]], label: str) -> None:
+        idx, _, into = st
+        idx.release_taken(into)
+        _every_slot_reclaimable(idx, f"{policy}, {label}")
 
     assert _sweep(TierIndex.remove, setup, lambda st: st[0].remove(st[1][2]), after) > 1
 
