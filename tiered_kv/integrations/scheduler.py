@@ -149,6 +149,9 @@ class SlabScheduler:
             # (deferred on a read-back further down its prefix) is not counted a lookup key and a hit again for them.
             # Bounded as _requests is (REQUESTS_MAX requests, the oldest go)
             self._told: dict[Any, set[bytes]] = {}
+            # and its keys answered MISS since then: asked again (vLLM's prefix scan goes on to the first miss at each
+            # step a request is deferred) they are the same lookup keys.  Bounded as _told is
+            self._missed: dict[Any, set[bytes]] = {}
             # keys answered HIT, PENDING or RETRY since the last tick() (``_looked``: any lookup since), and those of the
             # last step that made lookups, while a request waits: a store's reservation and the evict-ahead at the end
             # of a step leave them (a request waiting on a read-back is asked again later)
@@ -228,17 +231,28 @@ class SlabScheduler:
         waiting = self._waiting
         rk = (request, key)
         w = waiting.pop(rk, _NOT_ASKED)
-        if request is not None and self._told:   # told HIT before, not now (evicted since): a new lookup key, whose
-            told = self._told.get(request)       # hit is counted when it is served
-            if told is not None:
-                told.discard(key)
-        if not _waited(w, entry, request):   # else asked while it waited: counted then
+        missed: Optional[set[bytes]] = None   # the request's keys told MISS before: counted then
+        if request is not None:
+            if self._told:   # told HIT before, not now (evicted since): a new lookup key, whose
+                told = self._told.get(request)       # hit is counted when it is served
+                if told is not None:
+                    told.discard(key)
+            if self._missed:
+                missed = self._missed.get(request)
+                if missed is not None and key not in missed:
+                    missed = None
+        if not _waited(w, entry, request) and missed is None:   # else asked while it waited, or told MISS: counted then
             m = self.metrics
             m.count(m.lookups)
         if answer is Lookup.MISS:
-            if w is not _NOT_ASKED and request is not None:
-                self._unwait(request, key)
+            if request is not None:
+                if w is not _NOT_ASKED:
+                    self._unwait(request, key)
+                if missed is None:
+                    self._remember(self._missed, request).add(key)
             return answer
+        if missed is not None:   # waits now: its wait carries the key (counted at the miss)
+            missed.discard(key)
         # waits for its answer: one key however often it is asked; it goes last (the bounds trim the oldest)
         waiting[rk] = entry if answer is Lookup.PENDING else None
         if request is not None:
@@ -276,14 +290,16 @@ class SlabScheduler:
         self._asked.add(key)
         self._guard.add(key)
         first = True
+        counted = False   # told MISS before: a lookup key then, a hit now
         if request is not None:
-            told = self._told.get(request)
-            if told is None:
-                told = self._told[request] = set()
-                if len(self._told) > REQUESTS_MAX:   # (requests never finished nor scheduled: the oldest go)
-                    del self._told[next(iter(self._told))]
+            told = self._remember(self._told, request)
             first = key not in told
             told.add(key)
+            if self._missed:
+                missed = self._missed.get(request)
+                if missed is not None and key in missed:
+                    missed.discard(key)
+                    counted = True
         if self._waiting:
             w = self._waiting.pop((request, key), _NOT_ASKED)
             if w is not _NOT_ASKED and request is not None:
@@ -296,9 +312,21 @@ class SlabScheduler:
                 self.core.host_hit(key)
                 return
         if first:
-            m = self.metrics
-            m.count(m.lookups)
+            if not counted:
+                m = self.metrics
+                m.count(m.lookups)
             self.core.host_hit(key)
+
+    @staticmethod
+    def _remember(per_request: dict[Any, set[bytes]], request: Hashable) -> set[bytes]:
+        """``request``'s set in ``per_request`` (``_told``, ``_missed``), made if it has none; at most
+        ``REQUESTS_MAX`` requests (never finished nor scheduled: the oldest go)."""
+        keys = per_request.get(request)
+        if keys is None:
+            keys = per_request[request] = set()
+            if len(per_request) > REQUESTS_MAX:
+                del per_request[next(iter(per_request))]
+        return keys
 
     def _unwait(self, request: Hashable, key: bytes) -> None:
         """``request`` no longer waits on ``key`` (answered HIT or MISS, or trimmed): a request that waits on
@@ -315,6 +343,7 @@ class SlabScheduler:
         no longer its (a later ask of one is another request's lookup key); the blocks kept for the last
         lookups go at the next :meth:`tick` once no request waits (see there)."""
         self._told.pop(request, None)
+        self._missed.pop(request, None)
         keys = self._requests.pop(request, None)
         if keys:
             self._named -= len(keys)
@@ -359,7 +388,7 @@ class SlabScheduler:
                 raise InvalidKeyError(f"prepare_load of key {k!r:.80} that lookup did not report as a hit "
                                       f"(state: {self.core.index.get(k)!r:.120})")
         # after the checks (a refused call changes nothing)
-        if request is not None and (request in self._requests or request in self._told):
+        if request is not None and (request in self._requests or request in self._told or request in self._missed):
             self.request_scheduled(request)
         job = self.core.begin_load(keys, promote=False, bounded=False)
         assert job is not None  # every key READY and no bound: the core always starts it
@@ -405,7 +434,7 @@ class SlabScheduler:
         keys = list(keys)
         self._check_keys(keys)
         # after the checks (a refused call changes nothing)
-        if request is not None and (request in self._requests or request in self._told):
+        if request is not None and (request in self._requests or request in self._told or request in self._missed):
             self.request_scheduled(request)
         core = self.core
         protect = frozenset(keys)
@@ -524,6 +553,7 @@ class SlabScheduler:
         self._waiting.clear()
         self._requests.clear()
         self._told.clear()
+        self._missed.clear()
         self._named = 0
         self._asked, self._kept, self._looked = set(), set(), False
         self._guard.clear()
