@@ -188,8 +188,8 @@ def serve_metrics(port: int, addr: str = "127.0.0.1", registry: Optional[Collect
     or ``"::"`` to be scraped from another host or container).  ``port=0``
     picks a free port; read it back from ``.port``.  Returns a
     :class:`MetricsServer` (``server, thread = serve_metrics(...)`` works too);
-    call ``.close()`` to stop it.  A bad ``port``, ``addr`` or ``registry`` raises
-    :class:`~tiered_kv.errors.ConfigError`, naming it.
+    call ``.close()`` to stop it.  A bad ``port``, ``addr`` (also one that resolves to no address) or
+    ``registry`` raises :class:`~tiered_kv.errors.ConfigError`, naming it; a port in use, ``OSError``.
     """
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ConfigError(f"port must be an int in [0, 65535], got {port!r}")
@@ -197,7 +197,10 @@ def serve_metrics(port: int, addr: str = "127.0.0.1", registry: Optional[Collect
         raise ConfigError(f"addr must be a non-empty str (a host name or an IP address), got {addr!r}")
     app = make_wsgi_app(registry)
     server_class = _ThreadingServer6 if ":" in addr else _ThreadingServer
-    server = make_server(addr, port, app, server_class=server_class, handler_class=_QuietHandler)
+    try:
+        server = make_server(addr, port, app, server_class=server_class, handler_class=_QuietHandler)
+    except socket.gaierror as exc:   # not an address (a port in use stays an OSError: not a value to fix here)
+        raise ConfigError(f"addr {addr!r} is not an address to serve on: {exc}") from exc
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
                               name=f"tiered-kv-metrics:{server.server_address[1]}", daemon=True)
     thread.start()

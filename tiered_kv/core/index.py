@@ -559,13 +559,14 @@ class TierIndex:
                 self._repair((e,))
             raise
 
-    def _repair(self, among: Optional[Iterable[Optional[Entry]]] = None) -> None:
+    def _repair(self, among: Optional[Iterable[Optional[Entry]]] = None, evicting: bool = False) -> None:
         """After an interrupt broke off a step that moves entries into or out of the policy's order (a lease, a
         release, a publish, an eviction, a removal): each entry of ``among`` (None: every entry), run through
         the policy's ``holds``/``restore``, ends up where its state says: live, READY and with no reader but
         pins, in the order; removed, with no reader or writer, its slot free.  (No step leaves a leased entry in the
         order: a lease leaves it before it is counted.)  Each step is skipped where done already.  O(len(among)),
-        on an interrupt only."""
+        on an interrupt only.  ``evicting``: a ``victim`` was broken off, and an entry it gave up already
+        (``Policy.gave_up``) is evicted, as the uninterrupted call would have."""
         policy, pinned, entries = self.policy, self._pinned, self._entries
         for e in list(entries.values()) if among is None else list(among):
             if e is None:
@@ -573,7 +574,10 @@ class TierIndex:
             if not e.live or entries.get(e.key) is not e:
                 self._maybe_free(e)
             elif e.state is _READY and (e.readers == 0 or e in pinned) and not policy.holds(e):
-                policy.restore(e)
+                if evicting and not e.readers and policy.gave_up(e):
+                    self._evicted(e)
+                else:
+                    policy.restore(e)
 
     def remove(self, entry: Entry) -> None:
         """Take the entry out of the index; its slot is freed once no lease holds it.
@@ -682,9 +686,9 @@ class TierIndex:
                            map(setattr, (entry, entry), ("live", "slot"), (False, -1)), map(self._free.append, (slot,))))
             self.evictions += 1
             return True
-        # another policy: its victim leaves the order in its own steps.  Broken off before the index had the entry,
-        # that entry is still live in the map: back in the order (``_repair``); after, the eviction is finished (its
-        # hook told again at worst, as above), never a live entry out of the order
+        # another policy: its victim leaves the order in its own steps.  Broken off after the policy gave the entry up
+        # (or after it returned it), the eviction is finished (its hook told again at worst, as above); before, the
+        # entry it was taking goes back in the order (``_repair``): never a live entry out of the order
         entry = None
         try:
             entry = self.policy.victim(protect, key)
@@ -694,7 +698,7 @@ class TierIndex:
         except BaseException:
             if entry is not None and entry.live and self._entries.get(entry.key) is entry:
                 self._evicted(entry)
-            self._repair()
+            self._repair(evicting=True)
             raise
         return True
 

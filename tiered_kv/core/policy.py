@@ -33,6 +33,8 @@ The calls:
 ``restore(e)``      ``e``, live, READY and with no reader but pins, is not in the order (a step an
                     interrupt broke off left it out): it comes back, a lease still recorded for it
                     ended (by default: ``unlease``)
+``gave_up(e)``      ``e`` is not in the order because a ``victim`` broken off gave it up already (its
+                    ghost recorded, its node dropped): the index finishes that eviction
 ==================  =========================================================================
 
 Admission (:class:`Admission`) decides whether a new key enters a tier at all: ``admit(key, victim)``
@@ -114,6 +116,11 @@ class Policy:
         """``e`` should be in the order and is not (:meth:`TierIndex._repair`, after an interrupt): back as a
         release puts it, which ends a lease still recorded for it or inserts it as new."""
         self.unlease(e)
+
+    def gave_up(self, e: "Entry") -> bool:
+        """``e``, out of the order after a ``victim`` an interrupt broke off, was that victim's choice, given up
+        already (the index finishes its eviction rather than :meth:`restore` it)."""
+        return False
 
     uses_links = False   # True: the index calls link() (the others ignore the prefix structure: no call)
 
@@ -293,12 +300,16 @@ class S3FIFO(Policy):
         k = e.key
         return self.small.get(k) is e or self.main.get(k) is e
 
+    def gave_up(self, e: "Entry") -> bool:
+        return e.key not in self.freq and e.key not in self.leased   # (a victim forgets its frequency last)
+
     def restore(self, e: "Entry") -> None:
         k = e.key
         if k in self.leased or k not in self.freq:
             self.unlease(e)
-        else:   # held, out of its FIFO (a victim's walk broken off): at the newest end of the small one
+        else:   # held, out of its FIFO (a victim's walk broken off): back at the cold end it was taken from
             self.small[k] = e
+            self.small.move_to_end(k, last=False)
 
     def remove(self, e: "Entry") -> None:
         k = e.key
@@ -503,24 +514,29 @@ class ARC(Policy):
         return True
 
     def insert(self, e: "Entry") -> None:
+        # decided before anything changes, then filed with ``p`` with no call between; the mark, the ghost key and a
+        # trimmed ghost go after it (an interrupt lands at a call's return: the entry is filed, and ``p`` adapted,
+        # once or not at all; ``restore`` finds it held and does not insert it again)
         k = e.key
-        b1, b2 = self.b1, self.b2
-        done = self.adapted.pop(k, 0) is None   # its victim adapted p already
+        b1, b2, adapted = self.b1, self.b2, self.adapted
+        done = k in adapted   # its victim adapted p already
         if k in b1 or k in b2 or done:
-            if not done:
-                self._adapt(k)
-            b1.pop(k, None)
-            b2.pop(k, None)
+            p = self.p if done else self._adapted(k)
             self.t2[k] = e
+            self.p = p   # type: ignore[assignment]   # (a ghost: _adapted gave a value)
+            if done:
+                del adapted[k]
+            if k in b1:
+                del b1[k]
+            if k in b2:
+                del b2[k]
             return
         c = self.c
         l1 = len(self.t1) + self.n_leased[1] + len(b1)
-        if l1 >= c:
-            if b1:
-                b1.popitem(last=False)
-        elif b2 and l1 + len(self.t2) + self.n_leased[2] + len(b2) >= 2 * c:
-            b2.popitem(last=False)
+        trim = b1 if l1 >= c else b2 if b2 and l1 + len(self.t2) + self.n_leased[2] + len(b2) >= 2 * c else None
         self.t1[k] = e
+        if trim:
+            trim.popitem(last=False)
 
     def hit(self, e: "Entry") -> None:
         k = e.key
@@ -562,6 +578,9 @@ class ARC(Policy):
     def holds(self, e: "Entry") -> bool:
         k = e.key
         return self.t1.get(k) is e or self.t2.get(k) is e
+
+    def gave_up(self, e: "Entry") -> bool:
+        return e.key in self.b1 or e.key in self.b2   # (a victim's key joins its ghost list as it leaves its list)
 
     def remove(self, e: "Entry") -> None:
         k = e.key
@@ -836,6 +855,10 @@ class PrefixLRU(Policy):
         node = self.nodes.get(e.key)
         return node is not None and node.entry is e and node.q != _LEASED and self._queue(node.q).get(e.key) is node
 
+    def gave_up(self, e: "Entry") -> bool:
+        node = self.nodes.get(e.key)
+        return node is None or node.entry is not e   # (its _drop ran to the node's removal; before, restore relinks it)
+
     def restore(self, e: "Entry") -> None:
         k = e.key
         node = self.nodes.get(k)
@@ -844,6 +867,18 @@ class PrefixLRU(Policy):
             return
         if node.q != _LEASED:
             self._queue(node.q).pop(k, None)
+        # held: linked under its parent again, and no child of it an orphan (an insert or a drop broken off between)
+        parent = node.parent
+        if parent is not None and k not in self.children.get(parent, ()):
+            self._adopt(k, node, parent)
+        kids = self.children.get(k)
+        if kids:
+            nodes = self.nodes
+            for c in self._by_use(kids):
+                cn = nodes[c]
+                if cn.orphan or cn.q == _ORPHAN:   # (marked, or unmarked and still in the orphans' queue)
+                    cn.orphan = False
+                    self._requeue(c, cn)
         self._place(k, node)
 
     def unlease(self, e: "Entry") -> None:
