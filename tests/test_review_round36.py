@@ -28,28 +28,13 @@ from typing import Any, Callable
 
 import pytest
 
-from test_interrupt_locks import MAX_K, _call_with, _interrupt_inside
+from test_interrupt_policy import _sweep as _sweep_points
 from tiered_kv.core.index import TierIndex
 from tiered_kv.core.policy import _ORPHAN, ARC, PrefixLRU, make_policy
 from tiered_kv.errors import TieredKVError
 
 N = 8
 CHAIN = [b"k%d" % i for i in range(N)]
-
-
-def _sweep_points(fn: Callable[..., Any], setup: Callable[[], Any], call: Callable[[Any], Any],
-                  after: Callable[[Any, str], None]) -> int:
-    """``call(setup())`` interrupted at each call return inside ``fn`` in turn until it runs through; ``after(state,
-    label)`` checks.  Returns the number of points swept."""
-    for k in range(1, MAX_K):
-        st = setup()
-        hook, fired = _interrupt_inside(fn, k)
-        _, exc = _call_with(hook, lambda: call(st))
-        assert exc is None or (fired and isinstance(exc, KeyboardInterrupt)), exc
-        after(st, f"k={k} ({fired[0] if fired else 'ran through'})")
-        if not fired:
-            return k
-    raise AssertionError("the sweep never ran through")
 
 
 # ============================================================================ 1. eviction: the retry's victim
