@@ -23,7 +23,9 @@ entries WRITING for good (fetch).
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import pytest
@@ -47,6 +49,17 @@ DEADLINE_S = 15.0
 def _manager(url: str, ns: str, seed: int) -> TierManager:
     cfg = TieredKVConfig(namespace=ns, host_capacity_bytes=16 * ROW, remote_url=url, remote_miss_ttl_seconds=0.0)
     return TierManager(cfg, make_kv(16, ROW, seed=seed), registry=CollectorRegistry())
+
+
+@contextlib.contextmanager
+def _two_machines(url: str, ns: str) -> Iterator[tuple[TierManager, TierManager]]:
+    """Two managers sharing the server's namespace ``ns`` (the writer and the other machine), closed after."""
+    a, b = _manager(url, ns, 1), _manager(url, ns, 2)
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
 
 
 def _queued(mgr: TierManager, n: int, what: str) -> None:
@@ -120,9 +133,8 @@ def _served(mgr: TierManager, ks: list[bytes], label: str) -> None:
 
 def test_an_interrupted_put_report_is_applied_again(redis_url: str) -> None:
     def one(k: int) -> bool:
-        a, b = _manager(redis_url, f"ip{k}", 1), _manager(redis_url, f"ip{k}", 2)
         ks = keys(N, f"put{k}-")
-        try:
+        with _two_machines(redis_url, f"ip{k}") as (a, b):
             _store(a, ks)   # the store's report applied: its put is submitted
             assert a._core.n_in_flight[JobKind.PUT] == 1
             _queued(a, 1, "the put")
@@ -132,9 +144,6 @@ def test_an_interrupted_put_report_is_applied_again(redis_url: str) -> None:
             _served(b, ks, label)
             _settled(b, label + ", the other machine")
             return fired
-        finally:
-            a.close()
-            b.close()
 
     _sweep(one, 10)
 
@@ -160,9 +169,8 @@ def test_an_interrupted_put_start_is_finished_or_undone(redis_url: str) -> None:
     eviction could hand to another key (the server would have stored that key's bytes under this one), or slots
     pinned for good."""
     def one(k: int) -> bool:
-        a, b = _manager(redis_url, f"ips{k}", 1), _manager(redis_url, f"ips{k}", 2)
         ks = keys(N, f"ps{k}-")
-        try:
+        with _two_machines(redis_url, f"ips{k}") as (a, b):
             rows = list(range(N))
             for key_, r in zip(ks, rows):
                 fill(a._device_blocks, r, key_)
@@ -185,9 +193,6 @@ def test_an_interrupted_put_start_is_finished_or_undone(redis_url: str) -> None:
                 _served(b, ks, label)
             _settled(b, label + ", the other machine")
             return fired
-        finally:
-            a.close()
-            b.close()
 
     _sweep(one, 10)
 
