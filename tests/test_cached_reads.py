@@ -169,6 +169,103 @@ def test_the_option_off_sends_every_read_to_the_disk_readers(rig: Rig, io: str) 
     assert _reads(mgr) == (0, 0)
 
 
+# ---------------------------------------------------------------------------------------------- a chunk per pass
+def _chunks_of(mgr, k: int) -> list[tuple[str, object]]:  # type: ignore[no-untyped-def]
+    """Page-cache reads of at most ``k`` blocks per pass; returns the events, in order: ``("read", n)`` per
+    ``CachedReads.read`` of ``n`` ops, ``("hold", on)`` per ``mover.hold``, ``("help", None)`` per ``help_one``."""
+    cached, mover = mgr.disk.cached, mgr._mover
+    cached.chunk_ops = k
+    events: list[tuple[str, object]] = []
+    real_read, real_hold, real_help = cached.read, mover.hold, mover.help_one
+    cached.read = lambda ops, until=None: (events.append(("read", len(ops))), real_read(ops, until))[1]
+    mover.hold = lambda on: (events.append(("hold", on)), real_hold(on))[1]
+    mover.help_one = lambda: (events.append(("help", None)), real_help())[1]
+    return events
+
+
+@pytest.mark.parametrize("io", IO)
+def test_a_batch_is_read_a_chunk_per_pass_with_the_copies_of_each_started_before_the_next(rig: Rig, io: str) -> None:
+    """Five blocks, two per pass: three passes; before the second and the third, the copies of the blocks
+    read so far were handed to the mover's threads (``hold(False)``), not made on the owner's thread."""
+    kv, mgr, ks = disk_only_keys(rig, io, n=5)
+    events = _chunks_of(mgr, 2)
+    jobs = [mgr.load(k, i) for i, k in enumerate(ks)]
+    mgr.wait(jobs, timeout=30)
+    assert all(j is not None and j.state.name == "DONE" for j in jobs)
+    assert all(row_is(kv, i, k) for i, k in enumerate(ks))
+    reads = [i for i, (what, _) in enumerate(events) if what == "read"]
+    assert [events[i][1] for i in reads] == [2, 2, 1]
+    for a, b in zip(reads, reads[1:]):
+        between = events[a + 1:b]
+        assert ("hold", False) in between and ("help", None) not in between, events
+    assert _reads(mgr) == (5, 0)
+    assert not mgr.disk.reads_held and _stale(mgr, "promote") == 0
+
+
+@pytest.mark.parametrize("io", IO)
+def test_a_block_not_cached_in_a_later_chunk_hands_it_and_all_after_it_on(rig: Rig, io: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    kv, mgr, ks = disk_only_keys(rig, io, n=5)
+    offs = {k: _offset(mgr, k) for k in ks}
+    events = _chunks_of(mgr, 2)
+    asked = _refuse_offsets(monkeypatch, {offs[ks[2]]})
+    jobs = [mgr.load(k, i) for i, k in enumerate(ks)]
+    mgr.wait(jobs, timeout=30)
+    assert all(j is not None and j.state.name == "DONE" for j in jobs)
+    assert all(row_is(kv, i, k) for i, k in enumerate(ks))
+    assert asked == [offs[k] for k in ks[:3]]   # the fourth and fifth not tried here
+    assert [n for what, n in events if what == "read"] == [2, 2]
+    assert _reads(mgr) == (2, 3)
+
+
+@pytest.mark.parametrize("io", IO)
+def test_a_wait_that_returns_with_reads_held_hands_them_on(rig: Rig, io: str) -> None:
+    """``wait([first])`` returns once the first load is done: the reads of the others still held go to the disk
+    I/O side then, never left held behind a blocking call (a ``poll()``-only engine would still get them, later)."""
+    kv, mgr, ks = disk_only_keys(rig, io, n=4)
+    _chunks_of(mgr, 1)
+    jobs = [mgr.load(k, i) for i, k in enumerate(ks)]
+    assert all(j is not None for j in jobs)
+    mgr.wait(jobs[:1], timeout=30)
+    assert jobs[0].state.name == "DONE" and row_is(kv, 0, ks[0])
+    assert not mgr.disk.reads_held
+    deadline = time.monotonic() + 30
+    while not all(j.done for j in jobs) and time.monotonic() < deadline:
+        mgr.poll()   # the disk I/O side's answers (poll() reads nothing itself)
+    assert all(j.state.name == "DONE" for j in jobs) and all(row_is(kv, i, k) for i, k in enumerate(ks))
+    served, passed = _reads(mgr)
+    assert 1 <= served <= 4 and passed == 0   # (the reads sent on unread were not looked at: neither count)
+
+
+@pytest.mark.parametrize("io", IO)
+@pytest.mark.parametrize("at", [1, 2, 3, 4, 5])
+def test_an_interrupt_in_any_chunks_read_loses_no_read_and_reads_none_twice(rig: Rig, io: str, at: int,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Five blocks, two per pass: the ``at``-th page-cache read raises KeyboardInterrupt (SIGINT in ``preadv``).
+    The next wait() answers every load once, with its bytes; no read's report comes twice."""
+    kv, mgr, ks = disk_only_keys(rig, io, n=5)
+    _chunks_of(mgr, 2)
+    real = cached_mod._PREADV
+    calls: list[int] = []
+
+    def preadv(fd, bufs, off, flags):  # type: ignore[no-untyped-def]
+        calls.append(off)
+        if len(calls) == at:
+            raise KeyboardInterrupt
+        return real(fd, bufs, off, flags)
+
+    monkeypatch.setattr(cached_mod, "_PREADV", preadv)
+    jobs = [mgr.load(k, i) for i, k in enumerate(ks)]
+    assert all(j is not None for j in jobs)
+    with pytest.raises(KeyboardInterrupt):
+        mgr.wait(jobs, timeout=30)
+    got = mgr.wait(jobs, timeout=30) + mgr.poll()
+    assert all(j.state.name == "DONE" for j in jobs) and all(row_is(kv, i, k) for i, k in enumerate(ks))
+    assert sorted(id(c.job) for c in got) == sorted(id(j) for j in jobs)   # each reported once
+    assert _stale(mgr, "promote") == 0 and _stale(mgr, "load") == 0
+    assert not mgr.disk.reads_held
+
+
 # ---------------------------------------------------------------------------------------------- not cached
 def _refuse_offsets(monkeypatch: pytest.MonkeyPatch, refused: set[int]) -> list[int]:
     """preadv2 answers EAGAIN (not in the page cache) at these file offsets; returns the offsets asked."""

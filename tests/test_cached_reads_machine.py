@@ -3,7 +3,9 @@
 A real TierManager (4 host slots, 32 disk slots, 4 KiB rows) under each disk I/O mode, driven by:
 stores (store + wait, sometimes flush), pushes of the stored keys out of the host tier by stores of
 new keys, loads answered by ``wait()`` (where a held promote of a block only on disk is read on the
-owner's thread when the page cache holds it), two loads in one ``wait()`` (one batch of reads), loads
+owner's thread when the page cache holds it), two or four loads in one ``wait()`` (one batch of reads, read
+here a chunk per pass: the chunk's size is a rule's too, one block at first; four keys only on disk, then
+all loaded), loads
 answered by a ``poll()`` loop (the disk readers' path only), invalidations (also of a key whose load
 is in flight), drops of the slot file's page cache (``POSIX_FADV_DONTNEED``: the reads then go to the
 disk readers), one damaged byte in a disk-only key's slot (found through the owner's own record of it,
@@ -88,6 +90,7 @@ class CachedReadsMachine(RuleBasedStateMachine):
         cfg = disk_config(self.path, host_slots=HOST_SLOTS, disk_slots=DISK_SLOTS, row_bytes=ROW, disk_io=self.io,
                           writer_batch_seconds=0.0)
         self.mgr = TierManager(cfg, self.kv, registry=CollectorRegistry())
+        self.mgr.disk.cached.chunk_ops = 1     # a batch's reads a block per pass (the chunk rule changes it)
         self.corrupt_allowance = 0               # damage events this manager may count as corrupt blocks
         self.jobs = []
         self.reports = {}
@@ -218,6 +221,37 @@ class CachedReadsMachine(RuleBasedStateMachine):
         allow = sum(1 for key, _, _ in started if key in self.damaged)   # each damaged block at most once
         for key, job, row in started:
             self._check_load(key, job, row, before, allow)
+
+    @rule()
+    def load_all_wait(self) -> None:
+        """Every key loaded, one wait(): a batch of up to four held reads, some read here chunk by chunk."""
+        before = self._corrupt()
+        started = []
+        for key, row in zip(KEYS, LOAD_ROWS):
+            self.kv[row].copy_(SENTINEL)
+            job = self._job(self.mgr.load(key, row))
+            if job is not None:
+                started.append((key, job, row))
+        self._wait([j for _, j, _ in started])
+        allow = sum(1 for key, _, _ in started if key in self.damaged)
+        for key, job, row in started:
+            self._check_load(key, job, row, before, allow)
+
+    @rule(restore=st.booleans())
+    def load_all_from_disk(self, restore: bool) -> None:
+        """Every key only on disk (stored first where it has no current bytes, or always: ``restore``), then
+        all loaded by one wait(): the batch the chunks split, its blocks in the page cache unless dropped."""
+        for key in KEYS:
+            if restore or key not in self.version or key in self.gone:
+                self._store(key)
+        self._flush()
+        self._push(HOST_SLOTS)
+        self.load_all_wait()
+
+    @rule(n=st.sampled_from([1, 2, 3, 1 << 20]))
+    def chunk(self, n: int) -> None:
+        """The owner's page-cache reads per pass from here on (1 << 20: a batch in one pass)."""
+        self.mgr.disk.cached.chunk_ops = n
 
     @rule(key=st.sampled_from(KEYS), row=st.sampled_from(LOAD_ROWS))
     def load_poll(self, key: bytes, row: int) -> None:

@@ -700,7 +700,9 @@ class TierManager:
         A mover whose copies wait in a queue for worker threads lets this thread run them while
         it would otherwise sleep (``help_one``: no thread wake-up per copy and per report), and
         the copies this thread submits meanwhile (loads behind promotes) wait for it instead of
-        waking a worker (``hold``); whatever is left when this returns goes to the workers.
+        waking a worker (``hold``); whatever is left when this returns goes to the workers.  A batch of
+        reads this thread serves from the page cache is read a chunk per pass: before each next chunk the
+        copies of the blocks read so far go to the workers, to run beside its reads (``disk/cached.py``).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         mover = self._mover
@@ -720,7 +722,13 @@ class TierManager:
                 remaining = None if deadline is None else deadline - now
                 if remaining is not None and remaining <= 0:
                     return
-                if mover.help_one():
+                if core.reads_left():
+                    # this thread reads a batch from the page cache a chunk per pass (disk/cached.py): the copies
+                    # of the blocks read so far start on the mover's threads, to run while the pass below reads
+                    # the next chunk (hold(False) starts what is held; the hold goes on for what comes after)
+                    mover.hold(False)
+                    mover.hold(True)
+                elif mover.help_one():
                     # copy on while copies are queued, for a slice: their reports wait in the queue and are
                     # applied together below (applying each between two copies holds the GIL the workers need)
                     until = now + _HELP_SLICE_S if deadline is None else min(now + _HELP_SLICE_S, deadline)

@@ -1494,6 +1494,11 @@ class TierCore:
         if self.remote is not None:
             self.remote.store.kick()
 
+    def reads_left(self) -> bool:
+        """A blocked owner's page-cache reads stopped after a chunk (``disk/cached.py``): the rest are held for
+        its next pass, which it makes at once, the copies of the blocks read so far started meanwhile."""
+        return self.read_here and self.disk is not None and getattr(self.disk.store, "reads_held", False)
+
     def unsent(self) -> bool:
         """A store holds ops it could not hand on yet (the disk I/O process's pipe was full): a blocked
         owner wakes each slice to send them (:meth:`kick`)."""

@@ -27,7 +27,12 @@ Invariants:
   (a cold batch costs one question, not one per block);
 * no read starts past the blocked call's deadline;
 * a file system or kernel that does not take ``RWF_NOWAIT`` (``EOPNOTSUPP``, ``ENOSYS``) turns this
-  off for the store's life, logged once.
+  off for the store's life, logged once;
+* a pass reads at most :data:`CHUNK_BYTES` of blocks (:meth:`CachedReads.read_chunk`); while every read so far
+  was served here, the reads after them stay held for the owner's next pass, which it makes at once:
+  between two passes it applies the chunk's reports, so the copies of the blocks read so far run on the
+  mover's threads while it reads the next chunk (a batch's reads and copies overlap instead of following
+  one another).  A read not served hands the chunk's others and all after it to the disk I/O side.
 """
 
 from __future__ import annotations
@@ -53,6 +58,11 @@ _NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 _PREADV = getattr(os, "preadv", None)
 _PROMOTE = JobKind.PROMOTE
 
+CHUNK_BYTES = 2 << 20
+"""A blocked owner reads at most this many bytes of blocks from the page cache per pass (at least one block).
+On the reference VM a warm batch of 2 MiB blocks loaded 0.71x as fast as ``pread`` + ``copy_`` by hand with
+every read made first, 0.86x read a block per pass (medians of 3 interleaved runs)."""
+
 
 class CachedReads:
     """The owner's page-cache reads of one disk tier's slot file (see the module docstring)."""
@@ -66,6 +76,23 @@ class CachedReads:
         self.enabled = bool(_NOWAIT) and _PREADV is not None
         self.served = 0       # reads answered here (counted by the store that queues their reports)
         self.passed = 0       # reads with a known record handed on (not cached, or a check failed)
+        self.chunk_ops = max(1, CHUNK_BYTES // max(1, block_bytes))   # reads per pass (read_chunk)
+
+    def read_chunk(self, ops: list[Promote], until: Optional[float] = None
+                   ) -> tuple[list[Report], list[Promote], list[Promote]]:
+        """:meth:`read` of this pass's chunk of ``ops`` (the first :attr:`chunk_ops`): (their reports, the ops for
+        the disk I/O side, the ops held for the owner's next pass).  Once one of the chunk's reads is not served
+        here, every op after it goes to the disk I/O side (counted handed on) and none is held."""
+        k = self.chunk_ops
+        if len(ops) <= k:
+            served, rest = self.read(ops, until)
+            return served, rest, []
+        later = ops[k:]
+        served, rest = self.read(ops[:k], until)
+        if not rest:
+            return served, rest, later
+        self.passed += sum(1 for op in later if op.where)
+        return served, rest + later, []
 
     def read(self, ops: list[Promote], until: Optional[float] = None) -> tuple[list[Report], list[Promote]]:
         """Serve what the page cache holds of ``ops``, in order: (their reports, the ops left for the disk

@@ -476,43 +476,51 @@ class ProcessDiskStore:
         """As :meth:`DiskStore.holds_read`."""
         return any(op.token is token for op in self._held)
 
+    @property
+    def reads_held(self) -> bool:
+        """As :attr:`DiskStore.reads_held`."""
+        return bool(self._held)
+
     def start_reads(self, cached_here: bool = False, until: Optional[float] = None) -> None:
         """Hand the held reads to the readers: the child starts them when this pass's frame arrives
         (a pass with none held sends nothing).  ``cached_here``: the owner blocks anyway, so what the
         page cache holds of them is read on its thread first (:class:`~tiered_kv.disk.cached.CachedReads`;
-        ``until``: its call's deadline), the rest go to the child.  The reads stay held until they are
-        served or their ops queued: an interrupt in the page-cache reads loses none (the next pass serves
-        or sends them); a read served leaves them at once, and its report is queued by this pass or, after
-        an interrupt, by the next (:meth:`_queue_served`)."""
+        ``until``: its call's deadline), a chunk per pass (``CachedReads.read_chunk``: while every read so far
+        was served, those after the chunk stay held for the next pass), the rest go to the child.  The reads
+        stay held until they are served or their ops queued: an interrupt in the page-cache reads loses none
+        (the next pass serves or sends them); a read served leaves them at once, and its report is queued by
+        this pass or, after an interrupt, by the next (:meth:`_queue_served`)."""
         if self._served:
             self._queue_served()
         held = self._held
         if not held:
             return
+        later: list[Promote] = []   # held for the owner's next pass (a chunk per pass: CachedReads.read_chunk)
         if cached_here and self.cached.enabled and not self._closing and not self._dead:
             # (a dead child answered every held read failed already: none is read, or counted, here)
             cached = self.cached
-            served, rest = cached.read(held, until)
+            served, rest, later = cached.read_chunk(held, until)
             if served:
                 entries, n = [[r] for r in served], len(served)
                 # one step (no call between the stores, so no signal handler runs there): the served reads
                 # leave the held ones, never to run again (a second read would write a host slot that the first
                 # report may have given back), their reports wait to be queued, and they are counted served
-                self._held, self._served = rest, entries
+                self._held, self._served = rest + later, entries
                 cached.served += n
                 self._queue_served()
-            if self._dead:   # it died during the reads: what it answered failed was not handed on either
+            if self._dead:   # it died during the reads: what it answered failed was not handed on either (nor held)
                 cached.passed -= sum(1 for op in rest if op.where)
+                rest, later = rest + later, []
             held = rest
         if held:
             slot = self._slot
             cmds = [("P", op.token.int, op.key, op.expect.int, slot(op.dst)) for op in held]
             cmds.append(("R",))
             self._cmds += cmds   # (no call between these two lines)
-            self._held = []
+            self._held = later
             self.kick()
         else:
-            self._held = []
+            self._held = later
 
     def _queue_served(self) -> None:
         """Queue the reports of the reads served on the owner's thread (``_served``), each of whose op first

@@ -108,23 +108,26 @@ class Readers:
         """Hold a read in the caller's thread until :meth:`start` (a list append: no lock, no wake-up)."""
         self._held_reads.append(op)
 
-    def serve_cached(self, cached: CachedReads, until: Optional[float] = None) -> None:
+    def serve_cached(self, cached: CachedReads, until: Optional[float] = None) -> bool:
         """Answer the held reads the page cache holds on the calling thread (the blocked owner's:
-        :meth:`CachedReads.read` never waits on the disk; none starts past ``until``); the others stay
-        held for :meth:`start`."""
+        :meth:`CachedReads.read` never waits on the disk; none starts past ``until``), a chunk per pass
+        (:meth:`CachedReads.read_chunk`); the others stay held for :meth:`start`.  True when every read of the
+        chunk was served and reads after it are left: the owner's next pass's, not the readers'."""
         if self._served:
             self._queue_served()
         held = self._held_reads
-        if held:
-            served, rest = cached.read(held, until)
-            if served:
-                n = len(served)
-                # one step (no call between the stores, so no signal handler runs there): the served reads
-                # leave the held ones, never to run again (a second read would write a host slot that the first
-                # report may have given back), their reports wait to be queued, and they are counted served
-                self._held_reads, self._served = rest, served
-                cached.served += n
-                self._queue_served()
+        if not held:
+            return False
+        served, rest, later = cached.read_chunk(held, until)
+        if served:
+            n = len(served)
+            # one step (no call between the stores, so no signal handler runs there): the served reads
+            # leave the held ones, never to run again (a second read would write a host slot that the first
+            # report may have given back), their reports wait to be queued, and they are counted served
+            self._held_reads, self._served = rest + later, served
+            cached.served += n
+            self._queue_served()
+        return bool(later)
 
     def _queue_served(self) -> None:
         """Queue the reports of the reads served on the owner's thread.  An interrupt in the middle leaves them

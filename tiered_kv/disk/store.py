@@ -293,10 +293,17 @@ class DiskStore:
     def start_reads(self, lone_here: bool = False, cached_here: bool = False, until: Optional[float] = None) -> None:
         """Hand the reads held by :meth:`queue_promote` to the readers (see :meth:`Readers.start`).
         ``cached_here``: the owner blocks anyway: what the page cache holds of them is read on its
-        thread first (:class:`~tiered_kv.disk.cached.CachedReads`; ``until``: its call's deadline)."""
-        if cached_here and self.cached.enabled:
-            self.readers.serve_cached(self.cached, until)
+        thread first (:class:`~tiered_kv.disk.cached.CachedReads`; ``until``: its call's deadline), a chunk
+        per pass: while every read so far was served, those after the chunk stay held for the next pass."""
+        if cached_here and self.cached.enabled and self.readers.serve_cached(self.cached, until):
+            return
         self.readers.start(lone_here)
+
+    @property
+    def reads_held(self) -> bool:
+        """Reads :meth:`queue_promote` queued are held, not handed on yet: a blocked owner's page-cache reads
+        stopped after a chunk, the rest left to its next pass (:meth:`start_reads`)."""
+        return bool(self.readers._held_reads)
 
     def kick(self) -> None:
         """The end of an owner's pass: nothing to do here (ops went to the threads as they came);
