@@ -257,7 +257,9 @@ class TierIndex:
                 raise AssertionError(f"reserve of {key!r} replacing {replace!r}")  # internal bug
             if not free and self.policy.peek(protect, key) is None:
                 return None
-            self.remove(replace)   # its slot stays leased to its writer; the victim below is another entry
+            # its slot stays leased to its writer; the victim below is another entry.  The new reservation takes
+            # over the old one's: what the policy was told of it (ARC: p adapted for a ghost hit) stays for it
+            self.remove(replace, handover=True)
         elif key in entries:
             raise AssertionError(f"reserve of present key {key!r}")  # internal bug: callers check first
         if not free and not self._evict_one(protect, key):
@@ -579,8 +581,10 @@ class TierIndex:
                 else:
                     policy.restore(e)
 
-    def remove(self, entry: Entry) -> None:
-        """Take the entry out of the index; its slot is freed once no lease holds it.
+    def remove(self, entry: Entry, handover: bool = False) -> None:
+        """Take the entry out of the index; its slot is freed once no lease holds it.  ``handover``: a new
+        reservation of the same key takes a reserved entry's place (:meth:`reserve`'s ``replace``), so the
+        policy is not told that the reservation ended (:meth:`Policy.abandon`).
 
         Never a removed entry left in the policy's order, whatever call an interrupt breaks off (it lands at a
         call's return): its eviction would take the key's next entry out of the map, or raise ``KeyError`` in the
@@ -605,7 +609,7 @@ class TierIndex:
                 try:
                     if entry.state is _READY:
                         self.policy.remove(entry)   # evictable or leased: the policy forgets it
-                    else:
+                    elif not handover:
                         self.policy.abandon(key)   # never inserted: what the reservation told it goes
                 except BaseException:
                     self._repair((entry,))   # still in the index: in the order again, for the retry to remove
