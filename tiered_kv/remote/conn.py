@@ -10,9 +10,12 @@ loaded and servers pinged through the redis-py client itself.
 
 redis-py does no retrying of its own here (``Retry(NoBackoff(), 0)``): the store's breaker decides.
 On a cluster, each node's commands go down that node's link, and the store follows MOVED / ASK /
-TRYAGAIN itself, one command at a time through the cluster client (which sends ``ASKING`` and
-updates its slot table), while a timed-out node's commands simply fail: following up each of them
-would cost one read timeout apiece, stalling the thread for ``batch_blocks`` timeouts.
+TRYAGAIN itself, one command at a time: a GET on the link of the node the redirection names
+(``ASKING`` first for an ASK), so that its value is read into its slot or drained like any other
+(never read whole: a foreign value may be hundreds of MiB), the others through the cluster client
+(which sends ``ASKING`` and updates its slot table), while a timed-out node's commands simply fail:
+following up each of them would cost one read timeout apiece, stalling the thread for
+``batch_blocks`` timeouts.
 """
 
 from __future__ import annotations
@@ -249,14 +252,48 @@ class Conn:
                 moved = [i for i in lost if self._node_of(rc, cmds[i]) not in (None, nodes.get(i))]
                 self._node_trips(rc, cmds, moved, results)
         redirect = _redirect_errors()
+        from redis.exceptions import AskError
         for i, r in enumerate(results):
             if isinstance(r, redirect):     # MOVED / ASK / TRYAGAIN: follow it, in submission order
                 try:
                     self.check_open()          # shut: the store is closing, every command left fails at once
-                    results[i] = rc.execute_command(*plain(cmds[i]))
+                    cmd = cmds[i]
+                    got: Any = None
+                    if isinstance(cmd, GetInto) and isinstance(r, AskError):   # (MovedError is an AskError)
+                        got = self._follow(rc, cmd, r, nodes.get(i))
+                    results[i] = rc.execute_command(*plain(cmd)) if got is None else got
                 except Exception as e:  # noqa: BLE001 - the command's own failure
                     results[i] = e
         return results
+
+    def _follow(self, rc: Any, cmd: GetInto, err: Any, origin: Optional[str]) -> Any:
+        """A GET a MOVED or an ASK sent elsewhere, sent again on this store's own link to the node it names
+        (``ASKING`` first for an ASK; a MOVED patches the client's slot table, as redis-py's own handling does):
+        its value is read as every GET's is (:mod:`.resp`: into the part's view, or drained in pieces), never
+        whole.  None where the client does not know that node, or the node redirects the GET again (TRYAGAIN, a
+        second MOVED): the caller follows it through the cluster client then (its refresh and redirect limit)."""
+        from redis.exceptions import MovedError
+        nm = rc.nodes_manager
+        host, port = err.host, err.port
+        if not host and origin:   # a node with no announced endpoint: the one the GET went to (as redis-py does)
+            host = origin.rsplit(":", 1)[0]
+            err.host, err.node_addr = host, (host, port)   # (move_slot below reads the error's address)
+        if not host:
+            return None
+        moved = isinstance(err, MovedError)
+        if moved and hasattr(nm, "move_slot"):
+            nm.move_slot(err)   # the slot's owner from now on (and a node not known yet joins the client's cache)
+        remap = getattr(nm, "remap_host_port", None)
+        if remap is not None:
+            host, port = remap(host, port)
+        node = nm.get_node(host=host, port=port)
+        if node is None:
+            return None
+        link = self._link(rc.get_redis_connection(node).connection_pool, node.name)
+        seq: list[Cmd] = [cmd] if moved else [("ASKING",), cmd]
+        link.send(seq)
+        reply = link.read(seq)[-1]
+        return None if isinstance(reply, _redirect_errors()) else reply
 
     @staticmethod
     def _node_of(rc: Any, cmd: Cmd) -> Optional[str]:

@@ -7,9 +7,11 @@ that fails is a miss -- the core frees the slot, whose bytes were never publishe
 ``on_corrupt`` and is deleted by the writer thread only if the server still holds the same bytes
 (its sha1), never a good value written since.  A value of another length is never a block's: it is
 drained from the socket with only its first bytes kept (:class:`~.resp.Drained`: the server's length
-never sizes an allocation) and answered corrupt, with the reason its verification gives.  One that came
-through a cluster redirection (redis-py reads it) arrives whole and is verified with
-:func:`~tiered_kv.disk.format.verify_entry` before it is copied.  Invariant: every fetch job is answered
+never sizes an allocation) and answered corrupt, with the reason its verification gives; a GET a cluster
+redirects is sent again on the link of the node named (:meth:`.conn.Conn._follow`), its value read the same
+way.  One that arrives whole (redis-py read it: a redirection followed through the cluster client, where the
+node was not known or redirected it again) is verified with :func:`~tiered_kv.disk.format.verify_entry`
+before it is copied.  Invariant: every fetch job is answered
 exactly once; while the breaker is open, queued fetches are answered ``remote_down`` at once.
 """
 
