@@ -725,8 +725,10 @@ class TierManager:
                 if core.reads_left():
                     # this thread reads a batch from the page cache a chunk per pass (disk/cached.py): the copies
                     # of the blocks read so far start on the mover's threads, to run while the pass below reads
-                    # the next chunk (hold(False) starts what is held; the hold goes on for what comes after)
+                    # the next chunk (hold(False) starts what is held, flush() what a mover that does not hold
+                    # queued -- CUDA's; the hold goes on for what comes after)
                     mover.hold(False)
+                    mover.flush()
                     mover.hold(True)
                 elif mover.help_one():
                     # copy on while copies are queued, for a slice: their reports wait in the queue and are
@@ -755,8 +757,9 @@ class TierManager:
                     self._deliver_cancelled()
                     core.kick()   # what those reports queued (a probe's fetch, a promote's touch) goes now
         finally:
-            mover.hold(False)
+            # first, with no call before it: an interrupt in what follows must not leave poll() reading here
             core.read_here, core.read_until = False, None
+            mover.hold(False)
             self._poll(True)
 
     # ------------------------------------------------------------ internals: reports (TierCore.apply's hooks)

@@ -249,7 +249,9 @@ class TierIndex:
 
         ``replace``: ``key``'s entry here, not READY (a fetch in flight), that gives way to the new one: it
         leaves the index (:meth:`remove`) only once a slot for the new entry is certain, and stays when
-        there is none."""
+        there is none.  The new reservation takes over the old one's: what the policy was told of it (ARC:
+        ``p`` adapted for a ghost hit) stays for it, and goes (:meth:`Policy.abandon`) if no new entry comes
+        of it after all (an interrupt, or no slot)."""
         entries = self._entries
         free = self._free
         if replace is not None:
@@ -257,17 +259,29 @@ class TierIndex:
                 raise AssertionError(f"reserve of {key!r} replacing {replace!r}")  # internal bug
             if not free and self.policy.peek(protect, key) is None:
                 return None
-            # its slot stays leased to its writer; the victim below is another entry.  The new reservation takes
-            # over the old one's: what the policy was told of it (ARC: p adapted for a ghost hit) stays for it
-            self.remove(replace, handover=True)
-        elif key in entries:
+            try:
+                self.remove(replace, handover=True)   # its slot stays leased to its writer: the victim is another
+                entry = self._reserve_slot(key, writer, protect)
+            except BaseException:
+                if entries.get(key) is None:   # the old reservation gone, no new one: the policy forgets it
+                    self.policy.abandon(key)
+                raise
+            if entry is None:
+                self.policy.abandon(key)
+            return entry
+        if key in entries:
             raise AssertionError(f"reserve of present key {key!r}")  # internal bug: callers check first
+        return self._reserve_slot(key, writer, protect)
+
+    def _reserve_slot(self, key: bytes, writer: uuid.UUID, protect: Collection[bytes]) -> Optional[Entry]:
+        """:meth:`reserve`'s new entry, ``key`` absent: a free slot, or an evicted one; None when none is left."""
+        free = self._free
         if not free and not self._evict_one(protect, key):
             return None
         # the slot leaves the free list only once the entry holding it is in the map, with no call between
         # (an interrupt lands at a call's return): a caller's handler finds it there under ``writer``
         entry = Entry(key, free[-1], writer)
-        entries[key] = entry
+        self._entries[key] = entry
         free.pop()
         return entry
 

@@ -82,16 +82,21 @@ class CachedReads:
                    ) -> tuple[list[Report], list[Promote], list[Promote]]:
         """:meth:`read` of this pass's chunk of ``ops`` (the first :attr:`chunk_ops`): (their reports, the ops for
         the disk I/O side, the ops held for the owner's next pass).  Once one of the chunk's reads is not served
-        here, every op after it goes to the disk I/O side (counted handed on) and none is held."""
+        here (not cached, no record, a failed check, past the deadline), every op after it goes to the disk I/O
+        side and none is held; those are counted handed on where the chunk's were looked at (not where nothing
+        was: the reads off, the slot file not open, no record in the chunk), as :meth:`read` counts the rest of
+        a batch after its first block not cached."""
         k = self.chunk_ops
         if len(ops) <= k:
             served, rest = self.read(ops, until)
             return served, rest, []
         later = ops[k:]
+        before = self.passed
         served, rest = self.read(ops[:k], until)
         if not rest:
             return served, rest, later
-        self.passed += sum(1 for op in later if op.where)
+        if served or self.passed != before:
+            self.passed += sum(1 for op in later if op.where)
         return served, rest + later, []
 
     def read(self, ops: list[Promote], until: Optional[float] = None) -> tuple[list[Report], list[Promote]]:
