@@ -1,12 +1,13 @@
-"""Where the time of five missed targets goes: one load from disk at a time, the engine step, a
-step's copies batched, ``store()``'s p99 while copies run, and the native CPU mover's launch in the
-copy step.
+"""Where the time of six missed targets goes: one load from disk at a time, the engine step, a
+step's copies batched, ``store()``'s p99 while copies run, the native CPU mover's launch in the
+copy step, and the copy step's calls.
 
     .venv/bin/python benchmarks/breakdown.py promote [--block-kib 2048] [--loads 32]
     .venv/bin/python benchmarks/breakdown.py step [--steps 600]
     .venv/bin/python benchmarks/breakdown.py batched [--block-kib 64] [--pass-mib 128]
     .venv/bin/python benchmarks/breakdown.py first-store [--steps 400] [--block-kib 2048] [--rows 512] [--torch-threads N]
     .venv/bin/python benchmarks/breakdown.py launch [--steps 300] [--block-kib 64]
+    .venv/bin/python benchmarks/breakdown.py copy-step [--steps 500]
 
 ``promote``: the parts of one ``load(key, row)`` + ``wait([job])`` of a key only on disk (page
 cache warm), each a median over 32 loads, timed by wrapping the methods that do them (the reader's
@@ -46,6 +47,11 @@ copy, and a 1-row launch after this thread filled 8 MiB of memory (no copy: whet
 caches, not the copy, makes the launch slow), each followed by its ``wait()`` and 2 ms of sleep, medians
 over ``--steps`` rounds; beside them a fixed Python loop (500 dict lookups) alone and while a 64-row copy
 is in flight.
+
+``copy-step``: the engine thread's CPU time per call of ``tiered-kv bench``'s copy step (``load_many(64)``,
+``store_many(64)`` of 64 KiB rows, ``poll()``; the default CPU mover), with the engine sleeping 2 ms between
+steps and busy in Python 2 ms, and the parts of ``poll()``: the mover's launch of the step's copies, the
+harvest of the copies done, the reports applied, and the end of the step (evictions ahead, gauges).
 
 Diagnostics, not figures of record: wrapping methods adds a little to each part, and the figures
 move with the machine's load.  Nothing here is imported by the library or the tests.
@@ -406,13 +412,54 @@ def launch(rounds: int, row: int) -> None:
         print(f"  {label:34s} {med(xs) / 1e3:6.1f} us")
 
 
+def copy_step(steps: int) -> None:
+    import tiered_kv.bench.step as st
+    from tiered_kv.core import tiers
+    from tiered_kv.movers import native
+
+    acc: dict[str, int] = collections.defaultdict(int)
+    calls: collections.Counter[str] = collections.Counter()
+    tt = time.thread_time_ns
+    parts = [(TierManager, "load_many", "load_many"), (TierManager, "store_many", "store_many"),
+             (TierManager, "poll", "poll"), (native.NativeMover, "_start", "  launch of the copies"),
+             (native.NativeMover, "harvest", "  harvest"), (tiers.TierCore, "apply_arrived", "  reports applied"),
+             (tiers.TierCore, "end_step", "  end of the step"), (tiers.TierCore, "refresh_gauges", "    gauges")]
+    originals = [(cls, name, getattr(cls, name)) for cls, name, _ in parts]
+
+    def wrap(tag: str, f: Callable[..., Any]) -> Callable[..., Any]:
+        def w(*a: Any, **k: Any) -> Any:
+            c = tt()
+            try:
+                return f(*a, **k)
+            finally:
+                acc[tag] += tt() - c
+                calls[tag] += 1
+        return w
+    try:
+        for cls, name, tag in parts:
+            setattr(cls, name, wrap(tag, getattr(cls, name)))
+        for busy in (False, True):
+            acc.clear()
+            calls.clear()
+            r = st._copy_run("batched", 0, steps, 0, 0.002, busy)
+            n = calls["poll"]
+            print(f"copy step, engine {'busy in Python' if busy else 'sleeping'} 2 ms between steps: CPU "
+                  f"{r['cpu_us']['mean']:6.0f} us per step (mean of {steps}); per step:")
+            for _, _, tag in parts:
+                print(f"  {tag:28s} {acc[tag] / n / 1e3:7.1f} us  ({calls[tag] / n:.2f} calls)")
+    finally:
+        for cls, name, f in originals:
+            setattr(cls, name, f)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["promote", "step", "batched", "first-store", "launch"])
+    ap.add_argument("what", choices=["promote", "step", "batched", "first-store", "launch", "copy-step"])
     ap.add_argument("--block-kib", type=int, default=None,
                     help="default: 2048 (promote, first-store), 64 (batched, launch)")
     ap.add_argument("--rows", type=int, default=512, help="first-store: device rows (and host slots)")
-    ap.add_argument("--steps", type=int, default=None, help="default: 600 (step), 400 (first-store), 300 (launch)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="default: 600 (step), 400 (first-store), 300 (launch), 500 (copy-step)")
     ap.add_argument("--loads", type=int, default=32, help="promote: blocks loaded one at a time (at least 2)")
     ap.add_argument("--pass-mib", type=int, default=128, help="batched: MiB per pass")
     ap.add_argument("--torch-threads", type=int, default=None,
@@ -432,6 +479,8 @@ def main() -> None:
         first_store(a.steps or 400, (a.block_kib or 2048) << 10, a.rows)
     elif a.what == "launch":
         launch(a.steps or 300, (a.block_kib or 64) << 10)
+    elif a.what == "copy-step":
+        copy_step(a.steps or 500)
     else:
         step(a.steps or 600)
 

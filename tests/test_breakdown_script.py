@@ -48,6 +48,8 @@ def test_promote_prints_every_part_for_both_disk_io_modes() -> None:
     (("batched", "--block-kib", "64", "--pass-mib", "8"), ("pass 0 (warm-up)", "pass 3:")),
     (("first-store", "--steps", "2", "--block-kib", "64", "--rows", "32", "--torch-threads", "1"),
      ("native mover", "copy on the engine thread", "no copy", "Python copy threads", "(ThreadMover)")),
+    (("copy-step", "--steps", "5"), ("copy step, engine sleeping", "copy step, engine busy in Python",
+                                     "launch of the copies", "reports applied", "gauges")),
     (("launch", "--steps", "3", "--block-kib", "16"),
      ("native mover launch, 16 KiB rows", "1-row launch after a 64-row copy", "1-row launch after an 8 MiB fill",
       "walk beside a copy")),
