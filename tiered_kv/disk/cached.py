@@ -60,8 +60,9 @@ _PROMOTE = JobKind.PROMOTE
 
 CHUNK_BYTES = 2 << 20
 """A blocked owner reads at most this many bytes of blocks from the page cache per pass (at least one block).
-On the reference VM a warm batch of 2 MiB blocks loaded 0.71x as fast as ``pread`` + ``copy_`` by hand with
-every read made first, 0.86x read a block per pass (medians of 3 interleaved runs)."""
+On the reference VM a warm batch of 2 MiB blocks loaded 0.58x as fast as ``pread`` + ``copy_`` by hand with
+every read made first, 0.87x read a block per pass (medians of 3 interleaved runs of the bench's promote
+section, quick mode: ``docs/benchmarks.md``); at 256 KiB it made no difference beyond the run-to-run spread."""
 
 
 class CachedReads:
