@@ -266,6 +266,39 @@ def test_an_interrupt_in_any_chunks_read_loses_no_read_and_reads_none_twice(rig:
     assert not mgr.disk.reads_held
 
 
+def test_the_disk_process_dying_between_two_chunks_answers_each_held_read_once(rig: Rig) -> None:
+    """Three blocks, one per pass; the disk I/O process is killed after the first pass, as the second chunk's
+    read begins, and its receiver answers every op it had -- the read under way and the one still held --
+    failed.  The read under way is not answered twice (its served report is dropped), the held one is not read
+    here, the first load is served, each load is reported once, nothing stays held."""
+    kv, mgr, ks = disk_only_keys(rig, "process", n=3)
+    store = mgr.disk
+    _chunks_of(mgr, 1)
+    real = store.cached.read
+    reads: list[int] = []
+
+    def die_then_read(ops, until=None):  # type: ignore[no-untyped-def]
+        reads.append(len(ops))
+        if len(reads) == 2:
+            store.kill_for_test(signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while not store.down and time.monotonic() < deadline:   # the receiver's answers are in (not an ordering sleep)
+                time.sleep(0.01)
+            assert store.down
+        return real(ops, until)
+
+    store.cached.read = die_then_read
+    jobs = [mgr.load(k, i) for i, k in enumerate(ks)]
+    assert all(j is not None for j in jobs)
+    got = mgr.wait(jobs, timeout=30) + mgr.poll()
+    assert reads == [1, 1], reads   # the read held when it died was not read here
+    assert sorted(id(c.job) for c in got) == sorted(id(j) for j in jobs)   # each reported once
+    assert jobs[0].state.name == "DONE" and row_is(kv, 0, ks[0])
+    assert [j.state.name for j in jobs[1:]] == ["FAILED", "FAILED"]
+    assert _stale(mgr, "promote") == 0 and _stale(mgr, "load") == 0
+    assert not mgr.disk.reads_held
+
+
 # ---------------------------------------------------------------------------------------------- not cached
 def _refuse_offsets(monkeypatch: pytest.MonkeyPatch, refused: set[int]) -> list[int]:
     """preadv2 answers EAGAIN (not in the page cache) at these file offsets; returns the offsets asked."""
