@@ -505,7 +505,7 @@ def _interrupt_once(point: tuple[str, str, str, str, str], retry: bool) -> None:
 # --------------------------------------------------------------------------------------------- (1) submit
 SUBMIT_POINTS = [
     # (id, action, module, caller, callee)   -- the sweep's k and line on 2d44b5d in the id's comment
-    ("store-reserve-free.pop", "store", "core/index.py", "reserve", "pop"),                  # k=5, index.py:265
+    ("store-reserve-free.pop", "store", "core/index.py", "_reserve_slot", "pop"),            # k=5, index.py:265 (reserve then)
     ("store-after-reserve", "store", "core/tiers.py", "begin_store_one", "reserve"),         # k=7, tiers.py:302
     ("store-after-Job", "store", "core/tiers.py", "begin_store_one", "__init__"),            # k=8, tiers.py:308
     ("store-after-begin_store_one", "store", "manager.py", "store", "begin_store_one"),      # k=9, manager.py:263
