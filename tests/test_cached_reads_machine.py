@@ -210,9 +210,13 @@ class CachedReadsMachine(RuleBasedStateMachine):
         """Two loads answered by one wait(): one batch of held reads (after a cold block, the rest go on)."""
         if a == b:
             return
+        self._load_batch([(a, LOAD_ROWS[0]), (b, LOAD_ROWS[1])])
+
+    def _load_batch(self, pairs: list[tuple[bytes, int]]) -> None:
+        """A load of each (key, row), then one wait() for them all: one batch of held reads."""
         before = self._corrupt()
         started = []
-        for key, row in ((a, LOAD_ROWS[0]), (b, LOAD_ROWS[1])):
+        for key, row in pairs:
             self.kv[row].copy_(SENTINEL)
             job = self._job(self.mgr.load(key, row))
             if job is not None:
@@ -225,17 +229,7 @@ class CachedReadsMachine(RuleBasedStateMachine):
     @rule()
     def load_all_wait(self) -> None:
         """Every key loaded, one wait(): a batch of up to four held reads, some read here chunk by chunk."""
-        before = self._corrupt()
-        started = []
-        for key, row in zip(KEYS, LOAD_ROWS):
-            self.kv[row].copy_(SENTINEL)
-            job = self._job(self.mgr.load(key, row))
-            if job is not None:
-                started.append((key, job, row))
-        self._wait([j for _, j, _ in started])
-        allow = sum(1 for key, _, _ in started if key in self.damaged)
-        for key, job, row in started:
-            self._check_load(key, job, row, before, allow)
+        self._load_batch(list(zip(KEYS, LOAD_ROWS)))
 
     @rule(restore=st.booleans())
     def load_all_from_disk(self, restore: bool) -> None:
