@@ -17,6 +17,7 @@ __all__ = [
     "InvalidKeyError",
     "InvalidBlockError",
     "DeviceTensorError",
+    "InvalidBufferError",
     "BlockBusyError",
     "InvalidJobError",
     "ManagerClosedError",
@@ -44,6 +45,12 @@ class InvalidBlockError(TieredKVError, IndexError):
 
 class DeviceTensorError(TieredKVError, ValueError):
     """The engine's KV tensor has an unsupported dtype, shape, layout or device."""
+
+
+class InvalidBufferError(TieredKVError, ValueError):
+    """Buffers handed to a store (:class:`tiered_kv.remote.RemoteStore`) that it cannot use: a view that is not
+    one C-contiguous block of the tier's size (writable, for a fetch), or lists of keys, tokens and views of
+    different lengths."""
 
 
 class BlockBusyError(TieredKVError, RuntimeError):

@@ -228,13 +228,16 @@ class Reader(IOThread):
                             elif isinstance(value, Drained):   # another length: its first bytes say why
                                 verify_entry(value.prefix, ns, key, length=length)
                                 raise CorruptEntry("truncated", f"{value.n} bytes, not a {length}-byte block's value")
-                            else:
+                            elif isinstance(value, (bytes, bytearray)):   # read whole (redis-py's fallback)
                                 view[:] = memoryview(value)[verify_entry(value, ns, key,
                                                                          length=length).payload_offset:]
+                            else:   # a reply no GET gets from a Redis (an int, an array): a foreign value
+                                raise CorruptEntry("wrong_type", f"a GET answered a {type(value).__name__}")
                         except CorruptEntry as e:
                             reason = FETCH_CORRUPT
                             corrupt = e, (sha1hex(value.head, view) if isinstance(value, Landed) else
-                                          value.sha if isinstance(value, Drained) else sha1hex(value))
+                                          value.sha if isinstance(value, Drained) else
+                                          sha1hex(value) if isinstance(value, (bytes, bytearray)) else "")
                         else:
                             reason, nbytes = None, length
                 if corrupt is not None:

@@ -20,7 +20,10 @@ authenticates and configures (TLS, ``AUTH``, ``SELECT``, timeouts: :class:`redis
   straight into the caller's view (the reserved host slot), then verified there by the reader; a value of
   another length (never a block's: a foreign or damaged one) is read off the socket in bounded pieces,
   hashed as it goes, and only its first bytes kept (:class:`Drained`): what the server sends never
-  sizes an allocation here.
+  sizes an allocation here: any other bulk reply longer than a reply buffer, a line longer than
+  :data:`MAX_LINE`, arrays nested deeper than :data:`MAX_DEPTH`, or a :class:`GetInto` answered with
+  anything but a bulk string, nil or an error (none of which the store's commands get from a Redis) raise
+  ``InvalidResponse``, and the caller drops the connection.
 
 Error replies become the exceptions redis-py would raise (``MOVED`` -> ``MovedError``, ``NOSCRIPT`` ->
 ``NoScriptError``, ...), returned in the command's place, never raised; a socket timeout or a closed
@@ -39,6 +42,8 @@ __all__ = ["Parts", "GetInto", "Landed", "Drained", "pack", "Replies", "LARGE"]
 Buffer = Union[bytes, bytearray, memoryview]
 LARGE = 16 << 10          # an argument at least this big is sent in place, not copied into the command buffer
 READ_BUFFER = 64 << 10    # the reply buffer (lines, small values, the part of a value read ahead)
+MAX_LINE = 1 << 20        # a reply's line (an error text) longer than this is not Redis's: InvalidResponse
+MAX_DEPTH = 4             # arrays nested deeper than this (the store's commands get none nested): InvalidResponse
 _CRLF = b"\r\n"
 
 
@@ -171,12 +176,19 @@ class Replies:
         self._end += self._recv_into(self._mv[self._end:])
 
     def _line(self) -> bytes:
+        seen = 0   # bytes past _start searched already (less the last: a CR there may start the CRLF)
         while True:
-            i = self._buf.find(_CRLF, self._start, self._end)
+            start = self._start
+            i = self._buf.find(_CRLF, start + seen, self._end)
             if i >= 0:
-                line = bytes(self._mv[self._start:i])
+                line = bytes(self._mv[start:i])
                 self._start = i + 2
                 return line
+            unread = self._end - start
+            if unread > MAX_LINE:
+                raise _invalid(f"a reply line of over {MAX_LINE} bytes with no CRLF: "
+                               f"{bytes(self._mv[start:start + 64])!r}")
+            seen = max(0, unread - 1)
             self._fill()
 
     def _read_into(self, view: memoryview) -> None:
@@ -212,13 +224,16 @@ class Replies:
         return Drained(bytes(prefix), n, h.hexdigest())
 
     # ------------------------------------------------------------ replies
-    def read(self, into: Optional[GetInto] = None) -> Any:
+    def read(self, into: Optional[GetInto] = None, depth: int = 0) -> Any:
         """The next reply: bytes, int, None, a list, an exception instance (an error reply), or -- for
-        ``into`` -- :class:`Landed` (a value of the expected length) or :class:`Drained` (of another)."""
+        ``into`` -- :class:`Landed` (a value of the expected length) or :class:`Drained` (of another).
+        ``InvalidResponse`` for a reply no Redis sends the store's commands (see the module's docstring)."""
         line = self._line()
         kind, rest = line[:1], line[1:]
+        if into is not None and kind not in (b"$", b"-"):   # a GET's reply is a bulk string, nil or an error
+            raise _invalid(f"a GET answered {line[:64]!r}")
         if kind == b"$":
-            n = int(rest)
+            n = _length(line)
             if n < 0:
                 return None
             if into is not None:
@@ -230,18 +245,35 @@ class Replies:
                     self._skip_crlf()
                     return Landed(bytes(head))
                 return self._drain(n, want + READ_BUFFER)
+            if n > READ_BUFFER:   # the store's other commands get short bulks (a script's sha) if any
+                raise _invalid(f"a {n}-byte bulk reply to a command that is not a block's GET")
             value = bytearray(n)
             self._read_into(memoryview(value))
             self._skip_crlf()
             return bytes(value)
         if kind == b":":
-            return int(rest)
+            return _length(line)
         if kind == b"+":
             return rest
         if kind == b"-":
             return self._parse_error(rest.decode("utf-8", "replace"))
         if kind == b"*":
-            n = int(rest)
-            return None if n < 0 else [self.read() for _ in range(n)]
-        from redis.exceptions import InvalidResponse
-        raise InvalidResponse(f"unexpected reply from the remote store: {line[:64]!r}")
+            n = _length(line)
+            if n >= 0 and depth >= MAX_DEPTH:
+                raise _invalid(f"arrays nested over {MAX_DEPTH} deep")
+            return None if n < 0 else [self.read(None, depth + 1) for _ in range(n)]
+        raise _invalid(f"unexpected reply from the remote store: {line[:64]!r}")
+
+
+def _invalid(text: str) -> Exception:
+    """redis-py's ``InvalidResponse``: a reply no Redis sends here (the caller drops the connection)."""
+    from redis.exceptions import InvalidResponse
+    return InvalidResponse(text)
+
+
+def _length(line: bytes) -> int:
+    """The integer after a reply line's type byte; ``InvalidResponse`` where it is not one."""
+    try:
+        return int(line[1:])
+    except ValueError:
+        raise _invalid(f"not an integer in reply line {line[:64]!r}") from None

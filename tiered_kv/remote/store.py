@@ -19,7 +19,7 @@ import uuid
 from typing import Any, Callable, Optional
 
 from ..config import check_namespace
-from ..errors import ConfigError
+from ..errors import ConfigError, InvalidBufferError, InvalidKeyError
 from ..reports import CompletionQueue
 from .breaker import Breaker
 from .conn import Conn, error_kind, import_redis
@@ -114,7 +114,7 @@ class RemoteStore:
         the job is answered).  False, nothing queued, when the parts do not fit."""
         n = len(keys)
         if not n or len(tokens) != n or len(views) != n:
-            raise ValueError(f"submit_puts: {len(tokens)} tokens, {n} keys, {len(views)} views")
+            raise InvalidBufferError(f"submit_puts: {len(tokens)} tokens, {n} keys, {len(views)} views")
         return self._w.submit(tokens, keys, [self._bytes_view(v) for v in views])
 
     @property
@@ -152,7 +152,7 @@ class RemoteStore:
         too many fetch parts queued."""
         n = len(keys)
         if not n or len(views) != n:
-            raise ValueError(f"submit_fetch: {n} keys, {len(views)} views")
+            raise InvalidBufferError(f"submit_fetch: {n} keys, {len(views)} views")
         return self._r.submit(token, keys, [self._bytes_view(v, writable=True) for v in views], room_taken=room_taken)
 
     def submit_probe(self, token: uuid.UUID, keys: list[bytes]) -> bool:
@@ -160,7 +160,7 @@ class RemoteStore:
         (``failed[i]`` is ``miss`` for a key it does not hold), with nothing copied: the owner reserves
         host slots only for the keys held, and fetches those.  False when not queued (as :meth:`submit_fetch`)."""
         if not keys:
-            raise ValueError("submit_probe: no keys")
+            raise InvalidKeyError("submit_probe: no keys")
         return self._r.submit(token, keys, [], probe=True)
 
     def cancel(self, token: uuid.UUID, key: bytes) -> None:
@@ -271,13 +271,22 @@ class RemoteStore:
         return self._reader
 
     def _bytes_view(self, v: Any, writable: bool = False) -> memoryview:
-        mv = v if isinstance(v, memoryview) else memoryview(v)
+        """``v`` as a flat byte view, checked here: the I/O threads hash it and read into it in place."""
+        try:
+            mv = v if isinstance(v, memoryview) else memoryview(v)
+        except TypeError:
+            raise InvalidBufferError(f"a block's buffer must support the buffer protocol, got "
+                                     f"{type(v).__name__}: {v!r:.80}") from None
+        if not mv.c_contiguous:   # (before the cast: it refuses one)
+            raise InvalidBufferError(f"a block's buffer must be C-contiguous, got a view of shape {mv.shape}, "
+                                     f"strides {mv.strides}")
         if mv.format != "B" or mv.ndim != 1:
             mv = mv.cast("B")
         if mv.nbytes != self.opts.block_bytes:
-            raise ValueError(f"a view of {mv.nbytes} bytes, the remote tier's blocks are {self.opts.block_bytes}")
+            raise InvalidBufferError(f"a view of {mv.nbytes} bytes, the remote tier's blocks are "
+                                     f"{self.opts.block_bytes}")
         if writable and mv.readonly:
-            raise ValueError("a fetch needs writable views")
+            raise InvalidBufferError("a fetch needs writable views, got a read-only one")
         return mv
 
     def _wake_all(self) -> None:
