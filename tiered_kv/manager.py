@@ -216,6 +216,7 @@ class TierManager:
         self._owner_tag = object()
         self._max_key_bytes = config.max_key_bytes
         self._deliver: list[Job] = []                 # cancelled jobs to report at the next poll
+        self._waiting = False   # a blocking call holds the mover (_block_until); poll() ends a hold an interrupt left
         # row -> the store reading it, or a list when several do (live jobs only): one store per row is the rule
         self._row_stores: dict[int, Any] = {}
         self._row_load: dict[int, Job] = {}           # row -> the load writing it (live jobs only)
@@ -487,6 +488,9 @@ class TierManager:
         """Apply every worker report that has arrived; return the jobs now reported."""
         if self._closed:
             self._check_open()  # raises
+        if self._waiting:   # a wait() an interrupt broke off as it took or ended its hold: the copies go now
+            self._mover.hold(False)
+            self._waiting = False
         self._poll(True)
         core = self._core
         out, core.outbox = core.outbox, []
@@ -707,12 +711,13 @@ class TierManager:
         deadline = None if timeout is None else time.monotonic() + timeout
         mover = self._mover
         core = self._core
-        mover.hold(True)
-        # reads the page cache holds are read on this thread too (it blocks anyway): no hand-off to the disk
-        # I/O side and back (disk/cached.py; never a wait on the disk)
-        core.read_here = self._read_cached
-        core.read_until = deadline
+        self._waiting = True   # before the hold: cleared only once the hold is over (poll() ends one left on)
         try:
+            mover.hold(True)
+            # reads the page cache holds are read on this thread too (it blocks anyway): no hand-off to the disk
+            # I/O side and back (disk/cached.py; never a wait on the disk)
+            core.read_here = self._read_cached
+            core.read_until = deadline
             # the first pass leaves the counters and gauges to the last one (or to a pass _HELP_SLICE_S on):
             # publishing them is tens of microseconds, much of a lone load's wait
             self._poll(gauges=False)
@@ -760,6 +765,7 @@ class TierManager:
             # first, with no call before it: an interrupt in what follows must not leave poll() reading here
             core.read_here, core.read_until = False, None
             mover.hold(False)
+            self._waiting = False
             self._poll(True)
 
     # ------------------------------------------------------------ internals: reports (TierCore.apply's hooks)

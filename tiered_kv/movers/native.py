@@ -26,8 +26,10 @@ again a transfer at a time, so that each is answered by its own outcome.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import time
+from array import array
 from collections.abc import Sequence
 from itertools import starmap
 from typing import Any, Callable, Optional
@@ -216,10 +218,18 @@ class NativeMover(Mover):
                     rows += t.rows
                     slots += t.slots
             try:
+                # exact ints only: the launcher's List[int] would take a one-element float tensor as its int()
+                # (row 3 for tensor(3.5)); array("q") asks each for __index__, in C
+                _ints(rows)
+                _ints(slots)
                 arg = list_args(slots, rows) if ts[0].kind is _STORE else list_args(rows, slots)
-            except Exception as exc:   # noqa: BLE001 - rows that are not ints (a lone one's range() refuses them)
-                for t in ts:
-                    put(Report(t.token, t.kind, False, f"copy failed: malformed transfer: {exc!r}"))
+            except Exception as exc:   # noqa: BLE001 - rows that are not ints
+                if len(ts) > 1:   # each started again alone: only the malformed one fails
+                    for t in ts:
+                        self._start([[t]], now)
+                        self.retried += 1
+                    continue
+                put(Report(ts[0].token, ts[0].kind, False, f"copy failed: malformed transfer: {exc!r}"))
                 continue
             to_host.append(ts[0].kind is _STORE)
             args.append(arg)
@@ -414,6 +424,9 @@ class NativeMover(Mover):
             self._wait_oldest(None)
             self.harvest()
         self._closed = True
+
+
+_ints = functools.partial(array, "q")   # a list of exact ints, or TypeError naming what is not one
 
 
 def _first_line(exc: BaseException) -> str:

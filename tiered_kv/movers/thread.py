@@ -142,7 +142,10 @@ def split_batches(held: Sequence[Transfer], block_bytes: int, cap: int) -> list[
         batch: list[Transfer] = []
         nbytes = 0
         for t in ts:
-            size = len(t.rows) * block_bytes
+            try:
+                size = len(t.rows) * block_bytes
+            except TypeError:   # rows that are not a sequence (None): screen() answers the transfer alone
+                size = 0
             if batch and nbytes + size > cap:
                 out.append(batch)
                 batch, nbytes = [], 0
