@@ -108,9 +108,9 @@ class PolicyMachine(RuleBasedStateMachine):
     def lease(self, k: bytes) -> None:
         e = self.evictable.pop(k, None)
         if e is not None:
-            if self.pinned.pop(k, None) is not None:
-                e.readers = 0   # a load of a pinned entry: the index leases it then (its readers: not the policy's)
+            self.pinned.pop(k, None)   # a load of a pinned entry: the index leases it then
             self.policy.lease(e)
+            e.readers = 1   # the index counts the lease (S3-FIFO keeps a leased entry in place: passed over)
             self.shadow.lease(self.sh[k])
             self.leased[k] = e
 
@@ -118,9 +118,14 @@ class PolicyMachine(RuleBasedStateMachine):
     def unlease(self, k: bytes) -> None:
         e = self.leased.pop(k, None)
         if e is not None:
+            e.readers = 0
             self.policy.unlease(e)
             self.shadow.unlease(self.sh[k])
             self.evictable[k] = e
+
+    def in_order(self) -> int:
+        """How many entries the policy holds: the evictable ones, and for S3-FIFO the leased ones too."""
+        return len(self.evictable) + (len(self.leased) if self.policy.leases_in_place else 0)
 
     @rule(k=st.sampled_from(KEYS))
     def remove(self, k: bytes) -> None:
@@ -138,7 +143,7 @@ class PolicyMachine(RuleBasedStateMachine):
 
     def take(self, v: Optional[Entry], protect: set[bytes], key: Optional[bytes]) -> None:
         free = [k for k in self.evictable if k not in protect and k != key and k not in self.pinned]
-        sv = self.shadow.victim(protect | set(self.pinned), key)
+        sv = self.shadow.victim(protect | set(self.pinned) | set(self.leased), key)   # (its leases have no readers)
         assert (None if v is None else v.key) == (None if sv is None else sv.key), "a pin is not a protected key"
         if v is None:
             assert not free, f"victim None with {free} evictable"
@@ -169,7 +174,7 @@ class PolicyMachine(RuleBasedStateMachine):
         assert len({id(e) for e in cold}) == len(cold)
         for e in cold:
             assert self.evictable.get(e.key) is e and e.key not in self.pinned
-        assert len(self.policy) == len(self.evictable)   # changed nothing
+        assert len(self.policy) == self.in_order()   # changed nothing
         if self.policy_name != "prefix":   # exact here (the prefix policy does not foresee every orphan)
             c = copy.deepcopy(self.policy)
             nxt = [c.victim((), None) for _ in cold]
@@ -185,6 +190,7 @@ class PolicyMachine(RuleBasedStateMachine):
         for k in list(self.pinned):
             self.unpin(k)
         for k, e in list(self.leased.items()):
+            e.readers = 0
             self.policy.unlease(e)
             self.shadow.unlease(self.sh[k])
             self.evictable[k] = e
@@ -195,7 +201,7 @@ class PolicyMachine(RuleBasedStateMachine):
 
     @invariant()
     def length(self) -> None:
-        assert len(self.policy) == len(self.evictable)
+        assert len(self.policy) == self.in_order()
 
 
 for _name in POLICIES:

@@ -77,7 +77,8 @@ def test_prefix_coldest_is_the_next_victims_with_a_pinned_child_of_an_orphan() -
 def _check_index(ix: TierIndex, name: str, evicted_with_readers: list) -> None:
     assert not evicted_with_readers, f"{name}: evicted while read: {evicted_with_readers}"
     live = dict(ix._entries)
-    held = {k for k, e in live.items() if e.state is EntryState.READY and (e.readers == 0 or e in ix._pinned)}
+    held = {k for k, e in live.items() if e.state is EntryState.READY
+            and (e.readers == 0 or e in ix._pinned or ix.policy.leases_in_place)}
     assert len(ix.policy) == len(held), name
     assert all(e.readers > 0 for e in ix._pinned), name
     slots = [e.slot for e in live.values()]

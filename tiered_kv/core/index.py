@@ -140,7 +140,10 @@ class TierIndex:
     def coldest(self, n: int, through_pins: bool = False) -> list[Entry]:
         """Up to ``n`` evictable entries, the policy's next victims first; ``through_pins``: the pinned
         ones too, in the order eviction will take them once their reads end."""
-        return self.policy.coldest(n, through_pins)
+        policy = self.policy
+        if through_pins and policy.leases_in_place:   # its leased entries are in the order: only pins go through
+            return policy.coldest(n, self._pinned)   # type: ignore[arg-type]
+        return policy.coldest(n, through_pins)
 
     def link(self, keys: Sequence[bytes]) -> None:
         """``keys`` are consecutive blocks of one sequence, in order: a prefix-aware policy links them

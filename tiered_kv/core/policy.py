@@ -5,7 +5,8 @@ when a slot is free); its policy only keeps the *order*: which of the evictable 
 An entry is evictable while it is READY, live and has no reader.  A reader is one of two kinds:
 
 * a *lease* (a load reading the slot: a use) takes the entry out of the policy (``lease``) until its
-  last reader lets go (``unlease``), so a policy never sees a leased entry;
+  last reader lets go (``unlease``), so a policy never sees a leased entry -- except S3-FIFO, whose
+  FIFOs never move on a use: there a leased entry stays where it is, passed over as a pinned one is;
 * a *pin* (a spill or a remote put reading the slot: not a use) leaves the entry where it is in the
   policy's order; the policy passes over an entry with readers (``e.readers``) exactly as over a
   protected key, in ``victim``, ``peek`` and ``coldest``, and it is evictable again, in the same place,
@@ -16,7 +17,8 @@ The calls:
 ==================  =========================================================================
 ``insert(e)``       a new entry became READY with no reader (a store's or promote's copy landed)
 ``hit(e)``          a lookup or a store found the key (``e`` may be leased: then nothing to move)
-``lease(e)``        its first reader took it: not evictable until ``unlease`` (a use, like a hit)
+``lease(e)``        its first reader took it: not evictable until ``unlease`` (a use, like a hit;
+                    S3-FIFO counts the lookup's hit only and leaves the entry in place)
 ``unlease(e)``      its last reader let go and it is still READY and live: evictable again
 ``remove(e)``       it left the index for another reason than eviction (invalidated, aborted)
 ``victim(p, k)``    choose, forget and return the next evictable entry whose key is not ``k`` and
@@ -76,6 +78,9 @@ class Policy:
     the tier's size, for policies that size their queues or ghost lists by it."""
 
     name = "policy"
+    leases_in_place = False
+    """True where a leased entry stays in the order, passed over while it has readers (S3-FIFO), instead of
+    leaving it until its release: ``len()`` and ``holds`` then count it."""
 
     def abandon(self, key: bytes) -> None:
         """A reservation of ``key`` left the index before it was inserted (nothing to forget by default)."""
@@ -221,32 +226,30 @@ class AdmitAll(Admission):
 
 # -- S3-FIFO ---------------------------------------------------------------------------------------
 
-_SMALL, _MAIN = 0, 1
-
-
 class S3FIFO(Policy):
     """S3-FIFO (Yang et al., SOSP'23): a small FIFO (10% of the slots) that new keys enter, a main
     FIFO, a ghost FIFO of the keys evicted from the small one (as many keys as slots), and a 2-bit
-    frequency per entry (a hit or a lease adds one, capped at 3).
+    frequency per entry (a hit adds one, capped at 3).
 
     A victim comes from the small FIFO while it holds at least its share (its oldest entry moves to
     the main FIFO if it was used, else it is evicted and its key remembered in the ghost), else from
     the main FIFO (a used entry loses one and goes round again, an unused one is evicted).  A new key
-    found in the ghost enters the main FIFO.  A leased entry leaves its FIFO, keeps its frequency and
-    returns to the newest end of the same FIFO when released.  Protected keys are invisible to one
-    ``victim`` call: they are passed over untouched and stay where they were.
+    found in the ghost enters the main FIFO.  An access is counted once, by the lookup's (or store's)
+    ``hit``, and moves nothing (the algorithm's lazy promotion): a load's lease therefore adds no use and
+    leaves the entry where it is, passed over while it has readers as a pinned one is (the exception to
+    the module's "a lease takes the entry out"), so a block read keeps its place in its FIFO.  Protected
+    keys are invisible to one ``victim`` call: they are passed over untouched and stay where they were.
     """
 
     name = "s3fifo"
-    __slots__ = ("small", "main", "ghost", "freq", "leased", "n_leased_small", "target", "ghost_max")
+    leases_in_place = True
+    __slots__ = ("small", "main", "ghost", "freq", "target", "ghost_max")
 
     def __init__(self, num_slots: int = 0) -> None:
         self.small: OrderedDict[bytes, "Entry"] = OrderedDict()   # oldest first
         self.main: OrderedDict[bytes, "Entry"] = OrderedDict()
         self.ghost: OrderedDict[bytes, None] = OrderedDict()
-        self.freq: dict[bytes, int] = {}        # every entry held, evictable or leased
-        self.leased: dict[bytes, int] = {}      # leased entry -> the FIFO it returns to
-        self.n_leased_small = 0
+        self.freq: dict[bytes, int] = {}        # every entry held (leased ones too: they stay in their FIFO)
         self.target = max(1, num_slots // 10)   # the small FIFO's share
         self.ghost_max = max(1, num_slots)
 
@@ -269,44 +272,24 @@ class S3FIFO(Policy):
             freq[e.key] = f + 1
 
     def lease(self, e: "Entry") -> None:
-        k = e.key
-        if self.small.get(k) is e:
-            del self.small[k]
-            self.leased[k] = _SMALL
-            self.n_leased_small += 1
-        elif self.main.get(k) is e:
-            del self.main[k]
-            self.leased[k] = _MAIN
-        else:
-            return
-        self.hit(e)
+        """Nothing: the entry stays where it is, passed over while it has readers (``e.readers``), and its
+        access was counted by the lookup's ``hit``."""
 
     def unlease(self, e: "Entry") -> None:
-        k = e.key
-        q = self.leased.get(k)
-        # back in its FIFO, the lease's record and count gone, with no call between (an interrupt lands at a
-        # call's return): never out of both
-        if q is None:   # not leased here: a new entry as far as this policy knows
+        if not self.holds(e):   # not held here: a new entry as far as this policy knows
             self.insert(e)
-        elif q == _SMALL:
-            self.small[k] = e
-            del self.leased[k]
-            self.n_leased_small -= 1
-        else:
-            self.main[k] = e
-            del self.leased[k]
 
     def holds(self, e: "Entry") -> bool:
         k = e.key
         return self.small.get(k) is e or self.main.get(k) is e
 
     def gave_up(self, e: "Entry") -> bool:
-        return e.key not in self.freq and e.key not in self.leased   # (a victim forgets its frequency last)
+        return e.key not in self.freq   # (a victim forgets its frequency last)
 
     def restore(self, e: "Entry") -> None:
         k = e.key
-        if k in self.leased or k not in self.freq:
-            self.unlease(e)
+        if k not in self.freq:
+            self.insert(e)
         else:   # held, out of its FIFO (a victim's walk broken off): back at the cold end it was taken from
             self.small[k] = e
             self.small.move_to_end(k, last=False)
@@ -317,11 +300,6 @@ class S3FIFO(Policy):
             del self.small[k]
         elif self.main.get(k) is e:
             del self.main[k]
-        elif k in self.leased:
-            q = self.leased[k]
-            del self.leased[k]   # (with its count, no call between)
-            if q == _SMALL:
-                self.n_leased_small -= 1
         else:
             return
         del self.freq[k]
@@ -332,7 +310,7 @@ class S3FIFO(Policy):
         held_main: list[tuple[bytes, "Entry"]] = []
         try:
             while True:
-                if small and (len(small) + self.n_leased_small >= self.target or not main):
+                if small and (len(small) >= self.target or not main):
                     while small:   # evict from the small FIFO: used entries move to main
                         k, e = small.popitem(last=False)
                         if k == key or k in protect or e.readers:
@@ -368,17 +346,23 @@ class S3FIFO(Policy):
                     q[k] = e
                     q.move_to_end(k, last=False)
 
-    def coldest(self, n: int, through_pins: bool = False) -> list["Entry"]:
+    def coldest(self, n: int, through_pins: "bool | Collection[Entry]" = False) -> list["Entry"]:
         """The next ``n`` victims, computed on a view of the FIFOs (at most ``8 n + 64`` steps of
-        the eviction; past that the rest in FIFO order)."""
+        the eviction; past that the rest in FIFO order).  ``through_pins``: True, every entry with readers
+        counts as evictable; or the pinned entries alone (the index's: a leased one, in place here, is
+        still passed over)."""
         out: list["Entry"] = []
         if n <= 0:
             return out
+        pins = None if isinstance(through_pins, bool) else through_pins
+
+        def passed(e: "Entry") -> bool:   # read, and not counted through: passed over as victim() passes it
+            return bool(e.readers) and not (through_pins is True or (pins is not None and e in pins))
         freq = self.freq
         s_it, m_it = iter(self.small.items()), iter(self.main.items())
         s_left, m_left = len(self.small), len(self.main)
         moved: deque[tuple[bytes, "Entry", int]] = deque()   # appended to main meanwhile, with its frequency
-        n_small = s_left + self.n_leased_small
+        n_small = s_left
         budget = 8 * n + 64
         while len(out) < n and budget > 0:
             if s_left and (n_small >= self.target or not (m_left or moved)):
@@ -386,7 +370,7 @@ class S3FIFO(Policy):
                     budget -= 1
                     k, e = next(s_it)
                     s_left -= 1
-                    if e.readers and not through_pins:   # pinned: passed over, it stays in the small FIFO
+                    if passed(e):   # pinned: passed over, it stays in the small FIFO
                         continue
                     n_small -= 1
                     f = freq[k]
@@ -402,7 +386,7 @@ class S3FIFO(Policy):
                     if m_left:
                         k, e = next(m_it)
                         m_left -= 1
-                        if e.readers and not through_pins:   # pinned: passed over
+                        if passed(e):   # pinned: passed over
                             continue
                         f = freq[k]
                     else:
@@ -419,7 +403,7 @@ class S3FIFO(Policy):
             for e in chain((e for _, e in s_it), (e for _, e in m_it), (e for _, e, _ in moved)):
                 if len(out) >= n:
                     break
-                if id(e) not in seen and (through_pins or not e.readers):
+                if id(e) not in seen and not passed(e):
                     seen.add(id(e))
                     out.append(e)
         return out
@@ -447,7 +431,7 @@ class S3FIFO(Policy):
                 moved.append((e, f - 1))
             return None
 
-        if small and (len(small) + self.n_leased_small >= self.target or not main):
+        if small and (len(small) >= self.target or not main):
             e = from_small()
             return e if e is not None else from_main(True)
         e = from_main(True)

@@ -39,6 +39,7 @@ from typing import Any, NamedTuple, Optional, Union
 
 from ..core.index import Entry, EntryState
 from ..core.policy import ADMISSIONS, POLICIES, Admission, AdmitAll, Policy, admission_victim
+from ..errors import TieredKVError
 
 __all__ = [
     "BLOCK_TOKENS", "DTYPE_BYTES", "DEFAULT_BLOCK_BYTES", "Request", "SimResult", "TierSimResult", "ModelShape",
@@ -55,7 +56,7 @@ TRACE_ENV = "TIERED_KV_TRACE"
 TRACE_NAME = "mooncake_synthetic_trace.jsonl"
 
 
-class TraceError(ValueError):
+class TraceError(TieredKVError, ValueError):
     """A trace file that cannot be replayed; the message names the file and line."""
 
 
@@ -104,6 +105,8 @@ def _parse(path: Union[str, Path], n: int, line: str, ids_only: bool = False) ->
         rec = json.loads(line)
     except ValueError as exc:
         raise _bad(path, n, f"not JSON ({exc})") from None
+    except RecursionError:   # (the json module's own limit: a line nesting arrays or objects ~1,000 deep)
+        raise _bad(path, n, "not a trace record: JSON nested too deep") from None
     if not isinstance(rec, dict):
         raise _bad(path, n, f"expected a JSON object, got {type(rec).__name__}")
     if ids_only:   # the bench's replays need the block ids alone: the other fields get neutral values
@@ -491,6 +494,7 @@ def _replay(requests: Sequence[Request], host: _Tier, disk: Optional[_Tier], wri
             if e2 is not None:
                 new.append(e2)
                 promotes += 1
+        promoted = len(new)
         for k in keys[n:]:
             e = hent.get(k)
             if e is not None:
@@ -504,9 +508,23 @@ def _replay(requests: Sequence[Request], host: _Tier, disk: Optional[_Tier], wri
             e2 = host.reserve(k, protect, evicted)
             if e2 is not None:
                 new.append(e2)
-        for e in leased.values():
-            hpol.unlease(e)
-        host.publish(new)
+        if promoted:
+            # the core's load waits for its promotes: the step's stores land first, then the promotes, which
+            # the load leases too; its copies' report then releases every block of the prefix, in key order
+            host.publish(new[promoted:])
+            host.publish(new[:promoted])
+            for e in new[:promoted]:
+                if e.live and e.key not in leased:
+                    hpol.lease(e)
+                    leased[e.key] = e
+            for k in keys[:n]:
+                e = leased.pop(k, None)
+                if e is not None:
+                    hpol.unlease(e)
+        else:
+            for e in leased.values():
+                hpol.unlease(e)
+            host.publish(new)
         if disk is not None and write_mode == "through":
             # write-through: the blocks stored are written at once (a promote's is on disk already); host
             # victims are dropped
