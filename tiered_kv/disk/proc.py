@@ -499,6 +499,7 @@ class ProcessDiskStore:
         if cached_here and self.cached.enabled and not self._closing and not self._dead:
             # (a dead child answered every held read failed already: none is read, or counted, here)
             cached = self.cached
+            passed = cached.passed   # (read_chunk counts what it hands on)
             served, rest, later = cached.read_chunk(held, until)
             if served:
                 entries, n = [[r] for r in served], len(served)
@@ -509,7 +510,7 @@ class ProcessDiskStore:
                 cached.served += n
                 self._queue_served()
             if self._dead:   # it died during the reads: what it answered failed was not handed on either (nor held)
-                cached.passed -= sum(1 for op in rest if op.where)
+                cached.passed = passed
                 rest, later = rest + later, []
             held = rest
         if held:
