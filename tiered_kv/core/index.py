@@ -481,6 +481,19 @@ class TierIndex:
             self._repair((entry,))   # not counted: back in the order
             raise
 
+    def pin(self, entry: Entry, into: list[Any], i: int) -> None:
+        """:meth:`pin_all` of one READY entry, the pin written to ``into[i]`` as :meth:`acquire` writes a lease (no
+        call between the count and that store; the set's add, a call, comes last): a promote's read of its disk
+        entry, no use -- the lookup that found the block was -- so that where the entry stays in the disk
+        tier's order does not depend on when the read's report is applied."""
+        if entry.state is not _READY or not entry.live:
+            raise AssertionError(f"pin of {entry!r}")  # internal bug
+        n = entry.readers
+        entry.readers = n + 1
+        into[i] = entry
+        if n == 0:
+            self._pinned.add(entry)
+
     def pin_all(self, entries: Sequence[Entry]) -> None:
         """A reader that is no use for each READY entry of ``entries`` (a spill's or a put's copy): each
         stays where it is in the policy's order, passed over by eviction until :meth:`release`."""

@@ -944,7 +944,7 @@ class TierCore:
         the job in ``jobs``).  The host entry is published (or dropped, with the disk entry when the read found it
         gone or bad); each load still waiting for this read leases the entry -- its copy queued once it was the
         last (``on_load_ready``) -- or, the read failed, is failed and given up (``on_load_failed``, ``abandon``);
-        last, the disk entry's lease goes (``job._dentry`` holds it: empty once released).  Each step finds what a
+        last, the disk entry's pin goes (``job._dentry`` holds it: empty once released).  Each step finds what a
         pass before it did: a lease written into the load's list, a load no longer waiting for this read.  A
         cancelled promote's loads were cancelled with it (the front end's ``_deliver`` finishes a cancel broken
         off).  Returns the job's new state."""
@@ -1385,18 +1385,18 @@ class TierCore:
                 return self.shed(_LOAD, "host_full")
             job = Job(token, _PROMOTE, key, -1)
             job._entries = [entry]
-            job._dentry = [None]   # the disk entry's lease, written there as it is taken (TierIndex.acquire)
+            job._dentry = [None]   # the disk entry's pin, written there as it is taken (TierIndex.pin)
             job._waiters = []
             self.jobs[token.int] = job
             self.n_in_flight[_PROMOTE] += 1
-            disk.index.acquire(d, job._dentry, 0)
+            disk.index.pin(d, job._dentry, 0)
             disk.store.queue_promote(token, key, d.writer, self.slot_views[entry.slot], d.where)
         except BaseException:
             if job is None or self.jobs.get(token.int) is not job:   # not registered: its reservation goes
                 self._unreserve(token, (key,), ())
             else:   # registered: finished here, so that its report comes (a prefetch, if no load waits for it)
                 if job._dentry[0] is None:
-                    disk.index.acquire(d, job._dentry, 0)
+                    disk.index.pin(d, job._dentry, 0)
                 if not disk.store.holds_read(token):
                     disk.store.queue_promote(token, key, d.writer, self.slot_views[job._entries[0].slot], d.where)
             raise
