@@ -595,8 +595,9 @@ class TierIndex:
         """After an interrupt broke off a step that moves entries into or out of the policy's order (a lease, a
         release, a publish, an eviction, a removal): each entry of ``among`` (None: every entry), run through
         the policy's ``holds``/``restore``, ends up where its state says: live, READY and with no reader but
-        pins, in the order; removed, with no reader or writer, its slot free.  (No step leaves a leased entry in the
-        order: a lease leaves it before it is counted.)  Each step is skipped where done already.  O(len(among)),
+        pins (or leased, under a policy that keeps leases in place: S3-FIFO), in the order; removed, with no reader
+        or writer, its slot free.  (Under the other policies no step leaves a leased entry in the order: a lease
+        leaves it before it is counted.)  Each step is skipped where done already.  O(len(among)),
         on an interrupt only.  ``evicting``: a ``victim`` was broken off, and an entry it gave up already
         (``Policy.gave_up``) is evicted, as the uninterrupted call would have."""
         policy, pinned, entries = self.policy, self._pinned, self._entries
@@ -605,7 +606,7 @@ class TierIndex:
                 continue
             if not e.live or entries.get(e.key) is not e:
                 self._maybe_free(e)
-            elif e.state is _READY and (e.readers == 0 or e in pinned) and not policy.holds(e):
+            elif e.state is _READY and (e.readers == 0 or e in pinned or policy.leases_in_place) and not policy.holds(e):
                 if evicting and not e.readers and policy.gave_up(e):
                     self._evicted(e)
                 else:

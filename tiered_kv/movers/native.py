@@ -39,8 +39,8 @@ import torch
 from ..jobs import JobKind
 from .base import CompletionQueue, Mover, Plane, Report, Transfer, check_planes, rows_in_range
 from .rowcopy import compiled, list_args, native_available, pool_used
-from .thread import (FEW_ROWS, HELP_BYTES, STAGE_BYTES, copy_one, fast_planes, memmove_rows, screen, split_batches,
-                     wide_planes)
+from .thread import (FEW_ROWS, HELP_BYTES, STAGE_BYTES, copy_one, fast_planes, memmove_rows, rows_len, screen,
+                     split_batches, wide_planes)
 
 __all__ = ["NativeMover", "native_fits", "native_available", "LaunchFn"]
 
@@ -335,11 +335,11 @@ class NativeMover(Mover):
         here); more than that is started in the inter-op threads.  Then, with nothing held, wait for the
         oldest batch in flight and answer what has finished.  False when nothing is held or in flight."""
         held = self._held
-        if len(held) == 1 and len(held[0].rows) <= FEW_ROWS and self._fast is not None:
+        if len(held) == 1 and rows_len(held[0]) <= FEW_ROWS and self._fast is not None:
             self._memmove_one(held)
             return True
         if held:
-            if sum(len(t.rows) for t in held) * self._block_bytes <= HELP_BYTES:
+            if sum(map(rows_len, held)) * self._block_bytes <= HELP_BYTES:
                 self._start_held(now=True)
                 self.harvest()
                 return True

@@ -132,6 +132,15 @@ def fast_planes(planes: list[Plane]) -> Optional[tuple[tuple[int, int, int, int,
     return tuple(out)
 
 
+def rows_len(t: Transfer) -> int:
+    """How many rows ``t`` names, for sizing batches before :func:`screen`: 0 where its rows are no sequence
+    (None), so that the screen answers it alone instead of a ``len()`` failing a batch of others."""
+    try:
+        return len(t.rows)
+    except TypeError:
+        return 0
+
+
 def split_batches(held: Sequence[Transfer], block_bytes: int, cap: int) -> list[list[Transfer]]:
     """``held`` as batches of at most ``cap`` bytes (at least one transfer each): its stores, then its
     loads, each in submission order."""
@@ -142,10 +151,7 @@ def split_batches(held: Sequence[Transfer], block_bytes: int, cap: int) -> list[
         batch: list[Transfer] = []
         nbytes = 0
         for t in ts:
-            try:
-                size = len(t.rows) * block_bytes
-            except TypeError:   # rows that are not a sequence (None): screen() answers the transfer alone
-                size = 0
+            size = rows_len(t) * block_bytes
             if batch and nbytes + size > cap:
                 out.append(batch)
                 batch, nbytes = [], 0
@@ -437,7 +443,7 @@ class ThreadMover(Mover):
                 t = held[0]
                 batch.append(t)   # in the batch before it leaves the queue: the except below answers for it
                 held.popleft()
-                nbytes += len(t.rows) * block
+                nbytes += rows_len(t) * block
             for report in self._do_batch(batch):
                 put(report)
                 answered += 1
@@ -485,7 +491,7 @@ class ThreadMover(Mover):
     def _do_batch(self, ts: list[Transfer]) -> list[Report]:
         """Copy a batch; its reports, one per transfer, in the batch's order."""
         out: list[Optional[Report]] = [None] * len(ts)
-        if self._wide is None or (len(ts) == 1 and len(ts[0].rows) <= FEW_ROWS):
+        if self._wide is None or (len(ts) == 1 and rows_len(ts[0]) <= FEW_ROWS):
             return [self._do(t) for t in ts]
         stores: list[int] = []
         loads: list[int] = []

@@ -465,7 +465,8 @@ def _replay(requests: Sequence[Request], host: _Tier, disk: Optional[_Tier], wri
             if disk is not None:
                 disk.admission.record(k)
         # lookup; a host hit is then leased by the request's load until it lands (after the store's
-        # touches, before its inserts land: the core's order)
+        # touches, before its inserts land: the core's order); every reservation below protects it (S3-FIFO
+        # keeps a leased entry in place)
         n = 0
         promote: list[bytes] = []
         leased: dict[bytes, Entry] = {}
@@ -489,8 +490,10 @@ def _replay(requests: Sequence[Request], host: _Tier, disk: Optional[_Tier], wri
         # store: promotes, then the blocks after the hits that are in no tier
         evicted: list[Entry] = []
         new: list[Entry] = []
+        # a promote's slot, as the core's load reserves it: protecting the load's other keys (TierCore.begin_load)
+        load_protect = set(keys[:n]) if n > 1 else set()
         for k in promote:
-            e2 = host.reserve(k, protect, evicted, ask=False)
+            e2 = host.reserve(k, load_protect, evicted, ask=False)
             if e2 is not None:
                 new.append(e2)
                 promotes += 1
