@@ -55,7 +55,6 @@ import contextlib
 import errno
 import json
 import os
-import shutil
 import socket
 import struct
 import time
@@ -744,12 +743,21 @@ async def import_async(path: PathLike, archive: PathLike, force_namespace: bool 
                             raise OpsError(f"{str(p)!r}: not enough disk space for the import; "
                                            f"nothing was imported") from None
         except BaseException:
+            for f in made:
+                with contextlib.suppress(OSError):
+                    f.unlink()
             if created is not None:
-                shutil.rmtree(created, ignore_errors=True)
-            else:
-                for f in made:
-                    with contextlib.suppress(OSError):
-                        f.unlink()
+                # the directories this call made, deepest first, each only while empty: another process may have
+                # made something in one meanwhile (a sibling tier under the same new parent), not this call's
+                d = p.absolute()
+                while True:
+                    try:
+                        d.rmdir()
+                    except OSError:
+                        break
+                    if d == created:
+                        break
+                    d = d.parent
             raise
     if created is not None or made:
         # the new files' directory entries, and each directory this call made, survive a crash too (LMDB's

@@ -53,6 +53,7 @@ from ..disk.format import (FORMAT_VERSION, HEADER_SIZE, HEADER_STRUCT, SLOTS_NAM
                            parse_header, verify_entry)
 from ..disk.lock import LOCK_NAME, fsync_path
 from ..disk.recovery import SEQ_LIMIT, removed_why
+from ..errors import DiskInUseError, TieredKVError
 
 __all__ = [
     "OpsError", "PathInUseError", "EXIT_OK", "EXIT_PROBLEMS", "EXIT_BAD_INPUT", "EXIT_IN_USE",
@@ -79,7 +80,7 @@ _held: set[str] = set()           # realpaths whose TierManager lock this proces
 _held_lock = threading.Lock()
 
 
-class OpsError(Exception):
+class OpsError(TieredKVError):
     """A refusal or bad input; ``exit_code`` is the CLI's exit status."""
 
     exit_code = EXIT_BAD_INPUT
@@ -90,7 +91,7 @@ class OpsError(Exception):
             self.exit_code = exit_code
 
 
-class PathInUseError(OpsError):
+class PathInUseError(OpsError, DiskInUseError):
     """A TierManager (or another writing command, or an LMDB reader during compact) holds the path."""
 
     exit_code = EXIT_IN_USE
