@@ -1,10 +1,10 @@
 """Review round 39: the disk read path (``disk/cached.py``, ``disk/readers.py``, the reads of ``disk/proc.py``, and
 where the core applies PROMOTE reports).  Each test below failed on the code as reviewed (main at 9e2036b).
-Finding 1 is fixed (``start_reads`` puts ``passed`` back to what it was before the chunk when the child died);
-finding 2 is a known limit, kept as a strict xfail: a token mismatch is also what a legitimate race looks like
-(the key invalidated and written again between the promote's start and its lookup), so telling damage from it
-needs the slot read and verified against the record's own fields, and the removal a delete that does not match
-on the token; a record damaged by another process while the tier runs is a miss meanwhile, never served.
+Both are fixed: ``start_reads`` puts ``passed`` back to what it was before the chunk when the child died; a slot
+record of another writer than the one expected is read and verified against its own fields (a token mismatch is
+also what a legitimate race looks like: the key invalidated and written again between the promote's start and its
+lookup), a miss when intact, counted corrupt and removed by the token it carries when not
+(``Readers._corrupt_record``).
 
 Findings
 --------
@@ -103,8 +103,6 @@ print("flipped", flush=True)
 """
 
 
-@pytest.mark.xfail(strict=True, reason="a known limit: a slot record's writer token damaged while the tier runs "
-                   "is answered as superseded (a miss, never served), not counted corrupt; see the module docstring")
 @pytest.mark.parametrize("io", ["process", "thread"])
 def test_a_record_whose_token_was_damaged_while_running_is_counted_corrupt_and_removed(rig: Rig, io: str) -> None:
     """Finding 2. What: the token field of a slot entry's record is damaged while the tier runs (another

@@ -422,27 +422,40 @@ class Readers:
         v = txn.get(lmdb_key(op.key))
         if v is None:
             return Report(op.token, JobKind.PROMOTE, False, "miss: absent")
+        h: Optional[EntryHeader] = None
         try:
             h = parse_header(v)
             if not h.in_slot:   # an inline entry (imported): verify and copy under the txn
-                h = verify_entry(v, self._ns, op.key, n)
-                if h.token != op.expect:
+                if h.token != op.expect:   # another writer's record (see _verify): checked against its own fields
+                    verify_entry(v, h.namespace, None, n, header=h)
                     return Report(op.token, JobKind.PROMOTE, False, "miss: superseded on disk")
+                h = verify_entry(v, self._ns, op.key, n)
                 op.dst[:] = v[h.payload_offset:h.payload_offset + n]
                 return Report(op.token, JobKind.PROMOTE, True, None, n, time.perf_counter() - t0)
         except CorruptEntry as exc:
+            self._corrupt_record(op, h)
             self._on_corrupt(exc.reason)
             return Report(op.token, JobKind.PROMOTE, False, f"{CORRUPT} ({exc})")
-        if h.token != op.expect:
-            return Report(op.token, JobKind.PROMOTE, False, "miss: superseded on disk")
+        # a slot record of another writer than expected is read and verified too (_verify), against its own
+        # fields: a newer write of the key (invalidated and written again since this read was asked), or another
+        # key's record under the same name (a long key's digest), verifies and is a miss; a record whose token
+        # field was damaged does not, and is counted corrupt and removed
         return bytes(v), h   # the index record (small); the payload is read outside the txn
+
+    def _corrupt_record(self, op: Promote, h: Optional[EntryHeader]) -> None:
+        """A corrupt record whose writer token is not the one the owner expects (damaged, or unparsed): its
+        removal names the token it carries, since :meth:`_answer`'s, by the expected one, would not match it."""
+        if h is not None and h.token != op.expect:
+            self._push(Delete(h.token, op.key, found_corrupt=True))
 
     def _verify(self, op: Promote, value: bytes, got: int, t0: float, h: EntryHeader) -> Report:
         """The answer for a slot read of ``got`` bytes into ``op.dst``, checked against its index record
         (``h``: the record's header, parsed by the lookup)."""
         n = self.opts.block_bytes
+        mine = h.token == op.expect   # else another writer's record: only its own consistency is asked
         try:
-            verify_entry(value, self._ns, op.key, n, op.dst if got == n else op.dst[:got], h)
+            verify_entry(value, self._ns if mine else h.namespace, op.key if mine else None, n,
+                         op.dst if got == n else op.dst[:got], h)
         except CorruptEntry as exc:
             try:
                 changed = self._index_changed(lmdb_key(op.key), value)
@@ -453,8 +466,11 @@ class Readers:
             if changed:
                 # dropped and its slot reused while we read: the bytes are someone else's, not damaged
                 return Report(op.token, JobKind.PROMOTE, False, "miss: superseded on disk")
+            self._corrupt_record(op, h)
             self._on_corrupt(exc.reason)
             return Report(op.token, JobKind.PROMOTE, False, f"{CORRUPT} ({exc})")
+        if not mine:   # an intact record of another write: not the block asked for
+            return Report(op.token, JobKind.PROMOTE, False, "miss: superseded on disk")
         return Report(op.token, JobKind.PROMOTE, True, None, n, time.perf_counter() - t0)
 
     def _read(self, op: Promote) -> Report:
