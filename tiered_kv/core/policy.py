@@ -243,7 +243,7 @@ class S3FIFO(Policy):
 
     name = "s3fifo"
     leases_in_place = True
-    __slots__ = ("small", "main", "ghost", "freq", "target", "ghost_max")
+    __slots__ = ("small", "main", "ghost", "freq", "target", "ghost_max", "walk")
 
     def __init__(self, num_slots: int = 0) -> None:
         self.small: OrderedDict[bytes, "Entry"] = OrderedDict()   # oldest first
@@ -252,6 +252,7 @@ class S3FIFO(Policy):
         self.freq: dict[bytes, int] = {}        # every entry held (leased ones too: they stay in their FIFO)
         self.target = max(1, num_slots // 10)   # the small FIFO's share
         self.ghost_max = max(1, num_slots)
+        self.walk = self.small   # the FIFO victim() pops from (restore puts back there what an interrupt left out)
 
     def __len__(self) -> int:
         return len(self.small) + len(self.main)
@@ -291,8 +292,9 @@ class S3FIFO(Policy):
         if k not in self.freq:
             self.insert(e)
         else:   # held, out of its FIFO (a victim's walk broken off): back at the cold end it was taken from
-            self.small[k] = e
-            self.small.move_to_end(k, last=False)
+            q = self.walk
+            q[k] = e
+            q.move_to_end(k, last=False)
 
     def remove(self, e: "Entry") -> None:
         k = e.key
@@ -311,6 +313,7 @@ class S3FIFO(Policy):
         try:
             while True:
                 if small and (len(small) >= self.target or not main):
+                    self.walk = small
                     while small:   # evict from the small FIFO: used entries move to main
                         k, e = small.popitem(last=False)
                         if k == key or k in protect or e.readers:
@@ -326,6 +329,7 @@ class S3FIFO(Policy):
                             return e
                     continue
                 if main:
+                    self.walk = main
                     while main:    # evict from the main FIFO: used entries go round once more
                         k, e = main.popitem(last=False)
                         if k == key or k in protect or e.readers:

@@ -697,18 +697,15 @@ async def import_async(path: PathLike, archive: PathLike, force_namespace: bool 
         if scanned.high:   # (rare) the numbers just below SEQ_CHECKED they are carried onto: verified once more
             _, scanned = await _scan(a, None, SEQ_CHECKED - scanned.frames)
         renumber = _renumbering(scanned.high)
-        created: Optional[Path] = None    # the topmost directory this import created
+        dirs: list[Path] = []   # the directories this import created, in the order it created them
         made: list[Path] = []
         if state == "new":
             if not p.exists():
-                top = p.absolute()
-                while not top.parent.exists():
-                    top = top.parent
                 try:
-                    p.mkdir(parents=True)
+                    _mkdirs(p.absolute(), dirs)
                 except OSError as exc:
+                    _rmdirs(dirs)
                     raise OpsError(f"{str(p)!r} cannot be created: {exc.strerror}") from None
-                created = top
             made = [p / n for n in ("data.mdb", "lock.mdb", LOCK_NAME) if not (p / n).exists()]
         try:
             if state == "new":
@@ -717,11 +714,11 @@ async def import_async(path: PathLike, archive: PathLike, force_namespace: bool 
                 except BaseException:
                     # refused: whoever holds the path now (a TierManager started meanwhile) owns what is
                     # in it, the directory and files this call made included -- nothing is removed
-                    created, made = None, []
+                    dirs, made = [], []
                     raise
                 state = _path_state(p)   # again, under the lock: a TierManager may have created it meanwhile
                 if state == "existing":   # its tier: nothing is removed if this import fails
-                    made, created = [], None
+                    made, dirs = [], []
             need = 2 * total + (16 << 20)
             with open_writable(p, extra_bytes=need, create=state == "new") as oe:
                 init = oe.meta.get("format_version") is None
@@ -746,25 +743,42 @@ async def import_async(path: PathLike, archive: PathLike, force_namespace: bool 
             for f in made:
                 with contextlib.suppress(OSError):
                     f.unlink()
-            if created is not None:
-                # the directories this call made, deepest first, each only while empty: another process may have
-                # made something in one meanwhile (a sibling tier under the same new parent), not this call's
-                d = p.absolute()
-                while True:
-                    try:
-                        d.rmdir()
-                    except OSError:
-                        break
-                    if d == created:
-                        break
-                    d = d.parent
+            _rmdirs(dirs)
             raise
-    if created is not None or made:
+    if dirs or made:
         # the new files' directory entries, and each directory this call made, survive a crash too (LMDB's
         # commit syncs its file, not the entry naming it): each parent up to the first that existed
-        sync_dirs(p.absolute(), (created if created is not None else p.absolute()).parent)
+        sync_dirs(p.absolute(), (dirs[0] if dirs else p.absolute()).parent)
     rep.seconds = time.perf_counter() - t0
     return rep
+
+
+def _mkdirs(d: Path, made: list[Path]) -> None:
+    """``d`` and its missing parents, as ``mkdir -p`` makes them, each directory this call created appended to
+    ``made`` (a path through ``..`` names directories its parents' chain by name does not: only what ``mkdir``
+    made is recorded)."""
+    for first in (True, False):
+        try:
+            d.mkdir()
+        except FileNotFoundError:
+            if not first or d.parent == d:
+                raise
+            _mkdirs(d.parent, made)   # then this one again
+            continue
+        except FileExistsError:
+            if not d.is_dir():
+                raise
+            return
+        made.append(d)
+        return
+
+
+def _rmdirs(made: list[Path]) -> None:
+    """The directories :func:`_mkdirs` made, newest first, each only while empty: another process may have put
+    something in one meanwhile (a sibling tier under the same new parent), which is not this call's to remove."""
+    for d in reversed(made):
+        with contextlib.suppress(OSError):   # (not empty: kept, with the directories above it that hold it)
+            d.rmdir()
 
 
 # ============================================================================ sync wrappers
