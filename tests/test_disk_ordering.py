@@ -1,6 +1,6 @@
 """Orderings of the disk tier that only a held thread or a recorded call sequence can show (issue 21).
 
-* A promote leases its disk entry (``TierCore.start_promote`` -> ``TierIndex.acquire``, released in
+* A promote pins its disk entry (``TierCore.start_promote`` -> ``TierIndex.pin``, released in
   ``TierCore._promote_reported``): while its read is in flight, disk eviction must take other entries,
   and the entry's slot in the slot file must not be handed to another key.  The read is held by a
   stand-in for the readers' slot file between the read's index lookup and its ``preadv`` (the
@@ -54,14 +54,14 @@ class _ReadHeldAtSlotFile:
 
 @pytest.mark.disk_threads
 def test_a_promote_in_flight_keeps_its_disk_entry_and_slot_under_eviction_pressure(tmp_path):
-    """Guards the promote's lease on its disk entry (``TierCore.start_promote``: ``disk.index.acquire(d)``,
+    """Guards the promote's pin on its disk entry (``TierCore.start_promote``: ``disk.index.pin(d, ...)``,
     released in ``_promote_reported``).
 
     Key A is on disk only; ``load(A)`` starts a promote whose real read is held after it looked A up
     (it knows A's slot) and before it reads the slot.  Meanwhile 16 more blocks are spilled into an
     8-block disk tier: every other entry is evicted, their slots freed and reused.  A must stay in the
     disk index, A's slot must not be allocated to another write while the read holds it, and once the
-    read goes on the load must deliver A's exact bytes.  Without the lease A is evicted, its slot goes
+    read goes on the load must deliver A's exact bytes.  Without the pin A is evicted, its slot goes
     to another key, and the load fails (the reader sees the bytes changed under it)."""
     A = b"promoted-key"
     kv = make_kv(64)
