@@ -243,7 +243,7 @@ class S3FIFO(Policy):
 
     name = "s3fifo"
     leases_in_place = True
-    __slots__ = ("small", "main", "ghost", "freq", "target", "ghost_max", "walk")
+    __slots__ = ("small", "main", "ghost", "freq", "target", "ghost_max", "walk", "held")
 
     def __init__(self, num_slots: int = 0) -> None:
         self.small: OrderedDict[bytes, "Entry"] = OrderedDict()   # oldest first
@@ -253,6 +253,8 @@ class S3FIFO(Policy):
         self.target = max(1, num_slots // 10)   # the small FIFO's share
         self.ghost_max = max(1, num_slots)
         self.walk = self.small   # the FIFO victim() pops from (restore puts back there what an interrupt left out)
+        # the entries victim() passed over, by FIFO, until its finally puts them back (restore reads them)
+        self.held: tuple[list[tuple[bytes, "Entry"]], list[tuple[bytes, "Entry"]]] = ([], [])
 
     def __len__(self) -> int:
         return len(self.small) + len(self.main)
@@ -291,10 +293,19 @@ class S3FIFO(Policy):
         k = e.key
         if k not in self.freq:
             self.insert(e)
-        else:   # held, out of its FIFO (a victim's walk broken off): back at the cold end it was taken from
-            q = self.walk
+        else:   # held, out of its FIFO (a victim's walk broken off): back at the cold end of the FIFO it was taken
+            # from: the one whose walk passed it over, else the one the walk was popping from
+            held_small, held_main = self.held
+            q = (self.small if any(x is e for _, x in held_small) else
+                 self.main if any(x is e for _, x in held_main) else self.walk)
             q[k] = e
             q.move_to_end(k, last=False)
+            if q is self.walk and not any(x is e for _, x in held_small + held_main):
+                # the entry the walk had popped and not placed: behind those it passed over before it, as the
+                # walk found them (its finally put them back at the cold end)
+                for k2, x in reversed(held_small if q is self.small else held_main):
+                    if q.get(k2) is x:
+                        q.move_to_end(k2, last=False)
 
     def remove(self, e: "Entry") -> None:
         k = e.key
@@ -310,6 +321,7 @@ class S3FIFO(Policy):
         small, main, freq = self.small, self.main, self.freq
         held_small: list[tuple[bytes, "Entry"]] = []   # protected: passed over, put back where they were
         held_main: list[tuple[bytes, "Entry"]] = []
+        self.held = held_small, held_main
         try:
             while True:
                 if small and (len(small) >= self.target or not main):

@@ -60,6 +60,14 @@ IOV_MAX_SLOTS = 1024 // 2   # slots per preadv, at most: IOV_MAX is 1024 and eac
 _Queued = Union[Promote, "list[Promote]", None]
 
 
+def _same_name(h: EntryHeader, op: Promote) -> None:
+    """Another writer's record found under ``op.key``'s index name: it must be indexed under that name itself (the
+    key written again, or a long key's digest name shared with a short key), else it is damage (a record copied
+    under another name) -- :class:`CorruptEntry`, as recovery's ``lmdb_key_mismatch``."""
+    if lmdb_key(h.key) != lmdb_key(op.key):
+        raise CorruptEntry("wrong_key", f"a record of key {h.key[:32]!r} under another key's name")
+
+
 class _NotBegun(Exception):
     """A read transaction that could not begin (``lmdb.Error`` from ``env.begin``): nothing was read."""
 
@@ -427,7 +435,8 @@ class Readers:
             h = parse_header(v)
             if not h.in_slot:   # an inline entry (imported): verify and copy under the txn
                 if h.token != op.expect:   # another writer's record (see _verify): checked against its own fields
-                    verify_entry(v, h.namespace, None, n, header=h)
+                    verify_entry(v, self._ns, None, n, header=h)
+                    _same_name(h, op)
                     return Report(op.token, JobKind.PROMOTE, False, "miss: superseded on disk")
                 h = verify_entry(v, self._ns, op.key, n)
                 op.dst[:] = v[h.payload_offset:h.payload_offset + n]
@@ -452,10 +461,11 @@ class Readers:
         """The answer for a slot read of ``got`` bytes into ``op.dst``, checked against its index record
         (``h``: the record's header, parsed by the lookup)."""
         n = self.opts.block_bytes
-        mine = h.token == op.expect   # else another writer's record: only its own consistency is asked
+        mine = h.token == op.expect   # else another writer's record: its own key, the name it is found under
         try:
-            verify_entry(value, self._ns if mine else h.namespace, op.key if mine else None, n,
-                         op.dst if got == n else op.dst[:got], h)
+            verify_entry(value, self._ns, op.key if mine else None, n, op.dst if got == n else op.dst[:got], h)
+            if not mine:
+                _same_name(h, op)
         except CorruptEntry as exc:
             try:
                 changed = self._index_changed(lmdb_key(op.key), value)
