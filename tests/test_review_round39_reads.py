@@ -33,6 +33,7 @@ Run: ``PYTHONPATH=. python -m pytest -q tests/test_review_round39_reads.py -p no
 from __future__ import annotations
 
 import subprocess
+from typing import Any
 
 import pytest
 
@@ -120,15 +121,22 @@ def test_a_record_whose_token_was_damaged_while_running_is_counted_corrupt_and_r
     queue a removal that matches the record's own token or the unparseable/corrupt rule
     (``delete_if_token`` ignores the expected token when ``found_corrupt``, trusting no slot number).
     Otherwise answer superseded as now."""
+    damaged_record_is_counted_and_removed(rig, io, _FLIP_TOKEN_IN_CHILD, lambda ks: [lmdb_key(ks[0]).hex()], "flipped")
+
+
+def damaged_record_is_counted_and_removed(rig: Rig, io: str, script: str, args: Any, done: str) -> None:
+    """ks[0] stored, only on disk; ``script`` (a child process, given the tier's path, ``args(ks)`` and the map
+    size) damages its index record while the tier runs and prints ``done``; the load of ks[0] must then fail,
+    serve nothing, be counted corrupt once, and the record be gone after close."""
     kv = make_kv(8)
     # the disk readers' answer: a blocked wait() would serve the bytes itself (its own record verifies them)
     mgr = rig.open(kv, host_slots=2, disk_read_cached_in_wait=False, disk_io=io)
     ks = keys(3)
-    store_seq(mgr, kv, ks)   # ks[0] is only on disk now
+    store_seq(mgr, kv, ks)   # ks[0] (and ks[1]) only on disk now
     assert mgr.host_bytes(ks[0]) is None and mgr.lookup([ks[0]]) == 1
-    r = subprocess.run([PYTHON, "-c", _FLIP_TOKEN_IN_CHILD, str(rig.path), lmdb_key(ks[0]).hex(),
-                        str(mgr.disk.map_size)], capture_output=True, text=True, timeout=60, env=child_env())
-    assert r.returncode == 0 and "flipped" in r.stdout, r.stderr
+    r = subprocess.run([PYTHON, "-c", script, str(rig.path), *args(ks), str(mgr.disk.map_size)],
+                       capture_output=True, text=True, timeout=60, env=child_env())
+    assert r.returncode == 0 and done in r.stdout, r.stderr
     fill(kv, 5, b"sentinel")
     job, comp = load_into(mgr, kv, ks[0], 5)
     assert job is not None and comp is not None and not comp.ok   # never served: right

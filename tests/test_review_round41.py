@@ -16,7 +16,6 @@ Run: ``PYTHONPATH=. python -m pytest -q tests/test_review_round41.py -p no:cache
 
 from __future__ import annotations
 
-import subprocess
 import uuid
 from typing import Any
 
@@ -27,8 +26,8 @@ from tiered_kv.core.index import TierIndex
 from tiered_kv.core.policy import make_policy
 from tiered_kv.disk.format import lmdb_key
 
-from disk_helpers import (PYTHON, Rig, child_env, drain, fill, keys, load_into, make_kv,  # noqa: F401
-                          metric_sum, raw_keys, rig, row_is, store_seq)
+from disk_helpers import Rig, rig  # noqa: F401  (rig: the fixture)
+from test_review_round39_reads import damaged_record_is_counted_and_removed
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -147,24 +146,5 @@ def test_another_keys_record_under_a_name_it_does_not_hash_to_is_counted_corrupt
     Fix: for a record of another writer verify ``verify_entry(value, self._ns, None, n, ...)`` and add the check
     ``lmdb_key(h.key) == lmdb_key(op.key)`` (CorruptEntry("wrong_key") otherwise), so only the two legitimate
     cases are a superseded miss; a record failing it is counted and removed by its own token as now."""
-    kv = make_kv(8)
-    mgr = rig.open(kv, host_slots=2, disk_read_cached_in_wait=False, disk_io=io)
-    ks = keys(3)
-    store_seq(mgr, kv, ks)   # ks[0] and ks[1] only on disk now
-    assert mgr.host_bytes(ks[0]) is None and mgr.lookup([ks[0]]) == 1
-    r = subprocess.run([PYTHON, "-c", _TRANSPLANT_IN_CHILD, str(rig.path), lmdb_key(ks[0]).hex(),
-                        lmdb_key(ks[1]).hex(), str(mgr.disk.map_size)],
-                       capture_output=True, text=True, timeout=60, env=child_env())
-    assert r.returncode == 0 and "copied" in r.stdout, r.stderr
-    fill(kv, 5, b"sentinel")
-    job, comp = load_into(mgr, kv, ks[0], 5)
-    assert job is not None and comp is not None and not comp.ok   # never served: right
-    assert row_is(kv, 5, b"sentinel")
-    drain(mgr)
-    assert mgr.flush(timeout=30) is True
-    corrupt = metric_sum(mgr, "tiered_kv_corrupt_blocks_total")
-    error = comp.error
-    rig.close(mgr)
-    left = raw_keys(rig.path)
-    assert corrupt == 1, f"another key's record under ks[0]'s name was answered {error!r} and not counted"
-    assert ks[0] not in left, f"another key's record under ks[0]'s name (answered {error!r}) was left on disk"
+    damaged_record_is_counted_and_removed(rig, io, _TRANSPLANT_IN_CHILD,
+                                          lambda ks: [lmdb_key(ks[0]).hex(), lmdb_key(ks[1]).hex()], "copied")
