@@ -105,6 +105,8 @@ def _fig(section: str, fid: str, name: str, unit: str, value: Any, baseline: Any
         else:
             target = f"{op} {threshold:,.6g} {unit}"
         x = r if target_on == "ratio" else v
+        if skipped is None and x is not None and b is None:   # every figure is judged beside its baseline
+            skipped = "its baseline was not measured"
         if skipped is None and x is not None:
             met = bool(x >= threshold) if op == ">=" else bool(x <= threshold)
     return {"id": fid, "section": section, "name": name, "unit": unit, "better": better,
@@ -644,9 +646,11 @@ def _remote_figures(r: dict[str, Any]) -> list[dict[str, Any]]:
     for x in rows:
         bb = x["block_bytes"]
         tgt = _remote.TARGET_VS_RAW if bb in _remote.TARGET_SIZES else None
-        for op in ("put", "get"):
+        problems = x.get("problems") or []   # a put shed, failed or refused, a fetch that did not land: not the
+        for op in ("put", "get"):            # working set's bytes, so no figure of them (as the spill's)
             f = x.get(op)
-            why = skipped or (None if f else "not run")
+            why = skipped or (None if f else "not run") or (
+                f"not every block moved ({len(problems)} problem(s): {problems[0]})" if problems else None)
             note = ""
             if f:
                 pr = [p for p in f["paired_ratios"] if p is not None and math.isfinite(p)]

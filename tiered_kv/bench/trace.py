@@ -80,38 +80,52 @@ def keys_of(requests: list[list[int]]) -> list[list[bytes]]:
 def replay_engine(mgr: TierManager, reqs: list[list[bytes]], per_step: int,
                   hits_out: Optional[list[int]] = None, after_step: Optional[Callable[[], Any]] = None) -> dict[str, Any]:
     """The engine loop of the module doc; the engine thread's wall and CPU time around it.  ``hits_out``:
-    each request's lookup answer is appended (``tiered-kv replay`` counts the prefill tokens saved);
-    ``after_step()`` runs after each step's ``wait()`` (``tiered-kv replay``: a ``flush()``).
-    One implementation for the bench's trace section and ``tiered-kv replay``."""
+    each request's hits are appended (``tiered-kv replay`` counts the prefill tokens saved); a request's hits
+    are the blocks its load brought in: the lookup's answer when the load was accepted and reported ok, else
+    0 (``load_refused``: the engine computes them again).  ``after_step()`` runs after each step's ``wait()``
+    (``tiered-kv replay``: a ``flush()``).  One implementation for the bench's trace section and
+    ``tiered-kv replay``."""
     lookup, load_many, store_many, wait, free = mgr.lookup, mgr.load_many, mgr.store_many, mgr.wait, mgr.free_block
-    refs = hits = 0
+    refs = hits = refused = 0
+    out = hits_out if hits_out is not None else []
     t0, c0 = time.perf_counter(), time.thread_time()
     for s in range(0, len(reqs), per_step):
         jobs = []
+        loads: list[tuple[Any, int]] = []   # (a load's job, its request's place in ``out``)
         row = 0
         for keys in reqs[s:s + per_step]:
-            n = lookup(keys)
-            if hits_out is not None:
-                hits_out.append(n)
+            n = found = lookup(keys)
             end = row + len(keys)
             if n:
                 j = load_many(keys[:n], list(range(row, row + n)))
                 if j is not None:
                     jobs.append(j)
+                    loads.append((j, len(out)))
+                else:
+                    refused += n
+                    found = 0
+            out.append(found)
             if n < len(keys):
                 j = store_many(keys[n:], list(range(row + n, end)))
                 if j is not None:
                     jobs.append(j)
             row = end
             refs += len(keys)
-            hits += n
-        wait(jobs)
+            hits += found
+        done = wait(jobs)
+        if loads:
+            ok = {id(c.job) for c in done if c.ok}
+            for j, i in loads:
+                if id(j) not in ok:   # failed, or not reported by the wait: nothing brought in
+                    refused += out[i]
+                    hits -= out[i]
+                    out[i] = 0
         if after_step is not None:
             after_step()
         for r in range(row):
             free(r)
     wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
-    return {"refs": refs, "hits": hits, "wall_s": wall, "cpu_s": cpu,
+    return {"refs": refs, "hits": hits, "load_refused": refused, "wall_s": wall, "cpu_s": cpu,
             "refs_per_s": refs / wall if wall > 0 else float("nan"),
             "refs_per_cpu_s": refs / cpu if cpu > 0 else float("nan")}
 

@@ -319,6 +319,7 @@ def run_workload(cfg: WorkloadConfig, registry: Optional[CollectorRegistry] = No
                 shutil.rmtree(tmpdir, ignore_errors=True)
             raise
     t0 = time.perf_counter()
+    loop_s = float("nan")   # the step loop alone (the manager made before it, drained and closed after)
     remote_healthy: Optional[float] = None
     try:
         if mgr is not None and on_manager is not None:
@@ -336,6 +337,7 @@ def run_workload(cfg: WorkloadConfig, registry: Optional[CollectorRegistry] = No
                 n += 1
                 if progress is not None and n % 50 == 0:
                     progress(min(1.0, elapsed / cfg.seconds) if cfg.seconds else n / cfg.steps)  # type: ignore[operator]
+            loop_s = time.perf_counter() - t0
             eng.drain()
         except Exception:
             log.exception("engine loop raised")
@@ -354,7 +356,7 @@ def run_workload(cfg: WorkloadConfig, registry: Optional[CollectorRegistry] = No
     if cfg.remote_url is not None:
         summary["remote"] = remote_summary(registry, remote_healthy)
     summary.update(
-        offload=cfg.offload, seed=cfg.seed, seconds=time.perf_counter() - t0,
+        offload=cfg.offload, seed=cfg.seed, seconds=time.perf_counter() - t0, loop_seconds=loop_s,
         tokens_per_block=cfg.tokens_per_block, block_bytes=row_bytes,
         prefix_hit_rate=eng.stats["lookup_hits"] / max(1, eng.stats["lookup_keys"]),
         recompute_avoided_tokens=eng.stats["loads_ok"] * cfg.tokens_per_block,
