@@ -646,11 +646,19 @@ def _remote_figures(r: dict[str, Any]) -> list[dict[str, Any]]:
     for x in rows:
         bb = x["block_bytes"]
         tgt = _remote.TARGET_VS_RAW if bb in _remote.TARGET_SIZES else None
-        problems = x.get("problems") or []   # a put shed, failed or refused, a fetch that did not land: not the
-        for op in ("put", "get"):            # working set's bytes, so no figure of them (as the spill's)
+        # a run whose puts were shed, failed or refused moved less than the working set: no figure of its bytes (as
+        # the spill's), neither of the get, which fetches what the put wrote; a fetch that did not land, held less
+        # or whose bytes were not checked fails the get alone
+        problems = x.get("problems") or []
+        runs = (x.get("runs") or {}).get("tkv") or []
+        put_bad = [r for r in runs if not r.get("flush_ok", True) or r.get("puts_ok", x["blocks"]) != x["blocks"]
+                   or r.get("stores_refused") or r.get("puts_shed")]
+        for op in ("put", "get"):
             f = x.get(op)
+            bad = put_bad or (op == "get" and problems)
             why = skipped or (None if f else "not run") or (
-                f"not every block moved ({len(problems)} problem(s): {problems[0]})" if problems else None)
+                f"not every block moved ({len(problems)} problem(s): {problems[0] if problems else '?'})" if bad
+                else None)
             note = ""
             if f:
                 pr = [p for p in f["paired_ratios"] if p is not None and math.isfinite(p)]

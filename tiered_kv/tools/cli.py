@@ -286,8 +286,11 @@ def _demo(args: argparse.Namespace) -> int:
     print()
     _print_table(summaries)
     if args.json is not None:
+        from ..bench.report import clean   # strict JSON: a figure that is not a number is null
+
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(summaries if args.compare else summaries[modes[0][0]], f, indent=2, sort_keys=True)
+            json.dump(clean(summaries if args.compare else summaries[modes[0][0]]), f, indent=2, sort_keys=True,
+                      allow_nan=False)
     bad = [n for n, s in summaries.items() if s["corrupt_loads"] or s["errors"]]
     if bad:
         print(f"FAILED: corrupt loads or engine errors in {bad}", file=sys.stderr)

@@ -340,6 +340,8 @@ def run_workload(cfg: WorkloadConfig, registry: Optional[CollectorRegistry] = No
             loop_s = time.perf_counter() - t0
             eng.drain()
         except Exception:
+            if loop_s != loop_s:   # (NaN: the loop itself raised) its seconds up to the raise
+                loop_s = time.perf_counter() - t0
             log.exception("engine loop raised")
             eng.stats["errors"] += 1
         if mgr is not None:

@@ -142,7 +142,10 @@ def replay(requests: Sequence[Any], host_blocks: int, disk_blocks: int, *, host_
                 return int(sample_total(reg, name, **labels))
 
             out = {
-                "refs": r["refs"], "hits": r["hits"], "wall_s": r["wall_s"], "refs_per_s": r["refs_per_s"],
+                # hits: the blocks loads brought in; host_hits + disk_hits: what the lookups found, which is hits
+                # and the blocks of loads refused or failed (load_refused: computed again by the engine)
+                "refs": r["refs"], "hits": r["hits"], "load_refused": r["load_refused"], "wall_s": r["wall_s"],
+                "refs_per_s": r["refs_per_s"],
                 "tokens_saved": sum(hit_tokens(q, n, tokens_per_block) for n, q in zip(per_request, requests)),
                 "input_tokens": sum(q.input_length for q in requests),
                 "host_hits": total("tiered_kv_lookup_hits_total", tier="host"),
@@ -312,7 +315,8 @@ def _print(o: dict[str, Any]) -> None:
           f"{_percent(bel['hit_ratio'])})")
     ratio = core["hit_ratio"] / sim["hit_ratio"] if sim["hit_ratio"] else float("nan")
     print(f"replay / simulated hit ratio: {_ratio(ratio, 3)} (stores shed {core['stores_shed']}, spills shed "
-          f"{core['spills_shed']}); replay speed {core['refs_per_s']:,.0f} block references/s")
+          f"{core['spills_shed']}, blocks found but their loads refused or failed {core['load_refused']}); "
+          f"replay speed {core['refs_per_s']:,.0f} block references/s")
 
 
 def _share(part: float, whole: float) -> str:
