@@ -92,19 +92,35 @@ def _s3fifo_full_with_k0_leased() -> tuple[TierIndex, list[Entry], list[Any]]:
     return idx, new, into
 
 
-def _interrupt_at_first_popitem_in_victim() -> tuple[Any, list[bool]]:
+def _interrupt_at_first_popitem_in_victim(fifo: Optional[str] = None) -> tuple[Any, list[bool]]:
     """A profile hook raising ``KeyboardInterrupt`` at the return of the first ``popitem`` called by
-    ``S3FIFO.victim`` (where a signal's handler runs: a C call's return); one shot."""
+    ``S3FIFO.victim`` (where a signal's handler runs: a C call's return) -- of the FIFO named ``fifo``
+    (``"small"``/``"main"``; None: either); one shot."""
     code = S3FIFO.victim.__code__
     fired: list[bool] = []
 
     def hook(frame: Any, event: str, arg: Any) -> None:
-        if (not fired and event == "c_return" and frame.f_code is code
-                and getattr(arg, "__name__", "") == "popitem"):
+        if (not fired and event == "c_return" and frame.f_code is code and getattr(arg, "__name__", "") == "popitem"
+                and (fifo is None or getattr(arg, "__self__", None) is frame.f_locals.get(fifo))):
             fired.append(True)
-            raise KeyboardInterrupt("at the return of popitem in S3FIFO.victim")
+            raise KeyboardInterrupt(f"at the return of {fifo or 'a'} popitem in S3FIFO.victim")
 
     return hook, fired
+
+
+def reserve_interrupted_in_victim(idx: TierIndex, key: bytes, fifo: Optional[str] = None) -> None:
+    """``idx.reserve(key)`` broken off at the first ``popitem`` of S3-FIFO's victim walk (of ``fifo``), then
+    retried as the engine would until it gets its entry."""
+    hook, fired = _interrupt_at_first_popitem_in_victim(fifo)
+    sys.setprofile(hook)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            idx.reserve(key, uuid.uuid4())
+    finally:
+        sys.setprofile(None)
+    assert fired
+    if idx.get(key) is None:   # the engine retries the reservation
+        assert idx.reserve(key, uuid.uuid4()) is not None
 
 
 def _state(idx: TierIndex) -> tuple[list[bytes], list[bytes], dict[bytes, int]]:
@@ -142,17 +158,8 @@ def test_an_interrupted_s3fifo_eviction_puts_a_leased_entry_back_in_its_fifo() -
     assert expected[0][0] == b"k0" and expected[2][b"k0"] == 2   # (the reference: in place, its two uses kept)
 
     idx, new, into = _s3fifo_full_with_k0_leased()
-    hook, fired = _interrupt_at_first_popitem_in_victim()
-    sys.setprofile(hook)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            idx.reserve(b"z", uuid.uuid4())
-    finally:
-        sys.setprofile(None)
-    assert fired
-    # the engine goes on: the reservation is retried, its copy lands
-    if idx.get(b"z") is None:
-        assert idx.reserve(b"z", uuid.uuid4()) is not None
+    reserve_interrupted_in_victim(idx, b"z")
+    # the engine goes on: its copy lands
     idx.publish(idx.get(b"z"))  # type: ignore[arg-type]
     k0 = new[0]
     assert k0.live and k0.readers == 1 and idx.get(b"k0") is k0

@@ -37,7 +37,6 @@ and no library ``except DiskTierError``/``TieredKVError`` clause runs operator-t
 
 from __future__ import annotations
 
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -49,6 +48,7 @@ from tiered_kv.core.policy import S3FIFO
 from tiered_kv.tools import archive as A
 
 from test_ops_common import NS, build_env, keys
+from test_review_round39_fixes import reserve_interrupted_in_victim
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -117,19 +117,6 @@ def _s3fifo_main_with_k0_leased() -> tuple[TierIndex, Entry, list[Any]]:
     return idx, new[0], into
 
 
-def _interrupt_at_first_main_popitem() -> tuple[Any, list[bool]]:
-    code = S3FIFO.victim.__code__
-    fired: list[bool] = []
-
-    def hook(frame: Any, event: str, arg: Any) -> None:
-        if (not fired and event == "c_return" and frame.f_code is code
-                and getattr(arg, "__name__", "") == "popitem" and getattr(arg, "__self__", None) is frame.f_locals.get("main")):
-            fired.append(True)
-            raise KeyboardInterrupt("at the return of main.popitem in S3FIFO.victim")
-
-    return hook, fired
-
-
 def test_an_interrupted_s3fifo_eviction_puts_a_leased_main_entry_back_in_main() -> None:
     """What is wrong: since 3bac09d ``TierIndex._repair`` (tiered_kv/core/index.py) restores a leased entry that an
     interrupted ``S3FIFO.victim`` walk popped (``policy.leases_in_place``), through ``S3FIFO.restore``
@@ -154,16 +141,7 @@ def test_an_interrupted_s3fifo_eviction_puts_a_leased_main_entry_back_in_main() 
     expected = (list(tp.small), list(tp.main), dict(tp.freq))
 
     idx, k0, into = _s3fifo_main_with_k0_leased()
-    hook, fired = _interrupt_at_first_main_popitem()
-    sys.setprofile(hook)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            idx.reserve(b"y", uuid.uuid4())
-    finally:
-        sys.setprofile(None)
-    assert fired
-    if idx.get(b"y") is None:   # the engine retries the reservation
-        assert idx.reserve(b"y", uuid.uuid4()) is not None
+    reserve_interrupted_in_victim(idx, b"y", "main")
     p: Any = idx.policy
     where = "main" if p.main.get(b"k0") is k0 else "small" if p.small.get(b"k0") is k0 else "nowhere"
     idx.release_taken(into)
